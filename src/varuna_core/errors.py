@@ -1,0 +1,70 @@
+"""Error hierarchy of the library.
+
+Every error a user can cause is a :class:`VarunaError` whose message states the observed values and whose
+``hint`` says what to change. The CLI maps these to one line on stderr and an exit code; library users catch
+them by class. No ``assert`` guards user input anywhere in the library.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "VarunaError",
+    "ConfigError",
+    "TopologyError",
+    "PartitionError",
+    "ScheduleError",
+    "CutPointError",
+    "ShapeMismatchError",
+    "CommTimeoutError",
+]
+
+
+class VarunaError(Exception):
+    """Base class of every error the library raises on purpose.
+
+    Args:
+        message: what went wrong, with the observed values.
+        hint: what the user can do about it (optional).
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message} (hint: {self.hint})"
+        return self.message
+
+
+class ConfigError(VarunaError):
+    """Bad user input: arguments, sizes, files. Exit code 2 in the CLI."""
+
+    exit_code = 2
+
+
+class TopologyError(ConfigError):
+    """A ``stage_to_rank_map`` that does not describe the running world."""
+
+
+class PartitionError(ConfigError):
+    """A partition that does not cover the segments contiguously, or cannot be built."""
+
+
+class ScheduleError(VarunaError):
+    """A schedule that deadlocks, misses or repeats actions."""
+
+
+class CutPointError(ConfigError):
+    """A model whose CutPoints cannot be used as written (called twice, no batch dim, skip across a cut...)."""
+
+
+class ShapeMismatchError(VarunaError):
+    """A tensor crossing a cut whose shape or dtype differs from what discovery recorded."""
+
+
+class CommTimeoutError(VarunaError):
+    """A point-to-point or collective wait that did not finish within the timeout."""
