@@ -1,0 +1,84 @@
+"""Gradient storage and synchronisation after the pipeline.
+
+Gradients of a stage live in one flat buffer per dtype (``param.grad`` are views into it), so the
+data-parallel all-reduce runs on large contiguous buckets with no packing copies, and ``optimizer.zero_grad()``
+(which sets grads to ``None``) costs nothing: the views are re-attached, zeroed, at the next step.
+
+[Note: loss weighting] The last stage scales each micro-batch's loss by ``examples in micro-batch / global
+batch``. Summing gradients over micro-batches, stages of a tied weight and replicas then gives exactly the
+gradient of the global batch's mean loss, in fp32 too; so both syncs below are plain sums. (The original
+averaged only in its fp16 path and never copied the reduced fp32 buffer back.)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .p2p import wait_all
+
+__all__ = ["GradBuffer", "all_reduce_tensor"]
+
+
+class GradBuffer:
+    """Flat gradient storage for a list of parameters.
+
+    Args:
+        params: the stage's trainable parameters (order must be identical on every replica of the stage).
+        bucket_bytes: size of each all-reduce bucket.
+    """
+
+    def __init__(self, params: list[nn.Parameter], bucket_bytes: int = 25 * 2**20) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.bucket_bytes = bucket_bytes
+        self.flats: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = []
+        by_kind: dict[tuple, list[nn.Parameter]] = {}
+        for p in self.params:
+            by_kind.setdefault((p.dtype, p.device), []).append(p)
+        view_of: dict[int, torch.Tensor] = {}
+        for (dtype, device), group in by_kind.items():
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+            offset = 0
+            for p in group:
+                view_of[id(p)] = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.flats.append(flat)
+        self.views = [view_of[id(p)] for p in self.params]
+
+    def attach(self) -> None:
+        """Make every ``param.grad`` a view of the flat buffer, keeping any gradient already accumulated."""
+        for p, view in zip(self.params, self.views):
+            grad = p.grad
+            if grad is None:
+                view.zero_()
+                p.grad = view
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                p.grad = view
+
+    def zero(self) -> None:
+        for flat in self.flats:
+            flat.zero_()
+        for p, view in zip(self.params, self.views):
+            p.grad = view
+
+    def all_reduce(self, group, *, timeout: float, describe: Callable[[], str], peer: int | None = None) -> None:
+        """Sum the gradients over ``group`` in buckets of ``bucket_bytes``, all posted before any wait."""
+        works = []
+        for flat in self.flats:
+            step = max(1, self.bucket_bytes // flat.element_size())
+            for start in range(0, flat.numel(), step):
+                works.append(dist.all_reduce(flat[start : start + step], group=group, async_op=True))
+        wait_all(works, timeout=timeout, describe=describe, peer=peer)
+
+
+def all_reduce_tensor(tensor: torch.Tensor, group, *, timeout: float, describe: Callable[[], str]) -> None:
+    """Sum one tensor over ``group`` with a bounded wait."""
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    wait_all([work], timeout=timeout, describe=describe, peer=None)
+
+

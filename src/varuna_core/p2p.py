@@ -1,0 +1,119 @@
+"""Point-to-point transfer of cut values between neighbouring stages, and waits that cannot hang.
+
+Every message is posted asynchronously (``isend``/``irecv``) with a tag derived from the micro-batch, the
+direction and the leaf, so messages match regardless of the order in which they are posted. Every wait has a
+timeout; when it expires, or a peer's connection closes, the error names this rank, its stage, the action
+waiting and the peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import CommTimeoutError, ShapeMismatchError
+from .payload import TensorSpec, ValueSpec
+
+__all__ = ["ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post_recv", "send", "wait_all", "check_value"]
+
+ACTIVATION = 0
+GRADIENT = 1
+_MAX_LEAVES = 256
+
+
+def default_timeout() -> float:
+    """Seconds any single wait may take (``VARUNA_TIMEOUT``, default 300)."""
+    return float(os.environ.get("VARUNA_TIMEOUT", "300"))
+
+
+def _tag(mb: int, kind: int, leaf: int) -> int:
+    return ((mb * 2 + kind) * _MAX_LEAVES + leaf) % (2**31 - 1)
+
+
+@dataclasses.dataclass
+class Pending:
+    """Posted receives of one value: the buffers and their work handles."""
+
+    tensors: list[torch.Tensor]
+    works: list[Any]
+    peer: int
+    what: str
+
+    def ready(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def post_recv(
+    specs: list[TensorSpec], n: int, *, src: int, mb: int, kind: int, device: torch.device, group, what: str
+) -> Pending:
+    """Post receives for tensors described by ``specs`` for ``n`` examples from global rank ``src``."""
+    tensors, works = [], []
+    for leaf, spec in enumerate(specs):
+        buf = torch.empty(spec.shape_for(n), dtype=spec.torch_dtype, device=device)
+        tensors.append(buf)
+        works.append(dist.irecv(buf, src=src, group=group, tag=_tag(mb, kind, leaf)))
+    return Pending(tensors, works, src, what)
+
+
+def send(tensors: list[torch.Tensor], *, dst: int, mb: int, kind: int, group) -> list[Any]:
+    """Post sends of ``tensors`` to global rank ``dst``; the caller keeps the tensors alive until waited."""
+    return [
+        dist.isend(t.contiguous(), dst=dst, group=group, tag=_tag(mb, kind, leaf)) for leaf, t in enumerate(tensors)
+    ]
+
+
+def wait_all(works: list[Any], *, timeout: float, describe: Callable[[], str], peer: int | None) -> None:
+    """Wait for every work handle, each within ``timeout`` seconds.
+
+    Raises:
+        CommTimeoutError: naming what waited (``describe()``) and the peer.
+    """
+    delta = datetime.timedelta(seconds=timeout)
+    for work in works:
+        try:
+            work.wait(delta)
+        except RuntimeError as exc:
+            text = str(exc)
+            if "imed out" in text or "imeout" in text:
+                raise CommTimeoutError(
+                    f"{describe()}: no progress within {timeout:g}s",
+                    hint=f"check the log of rank {peer}; set VARUNA_TIMEOUT (seconds) if steps are legitimately slow",
+                ) from None
+            raise CommTimeoutError(
+                f"{describe()}: the connection failed ({text.splitlines()[0][:200]})",
+                hint=f"rank {peer} probably crashed or was killed: check its log",
+            ) from None
+
+
+def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cut: str, stage: int) -> None:
+    """Refuse to send a value whose structure, shapes or dtypes differ from what discovery recorded.
+
+    A receiver posted buffers of the recorded shape, and a size mismatch aborts gloo; so the sender checks
+    and the error names the cut instead.
+    """
+    expected = spec.describe(n)
+    problem = None
+    if treespec != spec.treespec or len(leaves) != len(spec.leaves):
+        problem = "its structure differs"
+    else:
+        for leaf, want in zip(leaves, spec.leaves):
+            if isinstance(want, TensorSpec):
+                if not isinstance(leaf, torch.Tensor):
+                    problem = f"a {type(leaf).__name__} stands where a tensor was recorded"
+                elif tuple(leaf.shape) != want.shape_for(n) or str(leaf.dtype) != want.dtype:
+                    problem = f"it is {list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
+            elif isinstance(leaf, torch.Tensor) or leaf != want["const"]:
+                problem = f"a constant changed to {leaf!r}"
+            if problem:
+                break
+    if problem:
+        raise ShapeMismatchError(
+            f"stage {stage}: the value crossing CutPoint {cut!r} does not match discovery: {problem}; "
+            f"expected {expected} for a micro-batch of {n}",
+            hint="shapes at a cut must depend only on the batch size (pad variable-length inputs to a fixed length)",
+        )

@@ -1,0 +1,403 @@
+"""The ``Varuna`` facade: the original's API over this library's discovery, slicing and runtime.
+
+Typical use (every rank runs the same script, e.g. under ``torchrun``)::
+
+    model = Varuna(model, "0;1;2;3", dummy_inputs, batch_size=32, chunk_size=4, shared_weights=[...])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)   # this rank's parameters only
+    model.set_optimizer(optimizer)
+    for batch in data:                       # this replica's share of the global batch
+        loss, overflow = model.step(batch)   # loss of the global batch, on every rank
+        if not overflow:
+            optimizer.step()
+        optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .discovery import Structure, discover, make_batch_fn
+from .errors import ConfigError, CutPointError, TopologyError
+from .grads import GradBuffer, all_reduce_tensor
+from .microbatch import batch_size_of, microbatch_sizes, split_inputs
+from .p2p import default_timeout
+from .partition import Partition, balance, coerce_partition
+from .runtime import PipelineRuntime
+from .schedule import SCHEDULE_NAMES
+from .stage import StageModule, TieSet, find_tie_sets
+from .topology import Topology
+
+__all__ = ["Varuna"]
+
+log = logging.getLogger(__name__)
+
+
+class Varuna(nn.Module):
+    """Pipeline + data parallel training of ``model`` across the ranks of ``stage_to_rank_map``.
+
+    Args:
+        model: the full model, on CPU (or the target device), in fp32. Its forward takes keyword inputs and
+            returns the loss (a scalar, or a tuple/dict whose first/``"loss"`` entry is it); ``CutPoint``
+            modules mark the possible stage boundaries. It is modified in place: other stages' parameters move
+            to the ``meta`` device.
+        stage_to_rank_map: the original's string, e.g. ``"0,2;1,3"``: stage ``s`` lists its global ranks, the
+            position in the list is the data-parallel replica.
+        dummy_inputs: example inputs (a dict, batched along dim 0 unless ``input_batch_dims`` says otherwise)
+            or a function ``n -> dict`` of inputs for ``n`` examples.
+        batch_size: the global batch (all replicas).
+        chunk_size: the micro-batch size.
+        fp16: mixed precision with loss scaling (not available in this release: raises).
+        local_rank: local rank for device selection (default: ``LOCAL_RANK`` env).
+        device: ``-1`` (CUDA ``local_rank`` if available, else CPU), a CUDA index, or a ``torch.device``.
+        shared_weights: ``[(name_a, name_b)]`` parameter names that hold one tied weight. A parameter object
+            used by two stages is detected without being listed.
+        from_cache: reuse the structure discovery of an identical model and inputs.
+        schedule: ``"varuna"`` (recompute, opportunistic forwards), ``"1f1b"`` or ``"gpipe"``.
+        partition: segment ranges per stage (``[(0, 3), (3, 5)]``, counts ``[3, 2]`` or ``"0-2,3-4"``);
+            default balances parameter bytes.
+        input_batch_dims: per input name, the dim holding the examples (``None``: not batched).
+        validate: compare the sliced pipeline with the unsliced model on ``dummy_inputs`` at start-up and name
+            the first cut where they differ.
+        timeout: seconds any communication wait may take (default ``VARUNA_TIMEOUT`` or 300).
+        bucket_mb: size of the data-parallel all-reduce buckets.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stage_to_rank_map: str,
+        dummy_inputs: Mapping[str, Any] | Any,
+        batch_size: int,
+        chunk_size: int,
+        fp16: bool = False,
+        local_rank: int = -1,
+        device: int | str | torch.device = -1,
+        shared_weights: Sequence[tuple[str, str]] | None = None,
+        from_cache: bool = True,
+        *,
+        schedule: str = "varuna",
+        partition: Partition | Sequence | str | None = None,
+        input_batch_dims: Mapping[str, int | None] | None = None,
+        validate: bool = False,
+        timeout: float | None = None,
+        bucket_mb: float = 25.0,
+    ) -> None:
+        super().__init__()
+        if fp16:
+            raise ConfigError("fp16=True is not available in this release", hint="train in fp32 (fp16=False)")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if schedule not in SCHEDULE_NAMES:
+            raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {', '.join(SCHEDULE_NAMES)}")
+        self.timeout = float(timeout) if timeout is not None else default_timeout()
+        self.world_size, self.rank = _ensure_process_group(stage_to_rank_map, self.timeout)
+        if not isinstance(stage_to_rank_map, str):
+            raise TopologyError(f"stage_to_rank_map must be a string like '0,2;1,3', got {stage_to_rank_map!r}")
+        self.topology = Topology.parse(stage_to_rank_map, self.world_size)
+        self.stage, self.replica = self.topology.coords(self.rank)
+        self.pp, self.dp = self.topology.pp, self.topology.dp
+        self.batch_size, self.chunk_size = int(batch_size), int(chunk_size)
+        self.replica_batch_size = _replica_share(self.batch_size, self.dp, self.replica)
+        if self.chunk_size < 1 or self.chunk_size > self.replica_batch_size:
+            raise ConfigError(
+                f"chunk_size={chunk_size} does not fit this replica's batch of {self.replica_batch_size} "
+                f"(batch_size={batch_size} over {self.dp} replica(s))",
+                hint=f"use 1 ≤ chunk_size ≤ {self.replica_batch_size}, or a larger batch_size",
+            )
+        self.microbatch_sizes = microbatch_sizes(self.replica_batch_size, self.chunk_size)
+        self.num_microbatches = len(self.microbatch_sizes)
+        self.device = _resolve_device(device, local_rank)
+        self.schedule_name = schedule
+
+        batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
+        self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache)
+        nseg = self.structure.num_segments
+        if self.pp > nseg:
+            raise ConfigError(
+                f"{self.pp} pipeline stages but the model has only {nseg} segments ({nseg - 1} CutPoints executed)",
+                hint=f"use at most {nseg} stages, or add CutPoints",
+            )
+        if partition is not None:
+            self.partition = coerce_partition(partition, num_segments=nseg, num_stages=self.pp)
+        else:
+            self.partition = balance(_segment_param_bytes(model, self.structure), self.pp)
+        reference = _reference(model, dummy_inputs, batch_fn, self.chunk_size) if validate else None
+
+        self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, list(shared_weights or []))
+        self.stage_module = StageModule(model, self.structure, self.partition, self.stage, self.ties, self.device)
+        self.module = model
+        self._build_groups()
+        self._sync_initial_state()
+        self.runtime = PipelineRuntime(self.stage_module, self.topology, self.rank, schedule, self.timeout)
+        self.grad_buffer = GradBuffer([p for _, p in self.stage_module.param_names], int(bucket_mb * 2**20))
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.iteration = 0
+        if reference is not None:
+            self._validate(*reference)
+        log.info(
+            "rank %d: stage %d/%d (segments %s), replica %d/%d, %d micro-batches of ≤%d, schedule %s, %.1f MB params",
+            self.rank, self.stage, self.pp, self.partition.to_string(), self.replica, self.dp,
+            self.num_microbatches, self.chunk_size, schedule, self.stage_module.parameter_bytes() / 2**20,
+        )
+
+    # ------------------------------------------------------------------------------------------------------
+    # Set-up
+
+    def _build_groups(self) -> None:
+        """Create every process group on every rank, in one order (``new_group`` is collective)."""
+        self.dp_group = None
+        self.tie_groups: list[tuple[TieSet, Any]] = []
+        if self.world_size == 1:
+            return
+        for s in range(self.pp):
+            ranks = list(self.topology.stage_ranks[s])
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout)) if len(ranks) > 1 else None
+            if s == self.stage:
+                self.dp_group = group
+        made: dict[tuple[int, ...], Any] = {}
+        for tie in self.ties:
+            if len(tie.stages) < 2:
+                continue
+            for r in range(self.dp):
+                ranks = tuple(self.topology.rank(s, r) for s in tie.stages)
+                if ranks not in made:
+                    made[ranks] = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=self.timeout))
+                if r == self.replica and self.stage in tie.stages:
+                    self.tie_groups.append((tie, made[ranks]))
+
+    def _tie_param(self, tie: TieSet) -> nn.Parameter:
+        slots = dict(self.module.named_parameters(remove_duplicate=False))
+        return next(slots[n] for n in tie.names if slots[n].device.type != "meta")
+
+    def _sync_initial_state(self) -> None:
+        """Start every replica of a stage, and every copy of a tied weight, from the same values (like DDP)."""
+        if self.world_size == 1:
+            return
+        if self.dp_group is not None:
+            tensors = [p.data for _, p in self.stage_module.param_names]
+            tensors += [b for b in self.module.buffers() if b.device.type != "meta"]
+            _broadcast_coalesced(tensors, src=self.topology.rank(self.stage, 0), group=self.dp_group)
+        for tie, group in self.tie_groups:
+            src = self.topology.rank(tie.stages[0], self.replica)
+            _broadcast_coalesced([self._tie_param(tie).data], src=src, group=group)
+
+    def _validate(self, inputs: dict, cut_values: list[Any], loss: torch.Tensor) -> None:
+        """Run the sliced pipeline on ``inputs`` and compare each stage's output with the unsliced model."""
+        training = self.module.training
+        self.module.eval()
+        captured: list = []
+        n = batch_size_of(inputs, self.input_batch_dims)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                self.runtime.run([inputs], [n], [1.0], train=False, capture=captured)
+        finally:
+            self.module.train(training)
+        if self.stage_module.is_last:
+            want, where = [loss], "the loss"
+            index = len(self.structure.cut_names)
+        else:
+            index = self.partition.segments(self.stage).stop - 1
+            want, where = [t for t in torch.utils._pytree.tree_leaves(cut_values[index]) if isinstance(t, torch.Tensor)], None
+        got = captured[0]
+        ok = len(got) == len(want) and all(
+            torch.allclose(g.to(w.device).float(), w.float(), rtol=1e-4, atol=1e-5) for g, w in zip(got, want)
+        )
+        flag = torch.tensor([index if not ok else 10**9], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        bad = int(flag.item())
+        if bad < 10**9:
+            name = "the loss" if bad == len(self.structure.cut_names) else f"CutPoint {self.structure.cut_names[bad]!r}"
+            raise CutPointError(
+                f"validation failed: the sliced pipeline's value at {name} differs from the unsliced model's",
+                hint="the stage ending there depends on state not passed through its incoming CutPoint "
+                "(e.g. a value computed on an earlier stage); route it through the CutPoint",
+            )
+
+    # ------------------------------------------------------------------------------------------------------
+    # Seed API
+
+    def set_optimizer(
+        self, optimizer: torch.optim.Optimizer, loss_scale: str | float = "dynamic",
+        init_loss_scale: float = 2**20, min_loss_scale: float = 1.0,
+    ) -> None:
+        """Register the optimizer built over :meth:`parameters` (loss-scale arguments apply to fp16 only)."""
+        mine = {id(p) for _, p in self.stage_module.param_names}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in mine:
+                    raise ConfigError(
+                        "the optimizer holds a parameter this rank does not own",
+                        hint="create the optimizer after Varuna(...), over varuna_model.parameters()",
+                    )
+        self.optimizer = optimizer
+
+    def step(self, inputs: Mapping[str, Any], clip_grad_max_norm: float | None = None) -> tuple[float, bool]:
+        """Forward and backward of this replica's share of the global batch; gradients synchronised.
+
+        Args:
+            inputs: this replica's ``batch_size / dp`` examples (dict of model inputs).
+            clip_grad_max_norm: not available in this release (raises if given).
+
+        Returns:
+            ``(loss, overflow)``: the mean loss of the global batch (the same on every rank) and whether the
+            step must be skipped (always ``False`` in fp32). The optimizer is not stepped.
+        """
+        if clip_grad_max_norm is not None:
+            raise ConfigError("clip_grad_max_norm is not available in this release")
+        microbatches = split_inputs(inputs, self.input_batch_dims, self.microbatch_sizes,
+                                    expected=self.replica_batch_size)
+        weights = [n / self.batch_size for n in self.microbatch_sizes]
+        self.grad_buffer.attach()
+        loss_sum = self.runtime.run(microbatches, self.microbatch_sizes, weights, train=True)
+        self._sync_grads()
+        loss = self._global_sum(loss_sum)
+        self.iteration += 1
+        return float(loss), False
+
+    def evaluate(self, inputs: Mapping[str, Any], batch_size: int | None = None) -> float:
+        """Mean loss over every replica's ``inputs`` (any number of examples; batch dims as discovered)."""
+        n = batch_size_of(inputs, self.input_batch_dims) if batch_size is None else int(batch_size)
+        sizes = microbatch_sizes(n, self.chunk_size)
+        microbatches = split_inputs(inputs, self.input_batch_dims, sizes, expected=n)
+        with torch.no_grad():
+            loss_sum = self.runtime.run(microbatches, sizes, [m / n for m in sizes], train=False)
+        pair = torch.stack([loss_sum * n, torch.tensor(float(n), dtype=torch.float64, device=loss_sum.device)])
+        if not self.stage_module.is_last:
+            pair.zero_()
+        if self.world_size > 1:
+            all_reduce_tensor(pair, None, timeout=self.timeout, describe=lambda: f"rank {self.rank} evaluate()")
+        return float(pair[0] / pair[1])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - views are kept, values zeroed
+        self.grad_buffer.zero()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("call step(inputs) to train or evaluate(inputs) to evaluate; Varuna has no forward()")
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the original model's names (tied copies once)."""
+        for name, param in self.stage_module.param_names:
+            yield (f"{prefix}.{name}" if prefix else name), param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, buf in self.module.named_buffers(remove_duplicate=remove_duplicate):
+            if buf.device.type != "meta":
+                yield (f"{prefix}.{name}" if prefix else name), buf
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the parameters this rank holds."""
+        return self.stage_module.parameter_bytes()
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _sync_grads(self) -> None:
+        for tie, group in self.tie_groups:
+            param = self._tie_param(tie)
+            all_reduce_tensor(param.grad, group, timeout=self.timeout,
+                              describe=lambda: f"rank {self.rank} summing gradients of tied weight {tie.canonical!r}")
+        if self.dp_group is not None:
+            self.grad_buffer.all_reduce(self.dp_group, timeout=self.timeout,
+                                        describe=lambda: f"rank {self.rank} (stage {self.stage}) data-parallel all-reduce")
+
+    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return value
+        value = value.clone()
+        all_reduce_tensor(value, None, timeout=self.timeout, describe=lambda: f"rank {self.rank} loss all-reduce")
+        return value
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _ensure_process_group(stage_to_rank_map: Any, timeout: float) -> tuple[int, int]:
+    """Use the default process group if one exists; else create one from torchrun-style env vars."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 1, 0
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set",
+                          hint="launch with torchrun or `varuna launch`, which set them")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60)))
+    return dist.get_world_size(), dist.get_rank()
+
+
+def _resolve_device(device: Any, local_rank: int) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        return torch.device(device)
+    if local_rank < 0:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        index = device if device >= 0 else local_rank
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _replica_share(batch_size: int, dp: int, replica: int) -> int:
+    if batch_size < dp:
+        raise ConfigError(f"batch_size={batch_size} is smaller than the {dp} data-parallel replicas",
+                          hint=f"use batch_size ≥ {dp}")
+    base, extra = divmod(batch_size, dp)
+    return base + (1 if replica < extra else 0)
+
+
+def _segment_param_bytes(model: nn.Module, structure: Structure) -> list[float]:
+    weights = [0.0] * structure.num_segments
+    counted: set[tuple[int, int]] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        for seg in structure.param_uses.get(name, (0,)):
+            if (id(param), seg) not in counted:
+                counted.add((id(param), seg))
+                weights[seg] += param.numel() * param.element_size()
+    return weights
+
+
+def _reference(model: nn.Module, dummy_inputs: Any, batch_fn, chunk_size: int) -> tuple[dict, list, torch.Tensor]:
+    """The unsliced model's value at each cut and its loss on the dummy inputs (eval mode, no grad)."""
+    from .cutpoint import find_cutpoints
+    from .discovery import _quiet_run, extract_loss
+
+    inputs = dict(dummy_inputs) if isinstance(dummy_inputs, Mapping) else batch_fn(chunk_size)
+    values: list[Any] = []
+    cuts = find_cutpoints(model)
+    for cut in cuts.values():
+        cut.set_hook(lambda c, v: (values.append(torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, v)), v)[1])
+    try:
+        with _quiet_run(model):
+            loss = extract_loss(model(**inputs)).detach().clone()
+    finally:
+        for cut in cuts.values():
+            cut.set_hook(None)
+    return inputs, values, loss
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], *, src: int, group) -> None:
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for group_tensors in by_kind.values():
+        flat = torch._utils._flatten_dense_tensors(group_tensors)
+        dist.broadcast(flat, src=src, group=group)
+        for t, synced in zip(group_tensors, torch._utils._unflatten_dense_tensors(flat, group_tensors)):
+            t.copy_(synced)

@@ -1,0 +1,63 @@
+"""Small models for the tests: every feature the runtime must handle, in a few thousand parameters."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from varuna_core import CutPoint
+
+VOCAB, SEQ, HIDDEN = 13, 6, 16
+
+
+class Block(nn.Module):
+    """Pre-LN residual MLP block on ``[s, b, h]`` activations."""
+
+    def __init__(self, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 2 * hidden)
+        self.fc2 = nn.Linear(2 * hidden, hidden)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+
+
+class ToyLM(nn.Module):
+    """Tiny language model with a tied input/output embedding (one Parameter object), a root-level
+    parameter, a registered buffer, LayerNorm, and cuts that carry ``[s, b, h]`` (not batch-first).
+
+    Segments: embedding | block 0 | block 1 | ... | last block + head (``n_layer + 1`` segments).
+    """
+
+    def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, hidden)
+        self.pos = nn.Parameter(torch.randn(SEQ, hidden) * 0.1)  # root-level, used as `x + self.pos`
+        self.blocks = nn.ModuleList([Block(hidden, dropout) for _ in range(n_layer)])
+        self.cuts = nn.ModuleList([CutPoint() for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied: the same Parameter object
+        self.register_buffer("logit_scale", torch.linspace(0.5, 1.5, VOCAB))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)  # [s, b, h]
+        x = self.cuts[0](x)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x)
+        logits = self.head(self.ln_f(x)).transpose(0, 1) * self.logit_scale  # [b, s, V]
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+SHARED = [("emb.weight", "head.weight")]
+
+
+def batch(n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return {"idx": idx, "targets": torch.roll(idx, -1, dims=1)}
