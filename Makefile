@@ -1,0 +1,51 @@
+# Varuna toolkit: set up, test and demo from a fresh clone. `make help` lists the targets.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+# The torch requirement installed by `make setup`. The default pins the release the tests run on.
+# An unpinned `torch` pulls the newest release, and on Linux PyPI's torch wheels are CUDA builds of
+# several GB. To choose a build, override TORCH and/or point pip at PyTorch's wheel index, e.g.
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu                            (CPU only)
+#   make setup TORCH="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/<cuda tag>
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+STAMP := $(VENV)/.setup-stamp
+
+.DEFAULT_GOAL := help
+.PHONY: help setup test demo clean distclean
+
+help: ## list the targets
+	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [DEMO_ARGS=...]"
+	@echo
+	@grep -E '^[a-z][a-z-]*:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12 | sed 's/^/  /'
+
+setup: $(STAMP) ## create the venv and install torch, numpy and this project (editable, with dev extras)
+
+# Re-runs only when pyproject.toml changes (or after `make clean`).
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install "$(TORCH)" numpy $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PIP) install -e ".[dev]"
+	@touch $@
+
+test: setup ## run the test suite (PYTEST_ARGS="-k env" to select)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The example char-level GPT, 4 pipeline stages on 4 local processes (about a minute on 2 CPU cores).
+demo: setup ## train the example GPT on 4 local processes (4 pipeline stages)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/gpt/train.py \
+		--stage-to-rank-map "0;1;2;3" --batch-size 32 --chunk-size 4 --schedule varuna \
+		--steps 500 --log-every 25 $(DEMO_ARGS)
+
+clean: ## remove caches and build output (keeps the venv; forces `setup` to re-run)
+	rm -rf build dist runs .pytest_cache src/*.egg-info $(STAMP)
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean ## also remove the venv
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""One module per ``varuna`` subcommand; :mod:`varuna_cli.app` registers them."""
