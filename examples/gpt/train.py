@@ -1,0 +1,115 @@
+"""Train the example character-level GPT with pipeline + data parallelism.
+
+Run one process per rank, e.g. 4 pipeline stages on one machine:
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/gpt/train.py --stage-to-rank-map "0;1;2;3"
+
+or 2 stages x 2 replicas: ``--stage-to-rank-map "0,2;1,3"`` (stages separated by ';', the ranks of a stage's
+replicas by ','). Without a map every rank is its own stage (one replica). Started with plain ``python``,
+the script trains as a world of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # model.py and data.py sit next to this script
+
+from data import CharDataset  # noqa: E402
+from model import GPT, SHARED_WEIGHTS, GPTConfig  # noqa: E402
+
+from varuna_core import Varuna  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stage-to-rank-map", default=None,
+                   help="placement, e.g. '0,2;1,3' (default: one stage per rank, '0;1;...;WORLD_SIZE-1')")
+    p.add_argument("--batch-size", type=int, default=32, help="global batch size (examples per step)")
+    p.add_argument("--chunk-size", type=int, default=4, help="micro-batch size")
+    p.add_argument("--schedule", choices=["varuna", "1f1b", "gpipe"], default="varuna")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--data", default=None, help="text file to train on (default: the shipped data/input.txt)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+
+    # torchrun (or `varuna launch`) sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; Varuna
+    # creates the process group from them (gloo on CPU, NCCL on CUDA). A plain `python train.py` is a world of one.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    stage_to_rank_map = args.stage_to_rank_map or ";".join(str(r) for r in range(world_size))
+
+    # Data and model: built identically on every rank (same text, same seed).
+    ds = CharDataset.load(args.data) if args.data else CharDataset.load()
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(vocab_size=ds.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                    n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
+    model = GPT(cfg)
+    n_params = model.num_parameters()
+    dummy_inputs = ds.get_batch("train", 2, args.block_size, torch.Generator().manual_seed(args.seed))
+
+    model = Varuna(model, stage_to_rank_map, dummy_inputs=dummy_inputs, batch_size=args.batch_size,
+                   chunk_size=args.chunk_size, shared_weights=SHARED_WEIGHTS, schedule=args.schedule)
+    # Created after wrapping: each rank only holds (and optimizes) its own stage's parameters.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model.set_optimizer(optimizer)
+
+    if model.rank == 0:
+        print(f"model: {n_params / 1e3:.1f}k parameters, vocab {ds.vocab_size}, {cfg}")
+        print(f"world {world_size}: {model.dp} replica(s), map {stage_to_rank_map!r}, schedule {args.schedule}, "
+              f"global batch {args.batch_size}, micro-batch {args.chunk_size}", flush=True)
+
+    # This replica's share of the global batch: replicas take consecutive slices, the first
+    # `batch_size % dp` of them one example more than the rest.
+    rb = model.replica_batch_size
+    base, extra = divmod(args.batch_size, model.dp)
+    lo = model.replica * base + min(model.replica, extra)
+    loss = float("nan")
+    t_start = time.perf_counter()
+    for step in range(args.steps):
+        # Every rank draws the same global batch from a generator seeded by (seed, step); all stages of a
+        # replica then take the same contiguous slice of it.
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        batch = ds.get_batch("train", args.batch_size, args.block_size, gen)
+        inputs = {name: t[lo:lo + rb] for name, t in batch.items()}
+
+        loss, overflow = model.step(inputs)  # loss of the whole global batch, on every rank
+        if not overflow:
+            optimizer.step()
+        optimizer.zero_grad()
+
+        if model.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            elapsed = time.perf_counter() - t_start
+            print(f"step {step:5d} loss {float(loss):.4f} ({elapsed:.1f}s)", flush=True)
+
+    elapsed = time.perf_counter() - t_start
+    # Held-out loss on one global batch of validation text, each replica evaluating its slice.
+    val_batch = ds.get_batch("val", args.batch_size, args.block_size, torch.Generator().manual_seed(args.seed))
+    val_loss = model.evaluate({name: t[lo:lo + rb] for name, t in val_batch.items()})
+    if model.rank == 0:
+        tokens = args.steps * args.batch_size * args.block_size
+        print(f"final loss {float(loss):.4f} (validation {val_loss:.4f}) after {args.steps} steps in "
+              f"{elapsed:.1f}s: {tokens / max(elapsed, 1e-9):,.0f} tokens/s", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
