@@ -61,3 +61,64 @@ def batch(n: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, VOCAB, (n, SEQ), generator=g)
     return {"idx": idx, "targets": torch.roll(idx, -1, dims=1)}
+
+
+class SkipAcrossCut(ToyLM):
+    """Wrong on purpose: the embedding output skips over the cuts straight into the head."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)
+        skip = x
+        x = self.cuts[0](x)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x)
+        logits = self.head(self.ln_f(x + skip)).transpose(0, 1)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class HiddenState(ToyLM):
+    """Wrong on purpose: block 0 leaves a value in a Python attribute that block 2 reads, so a stage that
+    does not run block 0 silently computes something else. Only validation can notice."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)
+        x = self.cuts[0](x)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 0:  # branches on data: on a placeholder it takes the other branch
+                self.gain = 1.0 + float(x.detach().abs().mean()) if x.device.type != "meta" else 2.0
+            if i == 2:
+                x = x * self.gain
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x)
+        logits = self.head(self.ln_f(x)).transpose(0, 1)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class ReducedCut(ToyLM):
+    """Wrong on purpose: the first cut carries a value averaged over the batch (no batch dim)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        x = self.cuts[0](x.mean(0))
+        return F.cross_entropy(self.head(x).expand(idx.shape[0], -1, -1).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class CutTwice(ToyLM):
+    """Wrong on purpose: the same CutPoint instance is called for two boundaries."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.cuts[0](self.emb(idx))
+        x = self.cuts[0](self.blocks[0](x))
+        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class NoCuts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(SEQ, 1)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.lin(idx.float()).mean()

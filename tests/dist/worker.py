@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
 import torch
 
-from tests.models import SHARED, ToyLM, batch
+from tests import models
+from tests.models import SHARED, batch
 from varuna_core import Varuna
 from varuna_core.errors import VarunaError
 
@@ -31,7 +33,8 @@ def replica_slice(full: dict, model: Varuna) -> dict:
 
 def run_one(run: dict, spec: dict) -> dict:
     torch.manual_seed(run.get("seed", 0))
-    model = ToyLM(n_layer=run.get("n_layer", 4), dropout=run.get("dropout", 0.0))
+    model_cls = getattr(models, run.get("model", "ToyLM"))
+    model = model_cls(n_layer=run.get("n_layer", 4), dropout=run.get("dropout", 0.0))
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     vm = Varuna(model, spec["map"], batch(2), batch_size=run["batch"], chunk_size=run["chunk"],
                 shared_weights=SHARED if run.get("declare_shared", True) else None,
@@ -41,6 +44,8 @@ def run_one(run: dict, spec: dict) -> dict:
     vm.set_optimizer(opt)
     losses = []
     for step in range(run.get("steps", 3)):
+        if run.get("stall_rank") == vm.rank:
+            time.sleep(run["stall_seconds"])
         full = batch(run["batch"], seed=100 + step)
         if run.get("bad_seq") and step == run["bad_seq"]:
             full = {k: v[:, :-1] for k, v in full.items()}

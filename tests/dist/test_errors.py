@@ -1,0 +1,61 @@
+"""Bad inputs and failures in multi-process runs: a clear error on every rank, within the timeout, no hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.harness import run_ranks
+
+pytestmark = pytest.mark.dist
+
+
+def _run(tmp_path, stage_map: str, world: int, timeout: float = 20, **run):
+    base = {"schedule": "1f1b", "optimizer": "sgd", "batch": 4, "chunk": 2, "steps": 2}
+    base.update(run)
+    return run_ranks({"map": stage_map, "timeout": timeout, "runs": [base]}, world, tmp_path, timeout=120)
+
+
+def test_map_inconsistent_with_world_size(tmp_path) -> None:
+    results = _run(tmp_path, "0;1;2", 2)
+    for res in results:
+        assert res.returncode == 1
+        assert res.error.startswith("TopologyError"), res.error
+        assert "3" in res.error and "WORLD_SIZE=2" in res.error.replace(" ", "") or "world" in res.error.lower()
+
+
+def test_shape_change_at_a_cut_is_named(tmp_path) -> None:
+    # step 1 feeds sequences one token shorter than discovery saw, so the activation at the cut changes shape
+    results = _run(tmp_path, "0;1", 2, bad_seq=1)
+    sender, receiver = results
+    assert sender.returncode == 1 and sender.error.startswith("ShapeMismatchError"), sender.error
+    assert "CutPoint 'cuts." in sender.error and "expected [6, 2, 16] float32" in sender.error
+    assert receiver.returncode == 1 and receiver.error.startswith("CommTimeoutError"), receiver.error
+    assert "rank 0" in receiver.error
+
+
+def test_skip_connection_across_a_cut_is_named(tmp_path) -> None:
+    results = _run(tmp_path, "0;1", 2, model="SkipAcrossCut")
+    last = results[1]
+    assert last.returncode == 1 and last.error.startswith("CutPointError"), last.error
+    assert "skip connection" in last.error and "CutPoint 'cuts." in last.error
+    assert results[0].returncode == 1  # its peer died: it fails too instead of hanging
+
+
+def test_validation_names_the_cut_where_values_differ(tmp_path) -> None:
+    results = _run(tmp_path, "0;1;2;3", 4, model="HiddenState", validate=True)
+    for res in results:
+        assert res.returncode == 1 and res.error.startswith("CutPointError"), res.error
+        assert "validation failed" in res.error and "CutPoint 'cuts.3'" in res.error
+
+
+def test_validation_passes_on_a_correct_model(tmp_path) -> None:
+    results = _run(tmp_path, "0;1;2", 3, validate=True)
+    assert all(res.returncode == 0 for res in results), [res.error for res in results]
+
+
+def test_timeout_names_rank_stage_action_and_peer(tmp_path) -> None:
+    results = _run(tmp_path, "0;1", 2, timeout=4, stall_rank=1, stall_seconds=12)
+    waiting = results[0]
+    assert waiting.returncode == 1 and waiting.error.startswith("CommTimeoutError"), waiting.error
+    for part in ("rank 0 (stage 0, replica 0)", "0B0", "gradient", "from rank 1 (stage 1)", "within 4s"):
+        assert part in waiting.error, (part, waiting.error)
