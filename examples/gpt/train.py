@@ -76,11 +76,6 @@ def main() -> None:
         print(f"world {world_size}: {model.dp} replica(s), map {stage_to_rank_map!r}, schedule {args.schedule}, "
               f"global batch {args.batch_size}, micro-batch {args.chunk_size}", flush=True)
 
-    # This replica's share of the global batch: replicas take consecutive slices, the first
-    # `batch_size % dp` of them one example more than the rest.
-    rb = model.replica_batch_size
-    base, extra = divmod(args.batch_size, model.dp)
-    lo = model.replica * base + min(model.replica, extra)
     loss = float("nan")
     t_start = time.perf_counter()
     for step in range(args.steps):
@@ -88,7 +83,7 @@ def main() -> None:
         # replica then take the same contiguous slice of it.
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         batch = ds.get_batch("train", args.batch_size, args.block_size, gen)
-        inputs = {name: t[lo:lo + rb] for name, t in batch.items()}
+        inputs = model.replica_slice(batch)
 
         loss, overflow = model.step(inputs)  # loss of the whole global batch, on every rank
         if not overflow:
@@ -102,7 +97,7 @@ def main() -> None:
     elapsed = time.perf_counter() - t_start
     # Held-out loss on one global batch of validation text, each replica evaluating its slice.
     val_batch = ds.get_batch("val", args.batch_size, args.block_size, torch.Generator().manual_seed(args.seed))
-    val_loss = model.evaluate({name: t[lo:lo + rb] for name, t in val_batch.items()})
+    val_loss = model.evaluate(model.replica_slice(val_batch))
     if model.rank == 0:
         tokens = args.steps * args.batch_size * args.block_size
         print(f"final loss {float(loss):.4f} (validation {val_loss:.4f}) after {args.steps} steps in "

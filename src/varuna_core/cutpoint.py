@@ -50,9 +50,6 @@ class CutPoint(nn.Module):
         """Qualified name of this cutpoint in the model (set by :func:`find_cutpoints`)."""
         return self._cut_name
 
-    def extra_repr(self) -> str:
-        return self._cut_name
-
 
 def find_cutpoints(model: nn.Module) -> dict[str, CutPoint]:
     """Return ``{qualified name: CutPoint}`` for every CutPoint in ``model``, in registration order."""

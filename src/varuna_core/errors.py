@@ -16,6 +16,8 @@ __all__ = [
     "CutPointError",
     "ShapeMismatchError",
     "CommTimeoutError",
+    "format_error",
+    "install_excepthook",
 ]
 
 
@@ -68,3 +70,39 @@ class ShapeMismatchError(VarunaError):
 
 class CommTimeoutError(VarunaError):
     """A point-to-point or collective wait that did not finish within the timeout."""
+
+
+def format_error(exc: VarunaError) -> str:
+    """One line (plus a hint line) for a user-facing report."""
+    text = f"error: {exc.message}"
+    if exc.hint:
+        text += f"\nhint: {exc.hint}"
+    return text
+
+
+def install_excepthook() -> None:
+    """Report an uncaught :class:`VarunaError` in a worker as one line and exit with its code.
+
+    Training scripts usually let errors propagate; a traceback through the runtime then hides the one line
+    that matters. With ``VARUNA_DEBUG=1`` the traceback is printed as usual. Other exceptions are untouched.
+    Installed by ``Varuna(...)``; idempotent.
+    """
+    import os
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_varuna", False):
+        return
+
+    def hook(kind, value, tb):
+        if isinstance(value, VarunaError) and os.environ.get("VARUNA_DEBUG") != "1":
+            rank = os.environ.get("RANK")
+            prefix = f"[rank {rank}] " if rank is not None else ""
+            sys.stdout.flush()
+            sys.stderr.write("".join(prefix + line + "\n" for line in format_error(value).splitlines()))
+            sys.stderr.flush()
+            os._exit(value.exit_code)
+        previous(kind, value, tb)
+
+    hook._varuna = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

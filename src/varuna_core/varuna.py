@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .discovery import Structure, discover, make_batch_fn
-from .errors import ConfigError, CutPointError, TopologyError
+from .errors import ConfigError, CutPointError, TopologyError, install_excepthook
 from .grads import GradBuffer, all_reduce_tensor
 from .microbatch import batch_size_of, microbatch_sizes, split_inputs
 from .p2p import default_timeout
@@ -90,6 +90,7 @@ class Varuna(nn.Module):
         bucket_mb: float = 25.0,
     ) -> None:
         super().__init__()
+        install_excepthook()
         if fp16:
             raise ConfigError("fp16=True is not available in this release", hint="train in fp32 (fp16=False)")
         if not isinstance(model, nn.Module):
@@ -275,6 +276,27 @@ class Varuna(nn.Module):
         if self.world_size > 1:
             all_reduce_tensor(pair, None, timeout=self.timeout, describe=lambda: f"rank {self.rank} evaluate()")
         return float(pair[0] / pair[1])
+
+    @property
+    def replica_range(self) -> tuple[int, int]:
+        """``[start, stop)`` of this replica's examples in the global batch (replicas take consecutive slices;
+        the first ``batch_size % dp`` replicas hold one example more)."""
+        base, extra = divmod(self.batch_size, self.dp)
+        start = self.replica * base + min(self.replica, extra)
+        return start, start + self.replica_batch_size
+
+    def replica_slice(self, inputs: Mapping[str, Any]) -> dict:
+        """This replica's share of a global batch of ``batch_size`` examples, sliced along each input's batch
+        dim (unbatched inputs are passed whole)."""
+        have = batch_size_of(inputs, self.input_batch_dims)
+        if have != self.batch_size:
+            raise ConfigError(f"replica_slice() takes the global batch of {self.batch_size} examples, got {have}")
+        start, stop = self.replica_range
+        return {
+            name: value.narrow(self.input_batch_dims[name], start, stop - start)
+            if self.input_batch_dims.get(name) is not None and isinstance(value, torch.Tensor) else value
+            for name, value in inputs.items()
+        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - views are kept, values zeroed
         self.grad_buffer.zero()

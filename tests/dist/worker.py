@@ -24,13 +24,6 @@ def make_optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def replica_slice(full: dict, model: Varuna) -> dict:
-    """This replica's contiguous share of the global batch (the same split `_replica_share` makes)."""
-    base, extra = divmod(model.batch_size, model.dp)
-    start = model.replica * base + min(model.replica, extra)
-    return {k: v[start : start + model.replica_batch_size] for k, v in full.items()}
-
-
 def run_one(run: dict, spec: dict) -> dict:
     torch.manual_seed(run.get("seed", 0))
     model_cls = getattr(models, run.get("model", "ToyLM"))
@@ -49,7 +42,7 @@ def run_one(run: dict, spec: dict) -> dict:
         full = batch(run["batch"], seed=100 + step)
         if run.get("bad_seq") and step == run["bad_seq"]:
             full = {k: v[:, :-1] for k, v in full.items()}
-        loss, overflow = vm.step(replica_slice(full, vm))
+        loss, overflow = vm.step(vm.replica_slice(full))
         if not overflow:
             opt.step()
         opt.zero_grad()

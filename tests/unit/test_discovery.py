@@ -1,0 +1,157 @@
+"""Structure discovery: cut order, batch dims, parameter uses, bad models, and the structure cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests import models
+from tests.models import SHARED, ToyLM, batch
+from varuna_core.discovery import discover, make_batch_fn, structure_key
+from varuna_core.errors import ConfigError, CutPointError
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VARUNA_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _discover(model, inputs=None, **kw):
+    fn, dims = make_batch_fn(inputs if inputs is not None else batch(3), None)
+    return discover(model, fn, dims, **kw)
+
+
+def test_cuts_segments_and_batch_dims() -> None:
+    s = _discover(ToyLM(n_layer=4), use_cache=False)
+    assert s.cut_names == ("cuts.0", "cuts.1", "cuts.2", "cuts.3")
+    assert s.num_segments == 5
+    for spec in s.cuts:  # [s, b, h]: the batch is dim 1
+        (leaf,) = spec.leaves
+        assert leaf.shape == (models.SEQ, 1, models.HIDDEN) and leaf.batch_dims == (1,)
+        assert leaf.shape_for(5) == (models.SEQ, 5, models.HIDDEN)
+    assert s.inputs == {"idx": 0, "targets": 0}
+
+
+def test_parameter_and_buffer_uses() -> None:
+    s = _discover(ToyLM(n_layer=4), use_cache=False)
+    assert s.param_uses["emb.weight"] == (0, 4)  # the tied embedding: segment 0 and the head in segment 4
+    assert s.param_uses["head.weight"] == (0, 4)
+    assert s.param_uses["pos"] == (0,)  # root-level parameter used through `x + self.pos`
+    assert s.param_uses["blocks.2.fc1.weight"] == (3,)
+    assert s.buffer_uses["logit_scale"] == (4,)
+    assert s.module_calls["blocks.1"][0].segment_start == 2
+
+
+def test_dry_run_leaves_model_and_rng_alone() -> None:
+    model = ToyLM(dropout=0.5)
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    _discover(model, use_cache=False)
+    assert torch.equal(torch.rand(3), expected)
+    assert model.training and all(m.training for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_callable_dummy_inputs_find_non_leading_batch_dim() -> None:
+    def batch_fn(n):  # inputs given sequence-first
+        b = batch(n)
+        return {k: v.t().contiguous() for k, v in b.items()}
+
+    class SeqFirst(ToyLM):
+        def forward(self, idx, targets):
+            return super().forward(idx.t(), targets.t())
+
+    fn, dims = make_batch_fn(batch_fn, None)
+    assert dims == {"idx": 1, "targets": 1}
+    s = discover(SeqFirst(), fn, dims, use_cache=False)
+    assert s.num_segments == 5
+
+
+@pytest.mark.parametrize(
+    ("cls", "message"),
+    [
+        (models.CutTwice, "called twice in one forward"),
+        (models.ReducedCut, "has no batch dim"),
+        (models.NoCuts, "has no CutPoint"),
+    ],
+)
+def test_bad_models(cls, message) -> None:
+    with pytest.raises(CutPointError, match=message) as info:
+        _discover(cls(), use_cache=False)
+    assert info.value.hint
+
+
+def test_forward_must_return_a_scalar_loss() -> None:
+    class Logits(ToyLM):
+        def forward(self, idx, targets):
+            return self.head(self.emb(idx))
+
+    with pytest.raises(ConfigError, match="must return the loss"):
+        _discover(Logits(), use_cache=False)
+
+
+def test_dummy_inputs_disagreeing_on_batch() -> None:
+    with pytest.raises(ConfigError, match="disagree on the number of examples"):
+        make_batch_fn({"idx": torch.zeros(3, 6, dtype=torch.long), "targets": torch.zeros(2, 6, dtype=torch.long)}, None)
+
+
+def test_cache_hits_for_the_same_model_and_misses_for_a_changed_one() -> None:
+    first = _discover(ToyLM(n_layer=4))
+    again = _discover(ToyLM(n_layer=4))
+    assert again is first  # served from the cache
+    deeper = _discover(ToyLM(n_layer=5))
+    assert deeper.key != first.key and deeper.num_segments == 6
+    model = ToyLM(n_layer=4)
+    model.blocks[0].drop.p = 0.3  # a scalar attribute changed: re-discovered
+    assert _discover(model).key != first.key
+    assert _discover(ToyLM(n_layer=4), batch(3) | {"idx": batch(3)["idx"][:, :5], "targets": batch(3)["targets"][:, :5]}).key != first.key
+
+
+def test_cache_key_follows_the_source_code(tmp_path) -> None:
+    source = textwrap.dedent(
+        """
+        import torch, torch.nn as nn, torch.nn.functional as F
+        from varuna_core import CutPoint
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__(); self.a = nn.Linear(4, 4); self.cut = CutPoint(); self.b = nn.Linear(4, 1)
+            def forward(self, x):
+                return self.b(self.cut(self.a(x))).mean()
+        """
+    )
+    keys = []
+    for variant in (source, source.replace(".mean()", ".sum()")):
+        path = tmp_path / f"m{len(keys)}" / "mod.py"
+        path.parent.mkdir()
+        path.write_text(variant)
+        spec = importlib.util.spec_from_file_location(f"_disc_mod{len(keys)}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        model = module.M()
+        x = {"x": torch.ones(2, 4)}
+        keys.append(structure_key(model, {"x": torch.ones(1, 4)}, {"x": torch.ones(2, 4)}, {"x": 0}))
+        assert _discover(model, x).key == keys[-1]
+    assert keys[0] != keys[1]
+
+
+def test_shared_weights_names_are_checked() -> None:
+    from varuna_core.partition import balance
+    from varuna_core.stage import find_tie_sets
+
+    model = ToyLM()
+    s = _discover(model, use_cache=False)
+    part = balance([1.0] * s.num_segments, 2)
+    ties = find_tie_sets(model, s, part, SHARED)
+    assert len(ties) == 1 and set(ties[0].names) == {"emb.weight", "head.weight"} and ties[0].stages == (0, 1)
+    auto = find_tie_sets(model, s, part, None)  # the same object used by two stages is found without declaring it
+    assert [t.stages for t in auto] == [(0, 1)]
+    with pytest.raises(ConfigError, match="not a parameter of the model"):
+        find_tie_sets(model, s, part, [("emb.weight", "lm_head.weight")])

@@ -1,0 +1,132 @@
+"""The Varuna facade in one process (no process group): parity, evaluate, slicing helpers, bad inputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models import SHARED, ToyLM, batch
+from varuna_core import Varuna
+from varuna_core.errors import ConfigError, PartitionError, TopologyError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VARUNA_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _wrap(stage_map="0", **kw):
+    torch.manual_seed(0)
+    args = dict(batch_size=8, chunk_size=3, shared_weights=SHARED)
+    args.update(kw)
+    return Varuna(ToyLM(), stage_map, batch(2), **args)
+
+
+@pytest.mark.parametrize("schedule", ["varuna", "1f1b", "gpipe"])
+def test_single_process_matches_plain_training(schedule) -> None:
+    vm = _wrap(schedule=schedule)
+    torch.manual_seed(0)
+    ref = ToyLM()
+    opt = torch.optim.AdamW(vm.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    vm.set_optimizer(opt)
+    for step in range(3):
+        b = batch(8, seed=step)
+        loss, overflow = vm.step(b)
+        assert overflow is False
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(**b)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+    ref_params = dict(ref.named_parameters())
+    for name, p in vm.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-6, atol=1e-7)
+
+
+def test_evaluate_any_batch_size() -> None:
+    vm = _wrap()
+    torch.manual_seed(0)
+    ref = ToyLM()
+    b = batch(7, seed=3)
+    with torch.no_grad():
+        assert vm.evaluate(b) == pytest.approx(ref(**b).item(), rel=1e-6)
+
+
+def test_gradients_accumulate_across_steps_without_zero_grad() -> None:
+    vm = _wrap()
+    vm.step(batch(8, seed=1))
+    first = {n: p.grad.clone() for n, p in vm.named_parameters()}
+    vm.step(batch(8, seed=1))
+    for n, p in vm.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * first[n])
+    vm.zero_grad()
+    assert all(float(p.grad.abs().sum()) == 0 for p in vm.parameters())
+
+
+def test_replica_slice_and_names() -> None:
+    vm = _wrap()
+    assert vm.replica_range == (0, 8)
+    full = batch(8)
+    assert torch.equal(vm.replica_slice(full)["idx"], full["idx"])
+    with pytest.raises(ConfigError, match="global batch of 8"):
+        vm.replica_slice(batch(5))
+    names = [n for n, _ in vm.named_parameters()]
+    assert "emb.weight" in names and "head.weight" not in names  # one tied weight, listed once
+    assert len(list(vm.parameters())) == len(names)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"stage_map": "0;1"}, TopologyError, "WORLD_SIZE"),
+        ({"stage_map": "0,1"}, TopologyError, "WORLD_SIZE"),
+        ({"stage_map": "zero"}, TopologyError, "zero"),
+        ({"chunk_size": 9}, ConfigError, "does not fit this replica's batch of 8"),
+        ({"chunk_size": 0}, ConfigError, "chunk_size"),
+        ({"schedule": "zigzag"}, ConfigError, "unknown schedule"),
+        ({"partition": [(0, 2), (2, 5)]}, PartitionError, "stage"),
+        ({"fp16": True}, ConfigError, "fp16"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match) -> None:
+    stage_map = kwargs.pop("stage_map", "0")
+    with pytest.raises(error, match=match) as info:
+        _wrap(stage_map, **kwargs)
+    assert str(info.value)
+
+
+def test_bad_step_inputs() -> None:
+    vm = _wrap()
+    with pytest.raises(ConfigError, match="input 'idx' has 5 examples"):
+        vm.step(batch(5))
+    with pytest.raises(ConfigError, match="were not in dummy_inputs"):
+        vm.step(batch(8) | {"mask": torch.ones(8)})
+    with pytest.raises(ConfigError, match="no forward"):
+        vm(**batch(8))
+
+
+def test_uncaught_error_in_a_script_is_one_line_with_exit_code(tmp_path) -> None:
+    script = tmp_path / "bad.py"
+    script.write_text(
+        "from tests.models import ToyLM, batch\nfrom varuna_core import Varuna\n"
+        "Varuna(ToyLM(), '0', batch(2), batch_size=4, chunk_size=8)\n"
+    )
+    env = dict(os.environ, VARUNA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[0].startswith("error: chunk_size=8 does not fit") and lines[1].startswith("hint: ")
+    debug = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           env=env | {"VARUNA_DEBUG": "1"}, timeout=120)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
