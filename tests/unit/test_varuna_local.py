@@ -47,10 +47,11 @@ def test_single_process_matches_plain_training(schedule) -> None:
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+        assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
     ref_params = dict(ref.named_parameters())
-    for name, p in vm.named_parameters():
-        torch.testing.assert_close(p, ref_params[name], rtol=1e-6, atol=1e-7)
+    for name, p in vm.named_parameters():  # micro-batching changes the summation order: not bitwise
+        diff = (p - ref_params[name]).abs().max() / ref_params[name].abs().max()
+        assert diff <= 1e-5, (name, float(diff))
 
 
 def test_evaluate_any_batch_size() -> None:
