@@ -37,7 +37,8 @@ from torch.overrides import TorchFunctionMode
 
 from .cutpoint import CutPoint, find_cutpoints
 from .errors import ConfigError, CutPointError
-from .payload import ProbeMismatch, ValueSpec, flatten, spec_from_probes
+from .payload import ProbeMismatch, ValueSpec, spec_from_probes
+from .precision import autocast
 
 __all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "extract_loss"]
 
@@ -310,12 +311,14 @@ def _quiet_run(model: nn.Module):
             module.training = mode
 
 
-def _run(model: nn.Module, cuts: dict[str, CutPoint], inputs: dict, mode: _UseMode | None):
+def _run(model: nn.Module, cuts: dict[str, CutPoint], inputs: dict, mode: _UseMode | None, precision: str):
     recorder = _Recorder(model, cuts)
     if mode is not None:
         mode.recorder = recorder
     try:
-        with _quiet_run(model), (mode if mode is not None else contextlib.nullcontext()):
+        with _quiet_run(model), autocast(precision, torch.device("cpu")), (
+            mode if mode is not None else contextlib.nullcontext()
+        ):
             output = model(**inputs)
     finally:
         recorder.close()
@@ -328,8 +331,12 @@ def discover(
     input_batch_dims: Mapping[str, int | None],
     *,
     use_cache: bool = True,
+    precision: str = "fp32",
 ) -> Structure:
     """Run the model at 1 and 2 examples and describe its cuts, module calls and parameter uses.
+
+    ``precision`` runs the dry run under the same autocast as training, so the dtypes recorded at the cuts
+    are those the stages will exchange.
 
     Raises:
         CutPointError: no cutpoints; a cutpoint called twice; a cut value without a batch dim or of a
@@ -343,7 +350,7 @@ def discover(
             hint="insert `x = self.cut(x)` with `self.cut = CutPoint()` between blocks (e.g. after each layer)",
         )
     inputs_1, inputs_2 = _call_batch_fn(batch_fn, 1), _call_batch_fn(batch_fn, 2)
-    key = structure_key(model, inputs_1, inputs_2, input_batch_dims)
+    key = structure_key(model, inputs_1, inputs_2, input_batch_dims, precision)
     if use_cache:
         cached = _cache_get(key)
         if cached is not None:
@@ -352,8 +359,8 @@ def discover(
     slots = _slots(model)
     tracked = {id(t): t for _, t, _ in slots}
     mode = _UseMode(None, tracked)  # type: ignore[arg-type]
-    rec_1, out_1 = _run(model, cuts, inputs_1, mode)
-    rec_2, _ = _run(model, cuts, inputs_2, None)
+    rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
+    rec_2, _ = _run(model, cuts, inputs_2, None, precision)
 
     loss = extract_loss(out_1)
     if loss is None or loss.numel() != 1:
@@ -443,11 +450,13 @@ def _slots(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
 # Cache
 
 
-def structure_key(model: nn.Module, inputs_1: dict, inputs_2: dict, batch_dims: Mapping[str, Any]) -> str:
+def structure_key(
+    model: nn.Module, inputs_1: dict, inputs_2: dict, batch_dims: Mapping[str, Any], precision: str = "fp32"
+) -> str:
     """Hash of what determines the structure: classes and their source, tensors' names/shapes/dtypes, scalar
     attributes of every module, the inputs' signature, and the torch version."""
     h = hashlib.sha256()
-    h.update(f"v{FORMAT_VERSION} torch {torch.__version__}\n".encode())
+    h.update(f"v{FORMAT_VERSION} torch {torch.__version__} {precision}\n".encode())
     seen_files: set[str] = set()
     for name, module in model.named_modules(remove_duplicate=False):
         cls = type(module)

@@ -19,7 +19,9 @@ import torch.distributed as dist
 from .errors import CommTimeoutError, ShapeMismatchError
 from .payload import TensorSpec, ValueSpec
 
-__all__ = ["ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post_recv", "send", "wait_all", "check_value"]
+__all__ = [
+    "ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post_recv", "send", "wait_all", "check_value", "wire_leaves",
+]
 
 ACTIVATION = 0
 GRADIENT = 1
@@ -90,6 +92,18 @@ def wait_all(works: list[Any], *, timeout: float, describe: Callable[[], str], p
             ) from None
 
 
+def _dtype_ok(dtype: torch.dtype, want: TensorSpec) -> bool:
+    """Exact dtype, or float for float: autocast on another device type may pick another float dtype than the
+    CPU dry run did; such leaves are cast to the recorded dtype for the wire (see ``wire_leaves``)."""
+    return str(dtype) == want.dtype or (dtype.is_floating_point and want.is_float)
+
+
+def wire_leaves(leaves: list[torch.Tensor], spec: ValueSpec) -> list[torch.Tensor]:
+    """The tensors to send for a value's tensor leaves: detached, in the recorded dtype."""
+    wants = [leaf for _, leaf in spec.tensor_leaves]
+    return [t.detach() if str(t.dtype) == w.dtype else t.detach().to(w.torch_dtype) for t, w in zip(leaves, wants)]
+
+
 def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cut: str, stage: int) -> None:
     """Refuse to send a value whose structure, shapes or dtypes differ from what discovery recorded.
 
@@ -105,7 +119,7 @@ def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cu
             if isinstance(want, TensorSpec):
                 if not isinstance(leaf, torch.Tensor):
                     problem = f"a {type(leaf).__name__} stands where a tensor was recorded"
-                elif tuple(leaf.shape) != want.shape_for(n) or str(leaf.dtype) != want.dtype:
+                elif tuple(leaf.shape) != want.shape_for(n) or not _dtype_ok(leaf.dtype, want):
                     problem = f"it is {list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
             elif isinstance(leaf, torch.Tensor) or leaf != want["const"]:
                 problem = f"a constant changed to {leaf!r}"

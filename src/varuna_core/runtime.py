@@ -10,9 +10,9 @@ gradient has not arrived yet and a later forward's input has, the forward runs f
 runtime did). Only forwards move, and backwards keep their order, so gradients are accumulated in the same
 order whatever the timing: results do not depend on it.
 
-[Note: recompute RNG] A no-grad forward records the RNG state it started from; its recompute restores it, so
-dropout masks match, and then puts the live RNG state back, so later forwards draw what they would have drawn
-without the recompute (the original left the stream at the recomputed micro-batch's state).
+A recompute draws the same dropout masks as its forward because both seed each segment from (seed, step,
+micro-batch, segment) (see [Note: deterministic dropout] in :mod:`varuna_core.rng`); the original restored a
+saved state and then left the live stream at the recomputed micro-batch's state.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from . import p2p
 from .errors import ConfigError
 from .payload import flatten, unflatten
+from .precision import autocast
 from .schedule import Action, Op, Schedule, generate, validate
 from .stage import StageModule
 from .topology import Topology
@@ -37,7 +38,6 @@ class _MicroState:
     """What one micro-batch holds between its actions on this stage."""
 
     incoming: list[torch.Tensor] | None = None  # tensor leaves received at the incoming cut
-    rng: torch.Tensor | None = None  # RNG state at the start of a no-grad forward
     outputs: list[torch.Tensor] | None = None  # tensor leaves of the outgoing value (or [loss])
 
 
@@ -50,9 +50,11 @@ class PipelineRuntime:
         rank: this process's global rank.
         schedule: schedule name (``varuna``, ``1f1b``, ``gpipe``).
         timeout: seconds any wait may take.
+        precision: ``fp32``, ``bf16`` or ``fp16`` (autocast around every forward and recompute).
     """
 
-    def __init__(self, stage: StageModule, topology: Topology, rank: int, schedule: str, timeout: float) -> None:
+    def __init__(self, stage: StageModule, topology: Topology, rank: int, schedule: str, timeout: float,
+                 precision: str = "fp32") -> None:
         self.stage = stage
         self.topology = topology
         self.rank = rank
@@ -61,6 +63,7 @@ class PipelineRuntime:
         self.schedule_name = schedule
         self.timeout = timeout
         self.device = stage.device
+        self.precision = precision
         s, r = self.stage_index, self.replica
         self.prev_rank = topology.rank(s - 1, r) if s > 0 else None
         self.next_rank = topology.rank(s + 1, r) if s < self.num_stages - 1 else None
@@ -89,6 +92,8 @@ class PipelineRuntime:
         weights: list[float],
         *,
         train: bool,
+        rng: tuple[int, int] | None = None,
+        loss_scale: torch.Tensor | None = None,
         capture: list | None = None,
     ) -> torch.Tensor:
         """Run one step (``train``) or one evaluation pass over ``microbatches``.
@@ -97,6 +102,8 @@ class PipelineRuntime:
             microbatches: model inputs per micro-batch (every stage gets the same).
             sizes: examples per micro-batch.
             weights: per micro-batch factor applied to its loss (see [Note: loss weighting] in grads).
+            rng: ``(seed, step)``: seed every segment of micro-batch ``mb`` from ``(seed, step, mb, segment)``.
+            loss_scale: fp16 loss scale (tensor ``[1]``) the last stage multiplies its loss by before backward.
             capture: if given, receives each forward's output (detached leaves, or the loss on the last stage).
 
         Returns:
@@ -140,38 +147,30 @@ class PipelineRuntime:
                     action = actions[i]
             mb = action.mb
             st = state[mb]
+            key = None if rng is None else (rng[0], rng[1], mb)
             if action.op is Op.F:
                 st.incoming = self._receive(acts, action) if self.prev_rank is not None else None
                 keep_graph = train and not recompute
-                if recompute:
-                    st.rng = torch.get_rng_state()
-                out = self._forward(microbatches[mb], st.incoming, sizes[mb], grad=keep_graph)
+                out = self._forward(microbatches[mb], st.incoming, sizes[mb], grad=keep_graph, rng=key)
                 if last:
                     loss_sum += out.detach().reshape(()).to(torch.float64) * weights[mb]
-                    with torch.set_grad_enabled(keep_graph):
-                        st.outputs = [out * weights[mb]] if keep_graph else None
+                    if keep_graph:
+                        st.outputs = [self._scaled(out, weights[mb], loss_scale)]
                     if capture is not None:
                         capture.append([out.detach()])
                 else:
                     leaves = self._check_out(out, sizes[mb])
                     if capture is not None:
                         capture.append([t.detach() for t in leaves])
-                    sends += p2p.send([t.detach() for t in leaves], dst=self.next_rank, mb=mb,
+                    sends += p2p.send(p2p.wire_leaves(leaves, self._out), dst=self.next_rank, mb=mb,
                                       kind=p2p.ACTIVATION, group=None)
                     st.outputs = leaves if keep_graph else None
                 if not keep_graph and not recompute:
                     st.incoming = None
             elif action.op is Op.R:
-                live = torch.get_rng_state()
-                torch.set_rng_state(st.rng)
-                try:
-                    out = self._forward(microbatches[mb], st.incoming, sizes[mb], grad=True)
-                finally:
-                    torch.set_rng_state(live)
-                st.rng = None
+                out = self._forward(microbatches[mb], st.incoming, sizes[mb], grad=True, rng=key)
                 if last:
-                    with torch.enable_grad():
-                        st.outputs = [out * weights[mb]]
+                    st.outputs = [self._scaled(out, weights[mb], loss_scale)]
                 else:
                     st.outputs = self._leaves(out)
             else:
@@ -195,7 +194,15 @@ class PipelineRuntime:
                      f"{action.mb} from rank {pending.peer} (stage {self.stage_index - 1})")
         return pending.tensors
 
-    def _forward(self, inputs: dict, incoming: list[torch.Tensor] | None, n: int, *, grad: bool) -> Any:
+    @staticmethod
+    def _scaled(loss: torch.Tensor, weight: float, scale: torch.Tensor | None) -> torch.Tensor:
+        """The root of the last stage's backward: ``loss · weight (· loss scale)`` in fp32."""
+        with torch.enable_grad():
+            root = loss.float() * weight
+            return root * scale if scale is not None else root
+
+    def _forward(self, inputs: dict, incoming: list[torch.Tensor] | None, n: int, *, grad: bool,
+                 rng: tuple[int, int, int] | None) -> Any:
         value = None
         if incoming is not None:
             for t in incoming:
@@ -205,8 +212,8 @@ class PipelineRuntime:
             for leaf in self._in.leaves:
                 leaves.append(next(it) if not isinstance(leaf, dict) else leaf["const"])
             value = unflatten(leaves, self._in.treespec)
-        with torch.set_grad_enabled(grad):
-            return self.stage.forward(inputs, value, n)
+        with torch.set_grad_enabled(grad), autocast(self.precision, self.device):
+            return self.stage.forward(inputs, value, n, rng=rng)
 
     def _leaves(self, out: Any) -> list[torch.Tensor]:
         leaves, _ = flatten(out)
@@ -227,7 +234,8 @@ class PipelineRuntime:
                          describe=lambda: f"{self._who()} in {action} waiting for the gradient of micro-batch "
                          f"{action.mb} from rank {pending.peer} (stage {self.stage_index + 1})")
             floats = [o for o in st.outputs if o.is_floating_point()]
-            pairs = [(o, g) for o, g in zip(floats, pending.tensors) if o.requires_grad]
+            pairs = [(o, g if g.dtype == o.dtype else g.to(o.dtype)) for o, g in zip(floats, pending.tensors)
+                     if o.requires_grad]
             roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
         if roots:
             torch.autograd.backward(roots, grads)

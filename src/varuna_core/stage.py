@@ -28,6 +28,7 @@ from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
 from .errors import ConfigError, CutPointError
 from .partition import Partition
+from .rng import preserve_rng, seed_segment, segment_seed
 
 __all__ = ["TieSet", "find_tie_sets", "StageModule"]
 
@@ -120,6 +121,7 @@ class _Context:
         self.incoming: Any = None
         self.incoming_seen = False
         self.counters: dict[tuple[str, int], int] = {}
+        self.rng: tuple[int, int, int] | None = None  # (seed, step, micro-batch) for per-segment seeding
 
 
 class StageModule:
@@ -233,6 +235,8 @@ class StageModule:
                 cut.set_hook(self._outgoing_hook)
             elif index < self.first_segment - 1:
                 cut.set_hook(self._count_hook)
+            elif index < self.stop_segment - 1:
+                cut.set_hook(self._inner_hook)
             else:
                 cut.set_hook(None)
         if self.is_first:
@@ -281,11 +285,23 @@ class StageModule:
         self._ctx.segment += 1
         return value
 
+    def _inner_hook(self, cut: CutPoint, value: Any) -> Any:
+        self._ctx.segment += 1
+        self._seed()
+        return value
+
     def _incoming_hook(self, cut: CutPoint, value: Any) -> Any:
         ctx = self._ctx
         ctx.segment += 1
         ctx.incoming_seen = True
+        self._seed()
         return ctx.incoming
+
+    def _seed(self) -> None:
+        ctx = self._ctx
+        if ctx.rng is not None:
+            seed, step, mb = ctx.rng
+            seed_segment(self.device, segment_seed(seed, step, mb, ctx.segment))
 
     def _outgoing_hook(self, cut: CutPoint, value: Any) -> Any:
         raise _StageExit(value)
@@ -293,13 +309,15 @@ class StageModule:
     # ------------------------------------------------------------------------------------------------------
     # Forward
 
-    def forward(self, inputs: dict, incoming: Any, n: int) -> Any:
+    def forward(self, inputs: dict, incoming: Any, n: int, *, rng: tuple[int, int, int] | None = None) -> Any:
         """Run the stage on one micro-batch.
 
         Args:
             inputs: the micro-batch's model inputs (every stage receives them).
             incoming: the value received at the incoming cut (``None`` on the first stage).
             n: examples in the micro-batch (sizes the placeholders).
+            rng: ``(seed, step, micro-batch)``: seed each segment from it (see [Note: deterministic dropout])
+                and leave the live random stream untouched; ``None`` uses the live stream.
 
         Returns:
             the value at the outgoing cut, or on the last stage the loss tensor (shape ``[]`` or ``[1]``).
@@ -310,6 +328,16 @@ class StageModule:
         ctx.incoming = incoming
         ctx.incoming_seen = False
         ctx.counters.clear()
+        ctx.rng = rng
+        if rng is None:
+            return self._run(inputs)
+        with preserve_rng(self.device):
+            if self.is_first:
+                self._seed()
+            return self._run(inputs)
+
+    def _run(self, inputs: dict) -> Any:
+        ctx = self._ctx
         try:
             output = self.model(**inputs)
         except _StageExit as done:

@@ -29,6 +29,7 @@ from .grads import GradBuffer, all_reduce_tensor
 from .microbatch import batch_size_of, microbatch_sizes, split_inputs
 from .p2p import default_timeout
 from .partition import Partition, balance, coerce_partition
+from .precision import LossScaler, resolve_precision
 from .runtime import PipelineRuntime
 from .schedule import SCHEDULE_NAMES
 from .stage import StageModule, TieSet, find_tie_sets
@@ -53,7 +54,7 @@ class Varuna(nn.Module):
             or a function ``n -> dict`` of inputs for ``n`` examples.
         batch_size: the global batch (all replicas).
         chunk_size: the micro-batch size.
-        fp16: mixed precision with loss scaling (not available in this release: raises).
+        fp16: fp16 autocast with dynamic loss scaling (the original's flag; same as ``precision="fp16"``).
         local_rank: local rank for device selection (default: ``LOCAL_RANK`` env).
         device: ``-1`` (CUDA ``local_rank`` if available, else CPU), a CUDA index, or a ``torch.device``.
         shared_weights: ``[(name_a, name_b)]`` parameter names that hold one tied weight. A parameter object
@@ -67,6 +68,9 @@ class Varuna(nn.Module):
             the first cut where they differ.
         timeout: seconds any communication wait may take (default ``VARUNA_TIMEOUT`` or 300).
         bucket_mb: size of the data-parallel all-reduce buckets.
+        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and loss scaling); parameters and
+            optimizer state stay fp32.
+        seed: seeds dropout per (seed, step, micro-batch, segment); default: rank 0's ``torch.initial_seed()``.
     """
 
     def __init__(
@@ -88,11 +92,12 @@ class Varuna(nn.Module):
         validate: bool = False,
         timeout: float | None = None,
         bucket_mb: float = 25.0,
+        precision: str | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         install_excepthook()
-        if fp16:
-            raise ConfigError("fp16=True is not available in this release", hint="train in fp32 (fp16=False)")
+        self.precision = resolve_precision(precision, fp16)
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if schedule not in SCHEDULE_NAMES:
@@ -118,7 +123,8 @@ class Varuna(nn.Module):
         self.schedule_name = schedule
 
         batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
-        self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache)
+        self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache,
+                                             precision=self.precision)
         nseg = self.structure.num_segments
         if self.pp > nseg:
             raise ConfigError(
@@ -136,10 +142,18 @@ class Varuna(nn.Module):
         self.module = model
         self._build_groups()
         self._sync_initial_state()
-        self.runtime = PipelineRuntime(self.stage_module, self.topology, self.rank, schedule, self.timeout)
+        self.runtime = PipelineRuntime(self.stage_module, self.topology, self.rank, schedule, self.timeout,
+                                       self.precision)
         self.grad_buffer = GradBuffer([p for _, p in self.stage_module.param_names], int(bucket_mb * 2**20))
+        # Each tied weight counts once in the global norm: only its first stage's copy is included.
+        skip = {id(self._tie_param(t)) for t in self.ties if self.stage in t.stages[1:]}
+        self._norm_params = [p for p in self.grad_buffer.params if id(p) not in skip]
+        self.seed = self._agree_seed(seed)
+        self.scaler = LossScaler(device=self.device) if self.precision == "fp16" else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.iteration = 0
+        self.grad_norm: float | None = None
+        self._evaluations = 0
         if reference is not None:
             self._validate(*reference)
         log.info(
@@ -229,7 +243,18 @@ class Varuna(nn.Module):
         self, optimizer: torch.optim.Optimizer, loss_scale: str | float = "dynamic",
         init_loss_scale: float = 2**20, min_loss_scale: float = 1.0,
     ) -> None:
-        """Register the optimizer built over :meth:`parameters` (loss-scale arguments apply to fp16 only)."""
+        """Register the optimizer built over :meth:`parameters`.
+
+        ``loss_scale`` (``"dynamic"`` or a fixed float), ``init_loss_scale`` and ``min_loss_scale`` configure
+        fp16 loss scaling and are ignored in fp32 and bf16.
+        """
+        if self.precision == "fp16":
+            if loss_scale == "dynamic":
+                self.scaler = LossScaler(init_loss_scale, min_loss_scale, dynamic=True, device=self.device)
+            elif isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+                self.scaler = LossScaler(float(loss_scale), min_loss_scale, dynamic=False, device=self.device)
+            else:
+                raise ConfigError(f"loss_scale must be 'dynamic' or a number, got {loss_scale!r}")
         mine = {id(p) for _, p in self.stage_module.param_names}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -245,31 +270,62 @@ class Varuna(nn.Module):
 
         Args:
             inputs: this replica's ``batch_size / dp`` examples (dict of model inputs).
-            clip_grad_max_norm: not available in this release (raises if given).
+            clip_grad_max_norm: clip the gradients by the norm of the *whole* model (all stages, each tied weight
+                once), as ``torch.nn.utils.clip_grad_norm_`` on the unpartitioned model would.
 
         Returns:
             ``(loss, overflow)``: the mean loss of the global batch (the same on every rank) and whether the
-            step must be skipped (always ``False`` in fp32). The optimizer is not stepped.
+            step must be skipped (fp16 found an inf/NaN on some rank; gradients are then zeroed and the loss
+            scale halved). The optimizer is not stepped. The gradient norm before clipping is in
+            ``self.grad_norm`` (``inf`` on overflow).
         """
-        if clip_grad_max_norm is not None:
-            raise ConfigError("clip_grad_max_norm is not available in this release")
+        if clip_grad_max_norm is not None and not clip_grad_max_norm > 0:
+            raise ConfigError(f"clip_grad_max_norm must be positive, got {clip_grad_max_norm}")
         microbatches = split_inputs(inputs, self.input_batch_dims, self.microbatch_sizes,
                                     expected=self.replica_batch_size)
         weights = [n / self.batch_size for n in self.microbatch_sizes]
         self.grad_buffer.attach()
-        loss_sum = self.runtime.run(microbatches, self.microbatch_sizes, weights, train=True)
+        loss_sum = self.runtime.run(
+            microbatches, self.microbatch_sizes, weights, train=True, rng=(self.seed, self.iteration),
+            loss_scale=self.scaler.scale if self.scaler is not None else None,
+        )
         self._sync_grads()
-        loss = self._global_sum(loss_sum)
+        grads = [p.grad for p in self.grad_buffer.params]
+        found_inf = self.scaler.unscale_(grads) if self.scaler is not None and grads else None
+        norm_grads = [p.grad for p in self._norm_params]
+        sq_norm = (torch.stack(torch._foreach_norm(norm_grads)).double().pow(2).sum() if norm_grads
+                   else torch.zeros((), dtype=torch.float64, device=self.device))
+        totals = torch.stack([
+            loss_sum.double(), sq_norm.to(loss_sum.device),
+            (found_inf.double().sum() if found_inf is not None else torch.zeros((), dtype=torch.float64,
+                                                                                device=loss_sum.device)),
+        ])
+        totals = self._global_sum(totals)
+        loss, overflow = float(totals[0]), bool(totals[2] > 0)
+        self.grad_norm = float("inf") if overflow else float(totals[1] / self.dp) ** 0.5
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if overflow:
+            self.grad_buffer.zero()
+        elif clip_grad_max_norm is not None and grads:
+            coef = min(clip_grad_max_norm / (self.grad_norm + 1e-6), 1.0)
+            torch._foreach_mul_(grads, coef)
         self.iteration += 1
-        return float(loss), False
+        return loss, overflow
+
+    def get_loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 in fp32 and bf16)."""
+        return self.scaler.value if self.scaler is not None else 1.0
 
     def evaluate(self, inputs: Mapping[str, Any], batch_size: int | None = None) -> float:
         """Mean loss over every replica's ``inputs`` (any number of examples; batch dims as discovered)."""
         n = batch_size_of(inputs, self.input_batch_dims) if batch_size is None else int(batch_size)
         sizes = microbatch_sizes(n, self.chunk_size)
         microbatches = split_inputs(inputs, self.input_batch_dims, sizes, expected=n)
+        self._evaluations += 1
         with torch.no_grad():
-            loss_sum = self.runtime.run(microbatches, sizes, [m / n for m in sizes], train=False)
+            loss_sum = self.runtime.run(microbatches, sizes, [m / n for m in sizes], train=False,
+                                        rng=(self.seed, -self._evaluations))
         pair = torch.stack([loss_sum * n, torch.tensor(float(n), dtype=torch.float64, device=loss_sum.device)])
         if not self.stage_module.is_last:
             pair.zero_()
@@ -323,6 +379,13 @@ class Varuna(nn.Module):
         return self.stage_module.parameter_bytes()
 
     # ------------------------------------------------------------------------------------------------------
+
+    def _agree_seed(self, seed: int | None) -> int:
+        """The dropout seed, identical on every rank (rank 0's choice wins)."""
+        value = torch.tensor([int(seed) if seed is not None else torch.initial_seed()], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.broadcast(value, src=0)
+        return int(value.item())
 
     def _sync_grads(self) -> None:
         for tie, group in self.tie_groups:

@@ -96,7 +96,8 @@ def test_replica_slice_and_names() -> None:
         ({"chunk_size": 0}, ConfigError, "chunk_size"),
         ({"schedule": "zigzag"}, ConfigError, "unknown schedule"),
         ({"partition": [(0, 2), (2, 5)]}, PartitionError, "stage"),
-        ({"fp16": True}, ConfigError, "fp16"),
+        ({"precision": "fp8"}, ConfigError, "unknown precision"),
+        ({"fp16": True, "precision": "bf16"}, ConfigError, "contradicts"),
     ],
 )
 def test_bad_arguments(kwargs, error, match) -> None:

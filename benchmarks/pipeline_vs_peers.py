@@ -1,0 +1,612 @@
+"""Step time of our pipeline runtime vs ``torch.distributed.pipelining`` on the example char-level GPT.
+
+One invocation measures every contender, side by side, on the same model, split and data:
+
+    ours 1f1b, ours varuna, ours gpipe            Varuna(model, "0;1", ..., schedule=..., partition=...)
+    torch Schedule1F1B, torch ScheduleGPipe       PipelineStage (manual frontend) + the torch schedule
+
+Each contender runs in a fresh pair of worker processes (2 pipeline stages, 1 replica, gloo on 127.0.0.1,
+one thread each), so the peak RSS of a process belongs to that contender alone. A worker builds the model
+from the same seed, runs ``--warmup`` steps, then ``--steps`` measured steps; a step is forward + backward of
+``--microbatches`` micro-batches + ``optimizer.step()`` (SGD) + ``zero_grad()``, timed with
+``time.perf_counter()`` on each rank after a barrier. The reported step time of a run is the median over
+steps of the slowest rank's time for that step (max over ranks per step, then median over steps).
+
+With ``--rounds N`` every contender is measured N times, in alternating order (forward, reversed, forward,
+...); the table shows the round with the lowest median, and the medians of all rounds.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pipeline_vs_peers.py            # table on stdout
+    .venv/bin/python benchmarks/pipeline_vs_peers.py --json                      # one JSON document
+    .venv/bin/python benchmarks/pipeline_vs_peers.py --contenders ours-1f1b,torch-1f1b --rounds 3
+
+torch pipelining has no tied weights across stages: for the torch contenders the head gets its own weight
+(a copy of the embedding at start, same shape and compute). Ours keeps the tie and all-reduces its gradient
+between the two stages every step.
+
+The script doubles as its own worker (``--worker SPEC OUT``, internal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT_DIR = ROOT / "examples" / "gpt"
+
+CONTENDERS: dict[str, str] = {
+    "ours-1f1b": "ours 1f1b",
+    "ours-varuna": "ours varuna",
+    "ours-gpipe": "ours gpipe",
+    "torch-1f1b": "torch Schedule1F1B",
+    "torch-gpipe": "torch ScheduleGPipe",
+}
+BASELINE = "torch-1f1b"
+# (ours, torch) pairs whose ratio is printed at the end; the last one is the headline.
+PAIRS = [("ours-gpipe", "torch-gpipe"), ("ours-varuna", "torch-1f1b"), ("ours-1f1b", "torch-1f1b")]
+WORLD = 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Compare the step time of our pipeline runtime with torch.distributed.pipelining "
+        "(2 stages on 2 local processes, gloo, CPU).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=64, help="sequence length of every example")
+    p.add_argument("--microbatch-size", type=int, default=4, help="examples per micro-batch")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (M)")
+    p.add_argument("--steps", type=int, default=30, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=5, help="unmeasured steps before the measured ones")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs per contender, in alternating order; the best round is reported")
+    p.add_argument("--contenders", default=",".join(CONTENDERS),
+                   help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (same for all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=240.0,
+                   help="seconds one run (a pair of worker processes) may take before both are killed")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="cProfile the measured steps of every rank into DIR/<contender>-round<r>-rank<k>.prof "
+                   "(profiling inflates the timings: use it to see where time goes, not to compare)")
+    p.add_argument("--keep-logs", metavar="DIR", default=None, help="keep worker specs, logs and results in DIR")
+    p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    names = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONTENDERS]
+    if unknown or not names:
+        p.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
+    args.contender_list = list(dict.fromkeys(names))
+    if args.n_layer < 2:
+        p.error("--n-layer must be at least 2 (one block per stage at least)")
+    if args.n_embd % args.n_head:
+        p.error("--n-embd must be divisible by --n-head")
+    if args.microbatches < WORLD:
+        p.error(f"--microbatches must be at least {WORLD} (torch's Schedule1F1B requires M >= stages)")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.microbatch_size < 1:
+        p.error("--steps, --rounds and --microbatch-size must be >= 1, --warmup >= 0")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Worker: one rank of one contender
+
+
+def _vm_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set of this process (VmHWM; ru_maxrss where /proc is missing), in MB."""
+    kb = _vm_kb("VmHWM")
+    if kb is None:
+        import resource
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024
+
+
+def worker(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(GPT_DIR))
+    from data import CharDataset  # noqa: E402
+    from model import GPT, SHARED_WEIGHTS, GPTConfig  # noqa: E402
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = float(spec["timeout"])
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+    rss_after_import = peak_rss_mb()
+
+    contender = spec["contender"]
+    M, mbs, T, L = spec["microbatches"], spec["microbatch_size"], spec["block_size"], spec["n_layer"]
+    batch_size = M * mbs
+    ds = CharDataset.load()
+    cfg = GPTConfig(vocab_size=ds.vocab_size, block_size=T, n_layer=L, n_head=spec["n_head"],
+                    n_embd=spec["n_embd"], dropout=0.0)
+    torch.manual_seed(spec["seed"])
+    gpt = GPT(cfg)
+    total_params = gpt.num_parameters()
+    n_steps = spec["warmup"] + spec["steps"]
+    # Every step's global batch, drawn up front from a generator seeded by (seed, step): same data for all.
+    batches = [ds.get_batch("train", batch_size, T, torch.Generator().manual_seed(spec["seed"] * 1_000_003 + i))
+               for i in range(n_steps)]
+    k = L // 2  # blocks on stage 0
+
+    t_setup = time.perf_counter()
+    if contender.startswith("ours-"):
+        from varuna_core import Varuna
+
+        # Segments (model.py): 0 = wte+wpe, i = blocks[i-1] for 1 <= i < L, L = blocks[L-1] + ln_f + lm_head.
+        # Stage 0 = segments [0, k+1) = embeddings + blocks[:k]; stage 1 = blocks[k:] + ln_f + head + loss.
+        partition = [(0, k + 1), (k + 1, L + 1)]
+        dummy = ds.get_batch("train", mbs, T, torch.Generator().manual_seed(spec["seed"]))
+        model = Varuna(gpt, "0;1", dummy, batch_size=batch_size, chunk_size=mbs, shared_weights=SHARED_WEIGHTS,
+                       schedule=contender.removeprefix("ours-"), partition=partition, from_cache=False,
+                       timeout=timeout)
+        params = list(model.parameters())
+        param_names = [n for n, _ in model.named_parameters()]
+        optimizer = torch.optim.SGD(params, lr=spec["lr"])
+        model.set_optimizer(optimizer)
+
+        def step(batch: dict) -> float | None:
+            loss, overflow = model.step(batch)
+            if not overflow:
+                optimizer.step()
+            optimizer.zero_grad()
+            return float(loss)
+
+    else:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        class Stage0(nn.Module):
+            """Embeddings + the first k blocks (what ours runs as segments [0, k+1))."""
+
+            def __init__(self, g: GPT) -> None:
+                super().__init__()
+                self.wte, self.wpe, self.drop = g.wte, g.wpe, g.drop
+                self.blocks = nn.ModuleList(g.blocks[:k])
+
+            def forward(self, idx: torch.Tensor) -> torch.Tensor:
+                pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)
+                x = self.drop(self.wte(idx) + self.wpe(pos))
+                for block in self.blocks:
+                    x = block(x)
+                return x
+
+        class Stage1(nn.Module):
+            """The other blocks + final LayerNorm + head; the loss is the schedule's loss_fn."""
+
+            def __init__(self, g: GPT) -> None:
+                super().__init__()
+                self.blocks = nn.ModuleList(g.blocks[k:])
+                self.ln_f = g.ln_f
+                # No tied weights in torch pipelining: an own head weight, starting equal to the embedding.
+                self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+                with torch.no_grad():
+                    self.lm_head.weight.copy_(g.wte.weight)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                for block in self.blocks:
+                    x = block(x)
+                return self.lm_head(self.ln_f(x))
+
+        submodule = Stage0(gpt) if rank == 0 else Stage1(gpt)
+        del gpt
+        param_names = [n for n, _ in submodule.named_parameters()]
+        stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+        schedule_cls = Schedule1F1B if contender == "torch-1f1b" else ScheduleGPipe
+        schedule = schedule_cls(stage, n_microbatches=M, loss_fn=loss_fn)
+        params = list(submodule.parameters())
+        optimizer = torch.optim.SGD(params, lr=spec["lr"])
+        last = rank == world - 1
+
+        def step(batch: dict) -> float | None:
+            if rank == 0:
+                schedule.step(batch["idx"])
+                loss = None
+            else:
+                losses: list = []
+                schedule.step(target=batch["targets"], losses=losses, return_outputs=False)
+                loss = float(torch.stack([x.detach() for x in losses]).mean()) if last else None
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+
+    setup_s = time.perf_counter() - t_setup
+    rss_after_setup = peak_rss_mb()
+
+    times: list[float] = []
+    losses: list[float | None] = []
+    profiler = None
+    for i, batch in enumerate(batches):
+        if i == spec["warmup"] and spec.get("profile"):
+            import cProfile
+
+            profiler = cProfile.Profile()
+        dist.barrier()
+        if profiler is not None:
+            profiler.enable()
+        t0 = time.perf_counter()
+        loss = step(batch)
+        t1 = time.perf_counter()
+        if profiler is not None:
+            profiler.disable()
+        losses.append(loss)
+        if i >= spec["warmup"]:
+            times.append(t1 - t0)
+    dist.barrier()
+    if profiler is not None:
+        profiler.dump_stats(spec["profile"].replace("{rank}", str(rank)))  # one file per rank
+
+    result = {
+        "rank": rank,
+        "contender": contender,
+        "times_s": times,
+        "losses": losses,
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_after_import_mb": rss_after_import,
+        "peak_rss_after_setup_mb": rss_after_setup,
+        "setup_s": setup_s,
+        "stage_params": sum(p.numel() for p in params),
+        "stage_param_names": param_names,
+        "total_params": total_params,
+        "torch": torch.__version__,
+    }
+    Path(out_path).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launcher
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_pair(spec: dict, workdir: Path, tag: str, timeout: float) -> tuple[list[dict] | None, str | None]:
+    """Run both ranks of one contender in fresh processes; kill both on timeout or when one fails."""
+    spec_path = workdir / f"{tag}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = free_port()
+    procs, logs, outs = [], [], []
+    for rank in range(WORLD):
+        env = dict(os.environ)
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   VARUNA_TIMEOUT=str(int(timeout)))
+        out = workdir / f"{tag}.rank{rank}.json"
+        out.unlink(missing_ok=True)
+        logf = open(workdir / f"{tag}.rank{rank}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
+                                       str(out)], cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT))
+        logs.append(logf)
+        outs.append(out)
+    deadline = time.monotonic() + timeout
+    error = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) for c in codes):
+                error = f"a worker exited with code {[c for c in codes if c not in (None, 0)][0]}"
+                break
+            if time.monotonic() > deadline:
+                error = f"timed out after {timeout:g}s"
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in logs:
+            f.close()
+    codes = [p.returncode for p in procs]
+    if error is None and any(codes):
+        error = f"worker exit codes {codes}"
+    if error is None and not all(o.exists() for o in outs):
+        error = "a worker finished without writing its result"
+    if error is not None:
+        for rank in range(WORLD):
+            text = (workdir / f"{tag}.rank{rank}.log").read_text()
+            log(f"--- {tag} rank {rank} log (last 3000 chars) ---\n{text[-3000:]}")
+        return None, error
+    return [json.loads(o.read_text()) for o in outs], None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100])."""
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize_run(ranks: list[dict]) -> dict:
+    per_step = [max(r["times_s"][i] for r in ranks) * 1e3 for i in range(len(ranks[0]["times_s"]))]
+    last = ranks[-1]
+    return {
+        "median_ms": statistics.median(per_step),
+        "p10_ms": percentile(per_step, 10),
+        "p90_ms": percentile(per_step, 90),
+        "step_ms": per_step,
+        "rank_median_ms": [statistics.median(r["times_s"]) * 1e3 for r in ranks],
+        "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
+        "peak_rss_after_setup_mb": [r["peak_rss_after_setup_mb"] for r in ranks],
+        "peak_rss_after_import_mb": [r["peak_rss_after_import_mb"] for r in ranks],
+        "setup_s": [r["setup_s"] for r in ranks],
+        "stage_params": [r["stage_params"] for r in ranks],
+        "losses": last["losses"],  # the last stage always reports the loss
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return 0
+
+    names = args.contender_list
+    spec_base = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block_size", "microbatch_size",
+                                              "microbatches", "steps", "warmup", "lr", "seed", "timeout")}
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        log("note: --profile is on; cProfile inflates the step times, do not compare them with unprofiled runs")
+    tmp = None
+    if args.keep_logs:
+        workdir = Path(args.keep_logs)
+        workdir.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="pipeline_vs_peers.")
+        workdir = Path(tmp.name)
+
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    errors: dict[str, list[str]] = {n: [] for n in names}
+    meta: dict[str, Any] = {}
+    t_all = time.perf_counter()
+    try:
+        for rnd in range(args.rounds):
+            order = names if rnd % 2 == 0 else names[::-1]
+            for name in order:
+                tag = f"{name}-round{rnd}"
+                spec = dict(spec_base, contender=name)
+                if args.profile:
+                    spec["profile"] = str(Path(args.profile).resolve() / f"{tag}-rank{{rank}}.prof")
+                log(f"[{time.perf_counter() - t_all:6.1f}s] round {rnd + 1}/{args.rounds}: {CONTENDERS[name]} ...")
+                ranks, err = run_pair(spec, workdir, tag, args.timeout)
+                if err is not None:
+                    log(f"  {CONTENDERS[name]} failed: {err}")
+                    errors[name].append(err)
+                    continue
+                summary = summarize_run(ranks)
+                summary["round"] = rnd
+                runs[name].append(summary)
+                meta.setdefault("total_params", ranks[0]["total_params"])
+                meta.setdefault("torch", ranks[0]["torch"])
+                meta.setdefault("stage_param_names", {})[name] = [r["stage_param_names"] for r in ranks]
+                log(f"  median {summary['median_ms']:.2f} ms/step, loss(step 1) {summary['losses'][0]:.5f}")
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    elapsed = time.perf_counter() - t_all
+
+    report = build_report(args, names, runs, errors, meta, elapsed)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0 if not any(errors.values()) else 1
+
+
+def build_report(args, names, runs, errors, meta, elapsed) -> dict:
+    contenders = []
+    base = None
+    best: dict[str, dict] = {}
+    for name in names:
+        if runs[name]:
+            best[name] = min(runs[name], key=lambda r: r["median_ms"])
+    if BASELINE in best:
+        base = best[BASELINE]["median_ms"]
+    ref_losses = best.get("ours-1f1b", next(iter(best.values()), None))
+    ref_losses = ref_losses["losses"] if ref_losses else None
+    for name in names:
+        entry: dict[str, Any] = {"key": name, "contender": CONTENDERS[name], "errors": errors[name]}
+        if name in best:
+            b = best[name]
+            entry.update(
+                median_ms=b["median_ms"], p10_ms=b["p10_ms"], p90_ms=b["p90_ms"],
+                ratio_vs_torch_1f1b=(b["median_ms"] / base) if base else None,
+                round_medians_ms=[r["median_ms"] for r in runs[name]],
+                best_round=b["round"],
+                rank_median_ms=b["rank_median_ms"],
+                peak_rss_mb=[max(r["peak_rss_mb"][k] for r in runs[name]) for k in range(WORLD)],
+                peak_rss_after_setup_mb=b["peak_rss_after_setup_mb"],
+                peak_rss_after_import_mb=b["peak_rss_after_import_mb"],
+                setup_s=b["setup_s"],
+                stage_params=b["stage_params"],
+                loss_first_step=b["losses"][0],
+                loss_last_step=b["losses"][-1],
+                loss_first_step_diff_vs_ours_1f1b=(b["losses"][0] - ref_losses[0]) if ref_losses else None,
+                loss_last_step_diff_vs_ours_1f1b=(b["losses"][-1] - ref_losses[-1]) if ref_losses else None,
+                step_ms=b["step_ms"],
+            )
+        contenders.append(entry)
+    ratios = []
+    for ours, theirs in PAIRS:
+        if ours in best and theirs in best:
+            ratios.append({"ours": CONTENDERS[ours], "torch": CONTENDERS[theirs],
+                           "ratio": best[ours]["median_ms"] / best[theirs]["median_ms"]})
+    # Same split check: the number of parameters each rank holds must agree between all contenders.
+    split = {n: best[n]["stage_params"] for n in best}
+    same_split = len({tuple(v) for v in split.values()}) <= 1
+    return {
+        "config": {
+            "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,
+            "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
+            "batch_size": args.microbatch_size * args.microbatches, "steps": args.steps, "warmup": args.warmup,
+            "rounds": args.rounds, "lr": args.lr, "seed": args.seed, "optimizer": "SGD",
+            "stages": WORLD, "replicas": 1, "backend": "gloo", "threads_per_process": 1,
+            "split": f"stage 0 = embeddings + blocks[0:{args.n_layer // 2}], "
+                     f"stage 1 = blocks[{args.n_layer // 2}:{args.n_layer}] + ln_f + head + loss; "
+                     f"ours partition [(0, {args.n_layer // 2 + 1}), ({args.n_layer // 2 + 1}, {args.n_layer + 1})]",
+            "total_params": meta.get("total_params"), "torch": meta.get("torch"),
+            "profiled": bool(args.profile),
+        },
+        "method": "per step: max over ranks of perf_counter() around step+optimizer.step+zero_grad (after a "
+                  "barrier); median/p10/p90 over measured steps; best round by median; peak RSS = VmHWM per rank, "
+                  "max over rounds",
+        "notes": [
+            "torch contenders: lm_head has its own weight (initialised to a copy of wte), because torch "
+            "pipelining has no cross-stage tied weights; same compute. Ours keeps the tie and all-reduces "
+            "its gradient between the stages every step (and all-reduces the loss so every rank returns it).",
+            "step-1 losses should match (same initial values); later losses differ for torch because the "
+            "untied head and embedding get different updates.",
+        ],
+        "same_split": same_split,
+        "stage_params": split,
+        "contenders": contenders,
+        "ratios": ratios,
+        "elapsed_s": elapsed,
+    }
+
+
+def print_report(report: dict) -> None:
+    cfg = report["config"]
+    lines_before = [
+        f"model: char GPT, n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, n_head {cfg['n_head']}, "
+        f"block_size {cfg['block_size']}, {cfg['total_params'] or 0:,} params (tied), torch {cfg['torch']}",
+        f"pipeline: {cfg['stages']} stages x 1 replica, gloo, 1 thread/process; {cfg['microbatches']} micro-batches "
+        f"of {cfg['microbatch_size']} (batch {cfg['batch_size']}); SGD lr {cfg['lr']}; "
+        f"{cfg['warmup']} warm-up + {cfg['steps']} measured steps, {cfg['rounds']} round(s)",
+        f"split: {cfg['split']}",
+        f"timing: {report['method']}",
+    ]
+    if cfg["profiled"]:
+        lines_before.append("WARNING: profiled run, timings are inflated by cProfile")
+    if not report["same_split"]:
+        lines_before.append(f"WARNING: parameters per rank differ between contenders: {report['stage_params']}")
+    else:
+        some = next(iter(report["stage_params"].values()), None)
+        if some:
+            lines_before.append(f"parameters per rank (all contenders): {some}")
+
+    rows = []
+    for c in report["contenders"]:
+        if "median_ms" not in c:
+            rows.append([c["contender"], "failed: " + "; ".join(c["errors"])] + [""] * 7)
+            continue
+        ratio = f"{c['ratio_vs_torch_1f1b']:.2f}" if c["ratio_vs_torch_1f1b"] is not None else "-"
+        rows.append([
+            c["contender"], f"{c['median_ms']:.2f}", f"{c['p10_ms']:.2f}", f"{c['p90_ms']:.2f}", ratio,
+            " / ".join(f"{m:.2f}" for m in c["round_medians_ms"]),
+            f"{c['peak_rss_mb'][0]:.0f}", f"{c['peak_rss_mb'][1]:.0f}",
+            f"{c['loss_first_step']:.6f}",
+        ])
+    headers = ["contender", "median ms", "p10 ms", "p90 ms", "vs torch 1F1B", "medians by round",
+               "RSS r0 MB", "RSS r1 MB", "loss step 1"]
+    loss_rows = []
+    for c in report["contenders"]:
+        if "median_ms" in c:
+            d1, dl = c["loss_first_step_diff_vs_ours_1f1b"], c["loss_last_step_diff_vs_ours_1f1b"]
+            loss_rows.append([c["contender"], f"{c['loss_first_step']:.6f}", f"{d1:+.2e}" if d1 is not None else "-",
+                              f"{c['loss_last_step']:.6f}", f"{dl:+.2e}" if dl is not None else "-"])
+    loss_headers = ["contender", "loss step 1", "diff vs ours 1f1b", f"loss step {cfg['warmup'] + cfg['steps']}",
+                    "diff vs ours 1f1b"]
+
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console(width=max(140, Console().width))
+        for line in lines_before:
+            console.print(line, highlight=False, markup=False)
+        table = Table(title="step time (forward+backward of all micro-batches + SGD step + zero_grad)")
+        for i, h in enumerate(headers):
+            table.add_column(h, justify="left" if i == 0 else "right")
+        for r in rows:
+            table.add_row(*r)
+        console.print(table)
+        lt = Table(title="correctness: loss returned by the first and the last step")
+        for i, h in enumerate(loss_headers):
+            lt.add_column(h, justify="left" if i == 0 else "right")
+        for r in loss_rows:
+            lt.add_row(*r)
+        console.print(lt)
+        for note in report["notes"]:
+            console.print("note: " + note, highlight=False, markup=False)
+    except ImportError:
+        for line in lines_before:
+            print(line)
+        _plain_table(headers, rows)
+        print()
+        _plain_table(loss_headers, loss_rows)
+        for note in report["notes"]:
+            print("note: " + note)
+    print(f"total time {report['elapsed_s']:.0f}s")
+    for r in report["ratios"]:
+        print(f"{r['ours']} / {r['torch']} = {r['ratio']:.2f}")
+    sys.stdout.flush()
+
+
+def _plain_table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    for r in rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
