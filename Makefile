@@ -18,7 +18,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo clean distclean
+.PHONY: help setup test demo bench clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [DEMO_ARGS=...]"
@@ -42,6 +42,10 @@ demo: setup ## train the example GPT on 4 local processes (4 pipeline stages)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/gpt/train.py \
 		--stage-to-rank-map "0;1;2;3" --batch-size 32 --chunk-size 4 --schedule varuna \
 		--steps 500 --log-every 25 $(DEMO_ARGS)
+
+# Step time of our pipeline runtime vs torch.distributed.pipelining, 2 stages on 2 local processes (see benchmarks/README.md).
+bench: setup ## compare our pipeline step time with torch.distributed.pipelining (BENCH_ARGS="--json")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/pipeline_vs_peers.py $(BENCH_ARGS)
 
 clean: ## remove caches and build output (keeps the venv; forces `setup` to re-run)
 	rm -rf build dist runs .pytest_cache src/*.egg-info $(STAMP)

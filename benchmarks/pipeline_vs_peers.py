@@ -255,6 +255,7 @@ def worker(spec_path: str, out_path: str) -> None:
     rss_after_setup = peak_rss_mb()
 
     times: list[float] = []
+    cpu_times: list[float] = []
     losses: list[float | None] = []
     profiler = None
     for i, batch in enumerate(batches):
@@ -265,14 +266,15 @@ def worker(spec_path: str, out_path: str) -> None:
         dist.barrier()
         if profiler is not None:
             profiler.enable()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         loss = step(batch)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         if profiler is not None:
             profiler.disable()
         losses.append(loss)
         if i >= spec["warmup"]:
             times.append(t1 - t0)
+            cpu_times.append(c1 - c0)
     dist.barrier()
     if profiler is not None:
         profiler.dump_stats(spec["profile"].replace("{rank}", str(rank)))  # one file per rank
@@ -281,6 +283,7 @@ def worker(spec_path: str, out_path: str) -> None:
         "rank": rank,
         "contender": contender,
         "times_s": times,
+        "cpu_s": cpu_times,  # process CPU time (all threads) during each measured step
         "losses": losses,
         "peak_rss_mb": peak_rss_mb(),
         "peak_rss_after_import_mb": rss_after_import,
@@ -305,12 +308,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def busy_cpu_s() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (all cores, from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this launcher and its finished (waited-for) children."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def loadavg() -> float | None:
+    """1-minute load average (other work on the machine distorts the timings)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_pair(spec: dict, workdir: Path, tag: str, timeout: float) -> tuple[list[dict] | None, str | None]:
-    """Run both ranks of one contender in fresh processes; kill both on timeout or when one fails."""
+def run_pair(spec: dict, workdir: Path, tag: str, timeout: float) -> tuple[list[dict] | None, str | None, float | None]:
+    """Run both ranks of one contender in fresh processes; kill both on timeout or when one fails.
+
+    Returns the ranks' results (or None and an error), and the average number of cores other processes on the
+    machine kept busy meanwhile (machine-wide busy CPU time minus this launcher's and its workers').
+    """
+    busy0, own0, wall0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
     spec_path = workdir / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
@@ -348,6 +383,10 @@ def run_pair(spec: dict, workdir: Path, tag: str, timeout: float) -> tuple[list[
             p.wait()
         for f in logs:
             f.close()
+    busy1, own1, wall1 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
+    others = None
+    if busy0 is not None and busy1 is not None:
+        others = max(0.0, ((busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9))
     codes = [p.returncode for p in procs]
     if error is None and any(codes):
         error = f"worker exit codes {codes}"
@@ -357,8 +396,8 @@ def run_pair(spec: dict, workdir: Path, tag: str, timeout: float) -> tuple[list[
         for rank in range(WORLD):
             text = (workdir / f"{tag}.rank{rank}.log").read_text()
             log(f"--- {tag} rank {rank} log (last 3000 chars) ---\n{text[-3000:]}")
-        return None, error
-    return [json.loads(o.read_text()) for o in outs], None
+        return None, error, others
+    return [json.loads(o.read_text()) for o in outs], None, others
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -381,6 +420,7 @@ def summarize_run(ranks: list[dict]) -> dict:
         "p90_ms": percentile(per_step, 90),
         "step_ms": per_step,
         "rank_median_ms": [statistics.median(r["times_s"]) * 1e3 for r in ranks],
+        "rank_cpu_fraction": [sum(r["cpu_s"]) / max(sum(r["times_s"]), 1e-12) for r in ranks],
         "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
         "peak_rss_after_setup_mb": [r["peak_rss_after_setup_mb"] for r in ranks],
         "peak_rss_after_import_mb": [r["peak_rss_after_import_mb"] for r in ranks],
@@ -414,6 +454,11 @@ def main() -> int:
     errors: dict[str, list[str]] = {n: [] for n in names}
     meta: dict[str, Any] = {}
     t_all = time.perf_counter()
+    meta["loadavg_before"] = loadavg()
+    meta["cpus"] = os.cpu_count()
+    if meta["loadavg_before"] is not None and meta["loadavg_before"] > 0.5:
+        log(f"note: 1-minute load average is {meta['loadavg_before']:.2f} before starting; other work on the "
+            f"machine makes the timings noisy")
     try:
         for rnd in range(args.rounds):
             order = names if rnd % 2 == 0 else names[::-1]
@@ -423,13 +468,18 @@ def main() -> int:
                 if args.profile:
                     spec["profile"] = str(Path(args.profile).resolve() / f"{tag}-rank{{rank}}.prof")
                 log(f"[{time.perf_counter() - t_all:6.1f}s] round {rnd + 1}/{args.rounds}: {CONTENDERS[name]} ...")
-                ranks, err = run_pair(spec, workdir, tag, args.timeout)
+                ranks, err, others = run_pair(spec, workdir, tag, args.timeout)
+                if others is not None:
+                    meta.setdefault("other_cores", []).append(others)
+                    if others > 0.2:
+                        log(f"  warning: other processes kept {others:.2f} cores busy during this run")
                 if err is not None:
                     log(f"  {CONTENDERS[name]} failed: {err}")
                     errors[name].append(err)
                     continue
                 summary = summarize_run(ranks)
                 summary["round"] = rnd
+                summary["other_cores"] = others
                 runs[name].append(summary)
                 meta.setdefault("total_params", ranks[0]["total_params"])
                 meta.setdefault("torch", ranks[0]["torch"])
@@ -472,6 +522,8 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
                 round_medians_ms=[r["median_ms"] for r in runs[name]],
                 best_round=b["round"],
                 rank_median_ms=b["rank_median_ms"],
+                rank_cpu_fraction=b["rank_cpu_fraction"],
+                other_cores_by_round=[r["other_cores"] for r in runs[name]],
                 peak_rss_mb=[max(r["peak_rss_mb"][k] for r in runs[name]) for k in range(WORLD)],
                 peak_rss_after_setup_mb=b["peak_rss_after_setup_mb"],
                 peak_rss_after_import_mb=b["peak_rss_after_import_mb"],
@@ -504,7 +556,11 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
                      f"ours partition [(0, {args.n_layer // 2 + 1}), ({args.n_layer // 2 + 1}, {args.n_layer + 1})]",
             "total_params": meta.get("total_params"), "torch": meta.get("torch"),
             "profiled": bool(args.profile),
+            "cpus": meta.get("cpus"),
         },
+        "machine_load": {"loadavg_1min_before": meta.get("loadavg_before"),
+                         "other_cores_max": max(meta.get("other_cores") or [0.0]),
+                         "other_cores_mean": statistics.mean(meta.get("other_cores") or [0.0])},
         "method": "per step: max over ranks of perf_counter() around step+optimizer.step+zero_grad (after a "
                   "barrier); median/p10/p90 over measured steps; best round by median; peak RSS = VmHWM per rank, "
                   "max over rounds",
@@ -534,6 +590,10 @@ def print_report(report: dict) -> None:
         f"split: {cfg['split']}",
         f"timing: {report['method']}",
     ]
+    load = report["machine_load"]
+    lines_before.append(f"machine: {cfg['cpus']} CPUs; other processes kept {load['other_cores_mean']:.2f} cores busy "
+                        f"on average during the runs (worst run {load['other_cores_max']:.2f})"
+                        + ("  <-- NOISY: numbers are not reliable" if load["other_cores_max"] > 0.2 else ""))
     if cfg["profiled"]:
         lines_before.append("WARNING: profiled run, timings are inflated by cProfile")
     if not report["same_split"]:
@@ -572,7 +632,7 @@ def print_report(report: dict) -> None:
 
         console = Console(width=max(140, Console().width))
         for line in lines_before:
-            console.print(line, highlight=False, markup=False)
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
         table = Table(title="step time (forward+backward of all micro-batches + SGD step + zero_grad)")
         for i, h in enumerate(headers):
             table.add_column(h, justify="left" if i == 0 else "right")
@@ -586,7 +646,7 @@ def print_report(report: dict) -> None:
             lt.add_row(*r)
         console.print(lt)
         for note in report["notes"]:
-            console.print("note: " + note, highlight=False, markup=False)
+            console.print("note: " + note, highlight=False, markup=False, soft_wrap=True)
     except ImportError:
         for line in lines_before:
             print(line)

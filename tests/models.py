@@ -122,3 +122,14 @@ class NoCuts(torch.nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.lin(idx.float()).mean()
+
+
+class SeqFirstLM(ToyLM):
+    """Takes sequence-first inputs ``[s, b]``: the batch is dim 1 of every input."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx.t(), targets.t())
+
+
+def seq_first_batch(n: int, seed: int = 0) -> dict:
+    return {k: v.t().contiguous() for k, v in batch(n, seed).items()}

@@ -73,7 +73,7 @@ def wait_all(works: list[Any], *, timeout: float, describe: Callable[[], str], p
     """Wait for every work handle, each within ``timeout`` seconds.
 
     Raises:
-        CommTimeoutError: naming what waited (``describe()``) and the peer.
+        CommTimeoutError: naming what waited (``describe()``), the peer, and the rank that failed first.
     """
     delta = datetime.timedelta(seconds=timeout)
     for work in works:
@@ -81,15 +81,48 @@ def wait_all(works: list[Any], *, timeout: float, describe: Callable[[], str], p
             work.wait(delta)
         except RuntimeError as exc:
             text = str(exc)
+            root = _report_failure(peer)
+            blame = ""
+            if root is not None and root != peer:
+                blame = f"; rank {root} failed first"
             if "imed out" in text or "imeout" in text:
                 raise CommTimeoutError(
-                    f"{describe()}: no progress within {timeout:g}s",
-                    hint=f"check the log of rank {peer}; set VARUNA_TIMEOUT (seconds) if steps are legitimately slow",
+                    f"{describe()}: no progress within {timeout:g}s{blame}",
+                    hint=f"check the log of rank {root if root is not None else peer}; set VARUNA_TIMEOUT "
+                    "(seconds) if steps are legitimately slow",
                 ) from None
+            who = f"rank {root}" if root is not None else "a peer"
             raise CommTimeoutError(
-                f"{describe()}: the connection failed ({text.splitlines()[0][:200]})",
-                hint=f"rank {peer} probably crashed or was killed: check its log",
+                f"{describe()}: the connection failed ({text.splitlines()[0][:160]}){blame}",
+                hint=f"{who} crashed or was killed: check its log",
             ) from None
+
+
+def _report_failure(peer: int | None) -> int | None:
+    """Record in the job's store that this rank lost ``peer``, and follow such records to the rank that
+    failed first (the first one in the chain that left no record: it died without a word).
+
+    A rank that dies takes its connections down, so its neighbours fail at once, then theirs: without this,
+    a rank two hops away would blame its live neighbour instead of the dead rank. Falls back to ``peer``
+    when the store is unreachable (e.g. it was hosted by the dead rank).
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank()
+        store.set_timeout(datetime.timedelta(seconds=2))
+        store.set(f"varuna/lost/{me}", str(-1 if peer is None else peer))
+        root, seen = peer, {me}
+        while root is not None and root >= 0 and root not in seen:
+            seen.add(root)
+            if not store.check([f"varuna/lost/{root}"]):
+                return root
+            nxt = int(store.get(f"varuna/lost/{root}").decode())
+            if nxt < 0:
+                return root
+            root = nxt
+        return root if root is not None and root >= 0 else peer
+    except Exception:  # the store is best effort: never mask the original failure
+        return peer
 
 
 def _dtype_ok(dtype: torch.dtype, want: TensorSpec) -> bool:

@@ -32,18 +32,23 @@ class RankResult:
 
 def run_ranks(spec: dict, world: int, tmp_path: Path, *, timeout: float = 240.0, worker: str = "tests.dist.worker",
               env: dict | None = None) -> list[RankResult]:
-    """Start ``world`` workers running ``worker`` on ``spec``; kill them all if any runs past ``timeout``."""
+    """Start ``world`` workers running ``worker`` on ``spec``; kill them all if any runs past ``timeout``.
+
+    As under torchrun, the job's TCPStore is hosted here (the "agent"), not by rank 0, so it outlives any
+    worker: the tests kill workers and check what the survivors report.
+    """
     tmp_path.mkdir(parents=True, exist_ok=True)
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
     procs = []
     for rank in range(world):
         penv = dict(os.environ)
         penv.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-            VARUNA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT),
+            VARUNA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), TORCHELASTIC_USE_AGENT_STORE="True",
         )
         penv.update(env or {})
         log = open(tmp_path / f"rank{rank}.log", "w")
@@ -59,6 +64,7 @@ def run_ranks(spec: dict, world: int, tmp_path: Path, *, timeout: float = 240.0,
     for proc in hung:
         proc.kill()
         proc.wait()
+    del store
     out = []
     for rank, (proc, log) in enumerate(procs):
         log.close()

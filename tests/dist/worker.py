@@ -1,10 +1,17 @@
-"""Worker process for the multi-process tests: trains ``tests.models.ToyLM`` under ``Varuna`` for each run of
-a spec and saves losses and final parameters. Errors are written to ``rank<R>.err`` as ``Type: message``."""
+"""Worker process for the multi-process tests: trains a test model under ``Varuna`` for each run of a spec
+and saves losses, gradient norms, loss scales and final parameters. Errors are written to ``rank<R>.err``
+as ``Type: message``.
+
+Run options (all optional except schedule/optimizer/batch/chunk): model (a class in tests.models, or "GPT"
+for the example), n_layer, dropout, steps, partition, validate, precision, clip, declare_shared, bad_seq,
+stall_rank/stall_seconds, inject_inf {rank, step}, die {rank, step}, evaluate (batch size of an evaluation).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -17,6 +24,8 @@ from tests.models import SHARED, batch
 from varuna_core import Varuna
 from varuna_core.errors import VarunaError
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def make_optimizer(name: str, params):
     if name == "sgd":
@@ -24,36 +33,87 @@ def make_optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+def gpt_setup(run: dict):
+    """The example GPT (small config) and a function step -> global batch of text."""
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    from data import CharDataset
+    from model import GPT, SHARED_WEIGHTS, GPTConfig
+
+    ds = CharDataset.load()
+    cfg = GPTConfig(vocab_size=ds.vocab_size, block_size=32, n_layer=run.get("n_layer", 2), n_head=2, n_embd=32,
+                    dropout=run.get("dropout", 0.0))
+    model = GPT(cfg)
+    return model, SHARED_WEIGHTS, lambda n, seed: ds.get_batch("train", n, 32, torch.Generator().manual_seed(seed))
+
+
 def run_one(run: dict, spec: dict) -> dict:
     torch.manual_seed(run.get("seed", 0))
-    model_cls = getattr(models, run.get("model", "ToyLM"))
-    model = model_cls(n_layer=run.get("n_layer", 4), dropout=run.get("dropout", 0.0))
+    if run.get("model") == "GPT":
+        model, shared, make_batch = gpt_setup(run)
+    else:
+        model_cls = getattr(models, run.get("model", "ToyLM"))
+        model = model_cls(n_layer=run.get("n_layer", 4), dropout=run.get("dropout", 0.0))
+        shared, make_batch = SHARED, batch
+    batch_dims = None
+    if run.get("model") == "SeqFirstLM":
+        make_batch, batch_dims = models.seq_first_batch, {"idx": 1, "targets": 1}
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    vm = Varuna(model, spec["map"], batch(2), batch_size=run["batch"], chunk_size=run["chunk"],
-                shared_weights=SHARED if run.get("declare_shared", True) else None,
+    vm = Varuna(model, spec["map"], make_batch(2, 0), batch_size=run["batch"], chunk_size=run["chunk"],
+                shared_weights=shared if run.get("declare_shared", True) else None,
                 schedule=run["schedule"], partition=run.get("partition"), validate=run.get("validate", False),
-                timeout=spec.get("timeout", 60))
+                timeout=spec.get("timeout", 60), precision=run.get("precision"), seed=1234,
+                input_batch_dims=batch_dims)
     opt = make_optimizer(run["optimizer"], vm.parameters())
-    vm.set_optimizer(opt)
-    losses = []
+    vm.set_optimizer(opt, init_loss_scale=run.get("init_loss_scale", 2**20))
+    losses, norms, overflows, scales = [], [], [], []
     for step in range(run.get("steps", 3)):
         if run.get("stall_rank") == vm.rank:
             time.sleep(run["stall_seconds"])
-        full = batch(run["batch"], seed=100 + step)
+        hooks = []
+        inject = run.get("inject_inf")
+        if inject and inject["rank"] == vm.rank and inject["step"] == step:
+            first = next(iter(vm.parameters()))
+            hooks.append(first.register_hook(lambda g: g * float("inf")))
+        die = run.get("die")
+        if die and die["rank"] == vm.rank and die["step"] == step:
+            calls = []
+
+            def kill_on_second_call(module, args, output):
+                calls.append(1)
+                if len(calls) == 2:  # mid-step: the second micro-batch's forward
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            hooks.append(next(m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)
+                              and next(m.parameters()).device.type != "meta").register_forward_hook(kill_on_second_call))
+        full = make_batch(run["batch"], 100 + step)
         if run.get("bad_seq") and step == run["bad_seq"]:
             full = {k: v[:, :-1] for k, v in full.items()}
-        loss, overflow = vm.step(vm.replica_slice(full))
+        scales.append(vm.get_loss_scale())
+        loss, overflow = vm.step(vm.replica_slice(full), clip_grad_max_norm=run.get("clip"))
+        for hook in hooks:
+            hook.remove()
         if not overflow:
             opt.step()
         opt.zero_grad()
         losses.append(loss)
-    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
-    return {
+        norms.append(vm.grad_norm)
+        overflows.append(overflow)
+    scales.append(vm.get_loss_scale())
+    result = {
         "losses": torch.tensor(losses, dtype=torch.float64),
+        "norms": torch.tensor(norms, dtype=torch.float64),
+        "overflows": torch.tensor(overflows),
+        "scales": torch.tensor(scales, dtype=torch.float64),
         "params": {n: p.detach().clone() for n, p in vm.named_parameters()},
-        "held_bytes": held, "stage_bytes": vm.parameter_bytes(), "full_bytes": full_bytes,
+        "held_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta"),
+        "stage_bytes": vm.parameter_bytes(), "full_bytes": full_bytes,
         "stage": vm.stage, "replica": vm.replica,
     }
+    if run.get("evaluate"):
+        eval_batch = make_batch(run["evaluate"], 999)
+        # every replica evaluates the same examples here; the mean over replicas is then their loss
+        result["eval"] = vm.evaluate(eval_batch)
+    return result
 
 
 def main() -> None:
