@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from varuna_cli.commands import env as env_command
+from varuna_cli.commands import profile as profile_command
 from varuna_core.errors import VarunaError
 
 __all__ = ["app", "main", "version"]
@@ -61,6 +62,7 @@ def _root(
     """
 
 
+app.command("profile", rich_help_panel="Workflow")(profile_command.profile)
 app.command("env", rich_help_panel="Help")(env_command.env)
 
 

@@ -26,6 +26,8 @@ _EXPORTS = {
     "Schedule": "schedule",
     "Action": "schedule",
     "Op": "schedule",
+    "ModelSpec": "spec",
+    "load_spec": "spec",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -154,10 +154,21 @@ def make_batch_fn(dummy_inputs: Mapping[str, Any] | BatchFn, input_batch_dims: M
                         hint="exactly one dim of each batched input must hold the examples",
                     )
                 dims[name] = changed[0] if changed else None
+                if changed and value.shape[changed[0]] != 1:
+                    raise ConfigError(
+                        f"the batch function returned input {name!r} with {value.shape[changed[0]]} examples along "
+                        f"dim {changed[0]} when asked for 1 (shape {list(value.shape)})",
+                        hint="batch(n) must return exactly n examples in every batched input",
+                    )
             else:
                 dims[name] = None
         if input_batch_dims:
             dims.update(input_batch_dims)
+        if not any(d is not None for d in dims.values()):
+            raise ConfigError(
+                f"the batch function returned the same shapes for 1 and 2 examples (inputs {sorted(dims)})",
+                hint="batch(n) must return n examples in every batched input",
+            )
         return fn, dims
 
     if not isinstance(dummy_inputs, Mapping) or not dummy_inputs:

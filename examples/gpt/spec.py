@@ -1,0 +1,32 @@
+"""The example GPT as a ``ModelSpec``: ``varuna profile examples/gpt/spec.py:spec``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from data import CharDataset  # noqa: E402
+from model import GPT, SHARED_WEIGHTS, GPTConfig  # noqa: E402
+
+from varuna_core import ModelSpec  # noqa: E402
+
+BLOCK_SIZE = 64
+_data = CharDataset.load()
+CONFIG = GPTConfig(vocab_size=_data.vocab_size, block_size=BLOCK_SIZE, n_layer=4, n_head=4, n_embd=64)
+
+
+def build() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CONFIG)
+
+
+def batch(n: int) -> dict:
+    """``n`` training examples: ``idx`` and ``targets``, each ``[n, BLOCK_SIZE]`` token ids."""
+    return _data.get_batch("train", n, BLOCK_SIZE, torch.Generator().manual_seed(n))
+
+
+spec = ModelSpec(build=build, batch=batch, shared_weights=SHARED_WEIGHTS, name="examples/gpt")

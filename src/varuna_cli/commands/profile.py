@@ -1,0 +1,123 @@
+"""``varuna profile SPEC -o profile.json``: measure a model's segments and the network."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from varuna_core.errors import ConfigError
+
+
+def _sizes(microbatch_sizes: Optional[str], max_microbatch: Optional[int]) -> list[int] | None:
+    if microbatch_sizes and max_microbatch:
+        raise ConfigError("give either --microbatch-sizes or --max-microbatch, not both")
+    if max_microbatch is not None:
+        if max_microbatch < 1:
+            raise ConfigError(f"--max-microbatch must be ≥ 1, got {max_microbatch}")
+        sizes, n = [], 1
+        while n < max_microbatch:
+            sizes.append(n)
+            n *= 2
+        return sizes + [max_microbatch]
+    if microbatch_sizes:
+        try:
+            return sorted({int(x) for x in microbatch_sizes.split(",") if x.strip()})
+        except ValueError:
+            raise ConfigError(f"--microbatch-sizes must be integers separated by commas, got {microbatch_sizes!r}",
+                              hint="e.g. --microbatch-sizes 1,2,4,8") from None
+    return None
+
+
+def _check_writable(path: Path) -> None:
+    """Fail before measuring if the profile could not be written."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ConfigError(f"output {path} is a directory", hint="give a file name, e.g. -o profile.json")
+    if not parent.is_dir():
+        raise ConfigError(f"cannot write {path}: directory {parent} does not exist")
+    if (path.exists() and not os.access(path, os.W_OK)) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"cannot write {path}: permission denied")
+
+
+def profile(
+    spec: Annotated[str, typer.Argument(help="The model: 'package.module:attr' or 'path/file.py:attr' (a ModelSpec).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the profile (JSON).")] = Path(
+        "profile.json"),
+    microbatch_sizes: Annotated[Optional[str], typer.Option(
+        "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8 (default 1,2,4,8).")] = None,
+    max_microbatch: Annotated[Optional[int], typer.Option(
+        "--max-microbatch", help="Measure 1, 2, 4, ... up to N instead.")] = None,
+    nproc: Annotated[int, typer.Option("--nproc", help="Local processes to spread the segments over; ≥2 also "
+                                       "measures the network.")] = 1,
+    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16 (autocast, as in training).")] = "fp32",
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed repetitions per measurement (median kept).")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed repetitions before them.")] = 2,
+    memory_limit: Annotated[Optional[str], typer.Option(
+        "--memory-limit", help="Bytes a segment may use, e.g. 16GiB; the first micro-batch size over it ends the "
+        "sweep (recorded, not an error).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
+) -> None:
+    """Measure each segment's forward, backward and recompute time and memory per micro-batch size, and the
+    point-to-point and all-reduce cost of the network (with --nproc ≥ 2)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from varuna_core.artifacts import save_artifact
+    from varuna_core.profile import profile as run_profile
+    from varuna_core.units import parse_bytes
+
+    sizes = _sizes(microbatch_sizes, max_microbatch)
+    limit = parse_bytes(memory_limit) if memory_limit else None
+    _check_writable(output)
+    err = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=as_json or not err.is_terminal) as bar:
+        task = bar.add_task("measuring", total=None)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        result = run_profile(spec, microbatch_sizes=sizes, nproc=nproc, precision=precision, device=device,
+                             repeats=repeats, warmup=warmup, memory_limit=limit, progress=progress)
+    save_artifact(result, output)
+    if as_json:
+        typer.echo(result.model_dump_json(indent=2))
+        return
+    _summary(result, output)
+
+
+def _summary(result, output: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from varuna_core.units import format_bytes
+
+    out = Console()
+    table = Table(title=f"{result.model}: {result.num_segments} segments", title_justify="left")
+    table.add_column("segment", justify="right")
+    table.add_column("ends at")
+    table.add_column("params", justify="right")
+    table.add_column("optimizer", justify="right")
+    for n in result.microbatch_sizes:
+        table.add_column(f"mb {n}: fwd/bwd ms", justify="right")
+    table.add_column(f"out / saved (mb {result.microbatch_sizes[-1]})", justify="right")
+    for seg in result.segments:
+        cells = [str(seg.index), seg.output_cut or "(loss)", format_bytes(seg.param_bytes),
+                 format_bytes(seg.optimizer_bytes)]
+        for m in seg.measures:
+            cells.append(f"{m.forward.median * 1e3:.2f} / {m.backward.median * 1e3:.2f}")
+        last = seg.measures[-1]
+        cells.append(f"{format_bytes(last.output_bytes)} / {format_bytes(last.saved_bytes)}")
+        table.add_row(*cells)
+    out.print(table)
+    for curve in result.comm:
+        what = "point-to-point" if curve.op == "p2p" else f"all-reduce over {curve.group_size}"
+        out.print(f"{what} ({curve.link}-node): latency {curve.fit.latency * 1e6:.0f} µs, "
+                  f"bandwidth {format_bytes(curve.fit.bandwidth)}/s, fit error {curve.fit.rel_error:.0%}")
+    if result.stopped:
+        out.print(f"stopped at micro-batch {result.stopped.microbatch_size}: {result.stopped.reason}")
+    typer.echo(f"wrote {output}", err=True)

@@ -1,0 +1,45 @@
+"""Model specs for the profiler tests (importable as ``tests.specs.sleep:...``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.models import NoCuts, SleepModel, batch
+from varuna_core import ModelSpec
+
+HIDDEN = int(os.environ.get("SLEEP_HIDDEN", "8"))  # changed by a test to change the model
+TIMES = [(0.020, 0.030), (0.010, 0.040), (0.030, 0.015)]
+
+
+def _batch(n: int) -> dict:
+    g = torch.Generator().manual_seed(n)
+    return {"x": torch.randn(n, HIDDEN, generator=g), "y": torch.randn(n, HIDDEN, generator=g)}
+
+
+spec = ModelSpec(build=lambda: SleepModel(TIMES, HIDDEN), batch=_batch, name="sleep")
+
+
+def make_spec() -> ModelSpec:
+    """A function returning a spec is accepted too."""
+    return spec
+
+
+def _short(n: int) -> dict:
+    out = _batch(n)
+    out["y"] = torch.cat([out["y"], out["y"]])  # 2n examples: wrong
+    return out
+
+
+wrong_batch = ModelSpec(build=lambda: SleepModel(TIMES, HIDDEN), batch=_short, name="wrong-batch")
+no_cuts = ModelSpec(build=NoCuts, batch=batch, name="no-cuts")
+not_a_spec = 42
+
+
+def _boom():
+    open(os.environ["SLEEP_BUILD_MARKER"], "w").close()
+    return SleepModel(TIMES, HIDDEN)
+
+
+marked = ModelSpec(build=_boom, batch=_batch, name="marked")
