@@ -17,7 +17,7 @@ With ``--rounds N`` every contender is measured N times, in alternating order (f
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pipeline_vs_peers.py            # table on stdout
     .venv/bin/python benchmarks/pipeline_vs_peers.py --json                      # one JSON document
-    .venv/bin/python benchmarks/pipeline_vs_peers.py --contenders ours-1f1b,torch-1f1b --rounds 3
+    .venv/bin/python benchmarks/pipeline_vs_peers.py --contenders ours-1f1b,torch-1f1b --rounds 5
 
 torch pipelining has no tied weights across stages: for the torch contenders the head gets its own weight
 (a copy of the embedding at start, same shape and compute). Ours keeps the tie and all-reduces its gradient
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (M)")
     p.add_argument("--steps", type=int, default=30, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=5, help="unmeasured steps before the measured ones")
-    p.add_argument("--rounds", type=int, default=2,
+    p.add_argument("--rounds", type=int, default=3,
                    help="runs per contender, in alternating order; the best round is reported")
     p.add_argument("--contenders", default=",".join(CONTENDERS),
                    help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
@@ -456,9 +456,6 @@ def main() -> int:
     t_all = time.perf_counter()
     meta["loadavg_before"] = loadavg()
     meta["cpus"] = os.cpu_count()
-    if meta["loadavg_before"] is not None and meta["loadavg_before"] > 0.5:
-        log(f"note: 1-minute load average is {meta['loadavg_before']:.2f} before starting; other work on the "
-            f"machine makes the timings noisy")
     try:
         for rnd in range(args.rounds):
             order = names if rnd % 2 == 0 else names[::-1]

@@ -188,8 +188,12 @@ class Varuna(nn.Module):
                     self.tie_groups.append((tie, made[ranks]))
 
     def _tie_param(self, tie: TieSet) -> nn.Parameter:
-        slots = dict(self.module.named_parameters(remove_duplicate=False))
-        return next(slots[n] for n in tie.names if slots[n].device.type != "meta")
+        """This stage's copy of a tied weight (looked up once; the slicer never replaces it afterwards)."""
+        cache = self.__dict__.setdefault("_tie_cache", {})
+        if tie.canonical not in cache:
+            slots = dict(self.module.named_parameters(remove_duplicate=False))
+            cache[tie.canonical] = next(slots[n] for n in tie.names if slots[n].device.type != "meta")
+        return cache[tie.canonical]
 
     def _sync_initial_state(self) -> None:
         """Start every replica of a stage, and every copy of a tied weight, from the same values (like DDP)."""
