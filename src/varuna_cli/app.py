@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from varuna_cli.commands import env as env_command
+from varuna_cli.commands import plan as plan_command
 from varuna_cli.commands import profile as profile_command
 from varuna_core.errors import VarunaError
 
@@ -63,6 +64,8 @@ def _root(
 
 
 app.command("profile", rich_help_panel="Workflow")(profile_command.profile)
+app.command("plan", rich_help_panel="Workflow")(plan_command.plan)
+app.command("plan-show", hidden=True)(plan_command.show)
 app.command("env", rich_help_panel="Help")(env_command.env)
 
 
@@ -77,8 +80,11 @@ def _say(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the ``varuna`` command line (the console script). Exits the process with the command's code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:2] == ["plan", "show"]:  # `varuna plan show PLAN`: a verb of its own under `plan`
+        args = ["plan-show", *args[2:]]
     try:
-        app(args=argv, prog_name="varuna")
+        app(args=args, prog_name="varuna")
     except KeyboardInterrupt:  # Typer maps interrupts inside a command to 130; this catches the rest
         if _debug():
             raise

@@ -16,7 +16,8 @@ from .errors import ConfigError
 
 __all__ = [
     "Stat", "SegmentMeasure", "SegmentProfile", "LinearFit", "CommCurve", "Environment", "StopReason", "Profile",
-    "load_profile", "save_artifact", "SCHEMAS",
+    "load_profile", "save_artifact", "SCHEMAS", "StagePlan", "Prediction", "Candidate", "Plan", "save_plan",
+    "load_plan", "write_schemas",
 ]
 
 
@@ -128,7 +129,11 @@ def save_artifact(model: BaseModel, path: str | Path) -> None:
 
 def load_profile(path: str | Path) -> Profile:
     try:
-        return Profile.model_validate(json.loads(Path(path).read_text()))
+        data = json.loads(Path(path).read_text())
+        if isinstance(data, dict) and data.get("schema_version") not in (None, 1):
+            raise ConfigError(f"{path} has profile format version {data.get('schema_version')}; this release reads "
+                              "version 1", hint="re-measure with this release's `varuna profile`")
+        return Profile.model_validate(data)
     except FileNotFoundError:
         raise ConfigError(f"profile {path} does not exist", hint="create it with `varuna profile SPEC -o FILE`") from None
     except (ValueError, ValidationError) as exc:
@@ -148,6 +153,111 @@ def write_schemas(directory: str | Path) -> list[Path]:
         path.write_text(schema_text(model))
         written.append(path)
     return written
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plan
+
+
+class StagePlan(_Model):
+    """One pipeline stage of a plan."""
+
+    stage: int
+    segments: tuple[int, int] = Field(description="half-open range of segments")
+    forward: float = Field(description="predicted F time per full micro-batch (s)")
+    recompute: float = Field(description="predicted R time per full micro-batch (s); 0 when the stage does not recompute")
+    backward: float = Field(description="predicted B time per full micro-batch (s)")
+    send_activation: float = Field(0.0, description="predicted time to send one activation to the next stage (s)")
+    send_gradient: float = Field(0.0, description="predicted time to send one gradient to the previous stage (s)")
+    allreduce: float = Field(0.0, description="predicted data-parallel gradient all-reduce time (s)")
+    busy: float = Field(description="simulated compute time in one step (s)")
+    memory_bytes: int = Field(description="predicted peak memory per device, headroom included")
+    held_microbatches: int = Field(description="micro-batches whose state the stage holds at once")
+
+
+class Prediction(_Model):
+    step_time: float = Field(description="s")
+    samples_per_second: float
+    bubble_fraction: float
+    pipeline_time: float = Field(description="s, before the gradient all-reduce")
+    allreduce_time: float = Field(description="s, the slowest stage's gradient all-reduce")
+
+
+class Candidate(_Model):
+    """A configuration the search scored (the winner or an alternative)."""
+
+    pp: int
+    dp: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str
+    step_time: float
+    samples_per_second: float
+    bubble_fraction: float
+    peak_memory_bytes: int
+    reason: str = Field("", description="why it lost to the plan (empty for the plan itself)")
+
+
+class Plan(_Model):
+    """What ``varuna plan`` chose, and what ``Varuna(..., plan=...)`` and ``varuna launch`` run."""
+
+    schema_version: Literal[1] = 1
+    model: str
+    profile_hash: str = Field(description="structure hash of the profiled model")
+    num_segments: int
+    gpus: int
+    gpus_per_node: int
+    batch_size: int = Field(description="global batch")
+    pp: int
+    dp: int
+    microbatch_size: int
+    num_microbatches: int = Field(description="per replica (the first replicas may hold one example more)")
+    schedule: str
+    partition: list[tuple[int, int]] = Field(description="half-open segment range per stage")
+    stage_to_rank_map: str = Field(description="the original's format: stages ';'-separated, replicas ','")
+    nodes: list[list[int]] = Field(description="global ranks on each node")
+    memory_limit: int | None = Field(None, description="bytes per device the plan had to fit (None: unlimited)")
+    prediction: Prediction
+    stages: list[StagePlan]
+    alternatives: list[Candidate] = Field(default_factory=list)
+    assumptions: list[str] = Field(default_factory=list, description="defaults and approximations used")
+    created: str
+
+
+SCHEMAS["plan.schema.json"] = Plan
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write ``plan`` as YAML (``.yaml``/``.yml``) or JSON, atomically."""
+    import yaml
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if path.suffix in (".yaml", ".yml"):
+        tmp.write_text(yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False, width=110))
+    else:
+        tmp.write_text(plan.model_dump_json(indent=2) + "\n")
+    tmp.replace(path)
+
+
+def load_plan(path: str | Path | Plan) -> Plan:
+    import yaml
+
+    if isinstance(path, Plan):
+        return path
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"plan {path} does not exist", hint="create it with `varuna plan PROFILE -o FILE`") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if isinstance(data, dict) and data.get("schema_version") not in (None, 1):
+        raise ConfigError(f"{path} has plan format version {data.get('schema_version')}; this release reads version 1",
+                          hint="re-create the plan with this release's `varuna plan`")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{path} is not a valid plan: {str(exc).splitlines()[0]} ...") from None
 
 
 if __name__ == "__main__":  # python -m varuna_core.artifacts [DIR]: regenerate schemas/

@@ -18,6 +18,7 @@ saved state and then left the live stream at the recomputed micro-batch's state.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import torch
@@ -72,6 +73,7 @@ class PipelineRuntime:
         self._in_tensor_specs = [leaf for _, leaf in self._in.tensor_leaves] if self._in else []
         self._out_tensor_specs = [leaf for _, leaf in self._out.tensor_leaves] if self._out else []
         self._schedules: dict[tuple[int, bool], Schedule] = {}
+        self.trace: list[tuple[str, float, float]] | None = None  # set to a list to record (action, start, end)
         generate(schedule, self.num_stages, 1)  # unknown names fail at construction, not at the first step
 
     def schedule_for(self, num_microbatches: int) -> Schedule:
@@ -148,6 +150,7 @@ class PipelineRuntime:
             mb = action.mb
             st = state[mb]
             key = None if rng is None else (rng[0], rng[1], mb)
+            started = time.perf_counter() if self.trace is not None else 0.0
             if action.op is Op.F:
                 st.incoming = self._receive(acts, action) if self.prev_rank is not None else None
                 keep_graph = train and not recompute
@@ -176,6 +179,8 @@ class PipelineRuntime:
             else:
                 self._backward(st, grads.get(mb), action, sends)
                 state[mb] = _MicroState()
+            if self.trace is not None:
+                self.trace.append((str(action), started, time.perf_counter()))
             i += 1
 
         p2p.wait_all(sends, timeout=self.timeout, peer=None,

@@ -71,6 +71,11 @@ class Varuna(nn.Module):
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and loss scaling); parameters and
             optimizer state stay fp32.
         seed: seeds dropout per (seed, step, micro-batch, segment); default: rank 0's ``torch.initial_seed()``.
+        plan: a :class:`~varuna_core.artifacts.Plan` or the path of one (default: ``VARUNA_PLAN``); it sets the
+            stage-to-rank map, partition, schedule and micro-batch size. ``stage_to_rank_map`` may then be
+            ``None``.
+        trace: a directory (default: ``VARUNA_TRACE``) to write a Chrome trace of step ``trace_step``'s actions
+            to, one ``trace_rank<R>.json`` per rank (open in Perfetto, or `varuna plan show --measured`).
     """
 
     def __init__(
@@ -94,10 +99,19 @@ class Varuna(nn.Module):
         bucket_mb: float = 25.0,
         precision: str | None = None,
         seed: int | None = None,
+        plan: Any = None,
+        trace: str | os.PathLike | None = None,
+        trace_step: int = 2,
     ) -> None:
         super().__init__()
         install_excepthook()
         self.precision = resolve_precision(precision, fp16)
+        self.plan = _load_plan(plan)
+        if self.plan is not None:
+            stage_to_rank_map, chunk_size, schedule, partition = _apply_plan(
+                self.plan, stage_to_rank_map, batch_size, chunk_size, schedule, partition)
+        self.trace_dir = trace if trace is not None else os.environ.get("VARUNA_TRACE") or None
+        self.trace_step = trace_step
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if schedule not in SCHEDULE_NAMES:
@@ -126,6 +140,15 @@ class Varuna(nn.Module):
         self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache,
                                              precision=self.precision)
         nseg = self.structure.num_segments
+        if self.plan is not None:
+            if self.plan.num_segments != nseg:
+                raise ConfigError(
+                    f"the plan is for a model with {self.plan.num_segments} segments; this model has {nseg}",
+                    hint="plan again from a profile of this model",
+                )
+            if self.plan.profile_hash != self.structure.key:
+                log.warning("the plan was made from a profile of a model whose structure differs from this one "
+                            "(hash %s vs %s); its partition still applies", self.plan.profile_hash, self.structure.key)
         if self.pp > nseg:
             raise ConfigError(
                 f"{self.pp} pipeline stages but the model has only {nseg} segments ({nseg - 1} CutPoints executed)",
@@ -289,10 +312,16 @@ class Varuna(nn.Module):
                                     expected=self.replica_batch_size)
         weights = [n / self.batch_size for n in self.microbatch_sizes]
         self.grad_buffer.attach()
+        tracing = self.trace_dir is not None and self.iteration == self.trace_step
+        if tracing:
+            self.runtime.trace = []
         loss_sum = self.runtime.run(
             microbatches, self.microbatch_sizes, weights, train=True, rng=(self.seed, self.iteration),
             loss_scale=self.scaler.scale if self.scaler is not None else None,
         )
+        if tracing:
+            self._write_trace(self.runtime.trace)
+            self.runtime.trace = None
         self._sync_grads()
         grads = [p.grad for p in self.grad_buffer.params]
         found_inf = self.scaler.unscale_(grads) if self.scaler is not None and grads else None
@@ -384,6 +413,20 @@ class Varuna(nn.Module):
 
     # ------------------------------------------------------------------------------------------------------
 
+    def _write_trace(self, events: list[tuple[str, float, float]]) -> None:
+        """Chrome-trace JSON of this rank's actions: pid = replica, tid = stage, times in µs."""
+        import json
+        from pathlib import Path
+
+        directory = Path(self.trace_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        trace = {"traceEvents": [
+            {"name": name, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6, "pid": self.replica,
+             "tid": self.stage, "args": {"rank": self.rank, "step": self.iteration}}
+            for name, start, end in events
+        ], "displayTimeUnit": "ms"}
+        (directory / f"trace_rank{self.rank}.json").write_text(json.dumps(trace))
+
     def _agree_seed(self, seed: int | None) -> int:
         """The dropout seed, identical on every rank (rank 0's choice wins)."""
         value = torch.tensor([int(seed) if seed is not None else torch.initial_seed()], dtype=torch.int64)
@@ -410,6 +453,32 @@ class Varuna(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _load_plan(plan: Any):
+    if plan is None:
+        plan = os.environ.get("VARUNA_PLAN") or None
+    if plan is None:
+        return None
+    from .artifacts import load_plan
+
+    return load_plan(plan)
+
+
+def _apply_plan(plan, stage_to_rank_map, batch_size, chunk_size, schedule, partition):
+    """The plan's map, micro-batch size, schedule and partition; differences from the arguments are logged."""
+    given = {"stage_to_rank_map": stage_to_rank_map, "chunk_size": chunk_size, "schedule": schedule}
+    wanted = {"stage_to_rank_map": plan.stage_to_rank_map, "chunk_size": plan.microbatch_size,
+              "schedule": plan.schedule}
+    for key, value in given.items():
+        if value not in (None, "") and str(value).rstrip(";") != str(wanted[key]).rstrip(";") and key != "schedule":
+            log.warning("the plan sets %s=%s (argument %s ignored)", key, wanted[key], value)
+    if batch_size != plan.batch_size:
+        log.warning("batch_size=%s differs from the plan's %s: its predictions do not apply", batch_size,
+                    plan.batch_size)
+    if partition is not None:
+        log.warning("the plan's partition replaces the partition argument")
+    return plan.stage_to_rank_map, plan.microbatch_size, plan.schedule, [tuple(r) for r in plan.partition]
 
 
 def _ensure_process_group(stage_to_rank_map: Any, timeout: float) -> tuple[int, int]:

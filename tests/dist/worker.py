@@ -58,11 +58,11 @@ def run_one(run: dict, spec: dict) -> dict:
     if run.get("model") == "SeqFirstLM":
         make_batch, batch_dims = models.seq_first_batch, {"idx": 1, "targets": 1}
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    vm = Varuna(model, spec["map"], make_batch(2, 0), batch_size=run["batch"], chunk_size=run["chunk"],
+    vm = Varuna(model, spec.get("map"), make_batch(2, 0), batch_size=run["batch"], chunk_size=run["chunk"],
                 shared_weights=shared if run.get("declare_shared", True) else None,
                 schedule=run["schedule"], partition=run.get("partition"), validate=run.get("validate", False),
                 timeout=spec.get("timeout", 60), precision=run.get("precision"), seed=1234,
-                input_batch_dims=batch_dims)
+                input_batch_dims=batch_dims, plan=run.get("plan"), trace=run.get("trace"), trace_step=1)
     opt = make_optimizer(run["optimizer"], vm.parameters())
     vm.set_optimizer(opt, init_loss_scale=run.get("init_loss_scale", 2**20))
     losses, norms, overflows, scales = [], [], [], []
@@ -107,7 +107,8 @@ def run_one(run: dict, spec: dict) -> dict:
         "params": {n: p.detach().clone() for n, p in vm.named_parameters()},
         "held_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta"),
         "stage_bytes": vm.parameter_bytes(), "full_bytes": full_bytes,
-        "stage": vm.stage, "replica": vm.replica,
+        "stage": vm.stage, "replica": vm.replica, "schedule": vm.schedule_name, "chunk": vm.chunk_size,
+        "partition": torch.tensor(vm.partition.ranges),
     }
     if run.get("evaluate"):
         eval_batch = make_batch(run["evaluate"], 999)

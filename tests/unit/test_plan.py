@@ -1,0 +1,154 @@
+"""The planner: optimal partitions, memory limits, search results, bad requests, and the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.profiles import make_profile
+from varuna_core.artifacts import Plan, load_plan, load_profile, save_artifact, schema_text
+from varuna_core.errors import ConfigError
+from varuna_core.plan import PlanInfeasible, PlanRequest, _Seg, make_plan, partition_under_memory, stage_memory
+from varuna_core.topology import Topology
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _segs(costs, static=0):
+    return [_Seg(forward=c, recompute=c, backward=2 * c, output_bytes=10.0, saved_bytes=100.0, static_bytes=static,
+                 grad_bytes=static) for c in costs]
+
+
+def _brute(segs, pp, recompute, counts, limit):
+    n = len(segs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), pp - 1):
+        bounds = (0, *cuts, n)
+        ranges = list(zip(bounds, bounds[1:]))
+        if limit is not None and any(
+                stage_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], num_mb=4, headroom=0.0) > limit
+                for s, (a, b) in enumerate(ranges)):
+            continue
+        worst = max(sum((x.forward + x.recompute + x.backward) if recompute[s] else (x.recompute + x.backward)
+                        for x in segs[a:b]) for s, (a, b) in enumerate(ranges))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_partition_is_optimal_like_brute_force(seed) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 8)
+    pp = rng.randint(1, n)
+    segs = _segs([rng.choice([0.5, 1, 2, 3, 5]) for _ in range(n)], static=rng.choice([0, 50, 200]))
+    recompute = [rng.random() < 0.5 and s < pp - 1 for s in range(pp)]
+    counts = [(rng.randint(1, 4), 1) for _ in range(pp)]
+    limit = rng.choice([None, 400, 800, 1500])
+    part = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts, num_mb=4, limit=limit,
+                                  headroom=0.0)
+    expected = _brute(segs, pp, recompute, counts, limit)
+    if expected is None:
+        assert part is None
+        return
+    got = max(sum((x.forward + x.recompute + x.backward) if recompute[s] else (x.recompute + x.backward)
+                  for x in segs[a:b]) for s, (a, b) in enumerate(part.ranges))
+    assert got == pytest.approx(expected)
+
+
+def test_plan_is_consistent_and_balanced() -> None:
+    prof = make_profile([0.001, 0.004, 0.004, 0.004, 0.004, 0.002])
+    plan = make_plan(prof, PlanRequest(gpus=8, batch_size=64))
+    assert plan.pp * plan.dp <= 8
+    topo = Topology.parse(plan.stage_to_rank_map, plan.pp * plan.dp)
+    assert (topo.pp, topo.dp) == (plan.pp, plan.dp)
+    assert plan.partition[0][0] == 0 and plan.partition[-1][1] == 6
+    assert all(a < b for a, b in plan.partition)
+    assert plan.prediction.samples_per_second == pytest.approx(64 / plan.prediction.step_time)
+    assert len(plan.alternatives) == 5
+    assert all(alt.step_time >= plan.prediction.step_time for alt in plan.alternatives)
+    assert all(alt.reason for alt in plan.alternatives)
+    assert sum(len(n) for n in plan.nodes) == plan.pp * plan.dp
+
+
+def test_memory_limit_forces_deeper_pipelines() -> None:
+    prof = make_profile([0.002] * 8, param_bytes=10**8)
+    free = make_plan(prof, PlanRequest(gpus=8, batch_size=32, schedules=("1f1b",)))
+    tight = make_plan(prof, PlanRequest(gpus=8, batch_size=32, schedules=("1f1b",), gpu_memory=int(1.2e9)))
+    assert tight.pp > free.pp or free.pp >= 4
+    assert max(s.memory_bytes for s in tight.stages) <= 1.2e9
+
+
+def test_nothing_fits_names_the_smallest_memory() -> None:
+    prof = make_profile([0.002] * 4, param_bytes=10**9)
+    with pytest.raises(PlanInfeasible, match=r"no configuration fits in 1 GiB per device; the smallest need is "
+                                             r"[0-9.]+ GiB \(pp=\d+, dp=\d+, micro-batch \d+, \w+\)"):
+        make_plan(prof, PlanRequest(gpus=4, batch_size=16, gpu_memory=2**30))
+
+
+def test_batch_smaller_than_devices_is_explained() -> None:
+    plan = make_plan(make_profile([0.001] * 2), PlanRequest(gpus=8, batch_size=2))
+    assert plan.dp <= 2
+    assert any("batch" in note and "replica" in note for note in plan.assumptions), plan.assumptions
+
+
+def test_unknown_schedule_lists_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match="unknown schedule 'zb'") as info:
+        make_plan(make_profile([0.001] * 2), PlanRequest(gpus=2, batch_size=8, schedules=("zb",)))
+    assert "varuna, 1f1b, gpipe" in info.value.hint
+
+
+def test_profile_of_another_format_version(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    data = json.loads(make_profile([0.001] * 2).model_dump_json())
+    data["schema_version"] = 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="profile format version 2"):
+        load_profile(path)
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not a valid profile"):
+        load_profile(path)
+
+
+def test_plan_schema_in_sync() -> None:
+    assert (ROOT / "schemas" / "plan.schema.json").read_text() == schema_text(Plan)
+
+
+def _cli(*args):
+    varuna = Path(sys.executable).with_name("varuna")
+    return subprocess.run([str(varuna), *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_cli_plan_show_and_png(tmp_path) -> None:
+    profile_path = tmp_path / "profile.json"
+    save_artifact(make_profile([0.001, 0.003, 0.003, 0.002]), profile_path)
+    plan_path = tmp_path / "plan.yaml"
+    out = _cli("plan", str(profile_path), "--gpus", "4", "--batch-size", "16", "-o", str(plan_path))
+    assert out.returncode == 0, out.stderr
+    assert "why this plan" in out.stdout and "stage_to_rank_map" in out.stdout
+    plan = load_plan(plan_path)
+    assert yaml.safe_load(plan_path.read_text())["schema_version"] == 1
+    shown = _cli("plan", "show", str(plan_path), "--png", str(tmp_path / "t.png"))
+    assert shown.returncode == 0, shown.stderr
+    assert f"{plan.pp} stages" in shown.stdout and (tmp_path / "t.png").stat().st_size > 1000
+    as_json = _cli("plan", str(profile_path), "--gpus", "4", "--batch-size", "16", "-o", str(tmp_path / "p.json"),
+                   "--json")
+    assert Plan.model_validate_json(as_json.stdout).pp == plan.pp
+
+
+def test_cli_plan_bad_inputs(tmp_path) -> None:
+    profile_path = tmp_path / "profile.json"
+    save_artifact(make_profile([0.001] * 3, param_bytes=10**9), profile_path)
+    out = _cli("plan", str(profile_path), "--gpus", "2", "--batch-size", "8", "--gpu-memory", "1GiB",
+               "-o", str(tmp_path / "x.yaml"))
+    assert out.returncode == 1 and "smallest need is" in out.stderr
+    out = _cli("plan", str(profile_path), "--gpus", "2", "--batch-size", "8", "--schedule", "zigzag")
+    assert out.returncode == 2 and "varuna, 1f1b, gpipe" in out.stderr
+    out = _cli("plan", str(tmp_path / "missing.json"), "--gpus", "2", "--batch-size", "8")
+    assert out.returncode == 2 and "does not exist" in out.stderr
