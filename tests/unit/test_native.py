@@ -1,0 +1,238 @@
+"""Parity of the C++ extension ``varuna_core._native`` with its pure-Python references.
+
+The extension is built by the normal install (``pip install -e .``), so a missing module is a failure here, not
+a skip. References: ``schedule.generate``, ``simulate.simulate_python``, ``memory_counts.inflight``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from varuna_core import _native as native
+from varuna_core.memory_counts import inflight
+from varuna_core.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate
+from varuna_core.simulate import StageCosts, simulate, simulate_python
+
+OP_CODE = {Op.F: 0, Op.R: 1, Op.B: 2}
+OP_NAME = ("F", "R", "B")
+
+
+def _codes(schedule: Schedule) -> list[list[tuple[int, int]]]:
+    return [[(OP_CODE[a.op], a.mb) for a in stage] for stage in schedule.actions]
+
+
+def _native_sim(schedule: Schedule, costs: list[StageCosts], max_sends: int, opportunistic: bool):
+    """simulate_actions with the reference's argument types; the timeline converted to the reference's form."""
+    step, pipe, busy, line = native.simulate_actions(
+        _codes(schedule), schedule.num_microbatches, [c.as_tuple() for c in costs], max_sends, opportunistic, True)
+    return step, pipe, busy, [(s, OP_NAME[o], mb, a, b) for s, o, mb, a, b in line]
+
+
+def _assert_same(schedule: Schedule, costs: list[StageCosts], max_sends: int, opportunistic: bool):
+    ref = simulate_python(schedule, costs, max_concurrent_sends=max_sends, opportunistic=opportunistic,
+                          timeline=True)
+    step, pipe, busy, line = _native_sim(schedule, costs, max_sends, opportunistic)
+    where = f"{schedule.name} p={schedule.num_stages} m={schedule.num_microbatches} sends={max_sends} " \
+            f"opportunistic={opportunistic}"
+    assert step == pytest.approx(ref.step_time, rel=1e-12, abs=0.0), where
+    assert pipe == pytest.approx(ref.pipeline_time, rel=1e-12, abs=0.0), where
+    assert busy == pytest.approx(list(ref.busy), rel=1e-12, abs=0.0), where
+    assert line == list(ref.timeline), where
+    return ref
+
+
+def _random_costs(rng: random.Random, p: int, *, ties: bool, last_differs: bool) -> list[StageCosts]:
+    """Uniform floats, or small integers (ties in the heap and between send channels) when ``ties``."""
+    def draw(lo: float, hi: float) -> float:
+        return float(rng.randint(int(lo), int(hi))) if ties else rng.uniform(lo, hi)
+
+    out = []
+    for _ in range(p):
+        f, r, b = draw(1, 4), draw(1, 4), draw(2, 8)
+        sa, sg = draw(0, 3), draw(0, 3)
+        last = {}
+        if last_differs:
+            last = dict(forward_last=f * rng.uniform(0.2, 1.0), recompute_last=r * rng.uniform(0.2, 1.0),
+                        backward_last=b * rng.uniform(0.2, 1.0), send_activation_last=sa * rng.uniform(0.2, 1.0),
+                        send_gradient_last=sg * rng.uniform(0.2, 1.0))
+        out.append(StageCosts(f, r, b, sa, sg, draw(0, 5), **last))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_generate_parity(name: str) -> None:
+    for p in range(1, 11):
+        for m in range(1, 41):
+            assert native.generate(name, p, m) == _codes(generate(name, p, m)), (name, p, m)
+
+
+@pytest.mark.parametrize(("name", "p", "m"), [("pipedream", 2, 2), ("varuna", 0, 3), ("1f1b", 2, 0),
+                                              ("gpipe", -1, 1), ("", 1, 1)])
+def test_generate_rejects_bad_input(name: str, p: int, m: int) -> None:
+    with pytest.raises(ValueError):
+        native.generate(name, p, m)
+    with pytest.raises(ValueError):
+        native.inflight(name, p, m)
+    with pytest.raises(ValueError):
+        native.simulate_generated(name, p, m, [StageCosts(1, 1, 1).as_tuple()] * max(p, 1), 1, False)
+
+
+# ---------------------------------------------------------------------------------------------- simulate
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_simulate_actions_parity_random(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(15):
+        schedule = generate(rng.choice(SCHEDULE_NAMES), rng.randint(1, 8), rng.randint(1, 24))
+        costs = _random_costs(rng, schedule.num_stages, ties=rng.random() < 0.4, last_differs=rng.random() < 0.3)
+        for max_sends in (1, 2, 4):
+            for opportunistic in (False, True):
+                _assert_same(schedule, costs, max_sends, opportunistic)
+
+
+def test_simulate_last_microbatch_costs() -> None:
+    rng = random.Random(7)
+    for name in SCHEDULE_NAMES:
+        costs = [StageCosts(2.0, 1.5, 4.0, 0.5, 0.7, 1.0, forward_last=0.5, recompute_last=0.25, backward_last=1.0,
+                            send_activation_last=0.1, send_gradient_last=0.2) for _ in range(4)]
+        ref = _assert_same(generate(name, 4, 6), costs, 2, name == "varuna")
+        plain = simulate_python(generate(name, 4, 6), [StageCosts(2.0, 1.5, 4.0, 0.5, 0.7, 1.0)] * 4,
+                                opportunistic=name == "varuna")
+        assert ref.pipeline_time < plain.pipeline_time  # the *_last values were used
+        _assert_same(generate(name, 5, 9), _random_costs(rng, 5, ties=False, last_differs=True), 1, True)
+
+
+def test_opportunistic_swap_happens_and_matches() -> None:
+    # Slow later stages: stage s < 3 reaches its R before the gradient is back while the next activation is
+    # already there, so the forward runs first.
+    costs = [StageCosts(1.0, 1.0, 2.0, 0.1, 0.1), StageCosts(1.0, 1.0, 2.0, 0.1, 0.1),
+             StageCosts(3.0, 3.0, 6.0, 0.1, 0.1), StageCosts(4.0, 0.0, 8.0, 0.1, 0.1)]
+    schedule = generate("varuna", 4, 10)
+    swapped = _assert_same(schedule, costs, 1, True)
+    static = _assert_same(schedule, costs, 1, False)
+    assert swapped.timeline != static.timeline
+
+    def order(result, s):
+        return [(op, mb) for st, op, mb, _, _ in sorted(result.timeline, key=lambda e: e[3]) if st == s]
+
+    static_order = [[(a.op.value, a.mb) for a in stage] for stage in schedule.actions]
+    assert all(order(static, s) == static_order[s] for s in range(4))
+    assert any(order(swapped, s) != static_order[s] for s in range(4))  # some F moved before an R
+    for s in range(4):  # only forwards move
+        assert [x for x in order(swapped, s) if x[0] != "F"] == [x for x in static_order[s] if x[0] != "F"]
+
+
+def test_simulate_swap_random_heterogeneous() -> None:
+    """Heterogeneous stages on varuna schedules: parity holds, and the swap does change some runs."""
+    rng = random.Random(1234)
+    changed = 0
+    for _ in range(30):
+        p, m = rng.randint(2, 8), rng.randint(2, 24)
+        costs = [StageCosts(rng.uniform(0.5, 1) * k, rng.uniform(0.5, 1) * k, rng.uniform(1, 2) * k,
+                            rng.uniform(0, 0.5), rng.uniform(0, 0.5), rng.uniform(0, 2))
+                 for k in (rng.choice((1.0, 2.0, 5.0)) for _ in range(p))]
+        for sends in (1, 2, 4):
+            a = _assert_same(generate("varuna", p, m), costs, sends, True)
+            b = _assert_same(generate("varuna", p, m), costs, sends, False)
+            changed += a.timeline != b.timeline
+    assert changed > 0
+
+
+def test_simulate_via_public_api_both_backends() -> None:
+    rng = random.Random(3)
+    for name in SCHEDULE_NAMES:
+        schedule = generate(name, 5, 12)
+        costs = _random_costs(rng, 5, ties=False, last_differs=True)
+        py = simulate(schedule, costs, backend="python", timeline=True, max_concurrent_sends=2)
+        cc = simulate(schedule, costs, backend="native", timeline=True, max_concurrent_sends=2)
+        assert cc == py
+
+
+def test_simulate_generated_matches_simulate_actions() -> None:
+    rng = random.Random(99)
+    for _ in range(60):
+        name, p, m = rng.choice(SCHEDULE_NAMES), rng.randint(1, 8), rng.randint(1, 32)
+        costs = [c.as_tuple() for c in _random_costs(rng, p, ties=rng.random() < 0.5,
+                                                      last_differs=rng.random() < 0.5)]
+        for sends in (0, 1, 2, 4):
+            for opportunistic in (False, True):
+                full = native.simulate_actions(native.generate(name, p, m), m, costs, sends, opportunistic, False)
+                assert full[3] is None
+                assert native.simulate_generated(name, p, m, costs, sends, opportunistic) == tuple(full[:3])
+
+
+def test_simulate_sparse_microbatch_numbers() -> None:
+    """Hand-written schedules may number micro-batches arbitrarily; the reference keys them in dicts."""
+    relabel = {0: 3, 1: 100, 2: -5, 3: 7, 4: 2}  # 3 == m - 1 gets the *_last costs although it is not last
+    base = generate("varuna", 3, 5)
+    schedule = Schedule("relabelled", 3, 4, tuple(tuple(Action(a.stage, a.op, relabel[a.mb]) for a in stage)
+                                                  for stage in base.actions))
+    costs = _random_costs(random.Random(5), 3, ties=False, last_differs=True)
+    for sends in (1, 2):
+        for opportunistic in (False, True):
+            _assert_same(schedule, costs, sends, opportunistic)
+
+
+def test_simulate_deadlock_same_error() -> None:
+    schedule = Schedule("bad", 2, 1, ((Action(0, Op.B, 0), Action(0, Op.F, 0)),
+                                      (Action(1, Op.F, 0), Action(1, Op.B, 0))))
+    costs = [StageCosts(1, 1, 1)] * 2
+    with pytest.raises(ValueError) as ref:
+        simulate_python(schedule, costs)
+    with pytest.raises(ValueError) as got:
+        native.simulate_actions(_codes(schedule), 1, [c.as_tuple() for c in costs], 4, False, False)
+    assert str(got.value) == str(ref.value) == "schedule deadlocks in simulation; stuck at 0B0, 1F0"
+
+
+def test_simulate_rejects_bad_costs() -> None:
+    actions = native.generate("1f1b", 3, 4)
+    with pytest.raises(ValueError, match="2 stage costs for 3 stages"):
+        native.simulate_actions(actions, 4, [StageCosts(1, 1, 1).as_tuple()] * 2, 1, False, False)
+    with pytest.raises(ValueError, match="2 stage costs for 3 stages"):
+        native.simulate_generated("1f1b", 3, 4, [StageCosts(1, 1, 1).as_tuple()] * 2, 1, False)
+    with pytest.raises(ValueError, match="expected 11"):
+        native.simulate_generated("1f1b", 3, 4, [(1.0, 2.0, 3.0)] * 3, 1, False)
+    with pytest.raises(ValueError):
+        native.simulate_actions([[(3, 0)]], 1, [StageCosts(1, 1, 1).as_tuple()], 1, False, False)
+
+
+# ---------------------------------------------------------------------------------------------- inflight
+
+
+def test_inflight_parity_and_closed_forms() -> None:
+    for name in SCHEDULE_NAMES:
+        for p in range(1, 11):
+            for m in range(1, 41):
+                schedule = generate(name, p, m)
+                got = [tuple(x) for x in native.inflight(name, p, m)]
+                assert got == inflight(schedule), (name, p, m)
+                if name == "1f1b":
+                    assert got == [(min(p - s, m), min(p - s, m)) for s in range(p)]
+                elif name == "gpipe":
+                    assert got == [(m, m)] * p
+                else:
+                    for s in range(p):
+                        if schedule.uses_recompute(s):
+                            assert got[s][1] == 1, (p, m, s)
+
+
+# ---------------------------------------------------------------------------------------------- golden
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (1, 5), (2, 1), (2, 4), (3, 8), (4, 4), (4, 16), (8, 3), (8, 32)])
+def test_balanced_bubble_closed_form(name: str, p: int, m: int) -> None:
+    costs = [StageCosts(forward=1.0, recompute=0.0, backward=2.0)] * p
+    expected = (p - 1) / (m + p - 1)
+    for backend in ("python", "native"):
+        result = simulate(generate(name, p, m), costs, backend=backend)
+        assert result.bubble_fraction == pytest.approx(expected, rel=1e-12, abs=1e-15), backend
+        assert result.pipeline_time == pytest.approx(3.0 * (m + p - 1), rel=1e-12)
+    step, pipe, busy = native.simulate_generated(name, p, m, [c.as_tuple() for c in costs], 4, False)
+    assert 1.0 - sum(busy) / (p * pipe) == pytest.approx(expected, rel=1e-12, abs=1e-15)
