@@ -157,7 +157,11 @@ class _Prefix:
         self.full = [0.0]   # forward + recompute + backward
         self.static = [0.0]
         self.saved = [0.0]
+        self.rec = [0.0]    # forward with graph (= recompute)
+        self.grads = [0.0]  # gradient bytes
         for x in segs:
+            self.rec.append(self.rec[-1] + x.recompute)
+            self.grads.append(self.grads[-1] + x.grad_bytes)
             self.plain.append(self.plain[-1] + x.recompute + x.backward)
             self.full.append(self.full[-1] + x.forward + x.recompute + x.backward)
             self.static.append(self.static[-1] + x.static_bytes)
@@ -283,12 +287,16 @@ class _Scored:
     dp: int
     mbs: int
     num_mb: int
+    last: int
     schedule: str
     partition: Partition
-    costs: list[StageCosts]
-    memory: list[int]
+    recompute: list[bool]
     counts: list[tuple[int, int]]
+    boundary: list[bool]
+    dp_inter: bool
     lower_bound: float
+    costs: list[StageCosts] = dataclasses.field(default_factory=list)
+    memory: list[int] = dataclasses.field(default_factory=list)
     step: float = 0.0
     pipeline: float = 0.0
     busy: list[float] = dataclasses.field(default_factory=list)
@@ -297,13 +305,16 @@ class _Scored:
 
 
 class _Tables:
-    """Per micro-batch size: segment numbers and their prefix sums (computed once per search)."""
+    """Everything the search computes once: per micro-batch size the segment numbers and their prefix sums,
+    shared partitions, and message times."""
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
         self._segs: dict[float, list[_Seg]] = {}
         self._prefix: dict[float, _Prefix] = {}
         self._free: dict[tuple, Partition | None] = {}
+        self._p2p: dict[tuple[float, bool], float] = {}
+        self._allreduce: dict[tuple[float, int, bool], float] = {}
 
     def segs(self, n: float) -> list[_Seg]:
         if n not in self._segs:
@@ -314,6 +325,18 @@ class _Tables:
         if n not in self._prefix:
             self._prefix[n] = _Prefix(self.segs(n))
         return self._prefix[n]
+
+    def p2p(self, nbytes: float, inter: bool) -> float:
+        key = (nbytes, inter)
+        if key not in self._p2p:
+            self._p2p[key] = _p2p_time(self.profile, nbytes, inter)
+        return self._p2p[key]
+
+    def allreduce(self, nbytes: float, d: int, inter: bool) -> float:
+        key = (nbytes, d, inter)
+        if key not in self._allreduce:
+            self._allreduce[key] = _allreduce_time(self.profile, nbytes, d, inter)
+        return self._allreduce[key]
 
     def partition(self, pp: int, mbs: int, recompute: list[bool], counts, num_mb: int,
                   req: PlanRequest) -> Partition | None:
@@ -335,16 +358,23 @@ class _Tables:
                                       num_mb=num_mb, limit=req.gpu_memory, headroom=req.headroom, prefix=pre)
 
 
+def _stage_times(pre: _Prefix, a: int, b: int, recompute: bool) -> tuple[float, float, float]:
+    """(F, R, B) of a stage per micro-batch: F is the no-grad forward when the stage recomputes."""
+    fwd_grad = pre.rec[b] - pre.rec[a]
+    bwd = (pre.plain[b] - pre.plain[a]) - fwd_grad
+    if recompute:
+        return (pre.full[b] - pre.full[a]) - (pre.plain[b] - pre.plain[a]), fwd_grad, bwd
+    return fwd_grad, 0.0, bwd
+
+
 def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
              schedule: str) -> tuple[_Scored | None, int | None]:
-    """Partition one configuration and cost its stages (no simulation yet); returns (candidate or None, the
-    smallest memory it would need if it did not fit)."""
-    profile = tables.profile
+    """Partition one configuration and bound its step time from below (no simulation yet); returns
+    (candidate or None, the smallest memory it would need if it did not fit)."""
     replica_batch = math.ceil(req.batch_size / dp)
     num_mb = math.ceil(replica_batch / mbs)
     last = replica_batch - (num_mb - 1) * mbs
     segs = tables.segs(mbs)
-    segs_last = tables.segs(last) if last != mbs else segs
     counts = _inflight(schedule, pp, num_mb)
     recompute = [schedule == "varuna" and s < pp - 1 for s in range(pp)]
     part = tables.partition(pp, mbs, recompute, counts, num_mb, req)
@@ -356,40 +386,36 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
         need = max(stage_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], num_mb=num_mb,
                                 headroom=req.headroom) for s, (a, b) in enumerate(free.ranges))
         return None, need
-    per_node = req.gpus_per_node or req.gpus
-    boundary, dp_inter = _crossings(pp, dp, per_node)
+    boundary, dp_inter = _crossings(pp, dp, req.gpus_per_node or req.gpus)
     pre, pre_last = tables.prefix(mbs), tables.prefix(last)
-    costs, memory = [], []
-    lower = 0.0
-    fill = 0.0
+    lower = fill = 0.0
     for s, (a, b) in enumerate(part.ranges):
-        def totals(p: _Prefix) -> tuple[float, float, float]:
-            fwd = (p.full[b] - p.full[a]) - (p.plain[b] - p.plain[a]) if recompute[s] else 0.0
-            rec = sum(x.recompute for x in p.segs[a:b])
-            bwd = (p.plain[b] - p.plain[a]) - rec
-            return (fwd, rec, bwd) if recompute[s] else (rec, 0.0, bwd)
-
-        f, r, bw = totals(pre)
-        fl, rl, bl = totals(pre_last)
-        out_b, out_bl = segs[b - 1].output_bytes, segs_last[b - 1].output_bytes
-        in_b = segs[a - 1].output_bytes if a > 0 else 0.0
-        in_bl = segs_last[a - 1].output_bytes if a > 0 else 0.0
-        send_act = _p2p_time(profile, out_b, boundary[s]) if s < pp - 1 else 0.0
-        send_act_l = _p2p_time(profile, out_bl, boundary[s]) if s < pp - 1 else 0.0
-        send_grad = _p2p_time(profile, in_b, boundary[s - 1]) if s > 0 else 0.0
-        send_grad_l = _p2p_time(profile, in_bl, boundary[s - 1]) if s > 0 else 0.0
-        grads = sum(x.grad_bytes for x in segs[a:b])
-        allreduce = _allreduce_time(profile, grads, dp, dp_inter)
-        costs.append(StageCosts(f, r, bw, send_act, send_grad, allreduce, fl, rl, bl, send_act_l, send_grad_l))
-        memory.append(stage_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], num_mb=num_mb,
-                                   headroom=req.headroom))
+        f, r, bw = _stage_times(pre, a, b, recompute[s])
+        fl, rl, bl = _stage_times(pre_last, a, b, recompute[s])
+        allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], dp, dp_inter)
         busy = (num_mb - 1) * (f + r + bw) + fl + rl + bl
         lower = max(lower, fill + busy + allreduce)  # it cannot start before the first activation reaches it
-        fill += f + send_act
-    return _Scored(pp, dp, mbs, num_mb, schedule, part, costs, memory, counts, lower), None
+        if s < pp - 1:
+            fill += f + tables.p2p(segs[b - 1].output_bytes, boundary[s])
+    return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, boundary, dp_inter, lower), None
 
 
-def _score(c: _Scored, req: PlanRequest) -> _Scored:
+def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
+    """Cost every stage of a prepared candidate, then simulate it."""
+    segs, segs_last = tables.segs(c.mbs), tables.segs(c.last)
+    pre, pre_last = tables.prefix(c.mbs), tables.prefix(c.last)
+    pp = c.pp
+    for s, (a, b) in enumerate(c.partition.ranges):
+        f, r, bw = _stage_times(pre, a, b, c.recompute[s])
+        fl, rl, bl = _stage_times(pre_last, a, b, c.recompute[s])
+        send_act = tables.p2p(segs[b - 1].output_bytes, c.boundary[s]) if s < pp - 1 else 0.0
+        send_act_l = tables.p2p(segs_last[b - 1].output_bytes, c.boundary[s]) if s < pp - 1 else 0.0
+        send_grad = tables.p2p(segs[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
+        send_grad_l = tables.p2p(segs_last[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
+        allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], c.dp, c.dp_inter)
+        c.costs.append(StageCosts(f, r, bw, send_act, send_grad, allreduce, fl, rl, bl, send_act_l, send_grad_l))
+        c.memory.append(int(pre.memory(a, b, held=c.counts[s][0], graphs=c.counts[s][1], num_mb=c.num_mb,
+                                       headroom=req.headroom)))
     step, pipe, busy = _simulate(c.schedule, c.pp, c.num_mb, c.costs, req.max_concurrent_sends)
     c.step, c.pipeline, c.busy = step, pipe, list(busy)
     c.bubble = 1.0 - sum(busy) / (c.pp * pipe) if pipe > 0 else 0.0
@@ -400,8 +426,7 @@ def _score(c: _Scored, req: PlanRequest) -> _Scored:
 def _simulate(schedule: str, pp: int, num_mb: int, costs: list[StageCosts], sends: int):
     native = _native_shim.module()
     if native is not None:
-        return native.simulate_generated(schedule, pp, num_mb, [c.as_tuple() for c in costs], sends,
-                                         schedule == "varuna")
+        return native.simulate_generated(schedule, pp, num_mb, [c.as_tuple() for c in costs], sends, True)
     result = simulate(generate(schedule, pp, num_mb), costs, max_concurrent_sends=sends, backend="python")
     return result.step_time, result.pipeline_time, result.busy
 
@@ -482,7 +507,7 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     for cand in prepared:
         if len(best_steps) >= keep and cand.lower_bound > best_steps[keep - 1]:
             break
-        scored.append(_score(cand, req))
+        scored.append(_score(cand, tables, req))
         bisect.insort(best_steps, cand.step)
         del best_steps[keep:]
     if not scored:
@@ -521,9 +546,10 @@ def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch
     if schedule not in SCHEDULE_NAMES:
         raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
     assumptions: set[str] = set()
-    result, need = _prepare(_Tables(profile), req, pp, dp, microbatch_size, schedule)
+    tables = _Tables(profile)
+    result, need = _prepare(tables, req, pp, dp, microbatch_size, schedule)
     if result is not None:
-        result = _score(result, req)
+        result = _score(result, tables, req)
     if result is None:
         raise PlanInfeasible(f"pp={pp}, dp={dp}, micro-batch {microbatch_size}, {schedule} needs {need} bytes per "
                              f"device, more than {req.gpu_memory}")

@@ -7,8 +7,10 @@ posted before the first action, sends are posted as soon as a value exists, and 
 
 [Note: opportunistic forward] With the ``varuna`` schedule, when the next action is a recompute whose
 gradient has not arrived yet and a later forward's input has, the forward runs first (as the original's
-runtime did). Only forwards move, and backwards keep their order, so gradients are accumulated in the same
-order whatever the timing: results do not depend on it.
+runtime did), but only while the stage holds fewer micro-batches than its static order ever does: the swap
+must not raise the memory the planner predicted (the original's unbounded swap held up to half again as
+many). Only forwards move, and backwards keep their order, so gradients are accumulated in the same order
+whatever the timing: results do not depend on it. The simulator applies the same rule.
 
 A recompute draws the same dropout masks as its forward because both seed each segment from (seed, step,
 micro-batch, segment) (see [Note: deterministic dropout] in :mod:`varuna_core.rng`); the original restored a
@@ -25,6 +27,7 @@ import torch
 
 from . import p2p
 from .errors import ConfigError
+from .memory_counts import inflight
 from .payload import flatten, unflatten
 from .precision import autocast
 from .schedule import Action, Op, Schedule, generate, validate
@@ -73,6 +76,7 @@ class PipelineRuntime:
         self._in_tensor_specs = [leaf for _, leaf in self._in.tensor_leaves] if self._in else []
         self._out_tensor_specs = [leaf for _, leaf in self._out.tensor_leaves] if self._out else []
         self._schedules: dict[tuple[int, bool], Schedule] = {}
+        self._caps: dict[int, int] = {}  # per micro-batch count: the static peak of held micro-batches
         self.trace: list[tuple[str, float, float]] | None = None  # set to a list to record (action, start, end)
         generate(schedule, self.num_stages, 1)  # unknown names fail at construction, not at the first step
 
@@ -83,6 +87,7 @@ class PipelineRuntime:
             sched = generate(self.schedule_name, self.num_stages, num_microbatches)
             validate(sched)
             self._schedules[key] = sched
+            self._caps[num_microbatches] = inflight(sched)[self.stage_index][0]
         return sched
 
     # ------------------------------------------------------------------------------------------------------
@@ -137,12 +142,13 @@ class PipelineRuntime:
                 )
         state = {mb: _MicroState() for mb in range(num)}
         sends: list[Any] = []
+        held, cap = 0, (self._caps[num] if train and recompute else 0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
         i = 0
         while i < len(actions):
             action = actions[i]
-            if action.op is Op.R and not last and not grads[action.mb].ready():
+            if action.op is Op.R and not last and held < cap and not grads[action.mb].ready():
                 j = next((k for k in range(i + 1, len(actions)) if actions[k].op is Op.F), None)
                 if j is not None and (self.prev_rank is None or acts[actions[j].mb].ready()):
                     actions.insert(i, actions.pop(j))
@@ -179,6 +185,7 @@ class PipelineRuntime:
             else:
                 self._backward(st, grads.get(mb), action, sends)
                 state[mb] = _MicroState()
+            held += 1 if action.op is Op.F else -1 if action.op is Op.B else 0
             if self.trace is not None:
                 self.trace.append((str(action), started, time.perf_counter()))
             i += 1

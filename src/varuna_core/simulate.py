@@ -4,9 +4,10 @@ The simulator executes the *same* action lists the runtime executes (:mod:`varun
 
 * every stage is a sequential processor that runs its actions in order; an ``F`` waits for its activation
   (except on stage 0), a ``B`` for its gradient (except on the last stage), an ``R`` for nothing but its ``F``;
-* with ``opportunistic=True`` (the ``varuna`` schedule, see [Note: opportunistic forward] in the runtime),
-  when a stage is free, its next action is an ``R`` whose gradient has not arrived yet, and a later ``F``'s
-  input has arrived, that ``F`` runs first;
+* with ``opportunistic=True`` (the runtime's rule, see [Note: opportunistic forward]; it only concerns ``R``
+  actions), when a stage is free, its next action is an ``R`` whose gradient has not arrived yet, a later
+  ``F``'s input has arrived, and the stage holds fewer micro-batches than its static order ever does, that
+  ``F`` runs first;
 * finishing an ``F`` sends the activation to the next stage, finishing a ``B`` sends the gradient to the
   previous one; each stage has ``max_concurrent_sends`` channels per direction, used first-come first-served,
   and a message takes the stage's send time (communication overlaps compute, as the runtime's async p2p does);
@@ -26,6 +27,7 @@ import dataclasses
 import heapq
 from typing import Sequence
 
+from .memory_counts import inflight
 from .schedule import Op, Schedule
 
 __all__ = ["StageCosts", "SimResult", "simulate", "simulate_python"]
@@ -101,7 +103,7 @@ def simulate(
     costs: Sequence[StageCosts],
     *,
     max_concurrent_sends: int = 4,
-    opportunistic: bool | None = None,
+    opportunistic: bool = True,
     timeline: bool = False,
     backend: str = "auto",
 ) -> SimResult:
@@ -113,8 +115,6 @@ def simulate(
     """
     if len(costs) != schedule.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {schedule.num_stages} stages")
-    if opportunistic is None:
-        opportunistic = schedule.name == "varuna"
     if backend != "python":
         from . import _native_shim
 
@@ -157,6 +157,8 @@ def simulate_python(schedule: Schedule, costs: Sequence[StageCosts], *, max_conc
     line: list[tuple[int, str, int, float, float]] = []
     heap: list[tuple[float, int]] = []
     waiting: set[int] = set()  # stages whose next action waits on a message not yet sent
+    held = [0] * p  # micro-batches between their F and B
+    cap = [h for h, _ in inflight(schedule)]  # the swap never makes a stage hold more than its static order
 
     def ready_time(s: int) -> float | None:
         """When stage ``s`` can start its next action (``None``: it waits on something not yet known)."""
@@ -199,7 +201,7 @@ def simulate_python(schedule: Schedule, costs: Sequence[StageCosts], *, max_conc
         if current is None or current != t:  # stale entry
             continue
         a = pending[s][pos[s]]
-        if opportunistic and a.op is Op.R and s < p - 1:
+        if opportunistic and a.op is Op.R and s < p - 1 and held[s] < cap[s]:
             g = grad_arrival[s].get(a.mb)
             if g is None or g > t:
                 for j in range(pos[s] + 1, len(pending[s])):
@@ -216,6 +218,7 @@ def simulate_python(schedule: Schedule, costs: Sequence[StageCosts], *, max_conc
         free[s] = finish
         end[s] = finish
         pos[s] += 1
+        held[s] += 1 if a.op is Op.F else -1 if a.op is Op.B else 0
         if timeline:
             line.append((s, a.op.value, a.mb, t, finish))
         if a.op is Op.F and s < p - 1:
