@@ -27,8 +27,8 @@ help: ## list the targets
 
 setup: $(STAMP) ## create the venv and install torch, numpy and this project (editable, with dev extras)
 
-# Re-runs only when pyproject.toml changes (or after `make clean`).
-$(STAMP): pyproject.toml
+# Re-runs only when pyproject.toml or the C++ sources change (or after `make clean`).
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.hpp)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install "$(TORCH)" numpy $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PIP) install -e ".[dev]"
