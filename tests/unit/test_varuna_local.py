@@ -132,3 +132,31 @@ def test_uncaught_error_in_a_script_is_one_line_with_exit_code(tmp_path) -> None
     debug = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                            env=env | {"VARUNA_DEBUG": "1"}, timeout=120)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+def test_plan_of_another_model_is_refused(tmp_path) -> None:
+    from tests.profiles import make_profile
+    from varuna_core.artifacts import save_plan
+    from varuna_core.plan import PlanRequest, plan_for
+
+    plan = plan_for(make_profile([0.001] * 3), PlanRequest(gpus=1, batch_size=8), pp=1, dp=1, microbatch_size=2,
+                    schedule="1f1b")
+    path = tmp_path / "plan.yaml"
+    save_plan(plan, path)
+    with pytest.raises(ConfigError, match="the plan is for a model with 3 segments; this model has 5"):
+        _wrap(None, plan=str(path))
+    (tmp_path / "v2.yaml").write_text(path.read_text().replace("schema_version: 1", "schema_version: 2"))
+    with pytest.raises(ConfigError, match="plan format version 2"):
+        _wrap(None, plan=str(tmp_path / "v2.yaml"))
+
+
+def test_plan_sets_micro_batch_and_schedule(tmp_path) -> None:
+    from tests.profiles import make_profile
+    from varuna_core.artifacts import save_plan
+    from varuna_core.plan import PlanRequest, plan_for
+
+    plan = plan_for(make_profile([0.001] * 5), PlanRequest(gpus=1, batch_size=8), pp=1, dp=1, microbatch_size=4,
+                    schedule="gpipe")
+    save_plan(plan, tmp_path / "plan.yaml")
+    vm = _wrap(None, plan=str(tmp_path / "plan.yaml"), chunk_size=3)
+    assert (vm.chunk_size, vm.schedule_name, vm.num_microbatches) == (4, "gpipe", 2)
