@@ -37,11 +37,21 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.hpp)
 test: setup ## run the test suite (PYTEST_ARGS="-k env" to select)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-# The example char-level GPT, 4 pipeline stages on 4 local processes (about a minute on 2 CPU cores).
-demo: setup ## train the example GPT on 4 local processes (4 pipeline stages)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/gpt/train.py \
-		--stage-to-rank-map "0;1;2;3" --batch-size 32 --chunk-size 4 --schedule varuna \
-		--steps 500 --log-every 25 $(DEMO_ARGS)
+# The workflow on the example char-level GPT, in runs/demo (about a minute on 2 CPU cores): profile it on 2
+# processes, plan for 4 devices that we pretend have only 6 MiB each (so the model must be split into
+# stages), train with the plan on as many local processes as it uses, then draw the planned step next to the
+# measured one.
+DEMO_DIR ?= runs/demo
+VARUNA := $(VENV)/bin/varuna
+demo: setup ## profile -> plan -> train the example GPT on local processes, in runs/demo
+	@mkdir -p $(DEMO_DIR)
+	OMP_NUM_THREADS=1 $(VARUNA) profile examples/gpt/spec.py:spec --nproc 2 -o $(DEMO_DIR)/profile.json
+	$(VARUNA) plan $(DEMO_DIR)/profile.json --gpus 4 --gpu-memory 6MiB --batch-size 32 -o $(DEMO_DIR)/plan.yaml
+	OMP_NUM_THREADS=1 VARUNA_TRACE=$(DEMO_DIR)/trace $(VENV)/bin/torchrun --standalone \
+		--nproc-per-node $$($(PY) -c "import yaml; p = yaml.safe_load(open('$(DEMO_DIR)/plan.yaml')); print(p['pp'] * p['dp'])") \
+		examples/gpt/train.py --plan $(DEMO_DIR)/plan.yaml --batch-size 32 --steps 400 --log-every 25 $(DEMO_ARGS)
+	$(VARUNA) plan show $(DEMO_DIR)/plan.yaml --max-steps 0 --png $(DEMO_DIR)/timeline.png --measured $(DEMO_DIR)/trace
+	@echo "demo outputs: $(DEMO_DIR)/profile.json $(DEMO_DIR)/plan.yaml $(DEMO_DIR)/timeline.png $(DEMO_DIR)/trace/"
 
 # Step time of our pipeline runtime vs torch.distributed.pipelining, 2 stages on 2 local processes (see benchmarks/README.md).
 bench: setup ## compare our pipeline step time with torch.distributed.pipelining (BENCH_ARGS="--json")

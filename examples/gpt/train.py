@@ -45,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--data", default=None, help="text file to train on (default: the shipped data/input.txt)")
+    p.add_argument("--plan", default=os.environ.get("VARUNA_PLAN"),
+                   help="a plan from `varuna plan` (default: $VARUNA_PLAN): it sets the stage-to-rank map, "
+                   "partition, schedule and micro-batch size")
     return p.parse_args()
 
 
@@ -55,6 +58,8 @@ def main() -> None:
     # creates the process group from them (gloo on CPU, NCCL on CUDA). A plain `python train.py` is a world of one.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     stage_to_rank_map = args.stage_to_rank_map or ";".join(str(r) for r in range(world_size))
+    if args.plan and not args.stage_to_rank_map:
+        stage_to_rank_map = None  # the plan's
 
     # Data and model: built identically on every rank (same text, same seed).
     ds = CharDataset.load(args.data) if args.data else CharDataset.load()
@@ -66,15 +71,18 @@ def main() -> None:
     dummy_inputs = ds.get_batch("train", 2, args.block_size, torch.Generator().manual_seed(args.seed))
 
     model = Varuna(model, stage_to_rank_map, dummy_inputs=dummy_inputs, batch_size=args.batch_size,
-                   chunk_size=args.chunk_size, shared_weights=SHARED_WEIGHTS, schedule=args.schedule)
+                   chunk_size=None if args.plan else args.chunk_size, shared_weights=SHARED_WEIGHTS,
+                   schedule=args.schedule,
+                   plan=args.plan)
     # Created after wrapping: each rank only holds (and optimizes) its own stage's parameters.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model.set_optimizer(optimizer)
 
     if model.rank == 0:
         print(f"model: {n_params / 1e3:.1f}k parameters, vocab {ds.vocab_size}, {cfg}")
-        print(f"world {world_size}: {model.dp} replica(s), map {stage_to_rank_map!r}, schedule {args.schedule}, "
-              f"global batch {args.batch_size}, micro-batch {args.chunk_size}", flush=True)
+        print(f"world {world_size}: {model.pp} stage(s) x {model.dp} replica(s), map {model.topology.to_string()!r}, "
+              f"schedule {model.schedule_name}, partition {model.partition.to_string()}, global batch "
+              f"{args.batch_size}, micro-batch {model.chunk_size}", flush=True)
 
     loss = float("nan")
     t_start = time.perf_counter()
