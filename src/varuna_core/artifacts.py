@@ -17,7 +17,7 @@ from .errors import ConfigError
 __all__ = [
     "Stat", "SegmentMeasure", "SegmentProfile", "LinearFit", "CommCurve", "Environment", "StopReason", "Profile",
     "load_profile", "save_artifact", "SCHEMAS", "StagePlan", "Prediction", "Candidate", "Plan", "save_plan",
-    "load_plan", "write_schemas",
+    "load_plan", "write_schemas", "FileEntry", "TensorEntry", "Manifest",
 ]
 
 
@@ -258,6 +258,55 @@ def load_plan(path: str | Path | Plan) -> Plan:
         return Plan.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{path} is not a valid plan: {str(exc).splitlines()[0]} ...") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoint manifest
+
+
+class FileEntry(_Model):
+    path: str = Field(description="relative to the checkpoint directory")
+    bytes: int
+    sha256: str
+
+
+class TensorEntry(_Model):
+    key: str = Field(description="key in the checkpoint, e.g. 'model/blocks.0.attn.weight'")
+    shape: list[int]
+    dtype: str
+
+
+class Manifest(_Model):
+    """``manifest.json`` of a checkpoint directory ``<store>/step_<N>/``.
+
+    The tensors are in ``torch.distributed.checkpoint`` files beside it, under keys ``model/<name>`` (each
+    parameter once, tied weights under their canonical name), ``buffer/<name>`` and
+    ``optim/<name>/<state>``. ``COMPLETE`` is written after the manifest, once every rank has finished.
+    """
+
+    schema_version: Literal[1] = 1
+    step: int
+    created: str
+    model: str = Field(description="model class or spec name")
+    structure_hash: str
+    num_segments: int
+    pp: int
+    dp: int
+    stage_to_rank_map: str
+    partition: list[tuple[int, int]]
+    precision: str
+    iteration: int = Field(description="optimizer steps taken (what resumes the dropout seed stream)")
+    samples_seen: int = Field(description="examples consumed: the data position to resume from")
+    seed: int
+    loss_scaler: dict | None = None
+    optimizer: dict | None = Field(None, description="optimizer class and hyper-parameters of each group")
+    tied: list[list[str]] = Field(default_factory=list, description="tied weights: canonical name first")
+    parameters: list[TensorEntry] = Field(description="every model parameter (checkpoint key, shape, dtype)")
+    plan: dict | None = None
+    files: list[FileEntry]
+
+
+SCHEMAS["manifest.schema.json"] = Manifest
 
 
 if __name__ == "__main__":  # python -m varuna_core.artifacts [DIR]: regenerate schemas/

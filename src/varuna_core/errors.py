@@ -16,6 +16,7 @@ __all__ = [
     "CutPointError",
     "ShapeMismatchError",
     "CommTimeoutError",
+    "CheckpointError",
     "format_error",
     "install_excepthook",
 ]
@@ -106,3 +107,7 @@ def install_excepthook() -> None:
 
     hook._varuna = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+class CheckpointError(VarunaError):
+    """A checkpoint that is missing, incomplete, corrupt, or does not fit the model."""

@@ -346,6 +346,23 @@ class Varuna(nn.Module):
         self.iteration += 1
         return loss, overflow
 
+    def checkpoint(self, global_store: str | os.PathLike, step: int | None = None,
+                   tempdir: str | os.PathLike | None = None, shard: bool = True, background: bool = False,
+                   keep: int | None = None):
+        """Save parameters, buffers, optimizer state, loss scaler, RNG, step, data position and the plan to
+        ``global_store/step_<step>`` (collective). See :mod:`varuna_core.checkpoint`."""
+        from .checkpoint import save
+
+        return save(self, global_store, step=step, tempdir=tempdir, shard=shard, background=background, keep=keep)
+
+    def load_checkpoint(self, global_store: str | os.PathLike, iteration: int | str = "latest",
+                        check_complete: bool = True) -> int:
+        """Restore from a checkpoint written under any pipeline depth and width (collective; after
+        ``set_optimizer``). Returns the step loaded; ``self.iteration`` continues from it."""
+        from .checkpoint import load
+
+        return load(self, global_store, iteration=iteration, check_complete=check_complete)
+
     def get_loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 in fp32 and bf16)."""
         return self.scaler.value if self.scaler is not None else 1.0

@@ -66,7 +66,8 @@ def run_one(run: dict, spec: dict) -> dict:
     opt = make_optimizer(run["optimizer"], vm.parameters())
     vm.set_optimizer(opt, init_loss_scale=run.get("init_loss_scale", 2**20))
     losses, norms, overflows, scales = [], [], [], []
-    for step in range(run.get("steps", 3)):
+    first = vm.load_checkpoint(run["load"]) if run.get("load") else 0
+    for step in range(first, run.get("steps", 3)):
         if run.get("stall_rank") == vm.rank:
             time.sleep(run["stall_seconds"])
         hooks = []
@@ -98,6 +99,11 @@ def run_one(run: dict, spec: dict) -> dict:
         losses.append(loss)
         norms.append(vm.grad_norm)
         overflows.append(overflow)
+        if run.get("save") and vm.iteration == run["save"]["at"]:
+            pending = vm.checkpoint(run["save"]["dir"], tempdir=run["save"].get("tempdir"),
+                                    background=run["save"].get("background", False))
+            if pending is not None:
+                pending.result()
     scales.append(vm.get_loss_scale())
     result = {
         "losses": torch.tensor(losses, dtype=torch.float64),

@@ -1,0 +1,53 @@
+"""Checkpoints reshard: save at one pipeline depth and width, resume at another, and the run continues as if
+uninterrupted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist.harness import run_ranks
+from tests.dist.test_parity import rel_diff
+from tests.dist.worker import make_optimizer
+from tests.models import ToyLM, batch
+
+pytestmark = pytest.mark.dist
+
+BATCH, CHUNK = 8, 2
+
+
+def uninterrupted(steps: int):
+    torch.manual_seed(0)
+    model = ToyLM()
+    opt = make_optimizer("adamw", model.parameters())
+    losses = []
+    for step in range(steps):
+        loss = model(**batch(BATCH, seed=100 + step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64), {n: p.detach() for n, p in
+                                                       model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize(("resume_map", "world", "background"), [("0;1;2;3", 4, False), ("0,1", 2, True)])
+def test_resume_under_another_layout_equals_uninterrupted(resume_map, world, background, tmp_path) -> None:
+    store = tmp_path / "ckpt"
+    save = {"dir": str(store), "at": 4, "background": background}
+    if background:
+        save["tempdir"] = str(tmp_path / "local")
+    first = {"schedule": "1f1b", "optimizer": "adamw", "batch": BATCH, "chunk": CHUNK, "steps": 4, "save": save}
+    for res in run_ranks({"map": "0,2;1,3", "timeout": 60, "runs": [first]}, 4, tmp_path / "a"):
+        assert res.returncode == 0, res.error
+    assert (store / "step_4" / "COMPLETE").is_file()
+    second = {"schedule": "varuna", "optimizer": "adamw", "batch": BATCH, "chunk": CHUNK, "steps": 8,
+              "load": str(store)}
+    results = run_ranks({"map": resume_map, "timeout": 60, "runs": [second]}, world, tmp_path / "b")
+    losses, params = uninterrupted(8)
+    for res in results:
+        assert res.returncode == 0, res.error
+        got = res.result["runs"][0]
+        assert rel_diff(got["losses"], losses[4:]) <= 1e-6, (got["losses"], losses[4:])
+        for name, value in got["params"].items():
+            assert rel_diff(value, params[name]) <= 1e-6, name
