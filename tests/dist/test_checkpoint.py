@@ -51,3 +51,30 @@ def test_resume_under_another_layout_equals_uninterrupted(resume_map, world, bac
         assert rel_diff(got["losses"], losses[4:]) <= 1e-6, (got["losses"], losses[4:])
         for name, value in got["params"].items():
             assert rel_diff(value, params[name]) <= 1e-6, name
+
+
+def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path) -> None:
+    store = tmp_path / "ckpt"
+    run = {"schedule": "1f1b", "optimizer": "adamw", "batch": BATCH, "chunk": CHUNK, "steps": 4,
+           "save": {"dir": str(store), "at": 2, "every": [2, 4]}, "die_in_save": {"rank": 1, "at": 4}}
+    results = run_ranks({"map": "0;1", "timeout": 20, "runs": [run]}, 2, tmp_path / "a")
+    assert results[1].returncode == -9 and results[0].returncode == 1
+    assert (store / "step_2" / "COMPLETE").is_file()
+    assert (store / "step_4").is_dir() and not (store / "step_4" / "COMPLETE").exists()
+    # resuming picks the last complete checkpoint and continues like an uninterrupted run
+    resume = {"schedule": "1f1b", "optimizer": "adamw", "batch": BATCH, "chunk": CHUNK, "steps": 4,
+              "load": str(store)}
+    losses, _ = uninterrupted(4)
+    for res in run_ranks({"map": "0;1", "timeout": 20, "runs": [resume]}, 2, tmp_path / "b"):
+        assert res.returncode == 0, res.error
+        assert rel_diff(res.result["runs"][0]["losses"], losses[2:]) <= 1e-6
+    # the incomplete one is refused, and so is a corrupt one, by name
+    for res in run_ranks({"map": "0;1", "timeout": 20, "runs": [dict(resume, load_step=4)]}, 2, tmp_path / "i"):
+        assert res.returncode == 1 and "step_4 is incomplete" in res.error, res.error
+    data = sorted((store / "step_2").glob("__*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    for res in run_ranks({"map": "0;1", "timeout": 20, "runs": [resume]}, 2, tmp_path / "c"):
+        assert res.returncode == 1 and res.error.startswith("CheckpointError"), res.error
+        assert "sha256 mismatch" in res.error and data.name in res.error

@@ -66,7 +66,7 @@ def run_one(run: dict, spec: dict) -> dict:
     opt = make_optimizer(run["optimizer"], vm.parameters())
     vm.set_optimizer(opt, init_loss_scale=run.get("init_loss_scale", 2**20))
     losses, norms, overflows, scales = [], [], [], []
-    first = vm.load_checkpoint(run["load"]) if run.get("load") else 0
+    first = vm.load_checkpoint(run["load"], iteration=run.get("load_step", "latest")) if run.get("load") else 0
     for step in range(first, run.get("steps", 3)):
         if run.get("stall_rank") == vm.rank:
             time.sleep(run["stall_seconds"])
@@ -99,7 +99,12 @@ def run_one(run: dict, spec: dict) -> dict:
         losses.append(loss)
         norms.append(vm.grad_norm)
         overflows.append(overflow)
-        if run.get("save") and vm.iteration == run["save"]["at"]:
+        crash = run.get("die_in_save")
+        if crash and crash["rank"] == vm.rank and vm.iteration == crash["at"]:
+            import varuna_core.checkpoint as ckpt
+
+            ckpt._entries = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # after its files, before COMPLETE
+        if run.get("save") and vm.iteration in run["save"].get("every", [run["save"]["at"]]):
             pending = vm.checkpoint(run["save"]["dir"], tempdir=run["save"].get("tempdir"),
                                     background=run["save"].get("background", False))
             if pending is not None:
