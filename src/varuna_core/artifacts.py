@@ -56,6 +56,7 @@ class SegmentProfile(_Model):
     param_bytes: int = Field(description="parameters the segment uses (tied weights count in each segment using them)")
     grad_bytes: int
     optimizer_bytes: int = Field(description="optimizer state after one step with the spec's optimizer (AdamW by default)")
+    optimizer_time: float = Field(0.0, description="one optimizer step over the segment's parameters (s, median)")
     measures: list[SegmentMeasure]
 
 
@@ -170,6 +171,7 @@ class StagePlan(_Model):
     send_activation: float = Field(0.0, description="predicted time to send one activation to the next stage (s)")
     send_gradient: float = Field(0.0, description="predicted time to send one gradient to the previous stage (s)")
     allreduce: float = Field(0.0, description="predicted data-parallel gradient all-reduce time (s)")
+    optimizer: float = Field(0.0, description="predicted optimizer step time (s)")
     busy: float = Field(description="simulated compute time in one step (s)")
     memory_bytes: int = Field(description="predicted peak memory per device, headroom included")
     held_microbatches: int = Field(description="micro-batches whose state the stage holds at once")

@@ -78,6 +78,7 @@ class _Seg:
     saved_bytes: float
     static_bytes: int  # parameters + gradients + optimizer state
     grad_bytes: int
+    optimizer_time: float = 0.0
 
 
 def _interp(measures: Sequence[SegmentMeasure], n: float, get) -> float:
@@ -106,6 +107,7 @@ def _segments_at(profile: Profile, n: float) -> list[_Seg]:
             saved_bytes=_interp(ms, n, lambda m: m.saved_bytes),
             static_bytes=seg.param_bytes + seg.grad_bytes + seg.optimizer_bytes,
             grad_bytes=seg.grad_bytes,
+            optimizer_time=seg.optimizer_time,
         ))
     return out
 
@@ -159,7 +161,9 @@ class _Prefix:
         self.saved = [0.0]
         self.rec = [0.0]    # forward with graph (= recompute)
         self.grads = [0.0]  # gradient bytes
+        self.opt = [0.0]    # optimizer step time
         for x in segs:
+            self.opt.append(self.opt[-1] + x.optimizer_time)
             self.rec.append(self.rec[-1] + x.recompute)
             self.grads.append(self.grads[-1] + x.grad_bytes)
             self.plain.append(self.plain[-1] + x.recompute + x.backward)
@@ -296,6 +300,7 @@ class _Scored:
     dp_inter: bool
     lower_bound: float
     costs: list[StageCosts] = dataclasses.field(default_factory=list)
+    optimizer: list[float] = dataclasses.field(default_factory=list)
     memory: list[int] = dataclasses.field(default_factory=list)
     step: float = 0.0
     pipeline: float = 0.0
@@ -392,7 +397,7 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
     for s, (a, b) in enumerate(part.ranges):
         f, r, bw = _stage_times(pre, a, b, recompute[s])
         fl, rl, bl = _stage_times(pre_last, a, b, recompute[s])
-        allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], dp, dp_inter)
+        allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], dp, dp_inter) + (pre.opt[b] - pre.opt[a])
         busy = (num_mb - 1) * (f + r + bw) + fl + rl + bl
         lower = max(lower, fill + busy + allreduce)  # it cannot start before the first activation reaches it
         if s < pp - 1:
@@ -413,13 +418,18 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
         send_grad = tables.p2p(segs[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
         send_grad_l = tables.p2p(segs_last[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
         allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], c.dp, c.dp_inter)
-        c.costs.append(StageCosts(f, r, bw, send_act, send_grad, allreduce, fl, rl, bl, send_act_l, send_grad_l))
+        c.optimizer.append(pre.opt[b] - pre.opt[a])
+        # after its last action a stage all-reduces its gradients, then steps its optimizer
+        c.costs.append(StageCosts(f, r, bw, send_act, send_grad, allreduce + c.optimizer[-1], fl, rl, bl,
+                                  send_act_l, send_grad_l))
         c.memory.append(int(pre.memory(a, b, held=c.counts[s][0], graphs=c.counts[s][1], num_mb=c.num_mb,
                                        headroom=req.headroom)))
     step, pipe, busy = _simulate(c.schedule, c.pp, c.num_mb, c.costs, req.max_concurrent_sends)
+    # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
+    step += tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
     c.step, c.pipeline, c.busy = step, pipe, list(busy)
     c.bubble = 1.0 - sum(busy) / (c.pp * pipe) if pipe > 0 else 0.0
-    c.allreduce = max(x.allreduce for x in c.costs)
+    c.allreduce = max(x.allreduce - o for x, o in zip(c.costs, c.optimizer))
     return c
 
 
@@ -563,7 +573,8 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
     nodes = [list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)]
     stages = [
         StagePlan(stage=s, segments=(a, b), forward=c.forward, recompute=c.recompute, backward=c.backward,
-                  send_activation=c.send_activation, send_gradient=c.send_gradient, allreduce=c.allreduce,
+                  send_activation=c.send_activation, send_gradient=c.send_gradient,
+                  allreduce=c.allreduce - best.optimizer[s], optimizer=best.optimizer[s],
                   busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0])
         for s, ((a, b), c) in enumerate(zip(best.partition.ranges, best.costs))
     ]

@@ -204,8 +204,10 @@ class _SegmentBench:
 
         return unflatten(leaves, spec.treespec), tensors
 
-    def run(self, inputs: dict, n: int, *, grad: bool, saved: list[int] | None = None):
-        value, tensors = self.incoming(n)
+    def run(self, inputs: dict, n: int, incoming: tuple[Any, list[torch.Tensor]], *, grad: bool,
+            saved: list[int] | None = None):
+        """One forward of the segment on ``incoming`` (made by :meth:`incoming` outside the timed region)."""
+        value, tensors = incoming
         for t in tensors:
             if t.is_floating_point():
                 t.requires_grad_(grad)
@@ -225,14 +227,17 @@ class _SegmentBench:
             out = self.stage.forward(inputs, value, n)
         return out
 
-    def backward(self, out: Any) -> None:
+    def output_grads(self, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The output leaves to back-propagate from and random gradients for them (made outside the timing)."""
         if self.stage.is_last:
-            out.float().backward()
-            return
+            return [out.float()], []
         leaves = [t for t in flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        grads = [torch.randn(t.shape, generator=self.generator).to(t) for t in leaves]
-        if leaves:
-            torch.autograd.backward(leaves, grads)
+        return leaves, [torch.randn(t.shape, generator=self.generator).to(t) for t in leaves]
+
+    @staticmethod
+    def backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        if roots:
+            torch.autograd.backward(roots, grads or None)
 
     def output_bytes(self, out: Any) -> int:
         if self.stage.is_last:
@@ -263,16 +268,19 @@ def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int
     out = None
     for i in range(warmup + repeats):
         timed = i >= warmup
+        incoming = bench.incoming(n)
         with torch.no_grad():
-            t_f, out = _time(lambda: bench.run(inputs, n, grad=False), device)
+            t_f, out = _time(lambda: bench.run(inputs, n, incoming, grad=False), device)
+        incoming = bench.incoming(n)
         counter = [0]
-        t_r, out = _time(lambda: bench.run(inputs, n, grad=True, saved=counter), device)
+        t_r, out = _time(lambda: bench.run(inputs, n, incoming, grad=True, saved=counter), device)
         saved = counter
         if memory_limit is not None and static_bytes + saved[0] > memory_limit:
             raise _LimitReached(
                 f"segment {bench.segment} needs {static_bytes + saved[0]:,} bytes at micro-batch {n} "
                 f"(limit {memory_limit:,})")
-        t_b, _ = _time(lambda: bench.backward(out), device)
+        roots, grads = bench.output_grads(out)
+        t_b, _ = _time(lambda: bench.backward(roots, grads), device)
         if timed:
             forward.append(t_f)
             recompute.append(t_r)
@@ -285,24 +293,28 @@ def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int
                           peak_bytes=peak)
 
 
-def _static_sizes(bench: _SegmentBench) -> tuple[int, int, int, int]:
-    """(param count, param bytes, grad bytes, optimizer-state bytes) of a segment."""
+def _static_sizes(bench: _SegmentBench, repeats: int = 5) -> tuple[int, int, int, int, float]:
+    """(param count, param bytes, grad bytes, optimizer-state bytes, optimizer step time) of a segment."""
     params = bench.params
     count = sum(p.numel() for p in params)
     pbytes = sum(p.numel() * p.element_size() for p in params)
     gbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     obytes = 0
+    step_time = 0.0
     if bench.optimizer is not None and gbytes:
-        for p in params:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        bench.optimizer.step()
+        times = []
+        for _ in range(1 + repeats):
+            for p in params:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            times.append(_time(bench.optimizer.step, bench.device)[0])
+        step_time = statistics.median(times[1:])
         bench.optimizer.zero_grad(set_to_none=True)
         for state in bench.optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.device.type != "meta":
                     obytes += value.numel() * value.element_size()
-    return count, pbytes, gbytes, obytes
+    return count, pbytes, gbytes, obytes, step_time
 
 
 def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, microbatch_sizes: list[int],
@@ -323,7 +335,7 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
         inputs = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in _check_batch(spec.batch, dims, n).items()}
         failure: tuple[int, str] | None = None
         for k in mine:
-            _, _, gbytes, obytes = statics[k]
+            _, _, gbytes, obytes, _ = statics[k]
             static = statics[k][1] + gbytes + obytes
             try:
                 measures[k].append(_measure_segment(benches[k], inputs, n, repeats=repeats, warmup=warmup,
@@ -352,7 +364,7 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
         SegmentProfile(index=k, input_cut=structure.cut_names[k - 1] if k > 0 else None,
                        output_cut=structure.cut_names[k] if k < len(structure.cut_names) else None,
                        param_count=statics[k][0], param_bytes=statics[k][1], grad_bytes=statics[k][2],
-                       optimizer_bytes=statics[k][3], measures=measures[k])
+                       optimizer_bytes=statics[k][3], optimizer_time=statics[k][4], measures=measures[k])
         for k in mine
     ]
     if world > 1:

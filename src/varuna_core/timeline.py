@@ -19,7 +19,8 @@ _COLORS = {"F": "#4C72B0", "R": "#DD8452", "B": "#55A868"}
 def simulated_timeline(plan: Plan) -> list[tuple[int, str, int, float, float]]:
     """``(stage, op, mb, start, end)`` of one step as the planner's simulation predicts it (every micro-batch at
     full size)."""
-    costs = [StageCosts(s.forward, s.recompute, s.backward, s.send_activation, s.send_gradient, s.allreduce)
+    costs = [StageCosts(s.forward, s.recompute, s.backward, s.send_activation, s.send_gradient,
+                        s.allreduce + s.optimizer)
              for s in plan.stages]
     result = simulate(generate(plan.schedule, plan.pp, plan.num_microbatches), costs, timeline=True)
     return list(result.timeline or ())
