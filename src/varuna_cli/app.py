@@ -17,6 +17,7 @@ from typing import Annotated
 
 import typer
 
+from varuna_cli.commands import ckpt as ckpt_command
 from varuna_cli.commands import env as env_command
 from varuna_cli.commands import plan as plan_command
 from varuna_cli.commands import profile as profile_command
@@ -66,6 +67,7 @@ def _root(
 app.command("profile", rich_help_panel="Workflow")(profile_command.profile)
 app.command("plan", rich_help_panel="Workflow")(plan_command.plan)
 app.command("plan-show", hidden=True)(plan_command.show)
+app.add_typer(ckpt_command.app, name="ckpt", rich_help_panel="Workflow")
 app.command("env", rich_help_panel="Help")(env_command.env)
 
 

@@ -1,0 +1,206 @@
+"""``varuna ckpt list|inspect|verify|merge``: look into checkpoint stores without a cluster.
+
+``DIR`` is a checkpoint store (the latest complete ``step_N`` is used) or one ``DIR/step_N``. Tables go to
+stdout; ``--json`` prints one JSON document instead. ``verify`` exits 1 naming the first problem.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(
+    name="ckpt",
+    help="List, inspect, verify and merge checkpoints (a store DIR, or one DIR/step_N).",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+)
+
+_Json = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+
+
+@app.command("list")
+def list_(
+    store: Annotated[Path, typer.Argument(metavar="DIR", help="A checkpoint store (holding step_N/).")],
+    as_json: _Json = False,
+) -> None:
+    """Every checkpoint of a store, incomplete ones included."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from varuna_core.ckpt_tools import list_checkpoints
+    from varuna_core.units import format_bytes
+
+    infos = list_checkpoints(store)
+    latest = max((i.step for i in infos if i.complete), default=None)
+    if as_json:
+        doc = {"store": str(store), "latest_complete": latest,
+               "checkpoints": [i.model_dump(mode="json") for i in infos]}
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    err = Console(stderr=True)
+    if not infos:
+        err.print(f"no checkpoints in {store}")
+        return
+    models = sorted({i.model for i in infos if i.model})
+    title = f"{store}: {len(infos)} checkpoint{'s' if len(infos) != 1 else ''}"
+    if len(models) == 1:
+        title += f" of {models[0]}"
+    table = Table(title=title, title_justify="left")
+    for col, just in (("step", "right"), ("status", "left"), ("size", "right"), ("pp×dp", "right"),
+                      ("rank map", "left"), ("plan", "left"), ("created", "left")):
+        table.add_column(col, justify=just, no_wrap=col != "rank map", overflow="fold")
+    if len(models) > 1:
+        table.add_column("model", overflow="fold")
+    for i in infos:
+        if i.manifest_error is not None and i.complete:
+            status = "[red]bad manifest[/red]"
+        elif i.complete:
+            status = "latest" if i.step == latest else "complete"
+        else:
+            status = "[yellow]incomplete[/yellow]"
+        world = f"{i.pp}×{i.dp}" if i.pp is not None else "-"
+        created = (i.created or "-").replace("T", " ")[:16]
+        row = [str(i.step), status, format_bytes(i.bytes), world, i.stage_to_rank_map or "-",
+               "yes" if i.plan else "no", created]
+        if len(models) > 1:
+            row.append(i.model or "-")
+        table.add_row(*row, style="bold" if i.step == latest else None)
+    Console().print(table)
+
+
+@app.command("inspect")
+def inspect(
+    path: Annotated[Path, typer.Argument(metavar="DIR[/step_N]", help="A store or one checkpoint.")],
+    max_keys: Annotated[int, typer.Option("--max-keys", help="Tensor rows to print (0: all).")] = 50,
+    as_json: _Json = False,
+) -> None:
+    """Every tensor of a checkpoint (shape, dtype, bytes) and the bytes by kind, stage and module."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from varuna_core.ckpt_tools import KINDS
+    from varuna_core.ckpt_tools import inspect as inspect_checkpoint
+    from varuna_core.units import format_bytes
+
+    rep = inspect_checkpoint(path)
+    if as_json:
+        typer.echo(rep.model_dump_json(indent=2))
+        return
+    out = Console()
+    status = "complete" if rep.complete else "[yellow]incomplete[/yellow]"
+    world = f", pp={rep.pp} dp={rep.dp} map {rep.stage_to_rank_map!r}" if rep.pp is not None else ""
+    out.print(f"{rep.path}: step {rep.step}, {status}, {rep.model or 'unknown model'}{world}; "
+              f"{len(rep.tensors)} tensors, {format_bytes(rep.total_bytes)} ({format_bytes(rep.file_bytes)} on disk)")
+    if rep.tied:
+        out.print("tied: " + "; ".join(" = ".join(g) for g in rep.tied))
+
+    kinds = Table(title="by kind", title_justify="left")
+    for col in ("kind", "tensors", "bytes"):
+        kinds.add_column(col, justify="left" if col == "kind" else "right", no_wrap=True)
+    for kind in KINDS:
+        total = rep.totals[kind]
+        kinds.add_row(kind, str(total.tensors), format_bytes(total.bytes))
+    kinds.add_row("total", str(len(rep.tensors)), format_bytes(rep.total_bytes), style="bold")
+    out.print(kinds)
+    for title, groups in (("by stage", rep.by_stage), ("by top-level module", rep.by_prefix)):
+        if not groups:
+            continue
+        table = Table(title=title, title_justify="left")
+        for col in ("", "tensors", "model", "buffer", "optim", "other", "total"):
+            table.add_column(col, justify="left" if not col else "right", no_wrap=True)
+        for g in groups:
+            table.add_row(g.name, str(g.tensors), *(format_bytes(getattr(g, k)) for k in KINDS), format_bytes(g.bytes))
+        out.print(table)
+
+    tensors = Table(title="tensors", title_justify="left")
+    for col, just in (("key", "left"), ("shape", "left"), ("dtype", "left"), ("bytes", "right")):
+        tensors.add_column(col, justify=just, overflow="fold")
+    shown = rep.tensors if max_keys <= 0 else rep.tensors[:max_keys]
+    for t in shown:
+        tensors.add_row(t.key, "×".join(map(str, t.shape)) or "scalar", t.dtype.removeprefix("torch."),
+                        format_bytes(t.bytes))
+    out.print(tensors)
+    if len(shown) < len(rep.tensors):
+        out.print(f"... {len(rep.tensors) - len(shown)} more tensors (--max-keys 0 shows all)")
+    for note in rep.notes:
+        out.print(f"[dim]note: {note}[/dim]")
+
+
+@app.command("verify")
+def verify(
+    path: Annotated[Path, typer.Argument(metavar="DIR[/step_N]", help="A store or one checkpoint.")],
+    finite: Annotated[bool, typer.Option("--finite", help="Also load every model and optimizer tensor and check "
+                                                          "that it holds no NaN or inf.")] = False,
+    as_json: _Json = False,
+) -> None:
+    """Check a checkpoint: COMPLETE marker, manifest, file sizes and sha256, parameters, tied weights.
+
+    Exits 0 printing "ok" and a summary, or 1 naming the first problem (every problem is listed).
+    """
+    from varuna_core.ckpt_tools import verify as verify_checkpoint
+    from varuna_core.errors import VarunaError
+    from varuna_core.units import format_bytes
+
+    rep = verify_checkpoint(path, finite=finite)
+    name = Path(rep.path).name
+    if as_json:
+        typer.echo(rep.model_dump_json(indent=2))
+    elif rep.ok:
+        summary = (f"{name}: {rep.files_checked} files ({format_bytes(rep.bytes_hashed)}) match their sha256, "
+                   f"{rep.parameters_checked} parameters present, {rep.tied_groups_checked} tied groups")
+        if finite:
+            summary += f", {rep.tensors_checked_finite} tensors finite"
+        typer.echo(f"ok: {summary}")
+    else:
+        typer.echo(f"{name}: {len(rep.problems)} problem{'s' if len(rep.problems) != 1 else ''}")
+        for problem in rep.problems:
+            typer.echo(f"- {problem}")
+    if not as_json:
+        for note in rep.notes:
+            typer.echo(f"note: {note}", err=True)
+    if not rep.ok:
+        raise VarunaError(rep.first_problem or "verification failed",
+                          hint="load or merge an earlier checkpoint (`varuna ckpt list DIR` shows them)")
+
+
+@app.command("merge")
+def merge(
+    path: Annotated[Path, typer.Argument(metavar="DIR[/step_N]", help="A store or one checkpoint.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The safetensors file to write.")] = Path(
+        "model.safetensors"),
+    optimizer: Annotated[bool, typer.Option(
+        "--optimizer", help="Also write the optimizer state to <stem>.optim.safetensors beside it.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Merge even an incomplete checkpoint or one that fails verification.")] = False,
+    as_json: _Json = False,
+) -> None:
+    """Write one checkpoint as a single safetensors file for the unpartitioned model.
+
+    Keys are the model's own names (tied weights under every name), so
+    `model.load_state_dict(safetensors.torch.load_file(FILE), strict=True)` works.
+    """
+    from rich.console import Console
+
+    from varuna_core.ckpt_tools import merge as merge_checkpoint
+    from varuna_core.units import format_bytes
+
+    rep = merge_checkpoint(path, output, optimizer=optimizer, force=force)
+    err = Console(stderr=True)
+    for problem in rep.problems:
+        err.print(f"[yellow]warning[/yellow]: merged despite: {problem}", highlight=False)
+    if as_json:
+        typer.echo(rep.model_dump_json(indent=2))
+        return
+    out = Console(highlight=False)
+    out.print(f"wrote {rep.output}: {rep.tensors} tensors, {format_bytes(rep.bytes)} from {rep.source} "
+              f"(step {rep.step})")
+    if rep.tied_copies:
+        out.print("tied copies: " + ", ".join(rep.tied_copies))
+    if rep.optimizer_output:
+        out.print(f"wrote {rep.optimizer_output}: {rep.optimizer_tensors} tensors, "
+                  f"{format_bytes(rep.optimizer_bytes)} (keys <parameter>/<state>)")
