@@ -41,6 +41,7 @@ def test_resume_under_another_layout_equals_uninterrupted(resume_map, world, bac
     for res in run_ranks({"map": "0,2;1,3", "timeout": 60, "runs": [first]}, 4, tmp_path / "a"):
         assert res.returncode == 0, res.error
     assert (store / "step_4" / "COMPLETE").is_file()
+    _merged_model_matches(store, tmp_path)
     second = {"schedule": "varuna", "optimizer": "adamw", "batch": BATCH, "chunk": CHUNK, "steps": 8,
               "load": str(store)}
     results = run_ranks({"map": resume_map, "timeout": 60, "runs": [second]}, world, tmp_path / "b")
@@ -78,3 +79,23 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path) -> None:
     for res in run_ranks({"map": "0;1", "timeout": 20, "runs": [resume]}, 2, tmp_path / "c"):
         assert res.returncode == 1 and res.error.startswith("CheckpointError"), res.error
         assert "sha256 mismatch" in res.error and data.name in res.error
+
+
+def _merged_model_matches(store, tmp_path) -> None:
+    """`ckpt merge` gives one state dict that a fresh unpartitioned model loads strictly, with the same loss."""
+    from safetensors.torch import load_file
+
+    from varuna_core.ckpt_tools import merge, verify
+
+    assert verify(store / "step_4").ok
+    merge(store / "step_4", tmp_path / "model.safetensors")
+    model = ToyLM()
+    model.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True)
+    _, params = uninterrupted(4)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        assert rel_diff(p.detach(), params[name]) <= 1e-6, name
+    with torch.no_grad():
+        reference = ToyLM()
+        reference.load_state_dict({k: v for k, v in params.items()}, strict=False)
+        data = batch(BATCH, seed=999)
+        assert model(**data).item() == pytest.approx(reference(**data).item(), rel=1e-6)
