@@ -62,6 +62,10 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path) -> None:
     assert results[1].returncode == -9 and results[0].returncode == 1
     assert (store / "step_2" / "COMPLETE").is_file()
     assert (store / "step_4").is_dir() and not (store / "step_4" / "COMPLETE").exists()
+    from varuna_core.ckpt_tools import verify
+
+    report = verify(store / "step_4")
+    assert not report.ok and "COMPLETE" in report.first_problem
     # resuming picks the last complete checkpoint and continues like an uninterrupted run
     resume = {"schedule": "1f1b", "optimizer": "adamw", "batch": BATCH, "chunk": CHUNK, "steps": 4,
               "load": str(store)}

@@ -160,3 +160,25 @@ def test_plan_sets_micro_batch_and_schedule(tmp_path) -> None:
     save_plan(plan, tmp_path / "plan.yaml")
     vm = _wrap(None, plan=str(tmp_path / "plan.yaml"), chunk_size=3)
     assert (vm.chunk_size, vm.schedule_name, vm.num_microbatches) == (4, "gpipe", 2)
+
+
+def test_checkpoint_retention_and_resume_in_one_process(tmp_path) -> None:
+    from varuna_core.checkpoint import checkpoint_dirs
+
+    vm = _wrap()
+    opt = torch.optim.AdamW(vm.parameters(), lr=1e-2)
+    vm.set_optimizer(opt)
+    for step in range(3):
+        vm.step(batch(8, seed=step))
+        opt.step()
+        opt.zero_grad()
+        vm.checkpoint(tmp_path, keep=2)
+    assert [(s, ok) for s, _, ok in checkpoint_dirs(tmp_path)] == [(2, True), (3, True)]
+    after = {n: p.detach().clone() for n, p in vm.named_parameters()}
+    fresh = _wrap()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh.set_optimizer(fresh_opt)
+    assert fresh.load_checkpoint(tmp_path) == 3 and fresh.iteration == 3
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p, after[name]), name
+        assert torch.equal(fresh_opt.state[p]["exp_avg"], opt.state[dict(vm.named_parameters())[name]]["exp_avg"])
