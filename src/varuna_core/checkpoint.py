@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -214,12 +215,14 @@ def save(vm: "Varuna", store: str | os.PathLike, *, step: int | None = None, tem
     write_model = shard or vm.replica == 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(_state(vm, write_model=write_model), storage_writer=dcp.FileSystemWriter(target, single_file_per_rank=True),
-                 process_group=None)
+        # the local staging copy of a background save is deleted after the copy: no need to fsync it
+        writer = dcp.FileSystemWriter(target, single_file_per_rank=True, sync_files=tempdir is None)
+        dcp.save(_state(vm, write_model=write_model), storage_writer=writer, process_group=None)
     if tempdir is None:
         files = _entries(final, _my_files(final, vm.rank))
         gathered = _gather(vm, files)
         if vm.rank == 0:
+            _fsync_dir(final)
             _complete(vm, final, step, gathered, keep, store)
         _barrier(vm)
         return None
@@ -235,10 +238,16 @@ def save(vm: "Varuna", store: str | os.PathLike, *, step: int | None = None, tem
 
 def _finish_in_background(rank: int, world: int, local: Path, final: Path, step: int, manifest: Manifest, kv,
                           keep: int | None, store: Path) -> int:
+    try:  # the copy must not take the CPU from training: it only has to finish before the next checkpoint
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
     entries = []
     for f in _my_files(local, rank):
         shutil.copyfile(f, final / f.name)
+        _fsync_file(final / f.name)
         entries.extend(_entries(final, [final / f.name]))
+    _fsync_dir(final)  # durable before this rank reports done: COMPLETE and retention rely on it
     shutil.rmtree(local, ignore_errors=True)
     if kv is None:
         gathered = [entries]
@@ -255,14 +264,29 @@ def _finish_in_background(rank: int, world: int, local: Path, final: Path, step:
         manifest.files = sorted(files, key=lambda e: e.path)
         _fsync_write(final / "manifest.json", manifest.model_dump_json(indent=2))
         _fsync_write(final / "COMPLETE", f"{step}\n")
+        _fsync_dir(final)
         _retain(store, keep)
     return step
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _complete(vm: "Varuna", final: Path, step: int, gathered: list[list[dict]], keep: int | None, store) -> None:
     files = sorted((FileEntry(**e) for part in gathered for e in part), key=lambda e: e.path)
     _fsync_write(final / "manifest.json", _manifest(vm, step, files).model_dump_json(indent=2))
     _fsync_write(final / "COMPLETE", f"{step}\n")
+    _fsync_dir(final)
     _retain(Path(store), keep)
 
 
