@@ -18,7 +18,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo bench clean distclean
+.PHONY: help setup test demo bench bench-sim bench-ckpt clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [DEMO_ARGS=...]"
@@ -56,6 +56,14 @@ demo: setup ## profile -> plan -> train the example GPT on local processes, in r
 # Step time of our pipeline runtime vs torch.distributed.pipelining, 2 stages on 2 local processes (see benchmarks/README.md).
 bench: setup ## compare our pipeline step time with torch.distributed.pipelining (BENCH_ARGS="--json")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/pipeline_vs_peers.py $(BENCH_ARGS)
+
+# The planner's predicted step time vs measured runs: a sleep model on up to 8 local processes, and the example GPT (see benchmarks/README.md).
+bench-sim: setup ## compare the planner's predicted step time with measured runs (BENCH_ARGS="--quick")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/sim_accuracy.py $(BENCH_ARGS)
+
+# Checkpoint save/load throughput vs the disk's own rate, and the step-time cost of background checkpoints (see benchmarks/README.md).
+bench-ckpt: setup ## checkpoint save/load throughput vs the disk, background-checkpoint overhead (BENCH_ARGS="--json")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/checkpoint_io.py $(BENCH_ARGS)
 
 clean: ## remove caches and build output (keeps the venv; forces `setup` to re-run)
 	rm -rf build dist runs .pytest_cache src/*.egg-info $(STAMP)
