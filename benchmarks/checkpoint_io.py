@@ -534,44 +534,15 @@ def wait_idle(limit_s: float, threshold: float = 0.2) -> float:
 
 def launch(job: dict, world: int, tmp: Path, timeout: float) -> dict:
     """Start ``world`` workers on ``job``; kill all of them if one fails or the deadline passes."""
-    from varuna_core.launch_local import free_port
+    from varuna_core.launch_local import run_local_workers
 
     job_path = tmp / "job.json"
     job_path.write_text(json.dumps(job))
-    port = free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", TORCHELASTIC_USE_AGENT_STORE="True", VARUNA_CACHE_DIR=str(tmp / "cache"),
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        out = open(tmp / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(job_path),
-                                        str(tmp)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT), out))
-    deadline = time.monotonic() + timeout
-    failure = None
-    try:
-        while any(p.poll() is None for p, _ in procs):
-            bad = [(r, p.returncode) for r, (p, _) in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad:
-                failure = f"rank {bad[0][0]} exited with {bad[0][1]}"
-                break
-            if time.monotonic() > deadline:
-                failure = f"timed out after {timeout:g}s"
-                break
-            time.sleep(0.1)
-    finally:
-        for p, out in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            out.close()
-        del store
-    if failure is None:
-        bad = [(r, p.returncode) for r, (p, _) in enumerate(procs) if p.returncode != 0]
-        if bad:
-            failure = f"rank {bad[0][0]} exited with {bad[0][1]}"
+    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    failure = run_local_workers(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", str(job_path), str(tmp)], world,
+        log_dir=tmp, timeout=timeout, cwd=ROOT,
+        env=dict(VARUNA_CACHE_DIR=str(tmp / "cache"), PYTHONPATH=pythonpath))
     result_path = tmp / "result.json"
     if failure is None and not result_path.exists():
         failure = "rank 0 wrote no result"
