@@ -2,10 +2,12 @@
 
 Layout of ``<store>/step_<N>/`` (see :class:`varuna_core.artifacts.Manifest`):
 
-* ``torch.distributed.checkpoint`` files holding tensors under the model's own names: ``model/<name>`` (each
-  parameter once; a tied weight under its canonical name), ``buffer/<name>``, ``optim/<name>/<state>``,
-  and ``rng/rank<R>``. Because keys are names, not ranks or stages, any other partition loads them
-  (DCP also spreads the writes of data-parallel replicas over the replicas);
+* ``torch.distributed.checkpoint`` entries under the model's own names: ``model/<name>`` (each parameter
+  once; a tied weight under its canonical name), ``buffer/<name>``, ``optim/<name>/<state>``, and
+  ``rng/rank<R>`` (and ``rng_cuda/rank<R>`` on CUDA; restored when the world size is the same). Because keys are names, not ranks or stages, any other partition loads them (DCP also
+  spreads the writes of data-parallel replicas over the replicas). The bytes are stored by
+  :mod:`varuna_core.ckpt_storage`: ``__<rank>_0.distcp`` files of raw tensor bytes hashed while written,
+  and a JSON index ``dcp_metadata.json`` (no pickle anywhere);
 * ``manifest.json``: step, plan, world, every file with its size and sha256, every parameter, loss scaler,
   seed, iteration and data position;
 * ``COMPLETE``: written by rank 0 only after every rank reported its files finished. A crash at any point
@@ -13,15 +15,15 @@ Layout of ``<store>/step_<N>/`` (see :class:`varuna_core.artifacts.Manifest`):
   checkpoint stays intact.
 
 ``background=True`` writes to a fast local ``tempdir`` (the only part that stalls training), then a
-background thread per rank copies and hashes its files into the store; ranks report completion through the
-job's key-value store and rank 0's thread writes the manifest and ``COMPLETE``.
+background thread per rank copies its files into the store (the kernel copies; the hashes are those taken
+during the local write); ranks report completion through the job's key-value store and rank 0's thread
+writes the manifest and ``COMPLETE``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -29,15 +31,15 @@ import re
 import shutil
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from .artifacts import FileEntry, Manifest, TensorEntry
+from .ckpt_io import copy_file
+from .ckpt_storage import RawReader, RawWriter, dcp_load, dcp_save
 from .errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,7 +50,6 @@ __all__ = ["save", "load", "checkpoint_dirs", "latest_complete", "step_dir"]
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_CHUNK = 8 * 2**20
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -72,14 +73,6 @@ def checkpoint_dirs(store: str | os.PathLike) -> list[tuple[int, Path, bool]]:
 def latest_complete(store: str | os.PathLike) -> int | None:
     steps = [step for step, _, complete in checkpoint_dirs(store) if complete]
     return steps[-1] if steps else None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -119,6 +112,8 @@ def _buffers(vm: "Varuna") -> dict[str, torch.Tensor]:
 
 def _state(vm: "Varuna", *, write_model: bool) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {f"rng/rank{vm.rank}": torch.get_rng_state()}
+    if vm.device.type == "cuda":
+        sd[f"rng_cuda/rank{vm.rank}"] = torch.cuda.get_rng_state(vm.device)
     if not write_model:
         return sd
     for key, p in _keys(vm):
@@ -166,17 +161,6 @@ def _manifest(vm: "Varuna", step: int, files: list[FileEntry]) -> Manifest:
         parameters=params, plan=vm.plan.model_dump(mode="json") if vm.plan is not None else None, files=files)
 
 
-def _my_files(directory: Path, rank: int) -> list[Path]:
-    files = sorted(directory.glob(f"__{rank}_*.distcp"))
-    if rank == 0 and (directory / ".metadata").exists():
-        files.append(directory / ".metadata")
-    return files
-
-
-def _entries(directory: Path, files: list[Path]) -> list[dict]:
-    return [{"path": f.name, "bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files]
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Save
 
@@ -213,40 +197,38 @@ def save(vm: "Varuna", store: str | os.PathLike, *, step: int | None = None, tem
             shutil.rmtree(target)
         target.mkdir(parents=True, exist_ok=True)
     write_model = shard or vm.replica == 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # the local staging copy of a background save is deleted after the copy: no need to fsync it
-        writer = dcp.FileSystemWriter(target, single_file_per_rank=True, sync_files=tempdir is None)
-        dcp.save(_state(vm, write_model=write_model), storage_writer=writer, process_group=None)
+    # the local staging copy of a background save is deleted after the copy: no need to fsync it
+    writer = RawWriter(target, sync_files=tempdir is None)
+    dcp_save(_state(vm, write_model=write_model), writer)
+    files = [f.as_dict() for f in writer.files]  # hashed while written: no second pass over the bytes
     if tempdir is None:
-        files = _entries(final, _my_files(final, vm.rank))
         gathered = _gather(vm, files)
         if vm.rank == 0:
             _fsync_dir(final)
             _complete(vm, final, step, gathered, keep, store)
         _barrier(vm)
         return None
-    # dcp.save wrote rank 0's .metadata into rank 0's local directory; each rank copies its own files
+    # each rank copies its own files (rank 0's include the index) from its local directory into the store
     manifest = _manifest(vm, step, [])  # taken now: training moves on while the copy runs
     kv = _kv_store(vm)
     global _executor
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="varuna-ckpt")
     return _executor.submit(_finish_in_background, vm.rank, vm.world_size, target, final, step, manifest, kv, keep,
-                            Path(store))
+                            Path(store), files, vm.timeout)
 
 
 def _finish_in_background(rank: int, world: int, local: Path, final: Path, step: int, manifest: Manifest, kv,
-                          keep: int | None, store: Path) -> int:
+                          keep: int | None, store: Path, entries: list[dict], timeout: float) -> int:
     try:  # the copy must not take the CPU from training: it only has to finish before the next checkpoint
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
         pass
-    entries = []
-    for f in _my_files(local, rank):
-        shutil.copyfile(f, final / f.name)
-        _fsync_file(final / f.name)
-        entries.extend(_entries(final, [final / f.name]))
+    for entry in entries:  # O_DIRECT on both sides: the device copies, this thread barely runs
+        size = copy_file(local / entry["path"], final / entry["path"], durable=True)
+        if size != entry["bytes"]:
+            raise CheckpointError(f"copying {entry['path']} into {final} gave {size} bytes of {entry['bytes']}",
+                                  hint="is the checkpoint store full?")
     _fsync_dir(final)  # durable before this rank reports done: COMPLETE and retention rely on it
     shutil.rmtree(local, ignore_errors=True)
     if kv is None:
@@ -256,7 +238,12 @@ def _finish_in_background(rank: int, world: int, local: Path, final: Path, step:
         kv.add(f"varuna/ckpt/{step}/done", 1)
         if rank != 0:
             return step
-        while int(kv.add(f"varuna/ckpt/{step}/done", 0)) < world:
+        deadline = time.monotonic() + timeout
+        while (done := int(kv.add(f"varuna/ckpt/{step}/done", 0))) < world:
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"checkpoint {final} stays incomplete: {done} of {world} ranks copied their "
+                                      f"files within {timeout:g}s", hint="a rank died or its copy is stuck; the "
+                                      "previous complete checkpoint is still the latest")
             time.sleep(0.05)
         gathered = [json.loads(kv.get(f"varuna/ckpt/{step}/files/{r}").decode()) for r in range(world)]
     if rank == 0:
@@ -267,11 +254,6 @@ def _finish_in_background(rank: int, world: int, local: Path, final: Path, step:
         _fsync_dir(final)
         _retain(store, keep)
     return step
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -346,9 +328,9 @@ def load(vm: "Varuna", store: str | os.PathLike, *, iteration: int | str = "late
         manifest = Manifest.model_validate_json((directory / "manifest.json").read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{directory}/manifest.json is missing or invalid: {str(exc).splitlines()[0]}") from None
-    if check_complete:
-        _verify_files(vm, directory, manifest)
-    metadata = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    expected = {e.path: (e.bytes, e.sha256) for e in manifest.files} if check_complete else None
+    reader = RawReader(directory, expected, rank=vm.rank, world=vm.world_size)
+    metadata = _agreed(vm, lambda: reader.read_metadata().state_dict_metadata)
     target: dict[str, torch.Tensor] = {}
     optim_targets: dict[int, dict[str, torch.Tensor]] = {}
     params = _keys(vm)
@@ -370,13 +352,12 @@ def load(vm: "Varuna", store: str | os.PathLike, *, iteration: int | str = "late
     for name, b in _buffers(vm).items():
         if f"buffer/{name}" in metadata:
             target[f"buffer/{name}"] = b
-    rng_key = f"rng/rank{vm.rank}"
     same_world = manifest.pp * manifest.dp == vm.world_size
-    if same_world and rng_key in metadata:
-        target[rng_key] = torch.empty(tuple(metadata[rng_key].size), dtype=metadata[rng_key].properties.dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(target, storage_reader=dcp.FileSystemReader(directory))
+    rng_keys = [k for k in (f"rng/rank{vm.rank}", f"rng_cuda/rank{vm.rank}") if same_world and k in metadata]
+    for key in rng_keys:
+        target[key] = torch.empty(tuple(metadata[key].size), dtype=metadata[key].properties.dtype)
+    # every file's size and sha256 are checked while it is read (each by one rank); any mismatch fails all
+    dcp_load(target, reader)
     if vm.optimizer is not None:
         for key, p in params:
             state = optim_targets.get(id(p))
@@ -388,8 +369,12 @@ def load(vm: "Varuna", store: str | os.PathLike, *, iteration: int | str = "late
                 for k, v in values.items():
                     if k in group:
                         group[k] = tuple(v) if isinstance(group[k], tuple) else v
-    if same_world and rng_key in target:
-        torch.set_rng_state(target[rng_key])
+    for key in rng_keys:
+        if key.startswith("rng_cuda/"):
+            if vm.device.type == "cuda":
+                torch.cuda.set_rng_state(target[key], vm.device)
+        else:
+            torch.set_rng_state(target[key])
     if vm.scaler is not None and manifest.loss_scaler:
         vm.scaler.load_state_dict(manifest.loss_scaler)
     vm.iteration = manifest.iteration
@@ -398,27 +383,18 @@ def load(vm: "Varuna", store: str | os.PathLike, *, iteration: int | str = "late
     return step
 
 
-def _verify_files(vm: "Varuna", directory: Path, manifest: Manifest) -> None:
-    """Each rank checks every ``world``-th file's size and sha256; any failure stops every rank."""
-    problem = ""
-    for i, entry in enumerate(manifest.files):
-        if i % vm.world_size != vm.rank:
-            continue
-        path = directory / entry.path
-        if not path.is_file():
-            problem = f"{directory.name}/{entry.path}: missing"
-        elif path.stat().st_size != entry.bytes:
-            problem = f"{directory.name}/{entry.path}: size {path.stat().st_size} != {entry.bytes}"
-        elif _sha256(path) != entry.sha256:
-            problem = f"{directory.name}/{entry.path}: sha256 mismatch (file changed or corrupt)"
-        if problem:
-            break
-    problems = [problem] if vm.world_size == 1 else [None] * vm.world_size
+def _agreed(vm: "Varuna", fn):
+    """``fn()`` on every rank; if it raises a :class:`CheckpointError` on any rank, every rank raises the first."""
+    value, problem = None, None
+    try:
+        value = fn()
+    except CheckpointError as exc:
+        problem = (exc.message, exc.hint)
+    problems = [problem]
     if vm.world_size > 1:
+        problems = [None] * vm.world_size
         dist.all_gather_object(problems, problem)
     bad = [p for p in problems if p]
     if bad:
-        raise CheckpointError(f"refusing to load {directory}: {bad[0]}",
-                              hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
-
-
+        raise CheckpointError(bad[0][0], hint=bad[0][1])
+    return value

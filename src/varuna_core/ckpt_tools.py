@@ -2,7 +2,7 @@
 
 They read what :mod:`varuna_core.checkpoint` writes (see :class:`varuna_core.artifacts.Manifest`)::
 
-    <store>/step_<N>/.metadata, __<rank>_<i>.distcp   torch.distributed.checkpoint files
+    <store>/step_<N>/dcp_metadata.json, __<rank>_<i>.distcp   torch.distributed.checkpoint index and data
                     /manifest.json                     step, world, plan, every file with size and sha256
                     /COMPLETE                          written last
 
@@ -26,12 +26,12 @@ import hashlib
 import json
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
 
+from .ckpt_storage import METADATA_FILE
 from .errors import CheckpointError, ConfigError, VarunaError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -175,7 +175,7 @@ def _step_of(path: Path) -> int | None:
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
-    return _step_of(path) is not None or any((path / name).exists() for name in (*_MARKERS, ".metadata"))
+    return _step_of(path) is not None or any((path / name).exists() for name in (*_MARKERS, METADATA_FILE))
 
 
 def _scan(store: Path) -> list[tuple[int, Path, bool]]:
@@ -277,10 +277,11 @@ def _metadata(directory: Path) -> dict[str, Any]:
 
 def _index(directory: Path) -> tuple[dict[str, Any], dict[str, set[str]]]:
     """The DCP tensor entries, and ``key -> files holding (chunks of) it`` from the storage index."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = FileSystemReader(str(directory)).read_metadata()
+    from .ckpt_storage import read_metadata
+
+    meta = read_metadata(directory)
     tensors = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     where: dict[str, set[str]] = {}
     for index, info in (getattr(meta, "storage_data", None) or {}).items():
@@ -316,13 +317,12 @@ def _owner(key: str) -> str | None:
 def _load(directory: Path, metas: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Load ``metas``' keys without a process group."""
     import torch
-    import torch.distributed.checkpoint as dcp
+
+    from .ckpt_storage import RawReader, dcp_load
 
     target = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metas.items()}
     if target:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized, assuming ... single process"
-            dcp.load(target, storage_reader=dcp.FileSystemReader(str(directory)))
+        dcp_load(target, RawReader(directory), no_dist=True)
     return target
 
 
@@ -365,14 +365,14 @@ def inspect(path: str | os.PathLike) -> InspectReport:
 
     Raises:
         ConfigError: the path is not a checkpoint or a store with one.
-        CheckpointError: the DCP metadata (``.metadata``) is missing or unreadable.
+        CheckpointError: the tensor index (``dcp_metadata.json``) is missing or unreadable.
     """
     directory = resolve(path)
     manifest, error = _read_manifest(directory)
     try:
         metas, where = _index(directory)
-    except Exception as exc:  # noqa: BLE001 - FileNotFoundError, unpickling errors, ...
-        raise CheckpointError(f"{directory}: cannot read the tensor index (.metadata): {_short(exc)}",
+    except Exception as exc:  # noqa: BLE001 - missing file, bad JSON, ...
+        raise CheckpointError(f"{directory}: cannot read the tensor index ({METADATA_FILE}): {_short(exc)}",
                           hint="the checkpoint is incomplete or corrupt; `varuna ckpt verify` says more") from None
     tensors = [TensorInfo(key=k, kind=_kind(k), shape=[int(d) for d in m.size], dtype=_dtype(m.properties.dtype),
                           bytes=_nbytes(m)) for k, m in sorted(metas.items())]
@@ -463,7 +463,7 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
     1. the ``COMPLETE`` marker exists (and names the directory's step);
     2. ``manifest.json`` exists and is a valid manifest (without it the checks stop here);
     3. every file of the manifest exists with its recorded size and sha256;
-    4. no unlisted DCP data file (``*.distcp``, ``.metadata``) is present (other unlisted files are noted);
+    4. no unlisted DCP data file (``*.distcp``, ``dcp_metadata.json``) is present (other unlisted files are noted);
     5. every ``Manifest.parameters`` key is in the DCP index with the recorded shape and dtype;
     6. in each tied group, any non-canonical name stored as ``model/<name>`` equals the canonical exactly;
     7. with ``finite=True``: every floating ``model/*`` and ``optim/*`` tensor is finite (loaded
@@ -518,7 +518,7 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
         rel = file.relative_to(directory).as_posix()
         if rel in listed or rel in _MARKERS:
             continue
-        if _DIST_RE.match(file.name) or file.name == ".metadata" or file.suffix == ".distcp":
+        if _DIST_RE.match(file.name) or file.name == METADATA_FILE or file.suffix == ".distcp":
             problems.append(f"{name}/{rel}: data file not listed in the manifest (left by another write?)")
         else:
             report.notes.append(f"{name}/{rel}: not listed in the manifest (not a checkpoint data file; ignored)")
@@ -526,7 +526,7 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
     try:
         metas = _metadata(directory)
     except Exception as exc:  # noqa: BLE001
-        problems.append(f"{name}/.metadata: cannot read the tensor index: {_short(exc)}")
+        problems.append(f"{name}/{METADATA_FILE}: cannot read the tensor index: {_short(exc)}")
         return report
 
     for entry in manifest.parameters:

@@ -358,7 +358,11 @@ class Varuna(nn.Module):
     def load_checkpoint(self, global_store: str | os.PathLike, iteration: int | str = "latest",
                         check_complete: bool = True) -> int:
         """Restore from a checkpoint written under any pipeline depth and width (collective; after
-        ``set_optimizer``). Returns the step loaded; ``self.iteration`` continues from it."""
+        ``set_optimizer``). Returns the step loaded; ``self.iteration`` continues from it.
+
+        Every file's size and sha256 are checked while it is read; on a mismatch every rank raises
+        :class:`~varuna_core.errors.CheckpointError` naming the file, and the tensors may hold part of the
+        checkpoint (load another one before training on)."""
         from .checkpoint import load
 
         return load(self, global_store, iteration=iteration, check_complete=check_complete)

@@ -101,9 +101,17 @@ def run_one(run: dict, spec: dict) -> dict:
         overflows.append(overflow)
         crash = run.get("die_in_save")
         if crash and crash["rank"] == vm.rank and vm.iteration == crash["at"]:
-            import varuna_core.checkpoint as ckpt
+            from varuna_core.ckpt_io import FileSink
 
-            ckpt._entries = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # after its files, before COMPLETE
+            write = FileSink.write
+
+            def write_then_die(self, data, calls=[]):  # noqa: B006 - a call counter
+                calls.append(1)
+                if len(calls) == 3:  # the third tensor of this rank's file
+                    os.kill(os.getpid(), signal.SIGKILL)
+                write(self, data)
+
+            FileSink.write = write_then_die
         if run.get("save") and vm.iteration in run["save"].get("every", [run["save"]["at"]]):
             pending = vm.checkpoint(run["save"]["dir"], tempdir=run["save"].get("tempdir"),
                                     background=run["save"].get("background", False))
@@ -139,8 +147,8 @@ def main() -> None:
             results.append(run_one(run, spec))
     except VarunaError as exc:
         (out_dir / f"rank{rank}.err").write_text(f"{type(exc).__name__}: {exc}")
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)  # as the library's excepthook does: no process-group teardown racing a peer's exit
     except BaseException:
         (out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
         raise

@@ -1,4 +1,5 @@
-"""`varuna ckpt`: list, inspect, verify and merge checkpoint stores (fixtures written here with dcp.save)."""
+"""`varuna ckpt`: list, inspect, verify and merge checkpoint stores (fixtures written here with dcp.save and the
+library's storage layer)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import nn
 import varuna_cli.app as cli
 from varuna_core import ckpt_tools
 from varuna_core.artifacts import FileEntry, Manifest, TensorEntry
+from varuna_core.ckpt_storage import RawWriter
 from varuna_core.errors import CheckpointError, ConfigError
 
 VARUNA = Path(sys.executable).parent / "varuna"
@@ -77,7 +79,7 @@ def write_checkpoint(store: Path, step: int, *, seed: int = 0, complete: bool = 
     directory.mkdir(parents=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(directory, single_file_per_rank=True))
+        dcp.save(sd, storage_writer=RawWriter(directory))
     files = [FileEntry(path=f.name, bytes=f.stat().st_size, sha256=_sha(f)) for f in sorted(directory.iterdir())]
     params = [TensorEntry(key=f"model/{n}", shape=list(p.shape), dtype=str(p.dtype))
               for n, p in model.named_parameters()]
