@@ -74,9 +74,11 @@ def main() -> None:
                    chunk_size=None if args.plan else args.chunk_size, shared_weights=SHARED_WEIGHTS,
                    schedule=args.schedule,
                    plan=args.plan)
-    # Created after wrapping: each rank only holds (and optimizes) its own stage's parameters.
+    # Created after wrapping: each rank only holds (and optimizes) its own stage's parameters. Under
+    # `varuna launch` after a restart or a morph, set_optimizer also restores the checkpoint to resume from.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model.set_optimizer(optimizer)
+    model.total_steps = args.steps  # for the launcher's ETA
 
     if model.rank == 0:
         print(f"model: {n_params / 1e3:.1f}k parameters, vocab {ds.vocab_size}, {cfg}")
@@ -86,7 +88,10 @@ def main() -> None:
 
     loss = float("nan")
     t_start = time.perf_counter()
-    for step in range(args.steps):
+    first = model.iteration  # 0, or the step a resumed checkpoint was taken at
+    if model.rank == 0 and first:
+        print(f"resumed at step {first}", flush=True)
+    for step in range(first, args.steps):
         # Every rank draws the same global batch from a generator seeded by (seed, step); all stages of a
         # replica then take the same contiguous slice of it.
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
@@ -107,8 +112,8 @@ def main() -> None:
     val_batch = ds.get_batch("val", args.batch_size, args.block_size, torch.Generator().manual_seed(args.seed))
     val_loss = model.evaluate(model.replica_slice(val_batch))
     if model.rank == 0:
-        tokens = args.steps * args.batch_size * args.block_size
-        print(f"final loss {float(loss):.4f} (validation {val_loss:.4f}) after {args.steps} steps in "
+        tokens = (args.steps - first) * args.batch_size * args.block_size
+        print(f"final loss {float(loss):.4f} (validation {val_loss:.4f}) after {args.steps - first} steps in "
               f"{elapsed:.1f}s: {tokens / max(elapsed, 1e-9):,.0f} tokens/s", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()

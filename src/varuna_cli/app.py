@@ -19,6 +19,7 @@ import typer
 
 from varuna_cli.commands import ckpt as ckpt_command
 from varuna_cli.commands import env as env_command
+from varuna_cli.commands import launch as launch_command
 from varuna_cli.commands import plan as plan_command
 from varuna_cli.commands import profile as profile_command
 from varuna_core.errors import VarunaError
@@ -67,6 +68,8 @@ def _root(
 app.command("profile", rich_help_panel="Workflow")(profile_command.profile)
 app.command("plan", rich_help_panel="Workflow")(plan_command.plan)
 app.command("plan-show", hidden=True)(plan_command.show)
+app.command("launch", rich_help_panel="Workflow", help=launch_command.HELP)(launch_command.launch)
+app.command("notify-preempt", rich_help_panel="Workflow")(launch_command.notify_preempt)
 app.add_typer(ckpt_command.app, name="ckpt", rich_help_panel="Workflow")
 app.command("env", rich_help_panel="Help")(env_command.env)
 

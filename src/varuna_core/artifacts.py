@@ -219,6 +219,11 @@ class Plan(_Model):
     stage_to_rank_map: str = Field(description="the original's format: stages ';'-separated, replicas ','")
     nodes: list[list[int]] = Field(description="global ranks on each node")
     memory_limit: int | None = Field(None, description="bytes per device the plan had to fit (None: unlimited)")
+    schedules: list[str] = Field(default_factory=lambda: ["varuna", "1f1b", "gpipe"],
+                                 description="schedules the search considered")
+    headroom: float = Field(0.1, description="fraction of memory the plan kept free")
+    profile_path: str | None = Field(None, description="the profile the plan was made from (absolute path): "
+                                     "`varuna launch --morph` plans again from it when the device count changes")
     prediction: Prediction
     stages: list[StagePlan]
     alternatives: list[Candidate] = Field(default_factory=list)
@@ -264,6 +269,9 @@ def load_plan(path: str | Path | Plan) -> Plan:
 
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoint manifest
+
+
+CHECKPOINT_INDEX = "dcp_metadata.json"  # the index of a checkpoint's tensors (varuna_core.ckpt_storage)
 
 
 class FileEntry(_Model):

@@ -52,13 +52,14 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from .artifacts import CHECKPOINT_INDEX
 from .ckpt_io import FileSink, Sha256, open_source, scatter_file
 from .errors import CheckpointError, VarunaError
 
 __all__ = ["RawWriter", "RawReader", "read_metadata", "dcp_save", "dcp_load", "METADATA_FILE", "FORMAT",
            "FileRecord"]
 
-METADATA_FILE = "dcp_metadata.json"
+METADATA_FILE = CHECKPOINT_INDEX
 FORMAT = "varuna-raw/1"
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
 
-from .ckpt_storage import METADATA_FILE
+from .artifacts import CHECKPOINT_INDEX as METADATA_FILE
 from .errors import CheckpointError, ConfigError, VarunaError
 
 if TYPE_CHECKING:  # pragma: no cover

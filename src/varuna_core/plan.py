@@ -589,7 +589,7 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
         gpus=req.gpus, gpus_per_node=per_node, batch_size=req.batch_size, pp=best.pp, dp=best.dp,
         microbatch_size=best.mbs, num_microbatches=best.num_mb, schedule=best.schedule,
         partition=list(best.partition.ranges), stage_to_rank_map=topology.to_string(), nodes=nodes,
-        memory_limit=req.gpu_memory,
+        memory_limit=req.gpu_memory, schedules=list(req.schedules), headroom=req.headroom,
         prediction=Prediction(step_time=best.step, samples_per_second=req.batch_size / best.step,
                               bubble_fraction=best.bubble, pipeline_time=best.pipeline,
                               allreduce_time=best.allreduce),

@@ -78,6 +78,8 @@ class PipelineRuntime:
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._caps: dict[int, int] = {}  # per micro-batch count: the static peak of held micro-batches
         self.trace: list[tuple[str, float, float]] | None = None  # set to a list to record (action, start, end)
+        self.compute_time = 0.0  # seconds of the last run() spent in this rank's own work (not waiting for peers)
+        self._waited = 0.0
         generate(schedule, self.num_stages, 1)  # unknown names fail at construction, not at the first step
 
     def schedule_for(self, num_microbatches: int) -> Schedule:
@@ -145,6 +147,8 @@ class PipelineRuntime:
         held, cap = 0, (self._caps[num] if train and recompute else 0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
+        self._waited = 0.0
+        busy = 0.0
         i = 0
         while i < len(actions):
             action = actions[i]
@@ -156,7 +160,7 @@ class PipelineRuntime:
             mb = action.mb
             st = state[mb]
             key = None if rng is None else (rng[0], rng[1], mb)
-            started = time.perf_counter() if self.trace is not None else 0.0
+            started = time.perf_counter()
             if action.op is Op.F:
                 st.incoming = self._receive(acts, action) if self.prev_rank is not None else None
                 keep_graph = train and not recompute
@@ -186,9 +190,12 @@ class PipelineRuntime:
                 self._backward(st, grads.get(mb), action, sends)
                 state[mb] = _MicroState()
             held += 1 if action.op is Op.F else -1 if action.op is Op.B else 0
+            ended = time.perf_counter()
+            busy += ended - started
             if self.trace is not None:
-                self.trace.append((str(action), started, time.perf_counter()))
+                self.trace.append((str(action), started, ended))
             i += 1
+        self.compute_time = busy - self._waited
 
         p2p.wait_all(sends, timeout=self.timeout, peer=None,
                      describe=lambda: f"{self._who()} waiting for its sends to complete")
@@ -201,9 +208,11 @@ class PipelineRuntime:
 
     def _receive(self, acts: dict[int, p2p.Pending], action: Action) -> list[torch.Tensor]:
         pending = acts.pop(action.mb)
+        started = time.perf_counter()
         p2p.wait_all(pending.works, timeout=self.timeout, peer=pending.peer,
                      describe=lambda: f"{self._who()} in {action} waiting for the activation of micro-batch "
                      f"{action.mb} from rank {pending.peer} (stage {self.stage_index - 1})")
+        self._waited += time.perf_counter() - started
         return pending.tensors
 
     @staticmethod
@@ -242,9 +251,11 @@ class PipelineRuntime:
         if pending is None:  # last stage: outputs = [weighted loss]
             roots, grads = [o for o in st.outputs if o.requires_grad], None
         else:
+            started = time.perf_counter()
             p2p.wait_all(pending.works, timeout=self.timeout, peer=pending.peer,
                          describe=lambda: f"{self._who()} in {action} waiting for the gradient of micro-batch "
                          f"{action.mb} from rank {pending.peer} (stage {self.stage_index + 1})")
+            self._waited += time.perf_counter() - started
             floats = [o for o in st.outputs if o.is_floating_point()]
             pairs = [(o, g if g.dtype == o.dtype else g.to(o.dtype)) for o, g in zip(floats, pending.tensors)
                      if o.requires_grad]

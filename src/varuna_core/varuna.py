@@ -33,6 +33,7 @@ from .precision import LossScaler, resolve_precision
 from .runtime import PipelineRuntime
 from .schedule import SCHEDULE_NAMES
 from .stage import StageModule, TieSet, find_tie_sets
+from .supervision import Supervision
 from .topology import Topology
 
 __all__ = ["Varuna"]
@@ -176,9 +177,12 @@ class Varuna(nn.Module):
         self.optimizer: torch.optim.Optimizer | None = None
         self.iteration = 0
         self.grad_norm: float | None = None
+        self.total_steps: int | None = None  # optional: lets `varuna launch` show an ETA
         self._evaluations = 0
         if reference is not None:
             self._validate(*reference)
+        self.supervision = Supervision(self.rank)
+        self.supervision.ready(self)
         log.info(
             "rank %d: stage %d/%d (segments %s), replica %d/%d, %d micro-batches of ≤%d, schedule %s, %.1f MB params",
             self.rank, self.stage, self.pp, self.partition.to_string(), self.replica, self.dp,
@@ -291,6 +295,7 @@ class Varuna(nn.Module):
                         hint="create the optimizer after Varuna(...), over varuna_model.parameters()",
                     )
         self.optimizer = optimizer
+        self.supervision.resume(self)  # under `varuna launch` with VARUNA_RESUME_STEP: continue from there
 
     def step(self, inputs: Mapping[str, Any], clip_grad_max_norm: float | None = None) -> tuple[float, bool]:
         """Forward and backward of this replica's share of the global batch; gradients synchronised.
@@ -308,6 +313,7 @@ class Varuna(nn.Module):
         """
         if clip_grad_max_norm is not None and not clip_grad_max_norm > 0:
             raise ConfigError(f"clip_grad_max_norm must be positive, got {clip_grad_max_norm}")
+        self.supervision.before_step(self)  # may checkpoint (periodic, or agreed on demand: then it exits)
         microbatches = split_inputs(inputs, self.input_batch_dims, self.microbatch_sizes,
                                     expected=self.replica_batch_size)
         weights = [n / self.batch_size for n in self.microbatch_sizes]
@@ -328,10 +334,11 @@ class Varuna(nn.Module):
         norm_grads = [p.grad for p in self._norm_params]
         sq_norm = (torch.stack(torch._foreach_norm(norm_grads)).double().pow(2).sum() if norm_grads
                    else torch.zeros((), dtype=torch.float64, device=self.device))
+        zero = torch.zeros((), dtype=torch.float64, device=loss_sum.device)
         totals = torch.stack([
             loss_sum.double(), sq_norm.to(loss_sum.device),
-            (found_inf.double().sum() if found_inf is not None else torch.zeros((), dtype=torch.float64,
-                                                                                device=loss_sum.device)),
+            found_inf.double().sum() if found_inf is not None else zero,
+            zero + self.supervision.flag(),  # some rank got SIGUSR1: all checkpoint at the next step
         ])
         totals = self._global_sum(totals)
         loss, overflow = float(totals[0]), bool(totals[2] > 0)
@@ -344,6 +351,7 @@ class Varuna(nn.Module):
             coef = min(clip_grad_max_norm / (self.grad_norm + 1e-6), 1.0)
             torch._foreach_mul_(grads, coef)
         self.iteration += 1
+        self.supervision.after_step(self, loss, requested_anywhere=bool(totals[3] > 0))
         return loss, overflow
 
     def checkpoint(self, global_store: str | os.PathLike, step: int | None = None,

@@ -48,6 +48,7 @@ def plan(
                       headroom=headroom)
     started = time.perf_counter()
     result = make_plan(prof, req)
+    result.profile_path = str(profile.resolve())
     elapsed = time.perf_counter() - started
     save_plan(result, output)
     err = Console(stderr=True)

@@ -1,0 +1,287 @@
+"""The launcher's manager: runs attempts of a job one after another until it finishes.
+
+Between attempts it
+
+* **morphs** (``--morph``): when the hosts file changes, or a preemption notice says a host goes away, every
+  worker checkpoints on demand and stops (SIGUSR1, handled by the library); the plan is made again from the
+  profile for the new device count with the same global batch (without a profile: the same pipeline, another
+  data-parallel width); the job restarts from that checkpoint on the new hosts. A host that comes back makes
+  the job grow again the same way;
+* **restarts** after a crash (a worker's non-zero exit, a lost host, missed heartbeats) from the last complete
+  checkpoint, with up to ``max_restarts`` consecutive attempts that make no progress, waiting ``backoff``,
+  2×``backoff``, ... seconds in between, and without hosts that no longer answer.
+
+Without ``--morph`` the first crash ends the job (exit 1) with the rank, host and log that failed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import time
+import uuid
+from pathlib import Path
+
+from .artifacts import Plan, save_plan
+from .errors import ConfigError, VarunaError
+from .heartbeat import Listener
+from .hosts import Host, HostsWatcher
+from .launch import Attempt, JobFiles, LaunchError, LaunchOptions, Outcome, Reporter, Status, place
+from .netinfo import route_to
+from .remote import check_hosts
+
+__all__ = ["Manager", "replan", "latest_checkpoint"]
+
+_WAIT_POLL = 1.0
+
+
+def latest_checkpoint(store: Path) -> int | None:
+    """The newest complete checkpoint's step in ``store`` (None if there is none)."""
+    from .ckpt_tools import list_checkpoints
+
+    if not Path(store).is_dir():
+        return None
+    try:
+        complete = [c.step for c in list_checkpoints(store) if c.complete]
+    except VarunaError:
+        return None
+    return complete[-1] if complete else None
+
+
+def replan(plan: Plan, devices: int, per_node: int) -> tuple[Plan, str]:
+    """A plan for ``devices`` devices with ``plan``'s global batch: searched again from the plan's profile when
+    it is readable, else the same pipeline with as many replicas as fit.
+
+    Raises:
+        ConfigError / PlanInfeasible: nothing fits the devices.
+    """
+    from .plan import PlanRequest, make_plan
+
+    profile_path = plan.profile_path
+    if profile_path and Path(profile_path).is_file():
+        from .artifacts import load_profile
+
+        request = PlanRequest(gpus=devices, batch_size=plan.batch_size, gpus_per_node=min(per_node, devices),
+                              gpu_memory=plan.memory_limit, schedules=tuple(plan.schedules), headroom=plan.headroom)
+        new = make_plan(load_profile(profile_path), request)
+        new.profile_path = profile_path
+        return new, f"re-planned from {profile_path}"
+    from .topology import Topology
+
+    dp = min(devices // plan.pp, plan.batch_size)
+    if dp < 1:
+        raise ConfigError(f"{devices} device(s) cannot hold the plan's {plan.pp} pipeline stages, and the plan "
+                          f"records no profile to plan again from", hint="make the plan with `varuna plan` from a "
+                          "profile file that the launcher can read")
+    mbs = min(plan.microbatch_size, plan.batch_size // dp)
+    world = plan.pp * dp
+    new = plan.model_copy(update=dict(
+        gpus=devices, gpus_per_node=per_node, dp=dp, microbatch_size=mbs,
+        num_microbatches=math.ceil(math.ceil(plan.batch_size / dp) / mbs),
+        stage_to_rank_map=Topology.clustered(plan.pp, dp).to_string(),
+        nodes=[list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)],
+        alternatives=[],
+        assumptions=[*plan.assumptions, f"re-planned without a profile for {devices} devices: same pipeline, "
+                     f"dp {plan.dp} -> {dp}; the predictions are the original plan's"]))
+    return new, f"no profile to plan from: pp={plan.pp} kept, dp {plan.dp} -> {dp}"
+
+
+class Manager:
+    """Runs a job (see the module docstring). ``hosts`` None: local processes."""
+
+    def __init__(self, opts: LaunchOptions, plan: Plan, hosts: list[Host] | None, hosts_file: Path | None,
+                 default_slots: int, reporter: Reporter) -> None:
+        self.opts, self.plan, self.reporter = opts, plan, reporter
+        self.local = hosts is None
+        self.hosts = hosts if hosts is not None else [Host("127.0.0.1", slots=plan.pp * plan.dp)]
+        self.desired = list(self.hosts)
+        self.watcher = HostsWatcher(hosts_file, default_slots) if hosts_file is not None else None
+        self.preempted: dict[str, float] = {}  # host name -> when (monotonic) it goes away
+        self.job = uuid.uuid4().hex
+        self.token = secrets.token_hex(32)
+        self.files = JobFiles(opts.run_dir)
+        self.listener = Listener(self.job, self.token, bind="127.0.0.1" if self.local else "0.0.0.0")
+        self.status = Status()
+        self._write_manager_file()
+
+    def _write_manager_file(self) -> None:
+        """Where ``varuna notify-preempt`` finds the manager, with the token that authenticates it (0600)."""
+        path = self.opts.run_dir / "manager.json"
+        tmp = path.with_name(".manager.json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"job": self.job, "token": self.token, "port": self.listener.port, "pid": os.getpid()}, f)
+        tmp.replace(path)
+
+    def manager_address(self, host: Host) -> str:
+        """The address of this machine that ``host`` reaches (where its workers send heartbeats)."""
+        if self.local:
+            return "127.0.0.1"
+        return route_to(host.address)[1] or "127.0.0.1"
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run attempts until the job finishes (0), fails for good (1) or is interrupted (130)."""
+        opts = self.opts
+        resume = latest_checkpoint(opts.ckpt_dir) if opts.resume else None
+        if opts.resume:
+            self.reporter.event(f"resuming from {opts.ckpt_dir}/step_{resume}" if resume is not None
+                                else f"--resume: no complete checkpoint in {opts.ckpt_dir}; starting from scratch")
+        restarts, number = 0, 0
+        try:
+            while True:
+                number += 1
+                outcome = self._attempt(number, resume, restarts)
+                if outcome.kind == "done":
+                    self.reporter.event(f"done: {outcome.message}")
+                    return 0
+                if outcome.kind == "interrupted":
+                    return 130
+                if outcome.kind == "crash":
+                    if not opts.morph:
+                        raise LaunchError(outcome.message, hint="--morph restarts a job from its last complete "
+                                          "checkpoint after a crash")
+                    progressed = outcome.step is not None and outcome.step > (resume or 0)
+                    restarts = 1 if progressed else restarts + 1
+                    if restarts > opts.max_restarts:
+                        raise LaunchError(f"giving up after {opts.max_restarts} restarts without progress: "
+                                          f"{outcome.message}", hint="see the rank logs in " f"{opts.run_dir}/logs")
+                    self.status.restarts += 1
+                    delay = min(60.0, opts.backoff * 2 ** (restarts - 1))
+                    self.reporter.event(f"crash: {outcome.message}; restarting in {delay:.0f}s "
+                                        f"(restart {restarts} of at most {opts.max_restarts})")
+                    time.sleep(delay)
+                    hosts = self._reachable(outcome.hosts or self.desired)
+                else:  # morph / checkpointed
+                    self.status.morphs += 1
+                    hosts = self._reachable(outcome.hosts or self.hosts, only_new=True)
+                resume = latest_checkpoint(opts.ckpt_dir)
+                self._reconfigure(hosts)
+        finally:
+            self.listener.close()
+            self.files.close()
+
+    def _attempt(self, number: int, resume: int | None, restarts: int) -> Outcome:
+        world = self.plan.pp * self.plan.dp
+        nodes = place(world, self.hosts)
+        save_plan(self.plan, self.opts.run_dir / "plans" / f"attempt{number}.yaml")
+        self.listener.reset()
+        self.status.attempt, self.status.state = number, "starting"
+        self.status.pp, self.status.dp, self.status.hosts = self.plan.pp, self.plan.dp, len(nodes)
+        where = ", ".join(f"{n.host.name}×{len(n.ranks)}" for n in nodes)
+        self.reporter.event(f"attempt {number}: pp={self.plan.pp} × dp={self.plan.dp} ({self.plan.schedule}, "
+                            f"micro-batch {self.plan.microbatch_size}) on {where}"
+                            + (f", resuming from step {resume}" if resume is not None else ""))
+        self.files.event("starting", attempt=number, pp=self.plan.pp, dp=self.plan.dp, resume=resume,
+                         hosts=[n.host.name for n in nodes])
+        attempt = Attempt(number, self.plan, nodes, resume, self.opts, self.files, self.listener, self.reporter,
+                          self.status, self.job, self.token, self.manager_address)
+        try:
+            try:
+                attempt.start()
+            except LaunchError as exc:
+                if not self.opts.morph:
+                    raise
+                return Outcome("crash", exc.message, step=resume)
+            except KeyboardInterrupt:
+                return Outcome("interrupted", "interrupted while starting")
+            self.files.event("started", attempt=number)
+            outcome = attempt.run(lambda: self._changes())
+            self.status.state = "stopping"
+            self.files.event("ending", attempt=number, kind=outcome.kind, message=outcome.message,
+                             step=outcome.step)
+            return outcome
+        finally:
+            attempt.stop()
+            self.files.event("stopped", attempt=number)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Changes of the host set
+
+    def _changes(self, current: list[Host] | None = None) -> tuple[list[Host], str] | None:
+        """The hosts the job should run on now, and why, if they differ from ``current`` (default: the hosts
+        the job runs on)."""
+        current = self.hosts if current is None else current
+        if not self.opts.morph:
+            return None
+        reasons = []
+        if self.watcher is not None:
+            try:
+                polled = self.watcher.poll()
+            except ConfigError as exc:
+                self.reporter.event(f"{exc.message}: keeping the current hosts")
+                polled = None
+            if polled is not None:
+                self.files.event("hosts_changed", hosts=[h.name for h in polled])
+                reasons.append("the hosts file changed")
+                self.desired = polled
+                self.preempted.clear()  # a new hosts file is the new truth
+        for notice in self.listener.take_notices():
+            name = str(notice.get("host"))
+            match = next((h for h in self.desired if name in (h.name, h.address)), None)
+            if match is None:
+                self.reporter.event(f"preemption notice for {name}, which the job does not use: ignored")
+                continue
+            seconds = float(notice.get("seconds") or 0)
+            self.preempted[match.name] = time.monotonic() + seconds
+            self.files.event("preempt_notice", host=match.name, seconds=seconds)
+            self.reporter.event(f"preemption notice: {match.name} goes away in {seconds:.0f}s")
+        now = time.monotonic()
+        leaving = {n for n, when in self.preempted.items() if now >= when - self.opts.preempt_margin}
+        effective = [h for h in self.desired if h.name not in leaving]
+        if effective == current:
+            return None
+        if leaving & {h.name for h in current}:
+            reasons.append(f"{', '.join(sorted(leaving))} will be preempted")
+        gone = [h.name for h in current if h not in effective]
+        new = [h.name for h in effective if h not in current]
+        detail = "; ".join(x for x in (f"removed {', '.join(gone)}" if gone else "",
+                                       f"added {', '.join(new)}" if new else "") if x)
+        return effective, f"{' and '.join(reasons) or 'hosts changed'} ({detail or 'slots changed'})"
+
+    def _reachable(self, hosts: list[Host], only_new: bool = False) -> list[Host]:
+        """``hosts`` minus those that fail the pre-flight check (all, or only those not in the current set)."""
+        if self.local:
+            return hosts
+        to_check = [h for h in hosts if not only_new or h not in self.hosts]
+        problems = check_hosts(to_check, self.opts.ssh, self.opts.runtime) if to_check else []
+        for p in problems:
+            self.reporter.event(f"leaving out {p.host.name}: {p.message}")
+            self.files.event("host_unreachable", host=p.host.name, message=p.message)
+        bad = {p.host for p in problems}
+        return [h for h in hosts if h not in bad]
+
+    def _reconfigure(self, hosts: list[Host]) -> None:
+        """Adopt ``hosts``; plan again if their capacity differs; wait (bounded) while nothing fits."""
+        deadline = time.monotonic() + self.opts.start_timeout
+        while True:
+            capacity = sum(h.slots for h in hosts)
+            try:
+                if capacity == sum(h.slots for h in self.hosts) and self.plan.pp * self.plan.dp <= capacity:
+                    plan, why = self.plan, None
+                else:
+                    if capacity == 0:
+                        raise ConfigError("no host is left")
+                    t0 = time.time()
+                    plan, why = replan(self.plan, capacity, max(1, min(h.slots for h in hosts)))
+                    self.files.event("planned", seconds=time.time() - t0, pp=plan.pp, dp=plan.dp, devices=capacity)
+                self.hosts, self.plan = hosts, plan
+                if why:
+                    self.reporter.event(f"{capacity} devices: {why}: pp={plan.pp} × dp={plan.dp}, "
+                                        f"micro-batch {plan.microbatch_size}, {plan.schedule}")
+                return
+            except VarunaError as exc:
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"no usable configuration on the hosts left: {exc.message}",
+                                      hint="add hosts to the hosts file") from None
+                self.status.state = "waiting for hosts"
+                self.reporter.event(f"waiting for hosts: {exc.message}")
+                while time.monotonic() < deadline:
+                    time.sleep(_WAIT_POLL)
+                    change = self._changes(hosts)
+                    if change is not None:
+                        hosts = self._reachable(change[0])
+                        break

@@ -1,0 +1,79 @@
+"""Finding slow machines from the workers' heartbeats.
+
+Step times cannot show a straggler: a pipeline is synchronous, so every rank's step takes as long as the
+slowest rank's. What differs is each rank's *compute time* (its own forward and backward work, without the
+time it waits for its neighbours), which the runtime measures. Ranks of the same stage do the same work;
+ranks of different stages are compared through the plan's predicted busy time of their stage (without a plan,
+only replicas of one stage are compared). A rank whose compute time, so normalised, exceeds the median by more
+than ``threshold`` in ``patience`` consecutive reports is a straggler; its host goes to ``slow_machines`` in the run directory (the original
+Varuna's file name) and on the live view.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+__all__ = ["StragglerDetector", "Straggler"]
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    host: str
+    stage: int
+    ratio: float  # compute time over the median, both normalised by the stage's predicted work
+
+
+@dataclass
+class StragglerDetector:
+    """Feed :meth:`observe` with each rank's latest ``(step, compute time)``; it returns new stragglers.
+
+    Args:
+        stage_of: rank -> stage.
+        expected: per stage, the predicted busy time per step (the plan's), or None to compare raw times.
+        threshold: how much slower than the median counts (0.2 = 20%).
+        patience: consecutive slow reports before a rank is named.
+    """
+
+    stage_of: dict[int, int]
+    expected: list[float] | None = None
+    threshold: float = 0.3
+    patience: int = 5
+    slow: dict[int, Straggler] = field(default_factory=dict)
+    _streak: dict[int, int] = field(default_factory=dict)
+    _seen_step: dict[int, int] = field(default_factory=dict)
+
+    def observe(self, reports: dict[int, tuple[str, int, float]]) -> list[Straggler]:
+        """``reports``: rank -> (host, step, compute seconds) of its latest heartbeat."""
+        fresh = {r: v for r, v in reports.items() if v[2] is not None and v[2] > 0 and r in self.stage_of
+                 and v[1] > self._seen_step.get(r, -1)}
+        if len(fresh) < 2:
+            return []
+        for r, (_, step, _) in fresh.items():
+            self._seen_step[r] = step
+        norm = {r: t / self._scale(self.stage_of[r]) for r, (_, _, t) in fresh.items()}
+        # with the plan's predictions every rank is comparable; without, only the replicas of one stage are
+        groups: dict[int, list[int]] = {}
+        for r in norm:
+            groups.setdefault(0 if self.expected else self.stage_of[r], []).append(r)
+        medians = {g: statistics.median(norm[r] for r in ranks) for g, ranks in groups.items() if len(ranks) >= 2}
+        found = []
+        for r, value in norm.items():
+            median = medians.get(0 if self.expected else self.stage_of[r])
+            if median is None:
+                continue
+            ratio = value / median if median > 0 else 1.0
+            if ratio > 1.0 + self.threshold:
+                self._streak[r] = self._streak.get(r, 0) + 1
+                if self._streak[r] == self.patience and r not in self.slow:
+                    self.slow[r] = Straggler(rank=r, host=fresh[r][0], stage=self.stage_of[r], ratio=ratio)
+                    found.append(self.slow[r])
+            else:
+                self._streak[r] = 0
+        return found
+
+    def _scale(self, stage: int) -> float:
+        if self.expected and stage < len(self.expected) and self.expected[stage] > 0:
+            return self.expected[stage]
+        return 1.0
