@@ -54,6 +54,7 @@ class LaunchOptions:
     env: dict[str, str] = field(default_factory=dict)
     legacy_args: bool = False
     morph: bool = False
+    morph_any_microbatch: bool = False
     resume: bool = False
     ckpt_every: int = 0
     ckpt_keep: int | None = None
@@ -383,7 +384,9 @@ class Attempt:
             return
         if not self.first_step_seen and any(b.get("loss") is not None for b in beats.values()):
             self.first_step_seen = True
-            self.files.event("first_step", attempt=self.number, step=self.status.step)
+            timings = {key: max((b.get(key) for b in beats.values() if b.get(key)), default=None)
+                       for key in ("t_start", "t_ready", "t_resumed")}  # the slowest rank's
+            self.files.event("first_step", attempt=self.number, step=self.status.step, **timings)
             self.status.state = "training"
         total = next((b.get("total_steps") for b in beats.values() if b.get("total_steps")), None)
         self.status.total_steps = total or self.opts.total_steps

@@ -16,6 +16,7 @@ Without ``--morph`` the first crash ends the job (exit 1) with the rank, host an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -50,24 +51,37 @@ def latest_checkpoint(store: Path) -> int | None:
     return complete[-1] if complete else None
 
 
-def replan(plan: Plan, devices: int, per_node: int) -> tuple[Plan, str]:
+def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True) -> tuple[Plan, str]:
     """A plan for ``devices`` devices with ``plan``'s global batch: searched again from the plan's profile when
     it is readable, else the same pipeline with as many replicas as fit.
+
+    ``keep_microbatch`` keeps the micro-batch size (if it fits): every example is then computed with the same
+    shapes before and after, so the run's losses equal an uninterrupted run's to fp32 rounding. (Another size
+    gives the same mathematics but other rounding, which training amplifies step after step.)
 
     Raises:
         ConfigError / PlanInfeasible: nothing fits the devices.
     """
-    from .plan import PlanRequest, make_plan
+    from .plan import PlanInfeasible, PlanRequest, make_plan
 
     profile_path = plan.profile_path
     if profile_path and Path(profile_path).is_file():
         from .artifacts import load_profile
 
+        profile = load_profile(profile_path)
         request = PlanRequest(gpus=devices, batch_size=plan.batch_size, gpus_per_node=min(per_node, devices),
                               gpu_memory=plan.memory_limit, schedules=tuple(plan.schedules), headroom=plan.headroom)
-        new = make_plan(load_profile(profile_path), request)
+        note = ""
+        if keep_microbatch:
+            try:
+                new = make_plan(profile, dataclasses.replace(request, microbatch_sizes=(plan.microbatch_size,)))
+                new.profile_path = profile_path
+                return new, f"re-planned from {profile_path}, micro-batch {plan.microbatch_size} kept"
+            except (ConfigError, PlanInfeasible) as exc:
+                note = f" (micro-batch {plan.microbatch_size} does not fit: {exc.message})"
+        new = make_plan(profile, request)
         new.profile_path = profile_path
-        return new, f"re-planned from {profile_path}"
+        return new, f"re-planned from {profile_path}{note}"
     from .topology import Topology
 
     dp = min(devices // plan.pp, plan.batch_size)
@@ -175,7 +189,8 @@ class Manager:
         self.reporter.event(f"attempt {number}: pp={self.plan.pp} × dp={self.plan.dp} ({self.plan.schedule}, "
                             f"micro-batch {self.plan.microbatch_size}) on {where}"
                             + (f", resuming from step {resume}" if resume is not None else ""))
-        self.files.event("starting", attempt=number, pp=self.plan.pp, dp=self.plan.dp, resume=resume,
+        self.files.event("starting", attempt=number, pp=self.plan.pp, dp=self.plan.dp,
+                         microbatch=self.plan.microbatch_size, schedule=self.plan.schedule, resume=resume,
                          hosts=[n.host.name for n in nodes])
         attempt = Attempt(number, self.plan, nodes, resume, self.opts, self.files, self.listener, self.reporter,
                           self.status, self.job, self.token, self.manager_address)
@@ -266,7 +281,8 @@ class Manager:
                     if capacity == 0:
                         raise ConfigError("no host is left")
                     t0 = time.time()
-                    plan, why = replan(self.plan, capacity, max(1, min(h.slots for h in hosts)))
+                    plan, why = replan(self.plan, capacity, max(1, min(h.slots for h in hosts)),
+                                       keep_microbatch=not self.opts.morph_any_microbatch)
                     self.files.event("planned", seconds=time.time() - t0, pp=plan.pp, dp=plan.dp, devices=capacity)
                 self.hosts, self.plan = hosts, plan
                 if why:

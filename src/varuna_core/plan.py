@@ -53,6 +53,8 @@ class PlanRequest:
         headroom: fraction of memory kept free (allocator fragmentation, CUDA context).
         max_concurrent_sends: the runtime's in-flight messages per stage and direction.
         top: alternatives to keep.
+        microbatch_sizes: the micro-batch sizes to consider (default: the profiled ones). A morph keeps the
+            running size, so that the numerics of the run do not change with the device count.
     """
 
     gpus: int
@@ -63,6 +65,7 @@ class PlanRequest:
     headroom: float = 0.1
     max_concurrent_sends: int = 4
     top: int = 5
+    microbatch_sizes: tuple[int, ...] | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -499,7 +502,7 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
         if dp > req.batch_size:  # a replica needs at least one example: the rest of the devices would idle
             dp = req.batch_size
             clamped.add(pp)
-        for mbs in profile.microbatch_sizes:
+        for mbs in req.microbatch_sizes or profile.microbatch_sizes:
             if mbs > math.ceil(req.batch_size / dp):
                 continue
             for schedule in req.schedules:

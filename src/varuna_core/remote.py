@@ -35,8 +35,11 @@ class SSHConfig:
     connect_timeout: int = 10
 
     def argv(self, host: Host, command: str) -> list[str]:
-        argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.connect_timeout}",
-                "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3", "-o", "LogLevel=ERROR"]
+        argv = ["ssh"]
+        for option in self.options:  # ssh keeps the first value of an option: the user's come first
+            argv += ["-o", option]
+        argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.connect_timeout}",
+                 "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3", "-o", "LogLevel=ERROR"]
         user, port = host.user or self.user, host.port or self.port
         if port:
             argv += ["-p", str(port)]
@@ -44,8 +47,6 @@ class SSHConfig:
             argv += ["-l", user]
         if self.identity:
             argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
-        for option in self.options:
-            argv += ["-o", option]
         return [*argv, host.address, command]
 
 

@@ -5,7 +5,7 @@ slowest rank's. What differs is each rank's *compute time* (its own forward and 
 time it waits for its neighbours), which the runtime measures. Ranks of the same stage do the same work;
 ranks of different stages are compared through the plan's predicted busy time of their stage (without a plan,
 only replicas of one stage are compared). A rank whose compute time, so normalised, exceeds the median by more
-than ``threshold`` in ``patience`` consecutive reports is a straggler; its host goes to ``slow_machines`` in the run directory (the original
+than ``threshold`` (over the median of the *other* ranks) in ``patience`` consecutive reports is a straggler; its host goes to ``slow_machines`` in the run directory (the original
 Varuna's file name) and on the live view.
 """
 
@@ -57,12 +57,12 @@ class StragglerDetector:
         groups: dict[int, list[int]] = {}
         for r in norm:
             groups.setdefault(0 if self.expected else self.stage_of[r], []).append(r)
-        medians = {g: statistics.median(norm[r] for r in ranks) for g, ranks in groups.items() if len(ranks) >= 2}
         found = []
         for r, value in norm.items():
-            median = medians.get(0 if self.expected else self.stage_of[r])
-            if median is None:
+            peers = [norm[p] for p in groups[0 if self.expected else self.stage_of[r]] if p != r]
+            if not peers:
                 continue
+            median = statistics.median(peers)  # of the others: with two ranks, the one is compared with the other
             ratio = value / median if median > 0 else 1.0
             if ratio > 1.0 + self.threshold:
                 self._streak[r] = self._streak.get(r, 0) + 1

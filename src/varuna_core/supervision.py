@@ -47,9 +47,19 @@ def _env_int(name: str) -> int | None:
         raise ConfigError(f"{name}={value!r} is not an integer") from None
 
 
+def _process_start() -> float | None:
+    """Wall-clock time this process started (Linux ``/proc``), for the launcher's start-up timings."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Supervision:
     def __init__(self, rank: int) -> None:
-        self.started = time.time()
+        self.started = _process_start()
         self.ckpt_dir = os.environ.get("VARUNA_CKPT_DIR") or None
         self.resume_step = _env_int("VARUNA_RESUME_STEP")
         self.every = _env_int("VARUNA_CKPT_EVERY") or 0

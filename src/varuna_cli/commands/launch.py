@@ -83,6 +83,9 @@ def launch(
         "--run-dir", help="Logs, events and metrics (default: runs/launch-<time>).")] = None,
     morph: Annotated[bool, typer.Option("--morph", help="Follow host changes and preemptions; restart after "
                                         "crashes.")] = False,
+    morph_any_microbatch: Annotated[bool, typer.Option(
+        "--morph-any-microbatch", help="Let a morph change the micro-batch size (faster, but the losses then "
+        "differ from an uninterrupted run's by rounding).")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Start from the latest complete checkpoint in "
                                          "--ckpt-dir.")] = False,
     legacy_args: Annotated[bool, typer.Option(
@@ -140,7 +143,6 @@ def launch(
         raise ConfigError(f"the plan needs {world} devices (pp × dp); --gpus-per-node gives {gpus_per_node} on "
                           f"this machine", hint="add --hosts, or plan for fewer devices")
     run = (run_dir or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")).resolve()
-    run.mkdir(parents=True, exist_ok=True)
     runtime = Runtime(python=python or sys.executable, code_dir=code)
     ssh = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ())) \
         if host_list is not None else None
@@ -154,9 +156,11 @@ def launch(
                               hint="nothing was started; fix SSH access (BatchMode, keys) or the hosts file")
     opts = LaunchOptions(
         script=script, run_dir=run, ckpt_dir=(ckpt_dir or run / "checkpoints").resolve(), runtime=runtime, ssh=ssh,
-        env=env, legacy_args=legacy_args, morph=morph, resume=resume, ckpt_every=ckpt_every, ckpt_keep=ckpt_keep,
+        env=env, legacy_args=legacy_args, morph=morph, morph_any_microbatch=morph_any_microbatch, resume=resume,
+        ckpt_every=ckpt_every, ckpt_keep=ckpt_keep,
         ckpt_tempdir=ckpt_tempdir, total_steps=steps, max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout,
         morph_timeout=morph_timeout, preempt_margin=preempt_margin, straggler_threshold=straggler_threshold)
+    run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
     reporter.event(f"run directory {run}")
     manager = Manager(opts, the_plan, host_list, hosts.resolve() if (hosts is not None and morph) else None, slots,

@@ -1,0 +1,128 @@
+"""`varuna launch` on local processes: a run to completion, the worker contract, bad input, crashes and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch.conftest import ROOT, TRAIN, VARUNA, job_processes
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(VARUNA), "launch", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_local_run_completes_with_per_rank_logs_and_metrics(plan4, tmp_path, launches) -> None:
+    launch = launches([str(plan4), "--", *TRAIN, "--steps", "20"], tmp_path / "run", timeout=180)
+    assert launch.wait() == 0, launch.output()[-3000:]
+    for rank in range(4):
+        log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
+        assert "===== attempt 1: rank" in log
+    assert "final loss" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
+    steps = launch.steps()
+    assert sorted(steps) == list(range(20)) and steps[19] < steps[0]
+    kinds = [e["event"] for e in launch.events()]
+    assert kinds[:2] == ["starting", "started"] and "first_step" in kinds and kinds[-1] == "stopped"
+    assert next(e for e in launch.events() if e["event"] == "ending")["kind"] == "done"
+    assert job_processes(launch.job()) == []
+
+
+def test_worker_contract_legacy_args_and_env_file(plan4, tmp_path) -> None:
+    env_file = tmp_path / "job.env"
+    env_file.write_text("# comment\nexport FROM_ENV_FILE=yes\nSPACED='a b'\n")
+    done = run(str(plan4), "--run-dir", str(tmp_path / "run"), "--env-file", str(env_file), "--legacy-args", "--",
+               "tests/launch/echo_worker.py", "--mine", "x y")
+    assert done.returncode == 0, done.stderr
+    seen = {}
+    for rank in range(4):
+        line = next(x for x in (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text().splitlines()
+                    if x.startswith("ECHO "))
+        seen[rank] = json.loads(line[5:])
+    for rank, info in seen.items():
+        env = info["env"]
+        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank) and env["WORLD_SIZE"] == "4"
+        assert env["LOCAL_WORLD_SIZE"] == "4" and env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert info["plan_exists"] and env["VARUNA_CKPT_DIR"].endswith("checkpoints")
+        assert env["VARUNA_RESUME_STEP"] is None and env["GLOO_SOCKET_IFNAME"] == "lo"
+        assert env["FROM_ENV_FILE"] == "yes" and env["SPACED"] == "a b"
+        assert info["argv"] == ["--mine", "x y", f"--rank={rank}", f"--local_rank={rank}",
+                                "--stage_to_rank_map=0,2;1,3;", "--chunk_size=4", "--batch-size=16"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "no SCRIPT"),
+    (["--", "no_such_script.py"], "no_such_script.py does not exist"),
+    (["--gpus-per-node", "2", "--", *TRAIN], "needs 4 devices (pp × dp); --gpus-per-node gives 2"),
+])
+def test_bad_input_exits_2(plan4, tmp_path, args, message) -> None:
+    done = run(str(plan4), "--run-dir", str(tmp_path / "run"), *args)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_hosts_file_garbage_and_capacity_exit_2_before_any_ssh(plan4, tmp_path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("10.1.2.3 slots=2\nthis is: not a host\n")
+    done = run(str(plan4), "--hosts", str(hosts), "--", *TRAIN)
+    assert done.returncode == 2 and "line 2" in done.stderr and "'this is: not a host'" in done.stderr
+    hosts.write_text("10.1.2.3 slots=2  # only two devices\n")
+    done = run(str(plan4), "--hosts", str(hosts), "--", *TRAIN)
+    assert done.returncode == 2, done.stderr
+    assert "needs 4 devices (pp × dp); the hosts provide 2 (10.1.2.3: 2)" in done.stderr
+
+
+def _worker_pid(job: str, rank: int) -> int | None:
+    for pid, cmd in job_processes(job):
+        if "train.py" in cmd:
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return pid
+    return None
+
+
+def test_a_crash_without_morph_stops_the_job_naming_the_rank(plan4, tmp_path, launches) -> None:
+    launch = launches([str(plan4), "--", *TRAIN, "--steps", "100000"], tmp_path / "run", timeout=180)
+    launch.wait_for(lambda: len(launch.steps()) >= 5)
+    pid = _worker_pid(launch.job(), 1)
+    os.kill(pid, signal.SIGKILL)
+    assert launch.wait() == 1
+    out = launch.output()
+    assert "rank 1 on 127.0.0.1 exited with signal SIGKILL" in out and "logs/rank1.log" in out
+    assert "--morph restarts" in out and "Traceback" not in out
+    assert job_processes(launch.job()) == []
+
+
+def test_ctrl_c_stops_every_worker_and_exits_130(plan4, tmp_path, launches) -> None:
+    launch = launches([str(plan4), "--", *TRAIN, "--steps", "100000"], tmp_path / "run", timeout=180)
+    launch.wait_for(lambda: len(launch.steps()) >= 3)
+    job = launch.job()
+    assert len(job_processes(job)) == 5  # the agent and 4 workers
+    os.kill(launch.proc.pid, signal.SIGINT)
+    assert launch.wait() == 130
+    deadline = time.monotonic() + 10
+    while job_processes(job) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job_processes(job) == []
+
+
+def test_a_slow_rank_is_reported_as_a_straggler(plan4, tmp_path, launches) -> None:
+    env_file = tmp_path / "job.env"
+    env_file.write_text("SLOW_RANK=1\n")
+    launch = launches([str(plan4), "--env-file", str(env_file), "--", "tests/launch/slow_worker.py",
+                       *TRAIN[1:], "--steps", "25"], tmp_path / "run", timeout=180)
+    assert launch.wait() == 0, launch.output()[-3000:]
+    slow = (tmp_path / "run" / "slow_machines").read_text().splitlines()
+    assert len(slow) == 1 and slow[0].startswith("127.0.0.1 rank=1 stage=1 "), slow
+    assert "straggler: rank 1 on 127.0.0.1" in launch.output()

@@ -1,0 +1,139 @@
+"""The launcher's parts on their own: hosts files, placement, the heartbeat channel's authentication, straggler
+detection, re-planning for another device count, and the SSH command line."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.profiles import make_profile
+from varuna_core.errors import ConfigError
+from varuna_core.heartbeat import Beacon, Listener, decode, encode, send_notice
+from varuna_core.hosts import Host, HostsWatcher, parse_hosts
+from varuna_core.launch import place, worker_argv
+from varuna_core.morph import replan
+from varuna_core.plan import PlanRequest, make_plan
+from varuna_core.remote import Runtime, SSHConfig
+from varuna_core.stragglers import StragglerDetector
+
+
+def test_hosts_file_lines() -> None:
+    hosts = parse_hosts("# cluster\n\n10.0.0.1\nalice@node2:2222 slots=4  # big one\n[fe80::1]:22\n", 2)
+    assert hosts == [Host("10.0.0.1", 2), Host("node2", 4, user="alice", port=2222), Host("fe80::1", 2, port=22)]
+    assert hosts[1].name == "alice@node2:2222"
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("10.0.0.1\n10.0.0.2:ssh\n", "line 2: '10.0.0.2:ssh' is not a host name or address"),
+    ("10.0.0.1\nnot a host\n", "line 2: unknown field 'a'"),
+    ("10.0.0.1 slots=0\n", "line 1: unknown field 'slots=0'"),
+    ("10.0.0.1 gpus=2\n", "unknown field 'gpus=2'"),
+    ("a\nb\na\n", "line 3: a is already listed on line 1"),
+])
+def test_hosts_file_errors_name_the_line(text, fragment) -> None:
+    with pytest.raises(ConfigError, match="hosts file") as info:
+        parse_hosts(text, 1)
+    assert fragment in info.value.message
+
+
+def test_watcher_reports_content_changes_once(tmp_path) -> None:
+    path = tmp_path / "hosts"
+    path.write_text("a\nb\n")
+    watcher = HostsWatcher(path, 2)
+    assert watcher.poll() is None
+    path.write_text("a\n")
+    assert watcher.poll() == [Host("a", 2)]
+    assert watcher.poll() is None
+    path.write_text("a\n???\n")
+    with pytest.raises(ConfigError, match="line 2"):
+        watcher.poll()
+    assert watcher.poll() is None  # the same bad content is reported once
+
+
+def test_place_fills_hosts_in_order_and_names_the_shortfall() -> None:
+    nodes = place(5, [Host("a", 2), Host("b", 4), Host("c", 1)])
+    assert [(n.host.address, n.ranks) for n in nodes] == [("a", ((0, 0), (1, 1))), ("b", ((2, 0), (3, 1), (4, 2)))]
+    with pytest.raises(ConfigError, match=r"needs 8 devices \(pp × dp\); the hosts provide 7 \(a: 2, b: 4, c: 1\)"):
+        place(8, [Host("a", 2), Host("b", 4), Host("c", 1)])
+
+
+def test_worker_argv_and_ssh_command_quote_everything() -> None:
+    assert worker_argv(["train.py", "--x", "a b"], "/py") == ["/py", "train.py", "--x", "a b"]
+    assert worker_argv(["./run.sh"], "/py") == ["./run.sh"]
+    runtime = Runtime(python="/opt/my env/python", code_dir="/srv/code dir")
+    command = runtime.command("-m", "varuna_core.agent", env={"VARUNA_JOB_ID": "abc"})
+    assert command == "cd '/srv/code dir' && VARUNA_JOB_ID=abc exec '/opt/my env/python' -m varuna_core.agent"
+    argv = SSHConfig(user="bob", port=2200, identity="/k", options=("ConnectTimeout=3",)).argv(
+        Host("h", 1, port=22), command)
+    assert argv[:3] == ["ssh", "-o", "ConnectTimeout=3"]  # the user's options first: ssh keeps the first value
+    assert argv[argv.index("-p") + 1] == "22" and argv[argv.index("-l") + 1] == "bob"  # the host's port wins
+    assert "BatchMode=yes" in argv and argv[-2:] == ["h", command]
+
+
+def test_messages_need_the_job_token() -> None:
+    data = encode("job1", "secret", "beat", {"rank": 3})
+    assert decode(data, "job1", "secret")["rank"] == 3
+    assert decode(data, "job1", "other") is None  # another token
+    assert decode(data, "job2", "secret") is None  # another job
+    assert decode(data.replace(b"3", b"4"), "job1", "secret") is None  # tampered
+    assert decode(b"garbage", "job1", "secret") is None
+
+
+def test_listener_collects_beats_steps_and_acknowledged_notices() -> None:
+    listener = Listener("job", "tok", bind="127.0.0.1")
+    try:
+        beacon = Beacon(("127.0.0.1", listener.port), "job", "tok", rank=1, host="h", interval=0.05)
+        beacon.progress(step=1, loss_step=0, loss=2.5, step_time=0.1, compute_time=0.05)
+        beacon.progress(step=2, loss_step=1, loss=2.25, step_time=0.1, compute_time=0.05)
+        intruder = Beacon(("127.0.0.1", listener.port), "job", "wrong", rank=0, host="evil", interval=0.05)
+        intruder.progress(step=99, loss_step=98, loss=0.0)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (1 not in listener.snapshot() or listener.rejected == 0):
+            time.sleep(0.02)
+        beats = listener.snapshot()
+        assert set(beats) == {1} and beats[1].step == 2 and beats[1].get("compute_time") == 0.05
+        assert listener.take_steps() == {0: (2.5, 0.1), 1: (2.25, 0.1)} and listener.rejected >= 1
+        assert send_notice(("127.0.0.1", listener.port), "job", "tok", {"host": "h", "seconds": 5})
+        assert listener.take_notices()[0]["host"] == "h"
+        assert not send_notice(("127.0.0.1", listener.port), "job", "bad", {"host": "h"}, tries=1, timeout=0.3)
+    finally:
+        listener.close()
+
+
+def test_stragglers_need_patience_and_compare_like_with_like() -> None:
+    stage_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    detector = StragglerDetector(stage_of, expected=None, threshold=0.3, patience=3)
+    found = []
+    for step in range(1, 6):
+        # stage 1 is twice as heavy (not a straggler); rank 1 is 50% slower than its replica from step 2 on
+        reports = {0: ("a", step, 1.0), 1: ("b", step, 1.0 if step == 1 else 1.5), 2: ("c", step, 2.0),
+                   3: ("d", step, 2.0)}
+        found += detector.observe(reports)
+        assert detector.observe(reports) == []  # the same step again counts once
+    assert [(s.rank, s.host) for s in found] == [(1, "b")]
+    planned = StragglerDetector(stage_of, expected=[1.0, 2.0], threshold=0.3, patience=1)
+    assert [s.rank for s in planned.observe({0: ("a", 1, 1.0), 1: ("b", 1, 1.0), 2: ("c", 1, 2.0),
+                                             3: ("d", 1, 3.2)})] == [3]
+
+
+def test_replan_keeps_the_global_batch_and_the_microbatch() -> None:
+    profile = make_profile([1e-3] * 6, sizes=(1, 2, 4, 8))
+    plan = make_plan(profile, PlanRequest(gpus=8, batch_size=64, gpus_per_node=4))
+    path_less = plan.model_copy(update={"profile_path": None, "pp": 2, "dp": 4, "microbatch_size": 8})
+    new, why = replan(path_less, 3, 1)
+    assert (new.pp, new.dp, new.batch_size, new.microbatch_size) == (2, 1, 64, 8) and "no profile" in why
+    assert new.stage_to_rank_map == "0;1" or new.stage_to_rank_map.rstrip(";") == "0;1"
+    with pytest.raises(ConfigError, match="cannot hold the plan's 2 pipeline stages"):
+        replan(path_less, 1, 1)
+
+
+def test_replan_from_the_profile(tmp_path) -> None:
+    profile = make_profile([1e-3] * 6, sizes=(1, 2, 4, 8))
+    path = tmp_path / "profile.json"
+    path.write_text(profile.model_dump_json())
+    plan = make_plan(profile, PlanRequest(gpus=8, batch_size=64, gpus_per_node=4)).model_copy(
+        update={"profile_path": str(path)})
+    new, why = replan(plan, 4, 2)
+    assert new.pp * new.dp <= 4 and new.batch_size == 64 and new.profile_path == str(path)
+    assert new.microbatch_size == plan.microbatch_size and "kept" in why
