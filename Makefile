@@ -18,7 +18,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo bench bench-sim bench-ckpt clean distclean
+.PHONY: help setup test demo bench bench-sim bench-ckpt bench-morph clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [DEMO_ARGS=...]"
@@ -39,19 +39,21 @@ test: setup ## run the test suite (PYTEST_ARGS="-k env" to select)
 
 # The workflow on the example char-level GPT, in runs/demo (about a minute on 2 CPU cores): profile it on 2
 # processes, plan for 4 devices that we pretend have only 6 MiB each (so the model must be split into
-# stages), train with the plan on as many local processes as it uses, then draw the planned step next to the
-# measured one.
+# stages), launch the plan on local processes with a checkpoint every 100 steps, verify the last checkpoint,
+# then draw the planned step next to the measured one.
 DEMO_DIR ?= runs/demo
 VARUNA := $(VENV)/bin/varuna
-demo: setup ## profile -> plan -> train the example GPT on local processes, in runs/demo
+demo: setup ## profile -> plan -> launch -> checkpoint the example GPT on local processes, in runs/demo
+	@rm -rf $(DEMO_DIR)/run $(DEMO_DIR)/trace
 	@mkdir -p $(DEMO_DIR)
 	OMP_NUM_THREADS=1 $(VARUNA) profile examples/gpt/spec.py:spec --nproc 2 -o $(DEMO_DIR)/profile.json
 	$(VARUNA) plan $(DEMO_DIR)/profile.json --gpus 4 --gpu-memory 6MiB --batch-size 32 -o $(DEMO_DIR)/plan.yaml
-	OMP_NUM_THREADS=1 VARUNA_TRACE=$(DEMO_DIR)/trace $(VENV)/bin/torchrun --standalone \
-		--nproc-per-node $$($(PY) -c "import yaml; p = yaml.safe_load(open('$(DEMO_DIR)/plan.yaml')); print(p['pp'] * p['dp'])") \
-		examples/gpt/train.py --plan $(DEMO_DIR)/plan.yaml --batch-size 32 --steps 400 --log-every 25 $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 VARUNA_TRACE=$(DEMO_DIR)/trace $(VARUNA) launch $(DEMO_DIR)/plan.yaml --run-dir $(DEMO_DIR)/run \
+		--ckpt-every 100 --ckpt-keep 2 -- examples/gpt/train.py --batch-size 32 --steps 400 --log-every 25 $(DEMO_ARGS)
+	$(VARUNA) ckpt verify $(DEMO_DIR)/run/checkpoints
 	$(VARUNA) plan show $(DEMO_DIR)/plan.yaml --max-steps 0 --png $(DEMO_DIR)/timeline.png --measured $(DEMO_DIR)/trace
-	@echo "demo outputs: $(DEMO_DIR)/profile.json $(DEMO_DIR)/plan.yaml $(DEMO_DIR)/timeline.png $(DEMO_DIR)/trace/"
+	@echo "demo outputs: $(DEMO_DIR)/profile.json $(DEMO_DIR)/plan.yaml $(DEMO_DIR)/run/ (logs, metrics, checkpoints)" \
+		"$(DEMO_DIR)/timeline.png $(DEMO_DIR)/trace/"
 
 # Step time of our pipeline runtime vs torch.distributed.pipelining, 2 stages on 2 local processes (see benchmarks/README.md).
 bench: setup ## compare our pipeline step time with torch.distributed.pipelining (BENCH_ARGS="--json")
@@ -64,6 +66,10 @@ bench-sim: setup ## compare the planner's predicted step time with measured runs
 # Checkpoint save/load throughput vs the disk's own rate, and the step-time cost of background checkpoints (see benchmarks/README.md).
 bench-ckpt: setup ## checkpoint save/load throughput vs the disk, background-checkpoint overhead (BENCH_ARGS="--json")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/checkpoint_io.py $(BENCH_ARGS)
+
+# Seconds from a hosts-file change to the first step of the new configuration, over SSH to two test hosts (needs root for network namespaces; see benchmarks/README.md).
+bench-morph: setup ## time a morph (shrink and grow) of the example GPT over SSH, split into phases
+	OMP_NUM_THREADS=1 $(PY) benchmarks/morph_latency.py $(BENCH_ARGS)
 
 clean: ## remove caches and build output (keeps the venv; forces `setup` to re-run)
 	rm -rf build dist runs .pytest_cache src/*.egg-info $(STAMP)

@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--data", default=None, help="text file to train on (default: the shipped data/input.txt)")
+    p.add_argument("--ckpt-dir", default=os.environ.get("VARUNA_CKPT_DIR"),
+                   help="checkpoint store for a final checkpoint (default: $VARUNA_CKPT_DIR, set by varuna launch)")
     p.add_argument("--plan", default=os.environ.get("VARUNA_PLAN"),
                    help="a plan from `varuna plan` (default: $VARUNA_PLAN): it sets the stage-to-rank map, "
                    "partition, schedule and micro-batch size")
@@ -108,6 +110,8 @@ def main() -> None:
             print(f"step {step:5d} loss {float(loss):.4f} ({elapsed:.1f}s)", flush=True)
 
     elapsed = time.perf_counter() - t_start
+    if args.ckpt_dir and model.iteration > first:
+        model.checkpoint(args.ckpt_dir)  # collective; step_<iteration>, loadable under any layout
     # Held-out loss on one global batch of validation text, each replica evaluating its slice.
     val_batch = ds.get_batch("val", args.batch_size, args.block_size, torch.Generator().manual_seed(args.seed))
     val_loss = model.evaluate(model.replica_slice(val_batch))
