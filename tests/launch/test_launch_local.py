@@ -126,3 +126,14 @@ def test_a_slow_rank_is_reported_as_a_straggler(plan4, tmp_path, launches) -> No
     slow = (tmp_path / "run" / "slow_machines").read_text().splitlines()
     assert len(slow) == 1 and slow[0].startswith("127.0.0.1 rank=1 stage=1 "), slow
     assert "straggler: rank 1 on 127.0.0.1" in launch.output()
+
+
+def test_the_example_runs_unchanged_under_torchrun(tmp_path) -> None:
+    """The same script that `varuna launch` runs (and morphs) also runs under torchrun, with a map instead of a
+    plan."""
+    torchrun = Path(VARUNA).parent / "torchrun"
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4", *TRAIN, "--steps", "12",
+                           "--stage-to-rank-map", "0,2;1,3"], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", VARUNA_CACHE_DIR=str(tmp_path / "cache")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 stage(s) x 2 replica(s)" in done.stdout and "final loss" in done.stdout

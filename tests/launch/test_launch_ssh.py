@@ -135,3 +135,53 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(cluster, plan4, tmp_p
     assert "restarting in" in launch.output()
     time.sleep(0.5)
     assert job_processes(job) == []
+
+
+def test_ctrl_c_stops_every_worker_on_every_host(cluster, plan4, tmp_path, launches) -> None:
+    hosts = hosts_file(tmp_path / "hosts", cluster.hosts_file_lines(2))
+    launch = launches([str(plan4), "--hosts", str(hosts), *ssh_args(cluster), "--", *TRAIN, "--steps", "100000"],
+                      tmp_path / "run", timeout=240)
+    launch.wait_for(lambda: len(launch.steps()) >= 3)
+    job = launch.job()
+    assert len(job_processes(job)) == 6  # an agent on each host and 4 workers
+    os.kill(launch.proc.pid, signal.SIGINT)
+    assert launch.wait() == 130
+    deadline = time.monotonic() + 15
+    while job_processes(job) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job_processes(job) == []
+
+
+def test_a_partial_start_is_rolled_back(cluster, plan4, tmp_path) -> None:
+    """The first host's agent is up (it hosts the job's store) when the second cannot be reached: the first is
+    stopped again and nothing of the job is left."""
+    from varuna_core.artifacts import load_plan
+    from varuna_core.hosts import Host
+    from varuna_core.launch import LaunchError, LaunchOptions
+    from varuna_core.morph import Manager
+    from varuna_core.remote import Runtime, SSHConfig
+
+    good = cluster.hosts[0]
+    hosts = [Host(good.address, 2, user=cluster.user, port=good.port), Host(good.address, 2, user=cluster.user, port=1)]
+    opts = cluster.ssh_options()
+    ssh = SSHConfig(identity=str(cluster.identity),
+                    options=tuple(v for f, v in zip(opts[::2], opts[1::2]) if f == "-o"))
+    run = tmp_path / "run"
+    run.mkdir()
+    options = LaunchOptions(script=TRAIN, run_dir=run, ckpt_dir=run / "ckpt", runtime=Runtime(code_dir=str(ROOT)),
+                            ssh=ssh)
+    events = []
+
+    class Quiet:
+        def event(self, message: str) -> None:
+            events.append(message)
+
+        def status(self, status) -> None:
+            pass
+
+    manager = Manager(options, load_plan(plan4), hosts, None, 2, Quiet())
+    job = manager.job
+    with pytest.raises(LaunchError, match=r"the agent on root@.*:1 failed to start"):
+        manager.run()
+    time.sleep(0.5)
+    assert job_processes(job) == []
