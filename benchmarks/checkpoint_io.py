@@ -48,7 +48,6 @@ import mmap
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -818,10 +817,10 @@ def print_report(rep: dict) -> None:
             print(f"   CPU the copy threads used: {', '.join(f'{c:.2f}' for c in b['copy_cpu_s_by_rank'])} s in all "
                   f"(rank 0/1/..) = {b['copy_cpu_vs_steps']:.1%} of one core over the steps they overlapped")
     print(f"   waits for the previous checkpoint (and the last one at the end): {b['waits_s']:.2f} s in total")
-    print(f"   inside the calls and the copy threads (rank " + "/".join(str(i) for i in range(len(b['thread_parts_by_rank'])))
+    print("   inside the calls and the copy threads (rank " + "/".join(str(i) for i in range(len(b['thread_parts_by_rank'])))
           + f"): {_parts(b['thread_parts_by_rank'])}")
     print(f"   step times without (ms): {' '.join(f'{t * 1e3:.0f}' for t in b['base_step_s'])}")
-    print(f"   step times with    (ms): "
+    print("   step times with    (ms): "
           + " ".join(f"{t * 1e3:.0f}{'*' if f else ''}" for t, f in zip(b["ckpt_step_s"], b["in_flight"]))
           + "   (* = a copy was in flight when the step started)")
     v = rep["verdicts"]

@@ -27,7 +27,6 @@ import inspect
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping
 

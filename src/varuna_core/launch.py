@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import time
 from dataclasses import dataclass, field

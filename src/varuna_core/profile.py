@@ -143,7 +143,7 @@ def _check_batch(batch_fn: Callable[[int], dict], dims: dict, n: int) -> dict:
             raise ConfigError(
                 f"the spec's batch({n}) returned input {name!r} with {have} examples along dim {dim} "
                 f"(shape {list(value.shape)})",
-                hint=f"batch(n) must return n examples in every batched input",
+                hint="batch(n) must return n examples in every batched input",
             )
     return inputs
 

@@ -227,7 +227,6 @@ class StageModule:
         return names
 
     def _install_hooks(self) -> None:
-        ctx, structure = self._ctx, self.structure
         for index, cut in enumerate(self._cuts):
             if index == self.first_segment - 1:
                 cut.set_hook(self._incoming_hook)
@@ -242,7 +241,7 @@ class StageModule:
         if self.is_first:
             return
         modules = dict(self.model.named_modules())
-        for name, calls in structure.module_calls.items():
+        for name, calls in self.structure.module_calls.items():
             module = modules.get(name)
             if module is None or isinstance(module, CutPoint):
                 continue

@@ -142,6 +142,19 @@ def job_processes(job: str) -> list[tuple[int, str]]:
     return found
 
 
+def interrupt_and_expect_nothing_left(launch: Launch, processes: int) -> None:
+    """With the job running as ``processes`` processes (agents and workers), Ctrl-C the launcher: it exits with
+    130 and no process of the job is left on any host."""
+    job = launch.job()
+    assert len(job_processes(job)) == processes, job_processes(job)
+    os.kill(launch.proc.pid, signal.SIGINT)
+    assert launch.wait() == 130, launch.output()[-2000:]
+    deadline = time.monotonic() + 5  # the launcher waited for its agents; the kernel may still be reaping
+    while job_processes(job) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job_processes(job) == []
+
+
 def run_reference(plan: Path, steps: int, tmp_path: Path, launches) -> dict[int, float]:
     """The example GPT trained by ``plan`` on local workers without interruption: step -> loss, at full
     precision (the launcher's metrics)."""

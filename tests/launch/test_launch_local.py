@@ -6,12 +6,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch.conftest import ROOT, TRAIN, VARUNA, job_processes
+from tests.launch.conftest import interrupt_and_expect_nothing_left, ROOT, TRAIN, VARUNA, job_processes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -107,14 +106,7 @@ def test_a_crash_without_morph_stops_the_job_naming_the_rank(plan4, tmp_path, la
 def test_ctrl_c_stops_every_worker_and_exits_130(plan4, tmp_path, launches) -> None:
     launch = launches([str(plan4), "--", *TRAIN, "--steps", "100000"], tmp_path / "run", timeout=180)
     launch.wait_for(lambda: len(launch.steps()) >= 3)
-    job = launch.job()
-    assert len(job_processes(job)) == 5  # the agent and 4 workers
-    os.kill(launch.proc.pid, signal.SIGINT)
-    assert launch.wait() == 130
-    deadline = time.monotonic() + 10
-    while job_processes(job) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert job_processes(job) == []
+    interrupt_and_expect_nothing_left(launch, processes=5)  # the agent and 4 workers
 
 
 def test_a_slow_rank_is_reported_as_a_straggler(plan4, tmp_path, launches) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.conftest import ROOT, TRAIN, VARUNA, job_processes, make_plan, run_reference
+from tests.launch.conftest import interrupt_and_expect_nothing_left, ROOT, TRAIN, VARUNA, job_processes, make_plan, run_reference
 from tests.launch.sshhosts import start_cluster
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
@@ -142,14 +142,7 @@ def test_ctrl_c_stops_every_worker_on_every_host(cluster, plan4, tmp_path, launc
     launch = launches([str(plan4), "--hosts", str(hosts), *ssh_args(cluster), "--", *TRAIN, "--steps", "100000"],
                       tmp_path / "run", timeout=240)
     launch.wait_for(lambda: len(launch.steps()) >= 3)
-    job = launch.job()
-    assert len(job_processes(job)) == 6  # an agent on each host and 4 workers
-    os.kill(launch.proc.pid, signal.SIGINT)
-    assert launch.wait() == 130
-    deadline = time.monotonic() + 15
-    while job_processes(job) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert job_processes(job) == []
+    interrupt_and_expect_nothing_left(launch, processes=6)  # an agent on each host and 4 workers
 
 
 def test_a_partial_start_is_rolled_back(cluster, plan4, tmp_path) -> None:
