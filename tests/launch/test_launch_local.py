@@ -129,3 +129,19 @@ def test_the_example_runs_unchanged_under_torchrun(tmp_path) -> None:
                           env=dict(os.environ, OMP_NUM_THREADS="1", VARUNA_CACHE_DIR=str(tmp_path / "cache")))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 stage(s) x 2 replica(s)" in done.stdout and "final loss" in done.stdout
+
+
+def test_missed_heartbeats_restart_the_job_from_the_last_checkpoint(plan4, tmp_path, launches) -> None:
+    """A worker that stops answering (SIGSTOP: frozen, as on a hung machine) is noticed by its missing
+    heartbeats; the job restarts from its last complete checkpoint and finishes."""
+    launch = launches([str(plan4), "--morph", "--heartbeat-timeout", "5", "--ckpt-every", "5", "--grace", "1", "--", *TRAIN,
+                       "--steps", "30"], tmp_path / "run", timeout=240)
+    launch.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_10" / "COMPLETE").exists())
+    os.kill(_worker_pid(launch.job(), 2), signal.SIGSTOP)
+    assert launch.wait() == 0, launch.output()[-3000:]
+    ends = [e for e in launch.events() if e["event"] == "ending"]
+    assert ends[0]["kind"] == "crash" and "rank 2 on 127.0.0.1 missed its heartbeats" in ends[0]["message"]
+    starts = [e for e in launch.events() if e["event"] == "starting"]
+    assert len(starts) == 2 and starts[1]["resume"] >= 10
+    assert sorted(launch.steps()) == list(range(30))
+    assert job_processes(launch.job()) == []

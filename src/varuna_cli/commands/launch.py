@@ -111,6 +111,8 @@ def launch(
         "--morph-timeout", help="Seconds the on-demand checkpoint may take.")] = 300.0,
     preempt_margin: Annotated[float, typer.Option(
         "--preempt-margin", help="Morph this many seconds before a notified preemption.")] = 30.0,
+    grace: Annotated[float, typer.Option(
+        "--grace", help="Seconds workers get to exit after SIGTERM when the job stops, before SIGKILL.")] = 10.0,
     straggler_threshold: Annotated[float, typer.Option(
         "--straggler-threshold", help="Compute time over the median that makes a straggler (0.3 = 30%).")] = 0.3,
 ) -> None:
@@ -126,10 +128,12 @@ def launch(
     code = str((code_dir or Path.cwd()).resolve())
     _check_script(script, code)
     env = _env_file(env_file) if env_file else {}
-    for name, value in (("--gpus-per-node", gpus_per_node), ("--ckpt-every", ckpt_every),
-                        ("--max-restarts", max_restarts)):
-        if value is not None and value < (1 if name == "--gpus-per-node" else 0):
-            raise ConfigError(f"{name} must be {'≥ 1' if name == '--gpus-per-node' else '≥ 0'}, got {value}")
+    for name, value, low in (("--gpus-per-node", gpus_per_node, 1), ("--ckpt-every", ckpt_every, 0),
+                             ("--max-restarts", max_restarts, 0), ("--ckpt-keep", ckpt_keep, 1),
+                             ("--grace", grace, 0), ("--heartbeat-timeout", heartbeat_timeout, 1),
+                             ("--morph-timeout", morph_timeout, 1), ("--preempt-margin", preempt_margin, 0)):
+        if value is not None and value < low:
+            raise ConfigError(f"{name} must be ≥ {low}, got {value}")
     slots = gpus_per_node or the_plan.gpus_per_node
     host_list = None
     if hosts is not None:
@@ -159,7 +163,8 @@ def launch(
         env=env, legacy_args=legacy_args, morph=morph, morph_any_microbatch=morph_any_microbatch, resume=resume,
         ckpt_every=ckpt_every, ckpt_keep=ckpt_keep,
         ckpt_tempdir=ckpt_tempdir, total_steps=steps, max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout,
-        morph_timeout=morph_timeout, preempt_margin=preempt_margin, straggler_threshold=straggler_threshold)
+        morph_timeout=morph_timeout, preempt_margin=preempt_margin, grace=grace,
+        straggler_threshold=straggler_threshold)
     run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
     reporter.event(f"run directory {run}")
