@@ -349,8 +349,9 @@ def discover(
     are those the stages will exchange.
 
     Raises:
-        CutPointError: no cutpoints; a cutpoint called twice; a cut value without a batch dim or of a
-            structure that cannot cross a cut; cuts executed in a different order at the two sizes.
+        CutPointError: no cutpoints; a cutpoint called twice; a cut value with no batched tensor (tensors
+            without a batch dim may travel with batched ones: they cross whole with every micro-batch) or of
+            a structure that cannot cross a cut; cuts executed in a different order at the two sizes.
         ConfigError: the model's output holds no scalar loss.
     """
     cuts = find_cutpoints(model)
@@ -401,15 +402,15 @@ def discover(
         except ProbeMismatch as exc:
             raise CutPointError(f"CutPoint {name!r} carries a value that cannot cross a cut: {exc}",
                                 hint="a cut may carry a tensor or a tuple/list/dict of tensors") from exc
-        for _, leaf in spec.tensor_leaves:
-            if not leaf.batch_dims:
-                raise CutPointError(
-                    f"CutPoint {name!r} carries a tensor of shape {list(leaf.shape)} for both 1 and 2 examples: "
-                    f"it has no batch dim",
-                    hint="place cutpoints on per-example activations (e.g. [batch, seq, hidden] or [seq, batch, hidden])",
-                )
         if not spec.tensor_leaves:
             raise CutPointError(f"CutPoint {name!r} carries no tensor", hint="call the CutPoint on an activation")
+        if not any(leaf.batch_dims for _, leaf in spec.tensor_leaves):
+            shapes = [list(leaf.shape) for _, leaf in spec.tensor_leaves]
+            raise CutPointError(
+                f"CutPoint {name!r} carries tensors of the same shape {shapes} for 1 and 2 examples: none has a "
+                f"batch dim",
+                hint="place cutpoints on per-example activations (e.g. [batch, seq, hidden] or [seq, batch, hidden])",
+            )
         cut_specs.append(spec)
 
     module_calls: dict[str, tuple[ModuleCall, ...]] = {}

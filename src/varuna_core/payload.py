@@ -86,9 +86,11 @@ class ValueSpec:
         return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
 
     def placeholder(self, n: int, device: torch.device | str = "meta") -> Any:
-        """A value of this structure for ``n`` examples whose tensors live on ``device`` (no data on meta)."""
+        """A value of this structure for ``n`` examples whose tensors live on ``device``: no data on ``meta``;
+        elsewhere NaN (floats) or zeros, so that a value computed from it is recognisably garbage."""
+        meta = torch.device(device).type == "meta"
         leaves = [
-            torch.empty(leaf.shape_for(n), dtype=leaf.torch_dtype, device=device)
+            (torch.empty if meta else _garbage)(leaf.shape_for(n), dtype=leaf.torch_dtype, device=device)
             if isinstance(leaf, TensorSpec)
             else leaf["const"]
             for leaf in self.leaves
@@ -108,6 +110,12 @@ class ValueSpec:
             for x in data["leaves"]
         )
         return cls(data["treespec"], leaves)
+
+
+def _garbage(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def flatten(value: Any) -> tuple[list[Any], str]:

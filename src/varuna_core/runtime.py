@@ -102,6 +102,7 @@ class PipelineRuntime:
         *,
         train: bool,
         rng: tuple[int, int] | None = None,
+        rng_ids: list[int] | None = None,
         loss_scale: torch.Tensor | None = None,
         capture: list | None = None,
     ) -> torch.Tensor:
@@ -111,7 +112,9 @@ class PipelineRuntime:
             microbatches: model inputs per micro-batch (every stage gets the same).
             sizes: examples per micro-batch.
             weights: per micro-batch factor applied to its loss (see [Note: loss weighting] in grads).
-            rng: ``(seed, step)``: seed every segment of micro-batch ``mb`` from ``(seed, step, mb, segment)``.
+            rng: ``(seed, step)``: seed every segment of micro-batch ``mb`` from ``(seed, step, id, segment)``.
+            rng_ids: the ``id`` of each micro-batch (default: its index); the facade passes the position of its
+                first example in the global batch (see [Note: deterministic dropout]).
             loss_scale: fp16 loss scale (tensor ``[1]``) the last stage multiplies its loss by before backward.
             capture: if given, receives each forward's output (detached leaves, or the loss on the last stage).
 
@@ -159,7 +162,7 @@ class PipelineRuntime:
                     action = actions[i]
             mb = action.mb
             st = state[mb]
-            key = None if rng is None else (rng[0], rng[1], mb)
+            key = None if rng is None else (rng[0], rng[1], rng_ids[mb] if rng_ids is not None else mb)
             started = time.perf_counter()
             if action.op is Op.F:
                 st.incoming = self._receive(acts, action) if self.prev_rank is not None else None

@@ -6,7 +6,8 @@
   every stage that uses them.
 * A module that owns parameters and runs in a segment before this stage returns a *placeholder* (meta tensors
   of its recorded output structure, batch dims scaled to the micro-batch) instead of running. Parameter-free
-  modules (masks, rotary tables) run for real unless their inputs are placeholders.
+  modules (masks, rotary tables) run for real unless their inputs are placeholders. A module whose call spans
+  cuts (a container around the blocks) runs: its children decide for themselves, and its cuts are counted.
 * The cutpoints before the stage only count segments; the *incoming* cut swaps the placeholder for the
   activation received from the previous stage; the *outgoing* cut raises :class:`_StageExit` carrying the
   activation out of ``forward``, so nothing after it runs and no exception is swallowed.
@@ -135,6 +136,9 @@ class StageModule:
         stage: this rank's stage.
         ties: tied weights (from :func:`find_tie_sets`).
         device: where this stage's parameters live.
+        placeholders: ``"meta"`` (default: a value that leaks past a cut fails loudly, naming the cut) or
+            ``"real"`` (NaN-filled tensors on ``device``: code before the incoming cut may inspect values, as
+            Hugging Face's mask builders do; leaks are then caught by validation, see ``Varuna(validate=...)``).
     """
 
     def __init__(
@@ -145,8 +149,10 @@ class StageModule:
         stage: int,
         ties: list[TieSet],
         device: torch.device,
+        placeholders: str = "meta",
     ) -> None:
         self.model = model
+        self.placeholder_device = torch.device("meta") if placeholders == "meta" else device
         self.structure = structure
         self.stage = stage
         self.num_stages = partition.num_stages
@@ -266,14 +272,18 @@ class StageModule:
             index = ctx.counters.get((name, segment), 0)
             ctx.counters[(name, segment)] = index + 1
             call = calls[index] if index < len(calls) else None
-            if call is None or call.output is None or call.segment_end != segment:
+            if call is not None and call.segment_end != segment:
+                # a container whose call spans cuts (e.g. a transformer body around its blocks): it runs, its
+                # own parameter-owning children stand in for themselves, and its cuts are counted
+                return forward(*args, **kwargs)
+            if call is None or call.output is None:
                 raise CutPointError(
                     f"module {name!r} runs before this stage's first cut (segment {segment}) but its output "
                     f"cannot be reproduced as a placeholder",
                     hint="modules before a stage's incoming cut must return tensors (or tuples/dicts of tensors) "
                     "whose shapes depend only on the batch size",
                 )
-            return call.output.placeholder(ctx.n)
+            return call.output.placeholder(ctx.n, self.placeholder_device)
 
         return stub
 

@@ -66,7 +66,8 @@ class Varuna(nn.Module):
             default balances parameter bytes.
         input_batch_dims: per input name, the dim holding the examples (``None``: not batched).
         validate: compare the sliced pipeline with the unsliced model on ``dummy_inputs`` at start-up and name
-            the first cut where they differ.
+            the first cut where they differ (default: only with ``cutpoints="auto"``; it costs one forward of the
+            whole model on every rank).
         timeout: seconds any communication wait may take (default ``VARUNA_TIMEOUT`` or 300).
         bucket_mb: size of the data-parallel all-reduce buckets.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and loss scaling); parameters and
@@ -77,6 +78,8 @@ class Varuna(nn.Module):
             ``None``.
         trace: a directory (default: ``VARUNA_TRACE``) to write a Chrome trace of step ``trace_step``'s actions
             to, one ``trace_rank<R>.json`` per rank (open in Perfetto, or `varuna plan show --measured`).
+        cutpoints: ``"auto"`` for a model without ``CutPoint``s: a cut in front of every block of its longest
+            ``nn.ModuleList`` (see :mod:`varuna_core.autocut`); Hugging Face models need no edits.
     """
 
     def __init__(
@@ -95,7 +98,7 @@ class Varuna(nn.Module):
         schedule: str = "varuna",
         partition: Partition | Sequence | str | None = None,
         input_batch_dims: Mapping[str, int | None] | None = None,
-        validate: bool = False,
+        validate: bool | None = None,
         timeout: float | None = None,
         bucket_mb: float = 25.0,
         precision: str | None = None,
@@ -103,9 +106,17 @@ class Varuna(nn.Module):
         plan: Any = None,
         trace: str | os.PathLike | None = None,
         trace_step: int = 2,
+        cutpoints: str | None = None,
     ) -> None:
         super().__init__()
         install_excepthook()
+        if cutpoints not in (None, "auto"):
+            raise ConfigError(f"cutpoints must be 'auto' or None, got {cutpoints!r}",
+                              hint="'auto' cuts in front of every block of the model's longest nn.ModuleList")
+        if cutpoints == "auto":
+            from .autocut import apply_auto_cutpoints
+
+            apply_auto_cutpoints(model)
         self.precision = resolve_precision(precision, fp16)
         self.plan = _load_plan(plan)
         if self.plan is not None:
@@ -134,6 +145,8 @@ class Varuna(nn.Module):
             )
         self.microbatch_sizes = microbatch_sizes(self.replica_batch_size, self.chunk_size)
         self.num_microbatches = len(self.microbatch_sizes)
+        start = self.replica_range[0]  # micro-batches are named by their first example in the global batch
+        self._microbatch_ids = [start + sum(self.microbatch_sizes[:i]) for i in range(self.num_microbatches)]
         self.device = _resolve_device(device, local_rank)
         self.schedule_name = schedule
 
@@ -159,10 +172,13 @@ class Varuna(nn.Module):
             self.partition = coerce_partition(partition, num_segments=nseg, num_stages=self.pp)
         else:
             self.partition = balance(_segment_param_bytes(model, self.structure), self.pp)
+        if validate is None:
+            validate = cutpoints == "auto"
         reference = _reference(model, dummy_inputs, batch_fn, self.chunk_size) if validate else None
 
         self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, list(shared_weights or []))
-        self.stage_module = StageModule(model, self.structure, self.partition, self.stage, self.ties, self.device)
+        self.stage_module = StageModule(model, self.structure, self.partition, self.stage, self.ties, self.device,
+                                        placeholders="real" if cutpoints == "auto" else "meta")
         self.module = model
         self._build_groups()
         self._sync_initial_state()
@@ -323,6 +339,7 @@ class Varuna(nn.Module):
             self.runtime.trace = []
         loss_sum = self.runtime.run(
             microbatches, self.microbatch_sizes, weights, train=True, rng=(self.seed, self.iteration),
+            rng_ids=self._microbatch_ids,
             loss_scale=self.scaler.scale if self.scaler is not None else None,
         )
         if tracing:

@@ -78,7 +78,7 @@ def test_callable_dummy_inputs_find_non_leading_batch_dim() -> None:
     ("cls", "message"),
     [
         (models.CutTwice, "called twice in one forward"),
-        (models.ReducedCut, "has no batch dim"),
+        (models.ReducedCut, "none has a batch dim"),
         (models.NoCuts, "has no CutPoint"),
     ],
 )

@@ -1,0 +1,82 @@
+"""Pure helpers of benchmarks/pipeline_vs_peers.py: the slow network's flags, tc commands and namespace names."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_vs_peers.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """Import the script under a unique module name (it imports only the standard library at top level)."""
+    name = "_bench_pipeline_vs_peers"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize(("text", "bps"), [
+    ("200mbit", 200_000_000), ("1.5gbit", 1_500_000_000), ("64kbit", 64_000), ("800bit", 800), (" 10MBit ", 10**7),
+])
+def test_parse_rate(bench, text, bps):
+    assert bench.parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("text", ["200", "200mb", "200mbps", "0mbit", "-1mbit", "mbit", ""])
+def test_parse_rate_rejects(bench, text):
+    with pytest.raises(ValueError, match="--rate"):
+        bench.parse_rate(text)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("1ms", 1e-3), ("0ms", 0.0), ("250us", 250e-6), ("2s", 2.0),
+                                               ("0.5ms", 5e-4)])
+def test_parse_delay(bench, text, seconds):
+    assert bench.parse_delay(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["1", "ms", "-1ms", "1min", ""])
+def test_parse_delay_rejects(bench, text):
+    with pytest.raises(ValueError, match="--delay"):
+        bench.parse_delay(text)
+
+
+def test_bad_rate_is_a_usage_error(bench, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--network", "slow", "--rate", "fast"])
+    assert e.value.code == 2
+    assert "--rate 'fast'" in capsys.readouterr().err
+
+
+def test_tc_rate_only(bench):
+    assert bench.tc_commands("eth0", 200_000_000, 0.0) == [
+        ["qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "200000000bit", "burst", "32kbit", "latency", "50ms"],
+    ]
+
+
+def test_tc_rate_and_delay(bench):
+    """netem is the root (the delay), tbf its only child (the rate)."""
+    root, child = bench.tc_commands("eth0", 50_000_000, 1.5e-3)
+    assert root == ["qdisc", "add", "dev", "eth0", "root", "handle", "1:", "netem", "delay", "1500us"]
+    assert child[:7] == ["qdisc", "add", "dev", "eth0", "parent", "1:1", "handle"]
+    assert child[8:11] == ["tbf", "rate", "50000000bit"]
+
+
+@pytest.mark.parametrize(("name", "owner"), [
+    ("pvp123-r0", 123), ("pvp4567-r1", 4567),
+    ("pvp-r0", None), ("pvpx1-r0", None), ("pvp12-0", None), ("vsh123-0-h1", None), ("pvp12-r0-extra", None),
+])
+def test_namespace_owner(bench, name, owner):
+    assert bench.namespace_owner(name) == owner
+
+
+def test_pairs_name_known_contenders(bench):
+    assert all(a in bench.CONTENDERS and b in bench.CONTENDERS for a, b in bench.PAIRS)
+    assert bench.PAIRS[-1] == ("ours-1f1b", bench.BASELINE)  # the headline stays last
