@@ -25,35 +25,46 @@ help: ## list the targets
 	@echo
 	@grep -E '^[a-z][a-z-]*:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12 | sed 's/^/  /'
 
-setup: $(STAMP) ## create the venv and install torch, numpy and this project (editable, with dev extras)
+setup: $(STAMP) ## create the venv and install torch, numpy and this project (editable, with the dev and hf extras)
 
 # Re-runs only when pyproject.toml or the C++ sources change (or after `make clean`).
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.hpp)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install "$(TORCH)" numpy $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,hf]"
 	@touch $@
 
 test: setup ## run the test suite (PYTEST_ARGS="-k env" to select)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-# The workflow on the example char-level GPT, in runs/demo (about a minute on 2 CPU cores): profile it on 2
-# processes, plan for 4 devices that we pretend have only 6 MiB each (so the model must be split into
-# stages), launch the plan on local processes with a checkpoint every 100 steps, verify the last checkpoint,
-# then draw the planned step next to the measured one.
+# The whole workflow on the example char-level GPT, in runs/demo (about 2 minutes on 2 CPU cores): profile it
+# on 2 processes; plan for 4 devices that we pretend have only 6 MiB each (so the model must be split into
+# stages); launch the plan on local processes with a checkpoint every 200 steps; verify the last checkpoint,
+# merge it into one safetensors file and sample text from the merged, unpartitioned model; draw the planned
+# step next to the measured one. The launcher also draws the loss curve (run/loss.png).
 DEMO_DIR ?= runs/demo
+DEMO_STEPS ?= 600
 VARUNA := $(VENV)/bin/varuna
-demo: setup ## profile -> plan -> launch -> checkpoint the example GPT on local processes, in runs/demo
-	@rm -rf $(DEMO_DIR)/run $(DEMO_DIR)/trace
+demo: setup ## profile -> plan -> launch -> verify -> merge -> sample, the example GPT on local processes, in runs/demo
+	@rm -rf $(DEMO_DIR)/run $(DEMO_DIR)/trace $(DEMO_DIR)/model.safetensors
 	@mkdir -p $(DEMO_DIR)
 	OMP_NUM_THREADS=1 $(VARUNA) profile examples/gpt/spec.py:spec --nproc 2 -o $(DEMO_DIR)/profile.json
 	$(VARUNA) plan $(DEMO_DIR)/profile.json --gpus 4 --gpu-memory 6MiB --batch-size 32 -o $(DEMO_DIR)/plan.yaml
 	OMP_NUM_THREADS=1 VARUNA_TRACE=$(DEMO_DIR)/trace $(VARUNA) launch $(DEMO_DIR)/plan.yaml --run-dir $(DEMO_DIR)/run \
-		--ckpt-every 100 --ckpt-keep 2 -- examples/gpt/train.py --batch-size 32 --steps 400 --log-every 25 $(DEMO_ARGS)
+		--ckpt-every 200 --ckpt-keep 2 -- examples/gpt/train.py --batch-size 32 --steps $(DEMO_STEPS) --log-every 50 \
+		$(DEMO_ARGS)
 	$(VARUNA) ckpt verify $(DEMO_DIR)/run/checkpoints
+	$(VARUNA) ckpt merge $(DEMO_DIR)/run/checkpoints -o $(DEMO_DIR)/model.safetensors
+	@echo "--- text sampled from the merged model ($(DEMO_DIR)/model.safetensors):"
+	@OMP_NUM_THREADS=1 $(PY) examples/gpt/sample.py $(DEMO_DIR)/model.safetensors --prompt "And God said" --tokens 240
+	@echo "---"
 	$(VARUNA) plan show $(DEMO_DIR)/plan.yaml --max-steps 0 --png $(DEMO_DIR)/timeline.png --measured $(DEMO_DIR)/trace
-	@echo "demo outputs: $(DEMO_DIR)/profile.json $(DEMO_DIR)/plan.yaml $(DEMO_DIR)/run/ (logs, metrics, checkpoints)" \
-		"$(DEMO_DIR)/timeline.png $(DEMO_DIR)/trace/"
+	@echo "demo outputs in $(DEMO_DIR)/:"
+	@echo "  profile.json, plan.yaml           the measurements and the plan"
+	@echo "  run/logs/rank<R>.log              every worker's output"
+	@echo "  run/loss.png, run/metrics.jsonl   the loss curve and every step's loss"
+	@echo "  run/checkpoints/, model.safetensors  checkpoints and the merged weights"
+	@echo "  timeline.png, trace/              the planned step above the measured one"
 
 # Step time of our pipeline runtime vs torch.distributed.pipelining, 2 stages on 2 local processes (see benchmarks/README.md).
 bench: setup ## compare our pipeline step time with torch.distributed.pipelining (BENCH_ARGS="--json")

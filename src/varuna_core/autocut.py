@@ -6,13 +6,14 @@ blocks; the most parameters among equally long ones) gets a ``CutPoint`` in fron
 first, through a forward *pre-hook*: parameter names, ``state_dict`` keys and the model's own ``forward`` do not
 change.
 
-What crosses such a cut is everything the block is called with, not only the hidden state: in these models
-the loop over the blocks also passes values computed once before it (the attention mask, rotary tables,
-position ids), and a stage that starts in the middle of the loop did not compute them (their inputs there are
-placeholders). So the cut carries the block's positional and keyword arguments; the later blocks of the same
-stage, which are called with the stage's own placeholder copies of those values, get the received ones
-instead. Arguments that cannot cross a process boundary (a key/value cache object) stay local. Tensors that do
-not scale with the batch (rotary tables, ``cache_position``) cross whole with every micro-batch.
+What crosses such a cut is what the loop carries from one block to the next: the arguments of the block that
+are not the very objects the previous block was called with (the hidden state). The loop-invariant ones
+(attention mask, rotary tables, position ids, a key/value cache object) were computed once before the loop
+from the model's inputs, which every stage has: each stage computes its own. For that, a stage runs the code
+before its incoming cut on real NaN-filled placeholders rather than ``meta`` ones (the prologue of these
+models inspects values: a mask builder asks whether any position is padded, and leaves the mask out when
+none is), and the pipeline is compared with the unsliced model at start-up (``validate``), which names the
+cut if an invariant depended on another stage's values after all.
 
 Tied weights (the embedding and the output head sharing one ``Parameter``) need no declaration: discovery
 sees one object used in two segments.
@@ -35,7 +36,6 @@ __all__ = ["apply_auto_cutpoints", "longest_module_list", "AUTO_ATTRIBUTE"]
 log = logging.getLogger(__name__)
 
 AUTO_ATTRIBUTE = "_varuna_auto_cuts"
-_CONST = (type(None), bool, int, float, str)
 
 
 def longest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -50,12 +50,11 @@ def longest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
 
 class _LoopState:
-    """Per forward, from this stage's incoming cut (None before it, and on stage 0): the block arguments the
-    stage had locally there, and those it received instead."""
+    """The flattened arguments of the previous block call of this forward (to tell loop-carried values from
+    loop-invariant ones)."""
 
     def __init__(self) -> None:
-        self.local: list[Any] | None = None
-        self.received: list[Any] | None = None
+        self.previous: list[Any] | None = None
 
 
 def apply_auto_cutpoints(model: nn.Module) -> list[str]:
@@ -81,10 +80,10 @@ def apply_auto_cutpoints(model: nn.Module) -> list[str]:
     model.add_module(AUTO_ATTRIBUTE, cuts)
     state = _LoopState()
 
-    def reset(module, args, kwargs):
-        state.local = state.received = None
+    def first_block(module, args, kwargs):
+        state.previous = pytree.tree_leaves((args, kwargs))
 
-    blocks[0].register_forward_pre_hook(reset, with_kwargs=True)
+    blocks[0].register_forward_pre_hook(first_block, with_kwargs=True)
     for cut, block in zip(cuts, list(blocks)[1:]):
         block.register_forward_pre_hook(_crossing(cut, state), with_kwargs=True)
     names = [f"{name}.{i}" for i in range(1, len(blocks))]
@@ -97,21 +96,19 @@ def apply_auto_cutpoints(model: nn.Module) -> list[str]:
 def _crossing(cut: CutPoint, state: _LoopState):
     def pre_hook(module, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        local = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, (torch.Tensor, *_CONST))}
-        carried = pytree.tree_unflatten([None if i in local else x for i, x in enumerate(leaves)], spec)
-        out = cut(carried)
-        out_leaves, out_spec = pytree.tree_flatten(out)
-        if out is not carried:  # this stage's incoming cut: the block's arguments as the previous stage had them
-            state.local, state.received = leaves, out_leaves
-        elif state.received is not None:
-            # A later block of the same stage. An argument that is the very object the loop passed to the block
-            # at the incoming cut is loop-invariant (a mask, rotary tables): take the received value, as this
-            # stage's own was computed from placeholders. The others (the hidden state) are this stage's.
-            out_leaves = [r if x is y and isinstance(x, torch.Tensor) else x
-                          for x, y, r in zip(out_leaves, state.local, state.received)]
-        for i, leaf in local.items():
-            out_leaves[i] = leaf
-        new_args, new_kwargs = pytree.tree_unflatten(out_leaves, out_spec)
+        previous, state.previous = state.previous, leaves
+        if previous is None or len(previous) != len(leaves):
+            raise CutPointError(f"cutpoints='auto': block {type(module).__name__} is called with other arguments "
+                                f"than the block before it", hint="insert CutPoint() calls by hand")
+        carried = [i for i, (x, y) in enumerate(zip(leaves, previous)) if isinstance(x, torch.Tensor) and x is not y]
+        if not carried:
+            raise CutPointError(f"cutpoints='auto': block {type(module).__name__} receives nothing from the block "
+                                f"before it", hint="insert CutPoint() calls by hand")
+        out = cut([leaves[i] for i in carried])
+        if out is not None:
+            for i, value in zip(carried, out):
+                leaves[i] = value
+        new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
         return tuple(new_args), new_kwargs
 
     return pre_hook

@@ -10,6 +10,7 @@ progress. The run directory holds what a user (or a benchmark) needs afterwards:
              /metrics.jsonl        step, loss and step time of every step the workers reported
              /plans/attempt<K>.yaml the plan each attempt ran
              /slow_machines        hosts whose ranks compute slower than their peers
+             /loss.png             the loss curve, drawn when the launcher ends
              /manager.json         where the manager listens, with the job's token (mode 0600)
 """
 

@@ -177,6 +177,18 @@ class Manager:
         finally:
             self.listener.close()
             self.files.close()
+            self._draw_loss()
+
+    def _draw_loss(self) -> None:
+        """``RUN_DIR/loss.png`` from the metrics, whatever the outcome (a failed run's curve helps most)."""
+        from .loss_curve import draw_loss_curve
+
+        try:
+            if draw_loss_curve(self.opts.run_dir / "metrics.jsonl", self.opts.run_dir / "loss.png",
+                               title=f"{self.plan.model}: loss per step"):
+                self.reporter.event(f"loss curve: {self.opts.run_dir / 'loss.png'}")
+        except (OSError, ValueError, ImportError) as exc:
+            self.reporter.event(f"no loss curve: {exc}")
 
     def _attempt(self, number: int, resume: int | None, restarts: int) -> Outcome:
         world = self.plan.pp * self.plan.dp

@@ -125,7 +125,7 @@ def profile(
 
 
 def _structure(spec: ModelSpec, precision: str) -> Structure:
-    model = spec.build()
+    model = spec.make()
     batch_fn, dims = make_batch_fn(spec.batch, None)
     _check_batch(spec.batch, dims, 2)
     return discover(model, batch_fn, dims, precision=precision)
@@ -175,9 +175,10 @@ class _SegmentBench:
                  precision: str) -> None:
         n = structure.num_segments
         partition = Partition.from_ranges([(i, i + 1) for i in range(n)], n)
-        model = spec.build()
+        model = spec.make()
         ties = find_tie_sets(model, structure, partition, list(spec.shared_weights or []))
-        self.stage = StageModule(model, structure, partition, segment, ties, device)
+        self.stage = StageModule(model, structure, partition, segment, ties, device,
+                                 placeholders="real" if spec.cutpoints == "auto" else "meta")
         self.model = model
         self.structure = structure
         self.segment = segment

@@ -29,6 +29,8 @@ class ModelSpec:
         shared_weights: ``[(name_a, name_b)]`` parameters that hold one tied weight.
         optimizer: ``params -> torch.optim.Optimizer``; used to measure optimizer-state bytes (default AdamW).
         name: a label for reports (default: the reference it was loaded from).
+        cutpoints: ``"auto"`` for a model without ``CutPoint``s (a cut in front of every block of its longest
+            ``nn.ModuleList``, as ``Varuna(..., cutpoints="auto")`` does).
     """
 
     build: Callable[[], Any]
@@ -36,12 +38,24 @@ class ModelSpec:
     shared_weights: Sequence[tuple[str, str]] | None = None
     optimizer: Callable[[Any], Any] | None = None
     name: str = ""
+    cutpoints: str | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.build):
             raise ConfigError(f"ModelSpec.build must be callable, got {type(self.build).__name__}")
         if not callable(self.batch):
             raise ConfigError(f"ModelSpec.batch must be callable, got {type(self.batch).__name__}")
+        if self.cutpoints not in (None, "auto"):
+            raise ConfigError(f"ModelSpec.cutpoints must be 'auto' or None, got {self.cutpoints!r}")
+
+    def make(self) -> Any:
+        """``build()``, with the automatic cut points applied if asked for."""
+        model = self.build()
+        if self.cutpoints == "auto":
+            from .autocut import apply_auto_cutpoints
+
+            apply_auto_cutpoints(model)
+        return model
 
 
 def load_spec(reference: str | ModelSpec) -> ModelSpec:

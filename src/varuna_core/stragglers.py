@@ -2,10 +2,11 @@
 
 Step times cannot show a straggler: a pipeline is synchronous, so every rank's step takes as long as the
 slowest rank's. What differs is each rank's *compute time* (its own forward and backward work, without the
-time it waits for its neighbours), which the runtime measures. Ranks of the same stage do the same work;
-ranks of different stages are compared through the plan's predicted busy time of their stage (without a plan,
-only replicas of one stage are compared). A rank whose compute time, so normalised, exceeds the median by more
-than ``threshold`` (over the median of the *other* ranks) in ``patience`` consecutive reports is a straggler; its host goes to ``slow_machines`` in the run directory (the original
+time it waits for its neighbours), which the runtime measures. Ranks of the same stage do the same work, so a
+rank is compared with the other replicas of its stage; a stage with one replica is compared with every other
+rank through the plan's predicted busy time per stage (less exact: the predictions carry the planner's error).
+A rank whose compute time exceeds the median of those others by more than ``threshold`` in ``patience``
+consecutive reports is a straggler; its host goes to ``slow_machines`` in the run directory (the original
 Varuna's file name) and on the live view.
 """
 
@@ -52,14 +53,16 @@ class StragglerDetector:
             return []
         for r, (_, step, _) in fresh.items():
             self._seen_step[r] = step
-        norm = {r: t / self._scale(self.stage_of[r]) for r, (_, _, t) in fresh.items()}
-        # with the plan's predictions every rank is comparable; without, only the replicas of one stage are
-        groups: dict[int, list[int]] = {}
-        for r in norm:
-            groups.setdefault(0 if self.expected else self.stage_of[r], []).append(r)
+        raw = {r: t for r, (_, _, t) in fresh.items()}
+        norm = {r: t / self._scale(self.stage_of[r]) for r, t in raw.items()}
         found = []
-        for r, value in norm.items():
-            peers = [norm[p] for p in groups[0 if self.expected else self.stage_of[r]] if p != r]
+        for r in raw:
+            # like with like: the replicas of its own stage when it has some, else every rank through the
+            # plan's predictions (without a plan, a lone stage is not judged)
+            peers = [raw[p] for p in raw if p != r and self.stage_of[p] == self.stage_of[r]]
+            value = raw[r]
+            if not peers and self.expected:
+                peers, value = [norm[p] for p in norm if p != r], norm[r]
             if not peers:
                 continue
             median = statistics.median(peers)  # of the others: with two ranks, the one is compared with the other

@@ -80,6 +80,11 @@ class Varuna(nn.Module):
             to, one ``trace_rank<R>.json`` per rank (open in Perfetto, or `varuna plan show --measured`).
         cutpoints: ``"auto"`` for a model without ``CutPoint``s: a cut in front of every block of its longest
             ``nn.ModuleList`` (see :mod:`varuna_core.autocut`); Hugging Face models need no edits.
+        loss_reduction: ``"mean"``: the model's loss is the mean over the micro-batch's examples, and the library
+            weights each micro-batch by its share of the global batch. ``"sum"``: the loss is already the
+            micro-batch's share of the global loss (e.g. a sum over tokens divided by the global number of
+            tokens: Hugging Face's ``num_items_in_batch``, for masked-LM or padded batches whose examples hold
+            different numbers of tokens) and the micro-batches are added up.
     """
 
     def __init__(
@@ -107,9 +112,13 @@ class Varuna(nn.Module):
         trace: str | os.PathLike | None = None,
         trace_step: int = 2,
         cutpoints: str | None = None,
+        loss_reduction: str = "mean",
     ) -> None:
         super().__init__()
         install_excepthook()
+        if loss_reduction not in ("mean", "sum"):
+            raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.loss_reduction = loss_reduction
         if cutpoints not in (None, "auto"):
             raise ConfigError(f"cutpoints must be 'auto' or None, got {cutpoints!r}",
                               hint="'auto' cuts in front of every block of the model's longest nn.ModuleList")
@@ -332,7 +341,8 @@ class Varuna(nn.Module):
         self.supervision.before_step(self)  # may checkpoint (periodic, or agreed on demand: then it exits)
         microbatches = split_inputs(inputs, self.input_batch_dims, self.microbatch_sizes,
                                     expected=self.replica_batch_size)
-        weights = [n / self.batch_size for n in self.microbatch_sizes]
+        weights = ([n / self.batch_size for n in self.microbatch_sizes] if self.loss_reduction == "mean"
+                   else [1.0] * len(self.microbatch_sizes))
         self.grad_buffer.attach()
         tracing = self.trace_dir is not None and self.iteration == self.trace_step
         if tracing:
@@ -397,20 +407,23 @@ class Varuna(nn.Module):
         return self.scaler.value if self.scaler is not None else 1.0
 
     def evaluate(self, inputs: Mapping[str, Any], batch_size: int | None = None) -> float:
-        """Mean loss over every replica's ``inputs`` (any number of examples; batch dims as discovered)."""
+        """The loss over every replica's ``inputs`` (any number of examples; batch dims as discovered): the mean
+        over all examples, or with ``loss_reduction="sum"`` the sum of the micro-batch losses."""
         n = batch_size_of(inputs, self.input_batch_dims) if batch_size is None else int(batch_size)
         sizes = microbatch_sizes(n, self.chunk_size)
         microbatches = split_inputs(inputs, self.input_batch_dims, sizes, expected=n)
         self._evaluations += 1
+        weights = [m / n for m in sizes] if self.loss_reduction == "mean" else [1.0] * len(sizes)
         with torch.no_grad():
-            loss_sum = self.runtime.run(microbatches, sizes, [m / n for m in sizes], train=False,
+            loss_sum = self.runtime.run(microbatches, sizes, weights, train=False,
                                         rng=(self.seed, -self._evaluations))
-        pair = torch.stack([loss_sum * n, torch.tensor(float(n), dtype=torch.float64, device=loss_sum.device)])
+        total = loss_sum * n if self.loss_reduction == "mean" else loss_sum
+        pair = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=loss_sum.device)])
         if not self.stage_module.is_last:
             pair.zero_()
         if self.world_size > 1:
             all_reduce_tensor(pair, None, timeout=self.timeout, describe=lambda: f"rank {self.rank} evaluate()")
-        return float(pair[0] / pair[1])
+        return float(pair[0] / pair[1]) if self.loss_reduction == "mean" else float(pair[0])
 
     @property
     def replica_range(self) -> tuple[int, int]:

@@ -2,8 +2,8 @@
 and saves losses, gradient norms, loss scales and final parameters. Errors are written to ``rank<R>.err``
 as ``Type: message``.
 
-Run options (all optional except schedule/optimizer/batch/chunk): model (a class in tests.models, or "GPT"
-for the example), n_layer, dropout, steps, partition, validate, precision, clip, declare_shared, bad_seq,
+Run options (all optional except schedule/optimizer/batch/chunk): model (a class in tests.models, "GPT" for the
+example, or "hf-gpt2", "hf-bert", "hf-llama" from tests.hf_models with cutpoints="auto"), n_layer, dropout, steps, partition, validate, precision, clip, declare_shared, bad_seq,
 stall_rank/stall_seconds, inject_inf {rank, step}, die {rank, step}, evaluate (batch size of an evaluation).
 """
 
@@ -48,8 +48,17 @@ def gpt_setup(run: dict):
 
 def run_one(run: dict, spec: dict) -> dict:
     torch.manual_seed(run.get("seed", 0))
+    cutpoints, loss_reduction = None, "mean"
     if run.get("model") == "GPT":
         model, shared, make_batch = gpt_setup(run)
+    elif str(run.get("model", "")).startswith("hf-"):
+        from tests import hf_models
+
+        name = run["model"][3:]
+        model = hf_models.build(name, dropout=run.get("dropout", 0.0))
+        shared, cutpoints = None, "auto"
+        loss_reduction = "sum" if name == "llama" else "mean"
+        make_batch = lambda n, seed: hf_models.batch(name, n, seed)  # noqa: E731
     else:
         model_cls = getattr(models, run.get("model", "ToyLM"))
         model = model_cls(n_layer=run.get("n_layer", 4), dropout=run.get("dropout", 0.0))
@@ -60,9 +69,10 @@ def run_one(run: dict, spec: dict) -> dict:
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     vm = Varuna(model, spec.get("map"), make_batch(2, 0), batch_size=run["batch"], chunk_size=run["chunk"],
                 shared_weights=shared if run.get("declare_shared", True) else None,
-                schedule=run["schedule"], partition=run.get("partition"), validate=run.get("validate", False),
+                schedule=run["schedule"], partition=run.get("partition"), validate=run.get("validate"),
                 timeout=spec.get("timeout", 60), precision=run.get("precision"), seed=1234,
-                input_batch_dims=batch_dims, plan=run.get("plan"), trace=run.get("trace"), trace_step=1)
+                input_batch_dims=batch_dims, plan=run.get("plan"), trace=run.get("trace"), trace_step=1,
+                cutpoints=cutpoints, loss_reduction=loss_reduction)
     opt = make_optimizer(run["optimizer"], vm.parameters())
     vm.set_optimizer(opt, init_loss_scale=run.get("init_loss_scale", 2**20))
     losses, norms, overflows, scales = [], [], [], []

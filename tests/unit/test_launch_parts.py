@@ -115,6 +115,12 @@ def test_stragglers_need_patience_and_compare_like_with_like() -> None:
     planned = StragglerDetector(stage_of, expected=[1.0, 2.0], threshold=0.3, patience=1)
     assert [s.rank for s in planned.observe({0: ("a", 1, 1.0), 1: ("b", 1, 1.0), 2: ("c", 1, 2.0),
                                              3: ("d", 1, 3.2)})] == [3]
+    # one replica per stage: compared with the others through the plan's predictions (stage 1 does twice the work)
+    lone = StragglerDetector({0: 0, 1: 1, 2: 2}, expected=[1.0, 2.0, 1.0], threshold=0.3, patience=1)
+    assert lone.observe({0: ("a", 1, 1.0), 1: ("b", 1, 2.0), 2: ("c", 1, 1.1)}) == []
+    assert [s.rank for s in lone.observe({0: ("a", 2, 1.0), 1: ("b", 2, 3.0), 2: ("c", 2, 1.0)})] == [1]
+    blind = StragglerDetector({0: 0, 1: 1}, expected=None, threshold=0.3, patience=1)
+    assert blind.observe({0: ("a", 1, 1.0), 1: ("b", 1, 5.0)}) == []  # different stages, no plan: not judged
 
 
 def test_replan_keeps_the_global_batch_and_the_microbatch() -> None:

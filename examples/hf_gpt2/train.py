@@ -1,0 +1,19 @@
+"""Train a Hugging Face GPT-2 with pipeline and data parallelism and automatic cut points.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/hf_gpt2/train.py --stage-to-rank-map "0,2;1,3"
+    varuna launch plan.yaml -- examples/hf_gpt2/train.py --steps 200     # plan from examples/hf_gpt2/spec.py:spec
+
+``python examples/hf_gpt2/train.py`` trains as one process. ``--help`` lists the options.
+"""
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+
+import model  # noqa: E402
+from hf_common import main  # noqa: E402
+
+if __name__ == "__main__":
+    main(model)

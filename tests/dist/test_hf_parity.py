@@ -1,0 +1,88 @@
+"""Hugging Face models with ``cutpoints="auto"``: GPT-2, BERT (masked LM) and a Llama-style model, built from
+configs and never edited, trained pipelined equal the same models trained in one plain process (fp32: the
+loss of every step and every parameter, relative difference ≤ 1e-5), tied weights found without being
+declared; and with dropout, the masks do not depend on the pipeline depth or the data-parallel width."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests import hf_models
+from tests.dist.harness import run_ranks
+from tests.dist.test_parity import rel_diff
+
+pytestmark = pytest.mark.dist
+transformers = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]')")
+
+BATCH, CHUNK, STEPS, TOL = 8, 2, 3, 1e-5
+
+
+def param_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative difference, against at least 1e-3: BERT's key bias starts at zero and its gradient is zero in
+    exact arithmetic, so both runs hold rounding noise of 1e-14 there, which is as equal as zero can be."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-3)).item()
+
+
+def optimizer(params):
+    """SGD with momentum (the workers' "sgd"). Not Adam: GPT-2's key bias gets a gradient that is zero in exact
+    arithmetic (softmax ignores a constant per row), so what it gets is rounding, which Adam's normalisation
+    turns into ±lr steps whose sign differs between any two summation orders."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name: str):
+    """Losses and final parameters of the model trained by one plain process (no library)."""
+    torch.manual_seed(0)
+    model = hf_models.build(name)
+    opt = optimizer(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        loss = model(**hf_models.batch(name, BATCH, 100 + step)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return torch.tensor(losses, dtype=torch.float64), params
+
+
+def runs(dropout: float = 0.0) -> list[dict]:
+    return [{"model": f"hf-{name}", "schedule": schedule, "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK,
+             "steps": STEPS, "dropout": dropout}
+            for name, schedule in (("gpt2", "varuna"), ("bert", "1f1b"), ("llama", "gpipe"))]
+
+
+@pytest.mark.parametrize(("stage_map", "world"), [("0,2;1,3", 4), ("0;1;2;3", 4)])
+def test_hf_models_pipelined_equal_one_plain_process(stage_map, world, tmp_path) -> None:
+    results = run_ranks({"map": stage_map, "timeout": 120, "runs": runs()}, world, tmp_path, timeout=300)
+    for res in results:
+        assert res.returncode == 0, res.error or res.output[-3000:]
+    for index, name in enumerate(hf_models.NAMES):
+        want_losses, want_params = reference(name)
+        seen: set[str] = set()
+        for res in results:
+            got = res.result["runs"][index]
+            assert rel_diff(got["losses"], want_losses) <= TOL, (name, got["losses"], want_losses)
+            for pname, value in got["params"].items():
+                assert param_diff(value, want_params[pname]) <= TOL, (name, pname)
+                seen.add(pname)
+        every = {n for n, p in hf_models.build(name).named_parameters()}
+        assert every <= seen, (name, sorted(every - seen)[:5])  # every parameter lives on some stage
+
+
+def test_dropout_masks_do_not_depend_on_the_layout(tmp_path) -> None:
+    """GPT-2 and BERT with dropout 0.1: 2 stages x 2 replicas draw exactly the masks of one process."""
+    def losses(stage_map: str, world: int) -> list[torch.Tensor]:
+        done = run_ranks({"map": stage_map, "timeout": 120, "runs": runs(dropout=0.1)[:2]}, world,
+                         tmp_path / stage_map.replace(";", "_").replace(",", "-"), timeout=300)
+        for res in done:
+            assert res.returncode == 0, res.error or res.output[-3000:]
+        return [run["losses"] for run in done[0].result["runs"]]
+
+    alone, pipelined = losses("0", 1), losses("0,2;1,3", 4)
+    for a, b in zip(alone, pipelined):
+        assert rel_diff(b, a) <= TOL, (a, b)

@@ -1,0 +1,61 @@
+"""Tiny Hugging Face models built from configs (no downloads) and their batches, for the auto-cut tests.
+
+Each ``build(name, dropout)`` returns a 4-block model with its own loss (``labels`` in the batch); GPT-2 and
+BERT tie their output head to the input embedding, Llama does not. ``batch(name, n, seed)`` gives ``n``
+examples of 12 tokens: GPT-2 predicts every position; Llama a different number per example, normalised by the
+batch's count (``loss_reduction="sum"``); BERT 3 masked positions per example, with padding at the end of the
+second example (so the attention mask is a real tensor).
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB, SEQ = 61, 12
+NAMES = ("gpt2", "bert", "llama")
+
+
+def build(name: str, dropout: float = 0.0, n_layer: int = 4) -> torch.nn.Module:
+    import transformers as tf
+
+    if name == "gpt2":
+        cfg = tf.GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+                            bos_token_id=0, eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout,
+                            attn_pdrop=dropout)
+        return tf.GPT2LMHeadModel(cfg)
+    if name == "bert":
+        cfg = tf.BertConfig(num_hidden_layers=n_layer, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                            vocab_size=VOCAB, max_position_embeddings=SEQ, pad_token_id=0,
+                            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+        return tf.BertForMaskedLM(cfg)
+    if name == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=n_layer, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0, attention_dropout=dropout)
+        return tf.LlamaForCausalLM(cfg)
+    raise ValueError(f"unknown model {name!r}")
+
+
+def batch(name: str, n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+    if name == "gpt2":
+        return {"input_ids": ids, "labels": ids.clone()}
+    if name == "llama":
+        # positions left out of the loss, a different number per example: the loss is a mean over the batch's
+        # positions (Hugging Face's num_items_in_batch), with Varuna(loss_reduction="sum")
+        labels = ids.clone()
+        labels[torch.rand(n, SEQ, generator=g) < 0.3] = -100
+        return {"input_ids": ids, "labels": labels, "num_items_in_batch": int((labels[:, 1:] != -100).sum())}
+    # BERT's masked-LM loss is a plain mean over the micro-batch's predicted positions, so every example
+    # predicts the same number of them (3) and the mean over positions is a mean over examples
+    attention = torch.ones_like(ids)
+    if n > 1:
+        attention[1, -3:] = 0
+    labels = torch.full_like(ids, -100)
+    masked = ids.clone()
+    for row in range(n):
+        chosen = torch.randperm(SEQ - 3, generator=g)[:3]
+        labels[row, chosen] = ids[row, chosen]
+        masked[row, chosen] = VOCAB - 1  # the [MASK] token of this toy vocabulary
+    return {"input_ids": masked, "attention_mask": attention, "labels": labels}
