@@ -77,6 +77,9 @@ def test_hosts_file_garbage_and_capacity_exit_2_before_any_ssh(plan4, tmp_path) 
     done = run(str(plan4), "--hosts", str(hosts), "--", *TRAIN)
     assert done.returncode == 2, done.stderr
     assert "needs 4 devices (pp × dp); the hosts provide 2 (10.1.2.3: 2)" in done.stderr
+    hosts.write_text("localhost slots=2\n10.1.2.3 slots=2\n")  # the master would be unreachable for the other
+    done = run(str(plan4), "--hosts", str(hosts), "--", *TRAIN)
+    assert done.returncode == 2 and "the first host, localhost, is the master and resolves to loopback" in done.stderr
 
 
 def _worker_pid(job: str, rank: int) -> int | None:
