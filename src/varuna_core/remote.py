@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -170,7 +171,7 @@ class AgentHandle:
         """Kill the local end (the agent itself, or the ssh client: the remote agent then sees its stdin close)."""
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, 9)
+                os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             self.proc.wait()
