@@ -66,9 +66,11 @@ demo: setup ## profile -> plan -> launch -> verify -> merge -> sample, the examp
 	@echo "  run/checkpoints/, model.safetensors  checkpoints and the merged weights"
 	@echo "  timeline.png, trace/              the planned step above the measured one"
 
-# Step time of our pipeline runtime vs torch.distributed.pipelining, 2 stages on 2 local processes (see benchmarks/README.md).
-bench: setup ## compare our pipeline step time with torch.distributed.pipelining (BENCH_ARGS="--json")
-	OMP_NUM_THREADS=1 $(PY) benchmarks/pipeline_vs_peers.py $(BENCH_ARGS)
+# Step time of our pipeline runtime vs torch.distributed.pipelining and DeepSpeed (installed into the venv on the first
+# run: DS_BUILD_OPS=0, the venv's torch kept), 2 stages on 2 local processes, over the loopback or a rate-limited link
+# between network namespaces (see benchmarks/README.md).
+bench: setup ## compare our pipeline step time with torch pipelining and DeepSpeed (BENCH_ARGS="--network slow")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/pipeline_vs_peers.py --install-deepspeed $(BENCH_ARGS)
 
 # The planner's predicted step time vs measured runs: a sleep model on up to 8 local processes, and the example GPT (see benchmarks/README.md).
 bench-sim: setup ## compare the planner's predicted step time with measured runs (BENCH_ARGS="--quick")

@@ -1,13 +1,14 @@
-"""Step time of our pipeline runtime vs ``torch.distributed.pipelining`` on the example char-level GPT.
+"""Step time of our pipeline runtime vs ``torch.distributed.pipelining`` and DeepSpeed on the example char GPT.
 
 One invocation measures every contender, side by side, on the same model, split and data:
 
     ours 1f1b, ours varuna, ours gpipe            Varuna(model, "0;1", ..., schedule=..., partition=...)
     torch Schedule1F1B, torch ScheduleGPipe       PipelineStage (manual frontend) + the torch schedule
+    DeepSpeed 1F1B                                deepspeed.pipe.PipelineModule + engine.train_batch()
 
-Each contender runs in a fresh pair of worker processes (2 pipeline stages, 1 replica, gloo on 127.0.0.1,
-one thread each), so the peak RSS of a process belongs to that contender alone. A worker builds the model
-from the same seed, runs ``--warmup`` steps, then ``--steps`` measured steps; a step is forward + backward of
+Each contender runs in a fresh pair of worker processes (2 pipeline stages, 1 replica, gloo, one thread
+each), so the peak RSS of a process belongs to that contender alone. A worker builds the model from the same
+seed, runs ``--warmup`` steps, then ``--steps`` measured steps; a step is forward + backward of
 ``--microbatches`` micro-batches + ``optimizer.step()`` (SGD) + ``zero_grad()``, timed with
 ``time.perf_counter()`` on each rank after a barrier. The reported step time of a run is the median over
 steps of the slowest rank's time for that step (max over ranks per step, then median over steps).
@@ -18,10 +19,26 @@ With ``--rounds N`` every contender is measured N times, in alternating order (f
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pipeline_vs_peers.py            # table on stdout
     .venv/bin/python benchmarks/pipeline_vs_peers.py --json                      # one JSON document
     .venv/bin/python benchmarks/pipeline_vs_peers.py --contenders ours-1f1b,torch-1f1b --rounds 5
+    .venv/bin/python benchmarks/pipeline_vs_peers.py --network slow --rate 200mbit  # rate-limited link (root)
+
+The network is the loopback (127.0.0.1) by default. ``--network slow`` puts each rank in a network namespace
+of its own, the two joined by a veth pair whose both directions are limited to ``--rate`` by ``tc``'s token
+bucket (and delayed by ``--delay`` with netem, where the kernel has it): the varuna schedule's point is to
+hold fewer activations and to overlap its recompute with communication, which matters only where
+communication costs something. Without root or tc the variant is skipped with one line saying why.
 
 torch pipelining has no tied weights across stages: for the torch contenders the head gets its own weight
-(a copy of the embedding at start, same shape and compute). Ours keeps the tie and all-reduces its gradient
-between the two stages every step.
+(a copy of the embedding at start, same shape and compute). DeepSpeed gets the same untied copy: its
+``TiedLayerSpec`` would build the whole embedding layer (token and position tables) on both stages, from a
+spec rather than from the GPT's own modules, so the ranks would hold different parameters than the other
+contenders'. Ours keeps the tie and all-reduces its gradient between the two stages every step.
+
+DeepSpeed is optional, for this benchmark only: when it is not installed its contender is skipped (one line
+says how to install it), unless ``--install-deepspeed`` installs it first, with ``DS_BUILD_OPS=0`` (no native
+ops are needed on CPU) and pip constrained to the installed torch so that pip can never replace it. It runs
+with ``DS_ACCELERATOR=cpu``, ``deepspeed.init_distributed("gloo")``, a config with the same micro-batch size
+and micro-batches (gradient_accumulation_steps), fp32, no ZeRO, no gradient clipping (DeepSpeed's default
+clips), and the same SGD optimizer.
 
 The script doubles as its own worker (``--worker SPEC OUT``, internal).
 """
@@ -29,8 +46,14 @@ The script doubles as its own worker (``--worker SPEC OUT``, internal).
 from __future__ import annotations
 
 import argparse
+import atexit
+import importlib.metadata
+import importlib.util
 import json
 import os
+import re
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -43,17 +66,25 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 GPT_DIR = ROOT / "examples" / "gpt"
 
+DEEPSPEED = "deepspeed-1f1b"
 CONTENDERS: dict[str, str] = {
     "ours-1f1b": "ours 1f1b",
     "ours-varuna": "ours varuna",
     "ours-gpipe": "ours gpipe",
     "torch-1f1b": "torch Schedule1F1B",
     "torch-gpipe": "torch ScheduleGPipe",
+    DEEPSPEED: "DeepSpeed 1F1B",
 }
 BASELINE = "torch-1f1b"
-# (ours, torch) pairs whose ratio is printed at the end; the last one is the headline.
-PAIRS = [("ours-gpipe", "torch-gpipe"), ("ours-varuna", "torch-1f1b"), ("ours-1f1b", "torch-1f1b")]
+# (ours, peer) pairs whose ratio is printed at the end: the varuna schedule against the others' schedules on
+# our runtime, then like for like against each peer; the last one is the headline.
+PAIRS = [
+    ("ours-varuna", "ours-1f1b"), ("ours-varuna", "ours-gpipe"),
+    ("ours-gpipe", "torch-gpipe"), ("ours-varuna", DEEPSPEED), ("ours-1f1b", DEEPSPEED),
+    ("ours-varuna", "torch-1f1b"), ("ours-1f1b", "torch-1f1b"),
+]
 WORLD = 2
+DS_INSTALL = "DS_BUILD_OPS=0 {pip} install deepspeed"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -82,6 +113,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=240.0,
                    help="seconds one run (a pair of worker processes) may take before both are killed")
+    p.add_argument("--network", choices=("loopback", "slow"), default="loopback",
+                   help="loopback: both ranks on 127.0.0.1; slow: each rank in its own network namespace, "
+                   "joined by a veth pair limited to --rate (and --delay) with tc (needs root)")
+    p.add_argument("--rate", default="200mbit",
+                   help="--network slow: rate of each direction of the link (tc units: kbit, mbit, gbit)")
+    p.add_argument("--delay", default="0ms",
+                   help="--network slow: added one-way delay (us, ms, s) with tc netem; needs the kernel's "
+                   "netem qdisc")
+    p.add_argument("--install-deepspeed", action="store_true",
+                   help="pip-install DeepSpeed first if it is missing (DS_BUILD_OPS=0, torch pinned as installed)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="cProfile the measured steps of every rank into DIR/<contender>-round<r>-rank<k>.prof "
@@ -104,7 +145,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--microbatches must be at least {WORLD} (torch's Schedule1F1B requires M >= stages)")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.microbatch_size < 1:
         p.error("--steps, --rounds and --microbatch-size must be >= 1, --warmup >= 0")
+    try:
+        args.rate_bps, args.delay_s = parse_rate(args.rate), parse_delay(args.delay)
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_rate(text: str) -> int:
+    """A tc rate such as ``200mbit`` -> bits per second (> 0). Decimal prefixes, as tc reads them."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?bit)", text.strip().lower())
+    if not m or float(m[1]) <= 0:
+        raise ValueError(f"--rate {text!r}: expected a positive number with bit, kbit, mbit or gbit (e.g. 200mbit)")
+    return round(float(m[1]) * _RATE_UNITS[m[2]])
+
+
+def parse_delay(text: str) -> float:
+    """A delay such as ``1ms`` -> seconds (>= 0)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(us|ms|s)", text.strip().lower())
+    if not m:
+        raise ValueError(f"--delay {text!r}: expected a number with us, ms or s (e.g. 1ms, 0ms)")
+    return float(m[1]) * _DELAY_UNITS[m[2]]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -148,11 +213,17 @@ def worker(spec_path: str, out_path: str) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = float(spec["timeout"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
+    contender = spec["contender"]
+    if contender == DEEPSPEED:
+        os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is imported; without it, it looks for a GPU
+        import deepspeed
+
+        deepspeed.init_distributed("gloo", timeout=datetime.timedelta(seconds=timeout), verbose=False)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
     rss_after_import = peak_rss_mb()
 
-    contender = spec["contender"]
     M, mbs, T, L = spec["microbatches"], spec["microbatch_size"], spec["block_size"], spec["n_layer"]
     batch_size = M * mbs
     ds = CharDataset.load()
@@ -166,6 +237,28 @@ def worker(spec_path: str, out_path: str) -> None:
     batches = [ds.get_batch("train", batch_size, T, torch.Generator().manual_seed(spec["seed"] * 1_000_003 + i))
                for i in range(n_steps)]
     k = L // 2  # blocks on stage 0
+
+    class Embeddings(nn.Module):
+        """Token + position embeddings (ours: segment 0): the first layer of stage 0 for torch and DeepSpeed."""
+
+        def __init__(self, g: GPT) -> None:
+            super().__init__()
+            self.wte, self.wpe, self.drop = g.wte, g.wpe, g.drop
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)
+            return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def untied_head(g: GPT) -> nn.Linear:
+        """The head with a weight of its own, starting equal to the embedding (no cross-stage ties for peers)."""
+        head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(g.wte.weight)
+        return head
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The peers' loss on the last stage's logits: the GPT's own (mean cross-entropy)."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     t_setup = time.perf_counter()
     if contender.startswith("ours-"):
@@ -190,6 +283,41 @@ def worker(spec_path: str, out_path: str) -> None:
             optimizer.zero_grad()
             return float(loss)
 
+    elif contender == DEEPSPEED:
+        from deepspeed.pipe import PipelineModule
+
+        # The GPT as a sequence of layers: DeepSpeed runs a stage as ``x = layer(x)`` over its layers.
+        layers = [Embeddings(gpt), *gpt.blocks, gpt.ln_f, untied_head(gpt)]
+        # DeepSpeed has no explicit split: "type:REGEX" balances the number of layers whose class matches.
+        # Counting the blocks (and, for an odd n_layer, the embeddings too) has exactly one balanced split:
+        # stage 0 = embeddings + blocks[:k], stage 1 = the rest, as for the other contenders (checked below).
+        counted = "^block$" if L % 2 == 0 else "^(embeddings|block)$"
+        module = PipelineModule(layers, num_stages=world, loss_fn=loss_fn, partition_method=f"type:{counted}")
+        if module.parts != [0, k + 1, len(layers)]:
+            raise RuntimeError(f"DeepSpeed split the layers at {module.parts}, not [0, {k + 1}, {len(layers)}]")
+        # The module keeps the whole list, so the other stage's layers stay in memory (0.4 MB here; every
+        # contender's peak RSS includes the whole GPT anyway, built before the split).
+        param_names = [n for n, _ in module.named_parameters()]
+        params = list(module.parameters())
+        config = {
+            "train_micro_batch_size_per_gpu": mbs,
+            "gradient_accumulation_steps": M,
+            "train_batch_size": batch_size,  # 1 replica
+            "steps_per_print": n_steps + 1,  # no progress lines (and no timer reads) during the run
+            "gradient_clipping": 0.0,  # DeepSpeed clips to norm 1.0 unless told not to; the others do not clip
+            "zero_optimization": {"stage": 0},
+            "fp16": {"enabled": False},
+            "bf16": {"enabled": False},
+        }
+        engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(params, lr=spec["lr"]),
+                                          config=config)
+
+        def step(batch: dict) -> float | None:
+            # train_batch pulls M (inputs, targets) micro-batches, runs the 1F1B schedule, the optimizer step and
+            # zero_grad, and returns the mean loss on every stage.
+            micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs))
+            return float(engine.train_batch(iter(micro)))
+
     else:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -198,12 +326,11 @@ def worker(spec_path: str, out_path: str) -> None:
 
             def __init__(self, g: GPT) -> None:
                 super().__init__()
-                self.wte, self.wpe, self.drop = g.wte, g.wpe, g.drop
+                self.embed = Embeddings(g)
                 self.blocks = nn.ModuleList(g.blocks[:k])
 
             def forward(self, idx: torch.Tensor) -> torch.Tensor:
-                pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)
-                x = self.drop(self.wte(idx) + self.wpe(pos))
+                x = self.embed(idx)
                 for block in self.blocks:
                     x = block(x)
                 return x
@@ -215,10 +342,7 @@ def worker(spec_path: str, out_path: str) -> None:
                 super().__init__()
                 self.blocks = nn.ModuleList(g.blocks[k:])
                 self.ln_f = g.ln_f
-                # No tied weights in torch pipelining: an own head weight, starting equal to the embedding.
-                self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-                with torch.no_grad():
-                    self.lm_head.weight.copy_(g.wte.weight)
+                self.lm_head = untied_head(g)
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 for block in self.blocks:
@@ -229,10 +353,6 @@ def worker(spec_path: str, out_path: str) -> None:
         del gpt
         param_names = [n for n, _ in submodule.named_parameters()]
         stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
-
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
         schedule_cls = Schedule1F1B if contender == "torch-1f1b" else ScheduleGPipe
         schedule = schedule_cls(stage, n_microbatches=M, loss_fn=loss_fn)
         params = list(submodule.parameters())
@@ -299,6 +419,159 @@ def worker(spec_path: str, out_path: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Slow network: two network namespaces joined by a rate-limited veth pair
+
+NS_PREFIX = "pvp"  # namespaces are named pvp<launcher pid>-r<rank>
+IFNAME = "eth0"  # the veth end in each namespace (GLOO_SOCKET_IFNAME)
+SUBNET = "10.98.0"  # the pair links only its two namespaces, so no address of the machine can clash with it
+
+
+class NetworkUnavailable(Exception):
+    """The slow network cannot be set up on this machine; the message says why."""
+
+
+def tc_commands(dev: str, rate_bps: int, delay_s: float) -> list[list[str]]:
+    """``tc`` arguments that limit what ``dev`` sends to ``rate_bps``, after a delay of ``delay_s`` if > 0.
+
+    Token bucket (tbf) with a 32 kbit (4 KB) burst, so the link never runs faster than the rate for more than
+    a few packets, and a 50 ms queue. A delay needs netem, as the root with tbf as its child (netem's own
+    documented way to combine the two).
+    """
+    tbf = ["tbf", "rate", f"{rate_bps}bit", "burst", "32kbit", "latency", "50ms"]
+    if delay_s <= 0:
+        return [["qdisc", "add", "dev", dev, "root", *tbf]]
+    return [["qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{round(delay_s * 1e6)}us"],
+            ["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf]]
+
+
+def namespace_owner(name: str) -> int | None:
+    """The pid of the launcher that created namespace ``name``, or None if it is not one of ours."""
+    m = re.fullmatch(rf"{NS_PREFIX}(\d+)-r\d+", name)
+    return int(m[1]) if m else None
+
+
+def _run(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, check=False, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def ensure_iproute2() -> None:
+    """Install iproute2 (``ip``, ``tc``) with apt-get if either is missing."""
+    if shutil.which("ip") and shutil.which("tc"):
+        return
+    if not shutil.which("apt-get"):
+        raise NetworkUnavailable("ip or tc is missing and there is no apt-get to install iproute2")
+    log("installing iproute2 (ip, tc) with apt-get ...")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "iproute2"]):
+        proc = subprocess.run(argv, check=False, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=600)
+        if proc.returncode:
+            raise NetworkUnavailable(f"ip or tc is missing and `{' '.join(argv)}` failed: {_last_line(proc.stderr)}")
+    if not (shutil.which("ip") and shutil.which("tc")):
+        raise NetworkUnavailable("ip or tc is still missing after installing iproute2")
+
+
+def _kill_namespace(ns: str) -> None:
+    """SIGKILL whatever still runs in ``ns``, then delete it (with its end of the veth pair, so the pair)."""
+    for _ in range(50):  # a dying process may still fork
+        pids = [int(p) for p in _run(["ip", "netns", "pids", ns]).stdout.split()]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
+    _run(["ip", "netns", "delete", ns])
+
+
+def remove_stale_namespaces() -> None:
+    """Remove the namespaces that runs killed before their clean-up (their launcher's pid is gone) left."""
+    for line in _run(["ip", "netns", "list"]).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        owner = namespace_owner(name)
+        if owner is None or owner == os.getpid():
+            continue
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            _kill_namespace(name)
+        except PermissionError:  # alive, someone else's
+            pass
+
+
+class SlowNetwork:
+    """One network namespace per rank, the two joined by a veth pair whose ends each send at most ``rate_bps``.
+
+    The pair connects only these two namespaces: no bridge, no route to the rest of the machine (whose firewall
+    never sees the traffic) and no address of the machine to clash with. Rank 0's address is MASTER_ADDR and
+    gloo is bound to the veth end (GLOO_SOCKET_IFNAME), so all traffic between the ranks crosses the limited
+    link. ``close()`` (also at exit) kills what still runs in the namespaces and deletes them.
+    """
+
+    def __init__(self, rate_bps: int, delay_s: float) -> None:
+        self.rate_bps, self.delay_s = rate_bps, delay_s
+        self.namespaces = [f"{NS_PREFIX}{os.getpid()}-r{r}" for r in range(WORLD)]
+        self.addresses = [f"{SUBNET}.{r + 1}" for r in range(WORLD)]
+        self._created: list[str] = []
+
+    def open(self) -> None:
+        """Create the namespaces and the link; NetworkUnavailable (with the reason) when this machine cannot."""
+        ensure_iproute2()
+        remove_stale_namespaces()
+        atexit.register(self.close)
+        try:
+            for ns in self.namespaces:
+                self._must("cannot create network namespaces", ["ip", "netns", "add", ns])
+                self._created.append(ns)
+            a, b = self.namespaces
+            self._must("cannot create a veth pair", ["ip", "link", "add", "name", IFNAME, "netns", a, "type", "veth",
+                                                     "peer", "name", IFNAME, "netns", b])
+            for ns, address in zip(self.namespaces, self.addresses):
+                self._must("cannot configure the link", ["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", IFNAME])
+                self._must("cannot configure the link", ["ip", "-n", ns, "link", "set", IFNAME, "up"])
+                self._must("cannot configure the link", ["ip", "-n", ns, "link", "set", "lo", "up"])
+                for argv in tc_commands(IFNAME, self.rate_bps, self.delay_s):
+                    what = ("cannot delay the link with netem (--delay 0ms runs without it)" if "netem" in argv
+                            else "cannot rate-limit the link with tbf")
+                    self._must(f"tc {what}", ["tc", "-n", ns, *argv])
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        for ns in self._created:
+            _kill_namespace(ns)
+        self._created = []
+
+    def command(self, rank: int) -> list[str]:
+        """The prefix that runs a command in ``rank``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[rank]]
+
+    def env(self) -> dict[str, str]:
+        """What the workers of both ranks add to their environment."""
+        return {"MASTER_ADDR": self.addresses[0], "GLOO_SOCKET_IFNAME": IFNAME}
+
+    def describe(self) -> str:
+        delay = f", {self.delay_s * 1e3:g} ms delay (netem)" if self.delay_s > 0 else ", no added delay"
+        return (f"slow: one network namespace per rank, joined by a veth pair; each direction limited to "
+                f"{self.rate_bps / 1e6:g} Mbit/s (tc tbf){delay}; gloo on {IFNAME}")
+
+    @staticmethod
+    def _must(what: str, argv: list[str]) -> None:
+        proc = _run(argv)
+        if proc.returncode:
+            raise NetworkUnavailable(f"{what} ({' '.join(argv)}: {_last_line(proc.stderr)})")
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Launcher
 
 
@@ -339,8 +612,20 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_pair(spec: dict, workdir: Path, tag: str, timeout: float) -> tuple[list[dict] | None, str | None, float | None]:
-    """Run both ranks of one contender in fresh processes; kill both on timeout or when one fails.
+def _die_with_parent() -> None:
+    """In a worker before exec: SIGKILL it when the launcher dies, even by SIGKILL (Linux prctl; kept by exec).
+
+    Safe as a ``preexec_fn``: the launcher runs no threads.
+    """
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run_pair(spec: dict, workdir: Path, tag: str, timeout: float,
+             network: SlowNetwork | None) -> tuple[list[dict] | None, str | None, float | None]:
+    """Run both ranks of one contender in fresh processes (each in its namespace on a slow ``network``); kill
+    both on timeout or when one fails.
 
     Returns the ranks' results (or None and an error), and the average number of cores other processes on the
     machine kept busy meanwhile (machine-wide busy CPU time minus this launcher's and its workers').
@@ -355,11 +640,16 @@ def run_pair(spec: dict, workdir: Path, tag: str, timeout: float) -> tuple[list[
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                    VARUNA_TIMEOUT=str(int(timeout)))
+        prefix: list[str] = []
+        if network is not None:
+            env.update(network.env())
+            prefix = network.command(rank)
         out = workdir / f"{tag}.rank{rank}.json"
         out.unlink(missing_ok=True)
         logf = open(workdir / f"{tag}.rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
-                                       str(out)], cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen([*prefix, sys.executable, str(Path(__file__).resolve()), "--worker",
+                                       str(spec_path), str(out)], cwd=ROOT, env=env, stdout=logf,
+                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
         logs.append(logf)
         outs.append(out)
     deadline = time.monotonic() + timeout
@@ -430,13 +720,62 @@ def summarize_run(ranks: list[dict]) -> dict:
     }
 
 
+def pip_command() -> str:
+    """How to call this interpreter's pip, for messages."""
+    return str(Path(sys.executable).with_name("pip"))
+
+
+def install_deepspeed() -> str | None:
+    """pip-install DeepSpeed next to this interpreter's torch; returns an error message, or None.
+
+    ``DS_BUILD_OPS=0``: no native ops are built (none is needed on CPU). pip is constrained to the installed
+    torch, so a DeepSpeed that wants another torch fails to install instead of replacing it.
+    """
+    torch_version = importlib.metadata.version("torch")
+    log(f"installing DeepSpeed: {DS_INSTALL.format(pip=pip_command())}, torch kept at {torch_version} ...")
+    with tempfile.NamedTemporaryFile("w", prefix="torch-pin.", suffix=".txt") as pin:
+        pin.write(f"torch=={torch_version}\n")
+        pin.flush()
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-c", pin.name, "deepspeed"],
+                              check=False, env=dict(os.environ, DS_BUILD_OPS="0"), stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True)
+    if proc.returncode:
+        return f"installing DeepSpeed failed (pip exit {proc.returncode}): {_last_line(proc.stderr)}"
+    if importlib.metadata.version("torch") != torch_version:
+        return f"installing DeepSpeed changed torch from {torch_version} to {importlib.metadata.version('torch')}"
+    log(f"installed DeepSpeed {importlib.metadata.version('deepspeed')}")
+    return None
+
+
 def main() -> int:
     args = parse_args()
     if args.worker:
         worker(*args.worker)
         return 0
+    # A terminated launcher still kills its workers and removes its namespaces (the finally blocks and atexit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     names = args.contender_list
+    if DEEPSPEED in names and importlib.util.find_spec("deepspeed") is None:
+        if args.install_deepspeed:
+            error = install_deepspeed()
+            if error:
+                log(f"error: {error}")
+                return 1
+        else:
+            log(f"{DEEPSPEED} skipped: DeepSpeed is not installed (install it with "
+                f"`{DS_INSTALL.format(pip=pip_command())}`, or pass --install-deepspeed)")
+            names = [n for n in names if n != DEEPSPEED]
+            if not names:
+                return 0
+    network = None
+    if args.network == "slow":
+        network = SlowNetwork(args.rate_bps, args.delay_s)
+        try:
+            network.open()
+        except NetworkUnavailable as e:
+            log(f"--network slow skipped: {e}")
+            return 0
     spec_base = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block_size", "microbatch_size",
                                               "microbatches", "steps", "warmup", "lr", "seed", "timeout")}
     if args.profile:
@@ -456,6 +795,9 @@ def main() -> int:
     t_all = time.perf_counter()
     meta["loadavg_before"] = loadavg()
     meta["cpus"] = os.cpu_count()
+    meta["network"] = network.describe() if network else "loopback (127.0.0.1)"
+    if DEEPSPEED in names:
+        meta["deepspeed"] = importlib.metadata.version("deepspeed")
     try:
         for rnd in range(args.rounds):
             order = names if rnd % 2 == 0 else names[::-1]
@@ -465,7 +807,7 @@ def main() -> int:
                 if args.profile:
                     spec["profile"] = str(Path(args.profile).resolve() / f"{tag}-rank{{rank}}.prof")
                 log(f"[{time.perf_counter() - t_all:6.1f}s] round {rnd + 1}/{args.rounds}: {CONTENDERS[name]} ...")
-                ranks, err, others = run_pair(spec, workdir, tag, args.timeout)
+                ranks, err, others = run_pair(spec, workdir, tag, args.timeout, network)
                 if others is not None:
                     meta.setdefault("other_cores", []).append(others)
                     if others > 0.2:
@@ -486,6 +828,8 @@ def main() -> int:
         log("interrupted")
         return 130
     finally:
+        if network is not None:
+            network.close()
         if tmp is not None:
             tmp.cleanup()
     elapsed = time.perf_counter() - t_all
@@ -536,7 +880,7 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
     ratios = []
     for ours, theirs in PAIRS:
         if ours in best and theirs in best:
-            ratios.append({"ours": CONTENDERS[ours], "torch": CONTENDERS[theirs],
+            ratios.append({"ours": CONTENDERS[ours], "peer": CONTENDERS[theirs],
                            "ratio": best[ours]["median_ms"] / best[theirs]["median_ms"]})
     # Same split check: the number of parameters each rank holds must agree between all contenders.
     split = {n: best[n]["stage_params"] for n in best}
@@ -548,6 +892,7 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
             "batch_size": args.microbatch_size * args.microbatches, "steps": args.steps, "warmup": args.warmup,
             "rounds": args.rounds, "lr": args.lr, "seed": args.seed, "optimizer": "SGD",
             "stages": WORLD, "replicas": 1, "backend": "gloo", "threads_per_process": 1,
+            "network": meta["network"], "deepspeed": meta.get("deepspeed"),
             "split": f"stage 0 = embeddings + blocks[0:{args.n_layer // 2}], "
                      f"stage 1 = blocks[{args.n_layer // 2}:{args.n_layer}] + ln_f + head + loss; "
                      f"ours partition [(0, {args.n_layer // 2 + 1}), ({args.n_layer // 2 + 1}, {args.n_layer + 1})]",
@@ -565,8 +910,12 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
             "torch contenders: lm_head has its own weight (initialised to a copy of wte), because torch "
             "pipelining has no cross-stage tied weights; same compute. Ours keeps the tie and all-reduces "
             "its gradient between the stages every step (and all-reduces the loss so every rank returns it).",
-            "step-1 losses should match (same initial values); later losses differ for torch because the "
-            "untied head and embedding get different updates.",
+            "DeepSpeed: PipelineModule over [embeddings, blocks..., ln_f, head] with the same untied head; "
+            "engine.train_batch() = its 1F1B schedule + optimizer step; fp32, no ZeRO; it broadcasts the loss "
+            "to every stage.",
+            "step-1 losses should match (same initial values); later losses differ for torch and DeepSpeed "
+            "because the untied head and embedding get different updates, but torch's and DeepSpeed's agree "
+            "with each other (the same untied model and updates).",
         ],
         "same_split": same_split,
         "stage_params": split,
@@ -580,7 +929,9 @@ def print_report(report: dict) -> None:
     cfg = report["config"]
     lines_before = [
         f"model: char GPT, n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, n_head {cfg['n_head']}, "
-        f"block_size {cfg['block_size']}, {cfg['total_params'] or 0:,} params (tied), torch {cfg['torch']}",
+        f"block_size {cfg['block_size']}, {cfg['total_params'] or 0:,} params (tied), torch {cfg['torch']}"
+        + (f", DeepSpeed {cfg['deepspeed']}" if cfg["deepspeed"] else ""),
+        f"network: {cfg['network']}",
         f"pipeline: {cfg['stages']} stages x 1 replica, gloo, 1 thread/process; {cfg['microbatches']} micro-batches "
         f"of {cfg['microbatch_size']} (batch {cfg['batch_size']}); SGD lr {cfg['lr']}; "
         f"{cfg['warmup']} warm-up + {cfg['steps']} measured steps, {cfg['rounds']} round(s)",
@@ -654,7 +1005,7 @@ def print_report(report: dict) -> None:
             print("note: " + note)
     print(f"total time {report['elapsed_s']:.0f}s")
     for r in report["ratios"]:
-        print(f"{r['ours']} / {r['torch']} = {r['ratio']:.2f}")
+        print(f"{r['ours']} / {r['peer']} = {r['ratio']:.2f}")
     sys.stdout.flush()
 
 
