@@ -64,7 +64,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # for tests.launch.sshhosts
+    sys.path.insert(0, str(ROOT))
 GPT_DIR = ROOT / "examples" / "gpt"
+
+from tests.launch.sshhosts import kill_namespace_processes  # noqa: E402
 
 DEEPSPEED = "deepspeed-1f1b"
 CONTENDERS: dict[str, str] = {
@@ -478,16 +482,7 @@ def ensure_iproute2() -> None:
 
 def _kill_namespace(ns: str) -> None:
     """SIGKILL whatever still runs in ``ns``, then delete it (with its end of the veth pair, so the pair)."""
-    for _ in range(50):  # a dying process may still fork
-        pids = [int(p) for p in _run(["ip", "netns", "pids", ns]).stdout.split()]
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.02)
+    kill_namespace_processes(ns)
     _run(["ip", "netns", "delete", ns])
 
 

@@ -23,12 +23,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpt"))  # the characte
 
 from data import CharDataset  # noqa: E402
 
-from varuna_core import Varuna  # noqa: E402
+from varuna_core import ModelSpec, Varuna  # noqa: E402
 
-__all__ = ["CharDataset", "main"]
+__all__ = ["CharDataset", "main", "model_spec"]
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def model_spec(example: ModuleType, name: str) -> ModelSpec:
+    """``example``'s model at the training script's default size, as a spec for ``varuna profile``."""
+    args = parser("").parse_args([])
+    ds = CharDataset.load()
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return example.build(ds.vocab_size, args)
+
+    def batch(n: int) -> dict:
+        return example.batch(ds, "train", n, args, torch.Generator().manual_seed(n))
+
+    return ModelSpec(build=build, batch=batch, cutpoints="auto", name=name)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--stage-to-rank-map", default=None,
                    help="placement, e.g. '0,2;1,3' (default: one stage per rank; a plan sets it)")
@@ -45,12 +60,12 @@ def parse_args(description: str) -> argparse.Namespace:
     p.add_argument("--plan", default=os.environ.get("VARUNA_PLAN"), help="a plan from `varuna plan`")
     p.add_argument("--ckpt-dir", default=os.environ.get("VARUNA_CKPT_DIR"),
                    help="checkpoint store for a final checkpoint (default: $VARUNA_CKPT_DIR)")
-    return p.parse_args()
+    return p
 
 
 def main(example: ModuleType) -> None:
     """Train ``example.build(vocab_size, args)`` on ``example.batch(ds, split, n, args, generator)``."""
-    args = parse_args(example.__doc__.strip().splitlines()[0])
+    args = parser(example.__doc__.strip().splitlines()[0]).parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     stage_to_rank_map = args.stage_to_rank_map or (None if args.plan else ";".join(map(str, range(world_size))))
     ds = CharDataset.load()

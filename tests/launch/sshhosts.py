@@ -131,7 +131,7 @@ class _Teardown:
         for proc in self.daemons:
             proc.terminate()
         for ns in self.namespaces:  # sshd, and whatever the tests started over SSH
-            _kill_namespace_processes(ns)
+            kill_namespace_processes(ns)
         for proc in self.daemons:
             try:
                 proc.wait(timeout=5)
@@ -194,7 +194,7 @@ def cleanup_stale() -> None:
             _ip("link", "delete", link, check=False)
     for ns in _netns_names():
         if _is_stale(ns):
-            _kill_namespace_processes(ns)
+            kill_namespace_processes(ns)
             _ip("netns", "delete", ns, check=False)
     for entry in NETNS_ETC.glob(f"{PREFIX}*") if NETNS_ETC.is_dir() else []:
         if _is_stale(entry.name):
@@ -365,7 +365,7 @@ def _free_subnet() -> str:
     raise RuntimeError("no free 10.X.0.0/24 subnet for the SSH test hosts")
 
 
-def _kill_namespace_processes(ns: str) -> None:
+def kill_namespace_processes(ns: str) -> None:
     """SIGKILL every process in the namespace until none is left (a dying process may still fork)."""
     for _ in range(50):
         pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
