@@ -1,0 +1,1 @@
+"""Small helpers with no knowledge of training: safe file access (:mod:`.fs`)."""
