@@ -29,6 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from .errors import CheckpointError, VarunaError
+from .util.fs import open_regular
+
 __all__ = ["Sha256", "FileSink", "open_source", "scatter_file", "copy_file", "address"]
 
 BLOCK = 32 * 2**20  # bytes per write of the bounce buffer (a multiple of the alignment)
@@ -194,15 +197,25 @@ class FileSink:
         return self._flushed, sha256
 
 
-def open_source(path: str | os.PathLike) -> int:
-    """A read-only descriptor of ``path``, with ``O_DIRECT`` where the file system allows it."""
+def open_source(path: str | os.PathLike, *, what: str = "checkpoint file",
+                error: type[VarunaError] = CheckpointError) -> int:
+    """A read-only descriptor of the regular file ``path``, with ``O_DIRECT`` where the file system allows it.
+
+    A checkpoint's files are named by the checkpoint itself, so ``path`` is opened as
+    :func:`~varuna_core.util.fs.open_regular` does with ``follow=False``: a link planted under a data file's
+    name could make ``varuna ckpt merge`` copy any readable file, and a FIFO would block the reader forever.
+    ``O_DIRECT`` is set on the descriptor afterwards (``F_SETFL``), where a file system without it says EINVAL.
+
+    Raises:
+        ``error``: missing, unreadable, a link, or not a regular file.
+    """
+    fd = open_regular(path, what=what, follow=False, error=error)
     if hasattr(os, "O_DIRECT"):
         try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return os.open(path, os.O_RDONLY)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError:
+            pass  # no O_DIRECT on this file system: ordinary reads
+    return fd
 
 
 def scatter_file(fd: int, pieces: list[tuple[int, np.ndarray]], digest: Sha256 | None = None) -> None:
@@ -271,17 +284,18 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike, durable: bool = Tr
     """Copy ``src`` to a new file ``dst`` (returns the bytes copied), with ``O_DIRECT`` on both sides where
     allowed: the device moves the bytes to and from one aligned buffer, so the copy costs the CPU next to
     nothing and the page cache nothing (it runs beside training: see ``checkpoint(background=True)``)."""
-    import shutil
-
     fin = open_source(src)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     try:
-        sink = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
-    except OSError as exc:
+        try:
+            sink = os.open(dst, flags | getattr(os, "O_DIRECT", 0), 0o644)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            sink = os.open(dst, flags, 0o644)  # no O_DIRECT here: the same loop, through the page cache
+    except BaseException:
         os.close(fin)
-        if exc.errno != errno.EINVAL:
-            raise
-        shutil.copyfile(src, dst)
-        return os.path.getsize(dst)
+        raise
     buf = _aligned(READ_BLOCK)
     copied = 0
     try:

@@ -17,17 +17,26 @@ writes spread over the replicas, any other layout loads them); only the bytes ar
   is contiguous) and, for the files assigned to this rank (file ``i`` to rank ``i % world``), reads the whole
   file in order and checks its size and sha256 against the manifest in the same pass. A mismatch raises
   :class:`~varuna_core.errors.CheckpointError` naming the file; DCP carries it to every rank.
+
+A checkpoint directory may come from anyone (``varuna ckpt merge`` is run on downloaded ones), so nothing in it is
+trusted: the index is bounded in size and validated entry by entry (types, dtypes, chunk boxes inside their
+tensor, byte ranges inside their file and disjoint) before anything is allocated from it, so that the tensors it
+describes never hold more bytes than the data files; it may name only files of the form ``__<rank>_<i>.distcp``
+that the manifest lists, and those are opened without following links and only if they are regular files.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -55,12 +64,17 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from .artifacts import CHECKPOINT_INDEX
 from .ckpt_io import FileSink, Sha256, open_source, scatter_file
 from .errors import CheckpointError, VarunaError
+from .util.fs import MiB, describe_mode, read_regular
 
 __all__ = ["RawWriter", "RawReader", "read_metadata", "dcp_save", "dcp_load", "METADATA_FILE", "FORMAT",
-           "FileRecord"]
+           "FileRecord", "DATA_FILE", "is_checkpoint_file"]
 
 METADATA_FILE = CHECKPOINT_INDEX
 FORMAT = "varuna-raw/1"
+DATA_FILE = re.compile(r"__[0-9]+_[0-9]+\.distcp")  # what RawWriter names its files (fullmatch)
+INDEX_LIMIT = 256 * MiB  # a real index holds ~100 bytes per tensor
+_MAX_INT = 2**63 - 1  # sizes and offsets are int64 in torch
+_INDEX_HINT = "the checkpoint is corrupt or was not written by varuna; run `varuna ckpt verify` on it"
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.complex64, torch.complex128)}
@@ -87,9 +101,14 @@ class FileRecord:
         return {"path": self.path, "bytes": self.bytes, "sha256": self.sha256}
 
 
+def is_checkpoint_file(name: object) -> bool:
+    """``name`` is a file a checkpoint may hold: the index or a data file, a plain name (no directory)."""
+    return isinstance(name, str) and (name == METADATA_FILE or DATA_FILE.fullmatch(name) is not None)
+
+
 def dcp_save(state: dict[str, torch.Tensor], writer: "RawWriter") -> None:
     """``dcp.save`` over the default process group (or this process alone), quietly; see :func:`_unwrapped`."""
-    _unwrapped(dcp.save, state, storage_writer=writer)
+    _unwrapped("writing", dcp.save, state, storage_writer=writer)
 
 
 def dcp_load(target: dict[str, torch.Tensor], reader: "RawReader", *, no_dist: bool = False) -> None:
@@ -97,12 +116,17 @@ def dcp_load(target: dict[str, torch.Tensor], reader: "RawReader", *, no_dist: b
     ``no_dist``), quietly; see :func:`_unwrapped`. The index is read first, so that a bad one is reported as
     itself rather than as DCP's "metadata is None"."""
     reader.read_metadata()
-    _unwrapped(dcp.load, target, storage_reader=reader, no_dist=no_dist)
+    _unwrapped("reading", dcp.load, target, storage_reader=reader, no_dist=no_dist)
 
 
-def _unwrapped(fn, *args, **kwargs) -> None:
-    """Run a DCP entry point; a :class:`VarunaError` raised on any rank is re-raised as itself on every rank (DCP
-    wraps each rank's failure in a ``CheckpointException``), and DCP's single-process warning is silenced."""
+def _unwrapped(verb: str, fn, *args, **kwargs) -> None:
+    """Run a DCP entry point (``verb``: "writing" or "reading"), DCP's single-process warning silenced.
+
+    DCP wraps each rank's failure in a ``CheckpointException``, a ``BaseException``: it would pass every
+    ``except Exception`` and end as dozens of lines of traceback. It never leaves here: a :class:`VarunaError`
+    raised on any rank is re-raised as itself on every rank, anything else becomes a :class:`CheckpointError`
+    with the first failing rank's message (an interrupt stays an interrupt).
+    """
     import warnings
 
     from torch.distributed.checkpoint.api import CheckpointException
@@ -112,12 +136,48 @@ def _unwrapped(fn, *args, **kwargs) -> None:
             warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized, assuming ... single process"
             fn(*args, **kwargs)
     except CheckpointException as exc:
-        for rank in sorted(exc.failures):
-            failure = exc.failures[rank]
-            inner = failure[0] if isinstance(failure, tuple) else failure
+        failures = _failures(exc, CheckpointException)
+        for _, inner in failures:
+            if not isinstance(inner, Exception):  # KeyboardInterrupt, SystemExit
+                raise inner.with_traceback(None) from None
+        for _, inner in failures:
             if isinstance(inner, VarunaError):
                 raise inner.with_traceback(None) from None
-        raise
+        if not failures:
+            raise CheckpointError(f"{verb} the checkpoint failed: {_first_line(exc)}") from None
+        rank, inner = failures[0]
+        raise _failure(verb, rank, inner) from inner
+
+
+def _failures(exc, kind: type, depth: int = 0) -> list[tuple[int, BaseException]]:
+    """``(rank, exception)`` of every failure in a ``CheckpointException`` (nested ones opened), by rank."""
+    out = []
+    for rank in sorted(exc.failures):
+        failure = exc.failures[rank]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, kind) and depth < 8:
+            out.extend(_failures(inner, kind, depth + 1))
+        elif isinstance(inner, BaseException):
+            out.append((rank, inner))
+    return out
+
+
+def _failure(verb: str, rank: int, exc: BaseException) -> CheckpointError:
+    where = f"{verb} the checkpoint failed on rank {rank}"
+    if isinstance(exc, OSError):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            hint = "free space where the checkpoint is written, or keep fewer checkpoints (keep=...)"
+        else:
+            hint = "check the file system of the checkpoint store"
+        name = f" ({exc.filename})" if exc.filename else ""
+        return CheckpointError(f"{where}: {exc.strerror or _first_line(exc)}{name}", hint=hint)
+    return CheckpointError(f"{where}: {type(exc).__name__}: {_first_line(exc)}",
+                           hint="this is unexpected; set VARUNA_DEBUG=1 for a traceback")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _bytes_view(tensor: torch.Tensor):
@@ -245,38 +305,203 @@ class RawWriter(StorageWriter):
 # Reading the index
 
 
-def read_metadata(directory: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None) -> Metadata:
-    """The DCP :class:`Metadata` of a checkpoint directory, from ``dcp_metadata.json`` (JSON only).
+def read_metadata(directory: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None, *,
+                  listed: Collection[str] | None = None, check_files: bool = True) -> Metadata:
+    """The DCP :class:`Metadata` of a checkpoint directory, from ``dcp_metadata.json`` (JSON only), validated
+    entry by entry (see the module docstring).
 
-    With ``expected`` (``file -> (bytes, sha256)`` from the manifest), the index's own size and hash are checked.
+    Args:
+        expected: ``file -> (bytes, sha256)`` from the manifest: the index's own size and hash are checked, and
+            it may name no other data file.
+        listed: without ``expected``, the file names the manifest lists (the offline tools, which hash the
+            files themselves): the index may name no other data file.
+        check_files: every data file the index names is a regular file (not a link) holding every byte range
+            the index places in it. Only a caller that allocates nothing from the result and reports bad files
+            itself (``varuna ckpt verify``) turns this off.
+
+    Raises:
+        CheckpointError: naming the index (or the data file) and what is wrong with it.
     """
-    path = Path(directory) / METADATA_FILE
+    directory = Path(directory)
+    path = directory / METADATA_FILE
+    allowed = _allowed(directory, expected, listed)
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}",
-                              hint="is this a checkpoint directory written by varuna?") from None
+        data = read_regular(path, INDEX_LIMIT, what="checkpoint index", follow=False, error=CheckpointError)
+    except CheckpointError as exc:
+        raise CheckpointError(exc.message, hint=exc.hint or "is this a checkpoint directory written by varuna?") \
+            from None
     if expected is not None and METADATA_FILE in expected:
         _check(path, len(data), hashlib.sha256(data).hexdigest(), expected[METADATA_FILE])
     try:
-        doc = json.loads(data)
+        doc = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise _invalid(path, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise _invalid(path, "JSON nested too deeply") from None
+    except ValueError as exc:
+        raise _invalid(path, f"not JSON ({exc})") from None
+    return _Index(directory, path, allowed, check_files).parse(doc)
+
+
+def _allowed(directory: Path, expected: dict | None, listed: Collection[str] | None) -> set[str] | None:
+    """The names the manifest lists (None without one), every one of them a checkpoint file's name."""
+    names = set(expected) if expected is not None else None if listed is None else set(listed)
+    for name in sorted(names or (), key=str):
+        if not is_checkpoint_file(name):
+            raise CheckpointError(f"refusing to load {directory}: its manifest lists {_show(name)}, not a checkpoint "
+                                  f"file ({METADATA_FILE} or __<rank>_<i>.distcp in the directory itself)",
+                                  hint=_INDEX_HINT)
+    return names
+
+
+def _invalid(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(f"{path} is not a valid checkpoint index: {problem}", hint=_INDEX_HINT)
+
+
+def _show(value: object) -> str:
+    """A short rendering of a value read from a file, for a message (never a whole list or a huge string)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        text = repr(value[:80] if isinstance(value, str) else value)
+        return text if len(text) <= 80 else text[:77] + "..."
+    return {dict: "an object", list: "a list"}.get(type(value), type(value).__name__)
+
+
+class _Index:
+    """One pass over a parsed index: every field checked where it is read, every error naming the index and
+    the field (``tensors['model/w'].chunks[0].offset``)."""
+
+    def __init__(self, directory: Path, path: Path, allowed: set[str] | None, check_files: bool) -> None:
+        self.directory, self.path, self.allowed, self.check_files = directory, path, allowed, check_files
+        self.ranges: dict[str, list[tuple[int, int, str]]] = {}  # file -> (offset, length, field) of each chunk
+
+    def parse(self, doc: object) -> Metadata:
+        doc = self._get(doc, None, "the index", dict)
         if doc.get("format") != FORMAT:
-            raise CheckpointError(f"{path}: format {doc.get('format')!r}, expected {FORMAT!r}",
+            raise CheckpointError(f"{self.path}: format {_show(doc.get('format'))}, expected {FORMAT!r}",
                                   hint="written by another version of varuna")
+        save_id = doc.get("save_id", "")
+        if not isinstance(save_id, str):
+            raise _invalid(self.path, f"save_id: expected a string, got {_show(save_id)}")
         state: dict[str, TensorStorageMetadata] = {}
         storage: dict[MetadataIndex, Location] = {}
-        for fqn, entry in doc["tensors"].items():
-            chunks = []
-            for i, c in enumerate(entry["chunks"]):
-                offsets = torch.Size(int(x) for x in c["offsets"])
-                chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(int(x) for x in c["sizes"])))
-                storage[MetadataIndex(fqn, offsets, i)] = Location(str(c["file"]), int(c["offset"]), int(c["length"]))
-            state[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=_dtype(entry["dtype"])),
-                                               size=torch.Size(int(x) for x in entry["size"]), chunks=chunks)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path} is not a valid checkpoint index: {type(exc).__name__}: {exc}") from None
-    return Metadata(state_dict_metadata=state, storage_data=storage,
-                    storage_meta=StorageMeta(checkpoint_id=str(directory), save_id=doc.get("save_id", "")))
+        for fqn, entry in self._get(doc, "tensors", "tensors", dict).items():
+            state[fqn] = self._tensor(fqn, entry, storage)
+        self._check_ranges()
+        return Metadata(state_dict_metadata=state, storage_data=storage,
+                        storage_meta=StorageMeta(checkpoint_id=str(self.directory), save_id=save_id))
+
+    def _tensor(self, fqn: str, entry: object, storage: dict[MetadataIndex, Location]) -> TensorStorageMetadata:
+        field = f"tensors[{_show(fqn)}]"
+        entry = self._get(entry, None, field, dict)
+        name = self._get(entry, "dtype", f"{field}.dtype", str)
+        if name not in _DTYPES:
+            raise _invalid(self.path, f"{field}.dtype: unsupported dtype {_show(name)}")
+        dtype = _DTYPES[name]
+        size = self._ints(entry, "size", f"{field}.size")
+        chunks, volume = [], 0
+        for i, chunk in enumerate(self._get(entry, "chunks", f"{field}.chunks", list)):
+            where = f"{field}.chunks[{i}]"
+            chunk = self._get(chunk, None, where, dict)
+            offsets = self._ints(chunk, "offsets", f"{where}.offsets")
+            sizes = self._ints(chunk, "sizes", f"{where}.sizes")
+            if len(offsets) != len(size) or len(sizes) != len(size):
+                raise _invalid(self.path, f"{where}: offsets {offsets} and sizes {sizes} do not have the "
+                                          f"{len(size)} dimension(s) of the tensor")
+            if any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+                raise _invalid(self.path, f"{where}: the box at {offsets} of size {sizes} reaches outside the "
+                                          f"tensor's size {size}")
+            chunk_volume = _product(sizes)
+            volume += chunk_volume
+            location = self._location(chunk, where, chunk_volume * dtype.itemsize)
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            storage[MetadataIndex(fqn, torch.Size(offsets), i)] = location
+        if volume != _product(size):
+            raise _invalid(self.path, f"{field}: its chunks hold {volume:,} elements, its size {size} "
+                                      f"{_product(size):,}")
+        return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(size), chunks=chunks)
+
+    def _location(self, chunk: dict, where: str, nbytes: int) -> Location:
+        name = self._get(chunk, "file", f"{where}.file", str)
+        if not DATA_FILE.fullmatch(name):
+            raise _invalid(self.path, f"{where}.file: {_show(name)} is not a checkpoint data file (__<rank>_<i>.distcp "
+                                      "in the directory itself)")
+        if self.allowed is not None and name not in self.allowed:
+            raise CheckpointError(f"refusing to load {self.directory}: {self.path.name} names {name}, which is not "
+                                  "in the manifest", hint=_INDEX_HINT)
+        offset = self._int(chunk, "offset", f"{where}.offset")
+        length = self._int(chunk, "length", f"{where}.length")
+        if length != nbytes:
+            raise _invalid(self.path, f"{where}.length: {length} bytes for a chunk of {nbytes}")
+        self.ranges.setdefault(name, []).append((offset, length, where))
+        return Location(name, offset, length)
+
+    def _check_ranges(self) -> None:
+        """Chunks do not share bytes, and (``check_files``) lie inside their regular file: so the tensors never
+        hold more bytes than the files."""
+        for name, ranges in sorted(self.ranges.items()):
+            ranges.sort()
+            end, last = 0, None
+            for offset, length, where in ranges:
+                if length and offset < end:
+                    raise _invalid(self.path, f"{where} shares bytes of {name} with {last}")
+                if length and offset + length > end:
+                    end, last = offset + length, where
+            if self.check_files:
+                size = _data_file_size(self.directory, name)
+                if end > size:
+                    raise CheckpointError(f"refusing to load {self.directory}: {self.directory.name}/{name}: truncated "
+                                          f"({size} bytes; the index needs {end})",
+                                          hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
+
+    def _get(self, doc: object, key: str | None, field: str, kind: type):
+        """``doc[key]`` (``doc`` itself with key None), which must be a ``kind``."""
+        if key is not None:
+            if key not in doc:
+                raise _invalid(self.path, f"{field}: missing")
+            doc = doc[key]
+        if not isinstance(doc, kind):
+            raise _invalid(self.path, f"{field}: expected {_KINDS[kind]}, got {_show(doc)}")
+        return doc
+
+    def _int(self, doc: dict, key: str, field: str) -> int:
+        return self._count(self._get(doc, key, field, object), field)
+
+    def _ints(self, doc: dict, key: str, field: str) -> list[int]:
+        return [self._count(v, f"{field}[{i}]") for i, v in enumerate(self._get(doc, key, field, list))]
+
+    def _count(self, value: object, field: str) -> int:
+        if type(value) is not int or not 0 <= value <= _MAX_INT:  # type(): JSON's true is no size
+            raise _invalid(self.path, f"{field}: expected a non-negative integer, got {_show(value)}")
+        return value
+
+
+_KINDS = {dict: "an object", list: "a list", str: "a string", object: "a value"}
+
+
+def _product(values: list[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _data_file_size(directory: Path, name: str) -> int:
+    """The size of the data file ``name`` (``lstat``: a link is refused, not followed)."""
+    path = directory / name
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"refusing to load {directory}: {directory.name}/{name} does not exist (the index "
+                              "places tensors in it)", hint="run `varuna ckpt verify` on it; load an earlier "
+                              "checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"refusing to load {directory}: {directory.name}/{name}: "
+                              f"{exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"refusing to load {directory}: {directory.name}/{name} is "
+                              f"{describe_mode(info.st_mode)}, not a regular file",
+                              hint="a checkpoint's data files are plain files written by varuna")
+    return info.st_size
 
 
 def _check(path: Path, size: int, sha256: str, want: tuple[int, str]) -> None:
@@ -298,15 +523,19 @@ class RawReader(StorageReader):
     Args:
         path: the checkpoint directory.
         expected: ``file -> (bytes, sha256)`` from the manifest; ``None`` reads without checking.
+        listed: without ``expected``, the names the manifest lists: the index may name no other file, and
+            nothing is hashed (the offline tools hash the files themselves).
         rank, world: this process's place among the loading ranks; file ``i`` (in name order) is checked by
             rank ``i % world``, which reads it whole, so every file is hashed exactly once per load.
     """
 
     def __init__(self, path: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None,
-                 rank: int = 0, world: int = 1) -> None:
+                 rank: int = 0, world: int = 1, *, listed: Collection[str] | None = None) -> None:
         super().__init__()
         self.path = Path(path)
         self.expected = expected
+        self.listed = listed
+        self.allowed = _allowed(self.path, expected, listed)
         self.rank, self.world = rank, world
         self.metadata: Metadata | None = None
 
@@ -316,7 +545,7 @@ class RawReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.metadata is None:
-            self.metadata = read_metadata(self.path, self.expected)
+            self.metadata = read_metadata(self.path, self.expected, listed=self.listed)
         return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -345,9 +574,9 @@ class RawReader(StorageReader):
         if self.expected is not None:
             data_files = sorted(f for f in self.expected if f != METADATA_FILE)
             mine = {f for i, f in enumerate(data_files) if i % self.world == self.rank}
-            unknown = sorted(set(per_file) - set(self.expected))
-            if unknown:
-                raise CheckpointError(f"refusing to load {self.path}: {unknown[0]} is not in the manifest")
+        unknown = sorted(set(per_file) - self.allowed) if self.allowed is not None else []
+        if unknown:
+            raise CheckpointError(f"refusing to load {self.path}: {unknown[0]} is not in the manifest")
         for name in sorted(set(per_file) | mine):
             chunks = sorted(per_file.get(name, {}).items(), key=lambda kv: storage[kv[0]].offset)
             self._read_file(name, [(storage[index], reqs) for index, reqs in chunks], planner, check=name in mine)
@@ -359,12 +588,10 @@ class RawReader(StorageReader):
                    check: bool) -> None:
         """Read the stored chunks of one file into their targets; with ``check``, read all of it in order and
         compare its size and sha256 with the manifest's."""
+        if not DATA_FILE.fullmatch(name):
+            raise CheckpointError(f"refusing to load {self.path}: {_show(name)} is not a checkpoint data file")
         path = self.path / name
-        try:
-            fd = open_source(path)
-        except OSError as exc:
-            raise CheckpointError(f"refusing to load {self.path}: {self.path.name}/{name}: "
-                                  f"{exc.strerror or exc}") from None
+        fd = open_source(path)
         digest = Sha256() if check else None
         try:
             size = os.fstat(fd).st_size

@@ -10,6 +10,10 @@ and need no process group, no GPU and no model code. Nothing here prints: every 
 (pydantic models, so the CLI's ``--json`` is ``model_dump_json``) or raises a
 :class:`~varuna_core.errors.VarunaError` with a hint.
 
+The checkpoints looked at may come from anyone, so every file is read bounded, without blocking (a FIFO is
+reported, not waited on) and without following a link; the index may name only files the manifest lists, and
+:mod:`varuna_core.ckpt_storage` validates it before anything is allocated from it.
+
 Conventions:
 
 * A path is either a *store* (the directory holding ``step_<N>/``; the latest **complete** checkpoint is
@@ -26,13 +30,15 @@ import hashlib
 import json
 import os
 import re
+import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
 
 from .artifacts import CHECKPOINT_INDEX as METADATA_FILE
 from .errors import CheckpointError, ConfigError, VarunaError
+from .util.fs import MiB, describe_mode, open_regular, read_regular
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -45,8 +51,10 @@ __all__ = [
 ]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_DIST_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_DIST_RE = re.compile(r"__([0-9]+)_([0-9]+)\.distcp")  # ckpt_storage.DATA_FILE (imported, it would import torch)
 _HASH_CHUNK = 8 * 2**20
+_MANIFEST_LIMIT = 256 * MiB  # a real manifest is a few KB plus ~100 bytes per parameter
+_MARKER_LIMIT = 64  # COMPLETE holds the step number
 _LOAD_CHUNK = 256 * 2**20  # bytes of tensors loaded at once by the finite check
 _MARKERS = ("manifest.json", "COMPLETE")
 KINDS = ("model", "buffer", "optim", "other")
@@ -187,20 +195,48 @@ def _scan(store: Path) -> list[tuple[int, Path, bool]]:
     return sorted(out, key=lambda e: e[0])
 
 
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file())
+def _files(directory: Path) -> list[tuple[Path, int]]:
+    """Every entry below ``directory`` that is not a directory, with its ``lstat`` size: a link counts as itself
+    (never followed, so neither a loop nor a link to elsewhere is entered), a FIFO is listed, not opened."""
+    out, pending = [], [directory]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+                else:
+                    out.append((Path(entry.path), entry.stat(follow_symlinks=False).st_size))
+            except OSError:
+                continue
+    return sorted(out)
+
+
+def _is_checkpoint_file(name: str) -> bool:
+    return name == METADATA_FILE or _DIST_RE.fullmatch(name) is not None
+
+
+def _listed(manifest: Manifest | None) -> set[str] | None:
+    """The files the manifest lists (None without a manifest): the only ones the index may name."""
+    return None if manifest is None else {entry.path for entry in manifest.files}
 
 
 def _read_manifest(directory: Path) -> tuple[Manifest | None, str | None]:
+    """The manifest, or why there is none (as text: a bad manifest is a problem to report, not a crash)."""
     from .artifacts import Manifest
 
     path = directory / "manifest.json"
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None, "missing"
-    except OSError as exc:
-        return None, f"unreadable: {exc.strerror or exc}"
+    try:
+        text = read_regular(path, _MANIFEST_LIMIT, what="manifest", follow=False, error=CheckpointError).decode()
+    except CheckpointError as exc:
+        return None, f"unreadable: {exc.message}"
+    except UnicodeDecodeError as exc:
+        return None, f"invalid: not UTF-8 text ({exc.reason} at byte {exc.start})"
     try:
         return Manifest.model_validate_json(text), None
     except ValidationError as exc:
@@ -234,7 +270,7 @@ def list_checkpoints(store: str | os.PathLike) -> list[CheckpointInfo]:
     for step, path, complete in _scan(root):
         files = _files(path)
         manifest, error = _read_manifest(path)
-        info = CheckpointInfo(step=step, path=str(path), complete=complete, bytes=sum(f.stat().st_size for f in files),
+        info = CheckpointInfo(step=step, path=str(path), complete=complete, bytes=sum(size for _, size in files),
                               files=len(files), manifest_error=error)
         if manifest is not None:
             info.model, info.pp, info.dp = manifest.model, manifest.pp, manifest.dp
@@ -270,18 +306,20 @@ def resolve(path: str | os.PathLike) -> Path:
 # Tensors
 
 
-def _metadata(directory: Path) -> dict[str, Any]:
+def _metadata(directory: Path, listed: set[str] | None, check_files: bool = True) -> dict[str, Any]:
     """DCP tensor entries ``key -> TensorStorageMetadata`` (non-tensor entries dropped)."""
-    return _index(directory)[0]
+    return _index(directory, listed, check_files)[0]
 
 
-def _index(directory: Path) -> tuple[dict[str, Any], dict[str, set[str]]]:
-    """The DCP tensor entries, and ``key -> files holding (chunks of) it`` from the storage index."""
+def _index(directory: Path, listed: set[str] | None,
+           check_files: bool = True) -> tuple[dict[str, Any], dict[str, set[str]]]:
+    """The DCP tensor entries, and ``key -> files holding (chunks of) it`` from the storage index, which may
+    name only ``listed`` files (any data file without a manifest); see :func:`ckpt_storage.read_metadata`."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from .ckpt_storage import read_metadata
 
-    meta = read_metadata(directory)
+    meta = read_metadata(directory, listed=listed, check_files=check_files)
     tensors = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     where: dict[str, set[str]] = {}
     for index, info in (getattr(meta, "storage_data", None) or {}).items():
@@ -314,15 +352,26 @@ def _owner(key: str) -> str | None:
     return None
 
 
-def _load(directory: Path, metas: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Load ``metas``' keys without a process group."""
+def _load(directory: Path, keys: Iterable[str], listed: set[str] | None) -> dict[str, torch.Tensor]:
+    """Load ``keys`` without a process group, from files the manifest lists (``listed``).
+
+    The targets are sized from the index as the reader validates it against the files (not from an earlier
+    read, which the files may have changed since), and zeroed: no byte of memory that no chunk covers reaches
+    the caller, whatever the index says."""
     import torch
 
     from .ckpt_storage import RawReader, dcp_load
 
-    target = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metas.items()}
-    if target:
-        dcp_load(target, RawReader(directory), no_dist=True)
+    keys = list(keys)
+    if not keys:
+        return {}
+    reader = RawReader(directory, listed=listed)
+    metas = reader.read_metadata().state_dict_metadata
+    missing = [k for k in keys if k not in metas]
+    if missing:
+        raise CheckpointError(f"{directory}: {missing[0]} is no longer in the tensor index (changed meanwhile?)")
+    target = {k: torch.zeros(tuple(metas[k].size), dtype=metas[k].properties.dtype) for k in keys}
+    dcp_load(target, reader, no_dist=True)
     return target
 
 
@@ -365,12 +414,13 @@ def inspect(path: str | os.PathLike) -> InspectReport:
 
     Raises:
         ConfigError: the path is not a checkpoint or a store with one.
-        CheckpointError: the tensor index (``dcp_metadata.json``) is missing or unreadable.
+        CheckpointError: the tensor index (``dcp_metadata.json``) is missing, unreadable or invalid, or names a
+            data file the manifest does not list or that is not a plain file holding its chunks.
     """
     directory = resolve(path)
     manifest, error = _read_manifest(directory)
     try:
-        metas, where = _index(directory)
+        metas, where = _index(directory, _listed(manifest))
     except Exception as exc:  # noqa: BLE001 - missing file, bad JSON, ...
         raise CheckpointError(f"{directory}: cannot read the tensor index ({METADATA_FILE}): {_short(exc)}",
                           hint="the checkpoint is incomplete or corrupt; `varuna ckpt verify` says more") from None
@@ -402,7 +452,7 @@ def inspect(path: str | os.PathLike) -> InspectReport:
         pp=manifest.pp if manifest else None, dp=manifest.dp if manifest else None,
         stage_to_rank_map=manifest.stage_to_rank_map if manifest else None,
         partition=manifest.partition if manifest else None, tied=manifest.tied if manifest else [],
-        file_bytes=sum(f.stat().st_size for f in files), tensors=tensors, totals=totals,
+        file_bytes=sum(size for _, size in files), tensors=tensors, totals=totals,
         total_bytes=sum(t.bytes for t in tensors), by_stage=by_stage,
         by_prefix=sorted(prefixes.values(), key=lambda g: (g.name == "(other)", -g.bytes, g.name)), notes=notes)
 
@@ -421,7 +471,7 @@ def _by_stage(tensors: list[TensorInfo], where: dict[str, set[str]],
             continue
         owners = set()
         for rel in where.get(t.key, ()):
-            match = _DIST_RE.match(Path(rel).name)
+            match = _DIST_RE.fullmatch(Path(rel).name)
             owners.add(stage_of_rank.get(int(match.group(1))) if match else None)
         if len(owners) != 1 or None in owners:
             return None, (f"bytes per stage not shown: {t.key} is not in exactly one stage's files; the manifest's "
@@ -441,6 +491,8 @@ def _dtype(dtype: Any) -> str:
 
 
 def _short(exc: BaseException) -> str:
+    if isinstance(exc, VarunaError):
+        return exc.message
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
@@ -449,12 +501,36 @@ def _short(exc: BaseException) -> str:
 # verify
 
 
-def _sha256(path: Path) -> str:
+def _hash(path: Path) -> tuple[int, str]:
+    """Size and sha256 of the regular file ``path`` (not a link), as read from one descriptor."""
+    fd = open_regular(path, what="checkpoint file", follow=False, error=CheckpointError)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
+    size = 0
+    try:
+        while chunk := os.read(fd, _HASH_CHUNK):
             h.update(chunk)
-    return h.hexdigest()
+            size += len(chunk)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    return size, h.hexdigest()
+
+
+def _check_marker(directory: Path, step: int | None) -> str | None:
+    """What is wrong with the COMPLETE marker (None: nothing). Read at most a few bytes, never waited on."""
+    name = directory.name
+    path = directory / "COMPLETE"
+    if not os.path.lexists(path):
+        return f"{name}: incomplete (no COMPLETE marker: its writer stopped before finishing)"
+    try:
+        data = read_regular(path, _MARKER_LIMIT, what="COMPLETE marker", follow=False, error=CheckpointError)
+    except CheckpointError as exc:
+        return f"{name}/COMPLETE: {exc.message}"
+    text = data.decode(errors="replace").strip()
+    if step is not None and text and text != str(step):
+        return f"{name}/COMPLETE: says step {text!r}, but the directory is {name}"
+    return None
 
 
 def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = _LOAD_CHUNK) -> VerifyReport:
@@ -462,9 +538,11 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
 
     1. the ``COMPLETE`` marker exists (and names the directory's step);
     2. ``manifest.json`` exists and is a valid manifest (without it the checks stop here);
-    3. every file of the manifest exists with its recorded size and sha256;
+    3. every file of the manifest is named ``dcp_metadata.json`` or ``__<rank>_<i>.distcp`` and is a plain file
+       (not a link, FIFO or directory) with its recorded size and sha256;
     4. no unlisted DCP data file (``*.distcp``, ``dcp_metadata.json``) is present (other unlisted files are noted);
-    5. every ``Manifest.parameters`` key is in the DCP index with the recorded shape and dtype;
+    5. the DCP index is valid and names only files the manifest lists, and every ``Manifest.parameters`` key is
+       in it with the recorded shape and dtype;
     6. in each tied group, any non-canonical name stored as ``model/<name>`` equals the canonical exactly;
     7. with ``finite=True``: every floating ``model/*`` and ``optim/*`` tensor is finite (loaded
        ``chunk_bytes`` at a time; buffers are skipped, as masks legitimately hold ``-inf``).
@@ -477,13 +555,9 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
     report = VerifyReport(path=str(directory), step=step, finite_checked=finite)
     problems = report.problems
 
-    complete = directory / "COMPLETE"
-    if not complete.is_file():
-        problems.append(f"{name}: incomplete (no COMPLETE marker: its writer stopped before finishing)")
-    elif step is not None:
-        text = complete.read_text(errors="replace").strip()
-        if text and text != str(step):
-            problems.append(f"{name}/COMPLETE: says step {text!r}, but the directory is {name}")
+    marker = _check_marker(directory, step)
+    if marker:
+        problems.append(marker)
 
     manifest, error = _read_manifest(directory)
     if manifest is None:
@@ -494,37 +568,29 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
     elif manifest.step != step:
         problems.append(f"{name}/manifest.json: records step {manifest.step}, but the directory is {name}")
 
-    listed = set()
+    listed: set[str] = set()
+    found = len(problems)
     for entry in manifest.files:
-        rel = Path(entry.path)
-        listed.add(rel.as_posix())
-        label = f"{name}/{entry.path}"
-        if rel.is_absolute() or ".." in rel.parts:
-            problems.append(f"{label}: path outside the checkpoint directory")
+        if not _is_checkpoint_file(entry.path):
+            problems.append(f"{name}/manifest.json: lists {entry.path!r}, not a checkpoint file "
+                            f"({METADATA_FILE} or __<rank>_<i>.distcp in the directory itself)")
             continue
-        file = directory / rel
-        if not file.is_file():
-            problems.append(f"{label}: missing")
-            continue
-        size = file.stat().st_size
-        report.files_checked += 1
-        if size != entry.bytes:
-            problems.append(f"{label}: size {size} bytes, the manifest records {entry.bytes} (truncated or changed)")
-            continue
-        report.bytes_hashed += size
-        if _sha256(file) != entry.sha256:
-            problems.append(f"{label}: sha256 mismatch (file changed or corrupt)")
-    for file in _files(directory):
+        listed.add(entry.path)
+        problem = _check_file(directory / entry.path, entry, report)
+        if problem:
+            problems.append(f"{name}/{entry.path}: {problem}")
+    for file, _ in _files(directory):
         rel = file.relative_to(directory).as_posix()
         if rel in listed or rel in _MARKERS:
             continue
-        if _DIST_RE.match(file.name) or file.name == METADATA_FILE or file.suffix == ".distcp":
+        if _DIST_RE.fullmatch(file.name) or file.name == METADATA_FILE or file.suffix == ".distcp":
             problems.append(f"{name}/{rel}: data file not listed in the manifest (left by another write?)")
         else:
             report.notes.append(f"{name}/{rel}: not listed in the manifest (not a checkpoint data file; ignored)")
+    files_ok = len(problems) == found
 
-    try:
-        metas = _metadata(directory)
+    try:  # a file already reported bad is not reported again as the index's problem
+        metas = _metadata(directory, listed, check_files=files_ok)
     except Exception as exc:  # noqa: BLE001
         problems.append(f"{name}/{METADATA_FILE}: cannot read the tensor index: {_short(exc)}")
         return report
@@ -555,7 +621,7 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
         if not copies:
             continue
         try:
-            loaded = _load(directory, {k: metas[k] for k in (canonical, *copies)})
+            loaded = _load(directory, (canonical, *copies), listed)
         except Exception as exc:  # noqa: BLE001
             problems.append(f"{name}: cannot load tied group {group}: {_short(exc)}")
             continue
@@ -571,7 +637,7 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
                 and (m.properties.dtype.is_floating_point or m.properties.dtype.is_complex)]
         for chunk in _chunks(keys, metas, chunk_bytes):
             try:
-                loaded = _load(directory, {k: metas[k] for k in chunk})
+                loaded = _load(directory, chunk, listed)
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"{name}: cannot load {len(chunk)} tensor(s) from {chunk[0]}: {_short(exc)}")
                 continue
@@ -583,6 +649,31 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
                                     f"{loaded[key].numel()}")
             del loaded
     return report
+
+
+def _check_file(path: Path, entry: Any, report: VerifyReport) -> str | None:
+    """What is wrong with one file the manifest lists (None: it has the recorded size and sha256). ``lstat``
+    first: a link or a FIFO is reported as what it is, never followed or opened."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"unreadable: {exc.strerror or exc}"
+    if not stat.S_ISREG(info.st_mode):
+        return f"{describe_mode(info.st_mode)}, not a plain file"
+    report.files_checked += 1
+    size = info.st_size
+    if size != entry.bytes:
+        return f"size {size} bytes, the manifest records {entry.bytes} (truncated or changed)"
+    try:
+        size, sha256 = _hash(path)
+    except CheckpointError as exc:
+        return exc.message
+    report.bytes_hashed += size
+    if size != entry.bytes or sha256 != entry.sha256:
+        return "sha256 mismatch (file changed or corrupt)"
+    return None
 
 
 def _differs(a: torch.Tensor, b: torch.Tensor) -> str | None:
@@ -648,10 +739,10 @@ def merge(path: str | os.PathLike, output: str | os.PathLike, *, optimizer: bool
                           hint="`varuna ckpt verify` lists every problem; merge an earlier checkpoint "
                                "(`varuna ckpt list`), or pass --force to merge what is there")
     manifest, _ = _read_manifest(directory)
+    listed = _listed(manifest)
     try:
-        metas = _metadata(directory)
-        model_keys = {k: m for k, m in metas.items() if _kind(k) in ("model", "buffer")}
-        tensors = _load(directory, model_keys)
+        metas = _metadata(directory, listed)
+        tensors = _load(directory, [k for k in metas if _kind(k) in ("model", "buffer")], listed)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"cannot read the tensors of {directory}: {_short(exc)}",
                           hint="`varuna ckpt verify` says what is wrong with it") from None
@@ -675,9 +766,8 @@ def merge(path: str | os.PathLike, output: str | os.PathLike, *, optimizer: bool
             "tied": json.dumps(manifest.tied if manifest else [])}
     opt_path, opt_state = None, {}
     if optimizer:
-        opt_keys = {k: m for k, m in metas.items() if _kind(k) == "optim"}
         try:
-            loaded = _load(directory, opt_keys)
+            loaded = _load(directory, [k for k in metas if _kind(k) == "optim"], listed)
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"cannot read the optimizer state of {directory}: {_short(exc)}",
                               hint="`varuna ckpt verify` says what is wrong with it") from None

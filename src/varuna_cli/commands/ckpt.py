@@ -2,6 +2,10 @@
 
 ``DIR`` is a checkpoint store (the latest complete ``step_N`` is used) or one ``DIR/step_N``. Tables go to
 stdout; ``--json`` prints one JSON document instead. ``verify`` exits 1 naming the first problem.
+
+Everything shown that comes from the checkpoint or its path (names, manifest fields, problems) passes through
+:func:`_plain` before it meets Rich: a ``[/]`` in a directory name or a model name is text, not markup (it would
+crash the command), and emoji codes are not expanded.
 """
 
 from __future__ import annotations
@@ -21,6 +25,19 @@ app = typer.Typer(
 _Json = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
 
 
+def _plain(value: object) -> str:
+    """``value`` as Rich markup that shows it literally."""
+    from rich.markup import escape
+
+    return escape(str(value))
+
+
+def _console(**kwargs):
+    from rich.console import Console
+
+    return Console(emoji=False, **kwargs)
+
+
 @app.command("list")
 def list_(
     store: Annotated[Path, typer.Argument(metavar="DIR", help="A checkpoint store (holding step_N/).")],
@@ -29,7 +46,6 @@ def list_(
     """Every checkpoint of a store, incomplete ones included."""
     import json
 
-    from rich.console import Console
     from rich.table import Table
 
     from varuna_core.ckpt_tools import list_checkpoints
@@ -42,14 +58,14 @@ def list_(
                "checkpoints": [i.model_dump(mode="json") for i in infos]}
         typer.echo(json.dumps(doc, indent=2))
         return
-    err = Console(stderr=True)
+    err = _console(stderr=True)
     if not infos:
-        err.print(f"no checkpoints in {store}")
+        err.print(f"no checkpoints in {_plain(store)}")
         return
     models = sorted({i.model for i in infos if i.model})
-    title = f"{store}: {len(infos)} checkpoint{'s' if len(infos) != 1 else ''}"
+    title = f"{_plain(store)}: {len(infos)} checkpoint{'s' if len(infos) != 1 else ''}"
     if len(models) == 1:
-        title += f" of {models[0]}"
+        title += f" of {_plain(models[0])}"
     table = Table(title=title, title_justify="left")
     for col, just in (("step", "right"), ("status", "left"), ("size", "right"), ("pp×dp", "right"),
                       ("rank map", "left"), ("plan", "left"), ("created", "left")):
@@ -65,12 +81,12 @@ def list_(
             status = "[yellow]incomplete[/yellow]"
         world = f"{i.pp}×{i.dp}" if i.pp is not None else "-"
         created = (i.created or "-").replace("T", " ")[:16]
-        row = [str(i.step), status, format_bytes(i.bytes), world, i.stage_to_rank_map or "-",
-               "yes" if i.plan else "no", created]
+        row = [str(i.step), status, format_bytes(i.bytes), world, _plain(i.stage_to_rank_map or "-"),
+               "yes" if i.plan else "no", _plain(created)]
         if len(models) > 1:
-            row.append(i.model or "-")
+            row.append(_plain(i.model or "-"))
         table.add_row(*row, style="bold" if i.step == latest else None)
-    Console().print(table)
+    _console().print(table)
 
 
 @app.command("inspect")
@@ -80,7 +96,6 @@ def inspect(
     as_json: _Json = False,
 ) -> None:
     """Every tensor of a checkpoint (shape, dtype, bytes) and the bytes by kind, stage and module."""
-    from rich.console import Console
     from rich.table import Table
 
     from varuna_core.ckpt_tools import KINDS
@@ -91,13 +106,13 @@ def inspect(
     if as_json:
         typer.echo(rep.model_dump_json(indent=2))
         return
-    out = Console()
+    out = _console()
     status = "complete" if rep.complete else "[yellow]incomplete[/yellow]"
-    world = f", pp={rep.pp} dp={rep.dp} map {rep.stage_to_rank_map!r}" if rep.pp is not None else ""
-    out.print(f"{rep.path}: step {rep.step}, {status}, {rep.model or 'unknown model'}{world}; "
+    world = f", pp={rep.pp} dp={rep.dp} map {_plain(repr(rep.stage_to_rank_map))}" if rep.pp is not None else ""
+    out.print(f"{_plain(rep.path)}: step {rep.step}, {status}, {_plain(rep.model or 'unknown model')}{world}; "
               f"{len(rep.tensors)} tensors, {format_bytes(rep.total_bytes)} ({format_bytes(rep.file_bytes)} on disk)")
     if rep.tied:
-        out.print("tied: " + "; ".join(" = ".join(g) for g in rep.tied))
+        out.print("tied: " + "; ".join(" = ".join(_plain(n) for n in g) for g in rep.tied))
 
     kinds = Table(title="by kind", title_justify="left")
     for col in ("kind", "tensors", "bytes"):
@@ -114,7 +129,8 @@ def inspect(
         for col in ("", "tensors", "model", "buffer", "optim", "other", "total"):
             table.add_column(col, justify="left" if not col else "right", no_wrap=True)
         for g in groups:
-            table.add_row(g.name, str(g.tensors), *(format_bytes(getattr(g, k)) for k in KINDS), format_bytes(g.bytes))
+            table.add_row(_plain(g.name), str(g.tensors), *(format_bytes(getattr(g, k)) for k in KINDS),
+                          format_bytes(g.bytes))
         out.print(table)
 
     tensors = Table(title="tensors", title_justify="left")
@@ -122,13 +138,13 @@ def inspect(
         tensors.add_column(col, justify=just, overflow="fold")
     shown = rep.tensors if max_keys <= 0 else rep.tensors[:max_keys]
     for t in shown:
-        tensors.add_row(t.key, "×".join(map(str, t.shape)) or "scalar", t.dtype.removeprefix("torch."),
-                        format_bytes(t.bytes))
+        tensors.add_row(_plain(t.key), "×".join(map(str, t.shape)) or "scalar",
+                        _plain(t.dtype.removeprefix("torch.")), format_bytes(t.bytes))
     out.print(tensors)
     if len(shown) < len(rep.tensors):
         out.print(f"... {len(rep.tensors) - len(shown)} more tensors (--max-keys 0 shows all)")
     for note in rep.notes:
-        out.print(f"[dim]note: {note}[/dim]")
+        out.print(f"[dim]note: {_plain(note)}[/dim]")
 
 
 @app.command("verify")
@@ -184,23 +200,21 @@ def merge(
     Keys are the model's own names (tied weights under every name), so
     `model.load_state_dict(safetensors.torch.load_file(FILE), strict=True)` works.
     """
-    from rich.console import Console
-
     from varuna_core.ckpt_tools import merge as merge_checkpoint
     from varuna_core.units import format_bytes
 
     rep = merge_checkpoint(path, output, optimizer=optimizer, force=force)
-    err = Console(stderr=True)
+    err = _console(stderr=True)
     for problem in rep.problems:
-        err.print(f"[yellow]warning[/yellow]: merged despite: {problem}", highlight=False)
+        err.print(f"[yellow]warning[/yellow]: merged despite: {_plain(problem)}", highlight=False)
     if as_json:
         typer.echo(rep.model_dump_json(indent=2))
         return
-    out = Console(highlight=False)
-    out.print(f"wrote {rep.output}: {rep.tensors} tensors, {format_bytes(rep.bytes)} from {rep.source} "
-              f"(step {rep.step})")
+    out = _console(highlight=False)
+    out.print(f"wrote {_plain(rep.output)}: {rep.tensors} tensors, {format_bytes(rep.bytes)} from "
+              f"{_plain(rep.source)} (step {rep.step})")
     if rep.tied_copies:
-        out.print("tied copies: " + ", ".join(rep.tied_copies))
+        out.print("tied copies: " + ", ".join(_plain(c) for c in rep.tied_copies))
     if rep.optimizer_output:
-        out.print(f"wrote {rep.optimizer_output}: {rep.optimizer_tensors} tensors, "
+        out.print(f"wrote {_plain(rep.optimizer_output)}: {rep.optimizer_tensors} tensors, "
                   f"{format_bytes(rep.optimizer_bytes)} (keys <parameter>/<state>)")
