@@ -2,7 +2,11 @@
 
 :func:`main` turns failures into the exit codes of the toolkit: 0 ok, 1 failed, 2 bad usage or input,
 130 interrupted. A :class:`~varuna_core.errors.VarunaError` becomes ``error: <message>`` (and
-``hint: <hint>``) on stderr; a traceback is shown only with ``VARUNA_DEBUG=1``.
+``hint: <hint>``) on stderr, and so does a usage error (an unknown option, ``--gpus abc``); a traceback is shown
+only with ``VARUNA_DEBUG=1``. Anything else that escapes a command, even a ``BaseException`` that is not an
+``Exception`` (torch's distributed-checkpoint errors are), is one ``error:`` line and exit code 1. The line is
+always one line of printable text: messages quote file contents, host names and paths, which may hold newlines
+or terminal escapes.
 
 Subcommands live in :mod:`varuna_cli.commands`, one module each, and import torch only when they run, so
 ``varuna --help`` and ``varuna --version`` stay fast.
@@ -23,6 +27,11 @@ from varuna_cli.commands import launch as launch_command
 from varuna_cli.commands import plan as plan_command
 from varuna_cli.commands import profile as profile_command
 from varuna_core.errors import VarunaError
+
+try:  # recent typer releases carry their own copy of click
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click.exceptions import ClickException, UsageError
 
 __all__ = ["app", "main", "version"]
 
@@ -78,9 +87,47 @@ def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
+MAX_LINE = 2000  # characters of one error or hint line
+
+
+def _one_line(text: str) -> str:
+    """``text`` as one printable line: line breaks become spaces, other control characters escapes, and a very
+    long text is cut."""
+    flat = " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in flat)
+    return flat if len(flat) <= MAX_LINE else flat[: MAX_LINE - 3] + "..."
+
+
 def _say(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def _fail(message: str, hint: str | None, code: int) -> None:
+    _say(f"error: {_one_line(message)}")
+    if hint:
+        _say(f"hint: {_one_line(hint)}")
+    sys.exit(code)
+
+
+def _report(err: BaseException) -> None:
+    """Exit with the one-line report of ``err`` and its exit code."""
+    if isinstance(err, UsageError):  # a mistake on the command line: what is wrong, and where the help is
+        if type(err).__name__ == "NoArgsIsHelpError":  # `varuna` alone: the help was printed
+            sys.exit(err.exit_code)
+        command = (err.ctx.command_path if err.ctx is not None else "varuna").replace("plan-show", "plan show")
+        _fail(err.format_message(), f"see `{command} --help`", 2)
+    if isinstance(err, KeyboardInterrupt):  # Typer maps interrupts inside a command to 130; this catches the rest
+        _fail("interrupted", None, 130)
+    if isinstance(err, typer.Abort):
+        _fail("aborted", None, 1)
+    if isinstance(err, ClickException):
+        _fail(err.format_message(), None, err.exit_code)
+    if isinstance(err, VarunaError):
+        _fail(err.message, err.hint, err.exit_code)
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    _fail(f"{type(err).__name__}" + (f": {detail}" if detail else ""),
+          f"this is unexpected; set {DEBUG_ENV}=1 for a traceback", 1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,26 +136,14 @@ def main(argv: list[str] | None = None) -> None:
     if args[:2] == ["plan", "show"]:  # `varuna plan show PLAN`: a verb of its own under `plan`
         args = ["plan-show", *args[2:]]
     try:
-        app(args=args, prog_name="varuna")
-    except KeyboardInterrupt:  # Typer maps interrupts inside a command to 130; this catches the rest
-        if _debug():
+        code = app(args=args, prog_name="varuna", standalone_mode=False)
+    except SystemExit:
+        raise
+    except BaseException as err:  # noqa: BLE001 - the last line of defence: one line, not a traceback
+        if _debug() and not isinstance(err, UsageError):
             raise
-        _say("error: interrupted")
-        sys.exit(130)
-    except VarunaError as err:
-        if _debug():
-            raise
-        _say(f"error: {err.message}")
-        if err.hint:
-            _say(f"hint: {err.hint}")
-        sys.exit(err.exit_code)
-    except Exception as err:  # noqa: BLE001 - the last line of defence: one line, not a traceback
-        if _debug():
-            raise
-        detail = str(err).strip()
-        _say(f"error: {type(err).__name__}" + (f": {detail}" if detail else ""))
-        _say(f"hint: this is unexpected; set {DEBUG_ENV}=1 for a traceback")
-        sys.exit(1)
+        _report(err)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 :func:`collect` returns a flat ``{key: text}`` mapping; it prints nothing. Keys are stable snake_case names
 (environment variables appear as ``env.NAME``), so the same mapping serves the human rendering and ``--json``.
 torch is imported inside :func:`collect`, never at module import.
+
+The output is meant to be pasted into public bug reports, so the value of every variable whose name looks
+secret (:data:`SECRET_MARKERS`, e.g. ``VARUNA_JOB_TOKEN``, which authenticates a running job's control messages)
+is replaced by :data:`REDACTED`: whether it is set is useful, its value never is.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import platform
 import sys
 from importlib import metadata
 
-__all__ = ["collect", "RELEVANT_ENV_VARS", "RELEVANT_ENV_PREFIXES"]
+__all__ = ["collect", "RELEVANT_ENV_VARS", "RELEVANT_ENV_PREFIXES", "SECRET_MARKERS", "REDACTED", "is_secret"]
 
 # Environment variables that change how a distributed job starts or communicates.
 RELEVANT_ENV_VARS = (
@@ -27,8 +31,16 @@ RELEVANT_ENV_VARS = (
     "CUDA_VISIBLE_DEVICES",
 )
 RELEVANT_ENV_PREFIXES = ("VARUNA_",)
+SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL")
+REDACTED = "<redacted>"
 
 _UNKNOWN = "not installed"
+
+
+def is_secret(name: str) -> bool:
+    """Whether the environment variable ``name`` may hold a secret (by its name, case-insensitively)."""
+    upper = name.upper()
+    return any(marker in upper for marker in SECRET_MARKERS)
 
 
 def _dist_version(name: str) -> str:
@@ -115,5 +127,5 @@ def collect() -> dict[str, str]:
         info[name] = _dist_version(name)
     for name in sorted(os.environ):
         if name in RELEVANT_ENV_VARS or name.startswith(RELEVANT_ENV_PREFIXES):
-            info[f"env.{name}"] = os.environ[name]
+            info[f"env.{name}"] = REDACTED if is_secret(name) else os.environ[name]
     return info

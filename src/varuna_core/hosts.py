@@ -9,6 +9,10 @@ One host per line::
 
 A line is ``[user@]host[:port] [slots=N]``. The file is re-read while a job runs (``--morph``): a line that does
 not parse is reported with its number and text, and never guessed at.
+
+Every name ends up on an ``ssh`` command line, so a user or host name may not start with ``-`` (ssh would read
+it as an option: ``-oProxyCommand=...`` runs a command), ports are 1-65535, ``slots`` is at most
+:data:`MAX_SLOTS` and the file at most :data:`MAX_HOSTS_BYTES` of UTF-8 text.
 """
 
 from __future__ import annotations
@@ -20,10 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
+from .util.fs import MiB, read_regular, read_text
 
-__all__ = ["Host", "parse_hosts", "read_hosts", "HostsWatcher", "is_loopback"]
+__all__ = ["Host", "parse_hosts", "read_hosts", "HostsWatcher", "is_loopback", "MAX_SLOTS", "MAX_HOSTS_BYTES"]
 
-_HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._-]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(?P<port>\d+))?$")
+MAX_SLOTS = 4096  # workers on one host
+MAX_HOSTS_BYTES = MiB
+
+_HOST_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9._][A-Za-z0-9._-]{0,63})@)?"
+                      r"(?P<host>\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9._][A-Za-z0-9._-]{0,252})(?::(?P<port>[0-9]{1,5}))?$")
+_SLOTS_RE = re.compile(r"slots=(?P<n>[0-9]{1,9})")
 
 
 @dataclass(frozen=True)
@@ -62,15 +72,15 @@ def parse_hosts(text: str, default_slots: int, source: str = "hosts file") -> li
         fields = line.split()
         match = _HOST_RE.match(fields[0])
         slots = default_slots
-        problem = None if match else f"{fields[0]!r} is not a host name or address"
+        problem = _problem(fields[0], match)
         for extra in fields[1:]:
-            key, _, value = extra.partition("=")
-            if key == "slots" and value.isdigit() and int(value) >= 1:
-                slots = int(value)
+            given = _SLOTS_RE.fullmatch(extra)
+            if given and 1 <= int(given["n"]) <= MAX_SLOTS:
+                slots = int(given["n"])
             else:
-                problem = problem or f"unknown field {extra!r} (only slots=N with N >= 1)"
+                problem = problem or f"unknown field {_shown(extra)} (only slots=N with 1 <= N <= {MAX_SLOTS})"
         if problem:
-            raise ConfigError(f"{source} line {number}: {problem}: {raw.strip()!r}",
+            raise ConfigError(f"{source} line {number}: {problem}: {_shown(raw.strip())}",
                               hint="each line is [user@]host[:port] [slots=N]; # starts a comment")
         host = Host(address=match.group("host").strip("[]"), slots=slots, user=match.group("user"),
                     port=int(match.group("port")) if match.group("port") else None)
@@ -83,14 +93,31 @@ def parse_hosts(text: str, default_slots: int, source: str = "hosts file") -> li
     return hosts
 
 
+def _shown(text: str, limit: int = 120) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
+
+
+def _problem(word: str, match: re.Match | None) -> str | None:
+    """What is wrong with the ``[user@]host[:port]`` of a line, if anything."""
+    if match is None:
+        if word.startswith("-") or "@-" in word:
+            return f"{_shown(word)} starts with '-', which ssh would read as an option"
+        return f"{_shown(word)} is not a host name or address"
+    if match.group("port") is not None and not 1 <= int(match.group("port")) <= 65535:
+        return f"port {match.group('port')} is not in 1-65535"
+    return None
+
+
+def _read_text(path: Path) -> str:
+    return read_text(path, MAX_HOSTS_BYTES, what="hosts file")
+
+
 def read_hosts(path: str | os.PathLike, default_slots: int) -> list[Host]:
-    """:func:`parse_hosts` of a file; an unreadable or empty file is a :class:`ConfigError` too."""
+    """:func:`parse_hosts` of a file; an unreadable, oversized, non-UTF-8 or empty file is a
+    :class:`ConfigError` too."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read hosts file {p}: {exc.strerror or exc}") from None
-    hosts = parse_hosts(text, default_slots, source=str(p))
+    hosts = parse_hosts(_read_text(p), default_slots, source=str(p))
     if not hosts:
         raise ConfigError(f"hosts file {p} lists no host", hint="one host per line: [user@]host[:port] [slots=N]")
     return hosts
@@ -105,10 +132,14 @@ class HostsWatcher:
         self._digest = self._read_digest()
 
     def _read_digest(self) -> str | None:
-        try:
-            return hashlib.sha256(self.path.read_bytes()).hexdigest()
-        except OSError:
+        """The digest of the content; None while the file is missing (an editor replacing it). A file that
+        cannot be read (a FIFO, a directory, too large) counts as a change, which :meth:`poll` then reports."""
+        if not os.path.lexists(self.path):
             return None
+        try:
+            return hashlib.sha256(read_regular(self.path, MAX_HOSTS_BYTES, what="hosts file")).hexdigest()
+        except ConfigError as exc:
+            return f"unreadable: {exc.message}"
 
     def poll(self) -> list[Host] | None:
         """The new host list if the file changed since the last poll, else None.

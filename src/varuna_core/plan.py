@@ -26,7 +26,7 @@ import math
 from typing import Sequence
 
 from . import _native_shim
-from .artifacts import Candidate, CommCurve, Plan, Prediction, Profile, SegmentMeasure, StagePlan
+from .artifacts import MAX_MICROBATCHES, Candidate, CommCurve, Plan, Prediction, Profile, SegmentMeasure, StagePlan
 from .errors import ConfigError, VarunaError
 from .partition import Partition
 from .schedule import SCHEDULE_NAMES, generate
@@ -503,7 +503,8 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
             dp = req.batch_size
             clamped.add(pp)
         for mbs in req.microbatch_sizes or profile.microbatch_sizes:
-            if mbs > math.ceil(req.batch_size / dp):
+            if mbs > math.ceil(req.batch_size / dp) or math.ceil(math.ceil(req.batch_size / dp) / mbs) > \
+                    MAX_MICROBATCHES:  # a plan holds at most that many (see varuna_core.artifacts)
                 continue
             for schedule in req.schedules:
                 result, need = _prepare(tables, req, pp, dp, mbs, schedule)

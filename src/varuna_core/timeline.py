@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 from typing import Iterable
 
 from .artifacts import Plan
 from .errors import ConfigError
+from .util.fs import read_regular
 from .schedule import generate
 from .simulate import StageCosts, simulate
 
@@ -26,6 +29,10 @@ def simulated_timeline(plan: Plan) -> list[tuple[int, str, int, float, float]]:
     return list(result.timeline or ())
 
 
+TRACE_LIMIT = 256 * 2**20  # bytes of one rank's trace file
+_ACTION = re.compile(r"^(\d{1,6})([FRB])(\d{1,9})$")
+
+
 def load_trace(path: str | Path, replica: int = 0) -> list[tuple[int, str, int, float, float]]:
     """Read Chrome-trace JSON written by ``Varuna(trace=...)`` (a file, or a directory of per-rank files) and
     return replica ``replica``'s actions as ``(stage, op, mb, start, end)`` in seconds from the step's start."""
@@ -35,22 +42,30 @@ def load_trace(path: str | Path, replica: int = 0) -> list[tuple[int, str, int, 
         raise ConfigError(f"no trace files in {path}")
     events = []
     for f in files:
+        raw = read_regular(f, TRACE_LIMIT, what="trace")
         try:
-            data = json.loads(f.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read trace {f}: {exc}") from None
-        events += [e for e in data.get("traceEvents", data if isinstance(data, list) else [])
-                   if e.get("ph") == "X" and e.get("pid", 0) == replica]
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"cannot read trace {f}: {str(exc)[:200]}") from None
+        listed = data.get("traceEvents") if isinstance(data, dict) else data
+        if not isinstance(listed, list):
+            raise ConfigError(f"{f} is not a Chrome trace (no list of traceEvents)")
+        events += [(f, e) for e in listed if isinstance(e, dict) and e.get("ph") == "X" and e.get("pid", 0) == replica]
     if not events:
         raise ConfigError(f"{path} holds no action events for replica {replica}")
-    t0 = min(e["ts"] for e in events)
-    out = []
-    for e in events:
-        name = e["name"]
-        op = next(c for c in name if c in "FRB")
-        stage, mb = name.split(op, 1)
-        out.append((int(stage), op, int(mb), (e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6))
-    return sorted(out, key=lambda x: (x[0], x[3]))
+    out = [_action(f, e) for f, e in events]
+    t0 = min(start for _, _, _, start, _ in out)
+    return sorted(((s, op, mb, (a - t0) / 1e6, (b - t0) / 1e6) for s, op, mb, a, b in out), key=lambda x: (x[0], x[3]))
+
+
+def _action(path: Path, event: dict) -> tuple[int, str, int, float, float]:
+    """``(stage, op, mb, start µs, end µs)`` of one trace event named like ``2F0``."""
+    name, ts, dur = event.get("name"), event.get("ts"), event.get("dur")
+    match = _ACTION.match(name) if isinstance(name, str) else None
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (ts, dur))
+    if match is None or not numbers or dur < 0:
+        raise ConfigError(f"{path}: {str(event)[:120]} is not an action event (name like '2F0', finite ts and dur)")
+    return int(match.group(1)), match.group(2), int(match.group(3)), float(ts), float(ts) + float(dur)
 
 
 def draw_timelines(panels: Iterable[tuple[str, list[tuple[int, str, int, float, float]]]], png: str | Path,

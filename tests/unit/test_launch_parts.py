@@ -13,7 +13,7 @@ from varuna_core.heartbeat import Beacon, Listener, decode, encode, send_notice
 from varuna_core.hosts import Host, HostsWatcher, parse_hosts
 from varuna_core.launch import place, worker_argv
 from varuna_core.morph import replan
-from varuna_core.plan import PlanRequest, make_plan
+from varuna_core.plan import PlanRequest, make_plan, plan_for
 from varuna_core.remote import Runtime, SSHConfig
 from varuna_core.stragglers import StragglerDetector
 
@@ -125,8 +125,9 @@ def test_stragglers_need_patience_and_compare_like_with_like() -> None:
 
 def test_replan_keeps_the_global_batch_and_the_microbatch() -> None:
     profile = make_profile([1e-3] * 6, sizes=(1, 2, 4, 8))
-    plan = make_plan(profile, PlanRequest(gpus=8, batch_size=64, gpus_per_node=4))
-    path_less = plan.model_copy(update={"profile_path": None, "pp": 2, "dp": 4, "microbatch_size": 8})
+    path_less = plan_for(profile, PlanRequest(gpus=8, batch_size=64, gpus_per_node=4), pp=2, dp=4, microbatch_size=8,
+                         schedule="1f1b")
+    assert path_less.profile_path is None
     new, why = replan(path_less, 3, 1)
     assert (new.pp, new.dp, new.batch_size, new.microbatch_size) == (2, 1, 64, 8) and "no profile" in why
     assert new.stage_to_rank_map == "0;1" or new.stage_to_rank_map.rstrip(";") == "0;1"

@@ -15,7 +15,8 @@ def env(
 ) -> None:
     """Describe this machine and installation: versions, devices, threads, distributed settings.
 
-    Paste the output into bug reports.
+    Paste the output into bug reports. The values of variables named like secrets (TOKEN, SECRET, PASSWORD, KEY,
+    CREDENTIAL, ...) are shown as <redacted>.
     """
     from varuna_core.envinfo import collect  # imports torch: keep it out of `varuna --help`
 
@@ -26,4 +27,10 @@ def env(
     typer.echo(HEADER + "\n", err=True)
     width = max(len(key) for key in info)
     for key, value in info.items():
-        typer.echo(f"- {key + ':':<{width + 1}} {value}")
+        typer.echo(f"- {key + ':':<{width + 1}} {_one_line(value)}")
+
+
+def _one_line(text: str) -> str:
+    """``text`` with control characters escaped: an environment variable's value may hold a newline or a
+    terminal escape, which would break the one-line-per-fact block (or the terminal)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

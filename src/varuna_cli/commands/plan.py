@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from varuna_core.errors import ConfigError
+
+
+MAX_TOP = 100
 
 
 def plan(
@@ -32,63 +36,116 @@ def plan(
     """
     import time
 
+    from pydantic import ValidationError
     from rich.console import Console
+    from rich.text import Text
 
-    from varuna_core.artifacts import load_profile, save_plan
+    from varuna_core.artifacts import check_writable, first_problem, load_profile, save_plan
     from varuna_core.plan import PlanRequest, make_plan
-    from varuna_core.schedule import SCHEDULE_NAMES
     from varuna_core.units import parse_bytes
 
-    names = tuple(x.strip() for x in schedule.split(",") if x.strip()) if schedule else SCHEDULE_NAMES
-    if not 0 <= headroom < 1:
-        raise ConfigError(f"--headroom must be in [0, 1), got {headroom}")
+    _check_counts(gpus, batch_size, gpus_per_node, top)
+    if not (math.isfinite(headroom) and 0 <= headroom < 1):
+        raise ConfigError(f"--headroom must be a fraction in [0, 1), got {headroom}")
+    names = _schedules(schedule)
+    memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
+    if memory is not None and memory < 1:
+        raise ConfigError(f"--gpu-memory must be at least 1 byte, got {gpu_memory!r}", hint="e.g. --gpu-memory 80GiB")
+    check_writable(output, "plan")
     prof = load_profile(profile)
-    req = PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=gpus_per_node,
-                      gpu_memory=parse_bytes(gpu_memory) if gpu_memory else None, schedules=names, top=top,
-                      headroom=headroom)
+    _check_microbatches(prof.microbatch_sizes, gpus, batch_size)
+    req = PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=gpus_per_node, gpu_memory=memory,
+                      schedules=names, top=top, headroom=headroom)
     started = time.perf_counter()
-    result = make_plan(prof, req)
+    try:
+        result = make_plan(prof, req)
+    except ValidationError as exc:
+        raise ConfigError(f"the best configuration for {profile} cannot be written as a plan: {first_problem(exc)}",
+                          hint="use more devices, a smaller --batch-size, or profile larger micro-batch sizes"
+                          ) from None
     result.profile_path = str(profile.resolve())
     elapsed = time.perf_counter() - started
     save_plan(result, output)
     err = Console(stderr=True)
     for note in result.assumptions:
-        err.print(f"[dim]note: {note}[/dim]")
+        err.print(Text(f"note: {note}", style="dim"))
     if as_json:
         typer.echo(result.model_dump_json(indent=2))
         return
     _table(result)
-    err.print(f"searched in {elapsed:.2f} s; wrote {output}")
+    err.print(f"searched in {elapsed:.2f} s; wrote {output}", markup=False, highlight=False)
+
+
+def _check_counts(gpus: int, batch_size: int, gpus_per_node: int | None, top: int) -> None:
+    from varuna_core.artifacts import MAX_DEVICES
+
+    for name, value, low, high in (("--gpus", gpus, 1, MAX_DEVICES), ("--gpus-per-node", gpus_per_node, 1, MAX_DEVICES),
+                                   ("--batch-size", batch_size, 1, None), ("--top", top, 0, MAX_TOP)):
+        if value is not None and (value < low or (high is not None and value > high)):
+            bound = f"in {low}..{high}" if high is not None else f"≥ {low}"
+            raise ConfigError(f"{name} must be {bound}, got {value}")
+
+
+def _schedules(text: str | None) -> tuple[str, ...]:
+    """The schedules of ``--schedule``, each known, each once."""
+    from varuna_core.schedule import SCHEDULE_NAMES
+
+    if text is None:
+        return SCHEDULE_NAMES
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    hint = f"choose from {', '.join(SCHEDULE_NAMES)}, comma-separated"
+    if not names:
+        raise ConfigError("--schedule names no schedule", hint=hint)
+    for name in names:
+        if name not in SCHEDULE_NAMES:
+            raise ConfigError(f"unknown schedule {name[:40]!r}", hint=hint)
+    return names
+
+
+def _check_microbatches(sizes: list[int], gpus: int, batch_size: int) -> None:
+    """Refuse a batch that no configuration splits into at most MAX_MICROBATCHES micro-batches per replica
+    (the most replicas, the largest profiled micro-batch), before the search spends minutes simulating it."""
+    from varuna_core.artifacts import MAX_MICROBATCHES
+
+    replicas = min(gpus, batch_size)
+    fewest = math.ceil(math.ceil(batch_size / replicas) / max(sizes))
+    if fewest > MAX_MICROBATCHES:
+        raise ConfigError(f"--batch-size {batch_size} over at most {replicas} replicas in micro-batches of at most "
+                          f"{max(sizes)} makes {fewest:,} micro-batches per replica; a plan holds at most "
+                          f"{MAX_MICROBATCHES:,}", hint="use more devices, or profile larger micro-batch sizes")
 
 
 def _table(result) -> None:
+    """The plan and its alternatives. Every text cell is plain text: the model name comes from the profile."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from varuna_core.units import format_bytes
 
     out = Console()
     p = result.prediction
-    table = Table(title=f"{result.model}: {result.gpus} devices, global batch {result.batch_size}",
+    table = Table(title=Text(f"{result.model}: {result.gpus} devices, global batch {result.batch_size}"),
                   title_justify="left")
     for col, just in (("", "left"), ("pp×dp", "right"), ("mb×M", "right"), ("schedule", "left"),
                       ("step ms", "right"), ("samples/s", "right"), ("bubble", "right"), ("memory", "right")):
         table.add_column(col, justify=just, no_wrap=True)
-    table.add_row("plan", f"{result.pp}×{result.dp}", f"{result.microbatch_size}×{result.num_microbatches}",
-                  result.schedule, f"{p.step_time * 1e3:.4g}", f"{p.samples_per_second:.4g}",
-                  f"{p.bubble_fraction:.0%}", format_bytes(max(s.memory_bytes for s in result.stages)),
+    table.add_row(*map(Text, ("plan", f"{result.pp}×{result.dp}", f"{result.microbatch_size}×{result.num_microbatches}",
+                              result.schedule, f"{p.step_time * 1e3:.4g}", f"{p.samples_per_second:.4g}",
+                              f"{p.bubble_fraction:.0%}", format_bytes(max(s.memory_bytes for s in result.stages)))),
                   style="bold")
     for i, alt in enumerate(result.alternatives, 1):
-        table.add_row(f"#{i + 1}", f"{alt.pp}×{alt.dp}", f"{alt.microbatch_size}×{alt.num_microbatches}",
-                      alt.schedule, f"{alt.step_time * 1e3:.4g}", f"{alt.samples_per_second:.4g}",
-                      f"{alt.bubble_fraction:.0%}", format_bytes(alt.peak_memory_bytes))
+        table.add_row(*map(Text, (f"#{i + 1}", f"{alt.pp}×{alt.dp}", f"{alt.microbatch_size}×{alt.num_microbatches}",
+                                  alt.schedule, f"{alt.step_time * 1e3:.4g}", f"{alt.samples_per_second:.4g}",
+                                  f"{alt.bubble_fraction:.0%}", format_bytes(alt.peak_memory_bytes))))
     out.print(table)
     for i, alt in enumerate(result.alternatives, 1):
-        out.print(f"  #{i + 1}: {alt.reason}")
+        out.print(f"  #{i + 1}: {alt.reason}", markup=False)
     stages = ", ".join(f"{a}-{b - 1}" for a, b in result.partition)
-    out.print(f"partition (segments per stage): {stages}; stage_to_rank_map {result.stage_to_rank_map!r}")
+    out.print(f"partition (segments per stage): {stages}; stage_to_rank_map {result.stage_to_rank_map!r}",
+              markup=False)
     if result.alternatives:
-        out.print(f"why this plan: {_why(result)}")
+        out.print(f"why this plan: {_why(result)}", markup=False)
 
 
 def _why(result) -> str:
@@ -109,9 +166,17 @@ def show(
     max_steps: Annotated[int, typer.Option("--max-steps", help="Rows of the grid to print (0: all).")] = 60,
 ) -> None:
     """Print a plan's schedule as a step × stage grid; optionally draw the simulated timeline."""
-    from varuna_core.artifacts import load_plan
+    from varuna_core.artifacts import check_writable, load_plan
     from varuna_core.schedule import generate
 
+    if max_steps < 0:
+        raise ConfigError(f"--max-steps must be ≥ 0, got {max_steps}")
+    if measured and not png:
+        raise ConfigError("--measured needs --png FILE to draw into")
+    if png:
+        check_writable(png, "--png")
+    if measured:
+        _check_trace(measured)
     result = load_plan(plan_path)
     sched = generate(result.schedule, result.pp, result.num_microbatches)
     lines = sched.grid().splitlines()
@@ -120,10 +185,31 @@ def show(
         lines = lines[: max_steps + 1] + [f"... {hidden} more steps (--max-steps 0 shows all)"]
     typer.echo(f"{result.schedule}: {result.pp} stages, {result.num_microbatches} micro-batches per replica")
     typer.echo("\n".join(lines))
-    if measured and not png:
-        raise ConfigError("--measured needs --png FILE to draw into")
     if png:
         from varuna_core.timeline import draw_plan
 
         draw_plan(result, png, measured=measured)
         typer.echo(f"wrote {png}", err=True)
+
+
+MAX_TRACE_BYTES = 256 * 2**20
+
+
+def _check_trace(path: Path) -> None:
+    """A measured trace is a regular file (or a directory of them) of bounded size: a FIFO would block the
+    reader forever, and a huge file is not a trace of one step."""
+    import stat
+
+    from varuna_core.util.fs import describe_mode
+
+    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    for f in files:
+        try:
+            info = f.stat()
+        except OSError as exc:
+            raise ConfigError(f"cannot read trace {f}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"trace {f} is {describe_mode(info.st_mode)}, not a regular file")
+        if info.st_size > MAX_TRACE_BYTES:
+            raise ConfigError(f"trace {f} is {info.st_size:,} bytes, more than the {MAX_TRACE_BYTES:,} a trace "
+                              f"may have", hint="is it the right file?")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,35 +10,44 @@ import typer
 from varuna_core.errors import ConfigError
 
 
+MAX_SIZES = 64  # micro-batch sizes in one sweep
+MAX_NPROC = 64
+MAX_REPEATS = 10_000
+
+
 def _sizes(microbatch_sizes: Optional[str], max_microbatch: Optional[int]) -> list[int] | None:
-    if microbatch_sizes and max_microbatch:
+    """The micro-batch sizes to measure (None: the default), each in 1..MAX_MICROBATCH_SIZE."""
+    from varuna_core.artifacts import MAX_MICROBATCH_SIZE
+
+    if microbatch_sizes is not None and max_microbatch is not None:
         raise ConfigError("give either --microbatch-sizes or --max-microbatch, not both")
     if max_microbatch is not None:
-        if max_microbatch < 1:
-            raise ConfigError(f"--max-microbatch must be ≥ 1, got {max_microbatch}")
+        if not 1 <= max_microbatch <= MAX_MICROBATCH_SIZE:
+            raise ConfigError(f"--max-microbatch must be in 1..{MAX_MICROBATCH_SIZE:,}, got {max_microbatch}")
         sizes, n = [], 1
         while n < max_microbatch:
             sizes.append(n)
             n *= 2
         return sizes + [max_microbatch]
-    if microbatch_sizes:
-        try:
-            return sorted({int(x) for x in microbatch_sizes.split(",") if x.strip()})
-        except ValueError:
-            raise ConfigError(f"--microbatch-sizes must be integers separated by commas, got {microbatch_sizes!r}",
-                              hint="e.g. --microbatch-sizes 1,2,4,8") from None
-    return None
+    if microbatch_sizes is None:
+        return None
+    hint = "e.g. --microbatch-sizes 1,2,4,8"
+    words = [x.strip() for x in microbatch_sizes.split(",") if x.strip()]
+    if not words or len(words) > MAX_SIZES or not all(w.isascii() and w.isdigit() and len(w) <= 9 for w in words):
+        raise ConfigError(f"--microbatch-sizes must be 1 to {MAX_SIZES} positive integers separated by commas, got "
+                          f"{microbatch_sizes[:80]!r}", hint=hint)
+    sizes = sorted({int(w) for w in words})
+    if not 1 <= sizes[0] <= sizes[-1] <= MAX_MICROBATCH_SIZE:
+        raise ConfigError(f"--microbatch-sizes must be in 1..{MAX_MICROBATCH_SIZE:,}, got {microbatch_sizes[:80]!r}",
+                          hint=hint)
+    return sizes
 
 
-def _check_writable(path: Path) -> None:
-    """Fail before measuring if the profile could not be written."""
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise ConfigError(f"output {path} is a directory", hint="give a file name, e.g. -o profile.json")
-    if not parent.is_dir():
-        raise ConfigError(f"cannot write {path}: directory {parent} does not exist")
-    if (path.exists() and not os.access(path, os.W_OK)) or not os.access(parent, os.W_OK):
-        raise ConfigError(f"cannot write {path}: permission denied")
+def _check_counts(nproc: int, repeats: int, warmup: int) -> None:
+    for name, value, low, high in (("--nproc", nproc, 1, MAX_NPROC), ("--repeats", repeats, 1, MAX_REPEATS),
+                                   ("--warmup", warmup, 0, MAX_REPEATS)):
+        if not low <= value <= high:
+            raise ConfigError(f"{name} must be in {low}..{high}, got {value}")
 
 
 def profile(
@@ -66,13 +74,16 @@ def profile(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from varuna_core.artifacts import save_artifact
+    from varuna_core.artifacts import check_writable, save_artifact
     from varuna_core.profile import profile as run_profile
     from varuna_core.units import parse_bytes
 
     sizes = _sizes(microbatch_sizes, max_microbatch)
-    limit = parse_bytes(memory_limit) if memory_limit else None
-    _check_writable(output)
+    _check_counts(nproc, repeats, warmup)
+    limit = parse_bytes(memory_limit) if memory_limit is not None else None
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--memory-limit must be at least 1 byte, got {memory_limit!r}", hint="e.g. 16GiB")
+    check_writable(output, "output")
     err = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=as_json or not err.is_terminal) as bar:
@@ -91,13 +102,15 @@ def profile(
 
 
 def _summary(result, output: Path) -> None:
+    """The measurements as a table of plain-text cells (the model and cut names come from user code)."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from varuna_core.units import format_bytes
 
     out = Console()
-    table = Table(title=f"{result.model}: {result.num_segments} segments", title_justify="left")
+    table = Table(title=Text(f"{result.model}: {result.num_segments} segments"), title_justify="left")
     table.add_column("segment", justify="right")
     table.add_column("ends at")
     table.add_column("params", justify="right")
@@ -112,12 +125,12 @@ def _summary(result, output: Path) -> None:
             cells.append(f"{m.forward.median * 1e3:.2f} / {m.backward.median * 1e3:.2f}")
         last = seg.measures[-1]
         cells.append(f"{format_bytes(last.output_bytes)} / {format_bytes(last.saved_bytes)}")
-        table.add_row(*cells)
+        table.add_row(*map(Text, cells))
     out.print(table)
     for curve in result.comm:
         what = "point-to-point" if curve.op == "p2p" else f"all-reduce over {curve.group_size}"
         out.print(f"{what} ({curve.link}-node): latency {curve.fit.latency * 1e6:.0f} µs, "
-                  f"bandwidth {format_bytes(curve.fit.bandwidth)}/s, fit error {curve.fit.rel_error:.0%}")
+                  f"bandwidth {format_bytes(curve.fit.bandwidth)}/s, fit error {curve.fit.rel_error:.0%}", markup=False)
     if result.stopped:
-        out.print(f"stopped at micro-batch {result.stopped.microbatch_size}: {result.stopped.reason}")
+        out.print(f"stopped at micro-batch {result.stopped.microbatch_size}: {result.stopped.reason}", markup=False)
     typer.echo(f"wrote {output}", err=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, VarunaError
 
-__all__ = ["read_regular", "open_regular", "atomic_write", "describe_mode", "MiB"]
+__all__ = ["read_regular", "read_text", "open_regular", "atomic_write", "describe_mode", "MiB"]
 
 MiB = 2**20
 
@@ -103,6 +103,18 @@ def read_regular(path: str | os.PathLike, limit: int, *, what: str = "file", fol
     finally:
         os.close(fd)
     return b"".join(chunks)
+
+
+def read_text(path: str | os.PathLike, limit: int, *, what: str = "file", error: type[VarunaError] = ConfigError) -> str:
+    """The UTF-8 text (a byte-order mark allowed) of the regular file ``path`` of at most ``limit`` bytes; a byte
+    that is not UTF-8 is an ``error`` naming its line."""
+    data = read_regular(path, limit, what=what, error=error)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise error(f"{what} {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line})",
+                    hint="is it the right file?") from None
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str, *, mode: int = 0o644, durable: bool = False) -> None:
