@@ -81,7 +81,7 @@ class FileSink:
     """Append-only writer of one new file that hashes everything written to it.
 
     Args:
-        path: the file (created or truncated).
+        path: the file, created: it must not exist yet (a link planted there is never written through).
         durable: fsync before :meth:`close` returns (else the data may still sit in the page cache).
 
     Use: ``offset = sink.place(arr)`` then ``sink.write(arr)`` for each tensor's bytes (a contiguous uint8
@@ -91,7 +91,7 @@ class FileSink:
 
     def __init__(self, path: str | os.PathLike, durable: bool = True) -> None:
         self.durable = durable
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)  # new files only: no link followed
         self.direct = hasattr(os, "O_DIRECT")
         try:
             self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
@@ -285,7 +285,7 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike, durable: bool = Tr
     allowed: the device moves the bytes to and from one aligned buffer, so the copy costs the CPU next to
     nothing and the page cache nothing (it runs beside training: see ``checkpoint(background=True)``)."""
     fin = open_source(src)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)  # a new file: no link followed
     try:
         try:
             sink = os.open(dst, flags | getattr(os, "O_DIRECT", 0), 0o644)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
 
 from .artifacts import CHECKPOINT_INDEX as METADATA_FILE
+from .ckpt_layout import RUN_FILE, describe_runs, read_run, runs, scan
 from .errors import CheckpointError, ConfigError, VarunaError
 from .util.fs import MiB, describe_mode, open_regular, read_regular
 
@@ -56,7 +57,7 @@ _HASH_CHUNK = 8 * 2**20
 _MANIFEST_LIMIT = 256 * MiB  # a real manifest is a few KB plus ~100 bytes per parameter
 _MARKER_LIMIT = 64  # COMPLETE holds the step number
 _LOAD_CHUNK = 256 * 2**20  # bytes of tensors loaded at once by the finite check
-_MARKERS = ("manifest.json", "COMPLETE")
+_MARKERS = ("manifest.json", "COMPLETE", RUN_FILE)
 KINDS = ("model", "buffer", "optim", "other")
 
 
@@ -74,6 +75,7 @@ class CheckpointInfo(_Report):
     step: int
     path: str
     complete: bool = Field(description="the COMPLETE marker exists")
+    run: str | None = Field(None, description="the run that wrote it (its RUN file; None: not recorded)")
     bytes: int = Field(description="size of every file in the directory")
     files: int
     model: str | None = None
@@ -186,15 +188,6 @@ def _looks_like_checkpoint(path: Path) -> bool:
     return _step_of(path) is not None or any((path / name).exists() for name in (*_MARKERS, METADATA_FILE))
 
 
-def _scan(store: Path) -> list[tuple[int, Path, bool]]:
-    out = []
-    for child in store.iterdir():
-        step = _step_of(child)
-        if step is not None and child.is_dir():
-            out.append((step, child, (child / "COMPLETE").is_file()))
-    return sorted(out, key=lambda e: e[0])
-
-
 def _files(directory: Path) -> list[tuple[Path, int]]:
     """Every entry below ``directory`` that is not a directory, with its ``lstat`` size: a link counts as itself
     (never followed, so neither a loop nor a link to elsewhere is entered), a FIFO is listed, not opened."""
@@ -264,14 +257,14 @@ def list_checkpoints(store: str | os.PathLike) -> list[CheckpointInfo]:
         ConfigError: ``store`` does not exist, is not a directory, or is itself one checkpoint directory.
     """
     root = _existing_dir(store, "checkpoint store")
-    if _looks_like_checkpoint(root) and not _scan(root):
+    if _looks_like_checkpoint(root) and not scan(root):
         raise ConfigError(f"{root} is one checkpoint, not a store", hint=f"list its store: {root.parent}")
     out = []
-    for step, path, complete in _scan(root):
-        files = _files(path)
-        manifest, error = _read_manifest(path)
-        info = CheckpointInfo(step=step, path=str(path), complete=complete, bytes=sum(size for _, size in files),
-                              files=len(files), manifest_error=error)
+    for entry in scan(root):
+        files = _files(entry.path)
+        manifest, error = _read_manifest(entry.path)
+        info = CheckpointInfo(step=entry.step, path=str(entry.path), complete=entry.complete, run=entry.run,
+                              bytes=sum(size for _, size in files), files=len(files), manifest_error=error)
         if manifest is not None:
             info.model, info.pp, info.dp = manifest.model, manifest.pp, manifest.dp
             info.stage_to_rank_map, info.created, info.plan = manifest.stage_to_rank_map, manifest.created, \
@@ -290,16 +283,19 @@ def resolve(path: str | os.PathLike) -> Path:
     p = _existing_dir(path, "checkpoint path")
     if _looks_like_checkpoint(p):
         return p
-    entries = _scan(p)
+    entries = scan(p)
     if not entries:
         raise ConfigError(f"{p} holds no checkpoints (no step_N directories)",
                           hint="pass the directory given to the run's checkpoint store, or one step_N directory")
-    complete = [path for _, path, ok in entries if ok]
+    complete = [e for e in entries if e.complete]
     if not complete:
-        names = ", ".join(path.name for _, path, _ in entries)
+        names = ", ".join(e.path.name for e in entries)
         raise ConfigError(f"{p} holds no complete checkpoint (incomplete: {names})",
-                          hint=f"name one explicitly to look at it anyway, e.g. {entries[-1][1]}")
-    return complete[-1]
+                          hint=f"name one explicitly to look at it anyway, e.g. {entries[-1].path}")
+    if len(runs(complete)) > 1:
+        raise ConfigError(f"{p} holds checkpoints of {len(runs(complete))} runs ({describe_runs(entries)}): which "
+                          "one is meant is ambiguous", hint=f"name one step_N directory, e.g. {complete[-1].path}")
+    return complete[-1].path
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -567,6 +563,9 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
         report.step = manifest.step
     elif manifest.step != step:
         problems.append(f"{name}/manifest.json: records step {manifest.step}, but the directory is {name}")
+    recorded = read_run(directory)
+    if manifest.run_id is not None and recorded != manifest.run_id:
+        problems.append(f"{name}/{RUN_FILE}: says run {recorded}, the manifest run {manifest.run_id}")
 
     listed: set[str] = set()
     found = len(problems)

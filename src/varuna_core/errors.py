@@ -19,7 +19,13 @@ __all__ = [
     "CheckpointError",
     "format_error",
     "install_excepthook",
+    "EXIT_CHECKPOINTED",
+    "EXIT_BAD_CHECKPOINT",
 ]
+
+# Exit codes of a worker that the launcher reads (the CLI's own: 0 ok, 1 failed, 2 bad input, 130 interrupted).
+EXIT_CHECKPOINTED = 75  # checkpointed on demand and stopped (EX_TEMPFAIL)
+EXIT_BAD_CHECKPOINT = 76  # the checkpoint to resume from was refused: resume from an earlier one
 
 
 class VarunaError(Exception):
@@ -100,8 +106,11 @@ def install_excepthook() -> None:
             rank = os.environ.get("RANK")
             prefix = f"[rank {rank}] " if rank is not None else ""
             sys.stdout.flush()
-            sys.stderr.write("".join(prefix + line + "\n" for line in format_error(value).splitlines()))
-            sys.stderr.flush()
+            # the real stderr: torch.distributed wraps this hook and points sys.stderr at a buffer it prints
+            # only after the hook returns, which os._exit prevents
+            err = sys.__stderr__ or sys.stderr
+            err.write("".join(prefix + line + "\n" for line in format_error(value).splitlines()))
+            err.flush()
             os._exit(value.exit_code)
         previous(kind, value, tb)
 

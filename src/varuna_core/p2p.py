@@ -30,7 +30,10 @@ _MAX_LEAVES = 256
 
 def default_timeout() -> float:
     """Seconds any single wait may take (``VARUNA_TIMEOUT``, default 300)."""
-    return float(os.environ.get("VARUNA_TIMEOUT", "300"))
+    from .checks import env_real
+
+    value = env_real("VARUNA_TIMEOUT", os.environ.get("VARUNA_TIMEOUT"), low=0, low_open=True)
+    return 300.0 if value is None else value
 
 
 def _tag(mb: int, kind: int, leaf: int) -> int:

@@ -60,14 +60,11 @@ class TieSet:
     stages: tuple[int, ...]
 
 
-def find_tie_sets(
-    model: nn.Module, structure: Structure, partition: Partition, shared_weights: list[tuple[str, str]] | None
-) -> list[TieSet]:
-    """Group parameter slots into logical weights and find the stages that use each.
-
-    A parameter object used by segments of two stages, or two names declared in ``shared_weights``, form one
-    weight. Returns only weights that span more than one stage or more than one object.
-    """
+def weight_groups(model: nn.Module, shared_weights: list[tuple[str, str]] | None) -> list[tuple[str, tuple[str, ...]]]:
+    """Every logical weight held under more than one name: ``(canonical, names)``, where the names are one
+    parameter object under several names, or declared together in ``shared_weights``. The canonical name is the
+    first of a declared pair, else the first name in ``named_parameters`` order: it depends on the model alone,
+    never on the partition, so a checkpoint key means the same weight under every layout."""
     slot_objects = dict(model.named_parameters(remove_duplicate=False))
     groups: dict[int, list[str]] = {}
     for name, param in slot_objects.items():
@@ -102,14 +99,22 @@ def find_tie_sets(
     merged: dict[int, list[str]] = {}
     for key, names in groups.items():
         merged.setdefault(find(key), []).extend(names)
+    return [(declared.get(root, names[0]), tuple(names)) for root, names in merged.items() if len(names) > 1]
+
+
+def find_tie_sets(
+    model: nn.Module, structure: Structure, partition: Partition, shared_weights: list[tuple[str, str]] | None
+) -> list[TieSet]:
+    """The weights of :func:`weight_groups` whose copies the pipeline must keep equal: those held by more than
+    one stage, or by more than one parameter object."""
+    slot_objects = dict(model.named_parameters(remove_duplicate=False))
     ties = []
-    for root, names in merged.items():
+    for canonical, names in weight_groups(model, shared_weights):
         segments = {seg for n in names for seg in structure.param_uses.get(n, (0,))}
         stages = tuple(sorted({partition.stage_of_segment(seg) for seg in segments}))
         objects = {id(slot_objects[n]) for n in names}
         if len(stages) > 1 or len(objects) > 1:
-            canonical = declared.get(root, names[0])
-            ties.append(TieSet(tuple(names), canonical, stages))
+            ties.append(TieSet(names, canonical, stages))
     return ties
 
 

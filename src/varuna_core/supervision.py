@@ -24,27 +24,28 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
+from .checks import env_integer
+from .errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError
 from .heartbeat import Beacon
 
 if TYPE_CHECKING:  # pragma: no cover
     from .varuna import Varuna
 
-__all__ = ["Supervision", "EXIT_CHECKPOINTED"]
+__all__ = ["Supervision", "EXIT_CHECKPOINTED", "EXIT_BAD_CHECKPOINT", "ResumeRefused"]
 
 log = logging.getLogger(__name__)
 
-EXIT_CHECKPOINTED = 75  # the exit code of a worker that checkpointed on demand and stopped (EX_TEMPFAIL)
+
+class ResumeRefused(CheckpointError):
+    """The checkpoint the launcher asked to resume from cannot be loaded (corrupt, incomplete, of another
+    model). The worker exits with :data:`EXIT_BAD_CHECKPOINT`, which tells the launcher to fall back to an
+    earlier checkpoint instead of retrying this one."""
+
+    exit_code = EXIT_BAD_CHECKPOINT
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer") from None
+def _env_int(name: str, low: int = 0) -> int | None:
+    return env_integer(name, os.environ.get(name), low=low)
 
 
 def _process_start() -> float | None:
@@ -63,7 +64,7 @@ class Supervision:
         self.ckpt_dir = os.environ.get("VARUNA_CKPT_DIR") or None
         self.resume_step = _env_int("VARUNA_RESUME_STEP")
         self.every = _env_int("VARUNA_CKPT_EVERY") or 0
-        self.keep = _env_int("VARUNA_CKPT_KEEP")
+        self.keep = _env_int("VARUNA_CKPT_KEEP", low=1)
         self.tempdir = os.environ.get("VARUNA_CKPT_TEMPDIR") or None
         self.total_steps = _env_int("VARUNA_TOTAL_STEPS")
         if (self.resume_step is not None or self.every) and not self.ckpt_dir:
@@ -102,7 +103,10 @@ class Supervision:
         if self.resume_step is None or self.resumed:
             return
         self.resumed = True
-        step = vm.load_checkpoint(self.ckpt_dir, iteration=self.resume_step)
+        try:
+            step = vm.load_checkpoint(self.ckpt_dir, iteration=self.resume_step)
+        except CheckpointError as exc:
+            raise ResumeRefused(exc.message, hint="the launcher falls back to an earlier checkpoint") from None
         self.last_saved = step
         log.info("rank %d resumed from %s/step_%d", vm.rank, self.ckpt_dir, step)
         if self.beacon is not None:
@@ -112,6 +116,7 @@ class Supervision:
         """At the start of ``step()``: the agreed on-demand checkpoint (then exit), or a periodic one."""
         if self.resume_step is not None and not self.resumed:
             self.resume(vm)  # no set_optimizer: model state only
+        self._check_background()
         now = time.perf_counter()
         self._step_time = None if self._last_step_start is None else now - self._last_step_start
         self._last_step_start = now
@@ -132,6 +137,13 @@ class Supervision:
                                  total_steps=getattr(vm, "total_steps", None) or self.total_steps)
 
     # ------------------------------------------------------------------------------------------------------
+
+    def _check_background(self) -> None:
+        """Raise the error of a background checkpoint as soon as it is known (not at the next checkpoint), so the
+        job stops, and the launcher restarts it from the last complete checkpoint."""
+        if self._pending is not None and self._pending.done():
+            pending, self._pending = self._pending, None
+            pending.result()
 
     def _periodic(self, vm: "Varuna") -> None:
         if self._pending is not None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .checks import integer, real
 from .discovery import Structure, discover, make_batch_fn
 from .errors import ConfigError, CutPointError, TopologyError, install_excepthook
 from .grads import GradBuffer, all_reduce_tensor
@@ -32,7 +33,7 @@ from .partition import Partition, balance, coerce_partition
 from .precision import LossScaler, resolve_precision
 from .runtime import PipelineRuntime
 from .schedule import SCHEDULE_NAMES
-from .stage import StageModule, TieSet, find_tie_sets
+from .stage import StageModule, TieSet, find_tie_sets, weight_groups
 from .supervision import Supervision
 from .topology import Topology
 
@@ -116,6 +117,8 @@ class Varuna(nn.Module):
     ) -> None:
         super().__init__()
         install_excepthook()
+        batch_size, chunk_size, timeout, bucket_mb, trace_step, seed = _check_arguments(
+            batch_size, chunk_size, timeout, bucket_mb, trace_step, seed, plan)
         if loss_reduction not in ("mean", "sum"):
             raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_reduction = loss_reduction
@@ -185,6 +188,7 @@ class Varuna(nn.Module):
             validate = cutpoints == "auto"
         reference = _reference(model, dummy_inputs, batch_fn, self.chunk_size) if validate else None
 
+        self.weight_groups = weight_groups(model, list(shared_weights or []))  # checkpoint names: any layout
         self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, list(shared_weights or []))
         self.stage_module = StageModule(model, self.structure, self.partition, self.stage, self.ties, self.device,
                                         placeholders="real" if cutpoints == "auto" else "meta")
@@ -197,7 +201,7 @@ class Varuna(nn.Module):
         # Each tied weight counts once in the global norm: only its first stage's copy is included.
         skip = {id(self._tie_param(t)) for t in self.ties if self.stage in t.stages[1:]}
         self._norm_params = [p for p in self.grad_buffer.params if id(p) not in skip]
-        self.seed = self._agree_seed(seed)
+        self.seed, self.run_id = self._agree_identity(seed)
         self.scaler = LossScaler(device=self.device) if self.precision == "fp16" else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.iteration = 0
@@ -391,16 +395,21 @@ class Varuna(nn.Module):
         return save(self, global_store, step=step, tempdir=tempdir, shard=shard, background=background, keep=keep)
 
     def load_checkpoint(self, global_store: str | os.PathLike, iteration: int | str = "latest",
-                        check_complete: bool = True) -> int:
+                        check_complete: bool = True, *, run: str | None = None, load_optimizer: bool = True) -> int:
         """Restore from a checkpoint written under any pipeline depth and width (collective; after
-        ``set_optimizer``). Returns the step loaded; ``self.iteration`` continues from it.
+        ``set_optimizer``). Returns the step loaded; ``self.iteration`` continues from it, and later checkpoints
+        belong to the loaded checkpoint's run (``self.run_id``).
 
-        Every file's size and sha256 are checked while it is read; on a mismatch every rank raises
-        :class:`~varuna_core.errors.CheckpointError` naming the file, and the tensors may hold part of the
-        checkpoint (load another one before training on)."""
+        ``"latest"`` is the newest complete checkpoint of this run, else of the one run the store holds; with
+        several runs in the store, name one (``run=``) or a step. Every file's size and sha256 are checked while
+        it is read, and the model's parameter names, shapes and dtypes against the checkpoint's, before anything
+        live changes: a refused checkpoint raises :class:`~varuna_core.errors.CheckpointError` on every rank and
+        leaves the model, optimizer and RNG untouched. ``load_optimizer=False`` restores the model alone (e.g.
+        with another optimizer)."""
         from .checkpoint import load
 
-        return load(self, global_store, iteration=iteration, check_complete=check_complete)
+        return load(self, global_store, iteration=iteration, check_complete=check_complete, run=run,
+                    load_optimizer=load_optimizer)
 
     def get_loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 in fp32 and bf16)."""
@@ -486,12 +495,25 @@ class Varuna(nn.Module):
         ], "displayTimeUnit": "ms"}
         (directory / f"trace_rank{self.rank}.json").write_text(json.dumps(trace))
 
-    def _agree_seed(self, seed: int | None) -> int:
-        """The dropout seed, identical on every rank (rank 0's choice wins)."""
-        value = torch.tensor([int(seed) if seed is not None else torch.initial_seed()], dtype=torch.int64)
+    def _agree_identity(self, seed: int | None) -> tuple[int, str]:
+        """The dropout seed (unsigned 64-bit) and the run id, identical on every rank (rank 0's choice wins).
+
+        ``torch.initial_seed()`` of an unseeded process is a random value in ``[0, 2**64)``: it travels as the
+        int64 with the same bits. The run id is ``VARUNA_RUN_ID`` (set by ``varuna launch``) or a fresh one."""
+        from .ckpt_layout import check_run_id, new_run_id
+
+        value = (int(seed) if seed is not None else torch.initial_seed()) & _MASK64
+        env_run = os.environ.get("VARUNA_RUN_ID", "").strip()
+        run = check_run_id(env_run, "VARUNA_RUN_ID") if env_run else new_run_id()
         if self.world_size > 1:
-            dist.broadcast(value, src=0)
-        return int(value.item())
+            packed = torch.zeros(2 + _RUN_ID_BYTES, dtype=torch.int64)
+            packed[0] = value - 2**64 if value >= 2**63 else value
+            packed[1] = len(run)
+            packed[2:2 + len(run)] = torch.tensor(list(run.encode()), dtype=torch.int64)
+            dist.broadcast(packed, src=0)
+            value = int(packed[0]) & _MASK64
+            run = bytes(int(b) for b in packed[2:2 + int(packed[1])]).decode()
+        return value, run
 
     def _sync_grads(self) -> None:
         for tie, group in self.tie_groups:
@@ -512,6 +534,24 @@ class Varuna(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------
 # Helpers
+
+
+_MASK64 = (1 << 64) - 1
+_RUN_ID_BYTES = 64
+
+
+def _check_arguments(batch_size, chunk_size, timeout, bucket_mb, trace_step, seed, plan):
+    """The numbers given to ``Varuna(...)``, checked (see :mod:`varuna_core.checks`)."""
+    batch_size = integer("batch_size", batch_size, low=1)
+    if chunk_size is not None or plan is None:
+        chunk_size = integer("chunk_size", chunk_size, low=1)
+    if timeout is not None:
+        timeout = real("timeout", timeout, low=0, low_open=True)
+    bucket_mb = real("bucket_mb", bucket_mb, low=0, low_open=True, high=2**20)
+    trace_step = integer("trace_step", trace_step, low=0)
+    if seed is not None:
+        seed = integer("seed", seed, low=-(2**63), high=_MASK64)
+    return batch_size, chunk_size, timeout, bucket_mb, trace_step, seed
 
 
 def _load_plan(plan: Any):

@@ -4,7 +4,9 @@ as ``Type: message``.
 
 Run options (all optional except schedule/optimizer/batch/chunk): model (a class in tests.models, "GPT" for the
 example, or "hf-gpt2", "hf-bert", "hf-llama" from tests.hf_models with cutpoints="auto"), n_layer, dropout, steps, partition, validate, precision, clip, declare_shared, bad_seq,
-stall_rank/stall_seconds, inject_inf {rank, step}, die {rank, step}, evaluate (batch size of an evaluation).
+stall_rank/stall_seconds, inject_inf {rank, step}, die {rank, step}, evaluate (batch size of an evaluation),
+unseeded (no torch.manual_seed and no seed= for Varuna), varuna_seed, fail_copy {rank} (that rank's background
+checkpoint copy fails with ENOSPC).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def gpt_setup(run: dict):
 
 
 def run_one(run: dict, spec: dict) -> dict:
-    torch.manual_seed(run.get("seed", 0))
+    if not run.get("unseeded"):  # unseeded: torch.initial_seed() is a random 64-bit value, as in a user's script
+        torch.manual_seed(run.get("seed", 0))
     cutpoints, loss_reduction = None, "mean"
     if run.get("model") == "GPT":
         model, shared, make_batch = gpt_setup(run)
@@ -70,7 +73,8 @@ def run_one(run: dict, spec: dict) -> dict:
     vm = Varuna(model, spec.get("map"), make_batch(2, 0), batch_size=run["batch"], chunk_size=run["chunk"],
                 shared_weights=shared if run.get("declare_shared", True) else None,
                 schedule=run["schedule"], partition=run.get("partition"), validate=run.get("validate"),
-                timeout=spec.get("timeout", 60), precision=run.get("precision"), seed=1234,
+                timeout=spec.get("timeout", 60), precision=run.get("precision"),
+                seed=None if run.get("unseeded") else run.get("varuna_seed", 1234),
                 input_batch_dims=batch_dims, plan=run.get("plan"), trace=run.get("trace"), trace_step=1,
                 cutpoints=cutpoints, loss_reduction=loss_reduction)
     opt = make_optimizer(run["optimizer"], vm.parameters())
@@ -122,6 +126,16 @@ def run_one(run: dict, spec: dict) -> dict:
                 write(self, data)
 
             FileSink.write = write_then_die
+        fail = run.get("fail_copy")
+        if fail and fail["rank"] == vm.rank:  # this rank's background copy hits a full disk
+            import errno
+
+            from varuna_core import checkpoint
+
+            def full(*args, **kwargs):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "copy")
+
+            checkpoint.copy_file = full
         if run.get("save") and vm.iteration in run["save"].get("every", [run["save"]["at"]]):
             pending = vm.checkpoint(run["save"]["dir"], tempdir=run["save"].get("tempdir"),
                                     background=run["save"].get("background", False))
@@ -138,6 +152,7 @@ def run_one(run: dict, spec: dict) -> dict:
         "stage_bytes": vm.parameter_bytes(), "full_bytes": full_bytes,
         "stage": vm.stage, "replica": vm.replica, "schedule": vm.schedule_name, "chunk": vm.chunk_size,
         "partition": torch.tensor(vm.partition.ranges),
+        "seed": vm.seed, "initial_seed": torch.initial_seed(), "run_id": vm.run_id,
     }
     if run.get("evaluate"):
         eval_batch = make_batch(run["evaluate"], 999)

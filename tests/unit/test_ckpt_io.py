@@ -160,3 +160,18 @@ def test_loading_executes_nothing_from_the_directory(tmp_path, monkeypatch) -> N
     _load(tmp_path / "c", target, {f.path: (f.bytes, f.sha256) for f in writer.files})
     assert not canary.exists()
     assert torch.equal(target["model/w"], state["model/w"])
+
+
+def test_new_files_only_never_through_a_link(tmp_path) -> None:
+    """Checkpoint files are always new: a file or a link planted at their name is refused, never overwritten or
+    written through."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    (tmp_path / "link").symlink_to(victim)
+    for name in ("link", "victim"):
+        with pytest.raises(FileExistsError):
+            FileSink(tmp_path / name)
+        (tmp_path / "src.bin").write_bytes(b"x" * 10)
+        with pytest.raises(FileExistsError):
+            copy_file(tmp_path / "src.bin", tmp_path / name)
+    assert victim.read_bytes() == b"keep me"

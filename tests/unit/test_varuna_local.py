@@ -163,7 +163,7 @@ def test_plan_sets_micro_batch_and_schedule(tmp_path) -> None:
 
 
 def test_checkpoint_retention_and_resume_in_one_process(tmp_path) -> None:
-    from varuna_core.checkpoint import checkpoint_dirs
+    from varuna_core.ckpt_layout import scan
 
     vm = _wrap()
     opt = torch.optim.AdamW(vm.parameters(), lr=1e-2)
@@ -173,7 +173,7 @@ def test_checkpoint_retention_and_resume_in_one_process(tmp_path) -> None:
         opt.step()
         opt.zero_grad()
         vm.checkpoint(tmp_path, keep=2)
-    assert [(s, ok) for s, _, ok in checkpoint_dirs(tmp_path)] == [(2, True), (3, True)]
+    assert [(e.step, e.complete) for e in scan(tmp_path)] == [(2, True), (3, True)]
     after = {n: p.detach().clone() for n, p in vm.named_parameters()}
     fresh = _wrap()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)

@@ -52,9 +52,14 @@ def list_(
     from varuna_core.units import format_bytes
 
     infos = list_checkpoints(store)
-    latest = max((i.step for i in infos if i.complete), default=None)
+    newest: dict[str | None, int] = {}  # run -> its latest complete step
+    for i in infos:
+        if i.complete:
+            newest[i.run] = i.step
+    latest = next(iter(newest.values())) if len(newest) == 1 else None
     if as_json:
         doc = {"store": str(store), "latest_complete": latest,
+               "latest_by_run": {run or "": step for run, step in newest.items()},
                "checkpoints": [i.model_dump(mode="json") for i in infos]}
         typer.echo(json.dumps(doc, indent=2))
         return
@@ -67,8 +72,8 @@ def list_(
     if len(models) == 1:
         title += f" of {_plain(models[0])}"
     table = Table(title=title, title_justify="left")
-    for col, just in (("step", "right"), ("status", "left"), ("size", "right"), ("pp×dp", "right"),
-                      ("rank map", "left"), ("plan", "left"), ("created", "left")):
+    for col, just in (("step", "right"), ("status", "left"), ("run", "left"), ("size", "right"),
+                      ("pp×dp", "right"), ("rank map", "left"), ("plan", "left"), ("created", "left")):
         table.add_column(col, justify=just, no_wrap=col != "rank map", overflow="fold")
     if len(models) > 1:
         table.add_column("model", overflow="fold")
@@ -76,16 +81,17 @@ def list_(
         if i.manifest_error is not None and i.complete:
             status = "[red]bad manifest[/red]"
         elif i.complete:
-            status = "latest" if i.step == latest else "complete"
+            status = "latest" if newest.get(i.run) == i.step else "complete"
         else:
             status = "[yellow]incomplete[/yellow]"
         world = f"{i.pp}×{i.dp}" if i.pp is not None else "-"
         created = (i.created or "-").replace("T", " ")[:16]
-        row = [str(i.step), status, format_bytes(i.bytes), world, _plain(i.stage_to_rank_map or "-"),
+        row = [str(i.step), status, _plain(i.run or "-"), format_bytes(i.bytes), world,
+               _plain(i.stage_to_rank_map or "-"),
                "yes" if i.plan else "no", _plain(created)]
         if len(models) > 1:
             row.append(_plain(i.model or "-"))
-        table.add_row(*row, style="bold" if i.step == latest else None)
+        table.add_row(*row, style="bold" if i.complete and newest.get(i.run) == i.step else None)
     _console().print(table)
 
 
