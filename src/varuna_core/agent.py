@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import signal
 import subprocess
@@ -35,6 +36,7 @@ __all__ = ["main", "worker_env"]
 
 _PR_SET_PDEATHSIG = 1
 IDLE_EXIT = 600.0  # seconds an agent whose workers have all exited waits for the launcher before leaving
+MAX_LINE = 64 * 2**10  # bytes of a worker's output line forwarded as one event (longer lines are split)
 _out_lock = threading.Lock()
 
 
@@ -93,8 +95,10 @@ class Agent:
 
             import torch.distributed as dist
 
-            self.store = dist.TCPStore("0.0.0.0", int(port or 0), len(self.spec["workers"]), is_master=True,
-                                       wait_for_workers=False, timeout=datetime.timedelta(seconds=600))
+            self.listen = _store_socket(self.spec["master_addr"], int(port or 0))
+            self.store = dist.TCPStore(self.spec["master_addr"], self.listen.getsockname()[1],
+                                       len(self.spec["workers"]), is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=600), master_listen_fd=self.listen.fileno())
             port = self.store.port
             emit("store", port=port)
         plan_path = None
@@ -126,14 +130,15 @@ class Agent:
             self.pumps.append(pump)
 
     def _pump(self, rank: int, proc: subprocess.Popen) -> None:
-        """Forward the worker's output line by line, then its exit code (after the last line)."""
-        for raw in iter(proc.stdout.readline, b""):
+        """Forward the worker's output line by line (a line longer than :data:`MAX_LINE` bytes in pieces of that
+        size, so that output without newlines cannot grow memory), then its exit code (after the last line)."""
+        for raw in iter(lambda: proc.stdout.readline(MAX_LINE), b""):
             emit("log", rank=rank, line=raw.decode(errors="replace").rstrip("\n"))
         proc.stdout.close()
         emit("exit", rank=rank, code=proc.wait())
 
     def signal(self, name: str) -> None:
-        sig = getattr(signal, name, None)
+        sig = getattr(signal, name, None) if name in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT") else None
         if not isinstance(sig, signal.Signals):
             emit("error", message=f"unknown signal {name!r}")
             return
@@ -173,29 +178,89 @@ def _killpg(pid: int, sig: int) -> None:
         pass
 
 
+def _store_socket(address: str, port: int):
+    """A listening TCP socket for the job's store on ``address`` only (a local job's store on the loopback is
+    then unreachable from the network; torch's own server would listen on every interface). Falls back to every
+    interface when ``address`` is not one of this machine's (e.g. behind NAT)."""
+    import socket
+
+    for host in (address, ""):
+        try:
+            family = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM)[0][0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+            return sock
+        except OSError as exc:
+            if not host:
+                raise
+            emit("error", message=f"the job's store cannot listen on {address} only ({exc.strerror or exc}); "
+                                  f"it listens on every interface")
+    raise AssertionError("unreachable")
+
+
+def _grace(value, default: float) -> float:
+    """A grace period from the launcher: a finite number of seconds in [0, 3600], else ``default``."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return default
+    return min(max(number, 0.0), 3600.0) if math.isfinite(number) else default
+
+
+def _read_spec() -> dict | None:
+    first = sys.stdin.readline(16 * 2**20)
+    if not first:
+        return None
+    try:
+        spec = json.loads(first)
+        if not isinstance(spec, dict) or not isinstance(spec.get("workers"), list) or not spec.get("argv"):
+            raise ValueError("not a node spec")
+    except (ValueError, RecursionError) as exc:
+        emit("error", message=f"the launcher sent an invalid node spec: {exc}")
+        sys.stdout.flush()
+        os._exit(2)
+    return spec
+
+
+def sigterm_handler(agent: Agent, grace: float):
+    """The agent's SIGTERM handler: stop the workers and leave. Python runs a handler in the main thread between
+    two bytecodes, possibly inside :func:`emit` holding its (non-reentrant) lock; stopping inline would then wait
+    for that lock forever. So the handler only starts a thread that stops."""
+
+    def on_term(signum, frame) -> None:  # noqa: ARG001
+        threading.Thread(target=lambda: (agent.stop(grace), _finish(agent)), name="sigterm", daemon=True).start()
+
+    return on_term
+
+
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when to stop; a terminal's ^C is its
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    first = sys.stdin.readline()
-    if not first:
+    spec = _read_spec()
+    if spec is None:
         return
-    agent = Agent(json.loads(first))
-    signal.signal(signal.SIGTERM, lambda *_: (agent.stop(float(agent.spec.get("grace", 5))), _finish(agent)))
+    agent = Agent(spec)
+    default_grace = _grace(spec.get("grace"), 5.0)
+    signal.signal(signal.SIGTERM, sigterm_handler(agent, default_grace))
     agent.start()
     threading.Thread(target=_watchdog, args=(agent,), name="watchdog", daemon=True).start()
-    for line in sys.stdin:
+    for line in iter(lambda: sys.stdin.readline(MAX_LINE), ""):
         try:
             cmd = json.loads(line)
-        except ValueError:
+            if not isinstance(cmd, dict):
+                raise ValueError
+        except (ValueError, RecursionError):
             emit("error", message=f"not a command: {line.strip()[:80]!r}")
             continue
         if cmd.get("cmd") == "signal":
             agent.signal(str(cmd.get("signal")))
         elif cmd.get("cmd") == "stop":
-            agent.stop(float(cmd.get("grace", agent.spec.get("grace", 5))))
+            agent.stop(_grace(cmd.get("grace"), default_grace))
             break
     else:  # stdin closed: the launcher is gone
-        agent.stop(float(agent.spec.get("grace", 5)))
+        agent.stop(default_grace)
     _finish(agent)
 
 

@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from .artifacts import Plan
-from .errors import ConfigError, VarunaError
+from .errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, ConfigError, VarunaError
 from .heartbeat import Listener
 from .hosts import Host
 from .remote import AgentHandle, Runtime, SSHConfig
 from .stragglers import Straggler, StragglerDetector
-from .supervision import EXIT_CHECKPOINTED
 
 __all__ = ["LaunchError", "LaunchOptions", "Node", "place", "JobFiles", "Outcome", "Attempt", "Status", "Reporter",
            "worker_argv"]
@@ -68,6 +67,7 @@ class LaunchOptions:
     preempt_margin: float = 30.0
     grace: float = 10.0
     straggler_threshold: float = 0.3
+    run_id: str | None = None  # the run to resume (--resume) or to start under; default: found or new
 
 
 @dataclass(frozen=True)
@@ -182,12 +182,15 @@ class Reporter(Protocol):
 
 @dataclass
 class Outcome:
-    """How an attempt ended. ``kind``: ``done``, ``crash``, ``morph``, ``checkpointed``, ``interrupted``."""
+    """How an attempt ended. ``kind``: ``done``, ``crash``, ``morph``, ``checkpointed``, ``terminated`` (the
+    launcher got SIGTERM), ``interrupted``."""
 
     kind: str
     message: str = ""
     hosts: list[Host] | None = None  # morph: the hosts to continue on
     step: int | None = None  # the last step the workers completed
+    refused: bool = False  # crash: the checkpoint to resume from was refused by the workers
+    suspects: list[str] | None = None  # crash: the hosts that may be down (None: any of them)
 
 
 class Attempt:
@@ -195,16 +198,18 @@ class Attempt:
 
     def __init__(self, number: int, plan: Plan, nodes: list[Node], resume: int | None, opts: LaunchOptions,
                  files: JobFiles, listener: Listener, reporter: Reporter, status: Status, job: str, token: str,
-                 manager_address: Callable[[Host], str]) -> None:
+                 manager_address: Callable[[Host], str], run_id: str) -> None:
         self.number, self.plan, self.nodes, self.resume = number, plan, nodes, resume
         self.opts, self.files, self.listener, self.reporter, self.status = opts, files, listener, reporter, status
-        self.job, self.token, self.manager_address = job, token, manager_address
+        self.job, self.token, self.manager_address, self.run_id = job, token, manager_address, run_id
         self.world = plan.pp * plan.dp
         self.events: queue.Queue[tuple[int, dict]] = queue.Queue()
         self.agents: list[AgentHandle] = []
         self.exits: dict[int, int] = {}
+        self.errors: dict[int, str] = {}  # rank -> the last "error: ..." line it printed
         self.gone: set[int] = set()
         self.rank_host = {rank: node.host.name for node in nodes for rank, _ in node.ranks}
+        self.node_ranks = {node.index: {rank for rank, _ in node.ranks} for node in nodes}
         stage_of = {}
         for s, ranks in enumerate(plan.stage_to_rank_map.rstrip(";").split(";")):
             for r in ranks.split(","):
@@ -222,6 +227,7 @@ class Attempt:
         env.update(
             VARUNA_CKPT_DIR=str(self.opts.ckpt_dir), VARUNA_RUN_DIR=str(self.opts.run_dir),
             VARUNA_JOB_ID=self.job, VARUNA_JOB_TOKEN=self.token, VARUNA_ATTEMPT=str(self.number),
+            VARUNA_RUN_ID=self.run_id,
             VARUNA_MANAGER=f"{self.manager_address(node.host)}:{self.listener.port}",
         )
         if self.resume is not None:
@@ -306,31 +312,44 @@ class Attempt:
     # ------------------------------------------------------------------------------------------------------
     # Watch
 
-    def run(self, changes: Callable[[], tuple[list[Host], str] | None]) -> Outcome:
+    def run(self, changes: Callable[[], tuple[list[Host], str] | None],
+            terminating: Callable[[], int] = lambda: 0) -> Outcome:
         """Watch the workers until the attempt ends. ``changes()`` says whether the set of hosts should change
-        (the new hosts and why); the workers are then asked to checkpoint and stop."""
-        morph: tuple[list[Host], str] | None = None
+        (the new hosts and why); ``terminating()`` whether the launcher must stop (1: after an on-demand
+        checkpoint, 2: now). For either, the workers are asked to checkpoint and stop."""
+        request: Outcome | None = None  # what the attempt ends as once the workers have checkpointed and stopped
         asked_at: float | None = None
         try:
             while True:
                 self._drain(0.25)
                 self._heartbeats()
-                outcome = self._ended(morph)
+                outcome = self._ended(request)
                 if outcome is not None:
                     return outcome
-                lost = self._silent()
-                if lost:
-                    return Outcome("crash", lost)
-                if morph is None and (change := changes()) is not None:
-                    morph = change
-                    asked_at = time.monotonic()
-                    if not self._ask_to_checkpoint(change[1]):
-                        return Outcome("morph", change[1] + " (before the first step: nothing to checkpoint)",
-                                       hosts=change[0], step=self.resume)
+                silent = self._silent()
+                if silent:
+                    why, host = silent
+                    return Outcome("crash", why, hosts=request.hosts if request else None, suspects=[host])
+                urgency = terminating()
+                if urgency >= 2:
+                    return Outcome("terminated", "SIGTERM again: stopped without waiting for the checkpoint")
+                if request is None or (urgency and request.kind != "terminated"):
+                    new = None
+                    if urgency:
+                        new = Outcome("terminated", "SIGTERM: stopped after an on-demand checkpoint")
+                    elif (change := changes()) is not None:
+                        new = Outcome("morph", change[1], hosts=change[0])
+                    if new is not None:
+                        first, request = request is None, new
+                        if first:
+                            asked_at = time.monotonic()
+                            if not self._ask_to_checkpoint(new.message):
+                                return Outcome(new.kind, new.message + " (before the first step: nothing to "
+                                               "checkpoint)", hosts=new.hosts, step=self.resume)
                 if asked_at is not None and time.monotonic() - asked_at > self.opts.morph_timeout:
-                    return Outcome("morph", f"{morph[1]}; the on-demand checkpoint did not finish within "
-                                   f"{self.opts.morph_timeout:g}s: continuing from the last complete checkpoint",
-                                   hosts=morph[0])
+                    return Outcome(request.kind, f"{request.message}; the on-demand checkpoint did not finish "
+                                   f"within {self.opts.morph_timeout:g}s: continuing from the last complete "
+                                   f"checkpoint", hosts=request.hosts)
         except KeyboardInterrupt:
             return Outcome("interrupted", "interrupted")
 
@@ -361,8 +380,15 @@ class Attempt:
 
     def _handle(self, node: int, event: dict) -> None:
         kind = event.get("event")
+        if "rank" in event and event["rank"] not in self.node_ranks[node]:
+            self.reporter.event(f"agent on {self.agents[node].host.name} reported rank {event['rank']}, which it "
+                                f"does not run: ignored")
+            return
         if kind == "log":
-            self.files.log_line(int(event["rank"]), str(event.get("line", "")))
+            self.files.log_line(event["rank"], event["line"])
+            said = event["line"].split("] ", 1)[-1] if event["line"].startswith("[rank ") else event["line"]
+            if said.startswith("error: "):
+                self.errors[event["rank"]] = said[len("error: "):][:500]
         elif kind == "exit":
             self.exits[int(event["rank"])] = int(event["code"])
         elif kind == "gone":
@@ -398,8 +424,8 @@ class Attempt:
             self.reporter.event(f"straggler: rank {s.rank} on {s.host} computes {s.ratio:.2f}x the median")
         self.reporter.status(self.status)
 
-    def _silent(self) -> str | None:
-        """Why the attempt must be given up for lack of news, or None."""
+    def _silent(self) -> tuple[str, str] | None:
+        """Why the attempt must be given up for lack of news, and the host that fell silent; or None."""
         now = time.monotonic()
         beats = self.listener.snapshot()
         running = [r for r in range(self.world) if r not in self.exits]
@@ -408,35 +434,42 @@ class Attempt:
             if beat is None:
                 if now - self.started_at > self.opts.start_timeout:
                     return (f"rank {r} on {self.rank_host[r]} sent no heartbeat within {self.opts.start_timeout:g}s "
-                            f"of its start (log: {self.files.rank_log(r)})")
+                            f"of its start (log: {self.files.rank_log(r)})"), self.rank_host[r]
             elif now - beat.received > self.opts.heartbeat_timeout:
                 return (f"rank {r} on {self.rank_host[r]} missed its heartbeats for "
-                        f"{now - beat.received:.0f}s (log: {self.files.rank_log(r)})")
+                        f"{now - beat.received:.0f}s (log: {self.files.rank_log(r)})"), self.rank_host[r]
         return None
 
-    def _ended(self, morph: tuple[list[Host], str] | None) -> Outcome | None:
+    def _ended(self, request: Outcome | None) -> Outcome | None:
+        hosts = request.hosts if request else None
         lost = [self.agents[n].host.name for n in self.gone
                 if any(r not in self.exits for r, _ in self.nodes[n].ranks)]
         if lost:
-            return Outcome("crash", f"lost the agent on {', '.join(lost)} (host down or SSH dropped)",
-                           hosts=morph[0] if morph else None)
+            return Outcome("crash", f"lost the agent on {', '.join(lost)} (host down or SSH dropped)", hosts=hosts,
+                           suspects=lost)
         bad = {r: c for r, c in self.exits.items() if c not in (0, EXIT_CHECKPOINTED)}
         if bad:
             first = next(iter(bad))  # exits are recorded in the order they happened
             what = f"rank {first} on {self.rank_host[first]} exited with {_describe(bad[first])}"
-            return Outcome("crash", f"{what} (log: {self.files.rank_log(first)})", hosts=morph[0] if morph else None)
+            refused = bad[first] == EXIT_BAD_CHECKPOINT and self.resume is not None
+            if refused:
+                what = f"rank {first} on {self.rank_host[first]} could not load checkpoint step_{self.resume}"
+                if first in self.errors:
+                    what += f": {self.errors[first]}"
+            return Outcome("crash", f"{what} (log: {self.files.rank_log(first)})", hosts=hosts, refused=refused,
+                           suspects=[])  # its agent reported the exit: the host is up
         if len(self.exits) < self.world:
             return None
         codes = set(self.exits.values())
         step = max((b.step for b in self.listener.snapshot().values()), default=None)
         if codes == {0}:
             return Outcome("done", "every worker finished", step=step)
-        if morph is not None:
-            return Outcome("morph", morph[1], hosts=morph[0], step=step)
+        if request is not None:
+            return Outcome(request.kind, request.message, hosts=request.hosts, step=step)
         if codes == {EXIT_CHECKPOINTED}:
             return Outcome("checkpointed", "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)",
                            step=step)
-        return Outcome("crash", "some workers finished while others stopped to checkpoint", step=step)
+        return Outcome("crash", "some workers finished while others stopped to checkpoint", step=step, suspects=[])
 
     # ------------------------------------------------------------------------------------------------------
     # Stop

@@ -8,10 +8,20 @@ Between attempts it
   data-parallel width); the job restarts from that checkpoint on the new hosts. A host that comes back makes
   the job grow again the same way;
 * **restarts** after a crash (a worker's non-zero exit, a lost host, missed heartbeats) from the last complete
-  checkpoint, with up to ``max_restarts`` consecutive attempts that make no progress, waiting ``backoff``,
-  2×``backoff``, ... seconds in between, and without hosts that no longer answer.
+  checkpoint of this run, with up to ``max_restarts`` consecutive attempts that make no progress — progress is
+  a new complete checkpoint, not training steps, so a job whose every save fails gives up — waiting
+  ``backoff``, 2×``backoff``, ... seconds in between, and without hosts that no longer answer. A checkpoint the
+  workers refuse to load (corrupt, incomplete) is set aside and the previous one is used.
 
 Without ``--morph`` the first crash ends the job (exit 1) with the rank, host and log that failed.
+
+The job's checkpoints belong to one **run** (:mod:`varuna_core.ckpt_layout`): a new job refuses a checkpoint
+store that already holds checkpoints (``--resume`` continues the run it finds there), so a reused store can
+neither delete the new job's checkpoints nor make a restart resume an older job's.
+
+**SIGTERM** (a scheduler's, or a spot VM's shutdown) is treated like a preemption notice for every host: the
+workers write an on-demand checkpoint and stop, and the launcher exits with 143; a second SIGTERM stops at
+once. ``--resume`` continues from that checkpoint.
 """
 
 from __future__ import annotations
@@ -21,34 +31,55 @@ import json
 import math
 import os
 import secrets
+import signal
+import threading
 import time
 import uuid
 from pathlib import Path
 
-from .artifacts import Plan, save_plan
+from .artifacts import Plan, load_plan, save_plan
+from .ckpt_layout import check_run_id, describe_runs, new_run_id, quick_check, runs, scan
 from .errors import ConfigError, VarunaError
 from .heartbeat import Listener
 from .hosts import Host, HostsWatcher
 from .launch import Attempt, JobFiles, LaunchError, LaunchOptions, Outcome, Reporter, Status, place
 from .netinfo import route_to
 from .remote import check_hosts
+from .util.fs import atomic_write
 
-__all__ = ["Manager", "replan", "latest_checkpoint"]
+__all__ = ["Manager", "replan", "choose_run", "EXIT_TERMINATED"]
 
 _WAIT_POLL = 1.0
+EXIT_TERMINATED = 143  # 128 + SIGTERM: the launcher stopped the job on SIGTERM (after checkpointing it)
 
 
-def latest_checkpoint(store: Path) -> int | None:
-    """The newest complete checkpoint's step in ``store`` (None if there is none)."""
-    from .ckpt_tools import list_checkpoints
+def choose_run(store: Path, resume: bool, run_id: str | None) -> tuple[str, set[str | None]]:
+    """The run a job continues (``resume``) or starts in ``store``, and the run ids whose checkpoints it may
+    resume from (its own, plus ``None`` when it continues checkpoints of a release that recorded no run).
 
-    if not Path(store).is_dir():
-        return None
-    try:
-        complete = [c.step for c in list_checkpoints(store) if c.complete]
-    except VarunaError:
-        return None
-    return complete[-1] if complete else None
+    Raises:
+        ConfigError: a new job in a store that already holds checkpoints (any run's, complete or not), or
+            ``resume`` in a store of several runs without ``run_id``.
+    """
+    if run_id is not None:
+        check_run_id(run_id, "--run-id")
+    entries = scan(store)
+    if not resume:
+        if entries:
+            partial = sum(not e.complete for e in entries)
+            raise ConfigError(f"checkpoint store {store} already holds checkpoints ({describe_runs(entries)}"
+                              + (f"; {partial} partial" if partial else "") + ")",
+                              hint="--resume continues from the latest of them; to start afresh, give another "
+                                   "--ckpt-dir (or --run-dir) or remove that store")
+        chosen = run_id or new_run_id()
+        return chosen, {chosen}
+    groups = runs([e for e in entries if e.complete])
+    if run_id is None and len(groups) > 1:
+        raise ConfigError(f"checkpoint store {store} holds checkpoints of {len(groups)} runs ({describe_runs(entries)})",
+                          hint="choose the run to resume with --run-id ID")
+    found = run_id if run_id is not None else next(iter(groups), None)
+    chosen = found or new_run_id()
+    return chosen, {chosen} | ({None} if run_id is None and None in groups else set())
 
 
 def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True) -> tuple[Plan, str]:
@@ -91,14 +122,14 @@ def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True
                           "profile file that the launcher can read")
     mbs = min(plan.microbatch_size, plan.batch_size // dp)
     world = plan.pp * dp
-    new = plan.model_copy(update=dict(
+    new = load_plan(plan.model_copy(update=dict(
         gpus=devices, gpus_per_node=per_node, dp=dp, microbatch_size=mbs,
         num_microbatches=math.ceil(math.ceil(plan.batch_size / dp) / mbs),
         stage_to_rank_map=Topology.clustered(plan.pp, dp).to_string(),
         nodes=[list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)],
         alternatives=[],
         assumptions=[*plan.assumptions, f"re-planned without a profile for {devices} devices: same pipeline, "
-                     f"dp {plan.dp} -> {dp}; the predictions are the original plan's"]))
+                     f"dp {plan.dp} -> {dp}; the predictions are the original plan's"])))  # checked: may not fit
     return new, f"no profile to plan from: pp={plan.pp} kept, dp {plan.dp} -> {dp}"
 
 
@@ -113,21 +144,35 @@ class Manager:
         self.desired = list(self.hosts)
         self.watcher = HostsWatcher(hosts_file, default_slots) if hosts_file is not None else None
         self.preempted: dict[str, float] = {}  # host name -> when (monotonic) it goes away
+        self.run_id, self.runs = choose_run(opts.ckpt_dir, opts.resume, opts.run_id)
         self.job = uuid.uuid4().hex
         self.token = secrets.token_hex(32)
         self.files = JobFiles(opts.run_dir)
         self.listener = Listener(self.job, self.token, bind="127.0.0.1" if self.local else "0.0.0.0")
         self.status = Status()
+        self.sigterms = 0  # SIGTERMs received: 1 = checkpoint and stop, 2 = stop now
+        self.refused: dict[int, str] = {}  # steps that cannot be loaded, and why
         self._write_manager_file()
 
     def _write_manager_file(self) -> None:
         """Where ``varuna notify-preempt`` finds the manager, with the token that authenticates it (0600)."""
-        path = self.opts.run_dir / "manager.json"
-        tmp = path.with_name(".manager.json.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"job": self.job, "token": self.token, "port": self.listener.port, "pid": os.getpid()}, f)
-        tmp.replace(path)
+        info = {"job": self.job, "token": self.token, "port": self.listener.port, "pid": os.getpid(),
+                "run": self.run_id}
+        atomic_write(self.opts.run_dir / "manager.json", json.dumps(info), mode=0o600)
+
+    def latest(self) -> int | None:
+        """The step of this run's newest checkpoint that looks loadable; the ones that do not (or that the
+        workers refused) are set aside with the reason, once."""
+        for entry in reversed(scan(self.opts.ckpt_dir)):
+            if entry.run not in self.runs or not entry.complete or entry.step in self.refused:
+                continue
+            problem = quick_check(entry)
+            if problem is None:
+                return entry.step
+            self.refused[entry.step] = problem
+            self.reporter.event(f"checkpoint step_{entry.step} cannot be used ({problem}); trying the one before")
+            self.files.event("checkpoint_refused", step=entry.step, reason=problem)
+        return None
 
     def manager_address(self, host: Host) -> str:
         """The address of this machine that ``host`` reaches (where its workers send heartbeats)."""
@@ -138,15 +183,19 @@ class Manager:
     # ------------------------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Run attempts until the job finishes (0), fails for good (1) or is interrupted (130)."""
+        """Run attempts until the job finishes (0), fails for good (1), is interrupted (130) or stopped by
+        SIGTERM (143)."""
         opts = self.opts
-        resume = latest_checkpoint(opts.ckpt_dir) if opts.resume else None
+        resume = self.latest() if opts.resume else None
         if opts.resume:
-            self.reporter.event(f"resuming from {opts.ckpt_dir}/step_{resume}" if resume is not None
-                                else f"--resume: no complete checkpoint in {opts.ckpt_dir}; starting from scratch")
+            self.reporter.event(f"resuming run {self.run_id} from {opts.ckpt_dir}/step_{resume}" if resume is not None
+                                else f"--resume: no loadable checkpoint in {opts.ckpt_dir}; starting from scratch")
         restarts, number = 0, 0
+        previous = self._handle_sigterm()
         try:
             while True:
+                if self.sigterms:
+                    return self._terminated("SIGTERM between attempts")
                 number += 1
                 outcome = self._attempt(number, resume, restarts)
                 if outcome.kind == "done":
@@ -154,30 +203,67 @@ class Manager:
                     return 0
                 if outcome.kind == "interrupted":
                     return 130
+                if outcome.kind == "terminated":
+                    return self._terminated(outcome.message)
                 if outcome.kind == "crash":
                     if not opts.morph:
                         raise LaunchError(outcome.message, hint="--morph restarts a job from its last complete "
                                           "checkpoint after a crash")
-                    progressed = outcome.step is not None and outcome.step > (resume or 0)
+                    if outcome.refused and resume is not None:
+                        self.refused[resume] = outcome.message
+                        self.files.event("checkpoint_refused", step=resume, reason=outcome.message)
+                        self.reporter.event(f"checkpoint step_{resume} was refused by the workers; falling back to "
+                                            f"the one before it")
+                    newest = self.latest()
+                    if outcome.refused and newest is None:
+                        self.reporter.event(f"no loadable checkpoint of run {self.run_id} is left in "
+                                            f"{opts.ckpt_dir}: starting again from step 0")
+                    progressed = newest is not None and (resume is None or newest > resume)
                     restarts = 1 if progressed else restarts + 1
                     if restarts > opts.max_restarts:
-                        raise LaunchError(f"giving up after {opts.max_restarts} restarts without progress: "
-                                          f"{outcome.message}", hint="see the rank logs in " f"{opts.run_dir}/logs")
+                        raise LaunchError(f"giving up after {opts.max_restarts} restarts without a new checkpoint: "
+                                          f"{outcome.message}", hint=f"see the rank logs in {opts.run_dir}/logs")
                     self.status.restarts += 1
                     delay = min(60.0, opts.backoff * 2 ** (restarts - 1))
                     self.reporter.event(f"crash: {outcome.message}; restarting in {delay:.0f}s "
                                         f"(restart {restarts} of at most {opts.max_restarts})")
-                    time.sleep(delay)
-                    hosts = self._reachable(outcome.hosts or self.desired)
+                    self._sleep(delay)
+                    hosts = self._reachable(outcome.hosts or self.desired, suspects=outcome.suspects)
                 else:  # morph / checkpointed
                     self.status.morphs += 1
                     hosts = self._reachable(outcome.hosts or self.hosts, only_new=True)
-                resume = latest_checkpoint(opts.ckpt_dir)
+                resume = self.latest()
                 self._reconfigure(hosts)
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             self.listener.close()
             self.files.close()
             self._draw_loss()
+
+    def _terminated(self, why: str) -> int:
+        last = self.latest()
+        self.files.event("terminated", reason=why, checkpoint=last)
+        self.reporter.event(f"stopped on SIGTERM: {why}; the latest checkpoint is "
+                            + (f"step_{last}" if last is not None else "none")
+                            + " (`varuna launch --resume` continues from it)")
+        return EXIT_TERMINATED
+
+    def _handle_sigterm(self):
+        """Count SIGTERMs (see the module docstring); returns the previous handler (None: not the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_term(signum, frame) -> None:  # noqa: ARG001 - only a counter: the loop acts on it
+            self.sigterms += 1
+
+        return signal.signal(signal.SIGTERM, on_term)
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake for a SIGTERM (the next attempt then stops at once)."""
+        deadline = time.monotonic() + seconds
+        while not self.sigterms and time.monotonic() < deadline:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _draw_loss(self) -> None:
         """``RUN_DIR/loss.png`` from the metrics, whatever the outcome (a failed run's curve helps most)."""
@@ -194,7 +280,7 @@ class Manager:
         world = self.plan.pp * self.plan.dp
         nodes = place(world, self.hosts)
         save_plan(self.plan, self.opts.run_dir / "plans" / f"attempt{number}.yaml")
-        self.listener.reset()
+        self.listener.reset(attempt=number)
         self.status.attempt, self.status.state = number, "starting"
         self.status.pp, self.status.dp, self.status.hosts = self.plan.pp, self.plan.dp, len(nodes)
         where = ", ".join(f"{n.host.name}×{len(n.ranks)}" for n in nodes)
@@ -205,7 +291,7 @@ class Manager:
                          microbatch=self.plan.microbatch_size, schedule=self.plan.schedule, resume=resume,
                          hosts=[n.host.name for n in nodes])
         attempt = Attempt(number, self.plan, nodes, resume, self.opts, self.files, self.listener, self.reporter,
-                          self.status, self.job, self.token, self.manager_address)
+                          self.status, self.job, self.token, self.manager_address, self.run_id)
         try:
             try:
                 attempt.start()
@@ -216,7 +302,9 @@ class Manager:
             except KeyboardInterrupt:
                 return Outcome("interrupted", "interrupted while starting")
             self.files.event("started", attempt=number)
-            outcome = attempt.run(lambda: self._changes())
+            if self.sigterms:
+                return Outcome("terminated", "SIGTERM before the attempt started")
+            outcome = attempt.run(lambda: self._changes(), lambda: self.sigterms)
             self.status.state = "stopping"
             self.files.event("ending", attempt=number, kind=outcome.kind, message=outcome.message,
                              step=outcome.step)
@@ -269,11 +357,13 @@ class Manager:
                                        f"added {', '.join(new)}" if new else "") if x)
         return effective, f"{' and '.join(reasons) or 'hosts changed'} ({detail or 'slots changed'})"
 
-    def _reachable(self, hosts: list[Host], only_new: bool = False) -> list[Host]:
-        """``hosts`` minus those that fail the pre-flight check (all, or only those not in the current set)."""
+    def _reachable(self, hosts: list[Host], only_new: bool = False, suspects: list[str] | None = None) -> list[Host]:
+        """``hosts`` minus those that fail the pre-flight check: all of them, only those not in the current set
+        (``only_new``), or only the ``suspects`` (hosts named by a crash; the others answered just now)."""
         if self.local:
             return hosts
-        to_check = [h for h in hosts if not only_new or h not in self.hosts]
+        to_check = [h for h in hosts if (not only_new or h not in self.hosts)
+                    and (suspects is None or h.name in suspects or h not in self.hosts)]
         problems = check_hosts(to_check, self.opts.ssh, self.opts.runtime) if to_check else []
         for p in problems:
             self.reporter.event(f"leaving out {p.host.name}: {p.message}")
@@ -302,12 +392,14 @@ class Manager:
                                         f"micro-batch {plan.microbatch_size}, {plan.schedule}")
                 return
             except VarunaError as exc:
+                if self.sigterms:
+                    return
                 if time.monotonic() > deadline:
                     raise LaunchError(f"no usable configuration on the hosts left: {exc.message}",
                                       hint="add hosts to the hosts file") from None
                 self.status.state = "waiting for hosts"
                 self.reporter.event(f"waiting for hosts: {exc.message}")
-                while time.monotonic() < deadline:
+                while time.monotonic() < deadline and not self.sigterms:
                     time.sleep(_WAIT_POLL)
                     change = self._changes(hosts)
                     if change is not None:

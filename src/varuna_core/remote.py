@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .hosts import Host
 
-__all__ = ["SSHConfig", "Runtime", "AgentHandle", "check_hosts", "HostProblem"]
+__all__ = ["SSHConfig", "Runtime", "AgentHandle", "check_hosts", "HostProblem", "parse_event"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class SSHConfig:
             argv += ["-l", user]
         if self.identity:
             argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
-        return [*argv, host.address, command]
+        return [*argv, "--", host.address, command]  # after --, a host named "-o..." is still a host
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,57 @@ def check_hosts(hosts: list[Host], ssh: SSHConfig, runtime: Runtime, timeout: fl
         return [p for p in pool.map(one, hosts) if p is not None]
 
 
+MAX_EVENT = 256 * 2**10  # bytes of one line of an agent's output (a worker's line is at most 64 KiB before JSON)
+
+# The events an agent sends (see varuna_core.agent) and the type of each field; anything else on its stdout is
+# not an event.
+_EVENTS: dict[str, dict[str, tuple[type, ...]]] = {
+    "ready": {"pid": (int,), "interface": (str, type(None)), "address": (str, type(None))},
+    "store": {"port": (int,)},
+    "started": {"rank": (int,), "pid": (int,)},
+    "log": {"rank": (int,), "line": (str,)},
+    "exit": {"rank": (int,), "code": (int,)},
+    "error": {"message": (str,)},
+    "stopped": {},
+}
+
+
+def parse_event(raw: bytes) -> dict | None:
+    """The event in one line of an agent's output, or None if the line is not a well-formed event: a JSON
+    object whose ``event`` is a known kind, with every field of that kind present and of its type (``bool`` is
+    not an ``int``), ports and ranks in range."""
+    try:
+        event = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(event, dict):
+        return None
+    fields = _EVENTS.get(event.get("event")) if isinstance(event.get("event"), str) else None
+    if fields is None:
+        return None
+    for name, types in fields.items():
+        value = event.get(name)
+        if not isinstance(value, types) or isinstance(value, bool):
+            return None
+    if "rank" in fields and not 0 <= event["rank"] < 2**20:
+        return None
+    if "port" in fields and not 0 < event["port"] < 65536:
+        return None
+    return event
+
+
+def _lines(stream, limit: int = MAX_EVENT):
+    """The lines of a binary stream, each at most ``limit`` bytes: the rest of a longer line is dropped."""
+    while True:
+        line = stream.readline(limit)
+        if not line:
+            return
+        if not line.endswith(b"\n") and len(line) == limit:
+            while (rest := stream.readline(limit)) and not rest.endswith(b"\n"):
+                pass
+        yield line
+
+
 class AgentHandle:
     """One node agent: its process (``python -m varuna_core.agent`` locally, or ``ssh HOST ...``), a writer for
     its commands, and a thread that puts its events on a shared queue as ``(node, event dict)``. An agent whose
@@ -136,17 +187,17 @@ class AgentHandle:
                 return False
 
     def _read(self) -> None:
-        for raw in self.proc.stdout:
-            try:
-                event = json.loads(raw)
-            except ValueError:  # a line that is not ours (a shell's motd, a warning): keep it for diagnosis
-                self.stderr.append(raw.decode(errors="replace").rstrip())
+        for raw in _lines(self.proc.stdout):
+            event = parse_event(raw)
+            if event is None:  # not ours (a shell's banner, a warning, a stray "42"): kept for diagnosis
+                self.stderr.append(raw[:300].decode(errors="replace").rstrip())
+                del self.stderr[:-20]
                 continue
             self._events.put((self.node, event))
         self._events.put((self.node, {"event": "gone", "code": self.proc.wait()}))
 
     def _read_stderr(self) -> None:
-        for raw in self.proc.stderr:
+        for raw in _lines(self.proc.stderr, 4096):
             line = raw.decode(errors="replace").rstrip()
             if line:
                 self.stderr.append(line)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.conftest import interrupt_and_expect_nothing_left, ROOT, TRAIN, VARUNA, job_processes
+from devtools.launching import listening_addresses, worker_pid
+from tests.launch.conftest import ROOT, TRAIN, VARUNA, interrupt_and_expect_nothing_left, job_processes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -20,14 +21,17 @@ def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def test_local_run_completes_with_per_rank_logs_and_metrics(plan4, tmp_path, launches) -> None:
-    launch = launches([str(plan4), "--", *TRAIN, "--steps", "20"], tmp_path / "run", timeout=180)
+    launch = launches([str(plan4), "--", *TRAIN, "--steps", "40"], tmp_path / "run", timeout=180)
+    launch.wait_for(lambda: len(launch.steps()) >= 2)
+    # a local job is off the network: its store (in the agent) and gloo (in the workers) listen on the loopback
+    assert listening_addresses([pid for pid, _ in job_processes(launch.job())]) == {"127.0.0.1"}
     assert launch.wait() == 0, launch.output()[-3000:]
     for rank in range(4):
         log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
         assert "===== attempt 1: rank" in log
     assert "final loss" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
     steps = launch.steps()
-    assert sorted(steps) == list(range(20)) and steps[19] < steps[0]
+    assert sorted(steps) == list(range(40)) and steps[39] < steps[0]
     kinds = [e["event"] for e in launch.events()]
     assert kinds[:2] == ["starting", "started"] and "first_step" in kinds and kinds[-1] == "stopped"
     assert next(e for e in launch.events() if e["event"] == "ending")["kind"] == "done"
@@ -82,22 +86,10 @@ def test_hosts_file_garbage_and_capacity_exit_2_before_any_ssh(plan4, tmp_path) 
     assert done.returncode == 2 and "the first host, localhost, is the master and resolves to loopback" in done.stderr
 
 
-def _worker_pid(job: str, rank: int) -> int | None:
-    for pid, cmd in job_processes(job):
-        if "train.py" in cmd:
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"RANK={rank}".encode() in env:
-                return pid
-    return None
-
-
 def test_a_crash_without_morph_stops_the_job_naming_the_rank(plan4, tmp_path, launches) -> None:
     launch = launches([str(plan4), "--", *TRAIN, "--steps", "100000"], tmp_path / "run", timeout=180)
     launch.wait_for(lambda: len(launch.steps()) >= 5)
-    pid = _worker_pid(launch.job(), 1)
+    pid = worker_pid(launch.job(), 1)
     os.kill(pid, signal.SIGKILL)
     assert launch.wait() == 1
     out = launch.output()
@@ -132,19 +124,3 @@ def test_the_example_runs_unchanged_under_torchrun(tmp_path) -> None:
                           env=dict(os.environ, OMP_NUM_THREADS="1", VARUNA_CACHE_DIR=str(tmp_path / "cache")))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 stage(s) x 2 replica(s)" in done.stdout and "final loss" in done.stdout
-
-
-def test_missed_heartbeats_restart_the_job_from_the_last_checkpoint(plan4, tmp_path, launches) -> None:
-    """A worker that stops answering (SIGSTOP: frozen, as on a hung machine) is noticed by its missing
-    heartbeats; the job restarts from its last complete checkpoint and finishes."""
-    launch = launches([str(plan4), "--morph", "--heartbeat-timeout", "5", "--ckpt-every", "5", "--grace", "1", "--", *TRAIN,
-                       "--steps", "30"], tmp_path / "run", timeout=240)
-    launch.wait_for(lambda: (tmp_path / "run" / "checkpoints" / "step_10" / "COMPLETE").exists())
-    os.kill(_worker_pid(launch.job(), 2), signal.SIGSTOP)
-    assert launch.wait() == 0, launch.output()[-3000:]
-    ends = [e for e in launch.events() if e["event"] == "ending"]
-    assert ends[0]["kind"] == "crash" and "rank 2 on 127.0.0.1 missed its heartbeats" in ends[0]["message"]
-    starts = [e for e in launch.events() if e["event"] == "starting"]
-    assert len(starts) == 2 and starts[1]["resume"] >= 10
-    assert sorted(launch.steps()) == list(range(30))
-    assert job_processes(launch.job()) == []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -12,7 +14,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from varuna_core.errors import ConfigError
+from varuna_core.errors import ConfigError, VarunaError
+from varuna_core.hosts import MAX_SLOTS
 
 HELP = (
     "Run SCRIPT on every device of PLAN: local processes, or the hosts of --hosts over SSH.\n\n"
@@ -22,36 +25,128 @@ HELP = (
     "With --morph the job survives machines coming and going: when the hosts file changes, or `varuna "
     "notify-preempt HOST` says a host goes away, the workers checkpoint and stop, the plan is made again for the "
     "new device count (same global batch) and the job continues from that checkpoint; after a crash it restarts "
-    "from the last complete checkpoint.\n\n"
+    "from the last complete checkpoint it can load.\n\n"
+    "SIGTERM (a scheduler's warning) makes every worker checkpoint, then the launcher exits with 143. A checkpoint "
+    "store that already holds checkpoints is refused unless --resume continues its run.\n\n"
     "Put -- before SCRIPT so that its options are not read as the launcher's: "
     "varuna launch plan.yaml --hosts hosts.txt --morph -- examples/gpt/train.py --steps 400"
 )
 
 
-def _env_file(path: Path) -> dict[str, str]:
-    """``KEY=VALUE`` lines (``export`` allowed, ``#`` comments, values may be quoted); every line counts."""
-    import shlex
+ENV_FILE_LIMIT = 256 * 2**10
+MAX_ENV_STRING = 128 * 2**10 - 1  # Linux refuses to start a process with a longer KEY=VALUE (MAX_ARG_STRLEN)
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Variables the launcher sets for every worker; the option that sets each, where there is one.
+RESERVED_ENV = {
+    "RANK": None, "LOCAL_RANK": None, "WORLD_SIZE": None, "LOCAL_WORLD_SIZE": None, "GROUP_RANK": None,
+    "MASTER_ADDR": None, "MASTER_PORT": None, "TORCHELASTIC_USE_AGENT_STORE": None, "VARUNA_HOST": None,
+    "VARUNA_JOB_ID": None, "VARUNA_JOB_TOKEN": None, "VARUNA_ATTEMPT": None, "VARUNA_RUN_ID": None,
+    "VARUNA_MANAGER": None, "VARUNA_PLAN": "the PLAN argument", "VARUNA_CKPT_DIR": "--ckpt-dir",
+    "VARUNA_RUN_DIR": "--run-dir", "VARUNA_RESUME_STEP": "--resume", "VARUNA_CKPT_EVERY": "--ckpt-every",
+    "VARUNA_CKPT_KEEP": "--ckpt-keep", "VARUNA_CKPT_TEMPDIR": "--ckpt-tempdir", "VARUNA_TOTAL_STEPS": "--steps",
+}
 
+
+def _env_file(path: Path) -> dict[str, str]:
+    """``KEY=VALUE`` lines (``export`` allowed, ``#`` comments, values may be quoted); every line counts.
+
+    The file must be a regular UTF-8 text file of at most :data:`ENV_FILE_LIMIT` bytes without NUL bytes (no
+    process environment can hold one), and may not set what the launcher sets for each worker
+    (:data:`RESERVED_ENV`): a worker with another worker's RANK, or another job's token, would hang the job or
+    have its messages refused.
+    """
+    from varuna_core.util.fs import read_regular
+
+    data = read_regular(path, ENV_FILE_LIMIT, what="env file")
+    line_of = lambda offset: data.count(b"\n", 0, offset) + 1  # noqa: E731
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ConfigError(f"env file {path} line {line_of(nul)} holds a NUL byte",
+                          hint="an environment variable cannot hold one; is it the right file?")
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read env file {path}: {exc.strerror or exc}") from None
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"env file {path} line {line_of(exc.start)} is not UTF-8 text",
+                          hint="is it the right file?") from None
     env = {}
     for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("export "):
-            line = line[len("export "):].strip()
-        key, sep, value = line.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise ConfigError(f"env file {path} line {number}: not KEY=VALUE: {raw.strip()!r}")
-        try:
-            words = shlex.split(value, comments=True)
-        except ValueError as exc:
-            raise ConfigError(f"env file {path} line {number}: {exc}: {raw.strip()!r}") from None
-        env[key.strip()] = " ".join(words)
+        key, value = _env_line(raw, f"env file {path} line {number}")
+        if key is not None:
+            env[key] = value
     return env
+
+
+def _env_line(raw: str, where: str) -> tuple[str | None, str]:
+    """The ``(KEY, VALUE)`` of one line of an env file, ``(None, "")`` for a blank or comment line."""
+    import shlex
+
+    line = raw.strip()
+    if not line or line.startswith("#"):
+        return None, ""
+    if line.startswith("export "):
+        line = line[len("export "):].strip()
+    key, sep, value = line.partition("=")
+    key = key.strip()
+    shown = _shown(raw.strip())
+    if not sep or not _ENV_KEY.fullmatch(key):
+        raise ConfigError(f"{where}: not KEY=VALUE: {shown}", hint="a KEY is letters, digits and _")
+    if key in RESERVED_ENV:
+        option = RESERVED_ENV[key]
+        raise ConfigError(f"{where}: {key} is set by the launcher for every worker", hint=(
+            f"use {option} instead" if option else "remove the line; each worker gets its own value"))
+    try:
+        words = shlex.split(value, comments=True)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}: {shown}") from None
+    value = " ".join(words)
+    if len(key) + 1 + len(value.encode()) > MAX_ENV_STRING:
+        raise ConfigError(f"{where}: {key} is {len(value.encode()):,} bytes long; a process cannot be started with "
+                          f"an environment string over {MAX_ENV_STRING:,} bytes")
+    return key, value
+
+
+def _shown(value: object, limit: int = 120) -> str:
+    """``value`` quoted for a message (its repr), cut to ``limit`` characters."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+# The range of each integer option; a value beyond is a typo, not a wish.
+_COUNTS = {"--gpus-per-node": (1, MAX_SLOTS), "--ckpt-every": (0, 10**9), "--ckpt-keep": (1, 10**6),
+           "--steps": (1, 10**12), "--max-restarts": (0, 10**4), "--ssh-port": (1, 65535)}
+# The range of each number option (the lower bound is excluded where the third item says so). Timeouts are
+# bounded because waits far longer than a day are refused by the OS calls that implement them.
+_NUMBERS = {"--heartbeat-timeout": (1.0, 86400.0, False), "--morph-timeout": (1.0, 86400.0, False),
+            "--preempt-margin": (0.0, 86400.0, False), "--grace": (0.0, 3600.0, False),
+            "--straggler-threshold": (0.0, 100.0, True)}
+_SSH_USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]{0,63}")
+
+
+def _check_counts(values: dict[str, int | None]) -> None:
+    for name, value in values.items():
+        low, high = _COUNTS[name]
+        if value is not None and not low <= value <= high:
+            raise ConfigError(f"{name} must be in {low}..{high}, got {value}")
+
+
+def _check_seconds(values: dict[str, float]) -> None:
+    """Finite numbers in range: NaN compares false with everything, so a plain ``value < low`` lets it in."""
+    for name, value in values.items():
+        low, high, open_low = _NUMBERS[name]
+        if not (math.isfinite(value) and (low < value if open_low else low <= value) and value <= high):
+            bracket = "(" if open_low else "["
+            raise ConfigError(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {value}")
+
+
+def _check_places(ssh_user: str | None, python: str | None, dirs: dict[str, Path | None]) -> None:
+    if ssh_user is not None and not _SSH_USER.fullmatch(ssh_user):
+        raise ConfigError(f"--ssh-user {_shown(ssh_user)} is not a user name",
+                          hint="letters, digits, '.', '_' and '-', not starting with '-'")
+    if python is not None and not python.strip():
+        raise ConfigError("--python is empty", hint="give the interpreter's path on the hosts")
+    for name, path in dirs.items():
+        if path is not None and path.exists() and not path.is_dir():
+            raise ConfigError(f"{name} {path} is not a directory")
 
 
 def _check_script(script: list[str], code_dir: str) -> None:
@@ -68,8 +163,9 @@ def _check_script(script: list[str], code_dir: str) -> None:
 
 
 def launch(
-    plan: Annotated[Path, typer.Argument(help="The plan from `varuna plan`.")],
-    script: Annotated[Optional[list[str]], typer.Argument(help="SCRIPT [ARGS...] (after --).", show_default=False)] = None,
+    plan: Annotated[Path, typer.Argument(metavar="PLAN", help="The plan from `varuna plan`.")],
+    script: Annotated[Optional[list[str]], typer.Argument(metavar="-- SCRIPT ARGS", help="The training script "
+                                                          "and its arguments (after --).", show_default=False)] = None,
     hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hosts file: one '\\[user@]host\\[:port] \\[slots=N]' "
                                                   "per line; without it, local processes.")] = None,
     gpus_per_node: Annotated[Optional[int], typer.Option(
@@ -86,8 +182,12 @@ def launch(
     morph_any_microbatch: Annotated[bool, typer.Option(
         "--morph-any-microbatch", help="Let a morph change the micro-batch size (faster, but the losses then "
         "differ from an uninterrupted run's by rounding).")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Start from the latest complete checkpoint in "
-                                         "--ckpt-dir.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run whose checkpoints are in --ckpt-dir, "
+                                         "from its latest complete one (without it, a store that holds checkpoints "
+                                         "is refused).")] = False,
+    run_id: Annotated[Optional[str], typer.Option(
+        "--run-id", help="The run to continue with --resume when the store holds several, or the id of a new run "
+        "(default: found, or made).")] = None,
     legacy_args: Annotated[bool, typer.Option(
         "--legacy-args", help="Also pass the original's --rank --local_rank --stage_to_rank_map --chunk_size "
         "--batch-size.")] = False,
@@ -103,8 +203,8 @@ def launch(
     ssh_identity: Annotated[Optional[str], typer.Option("--ssh-identity", help="SSH private key.")] = None,
     ssh_option: Annotated[Optional[list[str]], typer.Option(
         "--ssh-option", help="Extra ssh -o option, e.g. StrictHostKeyChecking=accept-new (repeatable).")] = None,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", help="Restarts without progress before giving "
-                                              "up (--morph).")] = 3,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", help="Restarts without a new checkpoint before "
+                                              "giving up (--morph).")] = 3,
     heartbeat_timeout: Annotated[float, typer.Option(
         "--heartbeat-timeout", help="Seconds without a worker's heartbeat that count as a crash.")] = 60.0,
     morph_timeout: Annotated[float, typer.Option(
@@ -119,21 +219,21 @@ def launch(
     from varuna_core.artifacts import load_plan
     from varuna_core.hosts import is_loopback, read_hosts
     from varuna_core.launch import LaunchError, LaunchOptions, place
-    from varuna_core.morph import Manager
+    from varuna_core.morph import Manager, choose_run
     from varuna_core.remote import Runtime, SSHConfig, check_hosts
 
     script = list(script or [])
+    _check_counts({"--gpus-per-node": gpus_per_node, "--ckpt-every": ckpt_every, "--ckpt-keep": ckpt_keep,
+                   "--steps": steps, "--max-restarts": max_restarts, "--ssh-port": ssh_port})
+    _check_seconds({"--heartbeat-timeout": heartbeat_timeout, "--morph-timeout": morph_timeout,
+                    "--preempt-margin": preempt_margin, "--grace": grace,
+                    "--straggler-threshold": straggler_threshold})
+    _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir})
     the_plan = load_plan(plan)
     world = the_plan.pp * the_plan.dp
     code = str((code_dir or Path.cwd()).resolve())
     _check_script(script, code)
     env = _env_file(env_file) if env_file else {}
-    for name, value, low in (("--gpus-per-node", gpus_per_node, 1), ("--ckpt-every", ckpt_every, 0),
-                             ("--max-restarts", max_restarts, 0), ("--ckpt-keep", ckpt_keep, 1),
-                             ("--grace", grace, 0), ("--heartbeat-timeout", heartbeat_timeout, 1),
-                             ("--morph-timeout", morph_timeout, 1), ("--preempt-margin", preempt_margin, 0)):
-        if value is not None and value < low:
-            raise ConfigError(f"{name} must be ≥ {low}, got {value}")
     slots = gpus_per_node or the_plan.gpus_per_node
     host_list = None
     if hosts is not None:
@@ -147,6 +247,8 @@ def launch(
         raise ConfigError(f"the plan needs {world} devices (pp × dp); --gpus-per-node gives {gpus_per_node} on "
                           f"this machine", hint="add --hosts, or plan for fewer devices")
     run = (run_dir or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")).resolve()
+    store = (ckpt_dir or run / "checkpoints").resolve()
+    choose_run(store, resume, run_id)  # a store of another run is refused before anything starts
     runtime = Runtime(python=python or sys.executable, code_dir=code)
     ssh = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ())) \
         if host_list is not None else None
@@ -159,7 +261,7 @@ def launch(
             raise LaunchError(f"cannot use {names}: " + "; ".join(f"{p.host.name}: {p.message}" for p in problems),
                               hint="nothing was started; fix SSH access (BatchMode, keys) or the hosts file")
     opts = LaunchOptions(
-        script=script, run_dir=run, ckpt_dir=(ckpt_dir or run / "checkpoints").resolve(), runtime=runtime, ssh=ssh,
+        script=script, run_dir=run, ckpt_dir=store, runtime=runtime, ssh=ssh, run_id=run_id,
         env=env, legacy_args=legacy_args, morph=morph, morph_any_microbatch=morph_any_microbatch, resume=resume,
         ckpt_every=ckpt_every, ckpt_keep=ckpt_keep,
         ckpt_tempdir=ckpt_tempdir, total_steps=steps, max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout,
@@ -179,6 +281,10 @@ def launch(
 
 
 
+MANAGER_FILE_LIMIT = 64 * 2**10
+MAX_NOTICE_SECONDS = 7 * 86400.0
+
+
 def notify_preempt(
     host: Annotated[str, typer.Argument(help="The host that goes away, as written in the hosts file.")],
     seconds: Annotated[float, typer.Option("--in", help="Seconds until it goes away.")] = 0.0,
@@ -189,19 +295,59 @@ def notify_preempt(
     without it. Authenticated with the job's token from RUN_DIR/manager.json."""
     from varuna_core.heartbeat import send_notice
 
-    path = run_dir / "manager.json"
-    try:
-        info = json.loads(path.read_text())
-        job, token, port = info["job"], info["token"], int(info["port"])
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}", hint="give --run-dir of a running `varuna launch`") from None
-    if seconds < 0:
-        raise ConfigError(f"--in must be ≥ 0, got {seconds}")
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_NOTICE_SECONDS:
+        raise ConfigError(f"--in must be a number of seconds in [0, {MAX_NOTICE_SECONDS:g}], got {seconds}")
+    if not host.strip() or len(host) > 255 or not host.isprintable():
+        raise ConfigError(f"HOST {_shown(host)} is not a host name",
+                          hint="give the host as the hosts file names it, e.g. alice@10.0.0.6:2222")
+    job, token, port = _manager_file(run_dir / "manager.json")
+    _check_address(address, port)
     if not send_notice((address, port), job, token, {"host": host, "seconds": seconds}):
-        typer.echo(f"error: the manager at {address}:{port} did not acknowledge (is the job still running?)",
-                   err=True)
-        raise typer.Exit(1)
-    typer.echo(f"notified: {host} goes away in {seconds:g}s")
+        raise VarunaError(f"the manager at {address}:{port} did not acknowledge", hint="is the job still running?")
+    typer.echo(f"notified: {_printable(host)} goes away in {seconds:g}s")
+
+
+def _manager_file(path: Path) -> tuple[str, str, int]:
+    """``(job, token, port)`` from a run directory's ``manager.json``, every field checked."""
+    from varuna_core.util.fs import read_regular
+
+    hint = "give --run-dir of a running `varuna launch`"
+    if not path.parent.is_dir():
+        raise ConfigError(f"--run-dir {path.parent} is not a directory", hint=hint)
+    if not os.path.lexists(path):
+        raise ConfigError(f"{path} does not exist", hint=hint)
+    data = read_regular(path, MANAGER_FILE_LIMIT, what="manager file")
+    try:
+        info = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ConfigError(f"manager file {path} is nested too deeply", hint=hint) from None
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(f"manager file {path} is not JSON: {exc}", hint=hint) from None
+    if not isinstance(info, dict):
+        raise ConfigError(f"manager file {path} holds a {type(info).__name__}, not an object", hint=hint)
+    job, token, port = info.get("job"), info.get("token"), info.get("port")
+    for name, value in (("job", job), ("token", token)):
+        if not isinstance(value, str) or not 1 <= len(value) <= 256:
+            raise ConfigError(f"manager file {path}: {name} must be a string, got {_shown(value)}", hint=hint)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError(f"manager file {path}: port must be an integer in 1..65535, got {_shown(port)}",
+                          hint=hint)
+    return job, token, port
+
+
+def _check_address(address: str, port: int) -> None:
+    import socket
+
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError, ValueError) as exc:
+        raise ConfigError(f"--address {_shown(address)} is not an address this machine can reach: {exc}") from None
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped (a name from the command line or a hosts file may hold
+    terminal escapes)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,7 +355,11 @@ def notify_preempt(
 
 
 class _Reporter:
-    """Events as log lines on stderr; the live status as a Rich panel on a terminal, else a line every 10 s."""
+    """Events as log lines on stderr; the live status as a Rich panel on a terminal, else a line every 10 s.
+
+    Messages quote host names, paths, hosts-file lines and workers' output: they are printed as plain text
+    (control characters escaped), never as Rich markup, where a host named ``[/]`` would raise and stop the job.
+    """
 
     def __init__(self) -> None:
         from rich.console import Console
@@ -225,8 +375,11 @@ class _Reporter:
             self.live.start()
 
     def event(self, message: str) -> None:
-        self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] [bold cyan]launch[/bold cyan] {message}",
-                           highlight=False)
+        from rich.text import Text
+
+        line = Text.assemble((time.strftime("%H:%M:%S"), "dim"), " ", ("launch", "bold cyan"), " ",
+                             _printable(str(message)))
+        self.console.print(line, highlight=False)
 
     def status(self, status) -> None:
         self._last = status
@@ -234,13 +387,13 @@ class _Reporter:
             self.live.update(_panel(status))
         elif time.monotonic() - self._last_line > 10:
             self._last_line = time.monotonic()
-            self.console.print(_line(status), highlight=False)
+            self.console.print(_line(status), highlight=False, markup=False)
 
     def close(self) -> None:
         if self.live is not None:
             self.live.stop()
         elif self._last is not None:
-            self.console.print(_line(self._last), highlight=False)
+            self.console.print(_line(self._last), highlight=False, markup=False)
 
 
 def _reporter() -> _Reporter:
@@ -256,26 +409,29 @@ def _fmt_time(seconds: float | None) -> str:
 
 
 def _line(s) -> str:
+    """The status in one line of plain text (print it with ``markup=False``: straggler names are host names)."""
     total = f"/{s.total_steps}" if s.total_steps else ""
     loss = f"{s.loss:.4f}" if s.loss is not None else "-"
     rate = f"{s.samples_per_second:,.1f}" if s.samples_per_second else "-"
-    extra = f", stragglers: {'; '.join(s.stragglers)}" if s.stragglers else ""
+    extra = f", stragglers: {_printable('; '.join(s.stragglers))}" if s.stragglers else ""
     return (f"attempt {s.attempt} ({s.state}, pp={s.pp}×dp={s.dp} on {s.hosts} host(s)): step {s.step}{total}, "
             f"loss {loss}, {rate} samples/s, ETA {_fmt_time(s.eta)}, restarts {s.restarts}, morphs {s.morphs}{extra}")
 
 
 def _panel(s):
+    """The status as a table whose cells are plain text (straggler names are host names, not markup)."""
     from rich.table import Table
+    from rich.text import Text
 
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
     total = f" / {s.total_steps}" if s.total_steps else ""
-    table.add_row("state", f"attempt {s.attempt}: {s.state}, pp={s.pp} × dp={s.dp} on {s.hosts} host(s)")
-    table.add_row("step", f"{s.step}{total}")
-    table.add_row("loss", f"{s.loss:.4f}" if s.loss is not None else "-")
-    table.add_row("samples/s", f"{s.samples_per_second:,.1f}" if s.samples_per_second else "-")
-    table.add_row("ETA", _fmt_time(s.eta))
-    table.add_row("restarts / morphs", f"{s.restarts} / {s.morphs}")
-    table.add_row("stragglers", "; ".join(s.stragglers) or "none")
+    rows = (("state", f"attempt {s.attempt}: {s.state}, pp={s.pp} × dp={s.dp} on {s.hosts} host(s)"),
+            ("step", f"{s.step}{total}"), ("loss", f"{s.loss:.4f}" if s.loss is not None else "-"),
+            ("samples/s", f"{s.samples_per_second:,.1f}" if s.samples_per_second else "-"),
+            ("ETA", _fmt_time(s.eta)), ("restarts / morphs", f"{s.restarts} / {s.morphs}"),
+            ("stragglers", "; ".join(s.stragglers) or "none"))
+    for name, value in rows:
+        table.add_row(name, Text(_printable(str(value))))
     return table

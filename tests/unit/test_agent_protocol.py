@@ -1,0 +1,154 @@
+"""The node agent's protocol under hostile or broken input: what counts as an event, output without newlines,
+a spec or command that is garbage, SIGTERM at any moment, and where the job's store listens."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from varuna_core.agent import MAX_LINE, _grace, _store_socket
+from varuna_core.remote import MAX_EVENT, _lines, parse_event
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("line", [
+    b"42", b"[]", b'"ready"', b"null", b"{}", b'{"event": 1}', b'{"event": "shutdown"}',
+    b'{"event": "exit", "rank": 0}', b'{"event": "exit", "rank": "0", "code": 1}',
+    b'{"event": "exit", "rank": true, "code": 1}', b'{"event": "exit", "rank": -1, "code": 1}',
+    b'{"event": "exit", "rank": 0, "code": 1.5}', b'{"event": "store", "port": 70000}',
+    b'{"event": "store", "port": 0}', b'{"event": "log", "rank": 0, "line": ["x"]}',
+    b'{"event": "ready", "pid": 1, "interface": 3, "address": null}', b"[" * 100_000, b"\xff\xfe",
+    b"Welcome to Ubuntu 22.04 LTS", b'{"event": "error", "message": {"nested": 1}}',
+])
+def test_only_well_formed_events_count(line) -> None:
+    """A remote shell's banner printing `42` crashed the launcher (before: any JSON line was an event)."""
+    assert parse_event(line) is None
+
+
+@pytest.mark.parametrize("event", [
+    {"event": "ready", "pid": 12, "interface": "lo", "address": "127.0.0.1"},
+    {"event": "ready", "pid": 12, "interface": None, "address": None},
+    {"event": "store", "port": 29500}, {"event": "started", "rank": 3, "pid": 99},
+    {"event": "log", "rank": 0, "line": "[/] step 1"}, {"event": "exit", "rank": 1, "code": -9},
+    {"event": "error", "message": "boom"}, {"event": "stopped"},
+])
+def test_real_events_are_accepted(event) -> None:
+    assert parse_event(json.dumps(event).encode()) == event
+
+
+def test_lines_are_bounded() -> None:
+    stream = io.BytesIO(b"a\n" + b"x" * (3 * MAX_EVENT) + b"\nb\n" + b"y" * 10)
+    lines = list(_lines(stream))
+    assert lines[0] == b"a\n" and len(lines[1]) == MAX_EVENT and lines[2:] == [b"b\n", b"y" * 10]
+
+
+def test_grace_periods_from_the_launcher_are_sane() -> None:
+    assert _grace("3", 5) == 3 and _grace(None, 5) == 5 and _grace("nan", 5) == 5 and _grace(1e9, 5) == 3600
+    assert _grace(-4, 5) == 0 and _grace(float("inf"), 5) == 5 and _grace([1], 5) == 5
+
+
+def test_a_local_store_listens_on_the_loopback_only() -> None:
+    sock = _store_socket("127.0.0.1", 0)
+    try:
+        assert sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        sock.close()
+
+
+def _agent(spec: dict | str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "varuna_core.agent"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc.stdin.write(((spec if isinstance(spec, str) else json.dumps(spec)) + "\n").encode())
+    proc.stdin.flush()
+    return proc
+
+
+def _spec(argv: list[str], workers: int = 1) -> dict:
+    return {"job": "testjob0", "node": 0, "host": "h", "store": False, "master_addr": "127.0.0.1",
+            "master_port": 1, "world": workers, "workers": [{"rank": r, "local_rank": r} for r in range(workers)],
+            "argv": argv, "cwd": None, "env": {}, "plan": None, "grace": 2}
+
+
+def _events(proc: subprocess.Popen, timeout: float = 30) -> list[dict]:
+    out, _ = proc.communicate(timeout=timeout)
+    return [e for line in out.splitlines() if (e := parse_event(line)) is not None]
+
+
+def test_output_without_newlines_reaches_the_launcher_in_bounded_pieces() -> None:
+    spec = _spec([sys.executable, "-c", f"import sys; sys.stdout.write('x' * {3 * MAX_LINE + 5})"])
+    proc = _agent(spec)
+    events = []
+    while not events or events[-1]["event"] != "exit":  # stdin stays open until the worker is done
+        line = proc.stdout.readline()
+        assert line, "the agent ended early"
+        if (event := parse_event(line)) is not None:
+            events.append(event)
+    events += _events(proc)
+    lines = [e["line"] for e in events if e["event"] == "log"]
+    assert [len(x) for x in lines] == [MAX_LINE, MAX_LINE, MAX_LINE, 5]
+    assert {"event": "exit", "rank": 0, "code": 0} in events
+
+
+@pytest.mark.parametrize("first", ["not json", "[1, 2]", '{"workers": 3}', "[" * 50_000])
+def test_a_garbage_spec_is_an_error_event_not_a_traceback(first) -> None:
+    proc = _agent(first)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and b"Traceback" not in err
+    assert [parse_event(line)["event"] for line in out.splitlines()] == ["error"]
+
+
+def test_garbage_commands_are_reported_and_ignored() -> None:
+    proc = _agent(_spec([sys.executable, "-c", "import time; time.sleep(30)"]))
+    for line in ("42", "[]", "{", "[" * 50_000, '{"cmd": "signal", "signal": "SIGKILL"}',
+                 '{"cmd": "stop", "grace": "soon"}'):
+        proc.stdin.write((line + "\n").encode())
+        proc.stdin.flush()
+    events = _events(proc)
+    errors = [e["message"] for e in events if e["event"] == "error"]
+    assert len(errors) == 5 and "unknown signal 'SIGKILL'" in errors[-1]
+    assert events[-1]["event"] == "stopped"  # the stop with a nonsense grace still stopped it
+
+
+_TERM_IN_EMIT = """
+import signal, sys, threading
+from varuna_core import agent
+a = agent.Agent({"job": "testjob0", "workers": []})
+signal.signal(signal.SIGTERM, agent.sigterm_handler(a, 1.0))
+with agent._out_lock:  # as if the signal arrived while the main thread was writing an event
+    signal.raise_signal(signal.SIGTERM)
+    print("handler returned", file=sys.stderr, flush=True)
+threading.Event().wait(30)
+"""
+
+
+def test_sigterm_while_writing_an_event_does_not_deadlock() -> None:
+    """Before: the handler stopped inline and waited for the lock its own thread held, forever."""
+    done = subprocess.run([sys.executable, "-c", _TERM_IN_EMIT], capture_output=True, timeout=60)
+    assert done.returncode == 0 and b"handler returned" in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == b'{"event":"stopped"}'
+
+
+def test_sigterm_at_any_moment_stops_the_agent() -> None:
+    """SIGTERM's handler stopped the agent inline, and emit() may hold the output lock when it runs: the agent
+    could hang forever. Now it stops from another thread. Sent at many moments of start-up and streaming."""
+    chatty = [sys.executable, "-c", "import time\nfor i in range(100000): print(i, flush=True)\ntime.sleep(30)"]
+    for delay in (0.0, 0.001, 0.01, 0.05, 0.1, 0.2, 0.4, 0.8):
+        proc = _agent(_spec(chatty, workers=3))
+        assert parse_event(proc.stdout.readline())["event"] == "ready"  # its handler is installed by now
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"the agent hung after SIGTERM at {delay}s")
+        assert proc.returncode == 0
+        assert out.strip().splitlines()[-1] == b'{"event":"stopped"}'
