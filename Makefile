@@ -18,7 +18,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo bench bench-sim bench-ckpt bench-morph clean distclean
+.PHONY: help setup test demo bench bench-sim bench-ckpt bench-morph bench-chaos clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [DEMO_ARGS=...]"
@@ -83,6 +83,10 @@ bench-ckpt: setup ## checkpoint save/load throughput vs the disk, background-che
 # Seconds from a hosts-file change to the first step of the new configuration, over SSH to two test hosts (needs root for network namespaces; see benchmarks/README.md).
 bench-morph: setup ## time a morph (shrink and grow) of the example GPT over SSH, split into phases
 	OMP_NUM_THREADS=1 $(PY) benchmarks/morph_latency.py $(BENCH_ARGS)
+
+# Every kind of fault injected into one `varuna launch --morph` run over SSH at seeded random steps; the losses and final parameters compared with an uninterrupted run (needs root for network namespaces; see benchmarks/README.md).
+bench-chaos: setup ## inject crashes, lost hosts, hangs, preemptions and a corrupt checkpoint into one run; compare with an uninterrupted run
+	OMP_NUM_THREADS=1 $(PY) benchmarks/chaos.py $(BENCH_ARGS)
 
 clean: ## remove caches and build output (keeps the venv; forces `setup` to re-run)
 	rm -rf build dist runs .pytest_cache src/*.egg-info $(STAMP)

@@ -1,7 +1,7 @@
 """How long does a morph take? From the moment the hosts file changes to the first step of the new
 configuration, split into its phases, for the example GPT on two SSH hosts.
 
-The hosts are network namespaces with their own sshd and address (``tests/launch/sshhosts.py``; loopback
+The hosts are network namespaces with their own sshd and address (``devtools/testhosts.py``; loopback
 aliases where namespaces are not permitted), reached with the real ssh client, as a cluster would be. The job
 is ``examples/gpt/train.py`` planned for 4 devices (2 hosts × 2 workers) from a fresh profile, launched with
 ``varuna launch --morph``. After ``--warm`` steps the second host is removed from the hosts file (shrink to 2
@@ -56,18 +56,6 @@ def sh(argv: list[str], **kw) -> subprocess.CompletedProcess:
     return done
 
 
-def steps_done(run: Path) -> int:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return len({json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()})
-
-
-def events(run: Path) -> list[dict]:
-    path = run / "events.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
 def phases(evs: list[dict], attempt: int) -> dict:
     """The split of the morph that ended ``attempt`` (see the module docstring)."""
     def at(kind: str, n: int, **match) -> dict:
@@ -101,7 +89,12 @@ def main() -> int:
     p.add_argument("--keep", default=None, help="copy the run directory here")
     args = p.parse_args()
 
-    from tests.launch.sshhosts import start_cluster
+    from devtools.launching import read_events as events
+    from devtools.launching import read_steps
+    from devtools.testhosts import start_cluster
+
+    def steps_done(run: Path) -> int:
+        return len(read_steps(run))
 
     work = Path(tempfile.mkdtemp(prefix="morph-bench-"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -118,9 +111,7 @@ def main() -> int:
         lines = cluster.hosts_file_lines(2)
         hosts = work / "hosts.txt"
         hosts.write_text("\n".join(lines) + "\n")
-        ssh = ["--ssh-identity", str(cluster.identity)]
-        opts = cluster.ssh_options()
-        ssh += [x for flag, value in zip(opts[::2], opts[1::2]) if flag == "-o" for x in ("--ssh-option", value)]
+        ssh = cluster.launcher_args()
         run = work / "run"
         total_steps = 3 * args.warm + 30
         launcher = subprocess.Popen(

@@ -64,11 +64,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # for tests.launch.sshhosts
+if str(ROOT) not in sys.path:  # for devtools.testhosts
     sys.path.insert(0, str(ROOT))
 GPT_DIR = ROOT / "examples" / "gpt"
 
-from tests.launch.sshhosts import kill_namespace_processes  # noqa: E402
+from devtools.testhosts import kill_namespace_processes  # noqa: E402
 
 DEEPSPEED = "deepspeed-1f1b"
 CONTENDERS: dict[str, str] = {

@@ -93,6 +93,15 @@ class HostCluster:
                 "-o", "StrictHostKeyChecking=yes", "-i", str(self.identity), "-o", "IdentitiesOnly=yes",
                 "-o", "ConnectTimeout=5"]
 
+    def launcher_args(self) -> list[str]:
+        """The ``varuna launch`` flags that reach these hosts: their key and known_hosts."""
+        args = ["--ssh-identity", str(self.identity)]
+        opts = self.ssh_options()
+        for flag, value in zip(opts[::2], opts[1::2]):
+            if flag == "-o":
+                args += ["--ssh-option", value]
+        return args
+
     def hosts_file_lines(self, slots: int) -> list[str]:
         """The hosts as lines of a launcher hosts file: ``user@address:port slots=N``."""
         return [f"{self.user}@{h.address}:{h.port} slots={slots}" for h in self.hosts]

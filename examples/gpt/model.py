@@ -52,13 +52,22 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head}")
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k, v in one matmul
+        # Biases for q and v only: a bias of k adds the same number to every score of a query, which softmax
+        # ignores, so its gradient is zero in exact arithmetic and an optimizer like Adam would move it by
+        # rounding noise alone (as Whisper's attention, which has no key bias either). The Linear is made with
+        # its bias and then loses it, so that every other weight draws the same initial values as before.
+        self.c_attn.register_parameter("bias", None)
+        self.qv_bias = nn.Parameter(torch.zeros(2 * cfg.n_embd)) if cfg.bias else None
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x [B, T, C]
+        if self.qv_bias is not None:
+            q_bias, v_bias = self.qv_bias.split(C)
+            q, v = q + q_bias.to(q.dtype), v + v_bias.to(v.dtype)  # in the matmul's dtype, as a Linear's bias
         # [B, T, C] -> [B, H, T, D]
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.launch.sshhosts import start_cluster
+from devtools.testhosts import start_cluster
 
 
 def _connect(address: str, port: int) -> str:

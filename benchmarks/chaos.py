@@ -1,0 +1,126 @@
+"""Chaos: every kind of fault a preemptible cluster throws at a job, injected into one `varuna launch --morph`
+run at seeded random steps, and whether the job survived each one without changing a single number.
+
+The job is ``examples/gpt/train.py`` planned for 4 devices from a fresh profile (the planner's choice, which is
+also what a morph plans again when the devices come back; micro-batch 4 throughout), over two test
+hosts reached with the real ssh client (``devtools/testhosts.py``: network namespaces with their own sshd and
+address; loopback aliases where namespaces are not permitted), with a checkpoint every ``--ckpt-every`` steps.
+The faults (``devtools/chaos.py`` says exactly what each does): SIGKILL of a worker, SIGKILL of a host's agent,
+SIGSTOP of a worker, a host removed from the hosts file and added back, a preemption notice for a host (offered
+again afterwards), and a corrupt newest checkpoint (a flipped byte, then a worker killed so that the restart
+meets it). The same job is then run without interruption on local processes, and compared: every step's loss,
+each time the step was computed, and every final parameter.
+
+Reports faults injected and survived, attempts, restarts, morphs, checkpoints set aside, and the largest
+relative differences of the losses and of the final parameters (per tensor, ``||a - b|| / ||b||``; they must be
+≤ 1e-5), with each tensor's largest single-element difference beside them. Exit code 0 when every fault was
+survived and the numbers are equal, 1 otherwise.
+
+    python benchmarks/chaos.py [--seed 1] [--rounds 2] [--kinds kill_worker,preempt,...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TOLERANCE = 1e-5
+
+
+def log(msg: str) -> None:
+    print(f"[chaos] {msg}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    from devtools.chaos import KINDS
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=1, help="seed of the fault schedule (round r uses seed + r)")
+    p.add_argument("--rounds", type=int, default=2, help="runs, each with every kind of fault once")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
+    p.add_argument("--gap", type=int, default=12, help="steps between faults (up to 1.5x, seeded)")
+    p.add_argument("--ckpt-every", type=int, default=5, help="steps between periodic checkpoints")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--keep", default=None, help="copy the work directory (runs, logs, checkpoints) here")
+    args = p.parse_args()
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds or args.rounds < 1 or args.gap < 2 or args.ckpt_every < 1:
+        p.error(f"unknown fault kinds {unknown}" if unknown else "need at least one kind, --rounds ≥ 1, --gap ≥ 2 "
+                "and --ckpt-every ≥ 1")
+
+    from devtools.chaos import run_chaos
+    from devtools.launching import make_plan, profile_example_gpt
+    from devtools.testhosts import start_cluster
+
+    work = Path(tempfile.mkdtemp(prefix="chaos-bench-"))
+    cluster = None
+    results = []
+    try:
+        plan = make_plan(profile_example_gpt(work / "profile.json"), work / "plan.yaml", gpus=4)
+        from varuna_core.artifacts import load_plan
+
+        chosen = load_plan(plan)
+        log(f"profiled the example GPT; the planner's choice for 4 devices: pp={chosen.pp} x dp={chosen.dp}")
+        cluster = start_cluster(2, work / "hosts")
+        log(f"2 SSH hosts ({cluster.mode}): {', '.join(h.address for h in cluster.hosts)}")
+        for r in range(args.rounds):
+            seed = args.seed + r
+            log(f"round {r + 1}/{args.rounds}, seed {seed}: {len(kinds)} faults")
+            started = time.monotonic()
+            result = run_chaos(cluster, plan, work / f"round{r + 1}", seed=seed, kinds=kinds, gap=args.gap,
+                               ckpt_every=args.ckpt_every, timeout=1800, say=lambda m: log(f"  {m}"))
+            log(f"round {r + 1}: {result.survived}/{result.injected} survived, exit {result.exit_code}, "
+                f"{time.monotonic() - started:.0f}s")
+            results.append(result)
+    finally:
+        if cluster is not None:
+            cluster.close()
+        if args.keep:
+            shutil.copytree(work, args.keep, dirs_exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+    ok = all(r.exit_code == 0 and r.survived == r.injected == len(r.faults) and r.equal(TOLERANCE) and
+             not r.problems for r in results)
+    if args.json:
+        print(json.dumps({"ok": ok, "rounds": [r.as_dict(TOLERANCE) for r in results]}, indent=2))
+    else:
+        _print(results)
+    return 0 if ok else 1
+
+
+def _print(results) -> None:
+    print("| round | seed | steps | faults injected | survived | attempts | restarts | morphs | checkpoints set aside "
+          "| losses: max rel. diff | parameters: max rel. diff (tensor) | parameters: max element diff | "
+          "equal (≤ 1e-5) | seconds |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: |")
+
+    def fmt(x):
+        return f"{x:.1e}" if x is not None else "-"
+
+    for i, r in enumerate(results, 1):
+        print(f"| {i} | {r.seed} | {r.steps} | {r.injected} | {r.survived} | {r.attempts} | {r.restarts} | "
+              f"{r.morphs} | {r.refused_checkpoints} | {fmt(r.loss_max_rel_diff)} | {fmt(r.params_max_rel_diff)} "
+              f"({r.params_worst or '-'}) | {fmt(r.params_max_abs_rel_diff)} | "
+              f"{'yes' if r.equal(TOLERANCE) else 'NO'} | {r.seconds:.0f} |")
+    print()
+    print("| round | step | fault | what was done | survived |")
+    print("| ---: | ---: | --- | --- | --- |")
+    for i, r in enumerate(results, 1):
+        for f in r.faults:
+            print(f"| {i} | {f.step} | {f.kind} | {f.detail} | {'yes' if f.survived else 'NO'} |")
+    for i, r in enumerate(results, 1):
+        for problem in r.problems:
+            print(f"round {i}: problem: {problem}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Faults injected into a running ``varuna launch --morph`` job at steps drawn from a seeded schedule, and the
+check that the job survived them without changing its numbers.
+
+The job is the example GPT on test hosts reached over real SSH (:mod:`devtools.testhosts`), writing a
+checkpoint every few steps. While it trains, each fault of the schedule is injected once the job's progress
+(the highest step reported) reaches the fault's step:
+
+* ``kill_worker``: SIGKILL of one worker (a crashed process);
+* ``kill_agent``: SIGKILL of the node agent of one host (the host's workers die with it: a machine lost);
+* ``stop_worker``: SIGSTOP of one worker (a hung machine: only its missing heartbeats tell);
+* ``remove_host``: one host leaves the hosts file, and comes back once the job trains without it;
+* ``preempt``: ``varuna notify-preempt`` for one host; it is offered again (a new hosts file) once the job
+  trains without it;
+* ``corrupt_checkpoint``: a byte of the newest complete checkpoint is flipped, then a worker is killed, so the
+  restart meets the corrupt checkpoint and must fall back to the one before it.
+
+A fault is *survived* when an attempt started after it trains past the step it was injected at (for
+``remove_host`` and ``preempt``: also after the host came back). At the end the job must exit 0, and every
+step's loss, each time the step was computed (a restart recomputes steps since its checkpoint), and every final
+parameter must equal those of the same job run without interruption: the relative difference ≤ ``tolerance``,
+for the losses ``|a - b| / |b|`` and for each parameter tensor ``||a - b|| / ||b||``. (Each tensor's largest
+single-element difference, relative to its largest value, is reported too: a morph changes the order of the
+gradient sums, Adam divides each gradient by its own running magnitude, and so an element whose gradient is
+tiny carries rounding of the order of 1e-7 to 1e-5 after a hundred steps.)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from devtools.launching import ROOT, VARUNA, Launch, agent_pids, job_processes, process_environ, read_steps
+
+__all__ = ["KINDS", "Fault", "ChaosResult", "schedule", "run_chaos"]
+
+KINDS = ("kill_worker", "kill_agent", "stop_worker", "remove_host", "preempt", "corrupt_checkpoint")
+TRAIN = ["examples/gpt/train.py", "--batch-size", "32", "--log-every", "10"]
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int  # injected once the job has reported this step
+    target: int  # which worker (rank) or host (index) it hits
+    detail: str = ""
+    injected: float | None = None  # seconds since the job started
+    survived: bool = False
+
+
+@dataclass
+class ChaosResult:
+    seed: int
+    steps: int
+    faults: list[Fault]
+    exit_code: int | None
+    attempts: int
+    restarts: int
+    morphs: int
+    refused_checkpoints: int
+    loss_max_rel_diff: float | None
+    params_max_rel_diff: float | None  # worst tensor's ||a - b|| / ||b||
+    params_max_abs_rel_diff: float | None  # worst tensor's max|a - b| / max|b| (one element's rounding)
+    params_worst: str | None  # the tensor of params_max_rel_diff
+    step_reports: int
+    seconds: float
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def injected(self) -> int:
+        return sum(f.injected is not None for f in self.faults)
+
+    @property
+    def survived(self) -> int:
+        return sum(f.survived for f in self.faults)
+
+    def equal(self, tolerance: float) -> bool:
+        return (self.loss_max_rel_diff is not None and self.loss_max_rel_diff <= tolerance
+                and self.params_max_rel_diff is not None and self.params_max_rel_diff <= tolerance)
+
+    def as_dict(self, tolerance: float) -> dict:
+        out = asdict(self)
+        out.update(injected=self.injected, survived=self.survived, equal=self.equal(tolerance), tolerance=tolerance)
+        return out
+
+
+def schedule(seed: int, kinds: list[str], *, first: int, gap: int, ranks: int, hosts: int) -> list[Fault]:
+    """One fault of each of ``kinds`` in a seeded random order, the first at step ``first``, then every ``gap``
+    to ``gap * 1.5`` steps, each hitting a seeded random rank or host."""
+    rng = random.Random(seed)
+    order = list(kinds)
+    rng.shuffle(order)
+    out, step = [], first
+    for kind in order:
+        target = rng.randrange(hosts) if kind in ("kill_agent", "remove_host", "preempt") else rng.randrange(ranks)
+        out.append(Fault(kind, step, target))
+        step += rng.randint(gap, gap + gap // 2)
+    return out
+
+
+def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str], steps: int | None = None,
+              ckpt_every: int = 5, gap: int = 12, first: int = 10, slots: int = 2, heartbeat_timeout: float = 8,
+              timeout: float = 900, reference: Path | None = None, say=lambda text: None) -> ChaosResult:
+    """Run the example GPT by ``plan`` over ``cluster``'s hosts with ``--morph``, inject the scheduled faults,
+    and compare it with an uninterrupted run of the same plan on local processes (``reference``: a store of that
+    run's final checkpoint and its launcher's run directory, made here when None)."""
+    faults = schedule(seed, kinds, first=first, gap=gap, ranks=slots * len(cluster.hosts), hosts=len(cluster.hosts))
+    steps = steps or faults[-1].step + gap + ckpt_every
+    workdir.mkdir(parents=True, exist_ok=True)
+    lines = cluster.hosts_file_lines(slots)
+    hosts = workdir / "hosts"
+    _write_hosts(hosts, lines)
+    run_dir = workdir / "run"
+    args = [str(plan), "--run-dir", str(run_dir), "--hosts", str(hosts), "--morph", "--ckpt-every", str(ckpt_every),
+            "--heartbeat-timeout", str(heartbeat_timeout), "--grace", "2", "--max-restarts", "4",
+            *cluster.launcher_args(), "--", *TRAIN, "--steps", str(steps)]
+    started = time.monotonic()
+    launch = Launch(args, run_dir, timeout)
+    problems: list[str] = []
+    try:
+        for fault in faults:
+            launch.wait_for(lambda: _progress(launch) >= fault.step, timeout=timeout)
+            say(f"step {_progress(launch)}: {fault.kind} (target {fault.target})")
+            before = _trained_attempts(launch)
+            fault.detail = _inject(fault, launch, cluster, hosts, lines, run_dir / "checkpoints")
+            fault.injected = round(time.monotonic() - started, 1)
+            fault.survived = _await_recovery(launch, fault, before, hosts, lines, timeout)
+        code = launch.wait()
+    except AssertionError as exc:  # the launcher died or hung: report it, do not raise
+        problems.append(str(exc)[-2000:])
+        launch.kill()
+        code = launch.proc.returncode
+    finally:
+        launch.close()
+    seconds = time.monotonic() - started
+    if code != 0:
+        problems.append(f"the launcher exited with {code}")
+    for fault in faults:
+        fault.survived = fault.survived and code == 0
+    reference = reference or _reference(plan, steps, workdir / "reference", timeout)
+    loss_diff, (param_diff, abs_diff, worst) = _compare(launch, run_dir / "checkpoints", reference, steps, problems)
+    events = launch.events()
+    ends = [e for e in events if e["event"] == "ending"]
+    return ChaosResult(
+        seed=seed, steps=steps, faults=faults, exit_code=code, attempts=len(ends),
+        restarts=sum(e["kind"] == "crash" for e in ends),
+        morphs=sum(e["kind"] in ("morph", "checkpointed") for e in ends),
+        refused_checkpoints=sum(e["event"] == "checkpoint_refused" for e in events),
+        loss_max_rel_diff=loss_diff, params_max_rel_diff=param_diff, params_max_abs_rel_diff=abs_diff,
+        params_worst=worst, step_reports=len(launch.reports()),
+        seconds=round(seconds, 1), problems=problems)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Injecting
+
+
+def _inject(fault: Fault, launch: Launch, cluster, hosts: Path, lines: list[str], store: Path) -> str:
+    job = launch.job()
+    if fault.kind == "kill_worker":
+        return _signal_worker(job, fault.target, signal.SIGKILL)
+    if fault.kind == "stop_worker":
+        return _signal_worker(job, fault.target, signal.SIGSTOP)
+    if fault.kind == "kill_agent":
+        pids = _agents_by_host(job, cluster)
+        pid = pids.get(fault.target) or next(iter(pids.values()))
+        os.kill(pid, signal.SIGKILL)
+        return f"agent pid {pid} on host {fault.target}"
+    if fault.kind == "remove_host":
+        _write_hosts(hosts, [line for i, line in enumerate(lines) if i != fault.target])
+        return f"removed {lines[fault.target].split()[0]}"
+    if fault.kind == "preempt":
+        name = lines[fault.target].split()[0]
+        done = subprocess.run([str(VARUNA), "notify-preempt", name, "--in", "0", "--run-dir", str(launch.run_dir)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise AssertionError(f"notify-preempt failed: {done.stderr}")
+        return f"preemption of {name}"
+    if fault.kind == "corrupt_checkpoint":  # the worker dies first: no newer checkpoint can complete after
+        killed = _signal_worker(job, fault.target, signal.SIGKILL)
+        newest = _newest_complete(store)
+        data = sorted((store / f"step_{newest}").glob("__*.distcp"))[-1]
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        return f"{killed}, then flipped a byte of step_{newest}/{data.name}"
+    raise ValueError(f"unknown fault {fault.kind!r}")
+
+
+def _signal_worker(job: str, rank: int, sig: int) -> str:
+    workers = {}
+    for pid, cmd in job_processes(job):
+        if "train.py" in cmd:
+            env = process_environ(pid)
+            for item in env:
+                if item.startswith(b"RANK="):
+                    workers[int(item[5:])] = pid
+    if not workers:
+        raise AssertionError("no worker of the job is running")
+    rank = rank if rank in workers else sorted(workers)[rank % len(workers)]
+    os.kill(workers[rank], sig)
+    return f"{signal.Signals(sig).name} to rank {rank} (pid {workers[rank]})"
+
+
+def _agents_by_host(job: str, cluster) -> dict[int, int]:
+    """Host index -> the pid of the job's agent there (the agent's VARUNA_HOST is the host's address)."""
+    out = {}
+    for pid in agent_pids(job):
+        env = b"\0".join(process_environ(pid))
+        for i, host in enumerate(cluster.hosts):
+            if b"SSH_CONNECTION=" in env and f" {host.address} ".encode() in env:
+                out[i] = pid
+    if not out:
+        raise AssertionError("no agent of the job is running")
+    return out
+
+
+def _write_hosts(path: Path, lines: list[str], note: str = "") -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines) + (f"# {note}\n" if note else ""))
+    tmp.replace(path)  # an atomic swap, as an operator's tooling would do it
+
+
+def _newest_complete(store: Path) -> int:
+    steps = [int(p.name[5:]) for p in store.glob("step_*") if (p / "COMPLETE").exists()]
+    if not steps:
+        raise AssertionError(f"no complete checkpoint in {store} to corrupt")
+    return max(steps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Watching
+
+
+def _progress(launch: Launch) -> int:
+    reports = launch.reports()
+    return max((r["step"] for r in reports), default=-1)
+
+
+def _trained_attempts(launch: Launch) -> int:
+    return sum(e["event"] == "first_step" for e in launch.events())
+
+
+def _await_recovery(launch: Launch, fault: Fault, before: int, hosts: Path, lines: list[str],
+                    timeout: float) -> bool:
+    """Wait until an attempt started after the fault trains past its step; bring a removed or preempted host
+    back first, and wait for the attempt that uses it again."""
+    launch.wait_for(lambda: _trained_attempts(launch) > before and _progress(launch) > fault.step, timeout=timeout)
+    if fault.kind in ("remove_host", "preempt"):
+        again = _trained_attempts(launch)
+        at = _progress(launch)
+        _write_hosts(hosts, lines, note=f"back after {fault.kind} at step {fault.step}")
+        launch.wait_for(lambda: _trained_attempts(launch) > again and _progress(launch) > at, timeout=timeout)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Comparing with an uninterrupted run
+
+
+def _reference(plan: Path, steps: int, where: Path, timeout: float) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    run_dir = where / "run"
+    launch = Launch([str(plan), "--run-dir", str(run_dir), "--", *TRAIN, "--steps", str(steps)], run_dir, timeout)
+    try:
+        code = launch.wait()
+    finally:
+        launch.close()
+    if code != 0:
+        raise AssertionError(f"the uninterrupted reference run failed ({code}):\n{launch.output()[-3000:]}")
+    return run_dir
+
+
+def _compare(launch: Launch, store: Path, reference: Path, steps: int, problems: list[str]):
+    """The largest relative difference of any step's loss (every time it was computed) and of any final
+    parameter, against the reference run; None where there is nothing to compare."""
+    expected = read_steps(reference)
+    reports = launch.reports()
+    missing = sorted(set(range(steps)) - {r["step"] for r in reports})
+    if missing:
+        problems.append(f"steps never reported: {missing[:10]}")
+    loss = max((abs(r["loss"] - expected[r["step"]]) / abs(expected[r["step"]]) for r in reports
+                if r["step"] in expected), default=None)
+    return loss, _params_diff(store / f"step_{steps}", reference / "checkpoints" / f"step_{steps}", problems)
+
+
+def _params_diff(got: Path, want: Path, problems: list[str]) -> tuple[float | None, float | None, str | None]:
+    """Over every tensor of the two final checkpoints (merged, under the model's names): the largest relative
+    difference ``||a - b|| / ||b||``, the largest ``max|a - b| / max|b|``, and the tensor of the first."""
+    from safetensors.torch import load_file
+
+    from varuna_core.ckpt_tools import merge
+
+    try:
+        merge(got, got.parent.parent / "chaos.safetensors")
+        merge(want, want.parent.parent / "reference.safetensors")
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        problems.append(f"cannot compare the final parameters: {exc}")
+        return None, None, None
+    a = load_file(str(got.parent.parent / "chaos.safetensors"))
+    b = load_file(str(want.parent.parent / "reference.safetensors"))
+    if a.keys() != b.keys():
+        problems.append(f"the final checkpoints hold different tensors: {sorted(a.keys() ^ b.keys())[:5]}")
+        return None, None, None
+    rel, absolute, worst = 0.0, 0.0, None
+    for name, value in b.items():
+        diff = (a[name].double() - value.double())
+        norm = float(diff.norm()) / (float(value.double().norm()) or 1.0)
+        if norm >= rel:
+            rel, worst = norm, name
+        absolute = max(absolute, float(diff.abs().max()) / (float(value.abs().max()) or 1.0))
+    return rel, absolute, worst
