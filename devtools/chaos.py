@@ -104,7 +104,8 @@ def schedule(seed: int, kinds: list[str], *, first: int, gap: int, ranks: int, h
 
 def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str], steps: int | None = None,
               ckpt_every: int = 5, gap: int = 12, first: int = 10, slots: int = 2, heartbeat_timeout: float = 8,
-              timeout: float = 900, reference: Path | None = None, say=lambda text: None) -> ChaosResult:
+              max_restarts: int = 4, timeout: float = 900, reference: Path | None = None,
+              say=lambda text: None) -> ChaosResult:
     """Run the example GPT by ``plan`` over ``cluster``'s hosts with ``--morph``, inject the scheduled faults,
     and compare it with an uninterrupted run of the same plan on local processes (``reference``: a store of that
     run's final checkpoint and its launcher's run directory, made here when None)."""
@@ -116,7 +117,7 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     _write_hosts(hosts, lines)
     run_dir = workdir / "run"
     args = [str(plan), "--run-dir", str(run_dir), "--hosts", str(hosts), "--morph", "--ckpt-every", str(ckpt_every),
-            "--heartbeat-timeout", str(heartbeat_timeout), "--grace", "2", "--max-restarts", "4",
+            "--heartbeat-timeout", str(heartbeat_timeout), "--grace", "2", "--max-restarts", str(max_restarts),
             *cluster.launcher_args(), "--", *TRAIN, "--steps", str(steps)]
     started = time.monotonic()
     launch = Launch(args, run_dir, timeout)

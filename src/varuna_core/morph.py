@@ -218,13 +218,14 @@ class Manager:
                     if outcome.refused and newest is None:
                         self.reporter.event(f"no loadable checkpoint of run {self.run_id} is left in "
                                             f"{opts.ckpt_dir}: starting again from step 0")
-                    progressed = newest is not None and (resume is None or newest > resume)
-                    restarts = 1 if progressed else restarts + 1
+                    if not outcome.refused:  # a checkpoint set aside costs a checkpoint, not a restart
+                        progressed = newest is not None and (resume is None or newest > resume)
+                        restarts = 1 if progressed else restarts + 1
                     if restarts > opts.max_restarts:
                         raise LaunchError(f"giving up after {opts.max_restarts} restarts without a new checkpoint: "
                                           f"{outcome.message}", hint=f"see the rank logs in {opts.run_dir}/logs")
                     self.status.restarts += 1
-                    delay = min(60.0, opts.backoff * 2 ** (restarts - 1))
+                    delay = min(60.0, opts.backoff * 2 ** max(0, restarts - 1))
                     self.reporter.event(f"crash: {outcome.message}; restarting in {delay:.0f}s "
                                         f"(restart {restarts} of at most {opts.max_restarts})")
                     self._sleep(delay)

@@ -26,6 +26,12 @@ def plan4(gpt_profile) -> Path:
     return make_plan(gpt_profile, gpt_profile.parent / "plan4.yaml", pp=2, dp=2)
 
 
+@pytest.fixture(scope="session")
+def plan2(gpt_profile) -> Path:
+    """Two stages, one replica: two workers (what tests of the launcher's mechanics need, at half the cost)."""
+    return make_plan(gpt_profile, gpt_profile.parent / "plan2.yaml", pp=2, dp=1, per_node=1)
+
+
 @pytest.fixture
 def launches():
     """Start launchers with ``launches(args, run_dir, timeout)``; every one is killed at the end of the test."""

@@ -41,11 +41,11 @@ def test_a_new_job_refuses_a_store_that_holds_checkpoints(plan4, tmp_path) -> No
 
 
 
-def test_sigterm_checkpoints_and_resume_continues(plan4, tmp_path, launches) -> None:
+def test_sigterm_checkpoints_and_resume_continues(plan2, tmp_path, launches) -> None:
     """SIGTERM (a scheduler's warning) makes the workers write an on-demand checkpoint and the launcher exit 143
     (before: 143 at once, nothing saved, no word); `--resume` then continues from that checkpoint."""
     store = tmp_path / "run" / "checkpoints"
-    launch = launches([str(plan4), "--morph", "--ckpt-every", "5", "--", *TRAIN, "--steps", "100000"],
+    launch = launches([str(plan2), "--morph", "--ckpt-every", "5", "--", *TRAIN, "--steps", "100000"],
                       tmp_path / "run", timeout=300)
     launch.wait_for(lambda: (store / "step_10" / "COMPLETE").exists())
     job = launch.job()
@@ -59,17 +59,17 @@ def test_sigterm_checkpoints_and_resume_continues(plan4, tmp_path, launches) -> 
     while job_processes(job) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert job_processes(job) == []
-    again = launches([str(plan4), "--resume", "--ckpt-dir", str(store), "--", *TRAIN, "--steps",
+    again = launches([str(plan2), "--resume", "--ckpt-dir", str(store), "--", *TRAIN, "--steps",
                       str(term["checkpoint"] + 2)], tmp_path / "again", timeout=300)
     assert again.wait() == 0, again.output()[-3000:]
     assert [e["resume"] for e in again.events() if e["event"] == "starting"] == [term["checkpoint"]]
 
 
-def test_a_job_whose_every_save_fails_gives_up(plan4, tmp_path, small_disk, launches) -> None:
+def test_a_job_whose_every_save_fails_gives_up(plan2, tmp_path, small_disk, launches) -> None:
     """Progress is counted in checkpoints saved, not steps trained (a job that can never save would otherwise
     lose its work again and again)."""
     disk = small_disk(32 * 1024)
-    launch = launches([str(plan4), "--morph", "--ckpt-dir", str(disk), "--ckpt-every", "3", "--max-restarts", "1",
+    launch = launches([str(plan2), "--morph", "--ckpt-dir", str(disk), "--ckpt-every", "3", "--max-restarts", "1",
                        "--", *TRAIN, "--steps", "100000"], tmp_path / "run", timeout=300)
     assert launch.wait() == 1, launch.output()[-3000:]
     out = launch.output()

@@ -140,8 +140,8 @@ def test_sigterm_at_any_moment_stops_the_agent() -> None:
     """SIGTERM's handler stopped the agent inline, and emit() may hold the output lock when it runs: the agent
     could hang forever. Now it stops from another thread. Sent at many moments of start-up and streaming."""
     chatty = [sys.executable, "-c", "import time\nfor i in range(100000): print(i, flush=True)\ntime.sleep(30)"]
-    for delay in (0.0, 0.001, 0.01, 0.05, 0.1, 0.2, 0.4, 0.8):
-        proc = _agent(_spec(chatty, workers=3))
+    for delay in (0.0, 0.01, 0.1, 0.3):
+        proc = _agent(_spec(chatty, workers=2))
         assert parse_event(proc.stdout.readline())["event"] == "ready"  # its handler is installed by now
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGTERM)
