@@ -116,8 +116,9 @@ def main() -> None:
     val_batch = ds.get_batch("val", args.batch_size, args.block_size, torch.Generator().manual_seed(args.seed))
     val_loss = model.evaluate(model.replica_slice(val_batch))
     if model.rank == 0:
-        tokens = (args.steps - first) * args.batch_size * args.block_size
-        print(f"final loss {float(loss):.4f} (validation {val_loss:.4f}) after {args.steps - first} steps in "
+        trained = max(args.steps - first, 0)  # 0 when resumed at or past --steps
+        tokens = trained * args.batch_size * args.block_size
+        print(f"final loss {float(loss):.4f} (validation {val_loss:.4f}) after {trained} steps in "
               f"{elapsed:.1f}s: {tokens / max(elapsed, 1e-9):,.0f} tokens/s", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
