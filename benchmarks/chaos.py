@@ -67,7 +67,7 @@ def main() -> int:
     results = []
     try:
         plan = make_plan(profile_example_gpt(work / "profile.json"), work / "plan.yaml", gpus=4)
-        from varuna_core.artifacts import load_plan
+        from varuna_core.planning.artifacts import load_plan
 
         chosen = load_plan(plan)
         log(f"profiled the example GPT; the planner's choice for 4 devices: pp={chosen.pp} x dp={chosen.dp}")

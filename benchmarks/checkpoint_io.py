@@ -343,7 +343,7 @@ def worker(job_path: str, out_dir: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    import varuna_core.checkpoint as ckpt
+    import varuna_core.checkpoint.saveload as ckpt
     from varuna_core import Varuna
 
     job = json.loads(Path(job_path).read_text())
@@ -555,7 +555,7 @@ def wait_idle(limit_s: float, threshold: float = 0.2) -> float:
 
 def launch(job: dict, world: int, tmp: Path, timeout: float) -> dict:
     """Start ``world`` workers on ``job``; kill all of them if one fails or the deadline passes."""
-    from varuna_core.launch_local import run_local_workers
+    from varuna_core.util.procs import run_local_workers
 
     job_path = tmp / "job.json"
     job_path.write_text(json.dumps(job))

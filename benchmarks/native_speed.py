@@ -14,8 +14,8 @@ import random
 import time
 
 from varuna_core import _native as native
-from varuna_core.schedule import SCHEDULE_NAMES, generate
-from varuna_core.simulate import StageCosts, simulate_python
+from varuna_core.ir.schedule import SCHEDULE_NAMES, generate
+from varuna_core.planning.simulate import StageCosts, simulate_python
 
 
 def _costs(p: int, seed: int = 0) -> list[StageCosts]:

@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from varuna_core import _native_shim
-from varuna_core.artifacts import (CommCurve, Environment, LinearFit, Profile, SegmentMeasure, SegmentProfile,
+from varuna_core.planning import native as _native_shim
+from varuna_core.planning.artifacts import (CommCurve, Environment, LinearFit, Profile, SegmentMeasure, SegmentProfile,
                                    Stat, save_artifact)
-from varuna_core.plan import PlanRequest, make_plan
+from varuna_core.planning.planner import PlanRequest, make_plan
 
 
 def gpt_like_profile(segments: int, sizes=(1, 2, 4, 8)) -> Profile:
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--gpu-memory", default="80GiB")
     args = ap.parse_args()
     profile = gpt_like_profile(args.segments)
-    from varuna_core.units import parse_bytes
+    from varuna_core.ir.units import parse_bytes
 
     req = PlanRequest(gpus=args.gpus, batch_size=args.batch_size, gpus_per_node=args.gpus_per_node,
                       gpu_memory=parse_bytes(args.gpu_memory))

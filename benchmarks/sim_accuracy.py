@@ -3,9 +3,9 @@
 For a set of configurations (pipeline depth ``pp``, data-parallel width ``dp``, micro-batch size, global batch,
 schedule) this script
 
-1. profiles the model once (``varuna_core.profile.profile(..., nproc=2)``, so the profile holds the
+1. profiles the model once (``varuna_core.profiling.run.profile(..., nproc=2)``, so the profile holds the
    point-to-point and all-reduce curves),
-2. makes the plan of exactly that configuration (``varuna_core.plan.plan_for``) and keeps its predicted step
+2. makes the plan of exactly that configuration (``varuna_core.planning.planner.plan_for``) and keeps its predicted step
    time (``plan.prediction.step_time``),
 3. runs it: ``pp·dp`` fresh local processes (gloo on 127.0.0.1, ``OMP_NUM_THREADS=1``, a hard timeout, all
    killed when one fails), each wrapping the model with ``Varuna(model, None, dummy_inputs, batch_size=B,
@@ -83,7 +83,7 @@ SLEEP_REF = f"{Path(__file__).resolve()}:SLEEP_SPEC"
 
 def gpt_spec() -> ModelSpec:
     """``examples/gpt/spec.py:spec`` with the runs' SGD optimizer (that spec leaves it to the default, AdamW)."""
-    from varuna_core.spec import load_spec
+    from varuna_core.model.spec import load_spec
 
     base = load_spec(f"{ROOT / 'examples' / 'gpt' / 'spec.py'}:spec")
     return dataclasses.replace(base, optimizer=_sgd(0.05), name="examples/gpt (SGD)")
@@ -206,7 +206,7 @@ def worker(job_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from varuna_core import Varuna
-    from varuna_core.spec import load_spec
+    from varuna_core.model.spec import load_spec
 
     job = json.loads(Path(job_path).read_text())
     rank = int(os.environ["RANK"])
@@ -234,7 +234,7 @@ def worker(job_path: str, out_dir: str) -> None:
     # weights + data parallel); the rest of step() is the loss/norm all-reduce; then the optimizer. Per action,
     # the runtime's trace gives its wall time, a wrapper of runtime._forward / runtime._backward its time, and
     # a wrapper of p2p.wait_all the time spent waiting for a message inside it; compute = time - waits.
-    from varuna_core import p2p
+    from varuna_core.pipeline import p2p
 
     marks: dict[str, float] = {}
     waited = [0.0]
@@ -339,7 +339,7 @@ def worker(job_path: str, out_dir: str) -> None:
 
 def launch(job: dict, world: int, tmp: Path, timeout: float) -> dict:
     """Start ``world`` workers on ``job``; kill all of them if one fails or the deadline passes."""
-    from varuna_core.launch_local import run_local_workers
+    from varuna_core.util.procs import run_local_workers
 
     tmp.mkdir(parents=True, exist_ok=True)
     job_path = tmp / "job.json"
@@ -401,8 +401,8 @@ def resimulate(plan, stages: list[dict], *, overhead: bool) -> float:
     plus, if ``overhead``, the runtime's measured own time per action; communication as predicted. Compared
     with the measured pipeline time it separates the profile's error (compute estimates) from the schedule
     model's."""
-    from varuna_core.schedule import generate
-    from varuna_core.simulate import StageCosts, simulate
+    from varuna_core.ir.schedule import generate
+    from varuna_core.planning.simulate import StageCosts, simulate
 
     costs = []
     for st in sorted((x for x in stages if x["replica"] == 0), key=lambda x: x["stage"]):
@@ -416,9 +416,9 @@ def resimulate(plan, stages: list[dict], *, overhead: bool) -> float:
 
 def measure_model(name: str, ref: str, configs: list[Config], sizes: list[int], repeats: int, args,
                   tmp: Path) -> dict:
-    from varuna_core.artifacts import save_artifact, save_plan
-    from varuna_core.plan import PlanRequest, plan_for
-    from varuna_core.profile import profile
+    from varuna_core.planning.artifacts import save_artifact, save_plan
+    from varuna_core.planning.planner import PlanRequest, plan_for
+    from varuna_core.profiling.run import profile
 
     if args.wait_idle:
         wait_idle(args.wait_idle)
@@ -576,7 +576,7 @@ def main() -> int:
             blocks.append(measure_model("gpt", GPT_REF, GPT_QUICK if args.quick else GPT_CONFIGS, [4, 8],
                                         10 if args.quick else 20, args, tmp))
     total_s = time.perf_counter() - started
-    from varuna_core import _native_shim
+    from varuna_core.planning import native as _native_shim
 
     meta = {"cpus": os.cpu_count(), "torch": torch.__version__, "native_simulator": _native_shim.module() is not None,
             "quick": args.quick, "steps": args.steps, "warmup": args.warmup, "total_s": total_s,

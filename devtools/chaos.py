@@ -294,7 +294,7 @@ def _params_diff(got: Path, want: Path, problems: list[str]) -> tuple[float | No
     difference ``||a - b|| / ||b||``, the largest ``max|a - b| / max|b|``, and the tensor of the first."""
     from safetensors.torch import load_file
 
-    from varuna_core.ckpt_tools import merge
+    from varuna_core.checkpoint.tools import merge
 
     try:
         merge(got, got.parent.parent / "chaos.safetensors")

@@ -104,8 +104,8 @@ def make_plan(profile: Path, out: Path, *, pp: int | None = None, dp: int | None
     """A plan of the given shape (``pp`` and ``dp``), or the planner's own choice for ``gpus`` devices with
     micro-batch ``mbs`` (what `varuna launch --morph` plans again when the devices come back), recording its
     profile (so that a morph can plan again)."""
-    from varuna_core.artifacts import load_profile, save_plan
-    from varuna_core.plan import PlanRequest, make_plan as search, plan_for
+    from varuna_core.planning.artifacts import load_profile, save_plan
+    from varuna_core.planning.planner import PlanRequest, make_plan as search, plan_for
 
     if pp is None or dp is None:
         plan = search(load_profile(profile), PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=per_node,
@@ -177,8 +177,8 @@ def worker_pid(job: str, rank: int, script: str = "train.py") -> int | None:
 
 
 def agent_pids(job: str) -> list[int]:
-    """The pids of ``job``'s node agents (``python -m varuna_core.agent``), on every host."""
-    return [pid for pid, cmd in job_processes(job) if "varuna_core.agent" in cmd and "sh -c" not in cmd]
+    """The pids of ``job``'s node agents (``python -m varuna_core.launch.agent``), on every host."""
+    return [pid for pid, cmd in job_processes(job) if "varuna_core.launch.agent" in cmd and "sh -c" not in cmd]
 
 
 def listening_addresses(pids: list[int]) -> set[str]:

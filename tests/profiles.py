@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from varuna_core.artifacts import (CommCurve, Environment, LinearFit, Profile, SegmentMeasure, SegmentProfile,
+from varuna_core.planning.artifacts import (CommCurve, Environment, LinearFit, Profile, SegmentMeasure, SegmentProfile,
                                    Stat)
 
 

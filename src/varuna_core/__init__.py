@@ -1,7 +1,18 @@
 """Varuna core library: pipeline + data parallel training on commodity machines.
 
-Public names are imported lazily so that planning code (``schedule``, ``topology``, ``partition``) and the
-CLI start without importing torch.
+Public names are imported lazily so that planning code and the CLI start without importing torch.
+
+The package is a house of floors; a module imports only from its own floor or lower ones
+(``tests/unit/test_layers.py`` enforces it):
+
+* L0 ``errors``, ``env``, ``util/``, ``ir/`` — error hierarchy, every ``VARUNA_*`` name, helpers, the torch-free
+  schedule IR (schedules, in-flight counts, topology, partitions, units);
+* L1 ``model/`` (torch, no ``torch.distributed``: cut points, discovery, slicing) and ``planning/`` (no torch:
+  artifacts, memory model, simulator, planner, timelines);
+* L2 ``pipeline/`` (the executor and its communication), ``checkpoint/`` (knows nothing of ``Varuna``),
+  ``profiling/``;
+* L3 ``worker/`` (supervision inside a worker) and ``launch/`` (the launcher; no torch at module level);
+* L4 ``varuna`` (the facade: composition only) and ``schemas``.
 """
 
 from __future__ import annotations
@@ -17,17 +28,17 @@ except Exception:  # pragma: no cover - running from a source tree without insta
     __version__ = "0.0.0"
 
 _EXPORTS = {
-    "CutPoint": "cutpoint",
+    "CutPoint": "model.cutpoint",
     "Varuna": "varuna",
     "VarunaError": "errors",
     "ConfigError": "errors",
-    "Topology": "topology",
-    "Partition": "partition",
-    "Schedule": "schedule",
-    "Action": "schedule",
-    "Op": "schedule",
-    "ModelSpec": "spec",
-    "load_spec": "spec",
+    "Topology": "ir.topology",
+    "Partition": "ir.partition",
+    "Schedule": "ir.schedule",
+    "Action": "ir.schedule",
+    "Op": "ir.schedule",
+    "ModelSpec": "model.spec",
+    "load_spec": "model.spec",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -23,19 +23,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .checks import integer, real
-from .discovery import Structure, discover, make_batch_fn
+from .util.checks import integer, real
+from .model.discovery import Structure, discover, make_batch_fn
 from .errors import ConfigError, CutPointError, TopologyError, install_excepthook
-from .grads import GradBuffer, all_reduce_tensor
-from .microbatch import batch_size_of, microbatch_sizes, split_inputs
-from .p2p import default_timeout
-from .partition import Partition, balance, coerce_partition
-from .precision import LossScaler, resolve_precision
-from .runtime import PipelineRuntime
-from .schedule import SCHEDULE_NAMES
-from .stage import StageModule, TieSet, find_tie_sets, weight_groups
-from .supervision import Supervision
-from .topology import Topology
+from .pipeline.grads import GradBuffer, all_reduce_tensor
+from .pipeline.microbatch import batch_size_of, microbatch_sizes, split_inputs
+from .pipeline.p2p import default_timeout
+from .ir.partition import Partition, balance, coerce_partition
+from .model.precision import LossScaler, resolve_precision
+from .pipeline.executor import PipelineRuntime
+from .ir.schedule import SCHEDULE_NAMES
+from .model.stage import StageModule, TieSet, find_tie_sets, weight_groups
+from .worker.supervision import Supervision
+from .ir.topology import Topology
 
 __all__ = ["Varuna"]
 
@@ -74,13 +74,13 @@ class Varuna(nn.Module):
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and loss scaling); parameters and
             optimizer state stay fp32.
         seed: seeds dropout per (seed, step, micro-batch, segment); default: rank 0's ``torch.initial_seed()``.
-        plan: a :class:`~varuna_core.artifacts.Plan` or the path of one (default: ``VARUNA_PLAN``); it sets the
+        plan: a :class:`~varuna_core.planning.artifacts.Plan` or the path of one (default: ``VARUNA_PLAN``); it sets the
             stage-to-rank map, partition, schedule and micro-batch size. ``stage_to_rank_map`` may then be
             ``None``.
         trace: a directory (default: ``VARUNA_TRACE``) to write a Chrome trace of step ``trace_step``'s actions
             to, one ``trace_rank<R>.json`` per rank (open in Perfetto, or `varuna plan show --measured`).
         cutpoints: ``"auto"`` for a model without ``CutPoint``s: a cut in front of every block of its longest
-            ``nn.ModuleList`` (see :mod:`varuna_core.autocut`); Hugging Face models need no edits.
+            ``nn.ModuleList`` (see :mod:`varuna_core.model.autocut`); Hugging Face models need no edits.
         loss_reduction: ``"mean"``: the model's loss is the mean over the micro-batch's examples, and the library
             weights each micro-batch by its share of the global batch. ``"sum"``: the loss is already the
             micro-batch's share of the global loss (e.g. a sum over tokens divided by the global number of
@@ -126,7 +126,7 @@ class Varuna(nn.Module):
             raise ConfigError(f"cutpoints must be 'auto' or None, got {cutpoints!r}",
                               hint="'auto' cuts in front of every block of the model's longest nn.ModuleList")
         if cutpoints == "auto":
-            from .autocut import apply_auto_cutpoints
+            from .model.autocut import apply_auto_cutpoints
 
             apply_auto_cutpoints(model)
         self.precision = resolve_precision(precision, fp16)
@@ -389,8 +389,8 @@ class Varuna(nn.Module):
                    tempdir: str | os.PathLike | None = None, shard: bool = True, background: bool = False,
                    keep: int | None = None):
         """Save parameters, buffers, optimizer state, loss scaler, RNG, step, data position and the plan to
-        ``global_store/step_<step>`` (collective). See :mod:`varuna_core.checkpoint`."""
-        from .checkpoint import save
+        ``global_store/step_<step>`` (collective). See :mod:`varuna_core.checkpoint.saveload`."""
+        from .checkpoint.saveload import save
 
         return save(self, global_store, step=step, tempdir=tempdir, shard=shard, background=background, keep=keep)
 
@@ -406,7 +406,7 @@ class Varuna(nn.Module):
         live changes: a refused checkpoint raises :class:`~varuna_core.errors.CheckpointError` on every rank and
         leaves the model, optimizer and RNG untouched. ``load_optimizer=False`` restores the model alone (e.g.
         with another optimizer)."""
-        from .checkpoint import load
+        from .checkpoint.saveload import load
 
         return load(self, global_store, iteration=iteration, check_complete=check_complete, run=run,
                     load_optimizer=load_optimizer)
@@ -500,7 +500,7 @@ class Varuna(nn.Module):
 
         ``torch.initial_seed()`` of an unseeded process is a random value in ``[0, 2**64)``: it travels as the
         int64 with the same bits. The run id is ``VARUNA_RUN_ID`` (set by ``varuna launch``) or a fresh one."""
-        from .ckpt_layout import check_run_id, new_run_id
+        from .checkpoint.layout import check_run_id, new_run_id
 
         value = (int(seed) if seed is not None else torch.initial_seed()) & _MASK64
         env_run = os.environ.get("VARUNA_RUN_ID", "").strip()
@@ -541,7 +541,7 @@ _RUN_ID_BYTES = 64
 
 
 def _check_arguments(batch_size, chunk_size, timeout, bucket_mb, trace_step, seed, plan):
-    """The numbers given to ``Varuna(...)``, checked (see :mod:`varuna_core.checks`)."""
+    """The numbers given to ``Varuna(...)``, checked (see :mod:`varuna_core.util.checks`)."""
     batch_size = integer("batch_size", batch_size, low=1)
     if chunk_size is not None or plan is None:
         chunk_size = integer("chunk_size", chunk_size, low=1)
@@ -559,7 +559,7 @@ def _load_plan(plan: Any):
         plan = os.environ.get("VARUNA_PLAN") or None
     if plan is None:
         return None
-    from .artifacts import load_plan
+    from .planning.artifacts import load_plan
 
     return load_plan(plan)
 
@@ -631,8 +631,8 @@ def _segment_param_bytes(model: nn.Module, structure: Structure) -> list[float]:
 
 def _reference(model: nn.Module, dummy_inputs: Any, batch_fn, chunk_size: int) -> tuple[dict, list, torch.Tensor]:
     """The unsliced model's value at each cut and its loss on the dummy inputs (eval mode, no grad)."""
-    from .cutpoint import find_cutpoints
-    from .discovery import _quiet_run, extract_loss
+    from .model.cutpoint import find_cutpoints
+    from .model.discovery import _quiet_run, extract_loss
 
     inputs = dict(dummy_inputs) if isinstance(dummy_inputs, Mapping) else batch_fn(chunk_size)
     values: list[Any] = []

@@ -18,8 +18,8 @@ import yaml
 
 import varuna_cli.app as cli
 from tests.profiles import make_profile
-from varuna_core.artifacts import save_artifact, save_plan
-from varuna_core.plan import PlanRequest, plan_for
+from varuna_core.planning.artifacts import save_artifact, save_plan
+from varuna_core.planning.planner import PlanRequest, plan_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -351,7 +351,7 @@ def test_notify_preempt_bad_host_names(capsys, tmp_path) -> None:
 
 
 def test_notify_preempt_host_with_markup(capsys, tmp_path) -> None:
-    from varuna_core.heartbeat import Listener
+    from varuna_core.launch.heartbeat import Listener
 
     listener = Listener("job1", "token1", bind="127.0.0.1")
     try:

@@ -66,7 +66,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path) -> None:
     # a directory a killed save left behind (here: made by hand) is reported and refused as incomplete
     import shutil
 
-    from varuna_core.ckpt_tools import verify
+    from varuna_core.checkpoint.tools import verify
 
     shutil.copytree(store / "step_2", store / "step_4")
     (store / "step_4" / "COMPLETE").unlink()
@@ -95,7 +95,7 @@ def _merged_model_matches(store, tmp_path) -> None:
     """`ckpt merge` gives one state dict that a fresh unpartitioned model loads strictly, with the same loss."""
     from safetensors.torch import load_file
 
-    from varuna_core.ckpt_tools import merge, verify
+    from varuna_core.checkpoint.tools import merge, verify
 
     assert verify(store / "step_4").ok
     merge(store / "step_4", tmp_path / "model.safetensors")

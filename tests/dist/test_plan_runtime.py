@@ -12,8 +12,8 @@ import pytest
 from tests.dist.harness import run_ranks
 from tests.dist.test_parity import BATCH, STEPS, reference, rel_diff
 from tests.profiles import make_profile
-from varuna_core.artifacts import save_plan
-from varuna_core.plan import PlanRequest, plan_for
+from varuna_core.planning.artifacts import save_plan
+from varuna_core.planning.planner import PlanRequest, plan_for
 
 pytestmark = pytest.mark.dist
 

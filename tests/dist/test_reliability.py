@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist.harness import ROOT, run_ranks
-from varuna_core.ckpt_layout import scan
+from varuna_core.checkpoint.layout import scan
 
 pytestmark = pytest.mark.dist
 

@@ -115,7 +115,7 @@ def run_one(run: dict, spec: dict) -> dict:
         overflows.append(overflow)
         crash = run.get("die_in_save")
         if crash and crash["rank"] == vm.rank and vm.iteration == crash["at"]:
-            from varuna_core.ckpt_io import FileSink
+            from varuna_core.checkpoint.io import FileSink
 
             write = FileSink.write
 
@@ -130,7 +130,7 @@ def run_one(run: dict, spec: dict) -> dict:
         if fail and fail["rank"] == vm.rank:  # this rank's background copy hits a full disk
             import errno
 
-            from varuna_core import checkpoint
+            from varuna_core.checkpoint import saveload as checkpoint
 
             def full(*args, **kwargs):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "copy")

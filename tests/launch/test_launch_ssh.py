@@ -35,14 +35,14 @@ def hosts_file(path: Path, lines: list[str]) -> Path:
 def test_an_unreachable_host_is_named_and_nothing_starts(cluster, plan4, tmp_path) -> None:
     dead = cluster.hosts[0].address.rsplit(".", 1)[0] + ".250"  # an address in the hosts' subnet nobody has
     hosts = hosts_file(tmp_path / "hosts", [cluster.hosts_file_lines(2)[0], f"root@{dead}:22 slots=2"])
-    before = subprocess.run(["pgrep", "-f", "varuna_core.agent"], capture_output=True, text=True).stdout
+    before = subprocess.run(["pgrep", "-f", "varuna_core.launch.agent"], capture_output=True, text=True).stdout
     done = subprocess.run([str(VARUNA), "launch", str(plan4), "--hosts", str(hosts), *cluster.launcher_args(),
                            "--run-dir", str(tmp_path / "run"), "--", *TRAIN], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert f"cannot use root@{dead}:22" in done.stderr and "nothing was started" in done.stderr
     assert f"root@{cluster.hosts[0].address}:22:" not in done.stderr  # the good host is not blamed
-    after = subprocess.run(["pgrep", "-f", "varuna_core.agent"], capture_output=True, text=True).stdout
+    after = subprocess.run(["pgrep", "-f", "varuna_core.launch.agent"], capture_output=True, text=True).stdout
     assert after == before and not (tmp_path / "run").exists()
 
 
@@ -96,11 +96,11 @@ def test_ctrl_c_stops_every_worker_on_every_host(cluster, plan2, tmp_path, launc
 def test_a_partial_start_is_rolled_back(cluster, plan4, tmp_path) -> None:
     """The first host's agent is up (it hosts the job's store) when the second cannot be reached: the first is
     stopped again and nothing of the job is left."""
-    from varuna_core.artifacts import load_plan
-    from varuna_core.hosts import Host
-    from varuna_core.launch import LaunchError, LaunchOptions
-    from varuna_core.morph import Manager
-    from varuna_core.remote import Runtime, SSHConfig
+    from varuna_core.planning.artifacts import load_plan
+    from varuna_core.launch.hosts import Host
+    from varuna_core.launch.attempt import LaunchError, LaunchOptions
+    from varuna_core.launch.manager import Manager
+    from varuna_core.launch.ssh import Runtime, SSHConfig
 
     good = cluster.hosts[0]
     hosts = [Host(good.address, 2, user=cluster.user, port=good.port), Host(good.address, 2, user=cluster.user, port=1)]

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from varuna_core.agent import MAX_LINE, _grace, _store_socket
-from varuna_core.remote import MAX_EVENT, _lines, parse_event
+from varuna_core.launch.agent import MAX_LINE, _grace, _store_socket
+from varuna_core.launch.ssh import MAX_EVENT, _lines, parse_event
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,7 +64,7 @@ def test_a_local_store_listens_on_the_loopback_only() -> None:
 
 
 def _agent(spec: dict | str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "varuna_core.agent"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "varuna_core.launch.agent"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     proc.stdin.write(((spec if isinstance(spec, str) else json.dumps(spec)) + "\n").encode())
     proc.stdin.flush()
@@ -119,7 +119,7 @@ def test_garbage_commands_are_reported_and_ignored() -> None:
 
 _TERM_IN_EMIT = """
 import signal, sys, threading
-from varuna_core import agent
+from varuna_core.launch import agent
 a = agent.Agent({"job": "testjob0", "workers": []})
 signal.signal(signal.SIGTERM, agent.sigterm_handler(a, 1.0))
 with agent._out_lock:  # as if the signal arrived while the main thread was writing an event

@@ -17,8 +17,9 @@ import torch
 
 import varuna_cli.app as cli
 from test_ckpt_tools import write_checkpoint  # a plain function: writes a checkpoint the way the runtime does
-from varuna_core import ckpt_io, ckpt_tools
-from varuna_core.ckpt_storage import METADATA_FILE, RawReader, RawWriter, dcp_load, dcp_save, read_metadata
+from varuna_core.checkpoint import io as ckpt_io
+from varuna_core.checkpoint import tools as ckpt_tools
+from varuna_core.checkpoint.storage import METADATA_FILE, RawReader, RawWriter, dcp_load, dcp_save, read_metadata
 from varuna_core.errors import CheckpointError, ConfigError, VarunaError
 
 VARUNA = Path(sys.executable).parent / "varuna"

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from varuna_core import ckpt_io
-from varuna_core.ckpt_io import FileSink, Sha256, copy_file, open_source, scatter_file
-from varuna_core.ckpt_storage import METADATA_FILE, RawReader, RawWriter, dcp_load, dcp_save, read_metadata
+from varuna_core.checkpoint import io as ckpt_io
+from varuna_core.checkpoint.io import FileSink, Sha256, copy_file, open_source, scatter_file
+from varuna_core.checkpoint.storage import METADATA_FILE, RawReader, RawWriter, dcp_load, dcp_save, read_metadata
 from varuna_core.errors import CheckpointError
 
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.models import SHARED, ToyLM, batch
 from varuna_core import Varuna
-from varuna_core.ckpt_layout import read_run, scan
+from varuna_core.checkpoint.layout import read_run, scan
 from varuna_core.errors import CheckpointError, ConfigError
 
 
@@ -249,7 +249,7 @@ def test_a_full_disk_fails_the_save_cleanly(tmp_path, small_disk) -> None:
 
 def test_a_failing_write_inside_dcp_is_one_checkpoint_error(tmp_path, monkeypatch) -> None:
     """DCP wraps a rank's failure in CheckpointException, a BaseException that escaped `except Exception`."""
-    from varuna_core import ckpt_io
+    from varuna_core.checkpoint import io as ckpt_io
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -309,7 +309,7 @@ def test_a_one_stage_checkpoint_records_its_tied_weights(tmp_path) -> None:
 
     from safetensors.torch import load_file
 
-    from varuna_core.ckpt_tools import merge
+    from varuna_core.checkpoint.tools import merge
 
     vm = _model()
     _train(vm, 2)

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 import varuna_cli.app as cli
-from varuna_core import ckpt_tools
-from varuna_core.artifacts import FileEntry, Manifest, TensorEntry
-from varuna_core.ckpt_storage import RawWriter
+from varuna_core.checkpoint import tools as ckpt_tools
+from varuna_core.planning.artifacts import FileEntry, Manifest, TensorEntry
+from varuna_core.checkpoint.storage import RawWriter
 from varuna_core.errors import CheckpointError, ConfigError
 
 VARUNA = Path(sys.executable).parent / "varuna"

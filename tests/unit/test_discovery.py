@@ -11,7 +11,7 @@ import torch
 
 from tests import models
 from tests.models import SHARED, ToyLM, batch
-from varuna_core.discovery import discover, make_batch_fn, structure_key
+from varuna_core.model.discovery import discover, make_batch_fn, structure_key
 from varuna_core.errors import ConfigError, CutPointError
 
 
@@ -143,8 +143,8 @@ def test_cache_key_follows_the_source_code(tmp_path) -> None:
 
 
 def test_shared_weights_names_are_checked() -> None:
-    from varuna_core.partition import balance
-    from varuna_core.stage import find_tie_sets
+    from varuna_core.ir.partition import balance
+    from varuna_core.model.stage import find_tie_sets
 
     model = ToyLM()
     s = _discover(model, use_cache=False)

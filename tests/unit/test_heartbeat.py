@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from varuna_core import heartbeat
-from varuna_core.heartbeat import Beacon, Listener, decode, send_notice
+from varuna_core.launch import heartbeat
+from varuna_core.launch.heartbeat import Beacon, Listener, decode, send_notice
 
 JOB, TOKEN = "job", "tok"
 

@@ -9,13 +9,13 @@ import pytest
 
 from tests.profiles import make_profile
 from varuna_core.errors import ConfigError
-from varuna_core.heartbeat import Beacon, Listener, decode, encode, send_notice
-from varuna_core.hosts import Host, HostsWatcher, parse_hosts
-from varuna_core.launch import place, worker_argv
-from varuna_core.morph import replan
-from varuna_core.plan import PlanRequest, make_plan, plan_for
-from varuna_core.remote import Runtime, SSHConfig
-from varuna_core.stragglers import StragglerDetector
+from varuna_core.launch.heartbeat import Beacon, Listener, decode, encode, send_notice
+from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts
+from varuna_core.launch.attempt import place, worker_argv
+from varuna_core.launch.manager import replan
+from varuna_core.planning.planner import PlanRequest, make_plan, plan_for
+from varuna_core.launch.ssh import Runtime, SSHConfig
+from varuna_core.launch.stragglers import StragglerDetector
 
 
 def test_hosts_file_lines() -> None:
@@ -62,8 +62,8 @@ def test_worker_argv_and_ssh_command_quote_everything() -> None:
     assert worker_argv(["train.py", "--x", "a b"], "/py") == ["/py", "train.py", "--x", "a b"]
     assert worker_argv(["./run.sh"], "/py") == ["./run.sh"]
     runtime = Runtime(python="/opt/my env/python", code_dir="/srv/code dir")
-    command = runtime.command("-m", "varuna_core.agent", env={"VARUNA_JOB_ID": "abc"})
-    assert command == "cd '/srv/code dir' && VARUNA_JOB_ID=abc exec '/opt/my env/python' -m varuna_core.agent"
+    command = runtime.command("-m", "varuna_core.launch.agent", env={"VARUNA_JOB_ID": "abc"})
+    assert command == "cd '/srv/code dir' && VARUNA_JOB_ID=abc exec '/opt/my env/python' -m varuna_core.launch.agent"
     argv = SSHConfig(user="bob", port=2200, identity="/k", options=("ConnectTimeout=3",)).argv(
         Host("h", 1, port=22), command)
     assert argv[:3] == ["ssh", "-o", "ConnectTimeout=3"]  # the user's options first: ssh keeps the first value

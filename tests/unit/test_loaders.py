@@ -14,13 +14,13 @@ import pytest
 import yaml
 
 from tests.profiles import make_profile
-from varuna_core.artifacts import (MAX_MICROBATCHES, MAX_PLAN_BYTES, MAX_PROFILE_BYTES, Plan, load_plan, load_profile,
+from varuna_core.planning.artifacts import (MAX_MICROBATCHES, MAX_PLAN_BYTES, MAX_PROFILE_BYTES, Plan, load_plan, load_profile,
                                    save_artifact, save_plan)
 from varuna_core.errors import ConfigError
-from varuna_core.hosts import Host, HostsWatcher, parse_hosts, read_hosts
-from varuna_core.plan import PlanRequest, make_plan, plan_for
-from varuna_core.remote import SSHConfig
-from varuna_core.units import parse_bytes
+from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts, read_hosts
+from varuna_core.planning.planner import PlanRequest, make_plan, plan_for
+from varuna_core.launch.ssh import SSHConfig
+from varuna_core.ir.units import parse_bytes
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -246,7 +246,7 @@ def test_every_plan_the_planner_makes_validates(seed) -> None:
 
 
 def test_a_morph_without_a_profile_makes_a_valid_plan() -> None:
-    from varuna_core.morph import replan
+    from varuna_core.launch.manager import replan
 
     plan = make_plan(make_profile([0.001] * 6), PlanRequest(gpus=8, batch_size=64, gpus_per_node=4))
     for devices, per_node in ((3, 1), (5, 2), (8, 4), (16, 8)):

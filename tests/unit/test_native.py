@@ -11,9 +11,9 @@ import random
 import pytest
 
 from varuna_core import _native as native
-from varuna_core.memory_counts import inflight
-from varuna_core.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate
-from varuna_core.simulate import StageCosts, simulate, simulate_python
+from varuna_core.ir.inflight import inflight
+from varuna_core.ir.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate
+from varuna_core.planning.simulate import StageCosts, simulate, simulate_python
 
 OP_CODE = {Op.F: 0, Op.R: 1, Op.B: 2}
 OP_NAME = ("F", "R", "B")

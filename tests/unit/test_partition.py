@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 
 from varuna_core.errors import PartitionError
-from varuna_core.partition import Partition, balance, coerce_partition
+from varuna_core.ir.partition import Partition, balance, coerce_partition
 
 
 def _all_partitions(n: int, stages: int):

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from tests.profiles import make_profile
-from varuna_core.artifacts import Plan, load_plan, load_profile, save_artifact, schema_text
+from varuna_core.planning.artifacts import Plan, load_plan, load_profile, save_artifact, schema_text
 from varuna_core.errors import ConfigError
-from varuna_core.plan import PlanInfeasible, PlanRequest, _Seg, make_plan, partition_under_memory, stage_memory
-from varuna_core.topology import Topology
+from varuna_core.planning.planner import PlanInfeasible, PlanRequest, _Seg, make_plan, partition_under_memory, stage_memory
+from varuna_core.ir.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.specs import sleep
-from varuna_core.artifacts import Profile, schema_text
+from varuna_core.planning.artifacts import Profile, schema_text
 from varuna_core.errors import ConfigError
-from varuna_core.profile import profile
-from varuna_core.spec import ModelSpec, load_spec
+from varuna_core.profiling.run import profile
+from varuna_core.model.spec import ModelSpec, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def test_changed_model_is_measured_again(monkeypatch) -> None:
 
 def test_schema_file_is_in_sync() -> None:
     on_disk = (ROOT / "schemas" / "profile.schema.json").read_text()
-    assert on_disk == schema_text(Profile), "regenerate schemas/: python -m varuna_core.artifacts"
+    assert on_disk == schema_text(Profile), "regenerate schemas/: python -m varuna_core.planning.artifacts"
 
 
 @pytest.mark.parametrize(

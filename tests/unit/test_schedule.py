@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from varuna_core.errors import ScheduleError
-from varuna_core.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate, validate
+from varuna_core.ir.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate, validate
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parents[1] / "golden" / "schedules"
 GOLDEN_CASES = [("varuna", 4, 10), ("varuna", 2, 5), ("varuna", 1, 3), ("1f1b", 4, 8), ("1f1b", 3, 2), ("gpipe", 3, 4)]
@@ -124,7 +124,7 @@ def test_no_torch_import() -> None:
     import subprocess
 
     code = (
-        "import sys, varuna_core.schedule, varuna_core.topology, varuna_core.partition;"
+        "import sys, varuna_core.ir.schedule, varuna_core.ir.topology, varuna_core.ir.partition;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

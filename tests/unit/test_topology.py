@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from varuna_core.errors import TopologyError
-from varuna_core.topology import Topology
+from varuna_core.ir.topology import Topology
 
 
 @pytest.mark.parametrize("text", ["0,2;1,3;", "0,2;1,3", " 0, 2 ;\n1 ,3 ; "])

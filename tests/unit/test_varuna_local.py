@@ -136,8 +136,8 @@ def test_uncaught_error_in_a_script_is_one_line_with_exit_code(tmp_path) -> None
 
 def test_plan_of_another_model_is_refused(tmp_path) -> None:
     from tests.profiles import make_profile
-    from varuna_core.artifacts import save_plan
-    from varuna_core.plan import PlanRequest, plan_for
+    from varuna_core.planning.artifacts import save_plan
+    from varuna_core.planning.planner import PlanRequest, plan_for
 
     plan = plan_for(make_profile([0.001] * 3), PlanRequest(gpus=1, batch_size=8), pp=1, dp=1, microbatch_size=2,
                     schedule="1f1b")
@@ -152,8 +152,8 @@ def test_plan_of_another_model_is_refused(tmp_path) -> None:
 
 def test_plan_sets_micro_batch_and_schedule(tmp_path) -> None:
     from tests.profiles import make_profile
-    from varuna_core.artifacts import save_plan
-    from varuna_core.plan import PlanRequest, plan_for
+    from varuna_core.planning.artifacts import save_plan
+    from varuna_core.planning.planner import PlanRequest, plan_for
 
     plan = plan_for(make_profile([0.001] * 5), PlanRequest(gpus=1, batch_size=8), pp=1, dp=1, microbatch_size=4,
                     schedule="gpipe")
@@ -163,7 +163,7 @@ def test_plan_sets_micro_batch_and_schedule(tmp_path) -> None:
 
 
 def test_checkpoint_retention_and_resume_in_one_process(tmp_path) -> None:
-    from varuna_core.ckpt_layout import scan
+    from varuna_core.checkpoint.layout import scan
 
     vm = _wrap()
     opt = torch.optim.AdamW(vm.parameters(), lr=1e-2)

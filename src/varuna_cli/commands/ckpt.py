@@ -48,8 +48,8 @@ def list_(
 
     from rich.table import Table
 
-    from varuna_core.ckpt_tools import list_checkpoints
-    from varuna_core.units import format_bytes
+    from varuna_core.checkpoint.tools import list_checkpoints
+    from varuna_core.ir.units import format_bytes
 
     infos = list_checkpoints(store)
     newest: dict[str | None, int] = {}  # run -> its latest complete step
@@ -104,9 +104,9 @@ def inspect(
     """Every tensor of a checkpoint (shape, dtype, bytes) and the bytes by kind, stage and module."""
     from rich.table import Table
 
-    from varuna_core.ckpt_tools import KINDS
-    from varuna_core.ckpt_tools import inspect as inspect_checkpoint
-    from varuna_core.units import format_bytes
+    from varuna_core.checkpoint.tools import KINDS
+    from varuna_core.checkpoint.tools import inspect as inspect_checkpoint
+    from varuna_core.ir.units import format_bytes
 
     rep = inspect_checkpoint(path)
     if as_json:
@@ -164,9 +164,9 @@ def verify(
 
     Exits 0 printing "ok" and a summary, or 1 naming the first problem (every problem is listed).
     """
-    from varuna_core.ckpt_tools import verify as verify_checkpoint
+    from varuna_core.checkpoint.tools import verify as verify_checkpoint
     from varuna_core.errors import VarunaError
-    from varuna_core.units import format_bytes
+    from varuna_core.ir.units import format_bytes
 
     rep = verify_checkpoint(path, finite=finite)
     name = Path(rep.path).name
@@ -206,8 +206,8 @@ def merge(
     Keys are the model's own names (tied weights under every name), so
     `model.load_state_dict(safetensors.torch.load_file(FILE), strict=True)` works.
     """
-    from varuna_core.ckpt_tools import merge as merge_checkpoint
-    from varuna_core.units import format_bytes
+    from varuna_core.checkpoint.tools import merge as merge_checkpoint
+    from varuna_core.ir.units import format_bytes
 
     rep = merge_checkpoint(path, output, optimizer=optimizer, force=force)
     err = _console(stderr=True)

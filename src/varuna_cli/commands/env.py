@@ -18,7 +18,7 @@ def env(
     Paste the output into bug reports. The values of variables named like secrets (TOKEN, SECRET, PASSWORD, KEY,
     CREDENTIAL, ...) are shown as <redacted>.
     """
-    from varuna_core.envinfo import collect  # imports torch: keep it out of `varuna --help`
+    from varuna_core.util.envinfo import collect  # imports torch: keep it out of `varuna --help`
 
     info = collect()
     if as_json:

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from varuna_core.errors import ConfigError, VarunaError
-from varuna_core.hosts import MAX_SLOTS
+from varuna_core.launch.hosts import MAX_SLOTS
 
 HELP = (
     "Run SCRIPT on every device of PLAN: local processes, or the hosts of --hosts over SSH.\n\n"
@@ -216,11 +216,11 @@ def launch(
     straggler_threshold: Annotated[float, typer.Option(
         "--straggler-threshold", help="Compute time over the median that makes a straggler (0.3 = 30%).")] = 0.3,
 ) -> None:
-    from varuna_core.artifacts import load_plan
-    from varuna_core.hosts import is_loopback, read_hosts
-    from varuna_core.launch import LaunchError, LaunchOptions, place
-    from varuna_core.morph import Manager, choose_run
-    from varuna_core.remote import Runtime, SSHConfig, check_hosts
+    from varuna_core.planning.artifacts import load_plan
+    from varuna_core.launch.hosts import is_loopback, read_hosts
+    from varuna_core.launch.attempt import LaunchError, LaunchOptions, place
+    from varuna_core.launch.manager import Manager, choose_run
+    from varuna_core.launch.ssh import Runtime, SSHConfig, check_hosts
 
     script = list(script or [])
     _check_counts({"--gpus-per-node": gpus_per_node, "--ckpt-every": ckpt_every, "--ckpt-keep": ckpt_keep,
@@ -293,7 +293,7 @@ def notify_preempt(
 ) -> None:
     """Tell a running `varuna launch --morph` that HOST will be preempted: the job checkpoints and continues
     without it. Authenticated with the job's token from RUN_DIR/manager.json."""
-    from varuna_core.heartbeat import send_notice
+    from varuna_core.launch.heartbeat import send_notice
 
     if not math.isfinite(seconds) or not 0 <= seconds <= MAX_NOTICE_SECONDS:
         raise ConfigError(f"--in must be a number of seconds in [0, {MAX_NOTICE_SECONDS:g}], got {seconds}")

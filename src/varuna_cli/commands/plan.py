@@ -40,9 +40,9 @@ def plan(
     from rich.console import Console
     from rich.text import Text
 
-    from varuna_core.artifacts import check_writable, first_problem, load_profile, save_plan
-    from varuna_core.plan import PlanRequest, make_plan
-    from varuna_core.units import parse_bytes
+    from varuna_core.planning.artifacts import check_writable, first_problem, load_profile, save_plan
+    from varuna_core.planning.planner import PlanRequest, make_plan
+    from varuna_core.ir.units import parse_bytes
 
     _check_counts(gpus, batch_size, gpus_per_node, top)
     if not (math.isfinite(headroom) and 0 <= headroom < 1):
@@ -77,7 +77,7 @@ def plan(
 
 
 def _check_counts(gpus: int, batch_size: int, gpus_per_node: int | None, top: int) -> None:
-    from varuna_core.artifacts import MAX_DEVICES
+    from varuna_core.planning.artifacts import MAX_DEVICES
 
     for name, value, low, high in (("--gpus", gpus, 1, MAX_DEVICES), ("--gpus-per-node", gpus_per_node, 1, MAX_DEVICES),
                                    ("--batch-size", batch_size, 1, None), ("--top", top, 0, MAX_TOP)):
@@ -88,7 +88,7 @@ def _check_counts(gpus: int, batch_size: int, gpus_per_node: int | None, top: in
 
 def _schedules(text: str | None) -> tuple[str, ...]:
     """The schedules of ``--schedule``, each known, each once."""
-    from varuna_core.schedule import SCHEDULE_NAMES
+    from varuna_core.ir.schedule import SCHEDULE_NAMES
 
     if text is None:
         return SCHEDULE_NAMES
@@ -105,7 +105,7 @@ def _schedules(text: str | None) -> tuple[str, ...]:
 def _check_microbatches(sizes: list[int], gpus: int, batch_size: int) -> None:
     """Refuse a batch that no configuration splits into at most MAX_MICROBATCHES micro-batches per replica
     (the most replicas, the largest profiled micro-batch), before the search spends minutes simulating it."""
-    from varuna_core.artifacts import MAX_MICROBATCHES
+    from varuna_core.planning.artifacts import MAX_MICROBATCHES
 
     replicas = min(gpus, batch_size)
     fewest = math.ceil(math.ceil(batch_size / replicas) / max(sizes))
@@ -121,7 +121,7 @@ def _table(result) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from varuna_core.units import format_bytes
+    from varuna_core.ir.units import format_bytes
 
     out = Console()
     p = result.prediction
@@ -166,8 +166,8 @@ def show(
     max_steps: Annotated[int, typer.Option("--max-steps", help="Rows of the grid to print (0: all).")] = 60,
 ) -> None:
     """Print a plan's schedule as a step × stage grid; optionally draw the simulated timeline."""
-    from varuna_core.artifacts import check_writable, load_plan
-    from varuna_core.schedule import generate
+    from varuna_core.planning.artifacts import check_writable, load_plan
+    from varuna_core.ir.schedule import generate
 
     if max_steps < 0:
         raise ConfigError(f"--max-steps must be ≥ 0, got {max_steps}")
@@ -186,7 +186,7 @@ def show(
     typer.echo(f"{result.schedule}: {result.pp} stages, {result.num_microbatches} micro-batches per replica")
     typer.echo("\n".join(lines))
     if png:
-        from varuna_core.timeline import draw_plan
+        from varuna_core.planning.timeline import draw_plan
 
         draw_plan(result, png, measured=measured)
         typer.echo(f"wrote {png}", err=True)

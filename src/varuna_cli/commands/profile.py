@@ -17,7 +17,7 @@ MAX_REPEATS = 10_000
 
 def _sizes(microbatch_sizes: Optional[str], max_microbatch: Optional[int]) -> list[int] | None:
     """The micro-batch sizes to measure (None: the default), each in 1..MAX_MICROBATCH_SIZE."""
-    from varuna_core.artifacts import MAX_MICROBATCH_SIZE
+    from varuna_core.planning.artifacts import MAX_MICROBATCH_SIZE
 
     if microbatch_sizes is not None and max_microbatch is not None:
         raise ConfigError("give either --microbatch-sizes or --max-microbatch, not both")
@@ -74,9 +74,9 @@ def profile(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from varuna_core.artifacts import check_writable, save_artifact
-    from varuna_core.profile import profile as run_profile
-    from varuna_core.units import parse_bytes
+    from varuna_core.planning.artifacts import check_writable, save_artifact
+    from varuna_core.profiling.run import profile as run_profile
+    from varuna_core.ir.units import parse_bytes
 
     sizes = _sizes(microbatch_sizes, max_microbatch)
     _check_counts(nproc, repeats, warmup)
@@ -107,7 +107,7 @@ def _summary(result, output: Path) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from varuna_core.units import format_bytes
+    from varuna_core.ir.units import format_bytes
 
     out = Console()
     table = Table(title=Text(f"{result.model}: {result.num_segments} segments"), title_justify="left")

@@ -1,0 +1,650 @@
+"""A ``torch.distributed.checkpoint`` storage layer that hashes while it writes, verifies while it reads, and
+never unpickles.
+
+Why not DCP's own ``FileSystemWriter``/``FileSystemReader``: they store every tensor as a ``torch.save``
+record (a zip member with a CRC-32 computed on the CPU, then a second pass here for the manifest's sha256),
+load each one into a fresh tensor before copying it into its target, and keep the checkpoint's index in a
+pickle (``.metadata``) that ``pickle.load`` executes. On the 2-core machines this project targets, those
+passes cost more than the disk. Here DCP still plans the save and the load (name-keyed entries, replicas'
+writes spread over the replicas, any other layout loads them); only the bytes are handled differently:
+
+* each rank writes one file ``__<rank>_0.distcp``: the raw bytes of its tensors, back to back, hashed with
+  sha256 in the same pass (so the manifest's hash costs no re-read), with ``O_DIRECT`` where the file system
+  allows it (:mod:`varuna_core.checkpoint.io` says why);
+* the index goes to ``dcp_metadata.json`` (dtype, shape, chunks, file, offset, length of every tensor):
+  reading it executes nothing;
+* the reader reads every stored chunk straight into its target tensor (no intermediate copy when the target
+  is contiguous) and, for the files assigned to this rank (file ``i`` to rank ``i % world``), reads the whole
+  file in order and checks its size and sha256 against the manifest in the same pass. A mismatch raises
+  :class:`~varuna_core.errors.CheckpointError` naming the file; DCP carries it to every rank.
+
+A checkpoint directory may come from anyone (``varuna ckpt merge`` is run on downloaded ones), so nothing in it is
+trusted: the index is bounded in size and validated entry by entry (types, dtypes, chunk boxes inside their
+tensor, byte ranges inside their file and disjoint) before anything is allocated from it, so that the tensors it
+describes never hold more bytes than the data files; it may name only files of the form ``__<rank>_<i>.distcp``
+that the manifest lists, and those are opened without following links and only if they are regular files.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import stat
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Collection
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from ..planning.artifacts import CHECKPOINT_INDEX
+from .io import FileSink, Sha256, open_source, scatter_file
+from ..errors import CheckpointError, VarunaError
+from ..util.fs import MiB, describe_mode, read_regular
+
+__all__ = ["RawWriter", "RawReader", "read_metadata", "dcp_save", "dcp_load", "METADATA_FILE", "FORMAT",
+           "FileRecord", "DATA_FILE", "is_checkpoint_file"]
+
+METADATA_FILE = CHECKPOINT_INDEX
+FORMAT = "varuna-raw/1"
+DATA_FILE = re.compile(r"__[0-9]+_[0-9]+\.distcp")  # what RawWriter names its files (fullmatch)
+INDEX_LIMIT = 256 * MiB  # a real index holds ~100 bytes per tensor
+_MAX_INT = 2**63 - 1  # sizes and offsets are int64 in torch
+_INDEX_HINT = "the checkpoint is corrupt or was not written by varuna; run `varuna ckpt verify` on it"
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where one stored chunk's bytes are: ``length`` bytes at ``offset`` of ``relative_path``."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A file this rank wrote: name, bytes and sha256 (what the manifest records)."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "bytes": self.bytes, "sha256": self.sha256}
+
+
+def is_checkpoint_file(name: object) -> bool:
+    """``name`` is a file a checkpoint may hold: the index or a data file, a plain name (no directory)."""
+    return isinstance(name, str) and (name == METADATA_FILE or DATA_FILE.fullmatch(name) is not None)
+
+
+def dcp_save(state: dict[str, torch.Tensor], writer: "RawWriter") -> None:
+    """``dcp.save`` over the default process group (or this process alone), quietly; see :func:`_unwrapped`."""
+    _unwrapped("writing", dcp.save, state, storage_writer=writer)
+
+
+def dcp_load(target: dict[str, torch.Tensor], reader: "RawReader", *, no_dist: bool = False) -> None:
+    """``dcp.load`` into ``target`` (collective over the default process group if there is one and not
+    ``no_dist``), quietly; see :func:`_unwrapped`. The index is read first, so that a bad one is reported as
+    itself rather than as DCP's "metadata is None"."""
+    reader.read_metadata()
+    _unwrapped("reading", dcp.load, target, storage_reader=reader, no_dist=no_dist)
+
+
+def _unwrapped(verb: str, fn, *args, **kwargs) -> None:
+    """Run a DCP entry point (``verb``: "writing" or "reading"), DCP's single-process warning silenced.
+
+    DCP wraps each rank's failure in a ``CheckpointException``, a ``BaseException``: it would pass every
+    ``except Exception`` and end as dozens of lines of traceback. It never leaves here: a :class:`VarunaError`
+    raised on any rank is re-raised as itself on every rank, anything else becomes a :class:`CheckpointError`
+    with the first failing rank's message (an interrupt stays an interrupt).
+    """
+    import warnings
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized, assuming ... single process"
+            fn(*args, **kwargs)
+    except CheckpointException as exc:
+        failures = _failures(exc, CheckpointException)
+        for _, inner in failures:
+            if not isinstance(inner, Exception):  # KeyboardInterrupt, SystemExit
+                raise inner.with_traceback(None) from None
+        for _, inner in failures:
+            if isinstance(inner, VarunaError):
+                raise inner.with_traceback(None) from None
+        if not failures:
+            raise CheckpointError(f"{verb} the checkpoint failed: {_first_line(exc)}") from None
+        rank, inner = failures[0]
+        raise _failure(verb, rank, inner) from inner
+
+
+def _failures(exc, kind: type, depth: int = 0) -> list[tuple[int, BaseException]]:
+    """``(rank, exception)`` of every failure in a ``CheckpointException`` (nested ones opened), by rank."""
+    out = []
+    for rank in sorted(exc.failures):
+        failure = exc.failures[rank]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, kind) and depth < 8:
+            out.extend(_failures(inner, kind, depth + 1))
+        elif isinstance(inner, BaseException):
+            out.append((rank, inner))
+    return out
+
+
+def _failure(verb: str, rank: int, exc: BaseException) -> CheckpointError:
+    where = f"{verb} the checkpoint failed on rank {rank}"
+    if isinstance(exc, OSError):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            hint = "free space where the checkpoint is written, or keep fewer checkpoints (keep=...)"
+        else:
+            hint = "check the file system of the checkpoint store"
+        name = f" ({exc.filename})" if exc.filename else ""
+        return CheckpointError(f"{where}: {exc.strerror or _first_line(exc)}{name}", hint=hint)
+    return CheckpointError(f"{where}: {type(exc).__name__}: {_first_line(exc)}",
+                           hint="this is unexpected; set VARUNA_DEBUG=1 for a traceback")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _bytes_view(tensor: torch.Tensor):
+    """A writable uint8 numpy view of a contiguous CPU tensor's bytes (0-dim included)."""
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    """The box ``[offsets, offsets + lengths)`` of ``tensor`` (a view)."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        if start != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"checkpoint index names an unsupported dtype {name!r}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writer
+
+
+class RawWriter(StorageWriter):
+    """Writes each rank's tensors as raw bytes into ``<path>/__<rank>_0.distcp`` (see the module docstring).
+
+    After ``dcp.save``, :attr:`files` lists the file(s) this rank wrote with size and sha256 (rank 0's include
+    ``dcp_metadata.json``).
+    """
+
+    def __init__(self, path: str | os.PathLike, sync_files: bool = True) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.sync_files = sync_files
+        self.files: list[FileRecord] = []
+        self.save_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.files = []
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                raise CheckpointError(f"checkpoint entry {item.index.fqn!r} is not a tensor",
+                                      hint="only tensors are stored (numbers go in as 0-dim tensors)")
+        self.path.mkdir(parents=True, exist_ok=True)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        import dataclasses
+
+        return [dataclasses.replace(plan, storage_data=f"__{i}_0.distcp") for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        name = plan.storage_data
+        results: list[WriteResult] = []
+        sink = FileSink(self.path / name, durable=self.sync_files)
+        try:
+            for item in plan.items:
+                data = _bytes_view(self._tensor(item, planner))
+                results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes,
+                                           storage_data=Location(name, sink.place(data), data.nbytes)))
+                sink.write(data)
+        finally:
+            size, sha256 = sink.close()
+        self.files.append(FileRecord(name, size, sha256))
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    @staticmethod
+    def _tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
+        data = planner.resolve_data(item)
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointError(f"checkpoint entry {item.index.fqn!r} is not a tensor")
+        data = data.detach()
+        if data.device.type != "cpu":
+            data = data.cpu()
+        return data if data.is_contiguous() else data.contiguous()
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Rank 0: write the index (JSON) of every tensor's chunks and where their bytes are."""
+        where = {(r.index.fqn, tuple(r.index.offset or ())): r.storage_data for part in results for r in part}
+        tensors = {}
+        for fqn, meta in metadata.state_dict_metadata.items():
+            if not isinstance(meta, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint entry {fqn!r} is not a tensor")
+            chunks = []
+            for chunk in meta.chunks:
+                loc = where[(fqn, tuple(chunk.offsets))]
+                chunks.append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
+                               "file": loc.relative_path, "offset": loc.offset, "length": loc.length})
+            tensors[fqn] = {"dtype": str(meta.properties.dtype).removeprefix("torch."), "size": list(meta.size),
+                            "chunks": chunks}
+        text = json.dumps({"format": FORMAT, "save_id": self.save_id, "tensors": tensors}, separators=(",", ":"))
+        data = text.encode()
+        path = self.path / METADATA_FILE
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.sync_files:
+                f.flush()
+                os.fsync(f.fileno())
+        tmp.replace(path)
+        self.files.append(FileRecord(METADATA_FILE, len(data), hashlib.sha256(data).hexdigest()))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading the index
+
+
+def read_metadata(directory: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None, *,
+                  listed: Collection[str] | None = None, check_files: bool = True) -> Metadata:
+    """The DCP :class:`Metadata` of a checkpoint directory, from ``dcp_metadata.json`` (JSON only), validated
+    entry by entry (see the module docstring).
+
+    Args:
+        expected: ``file -> (bytes, sha256)`` from the manifest: the index's own size and hash are checked, and
+            it may name no other data file.
+        listed: without ``expected``, the file names the manifest lists (the offline tools, which hash the
+            files themselves): the index may name no other data file.
+        check_files: every data file the index names is a regular file (not a link) holding every byte range
+            the index places in it. Only a caller that allocates nothing from the result and reports bad files
+            itself (``varuna ckpt verify``) turns this off.
+
+    Raises:
+        CheckpointError: naming the index (or the data file) and what is wrong with it.
+    """
+    directory = Path(directory)
+    path = directory / METADATA_FILE
+    allowed = _allowed(directory, expected, listed)
+    try:
+        data = read_regular(path, INDEX_LIMIT, what="checkpoint index", follow=False, error=CheckpointError)
+    except CheckpointError as exc:
+        raise CheckpointError(exc.message, hint=exc.hint or "is this a checkpoint directory written by varuna?") \
+            from None
+    if expected is not None and METADATA_FILE in expected:
+        _check(path, len(data), hashlib.sha256(data).hexdigest(), expected[METADATA_FILE])
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise _invalid(path, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise _invalid(path, "JSON nested too deeply") from None
+    except ValueError as exc:
+        raise _invalid(path, f"not JSON ({exc})") from None
+    return _Index(directory, path, allowed, check_files).parse(doc)
+
+
+def _allowed(directory: Path, expected: dict | None, listed: Collection[str] | None) -> set[str] | None:
+    """The names the manifest lists (None without one), every one of them a checkpoint file's name."""
+    names = set(expected) if expected is not None else None if listed is None else set(listed)
+    for name in sorted(names or (), key=str):
+        if not is_checkpoint_file(name):
+            raise CheckpointError(f"refusing to load {directory}: its manifest lists {_show(name)}, not a checkpoint "
+                                  f"file ({METADATA_FILE} or __<rank>_<i>.distcp in the directory itself)",
+                                  hint=_INDEX_HINT)
+    return names
+
+
+def _invalid(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(f"{path} is not a valid checkpoint index: {problem}", hint=_INDEX_HINT)
+
+
+def _show(value: object) -> str:
+    """A short rendering of a value read from a file, for a message (never a whole list or a huge string)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        text = repr(value[:80] if isinstance(value, str) else value)
+        return text if len(text) <= 80 else text[:77] + "..."
+    return {dict: "an object", list: "a list"}.get(type(value), type(value).__name__)
+
+
+class _Index:
+    """One pass over a parsed index: every field checked where it is read, every error naming the index and
+    the field (``tensors['model/w'].chunks[0].offset``)."""
+
+    def __init__(self, directory: Path, path: Path, allowed: set[str] | None, check_files: bool) -> None:
+        self.directory, self.path, self.allowed, self.check_files = directory, path, allowed, check_files
+        self.ranges: dict[str, list[tuple[int, int, str]]] = {}  # file -> (offset, length, field) of each chunk
+
+    def parse(self, doc: object) -> Metadata:
+        doc = self._get(doc, None, "the index", dict)
+        if doc.get("format") != FORMAT:
+            raise CheckpointError(f"{self.path}: format {_show(doc.get('format'))}, expected {FORMAT!r}",
+                                  hint="written by another version of varuna")
+        save_id = doc.get("save_id", "")
+        if not isinstance(save_id, str):
+            raise _invalid(self.path, f"save_id: expected a string, got {_show(save_id)}")
+        state: dict[str, TensorStorageMetadata] = {}
+        storage: dict[MetadataIndex, Location] = {}
+        for fqn, entry in self._get(doc, "tensors", "tensors", dict).items():
+            state[fqn] = self._tensor(fqn, entry, storage)
+        self._check_ranges()
+        return Metadata(state_dict_metadata=state, storage_data=storage,
+                        storage_meta=StorageMeta(checkpoint_id=str(self.directory), save_id=save_id))
+
+    def _tensor(self, fqn: str, entry: object, storage: dict[MetadataIndex, Location]) -> TensorStorageMetadata:
+        field = f"tensors[{_show(fqn)}]"
+        entry = self._get(entry, None, field, dict)
+        name = self._get(entry, "dtype", f"{field}.dtype", str)
+        if name not in _DTYPES:
+            raise _invalid(self.path, f"{field}.dtype: unsupported dtype {_show(name)}")
+        dtype = _DTYPES[name]
+        size = self._ints(entry, "size", f"{field}.size")
+        chunks, volume = [], 0
+        for i, chunk in enumerate(self._get(entry, "chunks", f"{field}.chunks", list)):
+            where = f"{field}.chunks[{i}]"
+            chunk = self._get(chunk, None, where, dict)
+            offsets = self._ints(chunk, "offsets", f"{where}.offsets")
+            sizes = self._ints(chunk, "sizes", f"{where}.sizes")
+            if len(offsets) != len(size) or len(sizes) != len(size):
+                raise _invalid(self.path, f"{where}: offsets {offsets} and sizes {sizes} do not have the "
+                                          f"{len(size)} dimension(s) of the tensor")
+            if any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+                raise _invalid(self.path, f"{where}: the box at {offsets} of size {sizes} reaches outside the "
+                                          f"tensor's size {size}")
+            chunk_volume = _product(sizes)
+            volume += chunk_volume
+            location = self._location(chunk, where, chunk_volume * dtype.itemsize)
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            storage[MetadataIndex(fqn, torch.Size(offsets), i)] = location
+        if volume != _product(size):
+            raise _invalid(self.path, f"{field}: its chunks hold {volume:,} elements, its size {size} "
+                                      f"{_product(size):,}")
+        return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(size), chunks=chunks)
+
+    def _location(self, chunk: dict, where: str, nbytes: int) -> Location:
+        name = self._get(chunk, "file", f"{where}.file", str)
+        if not DATA_FILE.fullmatch(name):
+            raise _invalid(self.path, f"{where}.file: {_show(name)} is not a checkpoint data file (__<rank>_<i>.distcp "
+                                      "in the directory itself)")
+        if self.allowed is not None and name not in self.allowed:
+            raise CheckpointError(f"refusing to load {self.directory}: {self.path.name} names {name}, which is not "
+                                  "in the manifest", hint=_INDEX_HINT)
+        offset = self._int(chunk, "offset", f"{where}.offset")
+        length = self._int(chunk, "length", f"{where}.length")
+        if length != nbytes:
+            raise _invalid(self.path, f"{where}.length: {length} bytes for a chunk of {nbytes}")
+        self.ranges.setdefault(name, []).append((offset, length, where))
+        return Location(name, offset, length)
+
+    def _check_ranges(self) -> None:
+        """Chunks do not share bytes, and (``check_files``) lie inside their regular file: so the tensors never
+        hold more bytes than the files."""
+        for name, ranges in sorted(self.ranges.items()):
+            ranges.sort()
+            end, last = 0, None
+            for offset, length, where in ranges:
+                if length and offset < end:
+                    raise _invalid(self.path, f"{where} shares bytes of {name} with {last}")
+                if length and offset + length > end:
+                    end, last = offset + length, where
+            if self.check_files:
+                size = _data_file_size(self.directory, name)
+                if end > size:
+                    raise CheckpointError(f"refusing to load {self.directory}: {self.directory.name}/{name}: truncated "
+                                          f"({size} bytes; the index needs {end})",
+                                          hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
+
+    def _get(self, doc: object, key: str | None, field: str, kind: type):
+        """``doc[key]`` (``doc`` itself with key None), which must be a ``kind``."""
+        if key is not None:
+            if key not in doc:
+                raise _invalid(self.path, f"{field}: missing")
+            doc = doc[key]
+        if not isinstance(doc, kind):
+            raise _invalid(self.path, f"{field}: expected {_KINDS[kind]}, got {_show(doc)}")
+        return doc
+
+    def _int(self, doc: dict, key: str, field: str) -> int:
+        return self._count(self._get(doc, key, field, object), field)
+
+    def _ints(self, doc: dict, key: str, field: str) -> list[int]:
+        return [self._count(v, f"{field}[{i}]") for i, v in enumerate(self._get(doc, key, field, list))]
+
+    def _count(self, value: object, field: str) -> int:
+        if type(value) is not int or not 0 <= value <= _MAX_INT:  # type(): JSON's true is no size
+            raise _invalid(self.path, f"{field}: expected a non-negative integer, got {_show(value)}")
+        return value
+
+
+_KINDS = {dict: "an object", list: "a list", str: "a string", object: "a value"}
+
+
+def _product(values: list[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _data_file_size(directory: Path, name: str) -> int:
+    """The size of the data file ``name`` (``lstat``: a link is refused, not followed)."""
+    path = directory / name
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"refusing to load {directory}: {directory.name}/{name} does not exist (the index "
+                              "places tensors in it)", hint="run `varuna ckpt verify` on it; load an earlier "
+                              "checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"refusing to load {directory}: {directory.name}/{name}: "
+                              f"{exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"refusing to load {directory}: {directory.name}/{name} is "
+                              f"{describe_mode(info.st_mode)}, not a regular file",
+                              hint="a checkpoint's data files are plain files written by varuna")
+    return info.st_size
+
+
+def _check(path: Path, size: int, sha256: str, want: tuple[int, str]) -> None:
+    if size != want[0]:
+        raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: size {size} != "
+                              f"{want[0]} in the manifest", hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
+    if sha256 != want[1]:
+        raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: sha256 mismatch "
+                              f"(file changed or corrupt)", hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reader
+
+
+class RawReader(StorageReader):
+    """Reads what :class:`RawWriter` wrote, straight into the target tensors.
+
+    Args:
+        path: the checkpoint directory.
+        expected: ``file -> (bytes, sha256)`` from the manifest; ``None`` reads without checking.
+        listed: without ``expected``, the names the manifest lists: the index may name no other file, and
+            nothing is hashed (the offline tools hash the files themselves).
+        rank, world: this process's place among the loading ranks; file ``i`` (in name order) is checked by
+            rank ``i % world``, which reads it whole, so every file is hashed exactly once per load.
+    """
+
+    def __init__(self, path: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None,
+                 rank: int = 0, world: int = 1, *, listed: Collection[str] | None = None) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.expected = expected
+        self.listed = listed
+        self.allowed = _allowed(self.path, expected, listed)
+        self.rank, self.world = rank, world
+        self.metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.metadata is None:
+            self.metadata = read_metadata(self.path, self.expected, listed=self.listed)
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self.metadata is not None
+        storage: dict[MetadataIndex, Location] = self.metadata.storage_data
+        per_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = {}
+        for req in plan.items:
+            if req.type != LoadItemType.TENSOR:
+                raise CheckpointError(f"checkpoint entry {req.storage_index.fqn!r} is not a tensor")
+            loc = storage[req.storage_index]
+            per_file.setdefault(loc.relative_path, {}).setdefault(req.storage_index, []).append(req)
+        mine: set[str] = set()
+        if self.expected is not None:
+            data_files = sorted(f for f in self.expected if f != METADATA_FILE)
+            mine = {f for i, f in enumerate(data_files) if i % self.world == self.rank}
+        unknown = sorted(set(per_file) - self.allowed) if self.allowed is not None else []
+        if unknown:
+            raise CheckpointError(f"refusing to load {self.path}: {unknown[0]} is not in the manifest")
+        for name in sorted(set(per_file) | mine):
+            chunks = sorted(per_file.get(name, {}).items(), key=lambda kv: storage[kv[0]].offset)
+            self._read_file(name, [(storage[index], reqs) for index, reqs in chunks], planner, check=name in mine)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _read_file(self, name: str, chunks: list[tuple[Location, list[ReadItem]]], planner: LoadPlanner,
+                   check: bool) -> None:
+        """Read the stored chunks of one file into their targets; with ``check``, read all of it in order and
+        compare its size and sha256 with the manifest's."""
+        if not DATA_FILE.fullmatch(name):
+            raise CheckpointError(f"refusing to load {self.path}: {_show(name)} is not a checkpoint data file")
+        path = self.path / name
+        fd = open_source(path)
+        digest = Sha256() if check else None
+        try:
+            size = os.fstat(fd).st_size
+            end = max((loc.offset + loc.length for loc, _ in chunks), default=0)
+            if end > size:
+                raise CheckpointError(f"refusing to load {self.path}: {self.path.name}/{name}: truncated ({size} "
+                                      f"bytes; the index needs {end})",
+                                      hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
+            pieces, staged = [], []
+            for loc, reqs in chunks:
+                direct = self._direct_target(loc, reqs, planner)
+                if direct is None:
+                    meta = self.metadata.state_dict_metadata[reqs[0].storage_index.fqn]
+                    stored = torch.empty(tuple(self._chunk_meta(meta, reqs[0].storage_index).sizes),
+                                         dtype=meta.properties.dtype)
+                    staged.append((stored, reqs))
+                    direct = stored
+                data = _bytes_view(direct)
+                if data.nbytes != loc.length:
+                    raise CheckpointError(f"refusing to load {self.path}: {name}: the index gives {loc.length} bytes "
+                                          f"for a chunk of {data.nbytes}", hint="the checkpoint index is corrupt")
+                pieces.append((loc.offset, data))
+            scatter_file(fd, pieces, digest)
+            if digest is not None:
+                _check(path, size, digest.hexdigest(), self.expected[name])
+        finally:
+            os.close(fd)
+            if digest is not None:
+                digest.close()
+        for stored, reqs in staged:
+            for req in reqs:
+                planner.resolve_tensor(req).detach().copy_(_narrow(stored, req.storage_offsets, req.lengths))
+        for loc, reqs in chunks:
+            for req in reqs:
+                planner.commit_tensor(req, planner.resolve_tensor(req).detach())
+
+    def _direct_target(self, loc: Location, reqs: list[ReadItem], planner: LoadPlanner) -> torch.Tensor | None:
+        """The target tensor a stored chunk can be read into as is (one request covering the whole chunk, a
+        contiguous CPU target of the same dtype), else None."""
+        if len(reqs) != 1:
+            return None
+        req = reqs[0]
+        meta = self.metadata.state_dict_metadata[req.storage_index.fqn]
+        sizes = tuple(self._chunk_meta(meta, req.storage_index).sizes)
+        dest = planner.resolve_tensor(req).detach()
+        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == sizes
+        if whole and dest.is_contiguous() and dest.dtype == meta.properties.dtype and dest.device.type == "cpu":
+            return dest
+        return None
+
+    @staticmethod
+    def _chunk_meta(meta: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata:
+        if index.index is not None and index.index < len(meta.chunks) and \
+                tuple(meta.chunks[index.index].offsets) == tuple(index.offset or ()):
+            return meta.chunks[index.index]
+        return next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset or ()))

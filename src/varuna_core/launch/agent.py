@@ -1,0 +1,294 @@
+"""The node agent: ``python -m varuna_core.launch.agent``, one per host of a launched job, started by the launcher
+directly (local jobs) or over SSH, and driven through its stdin and stdout (JSON lines).
+
+Why an agent rather than one SSH session per worker: it owns every worker process of its host, so nothing of
+the job can outlive it. Workers run in their own process groups with ``PR_SET_PDEATHSIG``; when the agent's
+stdin closes (the launcher stopped, was killed, or its SSH connection dropped) it stops them (SIGTERM to each
+group, SIGKILL after a grace period) and exits. The agent of node 0 also hosts the job's ``TCPStore``, as
+torchrun's agent does, so the store outlives any worker.
+
+Protocol. The first stdin line is the node's spec::
+
+    {"job": id, "node": i, "host": name, "store": bool, "master_addr": addr, "master_port": port or null,
+     "workers": [{"rank": r, "local_rank": l}, ...], "world": n, "argv": [...], "cwd": dir, "env": {...},
+     "plan": {...} or null, "grace": seconds, "legacy_args": {...} or absent}
+
+Then commands: ``{"cmd": "signal", "signal": "SIGUSR1"}`` (to every worker's main process),
+``{"cmd": "stop", "grace": s}``. Events on stdout: ``ready`` (pid, interface, address), ``store`` (port),
+``started`` (rank, pid), ``log`` (rank, line), ``exit`` (rank, code), ``error`` (message), ``stopped``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["main", "worker_env"]
+
+_PR_SET_PDEATHSIG = 1
+IDLE_EXIT = 600.0  # seconds an agent whose workers have all exited waits for the launcher before leaving
+MAX_LINE = 64 * 2**10  # bytes of a worker's output line forwarded as one event (longer lines are split)
+_out_lock = threading.Lock()
+
+
+def emit(event: str, **fields) -> None:
+    line = json.dumps({"event": event, **fields}, separators=(",", ":"))
+    with _out_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def worker_env(spec: dict, worker: dict, master_port: int, interface: str | None, plan_path: str | None) -> dict:
+    """The environment of one worker: the launcher's, the spec's, and the torchrun-style variables."""
+    env = dict(os.environ)
+    env.update(spec.get("env", {}))
+    env.update(
+        RANK=str(worker["rank"]), LOCAL_RANK=str(worker["local_rank"]), WORLD_SIZE=str(spec["world"]),
+        LOCAL_WORLD_SIZE=str(len(spec["workers"])), GROUP_RANK=str(spec["node"]),
+        MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(master_port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the store lives in node 0's agent, not in rank 0
+        VARUNA_HOST=spec["host"], PYTHONUNBUFFERED="1",
+    )
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if interface:
+        env.setdefault("GLOO_SOCKET_IFNAME", interface)
+        env.setdefault("NCCL_SOCKET_IFNAME", interface)
+    if plan_path:
+        env["VARUNA_PLAN"] = plan_path
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the agent dies, however it dies (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+class Agent:
+    def __init__(self, spec: dict) -> None:
+        self.spec = spec
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.store = None
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"varuna-agent-{spec['job'][:8]}-"))
+        self.stopping = threading.Event()
+        self.pumps: list[threading.Thread] = []
+
+    def start(self) -> None:
+        from .netinfo import route_to
+
+        interface, address = route_to(self.spec["master_addr"])
+        emit("ready", pid=os.getpid(), interface=interface, address=address)
+        port = self.spec.get("master_port")
+        if self.spec.get("store"):
+            import datetime
+
+            import torch.distributed as dist
+
+            self.listen = _store_socket(self.spec["master_addr"], int(port or 0))
+            self.store = dist.TCPStore(self.spec["master_addr"], self.listen.getsockname()[1],
+                                       len(self.spec["workers"]), is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=600), master_listen_fd=self.listen.fileno())
+            port = self.store.port
+            emit("store", port=port)
+        plan_path = None
+        if self.spec.get("plan") is not None:
+            plan_path = str(self.tmp / "plan.json")
+            Path(plan_path).write_text(json.dumps(self.spec["plan"]))
+        # every worker is forked before any thread exists here, so preexec_fn is safe
+        legacy = self.spec.get("legacy_args")
+        for worker in self.spec["workers"]:
+            env = worker_env(self.spec, worker, int(port), interface, plan_path)
+            argv = list(self.spec["argv"])
+            if legacy:  # the original launcher's arguments, for scripts written for it
+                argv += [f"--rank={worker['rank']}", f"--local_rank={worker['local_rank']}",
+                         f"--stage_to_rank_map={legacy['stage_to_rank_map']}", f"--chunk_size={legacy['chunk_size']}",
+                         f"--batch-size={legacy['batch_size']}"]
+            try:
+                proc = subprocess.Popen(argv, cwd=self.spec.get("cwd") or None, env=env,
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
+            except OSError as exc:
+                emit("error", message=f"cannot start {self.spec['argv'][0]!r}: {exc.strerror or exc}")
+                self.stop(0)
+                return
+            self.procs[worker["rank"]] = proc
+            emit("started", rank=worker["rank"], pid=proc.pid)
+        for rank, proc in self.procs.items():
+            pump = threading.Thread(target=self._pump, args=(rank, proc), name=f"rank{rank}", daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+
+    def _pump(self, rank: int, proc: subprocess.Popen) -> None:
+        """Forward the worker's output line by line (a line longer than :data:`MAX_LINE` bytes in pieces of that
+        size, so that output without newlines cannot grow memory), then its exit code (after the last line)."""
+        for raw in iter(lambda: proc.stdout.readline(MAX_LINE), b""):
+            emit("log", rank=rank, line=raw.decode(errors="replace").rstrip("\n"))
+        proc.stdout.close()
+        emit("exit", rank=rank, code=proc.wait())
+
+    def signal(self, name: str) -> None:
+        sig = getattr(signal, name, None) if name in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT") else None
+        if not isinstance(sig, signal.Signals):
+            emit("error", message=f"unknown signal {name!r}")
+            return
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, sig)  # the main process only: its data-loader children keep running
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM every worker's process group, SIGKILL whatever is left after ``grace`` seconds."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for proc in live:
+            _killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in live:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():
+            _killpg(proc.pid, signal.SIGKILL)  # also any child a worker left behind in its group
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _store_socket(address: str, port: int):
+    """A listening TCP socket for the job's store on ``address`` only (a local job's store on the loopback is
+    then unreachable from the network; torch's own server would listen on every interface). Falls back to every
+    interface when ``address`` is not one of this machine's (e.g. behind NAT)."""
+    import socket
+
+    for host in (address, ""):
+        try:
+            family = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM)[0][0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(1024)
+            return sock
+        except OSError as exc:
+            if not host:
+                raise
+            emit("error", message=f"the job's store cannot listen on {address} only ({exc.strerror or exc}); "
+                                  f"it listens on every interface")
+    raise AssertionError("unreachable")
+
+
+def _grace(value, default: float) -> float:
+    """A grace period from the launcher: a finite number of seconds in [0, 3600], else ``default``."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return default
+    return min(max(number, 0.0), 3600.0) if math.isfinite(number) else default
+
+
+def _read_spec() -> dict | None:
+    first = sys.stdin.readline(16 * 2**20)
+    if not first:
+        return None
+    try:
+        spec = json.loads(first)
+        if not isinstance(spec, dict) or not isinstance(spec.get("workers"), list) or not spec.get("argv"):
+            raise ValueError("not a node spec")
+    except (ValueError, RecursionError) as exc:
+        emit("error", message=f"the launcher sent an invalid node spec: {exc}")
+        sys.stdout.flush()
+        os._exit(2)
+    return spec
+
+
+def sigterm_handler(agent: Agent, grace: float):
+    """The agent's SIGTERM handler: stop the workers and leave. Python runs a handler in the main thread between
+    two bytecodes, possibly inside :func:`emit` holding its (non-reentrant) lock; stopping inline would then wait
+    for that lock forever. So the handler only starts a thread that stops."""
+
+    def on_term(signum, frame) -> None:  # noqa: ARG001
+        threading.Thread(target=lambda: (agent.stop(grace), _finish(agent)), name="sigterm", daemon=True).start()
+
+    return on_term
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when to stop; a terminal's ^C is its
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    spec = _read_spec()
+    if spec is None:
+        return
+    agent = Agent(spec)
+    default_grace = _grace(spec.get("grace"), 5.0)
+    signal.signal(signal.SIGTERM, sigterm_handler(agent, default_grace))
+    agent.start()
+    threading.Thread(target=_watchdog, args=(agent,), name="watchdog", daemon=True).start()
+    for line in iter(lambda: sys.stdin.readline(MAX_LINE), ""):
+        try:
+            cmd = json.loads(line)
+            if not isinstance(cmd, dict):
+                raise ValueError
+        except (ValueError, RecursionError):
+            emit("error", message=f"not a command: {line.strip()[:80]!r}")
+            continue
+        if cmd.get("cmd") == "signal":
+            agent.signal(str(cmd.get("signal")))
+        elif cmd.get("cmd") == "stop":
+            agent.stop(_grace(cmd.get("grace"), default_grace))
+            break
+    else:  # stdin closed: the launcher is gone
+        agent.stop(default_grace)
+    _finish(agent)
+
+
+def _watchdog(agent: Agent) -> None:
+    """Leave if the launcher stays silent long after every worker exited (a host cut off by a network
+    partition may never see its SSH session close)."""
+    idle_since = None
+    while True:
+        time.sleep(5)
+        if agent.procs and all(p.poll() is not None for p in agent.procs.values()):
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > IDLE_EXIT:
+                agent.stop(0)
+                _finish(agent)
+        else:
+            idle_since = None
+
+
+def _finish(agent: Agent) -> None:
+    import shutil
+
+    for pump in agent.pumps:  # the last lines and exit codes of the workers go out before "stopped"
+        pump.join(timeout=5)
+    shutil.rmtree(agent.tmp, ignore_errors=True)
+    emit("stopped")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

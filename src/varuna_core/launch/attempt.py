@@ -1,0 +1,505 @@
+"""One launch attempt of a job: place the plan's ranks on hosts, start a node agent per host (locally or over
+SSH), stream every worker's output into per-rank logs, and watch the workers until they finish, crash, stop
+being heard from, or must make way for a new configuration.
+
+:class:`varuna_core.launch.manager.Manager` runs attempts one after another (restarts, morphs); the CLI shows their
+progress. The run directory holds what a user (or a benchmark) needs afterwards::
+
+    <run_dir>/logs/rank<R>.log     every line of rank R, attempt after attempt (a header line per attempt)
+             /events.jsonl         what the launcher did and when (wall-clock seconds)
+             /metrics.jsonl        step, loss and step time of every step the workers reported
+             /plans/attempt<K>.yaml the plan each attempt ran
+             /slow_machines        hosts whose ranks compute slower than their peers
+             /loss.png             the loss curve, drawn when the launcher ends
+             /manager.json         where the manager listens, with the job's token (mode 0600)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from ..planning.artifacts import Plan
+from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, ConfigError, VarunaError
+from .heartbeat import Listener
+from .hosts import Host
+from .ssh import AgentHandle, Runtime, SSHConfig
+from .stragglers import Straggler, StragglerDetector
+
+__all__ = ["LaunchError", "LaunchOptions", "Node", "place", "JobFiles", "Outcome", "Attempt", "Status", "Reporter",
+           "worker_argv"]
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(VarunaError):
+    """The job could not be started or kept running (exit code 1)."""
+
+
+@dataclass
+class LaunchOptions:
+    """Everything ``varuna launch`` was asked to do (see its ``--help`` for each)."""
+
+    script: list[str]
+    run_dir: Path
+    ckpt_dir: Path
+    runtime: Runtime = field(default_factory=Runtime)
+    ssh: SSHConfig | None = None  # None: local processes
+    env: dict[str, str] = field(default_factory=dict)
+    legacy_args: bool = False
+    morph: bool = False
+    morph_any_microbatch: bool = False
+    resume: bool = False
+    ckpt_every: int = 0
+    ckpt_keep: int | None = None
+    ckpt_tempdir: str | None = None
+    total_steps: int | None = None
+    max_restarts: int = 3
+    backoff: float = 2.0
+    heartbeat_timeout: float = 60.0
+    start_timeout: float = 600.0
+    morph_timeout: float = 300.0
+    preempt_margin: float = 30.0
+    grace: float = 10.0
+    straggler_threshold: float = 0.3
+    run_id: str | None = None  # the run to resume (--resume) or to start under; default: found or new
+
+
+@dataclass(frozen=True)
+class Node:
+    """A host of one attempt and the ``(rank, local rank)`` pairs it runs."""
+
+    index: int
+    host: Host
+    ranks: tuple[tuple[int, int], ...]
+
+
+def place(world: int, hosts: list[Host]) -> list[Node]:
+    """Ranks ``0..world-1`` on the hosts in order, each host up to its slots (consecutive ranks share a host,
+    as the planner assumes: a replica's stages are consecutive ranks).
+
+    Raises:
+        ConfigError: the hosts have fewer slots than ``world``.
+    """
+    capacity = sum(h.slots for h in hosts)
+    if world > capacity:
+        detail = ", ".join(f"{h.name}: {h.slots}" for h in hosts)
+        raise ConfigError(f"the plan needs {world} devices (pp × dp); the hosts provide {capacity} ({detail})",
+                          hint="add hosts or slots, or plan for fewer devices (`varuna plan --gpus N`)")
+    nodes, rank = [], 0
+    for host in hosts:
+        if rank == world:
+            break
+        count = min(host.slots, world - rank)
+        nodes.append(Node(len(nodes), host, tuple((rank + i, i) for i in range(count))))
+        rank += count
+    return nodes
+
+
+def worker_argv(script: list[str], python: str) -> list[str]:
+    """``python SCRIPT ARGS`` for a ``.py`` script (as torchrun does), else ``SCRIPT ARGS`` (an executable)."""
+    return [python, *script] if script[0].endswith(".py") else list(script)
+
+
+class JobFiles:
+    """The run directory (see the module docstring)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "plans").mkdir(exist_ok=True)
+        self._logs: dict[int, object] = {}
+        self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+
+    def rank_log(self, rank: int) -> Path:
+        return self.run_dir / "logs" / f"rank{rank}.log"
+
+    def log_line(self, rank: int, line: str) -> None:
+        f = self._logs.get(rank)
+        if f is None:
+            f = self._logs[rank] = open(self.rank_log(rank), "a", buffering=1)
+        f.write(line + "\n")
+
+    def event(self, name: str, **fields) -> None:
+        self._events.write(json.dumps({"t": time.time(), "event": name, **fields}) + "\n")
+
+    def metric(self, **fields) -> None:
+        self._metrics.write(json.dumps(fields) + "\n")
+
+    def slow(self, s: Straggler) -> None:
+        with open(self.run_dir / "slow_machines", "a") as f:
+            f.write(f"{s.host} rank={s.rank} stage={s.stage} compute={s.ratio:.2f}x_median {time.strftime('%FT%T')}\n")
+
+    def close(self) -> None:
+        for f in [*self._logs.values(), self._events, self._metrics]:
+            f.close()
+        self._logs = {}
+
+
+@dataclass
+class Status:
+    """What the live view shows."""
+
+    attempt: int = 0
+    state: str = "starting"
+    pp: int = 0
+    dp: int = 0
+    hosts: int = 0
+    step: int = 0
+    total_steps: int | None = None
+    loss: float | None = None
+    step_time: float | None = None
+    samples_per_step: int | None = None
+    restarts: int = 0
+    morphs: int = 0
+    stragglers: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def samples_per_second(self) -> float | None:
+        if self.step_time and self.samples_per_step:
+            return self.samples_per_step / self.step_time
+        return None
+
+    @property
+    def eta(self) -> float | None:
+        if self.total_steps and self.step_time and self.step < self.total_steps:
+            return (self.total_steps - self.step) * self.step_time
+        return None
+
+
+class Reporter(Protocol):
+    def event(self, message: str) -> None: ...
+
+    def status(self, status: Status) -> None: ...
+
+
+@dataclass
+class Outcome:
+    """How an attempt ended. ``kind``: ``done``, ``crash``, ``morph``, ``checkpointed``, ``terminated`` (the
+    launcher got SIGTERM), ``interrupted``."""
+
+    kind: str
+    message: str = ""
+    hosts: list[Host] | None = None  # morph: the hosts to continue on
+    step: int | None = None  # the last step the workers completed
+    refused: bool = False  # crash: the checkpoint to resume from was refused by the workers
+    suspects: list[str] | None = None  # crash: the hosts that may be down (None: any of them)
+
+
+class Attempt:
+    """Start the agents of one configuration and watch them (see :meth:`run`)."""
+
+    def __init__(self, number: int, plan: Plan, nodes: list[Node], resume: int | None, opts: LaunchOptions,
+                 files: JobFiles, listener: Listener, reporter: Reporter, status: Status, job: str, token: str,
+                 manager_address: Callable[[Host], str], run_id: str) -> None:
+        self.number, self.plan, self.nodes, self.resume = number, plan, nodes, resume
+        self.opts, self.files, self.listener, self.reporter, self.status = opts, files, listener, reporter, status
+        self.job, self.token, self.manager_address, self.run_id = job, token, manager_address, run_id
+        self.world = plan.pp * plan.dp
+        self.events: queue.Queue[tuple[int, dict]] = queue.Queue()
+        self.agents: list[AgentHandle] = []
+        self.exits: dict[int, int] = {}
+        self.errors: dict[int, str] = {}  # rank -> the last "error: ..." line it printed
+        self.gone: set[int] = set()
+        self.rank_host = {rank: node.host.name for node in nodes for rank, _ in node.ranks}
+        self.node_ranks = {node.index: {rank for rank, _ in node.ranks} for node in nodes}
+        stage_of = {}
+        for s, ranks in enumerate(plan.stage_to_rank_map.rstrip(";").split(";")):
+            for r in ranks.split(","):
+                stage_of[int(r)] = s
+        self.stragglers = StragglerDetector(stage_of, [st.busy for st in plan.stages] or None,
+                                            threshold=opts.straggler_threshold)
+        self.started_at = time.monotonic()
+        self.first_step_seen = False
+
+    # ------------------------------------------------------------------------------------------------------
+    # Start
+
+    def _spec(self, node: Node, master_port: int | None) -> dict:
+        env = dict(self.opts.env)
+        env.update(
+            VARUNA_CKPT_DIR=str(self.opts.ckpt_dir), VARUNA_RUN_DIR=str(self.opts.run_dir),
+            VARUNA_JOB_ID=self.job, VARUNA_JOB_TOKEN=self.token, VARUNA_ATTEMPT=str(self.number),
+            VARUNA_RUN_ID=self.run_id,
+            VARUNA_MANAGER=f"{self.manager_address(node.host)}:{self.listener.port}",
+        )
+        if self.resume is not None:
+            env["VARUNA_RESUME_STEP"] = str(self.resume)
+        for key, value in (("VARUNA_CKPT_EVERY", self.opts.ckpt_every), ("VARUNA_CKPT_KEEP", self.opts.ckpt_keep),
+                           ("VARUNA_CKPT_TEMPDIR", self.opts.ckpt_tempdir),
+                           ("VARUNA_TOTAL_STEPS", self.opts.total_steps)):
+            if value:
+                env[key] = str(value)
+        spec = {
+            "job": self.job, "node": node.index, "host": node.host.name, "store": node.index == 0,
+            "master_addr": self.nodes[0].host.address if self.opts.ssh else "127.0.0.1",
+            "master_port": master_port, "world": self.world,
+            "workers": [{"rank": r, "local_rank": lr} for r, lr in node.ranks],
+            "argv": worker_argv(self.opts.script, self.opts.runtime.python), "cwd": self.opts.runtime.code_dir,
+            "env": env, "plan": self.plan.model_dump(mode="json"), "grace": self.opts.grace,
+        }
+        if self.opts.legacy_args:
+            spec["legacy_args"] = {"stage_to_rank_map": self.plan.stage_to_rank_map,
+                                   "chunk_size": self.plan.microbatch_size,
+                                   "batch_size": self.plan.batch_size // self.plan.dp}
+        return spec
+
+    def start(self) -> None:
+        """Start node 0's agent (it hosts the job's store), then every other; roll everything back if one fails.
+
+        Raises:
+            LaunchError: an agent did not come up (the message names its host).
+        """
+        for node in self.nodes:
+            for rank, _ in node.ranks:
+                self.files.log_line(rank, f"===== attempt {self.number}: rank {rank} on {node.host.name}, "
+                                          f"pp={self.plan.pp} dp={self.plan.dp}, resume "
+                                          f"{'step ' + str(self.resume) if self.resume is not None else 'none'} =====")
+        try:
+            first = self._start_agent(self.nodes[0], None)
+            port = self._await(first, "store", timeout=120)["port"]
+            for node in self.nodes[1:]:
+                self._start_agent(node, port)
+            for agent in self.agents:
+                self._await(agent, "ready", timeout=60)
+        except BaseException:
+            self.stop(grace=2)
+            raise
+
+    def _start_agent(self, node: Node, master_port: int | None) -> AgentHandle:
+        agent = AgentHandle(node.index, node.host, self._spec(node, master_port), self.events, self.opts.runtime,
+                            self.opts.ssh)
+        self.agents.append(agent)
+        return agent
+
+    def _await(self, agent: AgentHandle, kind: str, timeout: float) -> dict:
+        """Wait for ``agent``'s event ``kind``; other events are put back for :meth:`run`."""
+        if kind == "ready" and agent.ready is not None:
+            return agent.ready
+        deadline = time.monotonic() + timeout
+        held = []
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    node, event = self.events.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if node == agent.node and event["event"] == kind:
+                    return event
+                if event["event"] == "ready":
+                    self.agents[node].ready = event
+                    if node == agent.node and kind == "ready":
+                        return event
+                    continue
+                if event["event"] in ("gone", "error") and node == agent.node:
+                    detail = event.get("message") or "; ".join(agent.stderr[-3:]) or f"exit code {event.get('code')}"
+                    raise LaunchError(f"the agent on {agent.host.name} failed to start: {detail}",
+                                      hint="run `varuna launch` with the same hosts file to see the pre-flight check")
+                held.append((node, event))
+            raise LaunchError(f"the agent on {agent.host.name} did not report {kind!r} within {timeout:g}s",
+                              hint="; ".join(agent.stderr[-3:]) or None)
+        finally:
+            for item in held:
+                self.events.put(item)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Watch
+
+    def run(self, changes: Callable[[], tuple[list[Host], str] | None],
+            terminating: Callable[[], int] = lambda: 0) -> Outcome:
+        """Watch the workers until the attempt ends. ``changes()`` says whether the set of hosts should change
+        (the new hosts and why); ``terminating()`` whether the launcher must stop (1: after an on-demand
+        checkpoint, 2: now). For either, the workers are asked to checkpoint and stop."""
+        request: Outcome | None = None  # what the attempt ends as once the workers have checkpointed and stopped
+        asked_at: float | None = None
+        try:
+            while True:
+                self._drain(0.25)
+                self._heartbeats()
+                outcome = self._ended(request)
+                if outcome is not None:
+                    return outcome
+                silent = self._silent()
+                if silent:
+                    why, host = silent
+                    return Outcome("crash", why, hosts=request.hosts if request else None, suspects=[host])
+                urgency = terminating()
+                if urgency >= 2:
+                    return Outcome("terminated", "SIGTERM again: stopped without waiting for the checkpoint")
+                if request is None or (urgency and request.kind != "terminated"):
+                    new = None
+                    if urgency:
+                        new = Outcome("terminated", "SIGTERM: stopped after an on-demand checkpoint")
+                    elif (change := changes()) is not None:
+                        new = Outcome("morph", change[1], hosts=change[0])
+                    if new is not None:
+                        first, request = request is None, new
+                        if first:
+                            asked_at = time.monotonic()
+                            if not self._ask_to_checkpoint(new.message):
+                                return Outcome(new.kind, new.message + " (before the first step: nothing to "
+                                               "checkpoint)", hosts=new.hosts, step=self.resume)
+                if asked_at is not None and time.monotonic() - asked_at > self.opts.morph_timeout:
+                    return Outcome(request.kind, f"{request.message}; the on-demand checkpoint did not finish "
+                                   f"within {self.opts.morph_timeout:g}s: continuing from the last complete "
+                                   f"checkpoint", hosts=request.hosts)
+        except KeyboardInterrupt:
+            return Outcome("interrupted", "interrupted")
+
+    def _ask_to_checkpoint(self, why: str) -> bool:
+        """SIGUSR1 to every worker; False (nothing sent) if some rank has not reported yet, i.e. has not installed
+        its handler and has made no step (stopping it loses nothing)."""
+        beats = self.listener.snapshot()
+        if any(r not in beats for r in range(self.world)):
+            return False
+        self.files.event("signal", reason=why, attempt=self.number)
+        self.reporter.event(f"{why}: asking every worker to checkpoint and stop")
+        self.status.state = "checkpointing"
+        for agent in self.agents:
+            agent.send({"cmd": "signal", "signal": "SIGUSR1"})
+        return True
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            node, event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(node, event)
+            try:
+                node, event = self.events.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, node: int, event: dict) -> None:
+        kind = event.get("event")
+        if "rank" in event and event["rank"] not in self.node_ranks[node]:
+            self.reporter.event(f"agent on {self.agents[node].host.name} reported rank {event['rank']}, which it "
+                                f"does not run: ignored")
+            return
+        if kind == "log":
+            self.files.log_line(event["rank"], event["line"])
+            said = event["line"].split("] ", 1)[-1] if event["line"].startswith("[rank ") else event["line"]
+            if said.startswith("error: "):
+                self.errors[event["rank"]] = said[len("error: "):][:500]
+        elif kind == "exit":
+            self.exits[int(event["rank"])] = int(event["code"])
+        elif kind == "gone":
+            self.gone.add(node)
+        elif kind == "ready":
+            self.agents[node].ready = event
+        elif kind == "error":
+            self.reporter.event(f"agent on {self.agents[node].host.name}: {event.get('message')}")
+
+    def _heartbeats(self) -> None:
+        for step, (loss, step_time) in sorted(self.listener.take_steps().items()):
+            self.files.metric(step=step, loss=loss, step_time=step_time, attempt=self.number)
+            if step + 1 >= self.status.step:
+                self.status.step, self.status.loss = step + 1, loss
+                if step_time:
+                    self.status.step_time = step_time
+        beats = self.listener.snapshot()
+        if not beats:
+            return
+        if not self.first_step_seen and any(b.get("loss") is not None for b in beats.values()):
+            self.first_step_seen = True
+            timings = {key: max((b.get(key) for b in beats.values() if b.get(key)), default=None)
+                       for key in ("t_start", "t_ready", "t_resumed")}  # the slowest rank's
+            self.files.event("first_step", attempt=self.number, step=self.status.step, **timings)
+            self.status.state = "training"
+        total = next((b.get("total_steps") for b in beats.values() if b.get("total_steps")), None)
+        self.status.total_steps = total or self.opts.total_steps
+        self.status.samples_per_step = self.plan.batch_size
+        reports = {r: (b.host, b.step, b.get("compute_time")) for r, b in beats.items()}
+        for s in self.stragglers.observe(reports):
+            self.files.slow(s)
+            self.status.stragglers.append(f"{s.host} (rank {s.rank}, {s.ratio:.1f}x)")
+            self.reporter.event(f"straggler: rank {s.rank} on {s.host} computes {s.ratio:.2f}x the median")
+        self.reporter.status(self.status)
+
+    def _silent(self) -> tuple[str, str] | None:
+        """Why the attempt must be given up for lack of news, and the host that fell silent; or None."""
+        now = time.monotonic()
+        beats = self.listener.snapshot()
+        running = [r for r in range(self.world) if r not in self.exits]
+        for r in running:
+            beat = beats.get(r)
+            if beat is None:
+                if now - self.started_at > self.opts.start_timeout:
+                    return (f"rank {r} on {self.rank_host[r]} sent no heartbeat within {self.opts.start_timeout:g}s "
+                            f"of its start (log: {self.files.rank_log(r)})"), self.rank_host[r]
+            elif now - beat.received > self.opts.heartbeat_timeout:
+                return (f"rank {r} on {self.rank_host[r]} missed its heartbeats for "
+                        f"{now - beat.received:.0f}s (log: {self.files.rank_log(r)})"), self.rank_host[r]
+        return None
+
+    def _ended(self, request: Outcome | None) -> Outcome | None:
+        hosts = request.hosts if request else None
+        lost = [self.agents[n].host.name for n in self.gone
+                if any(r not in self.exits for r, _ in self.nodes[n].ranks)]
+        if lost:
+            return Outcome("crash", f"lost the agent on {', '.join(lost)} (host down or SSH dropped)", hosts=hosts,
+                           suspects=lost)
+        bad = {r: c for r, c in self.exits.items() if c not in (0, EXIT_CHECKPOINTED)}
+        if bad:
+            first = next(iter(bad))  # exits are recorded in the order they happened
+            what = f"rank {first} on {self.rank_host[first]} exited with {_describe(bad[first])}"
+            refused = bad[first] == EXIT_BAD_CHECKPOINT and self.resume is not None
+            if refused:
+                what = f"rank {first} on {self.rank_host[first]} could not load checkpoint step_{self.resume}"
+                if first in self.errors:
+                    what += f": {self.errors[first]}"
+            return Outcome("crash", f"{what} (log: {self.files.rank_log(first)})", hosts=hosts, refused=refused,
+                           suspects=[])  # its agent reported the exit: the host is up
+        if len(self.exits) < self.world:
+            return None
+        codes = set(self.exits.values())
+        step = max((b.step for b in self.listener.snapshot().values()), default=None)
+        if codes == {0}:
+            return Outcome("done", "every worker finished", step=step)
+        if request is not None:
+            return Outcome(request.kind, request.message, hosts=request.hosts, step=step)
+        if codes == {EXIT_CHECKPOINTED}:
+            return Outcome("checkpointed", "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)",
+                           step=step)
+        return Outcome("crash", "some workers finished while others stopped to checkpoint", step=step, suspects=[])
+
+    # ------------------------------------------------------------------------------------------------------
+    # Stop
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop every agent (its workers get SIGTERM, then SIGKILL after ``grace``) and wait for them."""
+        grace = self.opts.grace if grace is None else grace
+        for agent in self.agents:
+            agent.send({"cmd": "stop", "grace": grace})
+        deadline = time.monotonic() + grace + 15
+        for agent in self.agents:
+            agent.close()
+        for agent in self.agents:
+            if not agent.wait(max(0.1, deadline - time.monotonic())):
+                agent.kill()
+        # keep the workers' last words
+        while True:
+            try:
+                node, event = self.events.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(node, event)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"

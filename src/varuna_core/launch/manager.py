@@ -1,0 +1,408 @@
+"""The launcher's manager: runs attempts of a job one after another until it finishes.
+
+Between attempts it
+
+* **morphs** (``--morph``): when the hosts file changes, or a preemption notice says a host goes away, every
+  worker checkpoints on demand and stops (SIGUSR1, handled by the library); the plan is made again from the
+  profile for the new device count with the same global batch (without a profile: the same pipeline, another
+  data-parallel width); the job restarts from that checkpoint on the new hosts. A host that comes back makes
+  the job grow again the same way;
+* **restarts** after a crash (a worker's non-zero exit, a lost host, missed heartbeats) from the last complete
+  checkpoint of this run, with up to ``max_restarts`` consecutive attempts that make no progress — progress is
+  a new complete checkpoint, not training steps, so a job whose every save fails gives up — waiting
+  ``backoff``, 2×``backoff``, ... seconds in between, and without hosts that no longer answer. A checkpoint the
+  workers refuse to load (corrupt, incomplete) is set aside and the previous one is used.
+
+Without ``--morph`` the first crash ends the job (exit 1) with the rank, host and log that failed.
+
+The job's checkpoints belong to one **run** (:mod:`varuna_core.checkpoint.layout`): a new job refuses a checkpoint
+store that already holds checkpoints (``--resume`` continues the run it finds there), so a reused store can
+neither delete the new job's checkpoints nor make a restart resume an older job's.
+
+**SIGTERM** (a scheduler's, or a spot VM's shutdown) is treated like a preemption notice for every host: the
+workers write an on-demand checkpoint and stop, and the launcher exits with 143; a second SIGTERM stops at
+once. ``--resume`` continues from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import secrets
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from ..planning.artifacts import Plan, load_plan, save_plan
+from ..checkpoint.layout import check_run_id, describe_runs, new_run_id, quick_check, runs, scan
+from ..errors import ConfigError, VarunaError
+from .heartbeat import Listener
+from .hosts import Host, HostsWatcher
+from .attempt import Attempt, JobFiles, LaunchError, LaunchOptions, Outcome, Reporter, Status, place
+from .netinfo import route_to
+from .ssh import check_hosts
+from ..util.fs import atomic_write
+
+__all__ = ["Manager", "replan", "choose_run", "EXIT_TERMINATED"]
+
+_WAIT_POLL = 1.0
+EXIT_TERMINATED = 143  # 128 + SIGTERM: the launcher stopped the job on SIGTERM (after checkpointing it)
+
+
+def choose_run(store: Path, resume: bool, run_id: str | None) -> tuple[str, set[str | None]]:
+    """The run a job continues (``resume``) or starts in ``store``, and the run ids whose checkpoints it may
+    resume from (its own, plus ``None`` when it continues checkpoints of a release that recorded no run).
+
+    Raises:
+        ConfigError: a new job in a store that already holds checkpoints (any run's, complete or not), or
+            ``resume`` in a store of several runs without ``run_id``.
+    """
+    if run_id is not None:
+        check_run_id(run_id, "--run-id")
+    entries = scan(store)
+    if not resume:
+        if entries:
+            partial = sum(not e.complete for e in entries)
+            raise ConfigError(f"checkpoint store {store} already holds checkpoints ({describe_runs(entries)}"
+                              + (f"; {partial} partial" if partial else "") + ")",
+                              hint="--resume continues from the latest of them; to start afresh, give another "
+                                   "--ckpt-dir (or --run-dir) or remove that store")
+        chosen = run_id or new_run_id()
+        return chosen, {chosen}
+    groups = runs([e for e in entries if e.complete])
+    if run_id is None and len(groups) > 1:
+        raise ConfigError(f"checkpoint store {store} holds checkpoints of {len(groups)} runs ({describe_runs(entries)})",
+                          hint="choose the run to resume with --run-id ID")
+    found = run_id if run_id is not None else next(iter(groups), None)
+    chosen = found or new_run_id()
+    return chosen, {chosen} | ({None} if run_id is None and None in groups else set())
+
+
+def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True) -> tuple[Plan, str]:
+    """A plan for ``devices`` devices with ``plan``'s global batch: searched again from the plan's profile when
+    it is readable, else the same pipeline with as many replicas as fit.
+
+    ``keep_microbatch`` keeps the micro-batch size (if it fits): every example is then computed with the same
+    shapes before and after, so the run's losses equal an uninterrupted run's to fp32 rounding. (Another size
+    gives the same mathematics but other rounding, which training amplifies step after step.)
+
+    Raises:
+        ConfigError / PlanInfeasible: nothing fits the devices.
+    """
+    from ..planning.planner import PlanInfeasible, PlanRequest, make_plan
+
+    profile_path = plan.profile_path
+    if profile_path and Path(profile_path).is_file():
+        from ..planning.artifacts import load_profile
+
+        profile = load_profile(profile_path)
+        request = PlanRequest(gpus=devices, batch_size=plan.batch_size, gpus_per_node=min(per_node, devices),
+                              gpu_memory=plan.memory_limit, schedules=tuple(plan.schedules), headroom=plan.headroom)
+        note = ""
+        if keep_microbatch:
+            try:
+                new = make_plan(profile, dataclasses.replace(request, microbatch_sizes=(plan.microbatch_size,)))
+                new.profile_path = profile_path
+                return new, f"re-planned from {profile_path}, micro-batch {plan.microbatch_size} kept"
+            except (ConfigError, PlanInfeasible) as exc:
+                note = f" (micro-batch {plan.microbatch_size} does not fit: {exc.message})"
+        new = make_plan(profile, request)
+        new.profile_path = profile_path
+        return new, f"re-planned from {profile_path}{note}"
+    from ..ir.topology import Topology
+
+    dp = min(devices // plan.pp, plan.batch_size)
+    if dp < 1:
+        raise ConfigError(f"{devices} device(s) cannot hold the plan's {plan.pp} pipeline stages, and the plan "
+                          f"records no profile to plan again from", hint="make the plan with `varuna plan` from a "
+                          "profile file that the launcher can read")
+    mbs = min(plan.microbatch_size, plan.batch_size // dp)
+    world = plan.pp * dp
+    new = load_plan(plan.model_copy(update=dict(
+        gpus=devices, gpus_per_node=per_node, dp=dp, microbatch_size=mbs,
+        num_microbatches=math.ceil(math.ceil(plan.batch_size / dp) / mbs),
+        stage_to_rank_map=Topology.clustered(plan.pp, dp).to_string(),
+        nodes=[list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)],
+        alternatives=[],
+        assumptions=[*plan.assumptions, f"re-planned without a profile for {devices} devices: same pipeline, "
+                     f"dp {plan.dp} -> {dp}; the predictions are the original plan's"])))  # checked: may not fit
+    return new, f"no profile to plan from: pp={plan.pp} kept, dp {plan.dp} -> {dp}"
+
+
+class Manager:
+    """Runs a job (see the module docstring). ``hosts`` None: local processes."""
+
+    def __init__(self, opts: LaunchOptions, plan: Plan, hosts: list[Host] | None, hosts_file: Path | None,
+                 default_slots: int, reporter: Reporter) -> None:
+        self.opts, self.plan, self.reporter = opts, plan, reporter
+        self.local = hosts is None
+        self.hosts = hosts if hosts is not None else [Host("127.0.0.1", slots=plan.pp * plan.dp)]
+        self.desired = list(self.hosts)
+        self.watcher = HostsWatcher(hosts_file, default_slots) if hosts_file is not None else None
+        self.preempted: dict[str, float] = {}  # host name -> when (monotonic) it goes away
+        self.run_id, self.runs = choose_run(opts.ckpt_dir, opts.resume, opts.run_id)
+        self.job = uuid.uuid4().hex
+        self.token = secrets.token_hex(32)
+        self.files = JobFiles(opts.run_dir)
+        self.listener = Listener(self.job, self.token, bind="127.0.0.1" if self.local else "0.0.0.0")
+        self.status = Status()
+        self.sigterms = 0  # SIGTERMs received: 1 = checkpoint and stop, 2 = stop now
+        self.refused: dict[int, str] = {}  # steps that cannot be loaded, and why
+        self._write_manager_file()
+
+    def _write_manager_file(self) -> None:
+        """Where ``varuna notify-preempt`` finds the manager, with the token that authenticates it (0600)."""
+        info = {"job": self.job, "token": self.token, "port": self.listener.port, "pid": os.getpid(),
+                "run": self.run_id}
+        atomic_write(self.opts.run_dir / "manager.json", json.dumps(info), mode=0o600)
+
+    def latest(self) -> int | None:
+        """The step of this run's newest checkpoint that looks loadable; the ones that do not (or that the
+        workers refused) are set aside with the reason, once."""
+        for entry in reversed(scan(self.opts.ckpt_dir)):
+            if entry.run not in self.runs or not entry.complete or entry.step in self.refused:
+                continue
+            problem = quick_check(entry)
+            if problem is None:
+                return entry.step
+            self.refused[entry.step] = problem
+            self.reporter.event(f"checkpoint step_{entry.step} cannot be used ({problem}); trying the one before")
+            self.files.event("checkpoint_refused", step=entry.step, reason=problem)
+        return None
+
+    def manager_address(self, host: Host) -> str:
+        """The address of this machine that ``host`` reaches (where its workers send heartbeats)."""
+        if self.local:
+            return "127.0.0.1"
+        return route_to(host.address)[1] or "127.0.0.1"
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run attempts until the job finishes (0), fails for good (1), is interrupted (130) or stopped by
+        SIGTERM (143)."""
+        opts = self.opts
+        resume = self.latest() if opts.resume else None
+        if opts.resume:
+            self.reporter.event(f"resuming run {self.run_id} from {opts.ckpt_dir}/step_{resume}" if resume is not None
+                                else f"--resume: no loadable checkpoint in {opts.ckpt_dir}; starting from scratch")
+        restarts, number = 0, 0
+        previous = self._handle_sigterm()
+        try:
+            while True:
+                if self.sigterms:
+                    return self._terminated("SIGTERM between attempts")
+                number += 1
+                outcome = self._attempt(number, resume, restarts)
+                if outcome.kind == "done":
+                    self.reporter.event(f"done: {outcome.message}")
+                    return 0
+                if outcome.kind == "interrupted":
+                    return 130
+                if outcome.kind == "terminated":
+                    return self._terminated(outcome.message)
+                if outcome.kind == "crash":
+                    if not opts.morph:
+                        raise LaunchError(outcome.message, hint="--morph restarts a job from its last complete "
+                                          "checkpoint after a crash")
+                    if outcome.refused and resume is not None:
+                        self.refused[resume] = outcome.message
+                        self.files.event("checkpoint_refused", step=resume, reason=outcome.message)
+                        self.reporter.event(f"checkpoint step_{resume} was refused by the workers; falling back to "
+                                            f"the one before it")
+                    newest = self.latest()
+                    if outcome.refused and newest is None:
+                        self.reporter.event(f"no loadable checkpoint of run {self.run_id} is left in "
+                                            f"{opts.ckpt_dir}: starting again from step 0")
+                    if not outcome.refused:  # a checkpoint set aside costs a checkpoint, not a restart
+                        progressed = newest is not None and (resume is None or newest > resume)
+                        restarts = 1 if progressed else restarts + 1
+                    if restarts > opts.max_restarts:
+                        raise LaunchError(f"giving up after {opts.max_restarts} restarts without a new checkpoint: "
+                                          f"{outcome.message}", hint=f"see the rank logs in {opts.run_dir}/logs")
+                    self.status.restarts += 1
+                    delay = min(60.0, opts.backoff * 2 ** max(0, restarts - 1))
+                    self.reporter.event(f"crash: {outcome.message}; restarting in {delay:.0f}s "
+                                        f"(restart {restarts} of at most {opts.max_restarts})")
+                    self._sleep(delay)
+                    hosts = self._reachable(outcome.hosts or self.desired, suspects=outcome.suspects)
+                else:  # morph / checkpointed
+                    self.status.morphs += 1
+                    hosts = self._reachable(outcome.hosts or self.hosts, only_new=True)
+                resume = self.latest()
+                self._reconfigure(hosts)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            self.listener.close()
+            self.files.close()
+            self._draw_loss()
+
+    def _terminated(self, why: str) -> int:
+        last = self.latest()
+        self.files.event("terminated", reason=why, checkpoint=last)
+        self.reporter.event(f"stopped on SIGTERM: {why}; the latest checkpoint is "
+                            + (f"step_{last}" if last is not None else "none")
+                            + " (`varuna launch --resume` continues from it)")
+        return EXIT_TERMINATED
+
+    def _handle_sigterm(self):
+        """Count SIGTERMs (see the module docstring); returns the previous handler (None: not the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_term(signum, frame) -> None:  # noqa: ARG001 - only a counter: the loop acts on it
+            self.sigterms += 1
+
+        return signal.signal(signal.SIGTERM, on_term)
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake for a SIGTERM (the next attempt then stops at once)."""
+        deadline = time.monotonic() + seconds
+        while not self.sigterms and time.monotonic() < deadline:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def _draw_loss(self) -> None:
+        """``RUN_DIR/loss.png`` from the metrics, whatever the outcome (a failed run's curve helps most)."""
+        from .loss_curve import draw_loss_curve
+
+        try:
+            if draw_loss_curve(self.opts.run_dir / "metrics.jsonl", self.opts.run_dir / "loss.png",
+                               title=f"{self.plan.model}: loss per step"):
+                self.reporter.event(f"loss curve: {self.opts.run_dir / 'loss.png'}")
+        except (OSError, ValueError, ImportError) as exc:
+            self.reporter.event(f"no loss curve: {exc}")
+
+    def _attempt(self, number: int, resume: int | None, restarts: int) -> Outcome:
+        world = self.plan.pp * self.plan.dp
+        nodes = place(world, self.hosts)
+        save_plan(self.plan, self.opts.run_dir / "plans" / f"attempt{number}.yaml")
+        self.listener.reset(attempt=number)
+        self.status.attempt, self.status.state = number, "starting"
+        self.status.pp, self.status.dp, self.status.hosts = self.plan.pp, self.plan.dp, len(nodes)
+        where = ", ".join(f"{n.host.name}×{len(n.ranks)}" for n in nodes)
+        self.reporter.event(f"attempt {number}: pp={self.plan.pp} × dp={self.plan.dp} ({self.plan.schedule}, "
+                            f"micro-batch {self.plan.microbatch_size}) on {where}"
+                            + (f", resuming from step {resume}" if resume is not None else ""))
+        self.files.event("starting", attempt=number, pp=self.plan.pp, dp=self.plan.dp,
+                         microbatch=self.plan.microbatch_size, schedule=self.plan.schedule, resume=resume,
+                         hosts=[n.host.name for n in nodes])
+        attempt = Attempt(number, self.plan, nodes, resume, self.opts, self.files, self.listener, self.reporter,
+                          self.status, self.job, self.token, self.manager_address, self.run_id)
+        try:
+            try:
+                attempt.start()
+            except LaunchError as exc:
+                if not self.opts.morph:
+                    raise
+                return Outcome("crash", exc.message, step=resume)
+            except KeyboardInterrupt:
+                return Outcome("interrupted", "interrupted while starting")
+            self.files.event("started", attempt=number)
+            if self.sigterms:
+                return Outcome("terminated", "SIGTERM before the attempt started")
+            outcome = attempt.run(lambda: self._changes(), lambda: self.sigterms)
+            self.status.state = "stopping"
+            self.files.event("ending", attempt=number, kind=outcome.kind, message=outcome.message,
+                             step=outcome.step)
+            return outcome
+        finally:
+            attempt.stop()
+            self.files.event("stopped", attempt=number)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Changes of the host set
+
+    def _changes(self, current: list[Host] | None = None) -> tuple[list[Host], str] | None:
+        """The hosts the job should run on now, and why, if they differ from ``current`` (default: the hosts
+        the job runs on)."""
+        current = self.hosts if current is None else current
+        if not self.opts.morph:
+            return None
+        reasons = []
+        if self.watcher is not None:
+            try:
+                polled = self.watcher.poll()
+            except ConfigError as exc:
+                self.reporter.event(f"{exc.message}: keeping the current hosts")
+                polled = None
+            if polled is not None:
+                self.files.event("hosts_changed", hosts=[h.name for h in polled])
+                reasons.append("the hosts file changed")
+                self.desired = polled
+                self.preempted.clear()  # a new hosts file is the new truth
+        for notice in self.listener.take_notices():
+            name = str(notice.get("host"))
+            match = next((h for h in self.desired if name in (h.name, h.address)), None)
+            if match is None:
+                self.reporter.event(f"preemption notice for {name}, which the job does not use: ignored")
+                continue
+            seconds = float(notice.get("seconds") or 0)
+            self.preempted[match.name] = time.monotonic() + seconds
+            self.files.event("preempt_notice", host=match.name, seconds=seconds)
+            self.reporter.event(f"preemption notice: {match.name} goes away in {seconds:.0f}s")
+        now = time.monotonic()
+        leaving = {n for n, when in self.preempted.items() if now >= when - self.opts.preempt_margin}
+        effective = [h for h in self.desired if h.name not in leaving]
+        if effective == current:
+            return None
+        if leaving & {h.name for h in current}:
+            reasons.append(f"{', '.join(sorted(leaving))} will be preempted")
+        gone = [h.name for h in current if h not in effective]
+        new = [h.name for h in effective if h not in current]
+        detail = "; ".join(x for x in (f"removed {', '.join(gone)}" if gone else "",
+                                       f"added {', '.join(new)}" if new else "") if x)
+        return effective, f"{' and '.join(reasons) or 'hosts changed'} ({detail or 'slots changed'})"
+
+    def _reachable(self, hosts: list[Host], only_new: bool = False, suspects: list[str] | None = None) -> list[Host]:
+        """``hosts`` minus those that fail the pre-flight check: all of them, only those not in the current set
+        (``only_new``), or only the ``suspects`` (hosts named by a crash; the others answered just now)."""
+        if self.local:
+            return hosts
+        to_check = [h for h in hosts if (not only_new or h not in self.hosts)
+                    and (suspects is None or h.name in suspects or h not in self.hosts)]
+        problems = check_hosts(to_check, self.opts.ssh, self.opts.runtime) if to_check else []
+        for p in problems:
+            self.reporter.event(f"leaving out {p.host.name}: {p.message}")
+            self.files.event("host_unreachable", host=p.host.name, message=p.message)
+        bad = {p.host for p in problems}
+        return [h for h in hosts if h not in bad]
+
+    def _reconfigure(self, hosts: list[Host]) -> None:
+        """Adopt ``hosts``; plan again if their capacity differs; wait (bounded) while nothing fits."""
+        deadline = time.monotonic() + self.opts.start_timeout
+        while True:
+            capacity = sum(h.slots for h in hosts)
+            try:
+                if capacity == sum(h.slots for h in self.hosts) and self.plan.pp * self.plan.dp <= capacity:
+                    plan, why = self.plan, None
+                else:
+                    if capacity == 0:
+                        raise ConfigError("no host is left")
+                    t0 = time.time()
+                    plan, why = replan(self.plan, capacity, max(1, min(h.slots for h in hosts)),
+                                       keep_microbatch=not self.opts.morph_any_microbatch)
+                    self.files.event("planned", seconds=time.time() - t0, pp=plan.pp, dp=plan.dp, devices=capacity)
+                self.hosts, self.plan = hosts, plan
+                if why:
+                    self.reporter.event(f"{capacity} devices: {why}: pp={plan.pp} × dp={plan.dp}, "
+                                        f"micro-batch {plan.microbatch_size}, {plan.schedule}")
+                return
+            except VarunaError as exc:
+                if self.sigterms:
+                    return
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"no usable configuration on the hosts left: {exc.message}",
+                                      hint="add hosts to the hosts file") from None
+                self.status.state = "waiting for hosts"
+                self.reporter.event(f"waiting for hosts: {exc.message}")
+                while time.monotonic() < deadline and not self.sigterms:
+                    time.sleep(_WAIT_POLL)
+                    change = self._changes(hosts)
+                    if change is not None:
+                        hosts = self._reachable(change[0])
+                        break

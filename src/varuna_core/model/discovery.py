@@ -1,0 +1,538 @@
+"""Structure discovery: one dry run of the unsliced model at 1 and at 2 examples.
+
+What it records (the :class:`Structure`):
+
+* the execution order of the cutpoints, so cut ``i`` separates segment ``i`` from segment ``i + 1``
+  (N executed cutpoints → N + 1 segments);
+* what crosses each cut, with the dims that scale with the batch (:mod:`varuna_core.model.payload`);
+* for every module call, the segments it starts and ends in and the structure of its output, so a stage can
+  stand in a placeholder for a module that another stage owns;
+* which segments touch each parameter and buffer. A ``TorchFunctionMode`` sees every tensor op, so
+  ``F.linear(x, self.weight)`` and ``x @ self.head_weight`` at the model root are both seen (the original's
+  ``sys.settrace`` missed parameters passed only to builtins). An object touched in two segments is a tied
+  weight when those segments land on different stages.
+
+The run happens in eval mode, under ``no_grad`` and with the RNG forked, so it leaves the model, its buffers
+and the user's random stream as they were. Results are cached per process and on disk under a key that hashes
+the model's structure, its classes' source files, its scalar attributes and the inputs' signature: a changed
+model is never served a stale entry (the original kept unkeyed pickles in the working directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from .cutpoint import CutPoint, find_cutpoints
+from ..errors import ConfigError, CutPointError
+from .payload import ProbeMismatch, ValueSpec, spec_from_probes
+from .precision import autocast
+
+__all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "extract_loss"]
+
+log = logging.getLogger(__name__)
+
+BatchFn = Callable[[int], dict]
+FORMAT_VERSION = 1
+
+# Tensor properties that read metadata only: touching them is not a use of the parameter's values.
+_META_PROPERTIES = frozenset(
+    "shape dtype device requires_grad is_leaf grad_fn ndim layout names is_cuda is_meta is_sparse "
+    "is_quantized itemsize nbytes _version grad is_mkldnn is_nested".split()
+)
+_META_METHODS = frozenset(
+    "size dim numel stride is_floating_point is_contiguous element_size data_ptr __len__ __hash__ "
+    "is_complex nelement ndimension get_device __format__ __repr__ storage_offset".split()
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleCall:
+    """One call of a module during the forward: the segments it starts and ends in, and its output."""
+
+    segment_start: int
+    segment_end: int
+    output: ValueSpec | None  # None: the output cannot be described (then the module cannot be stood in for)
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """Everything the slicer needs to know about a model, independent of the partition.
+
+    Attributes:
+        key: cache key (hash of model structure and inputs' signature).
+        cut_names: cutpoint names in execution order.
+        cuts: what crosses each cut.
+        inputs: per model input, the dim that holds the batch (``None``: passed whole to every micro-batch).
+        module_calls: per module name, its calls in order.
+        param_uses: per parameter slot name, the segments that touch its values.
+        buffer_uses: per buffer slot name, the segments that touch its values.
+    """
+
+    key: str
+    cut_names: tuple[str, ...]
+    cuts: tuple[ValueSpec, ...]
+    inputs: dict[str, int | None]
+    module_calls: dict[str, tuple[ModuleCall, ...]]
+    param_uses: dict[str, tuple[int, ...]]
+    buffer_uses: dict[str, tuple[int, ...]]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.cut_names) + 1
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT_VERSION,
+            "key": self.key,
+            "cut_names": list(self.cut_names),
+            "cuts": [c.to_json() for c in self.cuts],
+            "inputs": self.inputs,
+            "module_calls": {
+                name: [
+                    [c.segment_start, c.segment_end, None if c.output is None else c.output.to_json()]
+                    for c in calls
+                ]
+                for name, calls in self.module_calls.items()
+            },
+            "param_uses": {k: list(v) for k, v in self.param_uses.items()},
+            "buffer_uses": {k: list(v) for k, v in self.buffer_uses.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Structure":
+        if data.get("format") != FORMAT_VERSION:
+            raise ValueError("unknown structure format")
+        return cls(
+            key=data["key"],
+            cut_names=tuple(data["cut_names"]),
+            cuts=tuple(ValueSpec.from_json(c) for c in data["cuts"]),
+            inputs=dict(data["inputs"]),
+            module_calls={
+                name: tuple(ModuleCall(a, b, None if o is None else ValueSpec.from_json(o)) for a, b, o in calls)
+                for name, calls in data["module_calls"].items()
+            },
+            param_uses={k: tuple(v) for k, v in data["param_uses"].items()},
+            buffer_uses={k: tuple(v) for k, v in data["buffer_uses"].items()},
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def make_batch_fn(dummy_inputs: Mapping[str, Any] | BatchFn, input_batch_dims: Mapping[str, int | None] | None):
+    """Return ``(batch_fn, batch_dims)``: a function ``n -> inputs for n examples`` and each input's batch dim.
+
+    ``dummy_inputs`` is either a dict of example inputs (tensors batched along dim 0 unless
+    ``input_batch_dims`` says otherwise; other values are passed unchanged) or a function ``n -> dict`` (the
+    original's ``get_batch_fn``), whose batch dims are found by probing at 1 and 2 examples.
+    """
+    if callable(dummy_inputs):
+        fn = dummy_inputs
+        probe_1, probe_2 = _call_batch_fn(fn, 1), _call_batch_fn(fn, 2)
+        dims: dict[str, int | None] = {}
+        for name, value in probe_1.items():
+            other = probe_2.get(name)
+            if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor):
+                changed = [d for d in range(value.dim()) if value.shape[d] != other.shape[d]]
+                if len(changed) > 1 or (changed and other.shape[changed[0]] != 2 * value.shape[changed[0]]):
+                    raise ConfigError(
+                        f"input {name!r} has shape {list(value.shape)} for 1 example and {list(other.shape)} for 2",
+                        hint="exactly one dim of each batched input must hold the examples",
+                    )
+                dims[name] = changed[0] if changed else None
+                if changed and value.shape[changed[0]] != 1:
+                    raise ConfigError(
+                        f"the batch function returned input {name!r} with {value.shape[changed[0]]} examples along "
+                        f"dim {changed[0]} when asked for 1 (shape {list(value.shape)})",
+                        hint="batch(n) must return exactly n examples in every batched input",
+                    )
+            else:
+                dims[name] = None
+        if input_batch_dims:
+            dims.update(input_batch_dims)
+        if not any(d is not None for d in dims.values()):
+            raise ConfigError(
+                f"the batch function returned the same shapes for 1 and 2 examples (inputs {sorted(dims)})",
+                hint="batch(n) must return n examples in every batched input",
+            )
+        return fn, dims
+
+    if not isinstance(dummy_inputs, Mapping) or not dummy_inputs:
+        raise ConfigError(
+            f"dummy_inputs must be a non-empty dict of model inputs or a function n -> dict, got "
+            f"{type(dummy_inputs).__name__}",
+            hint="pass e.g. {'idx': idx, 'targets': targets} with a few examples",
+        )
+    sample = dict(dummy_inputs)
+    dims = {name: (0 if isinstance(v, torch.Tensor) and v.dim() > 0 else None) for name, v in sample.items()}
+    for name, dim in (input_batch_dims or {}).items():
+        if name not in sample:
+            raise ConfigError(f"input_batch_dims names {name!r}, which is not an input", hint=f"inputs: {sorted(sample)}")
+        dims[name] = dim
+    sizes = {name: sample[name].shape[d] for name, d in dims.items() if d is not None}
+    if len(set(sizes.values())) > 1:
+        raise ConfigError(
+            f"dummy inputs disagree on the number of examples: {sizes}",
+            hint="give every batched input the same batch size, or mark the others with input_batch_dims={name: None}",
+        )
+
+    def batch_fn(n: int) -> dict:
+        out = {}
+        for name, value in sample.items():
+            dim = dims[name]
+            if dim is None:
+                out[name] = value
+            else:
+                index = torch.arange(n, device=value.device) % value.shape[dim]
+                out[name] = value.index_select(dim, index)
+        return out
+
+    return batch_fn, dims
+
+
+def _call_batch_fn(fn: BatchFn, n: int) -> dict:
+    try:
+        batch = fn(n)
+    except TypeError:
+        batch = fn(n, device="cpu")  # the original's get_batch_fn(size, device=None) signature
+    if not isinstance(batch, Mapping):
+        raise ConfigError(f"the batch function returned {type(batch).__name__}, not a dict of model inputs")
+    return dict(batch)
+
+
+def extract_loss(output: Any) -> torch.Tensor | None:
+    """The loss in a model's output: the output itself, ``output[0]``, or ``output["loss"]``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and "loss" in output:
+        return output["loss"]
+    if hasattr(output, "loss") and isinstance(getattr(output, "loss"), torch.Tensor):
+        return output.loss
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The dry run
+
+
+class _UseMode(TorchFunctionMode):
+    """Records, per parameter/buffer object, the segments in which a torch op reads it."""
+
+    def __init__(self, recorder: "_Recorder", tracked: dict[int, Any]) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.tracked = tracked
+        self.uses: dict[int, set[int]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            skip = prop in _META_PROPERTIES
+        else:
+            skip = name in _META_METHODS
+        if not skip:
+            for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and id(leaf) in self.tracked:
+                    self.uses.setdefault(id(leaf), set()).add(self.recorder.segment)
+        return func(*args, **kwargs)
+
+
+class _Recorder:
+    """Hooks that follow one forward: the current segment, cut values and module calls."""
+
+    def __init__(self, model: nn.Module, cuts: dict[str, CutPoint]) -> None:
+        self.segment = 0
+        self.cut_order: list[str] = []
+        self.cut_values: list[Any] = []
+        self.calls: dict[str, list[list[Any]]] = {}
+        self._handles: list[Any] = []
+        self._cuts = cuts
+        names: dict[int, str] = {}
+        for name, module in model.named_modules():
+            if module is model or isinstance(module, CutPoint) or id(module) in names:
+                continue
+            names[id(module)] = name
+            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(module.register_forward_hook(self._post(name)))
+        for cut in cuts.values():
+            cut.set_hook(self._on_cut)
+
+    def _pre(self, name: str):
+        def hook(module, args):
+            self.calls.setdefault(name, []).append([self.segment, None, None])
+
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, output):
+            for call in reversed(self.calls[name]):
+                if call[1] is None:
+                    call[1], call[2] = self.segment, output
+                    break
+
+        return hook
+
+    def _on_cut(self, cut: CutPoint, value: Any) -> Any:
+        if cut.cut_name in self.cut_order:
+            raise CutPointError(
+                f"CutPoint {cut.cut_name!r} was called twice in one forward",
+                hint="call each CutPoint exactly once per forward; create one CutPoint per boundary",
+            )
+        self.cut_order.append(cut.cut_name)
+        self.cut_values.append(value)
+        self.segment += 1
+        return value
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for cut in self._cuts.values():
+            cut.set_hook(None)
+
+
+@contextlib.contextmanager
+def _quiet_run(model: nn.Module):
+    """Eval mode, no autograd, forked RNG; restores each module's training flag afterwards."""
+    modes = {m: m.training for m in model.modules()}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            model.eval()
+            yield
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+
+
+def _run(model: nn.Module, cuts: dict[str, CutPoint], inputs: dict, mode: _UseMode | None, precision: str):
+    recorder = _Recorder(model, cuts)
+    if mode is not None:
+        mode.recorder = recorder
+    try:
+        with _quiet_run(model), autocast(precision, torch.device("cpu")), (
+            mode if mode is not None else contextlib.nullcontext()
+        ):
+            output = model(**inputs)
+    finally:
+        recorder.close()
+    return recorder, output
+
+
+def discover(
+    model: nn.Module,
+    batch_fn: BatchFn,
+    input_batch_dims: Mapping[str, int | None],
+    *,
+    use_cache: bool = True,
+    precision: str = "fp32",
+) -> Structure:
+    """Run the model at 1 and 2 examples and describe its cuts, module calls and parameter uses.
+
+    ``precision`` runs the dry run under the same autocast as training, so the dtypes recorded at the cuts
+    are those the stages will exchange.
+
+    Raises:
+        CutPointError: no cutpoints; a cutpoint called twice; a cut value with no batched tensor (tensors
+            without a batch dim may travel with batched ones: they cross whole with every micro-batch) or of
+            a structure that cannot cross a cut; cuts executed in a different order at the two sizes.
+        ConfigError: the model's output holds no scalar loss.
+    """
+    cuts = find_cutpoints(model)
+    if not cuts:
+        raise CutPointError(
+            f"{type(model).__name__} has no CutPoint, so it cannot be split into pipeline stages",
+            hint="insert `x = self.cut(x)` with `self.cut = CutPoint()` between blocks (e.g. after each layer)",
+        )
+    inputs_1, inputs_2 = _call_batch_fn(batch_fn, 1), _call_batch_fn(batch_fn, 2)
+    key = structure_key(model, inputs_1, inputs_2, input_batch_dims, precision)
+    if use_cache:
+        cached = _cache_get(key)
+        if cached is not None:
+            return cached
+
+    slots = _slots(model)
+    tracked = {id(t): t for _, t, _ in slots}
+    mode = _UseMode(None, tracked)  # type: ignore[arg-type]
+    rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
+    rec_2, _ = _run(model, cuts, inputs_2, None, precision)
+
+    loss = extract_loss(out_1)
+    if loss is None or loss.numel() != 1:
+        got = type(out_1).__name__ if loss is None else f"a tensor of shape {list(loss.shape)}"
+        raise ConfigError(
+            f"the model's forward must return the loss (a scalar tensor, or a tuple/dict whose first/'loss' entry "
+            f"is one); it returned {got}",
+            hint="compute the loss inside forward, e.g. `return F.cross_entropy(logits, targets)`",
+        )
+    if not rec_1.cut_order:
+        raise CutPointError(
+            f"the model has {len(cuts)} CutPoint(s) but forward called none of them",
+            hint="call each CutPoint on the activation crossing the boundary: `x = self.cut(x)`",
+        )
+    if rec_1.cut_order != rec_2.cut_order:
+        raise CutPointError(
+            f"cutpoints ran in a different order at batch sizes 1 and 2: {rec_1.cut_order} vs {rec_2.cut_order}",
+            hint="the order of CutPoint calls must not depend on the batch",
+        )
+    unused = [name for name in cuts if name not in rec_1.cut_order]
+    if unused:
+        log.warning("CutPoint(s) never called in forward, ignored: %s", ", ".join(unused))
+
+    cut_specs = []
+    for name, v1, v2 in zip(rec_1.cut_order, rec_1.cut_values, rec_2.cut_values):
+        try:
+            spec = spec_from_probes(v1, v2)
+        except ProbeMismatch as exc:
+            raise CutPointError(f"CutPoint {name!r} carries a value that cannot cross a cut: {exc}",
+                                hint="a cut may carry a tensor or a tuple/list/dict of tensors") from exc
+        if not spec.tensor_leaves:
+            raise CutPointError(f"CutPoint {name!r} carries no tensor", hint="call the CutPoint on an activation")
+        if not any(leaf.batch_dims for _, leaf in spec.tensor_leaves):
+            shapes = [list(leaf.shape) for _, leaf in spec.tensor_leaves]
+            raise CutPointError(
+                f"CutPoint {name!r} carries tensors of the same shape {shapes} for 1 and 2 examples: none has a "
+                f"batch dim",
+                hint="place cutpoints on per-example activations (e.g. [batch, seq, hidden] or [seq, batch, hidden])",
+            )
+        cut_specs.append(spec)
+
+    module_calls: dict[str, tuple[ModuleCall, ...]] = {}
+    for name, calls_1 in rec_1.calls.items():
+        calls_2 = rec_2.calls.get(name, [])
+        out = []
+        for i, (start, end, value) in enumerate(calls_1):
+            spec = None
+            if i < len(calls_2) and len(calls_1) == len(calls_2):
+                try:
+                    spec = spec_from_probes(value, calls_2[i][2])
+                except ProbeMismatch:
+                    spec = None
+            out.append(ModuleCall(start, end, spec))
+        module_calls[name] = tuple(out)
+
+    param_uses: dict[str, tuple[int, ...]] = {}
+    buffer_uses: dict[str, tuple[int, ...]] = {}
+    for name, tensor, is_param in slots:
+        segments = mode.uses.get(id(tensor))
+        if not segments:  # never read: it lives with the module that owns it
+            owner = name.rpartition(".")[0]
+            segments = {c.segment_start for c in module_calls.get(owner, ())} or {0}
+        (param_uses if is_param else buffer_uses)[name] = tuple(sorted(segments))
+
+    structure = Structure(
+        key=key,
+        cut_names=tuple(rec_1.cut_order),
+        cuts=tuple(cut_specs),
+        inputs=dict(input_batch_dims),
+        module_calls=module_calls,
+        param_uses=param_uses,
+        buffer_uses=buffer_uses,
+    )
+    if use_cache:
+        _cache_put(structure)
+    return structure
+
+
+def _slots(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """Every (name, tensor, is_parameter) slot, shared objects listed under each of their names."""
+    out = [(n, p, True) for n, p in model.named_parameters(remove_duplicate=False)]
+    out += [(n, b, False) for n, b in model.named_buffers(remove_duplicate=False) if b is not None]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cache
+
+
+def structure_key(
+    model: nn.Module, inputs_1: dict, inputs_2: dict, batch_dims: Mapping[str, Any], precision: str = "fp32"
+) -> str:
+    """Hash of what determines the structure: classes and their source, tensors' names/shapes/dtypes, scalar
+    attributes of every module, the inputs' signature, and the torch version."""
+    h = hashlib.sha256()
+    h.update(f"v{FORMAT_VERSION} torch {torch.__version__} {precision}\n".encode())
+    seen_files: set[str] = set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        cls = type(module)
+        h.update(f"M {name} {cls.__module__}.{cls.__qualname__} {module.extra_repr()}\n".encode())
+        for key, value in sorted(vars(module).items()):
+            if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None), tuple)):
+                h.update(f"A {key}={value!r}\n".encode())
+        for klass in cls.__mro__:
+            if klass.__module__.startswith(("torch.", "builtins")):
+                continue
+            path = _source_file(klass)
+            if path and path not in seen_files:
+                seen_files.add(path)
+                try:
+                    h.update(hashlib.sha256(Path(path).read_bytes()).digest())
+                except OSError:
+                    pass
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        h.update(f"T {name} {list(tensor.shape)} {tensor.dtype}\n".encode())
+    for label, inputs in (("1", inputs_1), ("2", inputs_2)):
+        for name in sorted(inputs):
+            value = inputs[name]
+            sig = f"{list(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else repr(value)[:200]
+            h.update(f"I{label} {name} {sig} {batch_dims.get(name)}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def _source_file(klass: type) -> str | None:
+    try:
+        return inspect.getsourcefile(klass)
+    except (TypeError, OSError):
+        return None
+
+
+_MEMO: dict[str, Structure] = {}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("VARUNA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "varuna"
+    )
+    return Path(root) / "structure"
+
+
+def _cache_get(key: str) -> Structure | None:
+    if key in _MEMO:
+        return _MEMO[key]
+    path = cache_dir() / f"{key}.json"
+    try:
+        structure = Structure.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if structure.key != key:
+        return None
+    _MEMO[key] = structure
+    return structure
+
+
+def _cache_put(structure: Structure) -> None:
+    _MEMO[structure.key] = structure
+    directory = cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{structure.key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(structure.to_json()))
+        os.replace(tmp, directory / f"{structure.key}.json")
+    except OSError as exc:  # a read-only home must not stop training
+        log.debug("structure cache not written: %s", exc)

@@ -1,0 +1,407 @@
+"""This rank's slice of the user's model, and one forward of it on one micro-batch.
+
+[Note: slicing] The user's own ``forward`` runs on every stage; nothing is rewritten. What changes per stage:
+
+* Parameters and buffers of other stages live on the ``meta`` device (no memory). Tied weights are real on
+  every stage that uses them.
+* A module that owns parameters and runs in a segment before this stage returns a *placeholder* (meta tensors
+  of its recorded output structure, batch dims scaled to the micro-batch) instead of running. Parameter-free
+  modules (masks, rotary tables) run for real unless their inputs are placeholders. A module whose call spans
+  cuts (a container around the blocks) runs: its children decide for themselves, and its cuts are counted.
+* The cutpoints before the stage only count segments; the *incoming* cut swaps the placeholder for the
+  activation received from the previous stage; the *outgoing* cut raises :class:`_StageExit` carrying the
+  activation out of ``forward``, so nothing after it runs and no exception is swallowed.
+* A skip connection across a cut makes a placeholder meet a real tensor, which torch refuses; that error is
+  turned into one that names the cut. Nothing silently computes on garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .cutpoint import CutPoint, find_cutpoints
+from .discovery import Structure, extract_loss
+from ..errors import ConfigError, CutPointError
+from ..ir.partition import Partition
+from .rng import preserve_rng, seed_segment, segment_seed
+
+__all__ = ["TieSet", "find_tie_sets", "StageModule"]
+
+log = logging.getLogger(__name__)
+
+
+class _StageExit(BaseException):
+    """Carries the outgoing activation out of the user's forward (a BaseException, so ``except Exception``
+    blocks in user code do not swallow it)."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+
+@dataclasses.dataclass(frozen=True)
+class TieSet:
+    """Parameter slots that hold one logical weight.
+
+    Attributes:
+        names: every slot name of the weight (same object under several names, or declared ``shared_weights``).
+        canonical: the name whose value wins at start-up.
+        stages: the stages that hold a copy; their gradients are summed after every step.
+    """
+
+    names: tuple[str, ...]
+    canonical: str
+    stages: tuple[int, ...]
+
+
+def weight_groups(model: nn.Module, shared_weights: list[tuple[str, str]] | None) -> list[tuple[str, tuple[str, ...]]]:
+    """Every logical weight held under more than one name: ``(canonical, names)``, where the names are one
+    parameter object under several names, or declared together in ``shared_weights``. The canonical name is the
+    first of a declared pair, else the first name in ``named_parameters`` order: it depends on the model alone,
+    never on the partition, so a checkpoint key means the same weight under every layout."""
+    slot_objects = dict(model.named_parameters(remove_duplicate=False))
+    groups: dict[int, list[str]] = {}
+    for name, param in slot_objects.items():
+        groups.setdefault(id(param), []).append(name)
+    parent = {key: key for key in groups}
+
+    def find(key: int) -> int:
+        while parent[key] != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    declared: dict[int, str] = {}
+    for pair in shared_weights or []:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ConfigError(f"shared_weights entries must be (name_a, name_b) pairs, got {pair!r}")
+        for name in pair:
+            if name not in slot_objects:
+                close = [n for n in slot_objects if n.split(".")[-1] == name.split(".")[-1]][:5]
+                raise ConfigError(
+                    f"shared_weights names {name!r}, which is not a parameter of the model",
+                    hint=f"use names from model.named_parameters(), e.g. {close}" if close else None,
+                )
+        a, b = (id(slot_objects[n]) for n in pair)
+        declared.setdefault(find(a), pair[0])
+        root_a, root_b = find(a), find(b)
+        if root_a != root_b:
+            parent[root_b] = root_a
+            if root_b in declared:
+                declared.setdefault(root_a, declared.pop(root_b))
+
+    merged: dict[int, list[str]] = {}
+    for key, names in groups.items():
+        merged.setdefault(find(key), []).extend(names)
+    return [(declared.get(root, names[0]), tuple(names)) for root, names in merged.items() if len(names) > 1]
+
+
+def find_tie_sets(
+    model: nn.Module, structure: Structure, partition: Partition, shared_weights: list[tuple[str, str]] | None
+) -> list[TieSet]:
+    """The weights of :func:`weight_groups` whose copies the pipeline must keep equal: those held by more than
+    one stage, or by more than one parameter object."""
+    slot_objects = dict(model.named_parameters(remove_duplicate=False))
+    ties = []
+    for canonical, names in weight_groups(model, shared_weights):
+        segments = {seg for n in names for seg in structure.param_uses.get(n, (0,))}
+        stages = tuple(sorted({partition.stage_of_segment(seg) for seg in segments}))
+        objects = {id(slot_objects[n]) for n in names}
+        if len(stages) > 1 or len(objects) > 1:
+            ties.append(TieSet(names, canonical, stages))
+    return ties
+
+
+class _Context:
+    """Per-forward state shared by the hooks: current segment, examples in the micro-batch, etc."""
+
+    def __init__(self) -> None:
+        self.segment = 0
+        self.n = 1
+        self.incoming: Any = None
+        self.incoming_seen = False
+        self.counters: dict[tuple[str, int], int] = {}
+        self.rng: tuple[int, int, int] | None = None  # (seed, step, micro-batch) for per-segment seeding
+
+
+class StageModule:
+    """The part of ``model`` that stage ``stage`` computes. Mutates ``model`` in place (other stages' tensors
+    move to ``meta``); keeps a reference to it.
+
+    Args:
+        model: the user's full model (CPU or device).
+        structure: discovery result for the model.
+        partition: segment ranges per stage.
+        stage: this rank's stage.
+        ties: tied weights (from :func:`find_tie_sets`).
+        device: where this stage's parameters live.
+        placeholders: ``"meta"`` (default: a value that leaks past a cut fails loudly, naming the cut) or
+            ``"real"`` (NaN-filled tensors on ``device``: code before the incoming cut may inspect values, as
+            Hugging Face's mask builders do; leaks are then caught by validation, see ``Varuna(validate=...)``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        structure: Structure,
+        partition: Partition,
+        stage: int,
+        ties: list[TieSet],
+        device: torch.device,
+        placeholders: str = "meta",
+    ) -> None:
+        self.model = model
+        self.placeholder_device = torch.device("meta") if placeholders == "meta" else device
+        self.structure = structure
+        self.stage = stage
+        self.num_stages = partition.num_stages
+        seg = partition.segments(stage)
+        self.first_segment, self.stop_segment = seg.start, seg.stop
+        self.is_first = stage == 0
+        self.is_last = stage == partition.num_stages - 1
+        self.device = device
+        self.ties = ties
+        self._ctx = _Context()
+        cuts = find_cutpoints(model)
+        self._cuts = [cuts[name] for name in structure.cut_names]
+        self.incoming_cut = structure.cut_names[self.first_segment - 1] if not self.is_first else None
+        self.outgoing_cut = structure.cut_names[self.stop_segment - 1] if not self.is_last else None
+        self.incoming_spec = structure.cuts[self.first_segment - 1] if not self.is_first else None
+        self.outgoing_spec = structure.cuts[self.stop_segment - 1] if not self.is_last else None
+        self.param_names = self._slice_tensors()
+        self._install_hooks()
+
+    # ------------------------------------------------------------------------------------------------------
+    # Construction
+
+    def _owns(self, segments: tuple[int, ...]) -> bool:
+        return any(self.first_segment <= s < self.stop_segment for s in segments)
+
+    def _slice_tensors(self) -> list[tuple[str, nn.Parameter]]:
+        """Keep this stage's parameters and buffers on ``device``, move the rest to ``meta``. Returns the kept
+        parameters as (name, parameter), deduplicated, each under the name it has in this stage's code."""
+        model, structure = self.model, self.structure
+        tie_of = {name: tie for tie in self.ties for name in tie.names}
+        slot_objects = dict(model.named_parameters(remove_duplicate=False))
+        keep: set[str] = set()
+        for name in slot_objects:
+            tie = tie_of.get(name)
+            if tie is not None:
+                if self.stage in tie.stages:
+                    keep.add(name)
+            elif self._owns(structure.param_uses.get(name, (0,))):
+                keep.add(name)
+        # One object per tie set on this stage, valued as the canonical slot.
+        canonical_obj = {tie.canonical: slot_objects[tie.canonical] for tie in self.ties}
+        moved: dict[int, nn.Parameter] = {}
+        modules = dict(model.named_modules(remove_duplicate=False))
+        for module_name, module in modules.items():
+            for pname, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                full = f"{module_name}.{pname}" if module_name else pname
+                source = canonical_obj[tie_of[full].canonical] if full in tie_of else param
+                target_device = self.device if full in keep else torch.device("meta")
+                key = (id(source), target_device.type)
+                if key not in moved:
+                    data = source.detach().to(target_device)
+                    moved[key] = nn.Parameter(data, requires_grad=source.requires_grad)
+                module._parameters[pname] = moved[key]
+        param_free = {name for name, m in modules.items() if not any(True for _ in m.parameters())}
+        for module_name, module in modules.items():
+            for bname, buf in list(module._buffers.items()):
+                if buf is None:
+                    continue
+                full = f"{module_name}.{bname}" if module_name else bname
+                runs_here = module_name in param_free and any(
+                    c.segment_start < self.stop_segment for c in structure.module_calls.get(module_name, ())
+                )
+                needed = runs_here or self._owns(structure.buffer_uses.get(full, (0,)))
+                module._buffers[bname] = buf.to(self.device if needed else "meta")
+        names: list[tuple[str, nn.Parameter]] = []
+        seen: dict[int, int] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if param.device.type == "meta":
+                continue
+            here = self._owns(structure.param_uses.get(name, (0,)))
+            if id(param) not in seen:
+                seen[id(param)] = len(names)
+                names.append((name, param))
+            elif here and not self._owns(structure.param_uses.get(names[seen[id(param)]][0], (0,))):
+                names[seen[id(param)]] = (name, param)  # prefer the name used by this stage's code
+        return names
+
+    def _install_hooks(self) -> None:
+        for index, cut in enumerate(self._cuts):
+            if index == self.first_segment - 1:
+                cut.set_hook(self._incoming_hook)
+            elif index == self.stop_segment - 1:
+                cut.set_hook(self._outgoing_hook)
+            elif index < self.first_segment - 1:
+                cut.set_hook(self._count_hook)
+            elif index < self.stop_segment - 1:
+                cut.set_hook(self._inner_hook)
+            else:
+                cut.set_hook(None)
+        if self.is_first:
+            return
+        modules = dict(self.model.named_modules())
+        for name, calls in self.structure.module_calls.items():
+            module = modules.get(name)
+            if module is None or isinstance(module, CutPoint):
+                continue
+            early = [c for c in calls if c.segment_start < self.first_segment]
+            if not early:
+                continue
+            has_params = any(True for _ in module.parameters())
+            by_segment: dict[int, list] = {}
+            for call in calls:
+                by_segment.setdefault(call.segment_start, []).append(call)
+            object.__setattr__(module, "forward", self._stub(name, module.forward, by_segment, has_params))
+
+    def _stub(self, name: str, forward, by_segment: dict, has_params: bool):
+        ctx = self._ctx
+        first = self.first_segment
+
+        def stub(*args, **kwargs):
+            segment = ctx.segment
+            if segment >= first or (not has_params and not _has_meta(args, kwargs)):
+                return forward(*args, **kwargs)
+            calls = by_segment.get(segment, [])
+            index = ctx.counters.get((name, segment), 0)
+            ctx.counters[(name, segment)] = index + 1
+            call = calls[index] if index < len(calls) else None
+            if call is not None and call.segment_end != segment:
+                # a container whose call spans cuts (e.g. a transformer body around its blocks): it runs, its
+                # own parameter-owning children stand in for themselves, and its cuts are counted
+                return forward(*args, **kwargs)
+            if call is None or call.output is None:
+                raise CutPointError(
+                    f"module {name!r} runs before this stage's first cut (segment {segment}) but its output "
+                    f"cannot be reproduced as a placeholder",
+                    hint="modules before a stage's incoming cut must return tensors (or tuples/dicts of tensors) "
+                    "whose shapes depend only on the batch size",
+                )
+            return call.output.placeholder(ctx.n, self.placeholder_device)
+
+        return stub
+
+    # ------------------------------------------------------------------------------------------------------
+    # Cut hooks
+
+    def _count_hook(self, cut: CutPoint, value: Any) -> Any:
+        self._ctx.segment += 1
+        return value
+
+    def _inner_hook(self, cut: CutPoint, value: Any) -> Any:
+        self._ctx.segment += 1
+        self._seed()
+        return value
+
+    def _incoming_hook(self, cut: CutPoint, value: Any) -> Any:
+        ctx = self._ctx
+        ctx.segment += 1
+        ctx.incoming_seen = True
+        self._seed()
+        return ctx.incoming
+
+    def _seed(self) -> None:
+        ctx = self._ctx
+        if ctx.rng is not None:
+            seed, step, mb = ctx.rng
+            seed_segment(self.device, segment_seed(seed, step, mb, ctx.segment))
+
+    def _outgoing_hook(self, cut: CutPoint, value: Any) -> Any:
+        raise _StageExit(value)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Forward
+
+    def forward(self, inputs: dict, incoming: Any, n: int, *, rng: tuple[int, int, int] | None = None) -> Any:
+        """Run the stage on one micro-batch.
+
+        Args:
+            inputs: the micro-batch's model inputs (every stage receives them).
+            incoming: the value received at the incoming cut (``None`` on the first stage).
+            n: examples in the micro-batch (sizes the placeholders).
+            rng: ``(seed, step, micro-batch)``: seed each segment from it (see [Note: deterministic dropout])
+                and leave the live random stream untouched; ``None`` uses the live stream.
+
+        Returns:
+            the value at the outgoing cut, or on the last stage the loss tensor (shape ``[]`` or ``[1]``).
+        """
+        ctx = self._ctx
+        ctx.segment = 0
+        ctx.n = n
+        ctx.incoming = incoming
+        ctx.incoming_seen = False
+        ctx.counters.clear()
+        ctx.rng = rng
+        if rng is None:
+            return self._run(inputs)
+        with preserve_rng(self.device):
+            if self.is_first:
+                self._seed()
+            return self._run(inputs)
+
+    def _run(self, inputs: dict) -> Any:
+        ctx = self._ctx
+        try:
+            output = self.model(**inputs)
+        except _StageExit as done:
+            value = done.value
+            if _has_meta(value, {}):
+                raise CutPointError(
+                    f"on stage {self.stage}, the value reaching CutPoint {self.outgoing_cut!r} depends on a value "
+                    f"computed on an earlier stage that did not cross CutPoint {self.incoming_cut!r}",
+                    hint="pass everything a later stage needs through the CutPoint (it accepts a tuple or dict)",
+                ) from None
+            return value
+        except CutPointError:
+            raise
+        except Exception as exc:
+            if not self.is_first and "meta" in str(exc):
+                where = "after" if ctx.incoming_seen else "before"
+                raise CutPointError(
+                    f"on stage {self.stage}, code {where} CutPoint {self.incoming_cut!r} mixes a value computed on "
+                    f"an earlier stage with this stage's tensors ({type(exc).__name__}: {str(exc).splitlines()[0]})",
+                    hint="a skip connection may not cross a cut: route the value through the CutPoint "
+                    "(it accepts a tuple or dict of tensors)",
+                ) from exc
+            raise
+        finally:
+            ctx.incoming = None
+        if not self.is_last:
+            raise CutPointError(
+                f"stage {self.stage}'s forward ended without reaching its outgoing CutPoint {self.outgoing_cut!r}",
+                hint="every CutPoint must be called on every forward",
+            )
+        if not self.is_first and not ctx.incoming_seen:
+            raise CutPointError(f"stage {self.stage}'s forward never reached its incoming CutPoint {self.incoming_cut!r}")
+        loss = extract_loss(output)
+        if loss is None or loss.numel() != 1:
+            raise ConfigError("the model's forward must return the loss as a scalar tensor")
+        if loss.device.type == "meta":
+            raise CutPointError(
+                f"on the last stage the loss depends on values computed on an earlier stage that did not cross "
+                f"CutPoint {self.incoming_cut!r}",
+                hint="route every value the loss needs through the CutPoint",
+            )
+        return loss
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the parameters this stage holds (tied copies counted once)."""
+        return sum(p.numel() * p.element_size() for _, p in self.param_names)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        yield from self.param_names
+
+
+def _has_meta(args: Any, kwargs: Any) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in pytree.tree_leaves((args, kwargs)))

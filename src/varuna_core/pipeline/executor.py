@@ -1,0 +1,273 @@
+"""Executes this rank's part of a schedule for one step: forwards, recomputes, backwards, and the traffic
+between neighbouring stages.
+
+The schedule object is the one :mod:`varuna_core.ir.schedule` generates and validates (the same IR the planner
+scores). Actions are interpreted by one loop; there is no per-schedule code path. All receives of a step are
+posted before the first action, sends are posted as soon as a value exists, and nothing creates threads.
+
+[Note: opportunistic forward] With the ``varuna`` schedule, when the next action is a recompute whose
+gradient has not arrived yet and a later forward's input has, the forward runs first (as the original's
+runtime did), but only while the stage holds fewer micro-batches than its static order ever does: the swap
+must not raise the memory the planner predicted (the original's unbounded swap held up to half again as
+many). Only forwards move, and backwards keep their order, so gradients are accumulated in the same order
+whatever the timing: results do not depend on it. The simulator applies the same rule.
+
+A recompute draws the same dropout masks as its forward because both seed each segment from (seed, step,
+micro-batch, segment) (see [Note: deterministic dropout] in :mod:`varuna_core.model.rng`); the original restored a
+saved state and then left the live stream at the recomputed micro-batch's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from . import p2p
+from ..errors import ConfigError
+from ..ir.inflight import inflight
+from ..model.payload import flatten, unflatten
+from ..model.precision import autocast
+from ..ir.schedule import Action, Op, Schedule, generate, validate
+from ..model.stage import StageModule
+from ..ir.topology import Topology
+
+__all__ = ["PipelineRuntime"]
+
+
+@dataclasses.dataclass
+class _MicroState:
+    """What one micro-batch holds between its actions on this stage."""
+
+    incoming: list[torch.Tensor] | None = None  # tensor leaves received at the incoming cut
+    outputs: list[torch.Tensor] | None = None  # tensor leaves of the outgoing value (or [loss])
+
+
+class PipelineRuntime:
+    """Runs micro-batches through this rank's stage according to a schedule.
+
+    Args:
+        stage: this rank's :class:`StageModule`.
+        topology: rank ↔ (stage, replica).
+        rank: this process's global rank.
+        schedule: schedule name (``varuna``, ``1f1b``, ``gpipe``).
+        timeout: seconds any wait may take.
+        precision: ``fp32``, ``bf16`` or ``fp16`` (autocast around every forward and recompute).
+    """
+
+    def __init__(self, stage: StageModule, topology: Topology, rank: int, schedule: str, timeout: float,
+                 precision: str = "fp32") -> None:
+        self.stage = stage
+        self.topology = topology
+        self.rank = rank
+        self.stage_index, self.replica = topology.coords(rank)
+        self.num_stages = topology.pp
+        self.schedule_name = schedule
+        self.timeout = timeout
+        self.device = stage.device
+        self.precision = precision
+        s, r = self.stage_index, self.replica
+        self.prev_rank = topology.rank(s - 1, r) if s > 0 else None
+        self.next_rank = topology.rank(s + 1, r) if s < self.num_stages - 1 else None
+        self._in = stage.incoming_spec
+        self._out = stage.outgoing_spec
+        self._in_tensor_specs = [leaf for _, leaf in self._in.tensor_leaves] if self._in else []
+        self._out_tensor_specs = [leaf for _, leaf in self._out.tensor_leaves] if self._out else []
+        self._schedules: dict[tuple[int, bool], Schedule] = {}
+        self._caps: dict[int, int] = {}  # per micro-batch count: the static peak of held micro-batches
+        self.trace: list[tuple[str, float, float]] | None = None  # set to a list to record (action, start, end)
+        self.compute_time = 0.0  # seconds of the last run() spent in this rank's own work (not waiting for peers)
+        self._waited = 0.0
+        generate(schedule, self.num_stages, 1)  # unknown names fail at construction, not at the first step
+
+    def schedule_for(self, num_microbatches: int) -> Schedule:
+        key = (num_microbatches, True)
+        sched = self._schedules.get(key)
+        if sched is None:
+            sched = generate(self.schedule_name, self.num_stages, num_microbatches)
+            validate(sched)
+            self._schedules[key] = sched
+            self._caps[num_microbatches] = inflight(sched)[self.stage_index][0]
+        return sched
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def run(
+        self,
+        microbatches: list[dict],
+        sizes: list[int],
+        weights: list[float],
+        *,
+        train: bool,
+        rng: tuple[int, int] | None = None,
+        rng_ids: list[int] | None = None,
+        loss_scale: torch.Tensor | None = None,
+        capture: list | None = None,
+    ) -> torch.Tensor:
+        """Run one step (``train``) or one evaluation pass over ``microbatches``.
+
+        Args:
+            microbatches: model inputs per micro-batch (every stage gets the same).
+            sizes: examples per micro-batch.
+            weights: per micro-batch factor applied to its loss (see [Note: loss weighting] in grads).
+            rng: ``(seed, step)``: seed every segment of micro-batch ``mb`` from ``(seed, step, id, segment)``.
+            rng_ids: the ``id`` of each micro-batch (default: its index); the facade passes the position of its
+                first example in the global batch (see [Note: deterministic dropout]).
+            loss_scale: fp16 loss scale (tensor ``[1]``) the last stage multiplies its loss by before backward.
+            capture: if given, receives each forward's output (detached leaves, or the loss on the last stage).
+
+        Returns:
+            On the last stage, ``Σ weight·loss`` (float64, shape ``[]``); zero elsewhere.
+        """
+        num = len(microbatches)
+        s = self.stage_index
+        last = self.next_rank is None
+        if train:
+            actions = list(self.schedule_for(num).stage_actions(s))
+            recompute = self.schedule_for(num).uses_recompute(s)
+        else:
+            actions = [Action(s, Op.F, mb) for mb in range(num)]
+            recompute = False
+        acts: dict[int, p2p.Pending] = {}
+        grads: dict[int, p2p.Pending] = {}
+        if self.prev_rank is not None:
+            for mb in range(num):
+                acts[mb] = p2p.post_recv(
+                    self._in_tensor_specs, sizes[mb], src=self.prev_rank, mb=mb, kind=p2p.ACTIVATION,
+                    device=self.device, group=None, what="activation",
+                )
+        if train and not last:
+            float_specs = [spec for spec in self._out_tensor_specs if spec.is_float]
+            for mb in range(num):
+                grads[mb] = p2p.post_recv(
+                    float_specs, sizes[mb], src=self.next_rank, mb=mb, kind=p2p.GRADIENT,
+                    device=self.device, group=None, what="gradient",
+                )
+        state = {mb: _MicroState() for mb in range(num)}
+        sends: list[Any] = []
+        held, cap = 0, (self._caps[num] if train and recompute else 0)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+
+        self._waited = 0.0
+        busy = 0.0
+        i = 0
+        while i < len(actions):
+            action = actions[i]
+            if action.op is Op.R and not last and held < cap and not grads[action.mb].ready():
+                j = next((k for k in range(i + 1, len(actions)) if actions[k].op is Op.F), None)
+                if j is not None and (self.prev_rank is None or acts[actions[j].mb].ready()):
+                    actions.insert(i, actions.pop(j))
+                    action = actions[i]
+            mb = action.mb
+            st = state[mb]
+            key = None if rng is None else (rng[0], rng[1], rng_ids[mb] if rng_ids is not None else mb)
+            started = time.perf_counter()
+            if action.op is Op.F:
+                st.incoming = self._receive(acts, action) if self.prev_rank is not None else None
+                keep_graph = train and not recompute
+                out = self._forward(microbatches[mb], st.incoming, sizes[mb], grad=keep_graph, rng=key)
+                if last:
+                    loss_sum += out.detach().reshape(()).to(torch.float64) * weights[mb]
+                    if keep_graph:
+                        st.outputs = [self._scaled(out, weights[mb], loss_scale)]
+                    if capture is not None:
+                        capture.append([out.detach()])
+                else:
+                    leaves = self._check_out(out, sizes[mb])
+                    if capture is not None:
+                        capture.append([t.detach() for t in leaves])
+                    sends += p2p.send(p2p.wire_leaves(leaves, self._out), dst=self.next_rank, mb=mb,
+                                      kind=p2p.ACTIVATION, group=None)
+                    st.outputs = leaves if keep_graph else None
+                if not keep_graph and not recompute:
+                    st.incoming = None
+            elif action.op is Op.R:
+                out = self._forward(microbatches[mb], st.incoming, sizes[mb], grad=True, rng=key)
+                if last:
+                    st.outputs = [self._scaled(out, weights[mb], loss_scale)]
+                else:
+                    st.outputs = self._leaves(out)
+            else:
+                self._backward(st, grads.get(mb), action, sends)
+                state[mb] = _MicroState()
+            held += 1 if action.op is Op.F else -1 if action.op is Op.B else 0
+            ended = time.perf_counter()
+            busy += ended - started
+            if self.trace is not None:
+                self.trace.append((str(action), started, ended))
+            i += 1
+        self.compute_time = busy - self._waited
+
+        p2p.wait_all(sends, timeout=self.timeout, peer=None,
+                     describe=lambda: f"{self._who()} waiting for its sends to complete")
+        return loss_sum
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _who(self) -> str:
+        return f"rank {self.rank} (stage {self.stage_index}, replica {self.replica})"
+
+    def _receive(self, acts: dict[int, p2p.Pending], action: Action) -> list[torch.Tensor]:
+        pending = acts.pop(action.mb)
+        started = time.perf_counter()
+        p2p.wait_all(pending.works, timeout=self.timeout, peer=pending.peer,
+                     describe=lambda: f"{self._who()} in {action} waiting for the activation of micro-batch "
+                     f"{action.mb} from rank {pending.peer} (stage {self.stage_index - 1})")
+        self._waited += time.perf_counter() - started
+        return pending.tensors
+
+    @staticmethod
+    def _scaled(loss: torch.Tensor, weight: float, scale: torch.Tensor | None) -> torch.Tensor:
+        """The root of the last stage's backward: ``loss · weight (· loss scale)`` in fp32."""
+        with torch.enable_grad():
+            root = loss.float() * weight
+            return root * scale if scale is not None else root
+
+    def _forward(self, inputs: dict, incoming: list[torch.Tensor] | None, n: int, *, grad: bool,
+                 rng: tuple[int, int, int] | None) -> Any:
+        value = None
+        if incoming is not None:
+            for t in incoming:
+                if t.is_floating_point():
+                    t.requires_grad_(grad)
+            leaves, it = [], iter(incoming)
+            for leaf in self._in.leaves:
+                leaves.append(next(it) if not isinstance(leaf, dict) else leaf["const"])
+            value = unflatten(leaves, self._in.treespec)
+        with torch.set_grad_enabled(grad), autocast(self.precision, self.device):
+            return self.stage.forward(inputs, value, n, rng=rng)
+
+    def _leaves(self, out: Any) -> list[torch.Tensor]:
+        leaves, _ = flatten(out)
+        return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+    def _check_out(self, out: Any, n: int) -> list[torch.Tensor]:
+        leaves, treespec = flatten(out)
+        p2p.check_value(leaves, treespec, self._out, n, cut=self.stage.outgoing_cut, stage=self.stage_index)
+        return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+    def _backward(self, st: _MicroState, pending: p2p.Pending | None, action: Action, sends: list) -> None:
+        if st.outputs is None:
+            raise ConfigError(f"schedule error: {action} has no forward graph (missing F or R before it)")
+        if pending is None:  # last stage: outputs = [weighted loss]
+            roots, grads = [o for o in st.outputs if o.requires_grad], None
+        else:
+            started = time.perf_counter()
+            p2p.wait_all(pending.works, timeout=self.timeout, peer=pending.peer,
+                         describe=lambda: f"{self._who()} in {action} waiting for the gradient of micro-batch "
+                         f"{action.mb} from rank {pending.peer} (stage {self.stage_index + 1})")
+            self._waited += time.perf_counter() - started
+            floats = [o for o in st.outputs if o.is_floating_point()]
+            pairs = [(o, g if g.dtype == o.dtype else g.to(o.dtype)) for o, g in zip(floats, pending.tensors)
+                     if o.requires_grad]
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if roots:
+            torch.autograd.backward(roots, grads)
+        if self.prev_rank is not None:
+            back = [
+                (t.grad if t.grad is not None else torch.zeros_like(t))
+                for t in st.incoming if t.is_floating_point()
+            ]
+            sends += p2p.send(back, dst=self.prev_rank, mb=action.mb, kind=p2p.GRADIENT, group=None)

@@ -1,0 +1,169 @@
+"""Point-to-point transfer of cut values between neighbouring stages, and waits that cannot hang.
+
+Every message is posted asynchronously (``isend``/``irecv``) with a tag derived from the micro-batch, the
+direction and the leaf, so messages match regardless of the order in which they are posted. Every wait has a
+timeout; when it expires, or a peer's connection closes, the error names this rank, its stage, the action
+waiting and the peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CommTimeoutError, ShapeMismatchError
+from ..model.payload import TensorSpec, ValueSpec
+
+__all__ = [
+    "ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post_recv", "send", "wait_all", "check_value", "wire_leaves",
+]
+
+ACTIVATION = 0
+GRADIENT = 1
+_MAX_LEAVES = 256
+
+
+def default_timeout() -> float:
+    """Seconds any single wait may take (``VARUNA_TIMEOUT``, default 300)."""
+    from ..util.checks import env_real
+
+    value = env_real("VARUNA_TIMEOUT", os.environ.get("VARUNA_TIMEOUT"), low=0, low_open=True)
+    return 300.0 if value is None else value
+
+
+def _tag(mb: int, kind: int, leaf: int) -> int:
+    return ((mb * 2 + kind) * _MAX_LEAVES + leaf) % (2**31 - 1)
+
+
+@dataclasses.dataclass
+class Pending:
+    """Posted receives of one value: the buffers and their work handles."""
+
+    tensors: list[torch.Tensor]
+    works: list[Any]
+    peer: int
+    what: str
+
+    def ready(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def post_recv(
+    specs: list[TensorSpec], n: int, *, src: int, mb: int, kind: int, device: torch.device, group, what: str
+) -> Pending:
+    """Post receives for tensors described by ``specs`` for ``n`` examples from global rank ``src``."""
+    tensors, works = [], []
+    for leaf, spec in enumerate(specs):
+        buf = torch.empty(spec.shape_for(n), dtype=spec.torch_dtype, device=device)
+        tensors.append(buf)
+        works.append(dist.irecv(buf, src=src, group=group, tag=_tag(mb, kind, leaf)))
+    return Pending(tensors, works, src, what)
+
+
+def send(tensors: list[torch.Tensor], *, dst: int, mb: int, kind: int, group) -> list[Any]:
+    """Post sends of ``tensors`` to global rank ``dst``; the caller keeps the tensors alive until waited."""
+    return [
+        dist.isend(t.contiguous(), dst=dst, group=group, tag=_tag(mb, kind, leaf)) for leaf, t in enumerate(tensors)
+    ]
+
+
+def wait_all(works: list[Any], *, timeout: float, describe: Callable[[], str], peer: int | None) -> None:
+    """Wait for every work handle, each within ``timeout`` seconds.
+
+    Raises:
+        CommTimeoutError: naming what waited (``describe()``), the peer, and the rank that failed first.
+    """
+    delta = datetime.timedelta(seconds=timeout)
+    for work in works:
+        try:
+            work.wait(delta)
+        except RuntimeError as exc:
+            text = str(exc)
+            root = _report_failure(peer)
+            blame = ""
+            if root is not None and root != peer:
+                blame = f"; rank {root} failed first"
+            if "imed out" in text or "imeout" in text:
+                raise CommTimeoutError(
+                    f"{describe()}: no progress within {timeout:g}s{blame}",
+                    hint=f"check the log of rank {root if root is not None else peer}; set VARUNA_TIMEOUT "
+                    "(seconds) if steps are legitimately slow",
+                ) from None
+            who = f"rank {root}" if root is not None else "a peer"
+            raise CommTimeoutError(
+                f"{describe()}: the connection failed ({text.splitlines()[0][:160]}){blame}",
+                hint=f"{who} crashed or was killed: check its log",
+            ) from None
+
+
+def _report_failure(peer: int | None) -> int | None:
+    """Record in the job's store that this rank lost ``peer``, and follow such records to the rank that
+    failed first (the first one in the chain that left no record: it died without a word).
+
+    A rank that dies takes its connections down, so its neighbours fail at once, then theirs: without this,
+    a rank two hops away would blame its live neighbour instead of the dead rank. Falls back to ``peer``
+    when the store is unreachable (e.g. it was hosted by the dead rank).
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank()
+        store.set_timeout(datetime.timedelta(seconds=2))
+        store.set(f"varuna/lost/{me}", str(-1 if peer is None else peer))
+        root, seen = peer, {me}
+        while root is not None and root >= 0 and root not in seen:
+            seen.add(root)
+            if not store.check([f"varuna/lost/{root}"]):
+                return root
+            nxt = int(store.get(f"varuna/lost/{root}").decode())
+            if nxt < 0:
+                return root
+            root = nxt
+        return root if root is not None and root >= 0 else peer
+    except Exception:  # the store is best effort: never mask the original failure
+        return peer
+
+
+def _dtype_ok(dtype: torch.dtype, want: TensorSpec) -> bool:
+    """Exact dtype, or float for float: autocast on another device type may pick another float dtype than the
+    CPU dry run did; such leaves are cast to the recorded dtype for the wire (see ``wire_leaves``)."""
+    return str(dtype) == want.dtype or (dtype.is_floating_point and want.is_float)
+
+
+def wire_leaves(leaves: list[torch.Tensor], spec: ValueSpec) -> list[torch.Tensor]:
+    """The tensors to send for a value's tensor leaves: detached, in the recorded dtype."""
+    wants = [leaf for _, leaf in spec.tensor_leaves]
+    return [t.detach() if str(t.dtype) == w.dtype else t.detach().to(w.torch_dtype) for t, w in zip(leaves, wants)]
+
+
+def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cut: str, stage: int) -> None:
+    """Refuse to send a value whose structure, shapes or dtypes differ from what discovery recorded.
+
+    A receiver posted buffers of the recorded shape, and a size mismatch aborts gloo; so the sender checks
+    and the error names the cut instead.
+    """
+    expected = spec.describe(n)
+    problem = None
+    if treespec != spec.treespec or len(leaves) != len(spec.leaves):
+        problem = "its structure differs"
+    else:
+        for leaf, want in zip(leaves, spec.leaves):
+            if isinstance(want, TensorSpec):
+                if not isinstance(leaf, torch.Tensor):
+                    problem = f"a {type(leaf).__name__} stands where a tensor was recorded"
+                elif tuple(leaf.shape) != want.shape_for(n) or not _dtype_ok(leaf.dtype, want):
+                    problem = f"it is {list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
+            elif isinstance(leaf, torch.Tensor) or leaf != want["const"]:
+                problem = f"a constant changed to {leaf!r}"
+            if problem:
+                break
+    if problem:
+        raise ShapeMismatchError(
+            f"stage {stage}: the value crossing CutPoint {cut!r} does not match discovery: {problem}; "
+            f"expected {expected} for a micro-batch of {n}",
+            hint="shapes at a cut must depend only on the batch size (pad variable-length inputs to a fixed length)",
+        )

@@ -1,0 +1,694 @@
+"""Versioned artifacts exchanged by the verbs, as pydantic models (JSON Schemas in ``schemas/`` are generated
+from them; a test keeps the two in sync).
+
+Times are in seconds and sizes in bytes throughout.
+
+Plans and profiles are files people copy, edit and pass around, so loading one checks everything the runtime
+and the planner rely on, and refuses the rest with one line naming the file and the field:
+
+* **The file itself.** A regular file (never a FIFO, which would block, or a directory), at most
+  :data:`MAX_PLAN_BYTES` / :data:`MAX_PROFILE_BYTES`, UTF-8. Plans are YAML read by a safe loader that refuses
+  anchors and aliases (a plan never needs them; a "billion laughs" file expands a few hundred bytes into billions
+  of nodes), duplicate keys, nesting deeper than :data:`MAX_NESTING` and more than :data:`MAX_PLAN_EVENTS`
+  nodes, so that no plan file takes more than seconds to refuse. JSON (profiles, and plans written as
+  ``.json``) is read by the standard parser, whose recursion limit bounds nesting.
+* **The numbers.** Counts are integers (``true`` is not 1), sizes and times are finite and not negative, and
+  each has a bound past which it can only be a mistake: :data:`MAX_DEVICES` devices, :data:`MAX_SEGMENTS`
+  segments, :data:`MAX_MICROBATCHES` micro-batches per replica (the schedule of a step has one action per
+  micro-batch and stage, and the planner, the runtime and ``varuna plan show`` all build it).
+* **Consistency.** A plan's ``pp × dp`` fits its devices, its ``stage_to_rank_map`` is a ``pp × dp`` grid, its
+  partition is ``pp`` contiguous non-empty ranges covering every segment, its micro-batch count follows from
+  the batch, its stages and nodes agree with all of that. A profile measured every segment at every listed
+  micro-batch size. Anything else would crash or hang a worker far from the file that caused it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+
+from ..errors import ConfigError, TopologyError
+from ..ir.units import MAX_BYTES
+from ..util.fs import MiB, atomic_write, read_text
+
+__all__ = [
+    "Stat", "SegmentMeasure", "SegmentProfile", "LinearFit", "CommCurve", "Environment", "StopReason", "Profile",
+    "load_profile", "save_artifact", "SCHEMAS", "StagePlan", "Prediction", "Candidate", "Plan", "save_plan",
+    "load_plan", "write_schemas", "FileEntry", "TensorEntry", "Manifest", "check_writable", "first_problem",
+    "MAX_PLAN_BYTES", "MAX_PROFILE_BYTES", "MAX_PLAN_EVENTS", "MAX_NESTING", "MAX_DEVICES", "MAX_SEGMENTS",
+    "MAX_MICROBATCHES", "MAX_MICROBATCH_SIZE",
+]
+
+MAX_PLAN_BYTES = 4 * MiB  # a plan for MAX_DEVICES devices is about 1 MiB
+MAX_PLAN_EVENTS = 400_000  # YAML nodes in a plan: building Python values from YAML takes ~10 µs per node
+MAX_PROFILE_BYTES = 64 * MiB
+MAX_NESTING = 32  # a plan is 4 levels deep
+MAX_DEVICES = 2**16
+MAX_SEGMENTS = 4096
+MAX_MICROBATCHES = 100_000  # per replica and step
+MAX_MICROBATCH_SIZE = 2**20
+BUBBLE_ROUNDING = 1e-6  # a bubble fraction computed as 1 - busy / pipeline may come out a rounding error below 0
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class _Checked(_Model):
+    """Base of the plan and profile models: no NaN or infinity anywhere."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+Count = Annotated[int, Strict(), Field(ge=1)]
+Index = Annotated[int, Strict(), Field(ge=0)]
+Bytes = Annotated[int, Strict(), Field(ge=0, le=MAX_BYTES)]
+Seconds = Annotated[float, Strict(), Field(ge=0)]
+Devices = Annotated[int, Strict(), Field(ge=1, le=MAX_DEVICES)]
+
+
+class Stat(_Checked):
+    """Distribution of repeated measurements of one duration."""
+
+    median: Seconds = Field(description="median over the measured repeats (s)")
+    p10: Seconds = Field(description="10th percentile (s)")
+    p90: Seconds = Field(description="90th percentile (s)")
+    repeats: Count = Field(description="number of measured repeats (after warm-up)")
+
+
+class SegmentMeasure(_Checked):
+    """One segment at one micro-batch size."""
+
+    microbatch_size: Annotated[int, Strict(), Field(ge=1, le=MAX_MICROBATCH_SIZE)]
+    forward: Stat = Field(description="forward without autograd (the varuna schedule's F)")
+    recompute: Stat = Field(description="forward that records the graph (1F1B/GPipe F, varuna R)")
+    backward: Stat = Field(description="backward of the segment, from the output gradient to input and weights")
+    output_bytes: Bytes = Field(description="bytes of the value leaving the segment at its cut (0 for the last)")
+    saved_bytes: Bytes = Field(description="activation bytes autograd keeps for the backward (saved tensors)")
+    peak_bytes: Bytes | None = Field(None, description="device max_memory_allocated during the pass (CUDA only)")
+
+
+class SegmentProfile(_Checked):
+    """Static sizes of one segment and its measurements per micro-batch size."""
+
+    index: Index
+    input_cut: str | None = Field(description="cut the segment starts after (None for the first)")
+    output_cut: str | None = Field(description="cut the segment ends at (None for the last)")
+    param_count: Bytes
+    param_bytes: Bytes = Field(
+        description="parameters the segment uses (tied weights count in each segment using them)")
+    grad_bytes: Bytes
+    optimizer_bytes: Bytes = Field(
+        description="optimizer state after one step with the spec's optimizer (AdamW by default)")
+    optimizer_time: Seconds = Field(0.0, description="one optimizer step over the segment's parameters (s, median)")
+    measures: list[SegmentMeasure] = Field(min_length=1)
+
+
+class LinearFit(_Checked):
+    """``time = latency + bytes / bandwidth``, least squares over the measured sizes."""
+
+    latency: Seconds = Field(description="s")
+    bandwidth: Annotated[float, Strict(), Field(gt=0)] = Field(description="bytes/s")
+    rel_error: Seconds = Field(description="root-mean-square relative error of the fit over the measured points")
+
+    def predict(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+class CommCurve(_Checked):
+    """Measured time of one communication pattern against message size."""
+
+    op: Literal["p2p", "allreduce"]
+    link: Literal["intra", "inter"] = Field(description="intra-node or inter-node")
+    group_size: Annotated[int, Strict(), Field(ge=2, le=MAX_DEVICES)] = Field(
+        description="2 for point-to-point; the number of ranks for all-reduce")
+    sizes: list[Bytes] = Field(min_length=1, description="message sizes (bytes)")
+    times: list[Seconds] = Field(min_length=1, description="median time per size (s); one-way for p2p")
+    fit: LinearFit
+
+    @model_validator(mode="after")
+    def _one_time_per_size(self) -> CommCurve:
+        if len(self.sizes) != len(self.times):
+            raise ValueError(f"{len(self.sizes)} sizes but {len(self.times)} times")
+        return self
+
+
+class Environment(_Checked):
+    torch_version: str
+    python_version: str
+    device_type: str
+    devices: list[str]
+    threads: Count
+    hosts: list[str]
+    nproc: Count
+    precision: str
+
+
+class StopReason(_Checked):
+    """Why profiling stopped before the largest requested micro-batch size."""
+
+    microbatch_size: Count
+    segment: Index
+    reason: str
+
+
+class Profile(_Checked):
+    """What ``varuna profile`` measured: the input of ``varuna plan``."""
+
+    schema_version: Literal[1] = 1
+    model: str = Field(description="the model spec it was measured from")
+    structure_hash: str = Field(description="hash of the model structure and inputs (changes when the model does)")
+    num_segments: Annotated[int, Strict(), Field(ge=1, le=MAX_SEGMENTS)]
+    cut_names: list[str]
+    microbatch_sizes: list[Annotated[int, Strict(), Field(ge=1, le=MAX_MICROBATCH_SIZE)]] = Field(
+        min_length=1, description="sizes measured for every segment")
+    stopped: StopReason | None = Field(None, description="set when a memory limit or OOM ended the sweep")
+    segments: list[SegmentProfile]
+    comm: list[CommCurve] = Field(default_factory=list)
+    environment: Environment
+    created: str = Field(description="ISO 8601 time of the measurement")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Profile:
+        _check_segments(self)
+        _check_measures(self)
+        return self
+
+
+def _check_segments(p: Profile) -> None:
+    """One segment per index, in order, between the cuts the profile names."""
+    n = p.num_segments
+    if len(p.segments) != n:
+        raise ValueError(f"num_segments is {n} but segments lists {len(p.segments)}")
+    if len(p.cut_names) != n - 1:
+        raise ValueError(f"{n} segments are separated by {n - 1} cuts, but cut_names lists {len(p.cut_names)}")
+    for k, seg in enumerate(p.segments):
+        if seg.index != k:
+            raise ValueError(f"segments[{k}] has index {seg.index}")
+        before = p.cut_names[k - 1] if k > 0 else None
+        after = p.cut_names[k] if k < n - 1 else None
+        if (seg.input_cut, seg.output_cut) != (before, after):
+            raise ValueError(f"segments[{k}] runs from cut {seg.input_cut!r} to {seg.output_cut!r}, but cut_names "
+                             f"puts it between {before!r} and {after!r}")
+
+
+def _check_measures(p: Profile) -> None:
+    """Every segment measured at exactly the listed (increasing) sizes, and some time measured at all."""
+    sizes = p.microbatch_sizes
+    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+        raise ValueError(f"microbatch_sizes {_short(sizes)} is not strictly increasing")
+    for seg in p.segments:
+        got = [m.microbatch_size for m in seg.measures]
+        if got != sizes:
+            raise ValueError(f"segments[{seg.index}] is measured at micro-batch sizes {_short(got)}, not at "
+                             f"microbatch_sizes {_short(sizes)}")
+    if p.stopped is not None:
+        if p.stopped.segment >= p.num_segments:
+            raise ValueError(f"stopped.segment is {p.stopped.segment}, but there are {p.num_segments} segments")
+        if p.stopped.microbatch_size <= sizes[-1]:
+            raise ValueError(f"stopped.microbatch_size {p.stopped.microbatch_size} was measured: the sweep stops "
+                             f"after the largest measured size {sizes[-1]}")
+    if not any(m.forward.median or m.recompute.median or m.backward.median for s in p.segments for m in s.measures):
+        raise ValueError("every measured time is 0")
+
+
+SCHEMAS = {"profile.schema.json": Profile}
+
+
+def check_writable(path: str | Path, what: str = "output") -> None:
+    """Fail before any work if ``path`` could not be written: it is a directory, or its directory is missing or
+    not writable."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory", hint="give a file name")
+    if not parent.is_dir():
+        problem = "is not a directory" if parent.exists() else "does not exist"
+        raise ConfigError(f"cannot write {what} {path}: {parent} {problem}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {what} {path}: permission denied in {parent}")
+
+
+def _write(path: str | Path, text: str, what: str) -> None:
+    try:
+        atomic_write(path, text)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+
+
+def save_artifact(model: BaseModel, path: str | Path) -> None:
+    """Write ``model`` as indented JSON, atomically (a crash leaves the old file or the new one)."""
+    _write(path, model.model_dump_json(indent=2) + "\n", "output")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def first_problem(exc: ValidationError) -> str:
+    """The first problem of a validation error in one line: the field, what is wrong, the value found."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    where = ".".join(str(part) for part in first["loc"])
+    text = first["msg"].removeprefix("Value error, ")
+    if where:
+        text = f"{where}: {text}"
+        value = first.get("input")
+        if first["type"] not in ("missing", "value_error") and not isinstance(value, (dict, list)):
+            text += f" (got {_short(value)})"
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return text
+
+
+def _read_text(path: str | Path, limit: int, what: str, hint: str) -> str:
+    """The text of a plan or profile file: a regular UTF-8 file of at most ``limit`` bytes."""
+    if not os.path.lexists(path):
+        raise ConfigError(f"{what} {path} does not exist", hint=hint)
+    return read_text(path, limit, what=what)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _parse_json(text: str, path: str | Path, what: str) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ConfigError(f"{what} {path} is nested too deeply to be a {what}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not a valid {what}: not JSON: {exc}") from None
+
+
+def _check_document(data: Any, path: str | Path, what: str, remake: str) -> dict:
+    """``data`` as the mapping of fields a plan or profile is, of format version 1."""
+    if not isinstance(data, dict):
+        found = "is empty" if data is None else f"holds {_short(data, 40)}, not a mapping of fields"
+        raise ConfigError(f"{path} is not a valid {what}: it {found}", hint="is it the right file?")
+    version = data.get("schema_version")
+    if version is not None and (isinstance(version, bool) or version != 1):
+        raise ConfigError(f"{path} has {what} format version {_short(version)}; this release reads version 1",
+                          hint=f"re-create it with this release's {remake}")
+    return data
+
+
+def _validate(model: type[BaseModel], data: dict, path: str | Path, what: str, hint: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{path} is not a valid {what}: {first_problem(exc)}", hint=hint) from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path} is nested too deeply to be a {what}") from None
+
+
+def load_profile(path: str | Path) -> Profile:
+    """The profile in the JSON file ``path``.
+
+    Raises:
+        ConfigError: the file is missing, not a regular file, too large, not UTF-8 JSON, or not a valid profile
+            (the message names the first wrong field).
+    """
+    text = _read_text(path, MAX_PROFILE_BYTES, "profile", "create it with `varuna profile SPEC -o FILE`")
+    data = _check_document(_parse_json(text, path, "profile"), path, "profile", "`varuna profile`")
+    return _validate(Profile, data, path, "profile", "re-measure with `varuna profile`")
+
+
+def schema_text(model: type[BaseModel]) -> str:
+    return json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def write_schemas(directory: str | Path) -> list[Path]:
+    """(Re)generate every schema file in ``directory``."""
+    written = []
+    for name, model in SCHEMAS.items():
+        path = Path(directory) / name
+        path.write_text(schema_text(model))
+        written.append(path)
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plan
+
+
+def _schedule_name(value: str) -> str:
+    from ..ir.schedule import SCHEDULE_NAMES
+
+    if value not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown schedule {_short(value)}; the schedules are {', '.join(SCHEDULE_NAMES)}")
+    return value
+
+
+class StagePlan(_Checked):
+    """One pipeline stage of a plan."""
+
+    stage: Index
+    segments: tuple[Index, Index] = Field(description="half-open range of segments")
+    forward: Seconds = Field(description="predicted F time per full micro-batch (s)")
+    recompute: Seconds = Field(
+        description="predicted R time per full micro-batch (s); 0 when the stage does not recompute")
+    backward: Seconds = Field(description="predicted B time per full micro-batch (s)")
+    send_activation: Seconds = Field(0.0, description="predicted time to send one activation to the next stage (s)")
+    send_gradient: Seconds = Field(0.0, description="predicted time to send one gradient to the previous stage (s)")
+    allreduce: Seconds = Field(0.0, description="predicted data-parallel gradient all-reduce time (s)")
+    optimizer: Seconds = Field(0.0, description="predicted optimizer step time (s)")
+    busy: Seconds = Field(description="simulated compute time in one step (s)")
+    memory_bytes: Bytes = Field(description="predicted peak memory per device, headroom included")
+    held_microbatches: Index = Field(description="micro-batches whose state the stage holds at once")
+
+
+Fraction = Annotated[float, Strict(), Field(ge=-BUBBLE_ROUNDING, le=1)]
+
+
+class Prediction(_Checked):
+    step_time: Seconds = Field(description="s")
+    samples_per_second: Seconds
+    bubble_fraction: Fraction
+    pipeline_time: Seconds = Field(description="s, before the gradient all-reduce")
+    allreduce_time: Seconds = Field(description="s, the slowest stage's gradient all-reduce")
+
+
+class Candidate(_Checked):
+    """A configuration the search scored (the winner or an alternative)."""
+
+    pp: Count
+    dp: Count
+    microbatch_size: Count
+    num_microbatches: Count
+    schedule: str
+    step_time: Seconds
+    samples_per_second: Seconds
+    bubble_fraction: Fraction
+    peak_memory_bytes: Bytes
+    reason: str = Field("", description="why it lost to the plan (empty for the plan itself)")
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, value: str) -> str:
+        return _schedule_name(value)
+
+
+class Plan(_Checked):
+    """What ``varuna plan`` chose, and what ``Varuna(..., plan=...)`` and ``varuna launch`` run."""
+
+    schema_version: Literal[1] = 1
+    model: str
+    profile_hash: str = Field(description="structure hash of the profiled model")
+    num_segments: Annotated[int, Strict(), Field(ge=1, le=MAX_SEGMENTS)]
+    gpus: Devices
+    gpus_per_node: Devices
+    batch_size: Count = Field(description="global batch")
+    pp: Count
+    dp: Count
+    microbatch_size: Count
+    num_microbatches: Annotated[int, Strict(), Field(ge=1, le=MAX_MICROBATCHES)] = Field(
+        description="per replica (the first replicas may hold one example more)")
+    schedule: str
+    partition: list[tuple[Index, Index]] = Field(description="half-open segment range per stage")
+    stage_to_rank_map: str = Field(description="the original's format: stages ';'-separated, replicas ','")
+    nodes: list[list[Index]] = Field(description="global ranks on each node")
+    memory_limit: Annotated[int, Strict(), Field(ge=1, le=MAX_BYTES)] | None = Field(
+        None, description="bytes per device the plan had to fit (None: unlimited)")
+    schedules: list[str] = Field(default_factory=lambda: ["varuna", "1f1b", "gpipe"], min_length=1,
+                                 description="schedules the search considered")
+    headroom: Annotated[float, Strict(), Field(ge=0, lt=1)] = Field(
+        0.1, description="fraction of memory the plan kept free")
+    profile_path: str | None = Field(None, description="the profile the plan was made from (absolute path): "
+                                     "`varuna launch --morph` plans again from it when the device count changes")
+    prediction: Prediction
+    stages: list[StagePlan]
+    alternatives: list[Candidate] = Field(default_factory=list)
+    assumptions: list[str] = Field(default_factory=list, description="defaults and approximations used")
+    created: str
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, value: str) -> str:
+        return _schedule_name(value)
+
+    @field_validator("schedules")
+    @classmethod
+    def _known_schedules(cls, value: list[str]) -> list[str]:
+        for name in value:
+            _schedule_name(name)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        _check_sizes(self)
+        _check_partition(self)
+        _check_map(self)
+        _check_nodes(self)
+        return self
+
+
+def _check_sizes(p: Plan) -> None:
+    """The devices, the batch and the micro-batches agree."""
+    world = p.pp * p.dp
+    if world > p.gpus:
+        raise ValueError(f"pp × dp = {p.pp} × {p.dp} = {world} devices, more than gpus = {p.gpus}")
+    if p.pp > p.num_segments:
+        raise ValueError(f"pp = {p.pp} stages for {p.num_segments} segments: every stage needs a segment")
+    if p.dp > p.batch_size:
+        raise ValueError(f"dp = {p.dp} replicas for a global batch of {p.batch_size}: every replica needs an example")
+    replica = math.ceil(p.batch_size / p.dp)
+    if p.microbatch_size > replica:
+        raise ValueError(f"microbatch_size {p.microbatch_size} is larger than a replica's batch of {replica} "
+                         f"(batch_size {p.batch_size} over dp = {p.dp})")
+    expected = math.ceil(replica / p.microbatch_size)
+    if p.num_microbatches != expected:
+        raise ValueError(f"num_microbatches is {p.num_microbatches}, but batch_size {p.batch_size} over dp = {p.dp} "
+                         f"replicas in micro-batches of {p.microbatch_size} makes {expected}")
+
+
+def _check_partition(p: Plan) -> None:
+    """``pp`` contiguous non-empty ranges covering the segments, and one stage entry for each."""
+    if len(p.partition) != p.pp:
+        raise ValueError(f"partition has {len(p.partition)} ranges for pp = {p.pp} stages")
+    start = 0
+    for s, (a, b) in enumerate(p.partition):
+        if a != start or b <= a:
+            raise ValueError(f"partition[{s}] is [{a}, {b}), but stage {s} must start at segment {start} and hold "
+                             f"at least one segment")
+        start = b
+    if start != p.num_segments:
+        raise ValueError(f"partition ends at segment {start}, but the model has {p.num_segments} segments")
+    if len(p.stages) != p.pp:
+        raise ValueError(f"stages lists {len(p.stages)} entries for pp = {p.pp} stages")
+    for s, stage in enumerate(p.stages):
+        if stage.stage != s or tuple(stage.segments) != tuple(p.partition[s]):
+            raise ValueError(f"stages[{s}] is stage {stage.stage} over segments {list(stage.segments)}, but "
+                             f"partition[{s}] is {list(p.partition[s])}")
+
+
+def _check_map(p: Plan) -> None:
+    """The map is a grid of ``pp`` stages × ``dp`` replicas over ranks ``0..pp·dp-1``."""
+    from ..ir.topology import Topology
+
+    world = p.pp * p.dp
+    if len(p.stage_to_rank_map) > 16 * world + 64:
+        raise ValueError(f"stage_to_rank_map is {len(p.stage_to_rank_map):,} characters long, too long for "
+                         f"{world} ranks")
+    try:
+        topology = Topology.parse(p.stage_to_rank_map, world)
+    except TopologyError as exc:
+        raise ValueError(f"stage_to_rank_map: {exc.message}") from None
+    if (topology.pp, topology.dp) != (p.pp, p.dp):
+        raise ValueError(f"stage_to_rank_map has {topology.pp} stages × {topology.dp} replicas, but the plan has "
+                         f"pp = {p.pp}, dp = {p.dp}")
+
+
+def _check_nodes(p: Plan) -> None:
+    """Every rank on exactly one node, and no node with more ranks than it has devices."""
+    world = p.pp * p.dp
+    seen: set[int] = set()
+    for i, ranks in enumerate(p.nodes):
+        if not ranks or len(ranks) > p.gpus_per_node:
+            raise ValueError(f"nodes[{i}] has {len(ranks)} ranks; a node holds 1 to gpus_per_node = "
+                             f"{p.gpus_per_node}")
+        for rank in ranks:
+            if rank >= world or rank in seen:
+                what = "is listed twice" if rank in seen else f"is not a rank of the {world} the plan runs"
+                raise ValueError(f"nodes[{i}]: rank {rank} {what}")
+            seen.add(rank)
+    if len(seen) != world:
+        missing = min(set(range(world)) - seen)
+        raise ValueError(f"nodes: rank {missing} is on no node (every rank 0..{world - 1} must be on one)")
+
+
+SCHEMAS["plan.schema.json"] = Plan
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write ``plan`` as YAML (``.yaml``/``.yml``) or JSON, atomically."""
+    import yaml
+
+    path = Path(path)
+    if path.suffix in (".yaml", ".yml"):
+        text = yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False, width=110)
+    else:
+        text = plan.model_dump_json(indent=2) + "\n"
+    _write(path, text, "plan")
+
+
+@functools.cache
+def _plan_loader() -> type:
+    """The YAML loader of plans: libyaml's safe loader where it is installed (the pure-Python one is ten times
+    slower), refusing duplicate keys. Built on first use: yaml is imported only when a plan is read."""
+    import yaml
+    from yaml.constructor import ConstructorError
+
+    class PlanLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key, _ in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in seen:
+                        raise ConstructorError(None, None, f"key {key.value!r} appears twice in one mapping",
+                                               key.start_mark)
+                    seen.add(key.value)
+            return super().construct_mapping(node, deep)
+
+    return PlanLoader
+
+
+def _check_events(text: str, loader: type) -> None:
+    """Read the YAML event stream once, lazily, before building anything: refuse anchors and aliases, nesting
+    deeper than :data:`MAX_NESTING` and more than :data:`MAX_PLAN_EVENTS` nodes, each as soon as it is seen.
+    (libyaml's composer recurses on the C stack: a deeply nested file must never reach it.)"""
+    import yaml
+    from yaml.composer import ComposerError
+
+    depth = 0
+    for count, event in enumerate(yaml.parse(text, Loader=loader)):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise ComposerError(None, None, "anchors and aliases (&name, *name) are not allowed in a plan",
+                                event.start_mark)
+        if count >= MAX_PLAN_EVENTS:
+            raise ComposerError(None, None, f"more than {MAX_PLAN_EVENTS:,} values", event.start_mark)
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > MAX_NESTING:
+                raise ComposerError(None, None, f"nested more than {MAX_NESTING} levels deep", event.start_mark)
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
+
+
+def _parse_yaml(text: str, path: str | Path) -> Any:
+    import yaml
+
+    loader = _plan_loader()
+    try:
+        _check_events(text, loader)
+        return yaml.load(text, Loader=loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{path} is not a valid plan: {exc.problem or exc.context}{where}") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
+        detail = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path} is not a valid plan: {detail}") from None
+
+
+def load_plan(path: str | Path | Plan) -> Plan:
+    """The plan in the YAML or JSON file ``path``, or a :class:`Plan` object checked again (a copy made with
+    ``model_copy(update=...)`` skips the checks).
+
+    Raises:
+        ConfigError: the file is missing, not a regular file, too large, not UTF-8 YAML/JSON (aliases refused),
+            or not a valid plan (the message names the first wrong field).
+    """
+    if isinstance(path, Plan):
+        return _validate(Plan, path.model_dump(mode="json"), "the plan object", "plan",
+                         "make the plan with `varuna plan` rather than editing it")
+    text = _read_text(path, MAX_PLAN_BYTES, "plan", "create it with `varuna plan PROFILE -o FILE`")
+    data = _check_document(_parse_plan(text, path), path, "plan", "`varuna plan`")
+    return _validate(Plan, data, path, "plan", "make the plan again with `varuna plan` rather than editing it")
+
+
+def _parse_plan(text: str, path: str | Path) -> Any:
+    """JSON by the fast standard parser when it is JSON (plans written as ``.json``), else YAML."""
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text, object_pairs_hook=_unique_keys)
+        except RecursionError:
+            raise ConfigError(f"plan {path} is nested too deeply to be a plan") from None
+        except json.JSONDecodeError:
+            pass  # a YAML flow mapping such as {pp: 1}: the YAML parser says what is wrong with it
+        except ValueError as exc:
+            raise ConfigError(f"{path} is not a valid plan: {exc}") from None
+    return _parse_yaml(text, path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoint manifest
+
+
+CHECKPOINT_INDEX = "dcp_metadata.json"  # the index of a checkpoint's tensors (varuna_core.checkpoint.storage)
+
+
+class FileEntry(_Model):
+    path: str = Field(description="a file of the checkpoint directory: __<rank>_<i>.distcp or dcp_metadata.json")
+    bytes: int = Field(ge=0)
+    sha256: str
+
+
+class TensorEntry(_Model):
+    key: str = Field(description="key in the checkpoint, e.g. 'model/blocks.0.attn.weight'")
+    shape: list[int]
+    dtype: str
+
+
+class Manifest(_Model):
+    """``manifest.json`` of a checkpoint directory ``<store>/step_<N>/``.
+
+    The tensors are in ``torch.distributed.checkpoint`` files beside it, under keys ``model/<name>`` (each
+    parameter once, tied weights under their canonical name), ``buffer/<name>`` and
+    ``optim/<name>/<state>``. ``COMPLETE`` is written after the manifest, once every rank has finished.
+    """
+
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=0)
+    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$",
+                               description="the run that wrote it (None: written by a release without run ids)")
+    created: str
+    model: str = Field(description="model class or spec name")
+    structure_hash: str
+    num_segments: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    dp: int = Field(ge=1)
+    stage_to_rank_map: str
+    partition: list[tuple[int, int]]
+    precision: str
+    iteration: int = Field(ge=0, description="optimizer steps taken (what resumes the dropout seed stream)")
+    samples_seen: int = Field(ge=0, description="examples consumed: the data position to resume from")
+    seed: int = Field(ge=-(2**63), lt=2**64, description="the dropout seed (stored as given; used modulo 2**64)")
+    loss_scaler: dict | None = None
+    optimizer: dict | None = Field(None, description="optimizer class and hyper-parameters of each group")
+    tied: list[list[str]] = Field(default_factory=list, description="tied weights: canonical name first")
+    parameters: list[TensorEntry] = Field(description="every model parameter (checkpoint key, shape, dtype)")
+    plan: dict | None = None
+    files: list[FileEntry]
+
+
+SCHEMAS["manifest.schema.json"] = Manifest
+
+
+if __name__ == "__main__":  # python -m varuna_core.planning.artifacts [DIR]: regenerate schemas/
+    import sys
+
+    for p in write_schemas(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "schemas"):
+        print(p)

@@ -1,0 +1,604 @@
+"""``varuna plan``: choose pipeline depth, data-parallel width, micro-batch size and schedule from a profile.
+
+For every candidate (pp, dp = ⌊gpus / pp⌋, a profiled micro-batch size, a schedule) the search
+
+1. partitions the segments into ``pp`` contiguous stages minimising the slowest stage's compute time under
+   each stage's memory limit (:func:`partition_under_memory`: a binary search on the bottleneck with a
+   greedy feasibility check, which is exact for contiguous partitions because both time and memory only grow
+   with a stage's segment set);
+2. predicts each stage's memory (:func:`stage_memory`): parameters, gradients and optimizer state, the
+   activations autograd saves for every graph the schedule keeps alive, the stashed inputs of every
+   micro-batch in flight, the receive buffers the runtime posts ahead, and headroom;
+3. simulates the exact schedule the runtime would execute (:mod:`varuna_core.planning.simulate`; the C++ simulator
+   when built) with point-to-point times from the profile's network fits (intra- or inter-node depending on
+   where neighbouring stages are placed) and the data-parallel all-reduce of each stage's gradients.
+
+The fastest predicted step wins; the next ones are kept as alternatives with the reason each lost. This module
+imports no torch, so ``varuna plan`` starts fast and runs anywhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import datetime
+import math
+from typing import Sequence
+
+from . import native as _native_shim
+from .artifacts import MAX_MICROBATCHES, Candidate, CommCurve, Plan, Prediction, Profile, SegmentMeasure, StagePlan
+from ..errors import ConfigError, VarunaError
+from ..ir.partition import Partition
+from ..ir.schedule import SCHEDULE_NAMES, generate
+from .simulate import StageCosts, simulate
+from ..ir.topology import Topology
+
+__all__ = ["PlanRequest", "make_plan", "plan_for", "partition_under_memory", "PlanInfeasible"]
+
+
+class PlanInfeasible(VarunaError):
+    """No configuration fits; the message names the smallest memory that would."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for.
+
+    Attributes:
+        gpus: devices available.
+        batch_size: global batch (fixed; the micro-batch count follows from it).
+        gpus_per_node: devices per node (placement: a replica's stages on consecutive ranks).
+        gpu_memory: bytes per device, or ``None`` for no limit.
+        schedules: schedules to consider.
+        headroom: fraction of memory kept free (allocator fragmentation, CUDA context).
+        max_concurrent_sends: the runtime's in-flight messages per stage and direction.
+        top: alternatives to keep.
+        microbatch_sizes: the micro-batch sizes to consider (default: the profiled ones). A morph keeps the
+            running size, so that the numerics of the run do not change with the device count.
+    """
+
+    gpus: int
+    batch_size: int
+    gpus_per_node: int | None = None
+    gpu_memory: int | None = None
+    schedules: tuple[str, ...] = SCHEDULE_NAMES
+    headroom: float = 0.1
+    max_concurrent_sends: int = 4
+    top: int = 5
+    microbatch_sizes: tuple[int, ...] | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-segment numbers at a micro-batch size
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seg:
+    forward: float
+    recompute: float
+    backward: float
+    output_bytes: float
+    saved_bytes: float
+    static_bytes: int  # parameters + gradients + optimizer state
+    grad_bytes: int
+    optimizer_time: float = 0.0
+
+
+def _interp(measures: Sequence[SegmentMeasure], n: float, get) -> float:
+    """Value at ``n`` examples, linear between (or beyond) the two nearest profiled sizes."""
+    points = sorted((m.microbatch_size, get(m)) for m in measures)
+    if len(points) == 1:
+        size, value = points[0]
+        return value * n / size
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if n <= x1:
+            break
+    if n < points[0][0]:
+        (x0, y0), (x1, y1) = points[0], points[1]
+    return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+
+
+def _segments_at(profile: Profile, n: float) -> list[_Seg]:
+    out = []
+    for seg in profile.segments:
+        ms = seg.measures
+        out.append(_Seg(
+            forward=_interp(ms, n, lambda m: m.forward.median),
+            recompute=_interp(ms, n, lambda m: m.recompute.median),
+            backward=_interp(ms, n, lambda m: m.backward.median),
+            output_bytes=_interp(ms, n, lambda m: m.output_bytes),
+            saved_bytes=_interp(ms, n, lambda m: m.saved_bytes),
+            static_bytes=seg.param_bytes + seg.grad_bytes + seg.optimizer_bytes,
+            grad_bytes=seg.grad_bytes,
+            optimizer_time=seg.optimizer_time,
+        ))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory and partition
+
+
+def _inflight(schedule: str, pp: int, m: int) -> list[tuple[int, int]]:
+    native = _native_shim.module()
+    if native is not None:
+        return [tuple(x) for x in native.inflight(schedule, pp, m)]
+    if schedule == "gpipe":
+        return [(m, m)] * pp
+    if schedule == "1f1b":
+        return [(min(pp - s, m), min(pp - s, m)) for s in range(pp)]
+    from ..ir.inflight import inflight as inflight_python
+
+    return inflight_python(generate(schedule, pp, m))
+
+
+def stage_memory(segs: Sequence[_Seg], start: int, stop: int, *, held: int, graphs: int, num_mb: int,
+                 headroom: float) -> int:
+    """Peak bytes of a stage running segments ``[start, stop)``.
+
+    ``graphs`` micro-batches keep their saved activations, ``held`` keep their stashed stage input, and the
+    runtime posts receive buffers for every micro-batch of the step (activations in, gradients in).
+    """
+    static = sum(s.static_bytes for s in segs[start:stop])
+    saved = sum(s.saved_bytes for s in segs[start:stop])
+    input_bytes = segs[start - 1].output_bytes if start > 0 else 0.0
+    output_bytes = segs[stop - 1].output_bytes if stop < len(segs) else 0.0
+    activations = graphs * saved + held * input_bytes
+    buffers = num_mb * (input_bytes + output_bytes)
+    return int((static + activations + buffers) * (1.0 + headroom))
+
+
+def _stage_cost(segs: Sequence[_Seg], start: int, stop: int, recompute: bool) -> float:
+    return sum((s.forward + s.recompute + s.backward) if recompute else (s.recompute + s.backward)
+               for s in segs[start:stop])
+
+
+class _Prefix:
+    """Prefix sums over segments, so a stage's cost and memory are O(1)."""
+
+    def __init__(self, segs: Sequence[_Seg]) -> None:
+        self.segs = segs
+        self.plain = [0.0]  # recompute (= forward with graph) + backward
+        self.full = [0.0]   # forward + recompute + backward
+        self.static = [0.0]
+        self.saved = [0.0]
+        self.rec = [0.0]    # forward with graph (= recompute)
+        self.grads = [0.0]  # gradient bytes
+        self.opt = [0.0]    # optimizer step time
+        for x in segs:
+            self.opt.append(self.opt[-1] + x.optimizer_time)
+            self.rec.append(self.rec[-1] + x.recompute)
+            self.grads.append(self.grads[-1] + x.grad_bytes)
+            self.plain.append(self.plain[-1] + x.recompute + x.backward)
+            self.full.append(self.full[-1] + x.forward + x.recompute + x.backward)
+            self.static.append(self.static[-1] + x.static_bytes)
+            self.saved.append(self.saved[-1] + x.saved_bytes)
+
+    def cost(self, a: int, b: int, recompute: bool) -> float:
+        table = self.full if recompute else self.plain
+        return table[b] - table[a]
+
+    def memory(self, a: int, b: int, *, held: int, graphs: int, num_mb: int, headroom: float) -> float:
+        segs = self.segs
+        input_bytes = segs[a - 1].output_bytes if a > 0 else 0.0
+        output_bytes = segs[b - 1].output_bytes if b < len(segs) else 0.0
+        total = (self.static[b] - self.static[a]) + graphs * (self.saved[b] - self.saved[a]) \
+            + held * input_bytes + num_mb * (input_bytes + output_bytes)
+        return total * (1.0 + headroom)
+
+
+def partition_under_memory(
+    segs: Sequence[_Seg], pp: int, *, recompute_stages: Sequence[bool], counts: Sequence[tuple[int, int]],
+    num_mb: int, limit: int | None, headroom: float, prefix: _Prefix | None = None,
+) -> Partition | None:
+    """Contiguous partition into ``pp`` stages minimising the slowest stage's compute, each stage within
+    ``limit`` bytes; ``None`` if no partition fits.
+
+    Bisection on the bottleneck ``T`` between ``max(total / pp, largest segment)`` and that plus the largest
+    segment (the optimum lies there); for a given ``T`` the greedy that gives each stage as many segments as
+    ``T`` and memory allow is optimal, because a stage's time and memory only grow with its segment set. The
+    result is then tightened to the greedy partition's own bottleneck.
+    """
+    n = len(segs)
+    if pp > n:
+        return None
+    pre = prefix or _Prefix(segs)
+
+    def greedy(bound: float) -> list[tuple[int, int]] | None:
+        ranges, a = [], 0
+        for s in range(pp):
+            rec = recompute_stages[s]
+            table = pre.full if rec else pre.plain
+            last_allowed = n - (pp - s - 1)
+            b = bisect.bisect_right(table, table[a] + bound * (1 + 1e-12), a + 1, last_allowed + 1) - 1
+            if limit is not None:
+                held, graphs = counts[s]
+                while b > a and pre.memory(a, b, held=held, graphs=graphs, num_mb=num_mb, headroom=headroom) > limit:
+                    b -= 1
+            if b <= a:
+                return None
+            ranges.append((a, b))
+            a = b
+        return ranges if a == n else None
+
+    def bottleneck(ranges) -> float:
+        return max(pre.cost(a, b, recompute_stages[s]) for s, (a, b) in enumerate(ranges))
+
+    any_rec = any(recompute_stages)
+    lo = max(pre.cost(0, n, False) / pp, max(pre.cost(k, k + 1, False) for k in range(n)))
+    hi = pre.cost(0, n, any_rec) + 1.0
+    best = greedy(hi)
+    if best is None:
+        return None
+    hi = min(hi, bottleneck(best))
+    lo = min(lo, hi)
+    for _ in range(60):
+        if hi - lo <= 1e-7 * hi:  # the bottleneck is then within 1e-7 of optimal (far below measurement noise)
+            break
+        mid = (lo + hi) / 2
+        found = greedy(mid)
+        if found is not None:
+            best, hi = found, bottleneck(found)
+        else:
+            lo = mid
+    return Partition.from_ranges(best, n)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Communication
+
+
+def _curve(profile: Profile, op: str, link: str, group: int) -> CommCurve | None:
+    curves = [c for c in profile.comm if c.op == op]
+    if not curves:
+        return None
+    same = [c for c in curves if c.link == link] or curves
+    return min(same, key=lambda c: (abs(c.group_size - group), -c.group_size))
+
+
+def _p2p_time(profile: Profile, nbytes: float, inter: bool) -> float:
+    curve = _curve(profile, "p2p", "inter" if inter else "intra", 2)
+    return 0.0 if curve is None or nbytes <= 0 else curve.fit.predict(nbytes)
+
+
+def _allreduce_time(profile: Profile, nbytes: float, d: int, inter: bool) -> float:
+    if d < 2 or nbytes <= 0:
+        return 0.0
+    curve = _curve(profile, "allreduce", "inter" if inter else "intra", d)
+    if curve is None:
+        return 0.0
+    g = curve.group_size
+    # ring all-reduce moves 2(d-1)/d of the data and takes 2(d-1) latency steps: rescale from the measured g
+    lat = curve.fit.latency * (d - 1) / max(1, g - 1)
+    bw_time = (nbytes / curve.fit.bandwidth) * ((d - 1) / d) / ((g - 1) / g)
+    return lat + bw_time
+
+
+def _crossings(pp: int, dp: int, per_node: int) -> tuple[list[bool], bool]:
+    """Which stage boundaries cross a node for some replica (ranks: replica·pp + stage), and whether a stage's
+    data-parallel group spans nodes."""
+    if per_node >= pp * dp:
+        return [False] * max(0, pp - 1), False
+    residues = {(r * pp) % per_node for r in range(min(dp, per_node))}
+    boundary = [any((res + s + 1) % per_node == 0 for res in residues) for s in range(pp - 1)]
+    return boundary, dp > 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Search
+
+
+@dataclasses.dataclass
+class _Scored:
+    pp: int
+    dp: int
+    mbs: int
+    num_mb: int
+    last: int
+    schedule: str
+    partition: Partition
+    recompute: list[bool]
+    counts: list[tuple[int, int]]
+    boundary: list[bool]
+    dp_inter: bool
+    lower_bound: float
+    costs: list[StageCosts] = dataclasses.field(default_factory=list)
+    optimizer: list[float] = dataclasses.field(default_factory=list)
+    memory: list[int] = dataclasses.field(default_factory=list)
+    step: float = 0.0
+    pipeline: float = 0.0
+    busy: list[float] = dataclasses.field(default_factory=list)
+    bubble: float = 0.0
+    allreduce: float = 0.0
+
+
+class _Tables:
+    """Everything the search computes once: per micro-batch size the segment numbers and their prefix sums,
+    shared partitions, and message times."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self._segs: dict[float, list[_Seg]] = {}
+        self._prefix: dict[float, _Prefix] = {}
+        self._free: dict[tuple, Partition | None] = {}
+        self._p2p: dict[tuple[float, bool], float] = {}
+        self._allreduce: dict[tuple[float, int, bool], float] = {}
+
+    def segs(self, n: float) -> list[_Seg]:
+        if n not in self._segs:
+            self._segs[n] = _segments_at(self.profile, n)
+        return self._segs[n]
+
+    def prefix(self, n: float) -> _Prefix:
+        if n not in self._prefix:
+            self._prefix[n] = _Prefix(self.segs(n))
+        return self._prefix[n]
+
+    def p2p(self, nbytes: float, inter: bool) -> float:
+        key = (nbytes, inter)
+        if key not in self._p2p:
+            self._p2p[key] = _p2p_time(self.profile, nbytes, inter)
+        return self._p2p[key]
+
+    def allreduce(self, nbytes: float, d: int, inter: bool) -> float:
+        key = (nbytes, d, inter)
+        if key not in self._allreduce:
+            self._allreduce[key] = _allreduce_time(self.profile, nbytes, d, inter)
+        return self._allreduce[key]
+
+    def partition(self, pp: int, mbs: int, recompute: list[bool], counts, num_mb: int,
+                  req: PlanRequest) -> Partition | None:
+        """The time-optimal partition ignoring memory is shared by every schedule with the same recompute
+        pattern; only when it does not fit is the memory-constrained search run for this schedule."""
+        key = (pp, mbs, tuple(recompute))
+        free = self._free.get(key)
+        if free is None:
+            free = self._free[key] = partition_under_memory(
+                self.segs(mbs), pp, recompute_stages=recompute, counts=counts, num_mb=num_mb, limit=None,
+                headroom=req.headroom, prefix=self.prefix(mbs))
+        if free is None or req.gpu_memory is None:
+            return free
+        pre = self.prefix(mbs)
+        if all(pre.memory(a, b, held=counts[s][0], graphs=counts[s][1], num_mb=num_mb, headroom=req.headroom)
+               <= req.gpu_memory for s, (a, b) in enumerate(free.ranges)):
+            return free
+        return partition_under_memory(self.segs(mbs), pp, recompute_stages=recompute, counts=counts,
+                                      num_mb=num_mb, limit=req.gpu_memory, headroom=req.headroom, prefix=pre)
+
+
+def _stage_times(pre: _Prefix, a: int, b: int, recompute: bool) -> tuple[float, float, float]:
+    """(F, R, B) of a stage per micro-batch: F is the no-grad forward when the stage recomputes."""
+    fwd_grad = pre.rec[b] - pre.rec[a]
+    bwd = (pre.plain[b] - pre.plain[a]) - fwd_grad
+    if recompute:
+        return (pre.full[b] - pre.full[a]) - (pre.plain[b] - pre.plain[a]), fwd_grad, bwd
+    return fwd_grad, 0.0, bwd
+
+
+def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
+             schedule: str) -> tuple[_Scored | None, int | None]:
+    """Partition one configuration and bound its step time from below (no simulation yet); returns
+    (candidate or None, the smallest memory it would need if it did not fit)."""
+    replica_batch = math.ceil(req.batch_size / dp)
+    num_mb = math.ceil(replica_batch / mbs)
+    last = replica_batch - (num_mb - 1) * mbs
+    segs = tables.segs(mbs)
+    counts = _inflight(schedule, pp, num_mb)
+    recompute = [schedule == "varuna" and s < pp - 1 for s in range(pp)]
+    part = tables.partition(pp, mbs, recompute, counts, num_mb, req)
+    if part is None:
+        if pp > len(segs):
+            return None, None
+        free = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts, num_mb=num_mb,
+                                      limit=None, headroom=req.headroom, prefix=tables.prefix(mbs))
+        need = max(stage_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], num_mb=num_mb,
+                                headroom=req.headroom) for s, (a, b) in enumerate(free.ranges))
+        return None, need
+    boundary, dp_inter = _crossings(pp, dp, req.gpus_per_node or req.gpus)
+    pre, pre_last = tables.prefix(mbs), tables.prefix(last)
+    lower = fill = 0.0
+    for s, (a, b) in enumerate(part.ranges):
+        f, r, bw = _stage_times(pre, a, b, recompute[s])
+        fl, rl, bl = _stage_times(pre_last, a, b, recompute[s])
+        allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], dp, dp_inter) + (pre.opt[b] - pre.opt[a])
+        busy = (num_mb - 1) * (f + r + bw) + fl + rl + bl
+        lower = max(lower, fill + busy + allreduce)  # it cannot start before the first activation reaches it
+        if s < pp - 1:
+            fill += f + tables.p2p(segs[b - 1].output_bytes, boundary[s])
+    return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, boundary, dp_inter, lower), None
+
+
+def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
+    """Cost every stage of a prepared candidate, then simulate it."""
+    segs, segs_last = tables.segs(c.mbs), tables.segs(c.last)
+    pre, pre_last = tables.prefix(c.mbs), tables.prefix(c.last)
+    pp = c.pp
+    for s, (a, b) in enumerate(c.partition.ranges):
+        f, r, bw = _stage_times(pre, a, b, c.recompute[s])
+        fl, rl, bl = _stage_times(pre_last, a, b, c.recompute[s])
+        send_act = tables.p2p(segs[b - 1].output_bytes, c.boundary[s]) if s < pp - 1 else 0.0
+        send_act_l = tables.p2p(segs_last[b - 1].output_bytes, c.boundary[s]) if s < pp - 1 else 0.0
+        send_grad = tables.p2p(segs[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
+        send_grad_l = tables.p2p(segs_last[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
+        allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], c.dp, c.dp_inter)
+        c.optimizer.append(pre.opt[b] - pre.opt[a])
+        # after its last action a stage all-reduces its gradients, then steps its optimizer
+        c.costs.append(StageCosts(f, r, bw, send_act, send_grad, allreduce + c.optimizer[-1], fl, rl, bl,
+                                  send_act_l, send_grad_l))
+        c.memory.append(int(pre.memory(a, b, held=c.counts[s][0], graphs=c.counts[s][1], num_mb=c.num_mb,
+                                       headroom=req.headroom)))
+    step, pipe, busy = _simulate(c.schedule, c.pp, c.num_mb, c.costs, req.max_concurrent_sends)
+    # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
+    step += tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
+    c.step, c.pipeline, c.busy = step, pipe, list(busy)
+    c.bubble = 1.0 - sum(busy) / (c.pp * pipe) if pipe > 0 else 0.0
+    c.allreduce = max(x.allreduce - o for x, o in zip(c.costs, c.optimizer))
+    return c
+
+
+def _simulate(schedule: str, pp: int, num_mb: int, costs: list[StageCosts], sends: int):
+    native = _native_shim.module()
+    if native is not None:
+        return native.simulate_generated(schedule, pp, num_mb, [c.as_tuple() for c in costs], sends, True)
+    result = simulate(generate(schedule, pp, num_mb), costs, max_concurrent_sends=sends, backend="python")
+    return result.step_time, result.pipeline_time, result.busy
+
+
+def _reason(c: _Scored, best: _Scored) -> str:
+    """Why ``c`` lost to ``best``, in a few words: its step-time gap and the component that explains most of it."""
+    slower = c.step / best.step - 1.0
+    if slower < 0.005:
+        more = max(c.memory) - max(best.memory)
+        if more > 0:
+            return f"ties; needs {more / max(1, max(best.memory)):.0%} more memory"
+        return "ties (equivalent configuration)"
+    parts = {
+        "bubble": (c.bubble - best.bubble) * c.pipeline,
+        "all-reduce": c.allreduce - best.allreduce,
+        "compute": max(c.busy) - max(best.busy),
+    }
+    what = max(parts, key=parts.get)
+    detail = {
+        "bubble": f"bubble {c.bubble:.0%} vs {best.bubble:.0%}",
+        "all-reduce": f"all-reduce {c.allreduce * 1e3:.3g} vs {best.allreduce * 1e3:.3g} ms",
+        "compute": f"slowest stage {max(c.busy) * 1e3:.3g} vs {max(best.busy) * 1e3:.3g} ms",
+    }[what]
+    return f"{slower:+.0%}: {detail}"
+
+
+def make_plan(profile: Profile, req: PlanRequest) -> Plan:
+    """Search every configuration and return the best as a :class:`Plan`.
+
+    Raises:
+        ConfigError: bad request (sizes, unknown schedule, batch smaller than the data-parallel width).
+        PlanInfeasible: nothing fits in ``gpu_memory``; names the smallest memory that would, and with what.
+    """
+    if req.gpus < 1:
+        raise ConfigError(f"--gpus must be ≥ 1, got {req.gpus}")
+    if req.batch_size < 1:
+        raise ConfigError(f"--batch-size must be ≥ 1, got {req.batch_size}")
+    for name in req.schedules:
+        if name not in SCHEDULE_NAMES:
+            raise ConfigError(f"unknown schedule {name!r}", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
+    per_node = req.gpus_per_node or req.gpus
+    if per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be ≥ 1, got {per_node}")
+    assumptions: set[str] = set()
+    if not any(c.op == "p2p" for c in profile.comm):
+        assumptions.add("the profile has no network measurement: communication is taken as free "
+                        "(profile with --nproc 2 or more to measure it)")
+    elif (req.gpus > per_node) and not any(c.link == "inter" for c in profile.comm):
+        assumptions.add("inter-node links are taken to be as fast as the measured intra-node ones")
+    if req.gpu_memory is None:
+        assumptions.add("no --gpu-memory given: memory is not limited")
+    assumptions.add("d = ⌊gpus / pp⌋ replicas; leftover devices idle")
+
+    tables = _Tables(profile)
+    prepared: list[_Scored] = []
+    smallest: tuple[int, str] | None = None
+    clamped: set[int] = set()
+    for pp in range(1, min(profile.num_segments, req.gpus) + 1):
+        dp = req.gpus // pp
+        if dp > req.batch_size:  # a replica needs at least one example: the rest of the devices would idle
+            dp = req.batch_size
+            clamped.add(pp)
+        for mbs in req.microbatch_sizes or profile.microbatch_sizes:
+            if mbs > math.ceil(req.batch_size / dp) or math.ceil(math.ceil(req.batch_size / dp) / mbs) > \
+                    MAX_MICROBATCHES:  # a plan holds at most that many (see varuna_core.planning.artifacts)
+                continue
+            for schedule in req.schedules:
+                result, need = _prepare(tables, req, pp, dp, mbs, schedule)
+                if result is not None:
+                    prepared.append(result)
+                elif need is not None and (smallest is None or need < smallest[0]):
+                    smallest = (need, f"pp={pp}, dp={dp}, micro-batch {mbs}, {schedule}")
+    # Simulate in order of a lower bound on the step time; once the bound exceeds the k-th best simulated step,
+    # nothing later can enter the top k. The winner and alternatives are exactly those of a full search.
+    prepared.sort(key=lambda c: c.lower_bound)
+    keep = 1 + req.top
+    scored: list[_Scored] = []
+    best_steps: list[float] = []  # the k smallest simulated steps, sorted
+    for cand in prepared:
+        if len(best_steps) >= keep and cand.lower_bound > best_steps[keep - 1]:
+            break
+        scored.append(_score(cand, tables, req))
+        bisect.insort(best_steps, cand.step)
+        del best_steps[keep:]
+    if not scored:
+        if smallest is not None:
+            from ..ir.units import format_bytes
+
+            raise PlanInfeasible(
+                f"no configuration fits in {format_bytes(req.gpu_memory)} per device; the smallest need is "
+                f"{format_bytes(smallest[0])} ({smallest[1]})",
+                hint="use devices with more memory, more devices, or profile smaller micro-batch sizes",
+            )
+        raise ConfigError(
+            f"no configuration: batch {req.batch_size} with the profiled micro-batch sizes "
+            f"{profile.microbatch_sizes} over {req.gpus} device(s)",
+            hint="the global batch must hold at least one micro-batch per data-parallel replica",
+        )
+    scored.sort(key=lambda c: (c.step, c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule)))
+    best = scored[0]
+    if best.pp in clamped:
+        assumptions.add(f"the global batch of {req.batch_size} is smaller than the {req.gpus // best.pp} replicas "
+                        f"{req.gpus} devices allow at pp={best.pp}: {best.dp} replica(s) used, "
+                        f"{req.gpus - best.pp * best.dp} device(s) idle")
+    return _to_plan(profile, req, best, scored[1: 1 + req.top], assumptions)
+
+
+def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch_size: int, schedule: str) -> Plan:
+    """The plan of one given configuration (no search): for benchmarks and for forcing a layout.
+
+    Raises:
+        PlanInfeasible: it does not fit ``req.gpu_memory``.
+    """
+    if pp * dp > req.gpus:
+        raise ConfigError(f"pp={pp} × dp={dp} needs {pp * dp} devices, more than --gpus {req.gpus}")
+    if pp > profile.num_segments:
+        raise ConfigError(f"pp={pp} exceeds the profile's {profile.num_segments} segments")
+    if schedule not in SCHEDULE_NAMES:
+        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
+    assumptions: set[str] = set()
+    tables = _Tables(profile)
+    result, need = _prepare(tables, req, pp, dp, microbatch_size, schedule)
+    if result is not None:
+        result = _score(result, tables, req)
+    if result is None:
+        raise PlanInfeasible(f"pp={pp}, dp={dp}, micro-batch {microbatch_size}, {schedule} needs {need} bytes per "
+                             f"device, more than {req.gpu_memory}")
+    return _to_plan(profile, req, result, [], assumptions)
+
+
+def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Scored], assumptions: set[str]) -> Plan:
+    per_node = req.gpus_per_node or req.gpus
+    topology = Topology.clustered(best.pp, best.dp)
+    world = best.pp * best.dp
+    nodes = [list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)]
+    stages = [
+        StagePlan(stage=s, segments=(a, b), forward=c.forward, recompute=c.recompute, backward=c.backward,
+                  send_activation=c.send_activation, send_gradient=c.send_gradient,
+                  allreduce=c.allreduce - best.optimizer[s], optimizer=best.optimizer[s],
+                  busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0])
+        for s, ((a, b), c) in enumerate(zip(best.partition.ranges, best.costs))
+    ]
+
+    def candidate(c: _Scored, reason: str) -> Candidate:
+        return Candidate(pp=c.pp, dp=c.dp, microbatch_size=c.mbs, num_microbatches=c.num_mb, schedule=c.schedule,
+                         step_time=c.step, samples_per_second=req.batch_size / c.step, bubble_fraction=c.bubble,
+                         peak_memory_bytes=max(c.memory), reason=reason)
+
+    return Plan(
+        model=profile.model, profile_hash=profile.structure_hash, num_segments=profile.num_segments,
+        gpus=req.gpus, gpus_per_node=per_node, batch_size=req.batch_size, pp=best.pp, dp=best.dp,
+        microbatch_size=best.mbs, num_microbatches=best.num_mb, schedule=best.schedule,
+        partition=list(best.partition.ranges), stage_to_rank_map=topology.to_string(), nodes=nodes,
+        memory_limit=req.gpu_memory, schedules=list(req.schedules), headroom=req.headroom,
+        prediction=Prediction(step_time=best.step, samples_per_second=req.batch_size / best.step,
+                              bubble_fraction=best.bubble, pipeline_time=best.pipeline,
+                              allreduce_time=best.allreduce),
+        stages=stages,
+        alternatives=[candidate(c, _reason(c, best)) for c in others],
+        assumptions=sorted(assumptions),
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )

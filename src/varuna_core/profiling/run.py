@@ -1,0 +1,562 @@
+"""``varuna profile``: measure each segment's compute and memory per micro-batch size, and the network.
+
+Each segment is measured in isolation: the model is built from its :class:`ModelSpec` and sliced so that the
+segment is a stage of its own (:class:`varuna_core.model.stage.StageModule`), fed a random activation of the
+recorded shape at its incoming cut, and timed for
+
+* ``forward``: a forward without autograd (the ``varuna`` schedule's F),
+* ``recompute``: a forward that records the graph (1F1B/GPipe's F and varuna's R), during which saved-tensor
+  hooks count the bytes autograd keeps for the backward,
+* ``backward``: from a random output gradient (or the loss) to the input gradient and weight gradients,
+
+with warm-up runs first and the median and spread of the timed repeats kept. Segments are spread over
+``nproc`` local processes that measure in parallel (the original needed exactly one process per segment and
+crashed with more). Micro-batch sizes run from small to large; the first size that exceeds the memory limit
+(or runs out of device memory) on any segment ends the sweep for all of them, and is recorded.
+
+With two or more processes the network is measured too: point-to-point one-way time and all-reduce time
+against message size, each fitted to ``latency + bytes / bandwidth``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..planning.artifacts import (CommCurve, Environment, LinearFit, Profile, SegmentMeasure, SegmentProfile, Stat,
+                        StopReason)
+from ..model.discovery import Structure, discover, make_batch_fn
+from ..errors import ConfigError, VarunaError
+from ..ir.partition import Partition
+from ..model.payload import TensorSpec, flatten
+from ..model.precision import autocast, resolve_precision
+from ..model.spec import ModelSpec, load_spec
+from ..model.stage import StageModule, find_tie_sets
+
+__all__ = ["profile", "DEFAULT_MICROBATCH_SIZES", "P2P_SIZES"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8)
+P2P_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)  # 1 KiB .. 16 MiB
+Progress = Callable[[int, int, str], None]
+
+
+class _LimitReached(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def profile(
+    spec: ModelSpec | str,
+    *,
+    microbatch_sizes: list[int] | None = None,
+    nproc: int = 1,
+    precision: str = "fp32",
+    device: str = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    memory_limit: int | None = None,
+    progress: Progress | None = None,
+    timeout: float = 600.0,
+) -> Profile:
+    """Measure ``spec`` and return its :class:`Profile`.
+
+    Args:
+        spec: a :class:`ModelSpec` or a reference ``module:attr`` / ``file.py:attr`` (required for ``nproc > 1``).
+        microbatch_sizes: sizes to measure, increasing (default 1, 2, 4, 8).
+        nproc: local processes to spread the segments over; with 2 or more the network is measured too.
+        precision: ``fp32``, ``bf16`` or ``fp16`` (autocast, as in training).
+        device: ``cpu`` or ``cuda`` (process ``i`` uses ``cuda:i``).
+        repeats: timed repetitions per measurement (the median is kept).
+        warmup: untimed repetitions before them.
+        memory_limit: bytes a segment may use (parameters, gradients, optimizer state, saved activations);
+            the first micro-batch size that exceeds it on any segment ends the sweep.
+        progress: called with ``(done, total, what)`` as measurements complete.
+        timeout: seconds the whole multi-process measurement may take.
+    """
+    sizes = sorted(set(microbatch_sizes or DEFAULT_MICROBATCH_SIZES))
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"micro-batch sizes must be positive integers, got {microbatch_sizes}")
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be ≥ 1, got {nproc}")
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"repeats must be ≥ 1 and warm-up ≥ 0, got {repeats} and {warmup}")
+    precision = resolve_precision(precision, False)
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}", hint="use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but CUDA is not available", hint="use --device cpu")
+    options = dict(microbatch_sizes=sizes, precision=precision, device=device, repeats=repeats, warmup=warmup,
+                   memory_limit=memory_limit)
+    if nproc == 1:
+        model_spec = load_spec(spec)
+        structure = _structure(model_spec, precision)
+        return _measure(model_spec, structure, rank=0, world=1, progress=progress, **options)
+    if not isinstance(spec, str):
+        raise ConfigError("profiling with several processes needs the spec as a reference ('module:attr')",
+                          hint="pass the string the spec is importable by, or use nproc=1")
+    model_spec = load_spec(spec)  # fail fast, in this process, on a bad reference or model
+    structure = _structure(model_spec, precision)
+    if nproc > structure.num_segments:
+        log.info("%d processes for %d segments: the extra processes only take part in the network measurement",
+                 nproc, structure.num_segments)
+    return _spawn(spec, nproc, options, progress, timeout)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One process
+
+
+def _structure(spec: ModelSpec, precision: str) -> Structure:
+    model = spec.make()
+    batch_fn, dims = make_batch_fn(spec.batch, None)
+    _check_batch(spec.batch, dims, 2)
+    return discover(model, batch_fn, dims, precision=precision)
+
+
+def _check_batch(batch_fn: Callable[[int], dict], dims: dict, n: int) -> dict:
+    """Call the spec's batch function and check it returned ``n`` examples in every batched input."""
+    inputs = dict(batch_fn(n))
+    for name, dim in dims.items():
+        value = inputs.get(name)
+        if dim is None or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() <= dim or value.shape[dim] != n:
+            have = value.shape[dim] if value.dim() > dim else "no"
+            raise ConfigError(
+                f"the spec's batch({n}) returned input {name!r} with {have} examples along dim {dim} "
+                f"(shape {list(value.shape)})",
+                hint="batch(n) must return n examples in every batched input",
+            )
+    return inputs
+
+
+def _segments_of(rank: int, world: int, num_segments: int) -> list[int]:
+    """Contiguous, count-balanced blocks of segments per process (extra processes get none)."""
+    base, extra = divmod(num_segments, world)
+    start = rank * base + min(rank, extra)
+    return list(range(start, start + base + (1 if rank < extra else 0)))
+
+
+def _stat(samples: list[float]) -> Stat:
+    ordered = sorted(samples)
+    pick = lambda q: ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]  # noqa: E731
+    return Stat(median=statistics.median(ordered), p10=pick(0.1), p90=pick(0.9), repeats=len(ordered))
+
+
+def _random_like(spec: TensorSpec, n: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:
+    shape = spec.shape_for(n)
+    if spec.is_float:
+        return torch.randn(shape, generator=generator).to(device=device, dtype=spec.torch_dtype)
+    return torch.zeros(shape, dtype=spec.torch_dtype, device=device)
+
+
+class _SegmentBench:
+    """One segment built as a stage of its own, ready to be timed."""
+
+    def __init__(self, spec: ModelSpec, structure: Structure, segment: int, device: torch.device,
+                 precision: str) -> None:
+        n = structure.num_segments
+        partition = Partition.from_ranges([(i, i + 1) for i in range(n)], n)
+        model = spec.make()
+        ties = find_tie_sets(model, structure, partition, list(spec.shared_weights or []))
+        self.stage = StageModule(model, structure, partition, segment, ties, device,
+                                 placeholders="real" if spec.cutpoints == "auto" else "meta")
+        self.model = model
+        self.structure = structure
+        self.segment = segment
+        self.device = device
+        self.precision = precision
+        self.params = [p for _, p in self.stage.param_names]
+        make_opt = spec.optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+        self.optimizer = make_opt(self.params) if self.params else None
+        self.generator = torch.Generator().manual_seed(segment)
+
+    def incoming(self, n: int) -> tuple[Any, list[torch.Tensor]]:
+        spec = self.stage.incoming_spec
+        if spec is None:
+            return None, []
+        leaves, tensors = [], []
+        for leaf in spec.leaves:
+            if isinstance(leaf, TensorSpec):
+                t = _random_like(leaf, n, self.device, self.generator)
+                tensors.append(t)
+                leaves.append(t)
+            else:
+                leaves.append(leaf["const"])
+        from ..model.payload import unflatten
+
+        return unflatten(leaves, spec.treespec), tensors
+
+    def run(self, inputs: dict, n: int, incoming: tuple[Any, list[torch.Tensor]], *, grad: bool,
+            saved: list[int] | None = None):
+        """One forward of the segment on ``incoming`` (made by :meth:`incoming` outside the timed region)."""
+        value, tensors = incoming
+        for t in tensors:
+            if t.is_floating_point():
+                t.requires_grad_(grad)
+        hooks = contextlib.nullcontext()
+        if saved is not None:
+            seen: set[tuple[int, int]] = set()
+
+            def pack(t: torch.Tensor):
+                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                if key not in seen and not isinstance(t, torch.nn.Parameter) and t.device.type != "meta":
+                    seen.add(key)
+                    saved[0] += t.untyped_storage().nbytes()
+                return t
+
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with torch.set_grad_enabled(grad), autocast(self.precision, self.device), hooks:
+            out = self.stage.forward(inputs, value, n)
+        return out
+
+    def output_grads(self, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The output leaves to back-propagate from and random gradients for them (made outside the timing)."""
+        if self.stage.is_last:
+            return [out.float()], []
+        leaves = [t for t in flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        return leaves, [torch.randn(t.shape, generator=self.generator).to(t) for t in leaves]
+
+    @staticmethod
+    def backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        if roots:
+            torch.autograd.backward(roots, grads or None)
+
+    def output_bytes(self, out: Any) -> int:
+        if self.stage.is_last:
+            return 0
+        return sum(t.numel() * t.element_size() for t in flatten(out)[0] if isinstance(t, torch.Tensor))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    _sync(device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return time.perf_counter() - start, result
+
+
+def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int, warmup: int,
+                     memory_limit: int | None, static_bytes: int) -> SegmentMeasure:
+    device = bench.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    forward, recompute, backward = [], [], []
+    saved = [0]
+    out = None
+    for i in range(warmup + repeats):
+        timed = i >= warmup
+        incoming = bench.incoming(n)
+        with torch.no_grad():
+            t_f, out = _time(lambda: bench.run(inputs, n, incoming, grad=False), device)
+        incoming = bench.incoming(n)
+        counter = [0]
+        t_r, out = _time(lambda: bench.run(inputs, n, incoming, grad=True, saved=counter), device)
+        saved = counter
+        if memory_limit is not None and static_bytes + saved[0] > memory_limit:
+            raise _LimitReached(
+                f"segment {bench.segment} needs {static_bytes + saved[0]:,} bytes at micro-batch {n} "
+                f"(limit {memory_limit:,})")
+        roots, grads = bench.output_grads(out)
+        t_b, _ = _time(lambda: bench.backward(roots, grads), device)
+        if timed:
+            forward.append(t_f)
+            recompute.append(t_r)
+            backward.append(t_b)
+        for p in bench.params:
+            p.grad = None
+    peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    return SegmentMeasure(microbatch_size=n, forward=_stat(forward), recompute=_stat(recompute),
+                          backward=_stat(backward), output_bytes=bench.output_bytes(out), saved_bytes=saved[0],
+                          peak_bytes=peak)
+
+
+def _static_sizes(bench: _SegmentBench, repeats: int = 5) -> tuple[int, int, int, int, float]:
+    """(param count, param bytes, grad bytes, optimizer-state bytes, optimizer step time) of a segment."""
+    params = bench.params
+    count = sum(p.numel() for p in params)
+    pbytes = sum(p.numel() * p.element_size() for p in params)
+    gbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    obytes = 0
+    step_time = 0.0
+    if bench.optimizer is not None and gbytes:
+        times = []
+        for _ in range(1 + repeats):
+            for p in params:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            times.append(_time(bench.optimizer.step, bench.device)[0])
+        step_time = statistics.median(times[1:])
+        bench.optimizer.zero_grad(set_to_none=True)
+        for state in bench.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                    obytes += value.numel() * value.element_size()
+    return count, pbytes, gbytes, obytes, step_time
+
+
+def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, microbatch_sizes: list[int],
+             precision: str, device: str, repeats: int, warmup: int, memory_limit: int | None,
+             progress: Progress | None, group=None) -> Profile | tuple:
+    """Measure this process's segments; with ``world > 1`` returns ``(segments, sizes, stopped)``."""
+    dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+    mine = _segments_of(rank, world, structure.num_segments)
+    benches = {k: _SegmentBench(spec, structure, k, dev, precision) for k in mine}
+    statics = {k: _static_sizes(b) for k, b in benches.items()}
+    measures: dict[int, list[SegmentMeasure]] = {k: [] for k in mine}
+    batch_fn, dims = make_batch_fn(spec.batch, None)
+    done_sizes: list[int] = []
+    stopped: StopReason | None = None
+    total = len(mine) * len(microbatch_sizes)
+    done = 0
+    for n in microbatch_sizes:
+        inputs = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in _check_batch(spec.batch, dims, n).items()}
+        failure: tuple[int, str] | None = None
+        for k in mine:
+            _, _, gbytes, obytes, _ = statics[k]
+            static = statics[k][1] + gbytes + obytes
+            try:
+                measures[k].append(_measure_segment(benches[k], inputs, n, repeats=repeats, warmup=warmup,
+                                                    memory_limit=memory_limit, static_bytes=static))
+            except _LimitReached as exc:
+                failure = (k, exc.reason)
+                break
+            except torch.OutOfMemoryError as exc:
+                failure = (k, f"out of memory: {str(exc).splitlines()[0]}")
+                break
+            done += 1
+            if progress:
+                progress(done, total, f"segment {k}, micro-batch {n}")
+        failure = _agree_failure(failure, world, dev, group)
+        if failure is not None:
+            stopped = StopReason(microbatch_size=n, segment=failure[0], reason=failure[1])
+            for k in mine:
+                measures[k] = [m for m in measures[k] if m.microbatch_size != n]
+            break
+        done_sizes.append(n)
+    if not done_sizes and stopped is not None:
+        raise ConfigError(
+            f"micro-batch size {stopped.microbatch_size} already exceeds the memory of segment {stopped.segment}: "
+            f"{stopped.reason}", hint="raise --memory-limit, use smaller micro-batches, or add CutPoints")
+    segments = [
+        SegmentProfile(index=k, input_cut=structure.cut_names[k - 1] if k > 0 else None,
+                       output_cut=structure.cut_names[k] if k < len(structure.cut_names) else None,
+                       param_count=statics[k][0], param_bytes=statics[k][1], grad_bytes=statics[k][2],
+                       optimizer_bytes=statics[k][3], optimizer_time=statics[k][4], measures=measures[k])
+        for k in mine
+    ]
+    if world > 1:
+        return segments, done_sizes, stopped
+    return _assemble(spec, structure, segments, done_sizes, stopped, [], nproc=1, precision=precision, device=dev)
+
+
+def _agree_failure(failure, world: int, device: torch.device, group) -> tuple[int, str] | None:
+    """Every process learns whether any segment hit the limit at this size (and which, lowest first)."""
+    if world == 1:
+        return failure
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, failure, group=group)
+    hits = [f for f in gathered if f is not None]
+    return min(hits) if hits else None
+
+
+def _assemble(spec, structure, segments, sizes, stopped, comm, *, nproc, precision, device) -> Profile:
+    devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+               if device.type == "cuda" else [platform.processor() or platform.machine()])
+    env = Environment(torch_version=torch.__version__, python_version=platform.python_version(),
+                      device_type=device.type, devices=devices, threads=torch.get_num_threads(),
+                      hosts=[socket.gethostname()], nproc=nproc, precision=precision)
+    return Profile(model=spec.name or "model", structure_hash=structure.key, num_segments=structure.num_segments,
+                   cut_names=list(structure.cut_names), microbatch_sizes=sizes, stopped=stopped,
+                   segments=sorted(segments, key=lambda s: s.index), comm=comm, environment=env,
+                   created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Network
+
+
+def fit_linear(sizes: list[int], times: list[float]) -> LinearFit:
+    """``time = latency + size / bandwidth`` minimising the *relative* squared error (small messages count as
+    much as large ones), latency clamped at ≥ 0; returns the fit with its RMS relative error."""
+    w = [1.0 / (y * y) if y > 0 else 0.0 for y in times]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, sizes))
+    sy = sum(wi * y for wi, y in zip(w, times))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det else 0.0
+    latency = (sy - slope * sx) / sw if sw else 0.0
+    if latency < 0:  # refit through the origin
+        latency, slope = 0.0, sxy / sxx if sxx else 0.0
+    slope = max(slope, 1e-15)
+    rel = [((latency + slope * x) - y) / y for x, y in zip(sizes, times) if y > 0]
+    err = (sum(r * r for r in rel) / len(rel)) ** 0.5 if rel else 0.0
+    return LinearFit(latency=latency, bandwidth=1.0 / slope, rel_error=err)
+
+
+def _p2p_curve(rank: int, device: torch.device, repeats: int, link: str) -> CommCurve | None:
+    """One-way time between ranks 0 and 1 by ping-pong (half the round trip)."""
+    times = []
+    for size in P2P_SIZES:
+        buf = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        samples = []
+        for i in range(repeats + 2):
+            _sync(device)
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            _sync(device)
+            if i >= 2:
+                samples.append((time.perf_counter() - start) / 2)
+        times.append(statistics.median(samples))
+    if rank != 0:
+        return None
+    sizes = list(P2P_SIZES)
+    return CommCurve(op="p2p", link=link, group_size=2, sizes=sizes, times=times, fit=fit_linear(sizes, times))
+
+
+def _allreduce_curves(rank: int, world: int, device: torch.device, repeats: int, link: str) -> list[CommCurve]:
+    curves = []
+    for g in range(2, world + 1):
+        group = dist.new_group(list(range(g)))
+        times = []
+        for size in P2P_SIZES:
+            buf = torch.ones(size // 4, dtype=torch.float32, device=device)
+            samples = []
+            for i in range(repeats + 2):
+                dist.barrier(group=group) if rank < g else None
+                start = time.perf_counter()
+                if rank < g:
+                    dist.all_reduce(buf, group=group)
+                    _sync(device)
+                if i >= 2:
+                    samples.append(time.perf_counter() - start)
+            times.append(statistics.median(samples))
+        if rank == 0:
+            sizes = list(P2P_SIZES)
+            curves.append(CommCurve(op="allreduce", link=link, group_size=g, sizes=sizes, times=times,
+                                    fit=fit_linear(sizes, times)))
+    return curves
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Several processes
+
+
+def _spawn(reference: str, nproc: int, options: dict, progress: Progress | None, timeout: float) -> Profile:
+    from ..util.procs import free_port  # local helper, no torch.distributed state in this process
+
+    with tempfile.TemporaryDirectory(prefix="varuna-profile-") as tmp:
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"spec": reference, "nproc": nproc, "options": options}))
+        port = free_port()
+        store = dist.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False)
+        procs = []
+        for rank in range(nproc):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TORCHELASTIC_USE_AGENT_STORE="True")
+            procs.append(subprocess.Popen([sys.executable, "-m", "varuna_core.profiling.run", str(job), tmp], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / f"rank{rank}.log", "w")))
+        deadline = time.monotonic() + timeout
+        total = None
+        try:
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    raise VarunaError(f"profiling did not finish within {timeout:g}s",
+                                      hint="raise the timeout or measure fewer micro-batch sizes")
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break
+                if progress:
+                    done = sum(int(store.add(f"done/{r}", 0)) for r in range(nproc))
+                    total = total or int(store.add("total", 0))
+                    if total:
+                        progress(done, total, "measuring segments" if done < total else "measuring the network")
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            rank, code = failed[0]
+            text = (Path(tmp) / f"error{rank}.txt")
+            detail = text.read_text() if text.exists() else (Path(tmp) / f"rank{rank}.log").read_text()[-2000:]
+            err = json.loads(detail) if text.exists() else {"message": detail.strip().splitlines()[-1:] or ["?"]}
+            raise ConfigError(err["message"], hint=err.get("hint")) if err.get("config") else VarunaError(
+                f"profiling process {rank} failed (exit {code}): {err['message']}", hint=err.get("hint"))
+        return Profile.model_validate_json((Path(tmp) / "profile.json").read_text())
+
+
+def _worker(job_path: str, out_dir: str) -> None:
+    """Entry point of one profiling process (``python -m varuna_core.profiling.run JOB DIR``)."""
+    job = json.loads(Path(job_path).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    try:
+        options = job["options"]
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        store = dist.distributed_c10d._get_default_store()
+        spec = load_spec(job["spec"])
+        structure = _structure(spec, options["precision"])
+        if rank == 0:
+            store.add("total", structure.num_segments * len(options["microbatch_sizes"]))
+        step = lambda done, total, what: store.add(f"done/{rank}", 1)  # noqa: E731
+        segments, sizes, stopped = _measure(spec, structure, rank=rank, world=world, progress=step, **options)
+        dev = torch.device(options["device"], rank) if options["device"] == "cuda" else torch.device("cpu")
+        comm_device = dev
+        link = "intra"
+        hosts: list = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname())
+        if len(set(hosts)) > 1:
+            link = "inter"
+        p2p = _p2p_curve(rank, comm_device, 5, link)
+        allreduce = _allreduce_curves(rank, world, comm_device, 5, link)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, segments)
+        if rank == 0:
+            all_segments = [s for segs in gathered for s in segs]
+            profile_ = _assemble(spec, structure, all_segments, sizes, stopped, [p2p, *allreduce], nproc=world,
+                                 precision=options["precision"], device=dev)
+            profile_.environment.hosts = sorted(set(hosts))
+            (Path(out_dir) / "profile.json").write_text(profile_.model_dump_json())
+        dist.barrier()
+        dist.destroy_process_group()
+    except VarunaError as exc:
+        Path(out_dir, f"error{rank}.txt").write_text(json.dumps(
+            {"message": exc.message, "hint": exc.hint, "config": exc.exit_code == 2}))
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])

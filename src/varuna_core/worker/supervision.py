@@ -1,0 +1,173 @@
+"""The worker's side of ``varuna launch``: what ``Varuna(...)`` does by itself when the launcher started it.
+
+The launcher's environment (see ``varuna launch --help``) asks for:
+
+* ``VARUNA_RESUME_STEP`` + ``VARUNA_CKPT_DIR``: resume from that checkpoint as soon as the optimizer is known
+  (``set_optimizer``); ``model.iteration`` then says where the training loop continues;
+* on-demand checkpoints: ``SIGUSR1`` sets a flag; the flag rides on the all-reduce every step already makes
+  (loss, gradient norm, overflow), so every rank learns in the same step that some rank was signalled; at the
+  start of the next ``step()`` (the optimizer has stepped by then) all ranks write a checkpoint to
+  ``VARUNA_CKPT_DIR`` together, leave the process group and exit with :data:`EXIT_CHECKPOINTED`. No signal
+  handler in user code, and no rank can checkpoint a step the others have not reached;
+* ``VARUNA_CKPT_EVERY=N``: a checkpoint every ``N`` steps (what a restart after a crash resumes from),
+  ``VARUNA_CKPT_KEEP`` of them kept, written in the background through ``VARUNA_CKPT_TEMPDIR`` if set;
+* heartbeats to the manager (:class:`~varuna_core.launch.heartbeat.Beacon`): step, loss, step time and compute time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..util.checks import env_integer
+from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError
+from ..launch.heartbeat import Beacon
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..varuna import Varuna
+
+__all__ = ["Supervision", "EXIT_CHECKPOINTED", "EXIT_BAD_CHECKPOINT", "ResumeRefused"]
+
+log = logging.getLogger(__name__)
+
+
+class ResumeRefused(CheckpointError):
+    """The checkpoint the launcher asked to resume from cannot be loaded (corrupt, incomplete, of another
+    model). The worker exits with :data:`EXIT_BAD_CHECKPOINT`, which tells the launcher to fall back to an
+    earlier checkpoint instead of retrying this one."""
+
+    exit_code = EXIT_BAD_CHECKPOINT
+
+
+def _env_int(name: str, low: int = 0) -> int | None:
+    return env_integer(name, os.environ.get(name), low=low)
+
+
+def _process_start() -> float | None:
+    """Wall-clock time this process started (Linux ``/proc``), for the launcher's start-up timings."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Supervision:
+    def __init__(self, rank: int) -> None:
+        self.started = _process_start()
+        self.ckpt_dir = os.environ.get("VARUNA_CKPT_DIR") or None
+        self.resume_step = _env_int("VARUNA_RESUME_STEP")
+        self.every = _env_int("VARUNA_CKPT_EVERY") or 0
+        self.keep = _env_int("VARUNA_CKPT_KEEP", low=1)
+        self.tempdir = os.environ.get("VARUNA_CKPT_TEMPDIR") or None
+        self.total_steps = _env_int("VARUNA_TOTAL_STEPS")
+        if (self.resume_step is not None or self.every) and not self.ckpt_dir:
+            raise ConfigError("VARUNA_RESUME_STEP or VARUNA_CKPT_EVERY is set but VARUNA_CKPT_DIR is not",
+                              hint="set VARUNA_CKPT_DIR to the checkpoint store (varuna launch does)")
+        self.requested = False
+        self.stop_agreed = False
+        self.resumed = False
+        self.last_saved: int | None = None
+        self._pending = None  # the Future of a background checkpoint in flight
+        self._last_step_start: float | None = None
+        self.beacon = Beacon.from_env(rank)
+        if self.ckpt_dir is not None:
+            self._install_handler()
+
+    def _install_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("Varuna(...) was built outside the main thread: SIGUSR1 (checkpoint and stop) is not handled")
+            return
+
+        def on_usr1(signum, frame) -> None:  # noqa: ARG001
+            self.requested = True
+
+        signal.signal(signal.SIGUSR1, on_usr1)
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def ready(self, vm: "Varuna") -> None:
+        """The model is built: tell the manager (its first heartbeat)."""
+        if self.beacon is not None:
+            self.beacon.progress(step=vm.iteration, t_start=self.started, t_ready=time.time(),
+                                 stage=vm.stage, replica=vm.replica, total_steps=self.total_steps)
+
+    def resume(self, vm: "Varuna") -> None:
+        """Load ``VARUNA_RESUME_STEP`` (once), now that the optimizer is set."""
+        if self.resume_step is None or self.resumed:
+            return
+        self.resumed = True
+        try:
+            step = vm.load_checkpoint(self.ckpt_dir, iteration=self.resume_step)
+        except CheckpointError as exc:
+            raise ResumeRefused(exc.message, hint="the launcher falls back to an earlier checkpoint") from None
+        self.last_saved = step
+        log.info("rank %d resumed from %s/step_%d", vm.rank, self.ckpt_dir, step)
+        if self.beacon is not None:
+            self.beacon.progress(step=vm.iteration, t_resumed=time.time())
+
+    def before_step(self, vm: "Varuna") -> None:
+        """At the start of ``step()``: the agreed on-demand checkpoint (then exit), or a periodic one."""
+        if self.resume_step is not None and not self.resumed:
+            self.resume(vm)  # no set_optimizer: model state only
+        self._check_background()
+        now = time.perf_counter()
+        self._step_time = None if self._last_step_start is None else now - self._last_step_start
+        self._last_step_start = now
+        if self.stop_agreed:
+            self._checkpoint_and_exit(vm)
+        if self.every and vm.iteration and vm.iteration % self.every == 0 and vm.iteration != self.last_saved:
+            self._periodic(vm)
+
+    def flag(self) -> float:
+        """1.0 if this rank was asked to checkpoint and stop (summed over ranks by the step's all-reduce)."""
+        return 1.0 if self.requested else 0.0
+
+    def after_step(self, vm: "Varuna", loss: float, requested_anywhere: bool) -> None:
+        self.stop_agreed = requested_anywhere
+        if self.beacon is not None:
+            self.beacon.progress(step=vm.iteration, loss_step=vm.iteration - 1, loss=loss, step_time=self._step_time,
+                                 compute_time=vm.runtime.compute_time, samples=vm.batch_size,
+                                 total_steps=getattr(vm, "total_steps", None) or self.total_steps)
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _check_background(self) -> None:
+        """Raise the error of a background checkpoint as soon as it is known (not at the next checkpoint), so the
+        job stops, and the launcher restarts it from the last complete checkpoint."""
+        if self._pending is not None and self._pending.done():
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _periodic(self, vm: "Varuna") -> None:
+        if self._pending is not None:
+            self._pending.result()  # one background checkpoint at a time
+            self._pending = None
+        self._pending = vm.checkpoint(self.ckpt_dir, tempdir=self.tempdir, background=self.tempdir is not None,
+                                      keep=self.keep)
+        self.last_saved = vm.iteration
+
+    def _checkpoint_and_exit(self, vm: "Varuna") -> None:
+        import torch.distributed as dist
+
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        if vm.iteration != self.last_saved:
+            vm.checkpoint(self.ckpt_dir, keep=self.keep)
+        log.info("rank %d: checkpointed step %d on request; stopping", vm.rank, vm.iteration)
+        if self.beacon is not None:
+            self.beacon.progress(step=vm.iteration, checkpointed=vm.iteration, t_checkpointed=time.time())
+            self.beacon.flush()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise SystemExit(EXIT_CHECKPOINTED)
