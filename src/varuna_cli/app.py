@@ -26,6 +26,7 @@ from varuna_cli.commands import env as env_command
 from varuna_cli.commands import launch as launch_command
 from varuna_cli.commands import plan as plan_command
 from varuna_cli.commands import profile as profile_command
+from varuna_core.env import DEBUG, debug
 from varuna_core.errors import VarunaError
 
 try:  # recent typer releases carry their own copy of click
@@ -35,7 +36,6 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 __all__ = ["app", "main", "version"]
 
-DEBUG_ENV = "VARUNA_DEBUG"
 
 app = typer.Typer(
     name="varuna",
@@ -84,7 +84,7 @@ app.command("env", rich_help_panel="Help")(env_command.env)
 
 
 def _debug() -> bool:
-    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    return debug()
 
 
 MAX_LINE = 2000  # characters of one error or hint line
@@ -127,7 +127,7 @@ def _report(err: BaseException) -> None:
         _fail(err.message, err.hint, err.exit_code)
     detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
     _fail(f"{type(err).__name__}" + (f": {detail}" if detail else ""),
-          f"this is unexpected; set {DEBUG_ENV}=1 for a traceback", 1)
+          f"this is unexpected; set {DEBUG}=1 for a traceback", 1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,6 @@ __all__ = [
     "CommTimeoutError",
     "CheckpointError",
     "format_error",
-    "install_excepthook",
     "EXIT_CHECKPOINTED",
     "EXIT_BAD_CHECKPOINT",
 ]
@@ -85,37 +84,6 @@ def format_error(exc: VarunaError) -> str:
     if exc.hint:
         text += f"\nhint: {exc.hint}"
     return text
-
-
-def install_excepthook() -> None:
-    """Report an uncaught :class:`VarunaError` in a worker as one line and exit with its code.
-
-    Training scripts usually let errors propagate; a traceback through the runtime then hides the one line
-    that matters. With ``VARUNA_DEBUG=1`` the traceback is printed as usual. Other exceptions are untouched.
-    Installed by ``Varuna(...)``; idempotent.
-    """
-    import os
-    import sys
-
-    previous = sys.excepthook
-    if getattr(previous, "_varuna", False):
-        return
-
-    def hook(kind, value, tb):
-        if isinstance(value, VarunaError) and os.environ.get("VARUNA_DEBUG") != "1":
-            rank = os.environ.get("RANK")
-            prefix = f"[rank {rank}] " if rank is not None else ""
-            sys.stdout.flush()
-            # the real stderr: torch.distributed wraps this hook and points sys.stderr at a buffer it prints
-            # only after the hook returns, which os._exit prevents
-            err = sys.__stderr__ or sys.stderr
-            err.write("".join(prefix + line + "\n" for line in format_error(value).splitlines()))
-            err.flush()
-            os._exit(value.exit_code)
-        previous(kind, value, tb)
-
-    hook._varuna = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
 
 
 class CheckpointError(VarunaError):

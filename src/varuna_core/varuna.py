@@ -25,7 +25,9 @@ import torch.nn as nn
 
 from .util.checks import integer, real
 from .model.discovery import Structure, discover, make_batch_fn
-from .errors import ConfigError, CutPointError, TopologyError, install_excepthook
+from . import env
+from .errors import ConfigError, CutPointError, TopologyError
+from .worker.excepthook import install_excepthook
 from .pipeline.grads import GradBuffer, all_reduce_tensor
 from .pipeline.microbatch import batch_size_of, microbatch_sizes, split_inputs
 from .pipeline.p2p import default_timeout
@@ -134,7 +136,7 @@ class Varuna(nn.Module):
         if self.plan is not None:
             stage_to_rank_map, chunk_size, schedule, partition = _apply_plan(
                 self.plan, stage_to_rank_map, batch_size, chunk_size, schedule, partition)
-        self.trace_dir = trace if trace is not None else os.environ.get("VARUNA_TRACE") or None
+        self.trace_dir = trace if trace is not None else env.text(env.TRACE)
         self.trace_step = trace_step
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -503,8 +505,8 @@ class Varuna(nn.Module):
         from .checkpoint.layout import check_run_id, new_run_id
 
         value = (int(seed) if seed is not None else torch.initial_seed()) & _MASK64
-        env_run = os.environ.get("VARUNA_RUN_ID", "").strip()
-        run = check_run_id(env_run, "VARUNA_RUN_ID") if env_run else new_run_id()
+        env_run = env.text(env.RUN_ID)
+        run = check_run_id(env_run, env.RUN_ID) if env_run else new_run_id()
         if self.world_size > 1:
             packed = torch.zeros(2 + _RUN_ID_BYTES, dtype=torch.int64)
             packed[0] = value - 2**64 if value >= 2**63 else value
@@ -556,7 +558,7 @@ def _check_arguments(batch_size, chunk_size, timeout, bucket_mb, trace_step, see
 
 def _load_plan(plan: Any):
     if plan is None:
-        plan = os.environ.get("VARUNA_PLAN") or None
+        plan = env.text(env.PLAN)
     if plan is None:
         return None
     from .planning.artifacts import load_plan

@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from varuna_core.env import LAUNCHER_SET
 from varuna_core.errors import ConfigError, VarunaError
 from varuna_core.launch.hosts import MAX_SLOTS
 
@@ -36,15 +37,7 @@ HELP = (
 ENV_FILE_LIMIT = 256 * 2**10
 MAX_ENV_STRING = 128 * 2**10 - 1  # Linux refuses to start a process with a longer KEY=VALUE (MAX_ARG_STRLEN)
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Variables the launcher sets for every worker; the option that sets each, where there is one.
-RESERVED_ENV = {
-    "RANK": None, "LOCAL_RANK": None, "WORLD_SIZE": None, "LOCAL_WORLD_SIZE": None, "GROUP_RANK": None,
-    "MASTER_ADDR": None, "MASTER_PORT": None, "TORCHELASTIC_USE_AGENT_STORE": None, "VARUNA_HOST": None,
-    "VARUNA_JOB_ID": None, "VARUNA_JOB_TOKEN": None, "VARUNA_ATTEMPT": None, "VARUNA_RUN_ID": None,
-    "VARUNA_MANAGER": None, "VARUNA_PLAN": "the PLAN argument", "VARUNA_CKPT_DIR": "--ckpt-dir",
-    "VARUNA_RUN_DIR": "--run-dir", "VARUNA_RESUME_STEP": "--resume", "VARUNA_CKPT_EVERY": "--ckpt-every",
-    "VARUNA_CKPT_KEEP": "--ckpt-keep", "VARUNA_CKPT_TEMPDIR": "--ckpt-tempdir", "VARUNA_TOTAL_STEPS": "--steps",
-}
+RESERVED_ENV = LAUNCHER_SET  # variables the launcher sets for every worker; the option that sets each
 
 
 def _env_file(path: Path) -> dict[str, str]:

@@ -66,6 +66,7 @@ from .io import copy_file
 from .layout import (COMPLETE_FILE, MANIFEST_FILE, RUN_FILE, describe_runs, latest, read_manifest, read_run, runs,
                           scan, step_dir)
 from .storage import RawReader, RawWriter, dcp_load, dcp_save
+from .. import env
 from ..errors import CheckpointError, ConfigError, VarunaError
 from ..util.fs import atomic_write
 
@@ -237,7 +238,7 @@ def save(vm: "Varuna", store: str | os.PathLike, *, step: int | None = None, tem
         return None
     job = _Background(rank=vm.rank, world=vm.world_size, local=staging, final=final, step=step, run=vm.run_id,
                       manifest=_manifest(vm, step, []), kv=_kv_store(vm), keep=keep, entries=files,
-                      timeout=vm.timeout, save=_saves, token=os.environ.get("VARUNA_JOB_TOKEN") or None)
+                      timeout=vm.timeout, save=_saves, token=env.text(env.JOB_TOKEN))
     global _executor
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="varuna-ckpt")

@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..env import HOST, PLAN
+
 __all__ = ["main", "worker_env"]
 
 _PR_SET_PDEATHSIG = 1
@@ -56,14 +58,15 @@ def worker_env(spec: dict, worker: dict, master_port: int, interface: str | None
         LOCAL_WORLD_SIZE=str(len(spec["workers"])), GROUP_RANK=str(spec["node"]),
         MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(master_port),
         TORCHELASTIC_USE_AGENT_STORE="True",  # the store lives in node 0's agent, not in rank 0
-        VARUNA_HOST=spec["host"], PYTHONUNBUFFERED="1",
+        PYTHONUNBUFFERED="1",
     )
+    env[HOST] = spec["host"]
     env.setdefault("OMP_NUM_THREADS", "1")
     if interface:
         env.setdefault("GLOO_SOCKET_IFNAME", interface)
         env.setdefault("NCCL_SOCKET_IFNAME", interface)
     if plan_path:
-        env["VARUNA_PLAN"] = plan_path
+        env[PLAN] = plan_path
     return env
 
 

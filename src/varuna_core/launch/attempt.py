@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from ..planning.artifacts import Plan
+from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, ConfigError, VarunaError
 from .heartbeat import Listener
 from .hosts import Host
@@ -223,20 +224,14 @@ class Attempt:
     # Start
 
     def _spec(self, node: Node, master_port: int | None) -> dict:
-        env = dict(self.opts.env)
-        env.update(
-            VARUNA_CKPT_DIR=str(self.opts.ckpt_dir), VARUNA_RUN_DIR=str(self.opts.run_dir),
-            VARUNA_JOB_ID=self.job, VARUNA_JOB_TOKEN=self.token, VARUNA_ATTEMPT=str(self.number),
-            VARUNA_RUN_ID=self.run_id,
-            VARUNA_MANAGER=f"{self.manager_address(node.host)}:{self.listener.port}",
-        )
-        if self.resume is not None:
-            env["VARUNA_RESUME_STEP"] = str(self.resume)
-        for key, value in (("VARUNA_CKPT_EVERY", self.opts.ckpt_every), ("VARUNA_CKPT_KEEP", self.opts.ckpt_keep),
-                           ("VARUNA_CKPT_TEMPDIR", self.opts.ckpt_tempdir),
-                           ("VARUNA_TOTAL_STEPS", self.opts.total_steps)):
-            if value:
-                env[key] = str(value)
+        told = WorkerEnv(
+            ckpt_dir=str(self.opts.ckpt_dir), run_dir=str(self.opts.run_dir), job_id=self.job, job_token=self.token,
+            attempt=self.number, run_id=self.run_id, resume_step=self.resume,
+            manager=f"{self.manager_address(node.host)}:{self.listener.port}",
+            ckpt_every=self.opts.ckpt_every or None, ckpt_keep=self.opts.ckpt_keep or None,
+            ckpt_tempdir=str(self.opts.ckpt_tempdir) if self.opts.ckpt_tempdir else None,
+            total_steps=self.opts.total_steps or None)
+        env = {**self.opts.env, **told.to_environ()}
         spec = {
             "job": self.job, "node": node.index, "host": node.host.name, "store": node.index == 0,
             "master_addr": self.nodes[0].host.address if self.opts.ssh else "127.0.0.1",

@@ -56,6 +56,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .. import env
+
 __all__ = ["encode", "decode", "Beacon", "Listener", "send_notice", "Beat", "DEFAULT_MAX_SKEW"]
 
 log = logging.getLogger(__name__)
@@ -331,20 +333,20 @@ class Beacon:
     def from_env(cls, rank: int) -> "Beacon | None":
         """A beacon if this process runs under ``varuna launch`` (``VARUNA_MANAGER``, ``VARUNA_JOB_ID``,
         ``VARUNA_JOB_TOKEN`` set), else None. Its beats name the attempt ``VARUNA_ATTEMPT`` (0 if unset)."""
-        where, job, token = (os.environ.get(k) for k in ("VARUNA_MANAGER", "VARUNA_JOB_ID", "VARUNA_JOB_TOKEN"))
+        where, job, token = (os.environ.get(k) for k in (env.MANAGER, env.JOB_ID, env.JOB_TOKEN))
         if not (where and job and token):
             return None
         try:
-            attempt = int(os.environ.get("VARUNA_ATTEMPT") or 0)
+            attempt = int(os.environ.get(env.ATTEMPT) or 0)
         except ValueError:
-            log.warning("heartbeats disabled: VARUNA_ATTEMPT=%s is not an integer", os.environ["VARUNA_ATTEMPT"])
+            log.warning("heartbeats disabled: %s=%s is not an integer", env.ATTEMPT, os.environ[env.ATTEMPT])
             return None
         host, _, port = where.rpartition(":")
         try:
             return cls((host.strip("[]"), int(port)), job, token, rank,
-                       os.environ.get("VARUNA_HOST", socket.gethostname()), attempt=attempt)
+                       os.environ.get(env.HOST, socket.gethostname()), attempt=attempt)
         except (ValueError, OSError) as exc:
-            log.warning("heartbeats disabled: VARUNA_MANAGER=%s: %s", where, exc)
+            log.warning("heartbeats disabled: %s=%s: %s", env.MANAGER, where, exc)
             return None
 
 

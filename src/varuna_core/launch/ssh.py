@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..env import JOB_ID
 from .hosts import Host
 
 __all__ = ["SSHConfig", "Runtime", "AgentHandle", "check_hosts", "HostProblem", "parse_event"]
@@ -160,7 +161,7 @@ class AgentHandle:
                  runtime: Runtime, ssh: SSHConfig | None) -> None:
         self.node, self.host = node, host
         # the job id marks every process of the job (the agent's and, through the spec, the workers')
-        command = runtime.command("-m", "varuna_core.launch.agent", env={"VARUNA_JOB_ID": spec["job"]})
+        command = runtime.command("-m", "varuna_core.launch.agent", env={JOB_ID: spec["job"]})
         if ssh is None:
             argv = ["/bin/sh", "-c", command]
         else:

@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from .cutpoint import CutPoint, find_cutpoints
+from ..env import CACHE_DIR
 from ..errors import ConfigError, CutPointError
 from .payload import ProbeMismatch, ValueSpec, spec_from_probes
 from .precision import autocast
@@ -506,7 +507,7 @@ _MEMO: dict[str, Structure] = {}
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("VARUNA_CACHE_DIR") or os.path.join(
+    root = os.environ.get(CACHE_DIR) or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "varuna"
     )
     return Path(root) / "structure"

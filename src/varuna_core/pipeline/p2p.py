@@ -30,9 +30,10 @@ _MAX_LEAVES = 256
 
 def default_timeout() -> float:
     """Seconds any single wait may take (``VARUNA_TIMEOUT``, default 300)."""
+    from ..env import TIMEOUT
     from ..util.checks import env_real
 
-    value = env_real("VARUNA_TIMEOUT", os.environ.get("VARUNA_TIMEOUT"), low=0, low_open=True)
+    value = env_real(TIMEOUT, os.environ.get(TIMEOUT), low=0, low_open=True)
     return 300.0 if value is None else value
 
 

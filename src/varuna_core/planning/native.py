@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+from ..env import NO_NATIVE, flag
 from ..errors import VarunaError
 
 __all__ = ["module", "require"]
@@ -17,7 +18,7 @@ _cached: list[ModuleType | None] = []
 
 def module() -> ModuleType | None:
     """The native module, or ``None`` when it is not built or disabled."""
-    if os.environ.get("VARUNA_NO_NATIVE") == "1":
+    if flag(NO_NATIVE):
         return None
     if not _cached:
         try:

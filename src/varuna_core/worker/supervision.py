@@ -24,7 +24,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ..util.checks import env_integer
+from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError
 from ..launch.heartbeat import Beacon
 
@@ -44,10 +44,6 @@ class ResumeRefused(CheckpointError):
     exit_code = EXIT_BAD_CHECKPOINT
 
 
-def _env_int(name: str, low: int = 0) -> int | None:
-    return env_integer(name, os.environ.get(name), low=low)
-
-
 def _process_start() -> float | None:
     """Wall-clock time this process started (Linux ``/proc``), for the launcher's start-up timings."""
     try:
@@ -61,12 +57,13 @@ def _process_start() -> float | None:
 class Supervision:
     def __init__(self, rank: int) -> None:
         self.started = _process_start()
-        self.ckpt_dir = os.environ.get("VARUNA_CKPT_DIR") or None
-        self.resume_step = _env_int("VARUNA_RESUME_STEP")
-        self.every = _env_int("VARUNA_CKPT_EVERY") or 0
-        self.keep = _env_int("VARUNA_CKPT_KEEP", low=1)
-        self.tempdir = os.environ.get("VARUNA_CKPT_TEMPDIR") or None
-        self.total_steps = _env_int("VARUNA_TOTAL_STEPS")
+        told = WorkerEnv.from_environ()
+        self.ckpt_dir = told.ckpt_dir
+        self.resume_step = told.resume_step
+        self.every = told.ckpt_every or 0
+        self.keep = told.ckpt_keep
+        self.tempdir = told.ckpt_tempdir
+        self.total_steps = told.total_steps
         if (self.resume_step is not None or self.every) and not self.ckpt_dir:
             raise ConfigError("VARUNA_RESUME_STEP or VARUNA_CKPT_EVERY is set but VARUNA_CKPT_DIR is not",
                               hint="set VARUNA_CKPT_DIR to the checkpoint store (varuna launch does)")

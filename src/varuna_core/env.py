@@ -1,0 +1,120 @@
+"""Every environment variable the toolkit reads or sets, in one place (floor L0).
+
+Two kinds: the user's switches (``VARUNA_DEBUG``, ``VARUNA_TIMEOUT``, ...), and the contract between
+``varuna launch`` and its workers (:class:`WorkerEnv`): the launcher writes it with :meth:`WorkerEnv.to_environ`,
+the node agent passes it on, and ``Varuna(...)`` in the worker reads it back with :meth:`WorkerEnv.from_environ`.
+A name written as a string literal anywhere else is a bug waiting for a typo.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from .util.checks import env_integer
+
+__all__ = ["DEBUG", "TIMEOUT", "TRACE", "PLAN", "RUN_ID", "NO_NATIVE", "CACHE_DIR", "TORCHRUN", "WorkerEnv",
+           "LAUNCHER_SET", "flag", "debug", "text", "HOST", "JOB_ID", "JOB_TOKEN", "ATTEMPT",
+           "MANAGER"]
+
+# the user's switches
+DEBUG = "VARUNA_DEBUG"  # 1: tracebacks instead of one-line errors
+TIMEOUT = "VARUNA_TIMEOUT"  # seconds any single communication wait may take
+TRACE = "VARUNA_TRACE"  # directory for Chrome traces of one step
+NO_NATIVE = "VARUNA_NO_NATIVE"  # 1: the pure-Python simulator instead of the C++ one
+CACHE_DIR = "VARUNA_CACHE_DIR"  # where structure discovery caches its dry runs
+# set by the launcher (and read by the worker): see WorkerEnv
+PLAN = "VARUNA_PLAN"
+RUN_ID = "VARUNA_RUN_ID"
+HOST = "VARUNA_HOST"
+JOB_ID = "VARUNA_JOB_ID"
+JOB_TOKEN = "VARUNA_JOB_TOKEN"
+ATTEMPT = "VARUNA_ATTEMPT"
+MANAGER = "VARUNA_MANAGER"
+
+# torchrun's variables, which the launcher's agent sets for every worker
+TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_USE_AGENT_STORE")
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def text(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of ``name`` without surrounding blanks; None when unset or blank."""
+    value = (os.environ if environ is None else environ).get(name)
+    return value.strip() if value and value.strip() else None
+
+
+def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the switch ``name`` is on (``1``, ``true``, ``yes`` or ``on``, in any case)."""
+    return (text(name, environ) or "").lower() in _TRUE
+
+
+def debug() -> bool:
+    """``VARUNA_DEBUG``: show tracebacks instead of one-line errors (CLI and workers alike)."""
+    return flag(DEBUG)
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What ``varuna launch`` tells each worker, besides torchrun's variables (:data:`TORCHRUN`).
+
+    Every field is optional: a script started by hand (or by torchrun) sees an empty ``WorkerEnv`` and runs
+    without supervision. ``name`` metadata is the variable's name; :data:`LAUNCHER_SET` says which launch
+    option sets it, for the env file's error messages.
+    """
+
+    plan: str | None = None  # VARUNA_PLAN: the plan file the agent wrote beside the worker
+    ckpt_dir: str | None = None  # VARUNA_CKPT_DIR: the checkpoint store
+    run_dir: str | None = None  # VARUNA_RUN_DIR: logs, metrics, preemption notices
+    resume_step: int | None = None  # VARUNA_RESUME_STEP: load this step of the store once the optimizer is set
+    ckpt_every: int | None = None  # VARUNA_CKPT_EVERY: a checkpoint every N steps
+    ckpt_keep: int | None = None  # VARUNA_CKPT_KEEP: how many of this run's checkpoints to keep
+    ckpt_tempdir: str | None = None  # VARUNA_CKPT_TEMPDIR: staging directory of background checkpoints
+    total_steps: int | None = None  # VARUNA_TOTAL_STEPS: for the launcher's ETA
+    job_id: str | None = None  # VARUNA_JOB_ID
+    job_token: str | None = None  # VARUNA_JOB_TOKEN: HMAC key of heartbeats and checkpoint reports (secret)
+    attempt: int | None = None  # VARUNA_ATTEMPT: which start of the job this is (heartbeats are bound to it)
+    run_id: str | None = None  # VARUNA_RUN_ID: the run the checkpoints belong to
+    manager: str | None = None  # VARUNA_MANAGER: host:port of the launcher's heartbeat listener
+    host: str | None = None  # VARUNA_HOST: this worker's host as the launcher names it
+
+    @staticmethod
+    def variable(field_name: str) -> str:
+        return "VARUNA_" + field_name.upper()
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables to set: every field that is not None (and not an empty string)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value != "":
+                out[self.variable(f.name)] = str(value)
+        return out
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        """Read and check the variables (a malformed number is a ConfigError naming the variable)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            name = cls.variable(f.name)
+            if f.name in _INTEGERS:
+                values[f.name] = env_integer(name, environ.get(name), low=_INTEGERS[f.name])
+            else:
+                values[f.name] = text(name, environ)
+        return cls(**values)
+
+
+_INTEGERS = {"resume_step": 0, "ckpt_every": 0, "ckpt_keep": 1, "total_steps": 0, "attempt": 0}
+
+# Variables the launcher sets for every worker, and the `varuna launch` option that sets each (None: no option;
+# every worker gets its own value). An env file may not set them.
+LAUNCHER_SET: dict[str, str | None] = {
+    **{name: None for name in TORCHRUN},
+    **{WorkerEnv.variable(f.name): None for f in fields(WorkerEnv)},
+    PLAN: "the PLAN argument", "VARUNA_CKPT_DIR": "--ckpt-dir", "VARUNA_RUN_DIR": "--run-dir",
+    "VARUNA_RESUME_STEP": "--resume", "VARUNA_CKPT_EVERY": "--ckpt-every", "VARUNA_CKPT_KEEP": "--ckpt-keep",
+    "VARUNA_CKPT_TEMPDIR": "--ckpt-tempdir", "VARUNA_TOTAL_STEPS": "--steps",
+}
