@@ -20,7 +20,7 @@ from torch import nn
 
 import varuna_cli.app as cli
 from varuna_core.checkpoint import tools as ckpt_tools
-from varuna_core.planning.artifacts import FileEntry, Manifest, TensorEntry
+from varuna_core.checkpoint.manifest import FileEntry, Manifest, TensorEntry
 from varuna_core.checkpoint.storage import RawWriter
 from varuna_core.errors import CheckpointError, ConfigError
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.specs import sleep
-from varuna_core.planning.artifacts import Profile, schema_text
+from varuna_core.planning.artifacts import Profile
+from varuna_core.util.artifacts import schema_text
 from varuna_core.errors import ConfigError
 from varuna_core.profiling.run import profile
 from varuna_core.model.spec import ModelSpec, load_spec
@@ -65,7 +66,7 @@ def test_changed_model_is_measured_again(monkeypatch) -> None:
 
 def test_schema_file_is_in_sync() -> None:
     on_disk = (ROOT / "schemas" / "profile.schema.json").read_text()
-    assert on_disk == schema_text(Profile), "regenerate schemas/: python -m varuna_core.planning.artifacts"
+    assert on_disk == schema_text(Profile), "regenerate schemas/: python -m varuna_core.schemas"
 
 
 @pytest.mark.parametrize(

@@ -48,14 +48,15 @@ def list_(
 
     from rich.table import Table
 
+    from varuna_core.checkpoint.layout import latest, runs, scan
     from varuna_core.checkpoint.tools import list_checkpoints
     from varuna_core.ir.units import format_bytes
 
     infos = list_checkpoints(store)
-    newest: dict[str | None, int] = {}  # run -> its latest complete step
-    for i in infos:
-        if i.complete:
-            newest[i.run] = i.step
+    entries = scan(store)
+    newest: dict[str | None, int] = {  # run -> its latest complete step
+        run: found.step for run in runs([e for e in entries if e.complete])
+        if (found := latest(entries, of_runs={run})) is not None}
     latest = next(iter(newest.values())) if len(newest) == 1 else None
     if as_json:
         doc = {"store": str(store), "latest_complete": latest,

@@ -40,7 +40,8 @@ def plan(
     from rich.console import Console
     from rich.text import Text
 
-    from varuna_core.planning.artifacts import check_writable, first_problem, load_profile, save_plan
+    from varuna_core.planning.artifacts import load_profile, save_plan
+    from varuna_core.util.artifacts import check_writable, first_problem
     from varuna_core.planning.planner import PlanRequest, make_plan
     from varuna_core.ir.units import parse_bytes
 
@@ -166,7 +167,8 @@ def show(
     max_steps: Annotated[int, typer.Option("--max-steps", help="Rows of the grid to print (0: all).")] = 60,
 ) -> None:
     """Print a plan's schedule as a step × stage grid; optionally draw the simulated timeline."""
-    from varuna_core.planning.artifacts import check_writable, load_plan
+    from varuna_core.planning.artifacts import load_plan
+    from varuna_core.util.artifacts import check_writable
     from varuna_core.ir.schedule import generate
 
     if max_steps < 0:

@@ -74,7 +74,7 @@ def profile(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from varuna_core.planning.artifacts import check_writable, save_artifact
+    from varuna_core.util.artifacts import check_writable, save_artifact
     from varuna_core.profiling.run import profile as run_profile
     from varuna_core.ir.units import parse_bytes
 

@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Collection, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from ..errors import CheckpointError, ConfigError
 from ..util.fs import read_regular
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.artifacts import Manifest
+    from .manifest import Manifest
 
 __all__ = ["StepDir", "RUN_FILE", "COMPLETE_FILE", "MANIFEST_FILE", "scan", "step_dir", "read_run", "new_run_id",
            "check_run_id", "latest", "runs", "describe_runs", "read_manifest", "quick_check"]
@@ -135,17 +136,37 @@ def describe_runs(entries: list[StepDir]) -> str:
     return "; ".join(parts) or "no complete checkpoint"
 
 
-def latest(store: str | os.PathLike, *, run: str | None = None, any_run: bool = False, complete: bool = True,
-           exclude: set[int] | frozenset[int] = frozenset()) -> StepDir | None:
-    """The newest checkpoint of ``run`` in ``store`` (complete ones only with ``complete``; steps in ``exclude``
-    skipped). With ``any_run``, the newest of whatever run; ``run=None`` without ``any_run`` means the
-    checkpoints that record no run."""
-    found = [e for e in scan(store)
-             if (any_run or e.run == run) and (e.complete or not complete) and e.step not in exclude]
-    return found[-1] if found else None
+def latest(store: str | os.PathLike | Sequence[StepDir], *, of_runs: Collection[str | None] | None = None,
+           complete: bool = True, refused: MutableMapping[int, str] | None = None,
+           check: bool = False) -> StepDir | None:
+    """The newest checkpoint to resume from: the one function that decides it (loads, the launcher, the tools
+    and the CLI all ask it). None if there is none.
+
+    Args:
+        store: a store's path, or what :func:`scan` found in it.
+        of_runs: only checkpoints of these runs (``None`` in it: those that record no run); ``None``: of any
+            run (a caller that must not mix runs checks first that the store holds one, see :func:`runs`).
+        complete: only complete checkpoints (``COMPLETE`` written).
+        refused: steps set aside, with why; they are skipped.
+        check: run :func:`quick_check` on each candidate, newest first, and take the first that passes; one that
+            fails is added to ``refused`` with the reason (when given), so it is looked at once.
+    """
+    entries = scan(store) if isinstance(store, (str, os.PathLike)) else store
+    for entry in reversed(entries):
+        if (of_runs is not None and entry.run not in of_runs) or (complete and not entry.complete) \
+                or (refused is not None and entry.step in refused):
+            continue
+        if check:
+            problem = quick_check(entry)
+            if problem is not None:
+                if refused is not None:
+                    refused[entry.step] = problem
+                continue
+        return entry
+    return None
 
 
-def read_manifest(directory: str | os.PathLike) -> "Manifest":
+def read_manifest(directory: str | os.PathLike) -> Manifest:
     """The manifest of a checkpoint directory (bounded read, no links, validated).
 
     Raises:
@@ -153,7 +174,7 @@ def read_manifest(directory: str | os.PathLike) -> "Manifest":
     """
     from pydantic import ValidationError
 
-    from ..planning.artifacts import Manifest
+    from .manifest import Manifest
 
     path = Path(directory) / MANIFEST_FILE
     data = read_regular(path, MANIFEST_LIMIT, what="checkpoint manifest", follow=False, error=CheckpointError)

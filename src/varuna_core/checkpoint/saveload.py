@@ -1,7 +1,8 @@
 """Checkpoints that load under any pipeline depth and data-parallel width, are never half-true, and belong to
 one run.
 
-Layout of ``<store>/step_<N>/`` (see :class:`varuna_core.planning.artifacts.Manifest` and :mod:`varuna_core.checkpoint.layout`):
+Layout of ``<store>/step_<N>/`` (see :class:`varuna_core.checkpoint.manifest.Manifest` and
+:mod:`varuna_core.checkpoint.layout`):
 
 * ``RUN``: the id of the run that wrote it, written first, so that even a partial directory says whose it is;
 * ``torch.distributed.checkpoint`` entries under the model's own names: ``model/<name>`` (each parameter
@@ -52,28 +53,27 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from ..planning.artifacts import CHECKPOINT_INDEX, FileEntry, Manifest, TensorEntry
-from ..util.checks import integer
-from .io import copy_file
-from .layout import (COMPLETE_FILE, MANIFEST_FILE, RUN_FILE, describe_runs, latest, read_manifest, read_run, runs,
-                          scan, step_dir)
-from .storage import RawReader, RawWriter, dcp_load, dcp_save
 from .. import env
 from ..errors import CheckpointError, ConfigError, VarunaError
+from ..util.checks import integer
 from ..util.fs import atomic_write
+from .io import copy_file
+from .layout import (COMPLETE_FILE, MANIFEST_FILE, RUN_FILE, describe_runs, latest, read_manifest, read_run, runs,
+                     scan, step_dir)
+from .manifest import CHECKPOINT_INDEX, FileEntry, Manifest, TensorEntry
+from .state import CheckpointState
+from .storage import RawReader, RawWriter, dcp_load, dcp_save
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..varuna import Varuna
-
-__all__ = ["save", "load"]
+__all__ = ["CheckpointState", "save", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -92,30 +92,25 @@ _saves = 0  # saves made by this process: every rank makes the same calls, so it
 # What a rank saves
 
 
-def _canonical(vm: "Varuna") -> dict[str, str]:
-    """Parameter name -> its checkpoint name: the canonical name of its weight group (see
-    :func:`varuna_core.model.stage.weight_groups`), which depends on the model alone, never on the partition, so any
-    layout finds it."""
-    return {name: canonical for canonical, names in vm.weight_groups for name in names}
+def _keys(state: CheckpointState) -> list[tuple[str, torch.nn.Parameter]]:
+    """This rank's parameters with their checkpoint names: the canonical name of a parameter's weight group
+    (see :func:`varuna_core.model.stage.weight_groups`) depends on the model alone, never on the partition, so
+    any layout finds it."""
+    canonical = state.canonical_names()
+    return [(canonical.get(name, name), p) for name, p in state.params]
 
 
-def _keys(vm: "Varuna") -> list[tuple[str, torch.nn.Parameter]]:
-    """This rank's parameters with their checkpoint names."""
-    canonical = _canonical(vm)
-    return [(canonical.get(name, name), p) for name, p in vm.stage_module.param_names]
-
-
-def _buffers(vm: "Varuna") -> dict[str, torch.Tensor]:
+def _buffers(state: CheckpointState) -> dict[str, torch.Tensor]:
     """Persistent buffers this rank holds (a buffer replicated on several stages is saved once by DCP)."""
-    persistent = set(vm.module.state_dict(keep_vars=True))
-    return {name: b for name, b in vm.module.named_buffers() if name in persistent and b.device.type != "meta"}
+    persistent = set(state.module.state_dict(keep_vars=True))
+    return {name: b for name, b in state.module.named_buffers() if name in persistent and b.device.type != "meta"}
 
 
-def _parameters(vm: "Varuna") -> list[TensorEntry]:
+def _parameters(state: CheckpointState) -> list[TensorEntry]:
     """Every parameter of the whole model (all stages) under its checkpoint name, each weight once."""
-    canonical = _canonical(vm)
+    canonical = state.canonical_names()
     params, keys = [], set()
-    for name, p in vm.module.named_parameters(remove_duplicate=False):
+    for name, p in state.module.named_parameters(remove_duplicate=False):
         key = canonical.get(name, name)
         if key not in keys:
             keys.add(key)
@@ -123,56 +118,59 @@ def _parameters(vm: "Varuna") -> list[TensorEntry]:
     return params
 
 
-def _state(vm: "Varuna", *, write_model: bool) -> dict[str, torch.Tensor]:
-    sd: dict[str, torch.Tensor] = {f"rng/rank{vm.rank}": torch.get_rng_state()}
-    if vm.device.type == "cuda":
-        sd[f"rng_cuda/rank{vm.rank}"] = torch.cuda.get_rng_state(vm.device)
+def _state_dict(state: CheckpointState, *, write_model: bool) -> dict[str, torch.Tensor]:
+    """What this rank writes: its RNG states, and unless another replica writes them, its parameters, their
+    optimizer state (numbers as 0-d tensors) and its persistent buffers, under checkpoint keys."""
+    sd: dict[str, torch.Tensor] = {f"rng/rank{state.rank}": torch.get_rng_state()}
+    if state.device.type == "cuda":
+        sd[f"rng_cuda/rank{state.rank}"] = torch.cuda.get_rng_state(state.device)
     if not write_model:
         return sd
-    for key, p in _keys(vm):
+    for key, p in _keys(state):
         sd[f"model/{key}"] = p.detach()
-        state = vm.optimizer.state.get(p, {}) if vm.optimizer is not None else {}
-        for name, value in state.items():
+        slots = state.optimizer.state.get(p, {}) if state.optimizer is not None else {}
+        for name, value in slots.items():
             if isinstance(value, torch.Tensor):
                 sd[f"optim/{key}/{name}"] = value
             elif isinstance(value, (int, float)):
                 sd[f"optim/{key}/{name}"] = torch.tensor(value)
-    for name, b in _buffers(vm).items():
+    for name, b in _buffers(state).items():
         sd[f"buffer/{name}"] = b
     return sd
 
 
-def _optimizer_info(vm: "Varuna") -> dict | None:
-    if vm.optimizer is None:
+def _optimizer_info(state: CheckpointState) -> dict | None:
+    if state.optimizer is None:
         return None
     groups = [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, list, tuple,
                                                                               type(None)))}
-              for g in vm.optimizer.param_groups]
-    return {"class": type(vm.optimizer).__name__, "param_groups": groups}
+              for g in state.optimizer.param_groups]
+    return {"class": type(state.optimizer).__name__, "param_groups": groups}
 
 
-def _manifest(vm: "Varuna", step: int, files: list[FileEntry]) -> Manifest:
+def _manifest(state: CheckpointState, step: int, files: list[FileEntry]) -> Manifest:
     return Manifest(
-        step=step, run_id=vm.run_id,
+        step=step, run_id=state.run_id,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        model=type(vm.module).__name__, structure_hash=vm.structure.key, num_segments=vm.structure.num_segments,
-        pp=vm.pp, dp=vm.dp, stage_to_rank_map=vm.topology.to_string(), partition=list(vm.partition.ranges),
-        precision=vm.precision, iteration=vm.iteration, samples_seen=vm.iteration * vm.batch_size, seed=vm.seed,
-        loss_scaler=vm.scaler.state_dict() if vm.scaler is not None else None, optimizer=_optimizer_info(vm),
-        tied=[[canonical, *[n for n in names if n != canonical]] for canonical, names in vm.weight_groups],
-        parameters=_parameters(vm), plan=vm.plan.model_dump(mode="json") if vm.plan is not None else None,
-        files=files)
+        model=type(state.module).__name__, structure_hash=state.structure_hash, num_segments=state.num_segments,
+        pp=state.pp, dp=state.dp, stage_to_rank_map=state.stage_to_rank_map, partition=list(state.partition),
+        precision=state.precision, iteration=state.iteration, samples_seen=state.samples_seen, seed=state.seed,
+        loss_scaler=state.loss_scaler, optimizer=_optimizer_info(state),
+        tied=[[canonical, *[n for n in names if n != canonical]] for canonical, names in state.weight_groups],
+        parameters=_parameters(state), plan=state.plan, files=files)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Save
 
 
-def save(vm: "Varuna", store: str | os.PathLike, *, step: int | None = None, tempdir: str | os.PathLike | None = None,
-         shard: bool = True, background: bool = False, keep: int | None = None):
+def save(state: CheckpointState, store: str | os.PathLike, *, step: int | None = None,
+         tempdir: str | os.PathLike | None = None, shard: bool = True, background: bool = False,
+         keep: int | None = None):
     """Write a checkpoint of every rank's state (collective: every rank calls it).
 
     Args:
+        state: this rank's state; only read (a background save keeps what it needs as plain values).
         store: the global checkpoint directory (shared by all hosts).
         step: the checkpoint's number (default: the optimizer steps taken).
         tempdir: a fast local directory to write to first (needed for ``background``); each rank writes into a
@@ -193,52 +191,53 @@ def save(vm: "Varuna", store: str | os.PathLike, *, step: int | None = None, tem
     if background and tempdir is None:
         raise ConfigError("background=True needs a tempdir (a fast local directory)",
                           hint="pass tempdir=/local/disk/path, or background=False")
-    step = vm.iteration if step is None else integer("step", step, low=0)
+    step = state.iteration if step is None else integer("step", step, low=0)
     keep = None if keep is None else integer("keep", keep, low=1)
     store = Path(store)
     final = step_dir(store, step)
     _saves += 1
     created, problem = False, None
-    if vm.rank == 0:
-        problem = _prepare(final, vm.run_id)
+    if state.rank == 0:
+        problem = _prepare(final, state.run_id)
         created = problem is None
     staging = None
     if problem is None and tempdir is not None:
         try:
-            staging = _make_staging(Path(tempdir), vm.run_id, vm.rank, step)
+            staging = _make_staging(Path(tempdir), state.run_id, state.rank, step)
         except OSError as exc:
-            problem = f"rank {vm.rank} cannot create its staging directory in {tempdir}: {exc.strerror or exc}"
+            problem = f"rank {state.rank} cannot create its staging directory in {tempdir}: {exc.strerror or exc}"
     try:
-        _agree(vm, problem, hint="the previous complete checkpoint is still the latest")
+        _agree(state, problem, hint="the previous complete checkpoint is still the latest")
         writer = RawWriter(staging or final, sync_files=staging is None)
-        dcp_save(_state(vm, write_model=shard or vm.replica == 0), writer)  # a failure anywhere raises everywhere
+        # a failure anywhere raises everywhere
+        dcp_save(_state_dict(state, write_model=shard or state.replica == 0), writer)
     except BaseException as exc:
         _discard(staging)
         if created:
             _remove_own(final)
         if isinstance(exc, (VarunaError, KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"writing checkpoint {final} failed on rank {vm.rank}: {_reason(exc)}",
+        raise CheckpointError(f"writing checkpoint {final} failed on rank {state.rank}: {_reason(exc)}",
                               hint="what this save wrote was removed; the previous complete checkpoint is still "
                                    "the latest") from None
     files = [f.as_dict() for f in writer.files]  # hashed while written: no second pass over the bytes
     if staging is None:
-        gathered = _gather(vm, files)
+        gathered = _gather(state, files)
         problem = None
-        if vm.rank == 0:
+        if state.rank == 0:
             try:
                 entries = _entries(gathered, final)
-                _complete(final, _manifest(vm, step, entries), vm.run_id, keep)
+                _complete(final, _manifest(state, step, entries), state.run_id, keep)
             except (OSError, VarunaError) as exc:
                 problem = f"completing {final} failed: {_reason(exc)}"
                 _remove_own(final)
         with _state_lock:
             _writing.discard(final)
-        _agree(vm, problem, hint="the previous complete checkpoint is still the latest")
+        _agree(state, problem, hint="the previous complete checkpoint is still the latest")
         return None
-    job = _Background(rank=vm.rank, world=vm.world_size, local=staging, final=final, step=step, run=vm.run_id,
-                      manifest=_manifest(vm, step, []), kv=_kv_store(vm), keep=keep, entries=files,
-                      timeout=vm.timeout, save=_saves, token=env.text(env.JOB_TOKEN))
+    job = _Background(rank=state.rank, world=state.world_size, local=staging, final=final, step=step, run=state.run_id,
+                      manifest=_manifest(state, step, []), kv=_kv_store(state), keep=keep, entries=files,
+                      timeout=state.timeout, save=_saves, token=env.text(env.JOB_TOKEN))
     global _executor
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="varuna-ckpt")
@@ -517,32 +516,32 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _gather(vm: "Varuna", files: list[dict]) -> list[list[dict]]:
-    if vm.world_size == 1:
+def _gather(state: CheckpointState, files: list[dict]) -> list[list[dict]]:
+    if state.world_size == 1:
         return [files]
-    out: list = [None] * vm.world_size
+    out: list = [None] * state.world_size
     dist.all_gather_object(out, files)
     return out
 
 
-def _agree(vm: "Varuna", problem: str | None, hint: str | None = None) -> None:
+def _agree(state: CheckpointState, problem: str | None, hint: str | None = None) -> None:
     """Every rank learns whether any rank had a problem; if one did, every rank raises the first."""
     problems = [problem]
-    if vm.world_size > 1:
-        problems = [None] * vm.world_size
+    if state.world_size > 1:
+        problems = [None] * state.world_size
         dist.all_gather_object(problems, problem)
     bad = [p for p in problems if p]
     if bad:
         raise CheckpointError(bad[0], hint=hint)
 
 
-def _barrier(vm: "Varuna") -> None:
-    if vm.world_size > 1:
+def _barrier(state: CheckpointState) -> None:
+    if state.world_size > 1:
         dist.barrier()
 
 
-def _kv_store(vm: "Varuna"):
-    if vm.world_size == 1:
+def _kv_store(state: CheckpointState):
+    if state.world_size == 1:
         return None
     return dist.distributed_c10d._get_default_store()
 
@@ -551,11 +550,14 @@ def _kv_store(vm: "Varuna"):
 # Load
 
 
-def load(vm: "Varuna", store: str | os.PathLike, *, iteration: int | str = "latest", check_complete: bool = True,
-         run: str | None = None, load_optimizer: bool = True) -> int:
+def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | str = "latest",
+         check_complete: bool = True, run: str | None = None, load_optimizer: bool = True) -> int:
     """Restore parameters, buffers, optimizer state, loss scaler, iteration, seed and RNG from a checkpoint
     written under any partition (collective), all or nothing. Returns the step loaded; the run continues under
     the checkpoint's run id.
+
+    The live parameters, buffers, optimizer and RNG change in place; the iteration, seed, run id and loss
+    scaler state are set in ``state`` (and ``state.restored``) for the caller to adopt.
 
     ``iteration="latest"`` takes the newest complete checkpoint of this run (``run``, if given), else of the
     only run the store holds; a store of several runs needs ``run`` or a step.
@@ -566,22 +568,22 @@ def load(vm: "Varuna", store: str | os.PathLike, *, iteration: int | str = "late
             ``load_optimizer=False`` to load the model alone).
     """
     store = Path(store)
-    step = _agreed(vm, lambda: _choose(vm, store, iteration, check_complete, run), decided_by_rank0=True)
+    step = _agreed(state, lambda: _choose(state, store, iteration, check_complete, run), decided_by_rank0=True)
     directory = step_dir(store, step)
-    manifest = _agreed(vm, lambda: _manifest_of(directory, step))
+    manifest = _agreed(state, lambda: _manifest_of(directory, step))
     expected = {e.path: (e.bytes, e.sha256) for e in manifest.files} if check_complete else None
-    reader = _agreed(vm, lambda: RawReader(directory, expected, rank=vm.rank, world=vm.world_size,
-                                           listed=[e.path for e in manifest.files]))
-    metadata = _agreed(vm, lambda: reader.read_metadata().state_dict_metadata)
-    groups = _agreed(vm, lambda: _check_fits(vm, directory, manifest, metadata, load_optimizer))
-    plan = _Targets.build(vm, metadata, manifest, load_optimizer)
+    reader = _agreed(state, lambda: RawReader(directory, expected, rank=state.rank, world=state.world_size,
+                                              listed=[e.path for e in manifest.files]))
+    metadata = _agreed(state, lambda: reader.read_metadata().state_dict_metadata)
+    groups = _agreed(state, lambda: _check_fits(state, directory, manifest, metadata, load_optimizer))
+    plan = _Targets.build(state, metadata, manifest, load_optimizer)
     dcp_load(plan.target, reader)  # every file's size and sha256 checked on the way; a failure raises everywhere
-    plan.commit(vm, manifest, groups)
-    _barrier(vm)
+    plan.commit(state, manifest, groups)
+    _barrier(state)
     return step
 
 
-def _choose(vm: "Varuna", store: Path, iteration: int | str, check_complete: bool, run: str | None) -> int:
+def _choose(state: CheckpointState, store: Path, iteration: int | str, check_complete: bool, run: str | None) -> int:
     if not store.is_dir():
         raise CheckpointError(f"checkpoint store {store} does not exist or is not a directory")
     if iteration != "latest":
@@ -599,12 +601,12 @@ def _choose(vm: "Varuna", store: Path, iteration: int | str, check_complete: boo
             raise CheckpointError(f"checkpoint {directory} belongs to run {read_run(directory)}, not {run}")
         return step
     if run is not None:
-        found = latest(store, run=run, complete=check_complete)
+        found = latest(store, of_runs={run}, complete=check_complete)
         if found is None:
             raise CheckpointError(f"no {'complete ' if check_complete else ''}checkpoint of run {run} in {store}",
                                   hint=f"the store holds: {describe_runs(scan(store))}")
         return found.step
-    own = latest(store, run=vm.run_id, complete=check_complete)
+    own = latest(store, of_runs={state.run_id}, complete=check_complete)
     if own is not None:
         return own.step
     entries = [e for e in scan(store) if e.complete or not check_complete]
@@ -616,7 +618,7 @@ def _choose(vm: "Varuna", store: Path, iteration: int | str, check_complete: boo
         raise CheckpointError(f"{store} holds checkpoints of {len(groups)} runs ({describe_runs(entries)}): which "
                               f"one to resume is ambiguous", hint="name the run (load_checkpoint(..., run=ID), or "
                               "VARUNA_RUN_ID) or the step (iteration=N)")
-    return next(iter(groups.values()))[-1].step
+    return latest(entries, complete=check_complete).step  # of the one run there is
 
 
 def _manifest_of(directory: Path, step: int) -> Manifest:
@@ -627,11 +629,12 @@ def _manifest_of(directory: Path, step: int) -> Manifest:
     return manifest
 
 
-def _check_fits(vm: "Varuna", directory: Path, manifest: Manifest, metadata: dict, load_optimizer: bool) -> list:
+def _check_fits(state: CheckpointState, directory: Path, manifest: Manifest, metadata: dict,
+                load_optimizer: bool) -> list:
     """Refuse a checkpoint that is not of this model (names, shapes, dtypes), whose index disagrees with its
     manifest, or whose optimizer or loss scaler cannot be restored into this run's. Returns the optimizer's
     hyper-parameters to restore, per group."""
-    mine = {e.key: (list(e.shape), e.dtype) for e in _parameters(vm)}
+    mine = {e.key: (list(e.shape), e.dtype) for e in _parameters(state)}
     saved = {e.key: (list(e.shape), e.dtype) for e in manifest.parameters}
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing or extra:
@@ -646,11 +649,11 @@ def _check_fits(vm: "Varuna", directory: Path, manifest: Manifest, metadata: dic
         if saved[key] != (shape, dtype):
             raise CheckpointError(f"{directory}: {key} is {saved[key][1]} {saved[key][0]} in the checkpoint, "
                                   f"{dtype} {shape} in this model", hint="load a checkpoint of this model")
-    if manifest.structure_hash != vm.structure.key:
+    if manifest.structure_hash != state.structure_hash:
         log.warning("%s was written from a model whose structure hash differs (%s, this one %s: the model's code, "
                     "its inputs or torch changed); its parameters match by name, shape and dtype", directory,
-                    manifest.structure_hash, vm.structure.key)
-    wanted = [(f"model/{key}", p) for key, p in _keys(vm)] + [(f"buffer/{n}", b) for n, b in _buffers(vm).items()]
+                    manifest.structure_hash, state.structure_hash)
+    wanted = [(f"model/{key}", p) for key, p in _keys(state)] + [(f"buffer/{n}", b) for n, b in _buffers(state).items()]
     for key, tensor in wanted:
         meta = metadata.get(key)
         if meta is None:
@@ -659,39 +662,39 @@ def _check_fits(vm: "Varuna", directory: Path, manifest: Manifest, metadata: dic
         if tuple(meta.size) != tuple(tensor.shape) or meta.properties.dtype != tensor.dtype:
             raise CheckpointError(f"{directory}: {key} is {meta.properties.dtype} {list(meta.size)} in the tensors, "
                                   f"{tensor.dtype} {list(tensor.shape)} in this model")
-    if vm.scaler is not None and manifest.loss_scaler:
+    if state.loss_scaler is not None and manifest.loss_scaler:
         _check_scaler(directory, manifest.loss_scaler)
-    if not load_optimizer or vm.optimizer is None or not manifest.optimizer:
+    if not load_optimizer or state.optimizer is None or not manifest.optimizer:
         return []
-    return _optimizer_groups(vm, directory, manifest.optimizer)
+    return _optimizer_groups(state, directory, manifest.optimizer)
 
 
 def _names(keys: list[str]) -> str:
     return ", ".join(k.removeprefix("model/") for k in keys[:3])
 
 
-def _check_scaler(directory: Path, state: dict) -> None:
-    scale, tracker = state.get("scale"), state.get("growth_tracker")
+def _check_scaler(directory: Path, saved: dict) -> None:
+    scale, tracker = saved.get("scale"), saved.get("growth_tracker")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0 \
             or not isinstance(tracker, int) or isinstance(tracker, bool) or tracker < 0:
-        raise CheckpointError(f"{directory}/{MANIFEST_FILE}: invalid loss scaler state {state!r}")
+        raise CheckpointError(f"{directory}/{MANIFEST_FILE}: invalid loss scaler state {saved!r}")
 
 
-def _optimizer_groups(vm: "Varuna", directory: Path, info: dict) -> list[dict]:
+def _optimizer_groups(state: CheckpointState, directory: Path, info: dict) -> list[dict]:
     """The saved hyper-parameters of each optimizer group, checked against this run's optimizer: same class,
     same groups, each value of the type the optimizer holds."""
     saved_class = info.get("class")
-    if saved_class != type(vm.optimizer).__name__:
+    if saved_class != type(state.optimizer).__name__:
         raise CheckpointError(f"{directory} holds the state of a {saved_class} optimizer; this run's is "
-                              f"{type(vm.optimizer).__name__}", hint="load_checkpoint(..., load_optimizer=False) "
+                              f"{type(state.optimizer).__name__}", hint="load_checkpoint(..., load_optimizer=False) "
                               "loads the model and leaves the optimizer as it is")
     groups = info.get("param_groups")
-    if not isinstance(groups, list) or len(groups) != len(vm.optimizer.param_groups):
+    if not isinstance(groups, list) or len(groups) != len(state.optimizer.param_groups):
         raise CheckpointError(f"{directory}: the optimizer had {len(groups) if isinstance(groups, list) else '?'} "
-                              f"parameter groups; this run's has {len(vm.optimizer.param_groups)}",
+                              f"parameter groups; this run's has {len(state.optimizer.param_groups)}",
                               hint="load_checkpoint(..., load_optimizer=False) loads the model alone")
     out = []
-    for group, values in zip(vm.optimizer.param_groups, groups):
+    for group, values in zip(state.optimizer.param_groups, groups):
         if not isinstance(values, dict):
             raise CheckpointError(f"{directory}/{MANIFEST_FILE}: an optimizer group is not an object")
         updates = {}
@@ -731,30 +734,31 @@ class _Targets:
     rng_keys: list[str]
 
     @classmethod
-    def build(cls, vm: "Varuna", metadata: dict, manifest: Manifest, load_optimizer: bool) -> "_Targets":
+    def build(cls, state: CheckpointState, metadata: dict, manifest: Manifest, load_optimizer: bool) -> _Targets:
         target: dict[str, torch.Tensor] = {}
-        params, buffers = _keys(vm), _buffers(vm)
-        optim = {} if load_optimizer and vm.optimizer is not None else None
+        params, buffers = _keys(state), _buffers(state)
+        optim = {} if load_optimizer and state.optimizer is not None else None
         for key, p in params:
             target[f"model/{key}"] = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
             if optim is not None:
-                prefix, state = f"optim/{key}/", {}
+                prefix, slots = f"optim/{key}/", {}
                 for name, meta in metadata.items():
                     if name.startswith(prefix):
                         tensor = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype, device=p.device)
-                        target[name] = state[name[len(prefix):]] = tensor
-                optim[id(p)] = state
+                        target[name] = slots[name[len(prefix):]] = tensor
+                optim[id(p)] = slots
         for name, b in buffers.items():
             target[f"buffer/{name}"] = torch.zeros_like(b, memory_format=torch.contiguous_format)
-        same_world = manifest.pp * manifest.dp == vm.world_size
-        rng_keys = [k for k in (f"rng/rank{vm.rank}", f"rng_cuda/rank{vm.rank}") if same_world and k in metadata]
+        same_world = manifest.pp * manifest.dp == state.world_size
+        rng_keys = [k for k in (f"rng/rank{state.rank}", f"rng_cuda/rank{state.rank}") if same_world and k in metadata]
         for key in rng_keys:
             target[key] = torch.zeros(tuple(metadata[key].size), dtype=metadata[key].properties.dtype)
         return cls(target, params, buffers, optim, rng_keys)
 
-    def commit(self, vm: "Varuna", manifest: Manifest, groups: list[dict]) -> None:
-        """Move the loaded state into the live model, optimizer, RNG and loss scaler (nothing here can fail on
-        the checkpoint's account: it was all checked)."""
+    def commit(self, state: CheckpointState, manifest: Manifest, groups: list[dict]) -> None:
+        """Move the loaded state into the live model, optimizer and RNG, and the checkpoint's iteration, seed,
+        run id and loss scaler state into ``state`` for the caller to adopt (nothing here can fail on the
+        checkpoint's account: it was all checked)."""
         with torch.no_grad():
             for key, p in self.params:
                 p.copy_(self.target[f"model/{key}"])
@@ -762,40 +766,41 @@ class _Targets:
                 b.copy_(self.target[f"buffer/{name}"])
         if self.optim is not None:
             for _, p in self.params:
-                vm.optimizer.state[p] = dict(self.optim.get(id(p), {}))
-            for group, updates in zip(vm.optimizer.param_groups, groups):
+                state.optimizer.state[p] = dict(self.optim.get(id(p), {}))
+            for group, updates in zip(state.optimizer.param_groups, groups):
                 group.update(updates)
         for key in self.rng_keys:
             if key.startswith("rng_cuda/"):
-                if vm.device.type == "cuda":
-                    torch.cuda.set_rng_state(self.target[key], vm.device)
+                if state.device.type == "cuda":
+                    torch.cuda.set_rng_state(self.target[key], state.device)
             else:
                 torch.set_rng_state(self.target[key])
-        if vm.scaler is not None and manifest.loss_scaler:
-            vm.scaler.load_state_dict(manifest.loss_scaler)
-        vm.iteration = manifest.iteration
-        vm.seed = manifest.seed & _MASK64
+        if state.loss_scaler is not None and manifest.loss_scaler:
+            state.loss_scaler = dict(manifest.loss_scaler)
+        state.iteration = manifest.iteration
+        state.seed = manifest.seed & _MASK64
         if manifest.run_id:
-            vm.run_id = manifest.run_id
+            state.run_id = manifest.run_id
+        state.restored = True
 
 
-def _agreed(vm: "Varuna", fn: Callable[[], Any], decided_by_rank0: bool = False):
+def _agreed(state: CheckpointState, fn: Callable[[], Any], decided_by_rank0: bool = False):
     """``fn()`` on every rank (or on rank 0 only, its value given to all, with ``decided_by_rank0``); if it
     raises a :class:`VarunaError` on any rank, every rank raises the first as a CheckpointError."""
     value, problem = None, None
-    if not decided_by_rank0 or vm.rank == 0:
+    if not decided_by_rank0 or state.rank == 0:
         try:
             value = fn()
         except VarunaError as exc:
             problem = (exc.message, exc.hint)
-    if vm.world_size > 1:
+    if state.world_size > 1:
         if decided_by_rank0:
             box = [value, problem]
             dist.broadcast_object_list(box, src=0)
             value, problem = box
             problems = [problem]
         else:
-            problems = [None] * vm.world_size
+            problems = [None] * state.world_size
             dist.all_gather_object(problems, problem)
     else:
         problems = [problem]

@@ -34,9 +34,10 @@ import os
 import re
 import stat
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -61,10 +62,10 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from ..planning.artifacts import CHECKPOINT_INDEX
-from .io import FileSink, Sha256, open_source, scatter_file
 from ..errors import CheckpointError, VarunaError
 from ..util.fs import MiB, describe_mode, read_regular
+from .io import FileSink, Sha256, open_source, scatter_file
+from .manifest import CHECKPOINT_INDEX
 
 __all__ = ["RawWriter", "RawReader", "read_metadata", "dcp_save", "dcp_load", "METADATA_FILE", "FORMAT",
            "FileRecord", "DATA_FILE", "is_checkpoint_file"]
@@ -106,12 +107,12 @@ def is_checkpoint_file(name: object) -> bool:
     return isinstance(name, str) and (name == METADATA_FILE or DATA_FILE.fullmatch(name) is not None)
 
 
-def dcp_save(state: dict[str, torch.Tensor], writer: "RawWriter") -> None:
+def dcp_save(state: dict[str, torch.Tensor], writer: RawWriter) -> None:
     """``dcp.save`` over the default process group (or this process alone), quietly; see :func:`_unwrapped`."""
     _unwrapped("writing", dcp.save, state, storage_writer=writer)
 
 
-def dcp_load(target: dict[str, torch.Tensor], reader: "RawReader", *, no_dist: bool = False) -> None:
+def dcp_load(target: dict[str, torch.Tensor], reader: RawReader, *, no_dist: bool = False) -> None:
     """``dcp.load`` into ``target`` (collective over the default process group if there is one and not
     ``no_dist``), quietly; see :func:`_unwrapped`. The index is read first, so that a bad one is reported as
     itself rather than as DCP's "metadata is None"."""

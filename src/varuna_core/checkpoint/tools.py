@@ -1,6 +1,6 @@
 """Offline tools for checkpoint stores: list, inspect, verify, and merge into one ``safetensors`` file.
 
-They read what :mod:`varuna_core.checkpoint.saveload` writes (see :class:`varuna_core.planning.artifacts.Manifest`)::
+They read what :mod:`varuna_core.checkpoint.saveload` writes (see :class:`varuna_core.checkpoint.manifest.Manifest`)::
 
     <store>/step_<N>/dcp_metadata.json, __<rank>_<i>.distcp   torch.distributed.checkpoint index and data
                     /manifest.json                     step, world, plan, every file with size and sha256
@@ -31,20 +31,21 @@ import json
 import os
 import re
 import stat
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
 
-from ..planning.artifacts import CHECKPOINT_INDEX as METADATA_FILE
-from .layout import RUN_FILE, describe_runs, read_run, runs, scan
 from ..errors import CheckpointError, ConfigError, VarunaError
 from ..util.fs import MiB, describe_mode, open_regular, read_regular
+from .layout import RUN_FILE, describe_runs, latest, read_run, runs, scan
+from .manifest import CHECKPOINT_INDEX as METADATA_FILE
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from ..planning.artifacts import Manifest
+    from .manifest import Manifest
 
 __all__ = [
     "CheckpointInfo", "TensorInfo", "KindTotal", "GroupBytes", "InspectReport", "VerifyReport", "MergeReport",
@@ -219,7 +220,7 @@ def _listed(manifest: Manifest | None) -> set[str] | None:
 
 def _read_manifest(directory: Path) -> tuple[Manifest | None, str | None]:
     """The manifest, or why there is none (as text: a bad manifest is a problem to report, not a crash)."""
-    from ..planning.artifacts import Manifest
+    from .manifest import Manifest
 
     path = directory / "manifest.json"
     if not os.path.lexists(path):
@@ -287,15 +288,16 @@ def resolve(path: str | os.PathLike) -> Path:
     if not entries:
         raise ConfigError(f"{p} holds no checkpoints (no step_N directories)",
                           hint="pass the directory given to the run's checkpoint store, or one step_N directory")
-    complete = [e for e in entries if e.complete]
-    if not complete:
+    newest = latest(entries)  # of any run: refused below if the store holds several
+    if newest is None:
         names = ", ".join(e.path.name for e in entries)
         raise ConfigError(f"{p} holds no complete checkpoint (incomplete: {names})",
                           hint=f"name one explicitly to look at it anyway, e.g. {entries[-1].path}")
-    if len(runs(complete)) > 1:
-        raise ConfigError(f"{p} holds checkpoints of {len(runs(complete))} runs ({describe_runs(entries)}): which "
-                          "one is meant is ambiguous", hint=f"name one step_N directory, e.g. {complete[-1].path}")
-    return complete[-1].path
+    groups = runs([e for e in entries if e.complete])
+    if len(groups) > 1:
+        raise ConfigError(f"{p} holds checkpoints of {len(groups)} runs ({describe_runs(entries)}): which "
+                          "one is meant is ambiguous", hint=f"name one step_N directory, e.g. {newest.path}")
+    return newest.path
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -546,54 +548,79 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
     Never raises for a bad checkpoint (only for a path that is not one: ConfigError).
     """
     directory = resolve(path)
-    name = directory.name
     step = _step_of(directory)
     report = VerifyReport(path=str(directory), step=step, finite_checked=finite)
-    problems = report.problems
-
     marker = _check_marker(directory, step)
     if marker:
-        problems.append(marker)
-
+        report.problems.append(marker)
     manifest, error = _read_manifest(directory)
     if manifest is None:
-        problems.append(f"{name}/manifest.json: {error}")
+        report.problems.append(f"{directory.name}/manifest.json: {error}")
         return report
-    if step is None:
+    _check_identity(directory, manifest, report)
+    found = len(report.problems)
+    listed = _check_listed_files(directory, manifest, report)
+    _check_unlisted_files(directory, listed, report)
+    files_ok = len(report.problems) == found
+    try:  # a file already reported bad is not reported again as the index's problem
+        metas = _metadata(directory, listed, check_files=files_ok)
+    except Exception as exc:  # noqa: BLE001
+        report.problems.append(f"{directory.name}/{METADATA_FILE}: cannot read the tensor index: {_short(exc)}")
+        return report
+    _check_parameters(directory.name, manifest, metas, report)
+    _check_tied(directory, manifest, metas, listed, report)
+    if finite:
+        _check_finite(directory, metas, listed, chunk_bytes, report)
+    return report
+
+
+def _check_identity(directory: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """Step 2: the manifest's step is the directory's (a directory without a step takes the manifest's), and
+    its run is the one ``RUN`` names."""
+    name = directory.name
+    if report.step is None:
         report.step = manifest.step
-    elif manifest.step != step:
-        problems.append(f"{name}/manifest.json: records step {manifest.step}, but the directory is {name}")
+    elif manifest.step != report.step:
+        report.problems.append(f"{name}/manifest.json: records step {manifest.step}, but the directory is {name}")
     recorded = read_run(directory)
     if manifest.run_id is not None and recorded != manifest.run_id:
-        problems.append(f"{name}/{RUN_FILE}: says run {recorded}, the manifest run {manifest.run_id}")
+        report.problems.append(f"{name}/{RUN_FILE}: says run {recorded}, the manifest run {manifest.run_id}")
 
+
+def _check_listed_files(directory: Path, manifest: Manifest, report: VerifyReport) -> set[str]:
+    """Step 3: every file the manifest lists. Returns the listed names that are checkpoint file names (the only
+    files the index may name)."""
+    name = directory.name
     listed: set[str] = set()
-    found = len(problems)
     for entry in manifest.files:
         if not _is_checkpoint_file(entry.path):
-            problems.append(f"{name}/manifest.json: lists {entry.path!r}, not a checkpoint file "
-                            f"({METADATA_FILE} or __<rank>_<i>.distcp in the directory itself)")
+            report.problems.append(f"{name}/manifest.json: lists {entry.path!r}, not a checkpoint file "
+                                   f"({METADATA_FILE} or __<rank>_<i>.distcp in the directory itself)")
             continue
         listed.add(entry.path)
         problem = _check_file(directory / entry.path, entry, report)
         if problem:
-            problems.append(f"{name}/{entry.path}: {problem}")
+            report.problems.append(f"{name}/{entry.path}: {problem}")
+    return listed
+
+
+def _check_unlisted_files(directory: Path, listed: set[str], report: VerifyReport) -> None:
+    """Step 4: an unlisted data file is a problem (another write's leftover would be read as this one's);
+    any other unlisted file is noted."""
+    name = directory.name
     for file, _ in _files(directory):
         rel = file.relative_to(directory).as_posix()
         if rel in listed or rel in _MARKERS:
             continue
         if _DIST_RE.fullmatch(file.name) or file.name == METADATA_FILE or file.suffix == ".distcp":
-            problems.append(f"{name}/{rel}: data file not listed in the manifest (left by another write?)")
+            report.problems.append(f"{name}/{rel}: data file not listed in the manifest (left by another write?)")
         else:
             report.notes.append(f"{name}/{rel}: not listed in the manifest (not a checkpoint data file; ignored)")
-    files_ok = len(problems) == found
 
-    try:  # a file already reported bad is not reported again as the index's problem
-        metas = _metadata(directory, listed, check_files=files_ok)
-    except Exception as exc:  # noqa: BLE001
-        problems.append(f"{name}/{METADATA_FILE}: cannot read the tensor index: {_short(exc)}")
-        return report
 
+def _check_parameters(name: str, manifest: Manifest, metas: dict[str, Any], report: VerifyReport) -> None:
+    """Step 5: every parameter of the manifest is in the tensor index with its recorded shape and dtype."""
+    problems = report.problems
     for entry in manifest.parameters:
         report.parameters_checked += 1
         meta = metas.get(entry.key)
@@ -608,6 +635,12 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
         if dtype != entry.dtype:
             problems.append(f"{name}: {entry.key} has dtype {dtype} in the tensors, {entry.dtype} in the manifest")
 
+
+def _check_tied(directory: Path, manifest: Manifest, metas: dict[str, Any], listed: set[str],
+                report: VerifyReport) -> None:
+    """Step 6: a copy of a tied weight stored under another name equals the canonical one exactly (a merge
+    writes the canonical under every name, so a differing copy would be lost silently)."""
+    name = directory.name
     for group in manifest.tied:
         if len(group) < 2:
             continue
@@ -615,39 +648,44 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
         canonical = f"model/{group[0]}"
         copies = [f"model/{n}" for n in group[1:] if f"model/{n}" in metas]
         if canonical not in metas:
-            problems.append(f"{name}: tied group {group}: the canonical {canonical} is missing from the tensors")
+            report.problems.append(f"{name}: tied group {group}: the canonical {canonical} is missing from the "
+                                   "tensors")
             continue
         if not copies:
             continue
         try:
             loaded = _load(directory, (canonical, *copies), listed)
         except Exception as exc:  # noqa: BLE001
-            problems.append(f"{name}: cannot load tied group {group}: {_short(exc)}")
+            report.problems.append(f"{name}: cannot load tied group {group}: {_short(exc)}")
             continue
         for key in copies:
             problem = _differs(loaded[canonical], loaded[key])
             if problem:
-                problems.append(f"{name}: tied {key} differs from {canonical}: {problem}")
+                report.problems.append(f"{name}: tied {key} differs from {canonical}: {problem}")
 
-    if finite:
-        import torch
 
-        keys = [k for k, m in sorted(metas.items()) if _kind(k) in ("model", "optim")
-                and (m.properties.dtype.is_floating_point or m.properties.dtype.is_complex)]
-        for chunk in _chunks(keys, metas, chunk_bytes):
-            try:
-                loaded = _load(directory, chunk, listed)
-            except Exception as exc:  # noqa: BLE001
-                problems.append(f"{name}: cannot load {len(chunk)} tensor(s) from {chunk[0]}: {_short(exc)}")
-                continue
-            for key in chunk:
-                bad = int((~torch.isfinite(loaded[key])).sum())
-                report.tensors_checked_finite += 1
-                if bad:
-                    problems.append(f"{name}: {key} has {bad} non-finite value(s) (nan or inf) of "
-                                    f"{loaded[key].numel()}")
-            del loaded
-    return report
+def _check_finite(directory: Path, metas: dict[str, Any], listed: set[str], chunk_bytes: int,
+                  report: VerifyReport) -> None:
+    """Step 7: every floating ``model/*`` and ``optim/*`` tensor is finite, loaded ``chunk_bytes`` at a time
+    (the checkpoint may be larger than memory)."""
+    import torch
+
+    name = directory.name
+    keys = [k for k, m in sorted(metas.items()) if _kind(k) in ("model", "optim")
+            and (m.properties.dtype.is_floating_point or m.properties.dtype.is_complex)]
+    for chunk in _chunks(keys, metas, chunk_bytes):
+        try:
+            loaded = _load(directory, chunk, listed)
+        except Exception as exc:  # noqa: BLE001
+            report.problems.append(f"{name}: cannot load {len(chunk)} tensor(s) from {chunk[0]}: {_short(exc)}")
+            continue
+        for key in chunk:
+            bad = int((~torch.isfinite(loaded[key])).sum())
+            report.tensors_checked_finite += 1
+            if bad:
+                report.problems.append(f"{name}: {key} has {bad} non-finite value(s) (nan or inf) of "
+                                       f"{loaded[key].numel()}")
+        del loaded
 
 
 def _check_file(path: Path, entry: Any, report: VerifyReport) -> str | None:
@@ -720,15 +758,46 @@ def merge(path: str | os.PathLike, output: str | os.PathLike, *, optimizer: bool
             ``force`` is false; the output directory does not exist.
         CheckpointError: the tensors cannot be read (only possible with ``force``).
     """
-    from safetensors.torch import save_file
-
     directory = resolve(path)
     out = Path(output)
+    _check_output(directory, out)
+    report = _verified_for_merge(directory, force)
+    manifest, _ = _read_manifest(directory)
+    listed = _listed(manifest)
+    metas, state = _read_model(directory, listed)
+    copies = _add_tied_copies(state, manifest)
+    step = _step_of(directory)
+    if step is None and manifest is not None:
+        step = manifest.step
+    meta = {"format": "pt", "step": "" if step is None else str(step), "source": str(directory),
+            "model": manifest.model if manifest else "", "structure_hash": manifest.structure_hash if manifest else "",
+            "tied": json.dumps(manifest.tied if manifest else [])}
+    opt_path, opt_state = None, {}
+    if optimizer:
+        opt_state = _read_optimizer(directory, metas, listed)
+        opt_path = optimizer_output_path(out)
+        if opt_path.resolve() == out.resolve():
+            raise ConfigError(f"output {out} collides with the optimizer file name",
+                              hint="name the model file e.g. model.safetensors")
+    opt_meta = dict(meta, optimizer=json.dumps(manifest.optimizer if manifest else None))
+    _write_merged([(out, state, meta), *([(opt_path, opt_state, opt_meta)] if opt_path is not None else [])])
+    return MergeReport(
+        source=str(directory), step=step, output=str(out), optimizer_output=str(opt_path) if opt_path else None,
+        tensors=len(state), bytes=_tensor_bytes(state), optimizer_tensors=len(opt_state),
+        optimizer_bytes=_tensor_bytes(opt_state), tied_copies=copies, forced=bool(report.problems),
+        problems=list(report.problems))
+
+
+def _check_output(directory: Path, out: Path) -> None:
     if not out.parent.is_dir():
         raise ConfigError(f"output directory {out.parent} does not exist", hint="create it first")
     if out.resolve().is_relative_to(directory.resolve()):
         raise ConfigError(f"output {out} is inside the checkpoint {directory}",
                           hint="write it elsewhere: a file added to a checkpoint fails its verification")
+
+
+def _verified_for_merge(directory: Path, force: bool) -> VerifyReport:
+    """The checkpoint's :func:`verify` report; a ConfigError naming the first problem unless ``force``."""
     report = verify(directory)
     if report.problems and not force:
         more = len(report.problems) - 1
@@ -737,17 +806,27 @@ def merge(path: str | os.PathLike, output: str | os.PathLike, *, optimizer: bool
                           + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""),
                           hint="`varuna ckpt verify` lists every problem; merge an earlier checkpoint "
                                "(`varuna ckpt list`), or pass --force to merge what is there")
-    manifest, _ = _read_manifest(directory)
-    listed = _listed(manifest)
+    return report
+
+
+def _read_model(directory: Path, listed: set[str] | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The tensor index, and the ``model/`` and ``buffer/`` tensors under the model's own names (contiguous:
+    safetensors writes them as they are laid out)."""
     try:
         metas = _metadata(directory, listed)
         tensors = _load(directory, [k for k in metas if _kind(k) in ("model", "buffer")], listed)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"cannot read the tensors of {directory}: {_short(exc)}",
-                          hint="`varuna ckpt verify` says what is wrong with it") from None
+                              hint="`varuna ckpt verify` says what is wrong with it") from None
     state = {k.split("/", 1)[1]: t.contiguous() for k, t in sorted(tensors.items())}
     if not state:
         raise CheckpointError(f"{directory} holds no model/ or buffer/ tensors", hint="is it a varuna checkpoint?")
+    return metas, state
+
+
+def _add_tied_copies(state: dict[str, torch.Tensor], manifest: Manifest | None) -> list[str]:
+    """Add every missing name of each tied group as a clone of one it has (safetensors refuses shared storage,
+    and ``load_state_dict(strict=True)`` wants every name). Returns ``'name <- source'`` per copy."""
     copies = []
     for group in (manifest.tied if manifest else []):
         source = next((n for n in group if n in state), None)
@@ -757,42 +836,37 @@ def merge(path: str | os.PathLike, output: str | os.PathLike, *, optimizer: bool
             if other not in state:
                 state[other] = state[source].clone()
                 copies.append(f"{other} <- {source}")
-    step = _step_of(directory)
-    if step is None and manifest is not None:
-        step = manifest.step
-    meta = {"format": "pt", "step": "" if step is None else str(step), "source": str(directory),
-            "model": manifest.model if manifest else "", "structure_hash": manifest.structure_hash if manifest else "",
-            "tied": json.dumps(manifest.tied if manifest else [])}
-    opt_path, opt_state = None, {}
-    if optimizer:
-        try:
-            loaded = _load(directory, [k for k in metas if _kind(k) == "optim"], listed)
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"cannot read the optimizer state of {directory}: {_short(exc)}",
+    return copies
+
+
+def _read_optimizer(directory: Path, metas: dict[str, Any], listed: set[str] | None) -> dict[str, torch.Tensor]:
+    """The ``optim/<name>/<state>`` tensors as ``<name>/<state>``."""
+    try:
+        loaded = _load(directory, [k for k in metas if _kind(k) == "optim"], listed)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"cannot read the optimizer state of {directory}: {_short(exc)}",
                               hint="`varuna ckpt verify` says what is wrong with it") from None
-        opt_state = {k.split("/", 1)[1]: t.contiguous() for k, t in sorted(loaded.items())}
-        opt_path = optimizer_output_path(out)
-        if opt_path.resolve() == out.resolve():
-            raise ConfigError(f"output {out} collides with the optimizer file name",
-                              hint="name the model file e.g. model.safetensors")
+    return {k.split("/", 1)[1]: t.contiguous() for k, t in sorted(loaded.items())}
+
+
+def _write_merged(files: list[tuple[Path, dict[str, torch.Tensor], dict[str, str]]]) -> None:
+    """Write each ``(path, tensors, metadata)`` to a temporary name, then rename them all, the first (the model
+    file) last: its presence means every file is written. A failure leaves no temporary file."""
+    from safetensors.torch import save_file
+
     pending = []
     try:
-        tmp = out.with_name(f".{out.name}.tmp")
-        save_file(state, str(tmp), metadata=meta)
-        pending.append((tmp, out))
-        if opt_path is not None:
-            opt_meta = dict(meta, optimizer=json.dumps(manifest.optimizer if manifest else None))
-            opt_tmp = opt_path.with_name(f".{opt_path.name}.tmp")
-            save_file(opt_state, str(opt_tmp), metadata=opt_meta)
-            pending.append((opt_tmp, opt_path))
-        for tmp_path, final in reversed(pending):  # the model file last: its presence means both are written
+        for final, tensors, meta in files:
+            tmp = final.with_name(f".{final.name}.tmp")
+            save_file(tensors, str(tmp), metadata=meta)
+            pending.append((tmp, final))
+        for tmp_path, final in reversed(pending):
             os.replace(tmp_path, final)
         pending = []
     finally:
         for tmp_path, _ in pending:
             tmp_path.unlink(missing_ok=True)
-    return MergeReport(
-        source=str(directory), step=step, output=str(out), optimizer_output=str(opt_path) if opt_path else None,
-        tensors=len(state), bytes=sum(t.numel() * t.element_size() for t in state.values()),
-        optimizer_tensors=len(opt_state), optimizer_bytes=sum(t.numel() * t.element_size() for t in opt_state.values()),
-        tied_copies=copies, forced=bool(report.problems), problems=list(report.problems))
+
+
+def _tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,5 +1,6 @@
 """Versioned artifacts exchanged by the verbs, as pydantic models (JSON Schemas in ``schemas/`` are generated
-from them; a test keeps the two in sync).
+from them by :mod:`varuna_core.schemas`; a test keeps the two in sync). The bounded readers and the bases they
+share with checkpoint manifests are in :mod:`varuna_core.util.artifacts`.
 
 Times are in seconds and sizes in bytes throughout.
 
@@ -24,25 +25,24 @@ and the planner rely on, and refuses the rest with one line naming the file and 
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
+from pydantic import Field, Strict, field_validator, model_validator
 
 from ..errors import ConfigError, TopologyError
 from ..ir.units import MAX_BYTES
-from ..util.fs import MiB, atomic_write, read_text
+from ..util.artifacts import (CheckedModel, check_document, parse_json, parse_yaml, read_artifact, short_repr,
+                              unique_keys, validate, write_output)
+from ..util.fs import MiB
 
 __all__ = [
     "Stat", "SegmentMeasure", "SegmentProfile", "LinearFit", "CommCurve", "Environment", "StopReason", "Profile",
-    "load_profile", "save_artifact", "SCHEMAS", "StagePlan", "Prediction", "Candidate", "Plan", "save_plan",
-    "load_plan", "write_schemas", "FileEntry", "TensorEntry", "Manifest", "check_writable", "first_problem",
-    "MAX_PLAN_BYTES", "MAX_PROFILE_BYTES", "MAX_PLAN_EVENTS", "MAX_NESTING", "MAX_DEVICES", "MAX_SEGMENTS",
-    "MAX_MICROBATCHES", "MAX_MICROBATCH_SIZE",
+    "load_profile", "StagePlan", "Prediction", "Candidate", "Plan", "save_plan", "load_plan", "MAX_PLAN_BYTES",
+    "MAX_PROFILE_BYTES", "MAX_PLAN_EVENTS", "MAX_NESTING", "MAX_DEVICES", "MAX_SEGMENTS", "MAX_MICROBATCHES",
+    "MAX_MICROBATCH_SIZE",
 ]
 
 MAX_PLAN_BYTES = 4 * MiB  # a plan for MAX_DEVICES devices is about 1 MiB
@@ -56,16 +56,6 @@ MAX_MICROBATCH_SIZE = 2**20
 BUBBLE_ROUNDING = 1e-6  # a bubble fraction computed as 1 - busy / pipeline may come out a rounding error below 0
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
-
-
-class _Checked(_Model):
-    """Base of the plan and profile models: no NaN or infinity anywhere."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
-
-
 Count = Annotated[int, Strict(), Field(ge=1)]
 Index = Annotated[int, Strict(), Field(ge=0)]
 Bytes = Annotated[int, Strict(), Field(ge=0, le=MAX_BYTES)]
@@ -73,7 +63,7 @@ Seconds = Annotated[float, Strict(), Field(ge=0)]
 Devices = Annotated[int, Strict(), Field(ge=1, le=MAX_DEVICES)]
 
 
-class Stat(_Checked):
+class Stat(CheckedModel):
     """Distribution of repeated measurements of one duration."""
 
     median: Seconds = Field(description="median over the measured repeats (s)")
@@ -82,7 +72,7 @@ class Stat(_Checked):
     repeats: Count = Field(description="number of measured repeats (after warm-up)")
 
 
-class SegmentMeasure(_Checked):
+class SegmentMeasure(CheckedModel):
     """One segment at one micro-batch size."""
 
     microbatch_size: Annotated[int, Strict(), Field(ge=1, le=MAX_MICROBATCH_SIZE)]
@@ -94,7 +84,7 @@ class SegmentMeasure(_Checked):
     peak_bytes: Bytes | None = Field(None, description="device max_memory_allocated during the pass (CUDA only)")
 
 
-class SegmentProfile(_Checked):
+class SegmentProfile(CheckedModel):
     """Static sizes of one segment and its measurements per micro-batch size."""
 
     index: Index
@@ -110,7 +100,7 @@ class SegmentProfile(_Checked):
     measures: list[SegmentMeasure] = Field(min_length=1)
 
 
-class LinearFit(_Checked):
+class LinearFit(CheckedModel):
     """``time = latency + bytes / bandwidth``, least squares over the measured sizes."""
 
     latency: Seconds = Field(description="s")
@@ -121,7 +111,7 @@ class LinearFit(_Checked):
         return self.latency + nbytes / self.bandwidth
 
 
-class CommCurve(_Checked):
+class CommCurve(CheckedModel):
     """Measured time of one communication pattern against message size."""
 
     op: Literal["p2p", "allreduce"]
@@ -139,7 +129,7 @@ class CommCurve(_Checked):
         return self
 
 
-class Environment(_Checked):
+class Environment(CheckedModel):
     torch_version: str
     python_version: str
     device_type: str
@@ -150,7 +140,7 @@ class Environment(_Checked):
     precision: str
 
 
-class StopReason(_Checked):
+class StopReason(CheckedModel):
     """Why profiling stopped before the largest requested micro-batch size."""
 
     microbatch_size: Count
@@ -158,7 +148,7 @@ class StopReason(_Checked):
     reason: str
 
 
-class Profile(_Checked):
+class Profile(CheckedModel):
     """What ``varuna profile`` measured: the input of ``varuna plan``."""
 
     schema_version: Literal[1] = 1
@@ -202,12 +192,12 @@ def _check_measures(p: Profile) -> None:
     """Every segment measured at exactly the listed (increasing) sizes, and some time measured at all."""
     sizes = p.microbatch_sizes
     if any(b <= a for a, b in zip(sizes, sizes[1:])):
-        raise ValueError(f"microbatch_sizes {_short(sizes)} is not strictly increasing")
+        raise ValueError(f"microbatch_sizes {short_repr(sizes)} is not strictly increasing")
     for seg in p.segments:
         got = [m.microbatch_size for m in seg.measures]
         if got != sizes:
-            raise ValueError(f"segments[{seg.index}] is measured at micro-batch sizes {_short(got)}, not at "
-                             f"microbatch_sizes {_short(sizes)}")
+            raise ValueError(f"segments[{seg.index}] is measured at micro-batch sizes {short_repr(got)}, not at "
+                             f"microbatch_sizes {short_repr(sizes)}")
     if p.stopped is not None:
         if p.stopped.segment >= p.num_segments:
             raise ValueError(f"stopped.segment is {p.stopped.segment}, but there are {p.num_segments} segments")
@@ -218,101 +208,6 @@ def _check_measures(p: Profile) -> None:
         raise ValueError("every measured time is 0")
 
 
-SCHEMAS = {"profile.schema.json": Profile}
-
-
-def check_writable(path: str | Path, what: str = "output") -> None:
-    """Fail before any work if ``path`` could not be written: it is a directory, or its directory is missing or
-    not writable."""
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        raise ConfigError(f"{what} {path} is a directory", hint="give a file name")
-    if not parent.is_dir():
-        problem = "is not a directory" if parent.exists() else "does not exist"
-        raise ConfigError(f"cannot write {what} {path}: {parent} {problem}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write {what} {path}: permission denied in {parent}")
-
-
-def _write(path: str | Path, text: str, what: str) -> None:
-    try:
-        atomic_write(path, text)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
-
-
-def save_artifact(model: BaseModel, path: str | Path) -> None:
-    """Write ``model`` as indented JSON, atomically (a crash leaves the old file or the new one)."""
-    _write(path, model.model_dump_json(indent=2) + "\n", "output")
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def first_problem(exc: ValidationError) -> str:
-    """The first problem of a validation error in one line: the field, what is wrong, the value found."""
-    errors = exc.errors(include_url=False)
-    first = errors[0]
-    where = ".".join(str(part) for part in first["loc"])
-    text = first["msg"].removeprefix("Value error, ")
-    if where:
-        text = f"{where}: {text}"
-        value = first.get("input")
-        if first["type"] not in ("missing", "value_error") and not isinstance(value, (dict, list)):
-            text += f" (got {_short(value)})"
-    if len(errors) > 1:
-        text += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return text
-
-
-def _read_text(path: str | Path, limit: int, what: str, hint: str) -> str:
-    """The text of a plan or profile file: a regular UTF-8 file of at most ``limit`` bytes."""
-    if not os.path.lexists(path):
-        raise ConfigError(f"{what} {path} does not exist", hint=hint)
-    return read_text(path, limit, what=what)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key!r} appears twice in one object")
-        out[key] = value
-    return out
-
-
-def _parse_json(text: str, path: str | Path, what: str) -> Any:
-    try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
-    except RecursionError:
-        raise ConfigError(f"{what} {path} is nested too deeply to be a {what}") from None
-    except ValueError as exc:
-        raise ConfigError(f"{path} is not a valid {what}: not JSON: {exc}") from None
-
-
-def _check_document(data: Any, path: str | Path, what: str, remake: str) -> dict:
-    """``data`` as the mapping of fields a plan or profile is, of format version 1."""
-    if not isinstance(data, dict):
-        found = "is empty" if data is None else f"holds {_short(data, 40)}, not a mapping of fields"
-        raise ConfigError(f"{path} is not a valid {what}: it {found}", hint="is it the right file?")
-    version = data.get("schema_version")
-    if version is not None and (isinstance(version, bool) or version != 1):
-        raise ConfigError(f"{path} has {what} format version {_short(version)}; this release reads version 1",
-                          hint=f"re-create it with this release's {remake}")
-    return data
-
-
-def _validate(model: type[BaseModel], data: dict, path: str | Path, what: str, hint: str) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"{path} is not a valid {what}: {first_problem(exc)}", hint=hint) from None
-    except RecursionError:
-        raise ConfigError(f"{what} {path} is nested too deeply to be a {what}") from None
-
 
 def load_profile(path: str | Path) -> Profile:
     """The profile in the JSON file ``path``.
@@ -321,23 +216,9 @@ def load_profile(path: str | Path) -> Profile:
         ConfigError: the file is missing, not a regular file, too large, not UTF-8 JSON, or not a valid profile
             (the message names the first wrong field).
     """
-    text = _read_text(path, MAX_PROFILE_BYTES, "profile", "create it with `varuna profile SPEC -o FILE`")
-    data = _check_document(_parse_json(text, path, "profile"), path, "profile", "`varuna profile`")
-    return _validate(Profile, data, path, "profile", "re-measure with `varuna profile`")
-
-
-def schema_text(model: type[BaseModel]) -> str:
-    return json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n"
-
-
-def write_schemas(directory: str | Path) -> list[Path]:
-    """(Re)generate every schema file in ``directory``."""
-    written = []
-    for name, model in SCHEMAS.items():
-        path = Path(directory) / name
-        path.write_text(schema_text(model))
-        written.append(path)
-    return written
+    text = read_artifact(path, MAX_PROFILE_BYTES, "profile", "create it with `varuna profile SPEC -o FILE`")
+    data = check_document(parse_json(text, path, "profile"), path, "profile", "`varuna profile`")
+    return validate(Profile, data, path, "profile", "re-measure with `varuna profile`")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -348,11 +229,11 @@ def _schedule_name(value: str) -> str:
     from ..ir.schedule import SCHEDULE_NAMES
 
     if value not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown schedule {_short(value)}; the schedules are {', '.join(SCHEDULE_NAMES)}")
+        raise ValueError(f"unknown schedule {short_repr(value)}; the schedules are {', '.join(SCHEDULE_NAMES)}")
     return value
 
 
-class StagePlan(_Checked):
+class StagePlan(CheckedModel):
     """One pipeline stage of a plan."""
 
     stage: Index
@@ -373,7 +254,7 @@ class StagePlan(_Checked):
 Fraction = Annotated[float, Strict(), Field(ge=-BUBBLE_ROUNDING, le=1)]
 
 
-class Prediction(_Checked):
+class Prediction(CheckedModel):
     step_time: Seconds = Field(description="s")
     samples_per_second: Seconds
     bubble_fraction: Fraction
@@ -381,7 +262,7 @@ class Prediction(_Checked):
     allreduce_time: Seconds = Field(description="s, the slowest stage's gradient all-reduce")
 
 
-class Candidate(_Checked):
+class Candidate(CheckedModel):
     """A configuration the search scored (the winner or an alternative)."""
 
     pp: Count
@@ -401,7 +282,7 @@ class Candidate(_Checked):
         return _schedule_name(value)
 
 
-class Plan(_Checked):
+class Plan(CheckedModel):
     """What ``varuna plan`` chose, and what ``Varuna(..., plan=...)`` and ``varuna launch`` run."""
 
     schema_version: Literal[1] = 1
@@ -529,8 +410,6 @@ def _check_nodes(p: Plan) -> None:
         raise ValueError(f"nodes: rank {missing} is on no node (every rank 0..{world - 1} must be on one)")
 
 
-SCHEMAS["plan.schema.json"] = Plan
-
 
 def save_plan(plan: Plan, path: str | Path) -> None:
     """Write ``plan`` as YAML (``.yaml``/``.yml``) or JSON, atomically."""
@@ -541,66 +420,7 @@ def save_plan(plan: Plan, path: str | Path) -> None:
         text = yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False, width=110)
     else:
         text = plan.model_dump_json(indent=2) + "\n"
-    _write(path, text, "plan")
-
-
-@functools.cache
-def _plan_loader() -> type:
-    """The YAML loader of plans: libyaml's safe loader where it is installed (the pure-Python one is ten times
-    slower), refusing duplicate keys. Built on first use: yaml is imported only when a plan is read."""
-    import yaml
-    from yaml.constructor import ConstructorError
-
-    class PlanLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key, _ in node.value:
-                if isinstance(key, yaml.ScalarNode):
-                    if key.value in seen:
-                        raise ConstructorError(None, None, f"key {key.value!r} appears twice in one mapping",
-                                               key.start_mark)
-                    seen.add(key.value)
-            return super().construct_mapping(node, deep)
-
-    return PlanLoader
-
-
-def _check_events(text: str, loader: type) -> None:
-    """Read the YAML event stream once, lazily, before building anything: refuse anchors and aliases, nesting
-    deeper than :data:`MAX_NESTING` and more than :data:`MAX_PLAN_EVENTS` nodes, each as soon as it is seen.
-    (libyaml's composer recurses on the C stack: a deeply nested file must never reach it.)"""
-    import yaml
-    from yaml.composer import ComposerError
-
-    depth = 0
-    for count, event in enumerate(yaml.parse(text, Loader=loader)):
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise ComposerError(None, None, "anchors and aliases (&name, *name) are not allowed in a plan",
-                                event.start_mark)
-        if count >= MAX_PLAN_EVENTS:
-            raise ComposerError(None, None, f"more than {MAX_PLAN_EVENTS:,} values", event.start_mark)
-        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-            depth += 1
-            if depth > MAX_NESTING:
-                raise ComposerError(None, None, f"nested more than {MAX_NESTING} levels deep", event.start_mark)
-        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-            depth -= 1
-
-
-def _parse_yaml(text: str, path: str | Path) -> Any:
-    import yaml
-
-    loader = _plan_loader()
-    try:
-        _check_events(text, loader)
-        return yaml.load(text, Loader=loader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise ConfigError(f"{path} is not a valid plan: {exc.problem or exc.context}{where}") from None
-    except (yaml.YAMLError, ValueError, RecursionError) as exc:
-        detail = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{path} is not a valid plan: {detail}") from None
+    write_output(path, text, "plan")
 
 
 def load_plan(path: str | Path | Plan) -> Plan:
@@ -612,83 +432,23 @@ def load_plan(path: str | Path | Plan) -> Plan:
             or not a valid plan (the message names the first wrong field).
     """
     if isinstance(path, Plan):
-        return _validate(Plan, path.model_dump(mode="json"), "the plan object", "plan",
-                         "make the plan with `varuna plan` rather than editing it")
-    text = _read_text(path, MAX_PLAN_BYTES, "plan", "create it with `varuna plan PROFILE -o FILE`")
-    data = _check_document(_parse_plan(text, path), path, "plan", "`varuna plan`")
-    return _validate(Plan, data, path, "plan", "make the plan again with `varuna plan` rather than editing it")
+        return validate(Plan, path.model_dump(mode="json"), "the plan object", "plan",
+                        "make the plan with `varuna plan` rather than editing it")
+    text = read_artifact(path, MAX_PLAN_BYTES, "plan", "create it with `varuna plan PROFILE -o FILE`")
+    data = check_document(_parse_plan(text, path), path, "plan", "`varuna plan`")
+    return validate(Plan, data, path, "plan", "make the plan again with `varuna plan` rather than editing it")
 
 
 def _parse_plan(text: str, path: str | Path) -> Any:
     """JSON by the fast standard parser when it is JSON (plans written as ``.json``), else YAML."""
     if text.lstrip().startswith("{"):
         try:
-            return json.loads(text, object_pairs_hook=_unique_keys)
+            return json.loads(text, object_pairs_hook=unique_keys)
         except RecursionError:
             raise ConfigError(f"plan {path} is nested too deeply to be a plan") from None
         except json.JSONDecodeError:
             pass  # a YAML flow mapping such as {pp: 1}: the YAML parser says what is wrong with it
         except ValueError as exc:
             raise ConfigError(f"{path} is not a valid plan: {exc}") from None
-    return _parse_yaml(text, path)
+    return parse_yaml(text, path, "plan", max_events=MAX_PLAN_EVENTS, max_nesting=MAX_NESTING)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Checkpoint manifest
-
-
-CHECKPOINT_INDEX = "dcp_metadata.json"  # the index of a checkpoint's tensors (varuna_core.checkpoint.storage)
-
-
-class FileEntry(_Model):
-    path: str = Field(description="a file of the checkpoint directory: __<rank>_<i>.distcp or dcp_metadata.json")
-    bytes: int = Field(ge=0)
-    sha256: str
-
-
-class TensorEntry(_Model):
-    key: str = Field(description="key in the checkpoint, e.g. 'model/blocks.0.attn.weight'")
-    shape: list[int]
-    dtype: str
-
-
-class Manifest(_Model):
-    """``manifest.json`` of a checkpoint directory ``<store>/step_<N>/``.
-
-    The tensors are in ``torch.distributed.checkpoint`` files beside it, under keys ``model/<name>`` (each
-    parameter once, tied weights under their canonical name), ``buffer/<name>`` and
-    ``optim/<name>/<state>``. ``COMPLETE`` is written after the manifest, once every rank has finished.
-    """
-
-    schema_version: Literal[1] = 1
-    step: int = Field(ge=0)
-    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$",
-                               description="the run that wrote it (None: written by a release without run ids)")
-    created: str
-    model: str = Field(description="model class or spec name")
-    structure_hash: str
-    num_segments: int = Field(ge=1)
-    pp: int = Field(ge=1)
-    dp: int = Field(ge=1)
-    stage_to_rank_map: str
-    partition: list[tuple[int, int]]
-    precision: str
-    iteration: int = Field(ge=0, description="optimizer steps taken (what resumes the dropout seed stream)")
-    samples_seen: int = Field(ge=0, description="examples consumed: the data position to resume from")
-    seed: int = Field(ge=-(2**63), lt=2**64, description="the dropout seed (stored as given; used modulo 2**64)")
-    loss_scaler: dict | None = None
-    optimizer: dict | None = Field(None, description="optimizer class and hyper-parameters of each group")
-    tied: list[list[str]] = Field(default_factory=list, description="tied weights: canonical name first")
-    parameters: list[TensorEntry] = Field(description="every model parameter (checkpoint key, shape, dtype)")
-    plan: dict | None = None
-    files: list[FileEntry]
-
-
-SCHEMAS["manifest.schema.json"] = Manifest
-
-
-if __name__ == "__main__":  # python -m varuna_core.planning.artifacts [DIR]: regenerate schemas/
-    import sys
-
-    for p in write_schemas(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "schemas"):
-        print(p)
