@@ -13,9 +13,8 @@ import argparse
 import random
 import time
 
-from varuna_core import _native as native
 from varuna_core.ir.schedule import SCHEDULE_NAMES, generate
-from varuna_core.planning.simulate import StageCosts, simulate_python
+from varuna_core.planning.simulate import StageCosts, require_native, simulate_python
 
 
 def _costs(p: int, seed: int = 0) -> list[StageCosts]:
@@ -34,6 +33,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=32)
     parser.add_argument("--sends", type=int, default=4, help="max_concurrent_sends")
     args = parser.parse_args()
+    native = require_native()
     p, m = args.stages, args.microbatches
     costs = _costs(p)
     tuples = [c.as_tuple() for c in costs]

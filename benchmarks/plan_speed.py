@@ -17,10 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from varuna_core.planning import native as _native_shim
 from varuna_core.planning.artifacts import (CommCurve, Environment, LinearFit, Profile, SegmentMeasure, SegmentProfile,
-                                   Stat, save_artifact)
+                                            Stat)
 from varuna_core.planning.planner import PlanRequest, make_plan
+from varuna_core.planning.simulate import native_module
+from varuna_core.util.artifacts import save_artifact
 
 
 def gpt_like_profile(segments: int, sizes=(1, 2, 4, 8)) -> Profile:
@@ -75,7 +76,7 @@ def main() -> None:
         start = time.perf_counter()
         plan = make_plan(profile, req)
         times.append(time.perf_counter() - start)
-    print(f"native simulator: {'yes' if _native_shim.module() is not None else 'no (pure Python)'}")
+    print(f"native simulator: {'yes' if native_module() is not None else 'no (pure Python)'}")
     print(f"search: {statistics.median(times):.3f} s (median of 3) -> pp={plan.pp}, dp={plan.dp}, micro-batch "
           f"{plan.microbatch_size} x {plan.num_microbatches}, {plan.schedule}, step {plan.prediction.step_time:.3f} s")
     with tempfile.TemporaryDirectory() as tmp:

@@ -242,10 +242,10 @@ py::list inflight(const std::string& name, int p, int m) {
 
 PYBIND11_MODULE(_native, mod) {
     mod.doc() =
-        "C++ twins of varuna_core.schedule.generate, varuna_core.simulate.simulate_python and "
-        "varuna_core.memory_counts.inflight (see csrc/README.md). Ops are coded F=0, R=1, B=2.";
+        "C++ twins of varuna_core.ir.schedule.generate, varuna_core.planning.simulate.simulate_python and "
+        "varuna_core.ir.inflight.inflight (see csrc/README.md). Ops are coded F=0, R=1, B=2.";
     mod.def("generate", &generate, py::arg("name"), py::arg("p"), py::arg("m"),
-            "Per-stage [(op, mb), ...] of the named schedule; equals varuna_core.schedule.generate.\n"
+            "Per-stage [(op, mb), ...] of the named schedule; equals varuna_core.ir.schedule.generate.\n"
             "ValueError on an unknown name or a size below 1.");
     mod.def("simulate_actions", &simulate_actions, py::arg("actions"), py::arg("m"), py::arg("costs"),
             py::arg("max_sends"), py::arg("opportunistic"), py::arg("timeline"),
@@ -258,5 +258,5 @@ PYBIND11_MODULE(_native, mod) {
             "building Python lists.");
     mod.def("inflight", &inflight, py::arg("name"), py::arg("p"), py::arg("m"),
             "Per stage (held, graphs) from the static order of generate(name, p, m); equals\n"
-            "varuna_core.memory_counts.inflight.");
+            "varuna_core.ir.inflight.inflight.");
 }

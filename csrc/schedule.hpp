@@ -1,5 +1,5 @@
-// Schedule generators of varuna_core.schedule (``_varuna``, ``_one_f_one_b``, ``_gpipe``) and the static
-// in-flight counts of varuna_core.memory_counts, in C++. Pure C++17, no Python headers.
+// Schedule generators of varuna_core.ir.schedule (``_varuna``, ``_one_f_one_b``, ``_gpipe``) and the static
+// in-flight counts of varuna_core.ir.inflight, in C++. Pure C++17, no Python headers.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,7 @@
 
 namespace varuna {
 
-// Same codes as varuna_core.simulate._OP_CODE.
+// Same codes as varuna_core.planning.simulate._OP_CODE.
 enum OpCode : int32_t { kF = 0, kR = 1, kB = 2 };
 
 // One action of a stage. ``mb`` is the micro-batch; inside the simulator it is a dense key in [0, num_keys)
@@ -27,7 +27,7 @@ bool is_schedule_name(const std::string& name);
 
 // Fills ``out`` (resized to ``num_stages``; inner vectors are cleared, their capacity is kept) with the
 // schedule ``name`` builds. Throws std::invalid_argument on an unknown name or a size below 1, checked in
-// that order, as varuna_core.schedule.generate does.
+// that order, as varuna_core.ir.schedule.generate does.
 void generate(const std::string& name, int num_stages, int num_mb, Actions& out);
 
 // Per stage (held, graphs): held = max over prefixes of (#F - #B); graphs = max over prefixes of (#R - #B)

@@ -1,4 +1,4 @@
-// C++ port of varuna_core.simulate.simulate_python. Every rule, tie-break and comparison mirrors the Python
+// C++ port of varuna_core.planning.simulate.simulate_python. Every rule, tie-break and comparison mirrors the Python
 // reference line by line (see the comments quoting it); tests/unit/test_native.py checks that results and
 // timelines are identical.
 #include "simulate.hpp"
@@ -68,7 +68,7 @@ void simulate(Actions& actions, const KeySpace& keys, const std::vector<StageCos
     ws.waiting.assign(p, 0);
     ws.held.assign(p, 0);
     ws.cap.assign(p, 0);
-    for (int s = 0; s < p; ++s) {  // memory_counts.inflight(): peak of (#F - #B) over the static order
+    for (int s = 0; s < p; ++s) {  // ir.inflight.inflight(): peak of (#F - #B) over the static order
         int count = 0, peak = 0;
         for (const Action& a : actions[s]) {
             if (a.op == kF) ++count;

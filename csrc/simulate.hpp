@@ -1,4 +1,4 @@
-// Event simulation of one training step: the C++ twin of varuna_core.simulate.simulate_python.
+// Event simulation of one training step: the C++ twin of varuna_core.planning.simulate.simulate_python.
 // Pure C++17, no Python headers.
 #pragma once
 

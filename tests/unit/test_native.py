@@ -1,7 +1,7 @@
 """Parity of the C++ extension ``varuna_core._native`` with its pure-Python references.
 
 The extension is built by the normal install (``pip install -e .``), so a missing module is a failure here, not
-a skip. References: ``schedule.generate``, ``simulate.simulate_python``, ``memory_counts.inflight``.
+a skip. References: ``schedule.generate``, ``simulate.simulate_python``, ``inflight.inflight``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import random
 
 import pytest
 
-from varuna_core import _native as native
-from varuna_core.ir.inflight import inflight
+from varuna_core import _native as native  # the extension itself, whatever VARUNA_NO_NATIVE says
+from varuna_core.env import NO_NATIVE
+from varuna_core.ir.inflight import inflight, inflight_named
 from varuna_core.ir.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate
-from varuna_core.planning.simulate import StageCosts, simulate, simulate_python
+from varuna_core.planning.simulate import StageCosts, inflight_counts, simulate, simulate_generated, simulate_python
 
 OP_CODE = {Op.F: 0, Op.R: 1, Op.B: 2}
 OP_NAME = ("F", "R", "B")
@@ -211,7 +212,7 @@ def test_inflight_parity_and_closed_forms() -> None:
             for m in range(1, 41):
                 schedule = generate(name, p, m)
                 got = [tuple(x) for x in native.inflight(name, p, m)]
-                assert got == inflight(schedule), (name, p, m)
+                assert got == inflight(schedule) == inflight_named(name, p, m), (name, p, m)
                 if name == "1f1b":
                     assert got == [(min(p - s, m), min(p - s, m)) for s in range(p)]
                 elif name == "gpipe":
@@ -236,3 +237,20 @@ def test_balanced_bubble_closed_form(name: str, p: int, m: int) -> None:
         assert result.pipeline_time == pytest.approx(3.0 * (m + p - 1), rel=1e-12)
     step, pipe, busy = native.simulate_generated(name, p, m, [c.as_tuple() for c in costs], 4, False)
     assert 1.0 - sum(busy) / (p * pipe) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+# ---------------------------------------------------------------------------------------------- the switch
+
+
+@pytest.mark.parametrize("no_native", ["0", "1"])
+def test_planner_calls_agree_with_and_without_the_extension(monkeypatch, no_native: str) -> None:
+    """``simulate_generated`` and ``inflight_counts`` give the reference's answers whichever backend the switch
+    (``VARUNA_NO_NATIVE``) picks."""
+    monkeypatch.setenv(NO_NATIVE, no_native)
+    rng = random.Random(11)
+    for name in SCHEDULE_NAMES:
+        p, m = rng.randint(1, 6), rng.randint(1, 12)
+        costs = _random_costs(rng, p, ties=False, last_differs=True)
+        ref = simulate_python(generate(name, p, m), costs, max_concurrent_sends=2, opportunistic=True)
+        assert simulate_generated(name, p, m, costs, max_concurrent_sends=2) == ref
+        assert inflight_counts(name, p, m) == inflight(generate(name, p, m))

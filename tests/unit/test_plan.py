@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 from tests.profiles import make_profile
-from varuna_core.planning.artifacts import Plan, load_plan, load_profile, save_artifact, schema_text
+from varuna_core.planning.artifacts import Plan, load_plan, load_profile
+from varuna_core.util.artifacts import save_artifact, schema_text
 from varuna_core.errors import ConfigError
-from varuna_core.planning.planner import PlanInfeasible, PlanRequest, _Seg, make_plan, partition_under_memory, stage_memory
+from varuna_core.planning.planner import PlanInfeasible, PlanRequest, _Prefix, _Seg, make_plan, partition_under_memory
 from varuna_core.ir.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,12 +29,13 @@ def _segs(costs, static=0):
 
 def _brute(segs, pp, recompute, counts, limit):
     n = len(segs)
+    pre = _Prefix(segs)
     best = None
     for cuts in itertools.combinations(range(1, n), pp - 1):
         bounds = (0, *cuts, n)
         ranges = list(zip(bounds, bounds[1:]))
         if limit is not None and any(
-                stage_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], num_mb=4, headroom=0.0) > limit
+                pre.memory(a, b, held=counts[s][0], graphs=counts[s][1], num_mb=4, headroom=0.0) > limit
                 for s, (a, b) in enumerate(ranges)):
             continue
         worst = max(sum((x.forward + x.recompute + x.backward) if recompute[s] else (x.recompute + x.backward)

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from varuna_core.errors import ScheduleError
-from varuna_core.ir.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate, validate
+from varuna_core.ir.inflight import inflight, inflight_named
+from varuna_core.ir.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate, recompute_stages, validate
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parents[1] / "golden" / "schedules"
 GOLDEN_CASES = [("varuna", 4, 10), ("varuna", 2, 5), ("varuna", 1, 3), ("1f1b", 4, 8), ("1f1b", 3, 2), ("gpipe", 3, 4)]
@@ -249,3 +250,17 @@ def test_malformed_schedules(stages: tuple[str, ...], match: str) -> None:
 def test_recompute_allowed_on_last_stage() -> None:
     validate(_make("r-last", 2, "0F0 0F1 0B0 0B1", "1F0 1F1 1R0 1B0 1R1 1B1"))
     validate(_make("r-one", 1, "0F0 0R0 0B0"))
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_recompute_stages_and_inflight_by_name_match_the_generated_schedule(name: str) -> None:
+    for p in range(1, 9):
+        for m in range(1, 13):
+            schedule = generate(name, p, m)
+            assert recompute_stages(name, p) == schedule.recompute_stages, (name, p, m)
+            assert inflight_named(name, p, m) == inflight(schedule), (name, p, m)
+
+
+def test_recompute_stages_of_an_unknown_schedule() -> None:
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
+        recompute_stages("zb", 2)

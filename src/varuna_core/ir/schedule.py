@@ -15,11 +15,11 @@ import collections
 import dataclasses
 import enum
 import re
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from varuna_core.errors import ScheduleError
 
-__all__ = ["Op", "Action", "Schedule", "SCHEDULE_NAMES", "generate", "validate"]
+__all__ = ["Op", "Action", "Schedule", "SCHEDULE_NAMES", "generate", "recompute_stages", "validate"]
 
 SCHEDULE_NAMES = ("varuna", "1f1b", "gpipe")
 
@@ -128,6 +128,11 @@ class Schedule:
         """True if ``stage`` recomputes: its forwards then run without a graph and R rebuilds it before B."""
         return any(a.op is Op.R for a in self.stage_actions(stage))
 
+    @property
+    def recompute_stages(self) -> tuple[bool, ...]:
+        """Per stage, :meth:`uses_recompute` (for a generated schedule: :func:`recompute_stages` of its name)."""
+        return tuple(self.uses_recompute(s) for s in range(self.num_stages))
+
     def to_text(self) -> str:
         """Line-oriented text form (header plus ``"s: 0F0 0F1 ..."`` per stage), stable for golden files."""
         lines = [f"# {self.name} stages={self.num_stages} microbatches={self.num_microbatches}"]
@@ -182,9 +187,7 @@ def generate(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     Raises:
         ScheduleError: unknown ``name`` or a size below 1.
     """
-    builders = {"varuna": _varuna, "1f1b": _one_f_one_b, "gpipe": _gpipe}
-    if name not in builders:
-        raise ScheduleError(f"unknown schedule {name!r}", hint=f"choose one of {', '.join(SCHEDULE_NAMES)}")
+    generator = _generator(name)
     if not isinstance(num_stages, int) or not isinstance(num_microbatches, int):
         raise ScheduleError(f"sizes must be integers, got stages={num_stages!r} microbatches={num_microbatches!r}")
     if num_stages < 1 or num_microbatches < 1:
@@ -192,7 +195,24 @@ def generate(name: str, num_stages: int, num_microbatches: int) -> Schedule:
             f"cannot build a {name} schedule with {num_stages} stages and {num_microbatches} micro-batches",
             hint="both must be at least 1",
         )
-    return Schedule(name, num_stages, num_microbatches, builders[name](num_stages, num_microbatches))
+    return Schedule(name, num_stages, num_microbatches, generator.build(num_stages, num_microbatches))
+
+
+def recompute_stages(name: str, num_stages: int) -> tuple[bool, ...]:
+    """Which stages of the named schedule recompute (run ``R`` actions), without building it: the same for
+    every micro-batch count, and equal to ``generate(name, num_stages, M).recompute_stages``.
+
+    Raises:
+        ScheduleError: unknown ``name``.
+    """
+    generator = _generator(name)
+    return tuple(generator.recomputes(s, num_stages) for s in range(num_stages))
+
+
+def _generator(name: str) -> _Generator:
+    if name not in _GENERATORS:
+        raise ScheduleError(f"unknown schedule {name!r}", hint=f"choose one of {', '.join(SCHEDULE_NAMES)}")
+    return _GENERATORS[name]
 
 
 def _gpipe(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]:
@@ -252,6 +272,22 @@ def _varuna(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]:
             return tuple(tuple(stage) for stage in out)
         for stage, queue, mb in pushes:
             queues[stage][queue].append(mb)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Generator:
+    """A named schedule: its builder ``(S, M) -> actions`` and which stages it makes recompute ``(s, S) -> bool``."""
+
+    build: Callable[[int, int], tuple[tuple[Action, ...], ...]]
+    recomputes: Callable[[int, int], bool]
+
+
+_GENERATORS = {
+    # every stage but the last rebuilds its graph before each backward (the last runs B right after F)
+    "varuna": _Generator(_varuna, lambda stage, num_stages: stage < num_stages - 1),
+    "1f1b": _Generator(_one_f_one_b, lambda stage, num_stages: False),
+    "gpipe": _Generator(_gpipe, lambda stage, num_stages: False),
+}
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -6,12 +6,12 @@ For every candidate (pp, dp = ⌊gpus / pp⌋, a profiled micro-batch size, a sc
    each stage's memory limit (:func:`partition_under_memory`: a binary search on the bottleneck with a
    greedy feasibility check, which is exact for contiguous partitions because both time and memory only grow
    with a stage's segment set);
-2. predicts each stage's memory (:func:`stage_memory`): parameters, gradients and optimizer state, the
-   activations autograd saves for every graph the schedule keeps alive, the stashed inputs of every
+2. predicts each stage's memory (:mod:`varuna_core.planning.memory`): parameters, gradients and optimizer state,
+   the activations autograd saves for every graph the schedule keeps alive, the stashed inputs of every
    micro-batch in flight, the receive buffers the runtime posts ahead, and headroom;
-3. simulates the exact schedule the runtime would execute (:mod:`varuna_core.planning.simulate`; the C++ simulator
-   when built) with point-to-point times from the profile's network fits (intra- or inter-node depending on
-   where neighbouring stages are placed) and the data-parallel all-reduce of each stage's gradients.
+3. simulates the exact schedule the runtime would execute (:mod:`varuna_core.planning.simulate`, which chooses
+   the C++ simulator when built) with point-to-point times from the profile's network fits (intra- or inter-node
+   depending on where neighbouring stages are placed) and the data-parallel all-reduce of each stage's gradients.
 
 The fastest predicted step wins; the next ones are kept as alternatives with the reason each lost. This module
 imports no torch, so ``varuna plan`` starts fast and runs anywhere.
@@ -25,12 +25,12 @@ import datetime
 import math
 from typing import Sequence
 
-from . import native as _native_shim
 from .artifacts import MAX_MICROBATCHES, Candidate, CommCurve, Plan, Prediction, Profile, SegmentMeasure, StagePlan
+from .memory import stage_bytes
+from .simulate import StageCosts, inflight_counts, simulate_generated
 from ..errors import ConfigError, VarunaError
 from ..ir.partition import Partition
-from ..ir.schedule import SCHEDULE_NAMES, generate
-from .simulate import StageCosts, simulate
+from ..ir.schedule import SCHEDULE_NAMES, recompute_stages
 from ..ir.topology import Topology
 
 __all__ = ["PlanRequest", "make_plan", "plan_for", "partition_under_memory", "PlanInfeasible"]
@@ -119,42 +119,9 @@ def _segments_at(profile: Profile, n: float) -> list[_Seg]:
 # Memory and partition
 
 
-def _inflight(schedule: str, pp: int, m: int) -> list[tuple[int, int]]:
-    native = _native_shim.module()
-    if native is not None:
-        return [tuple(x) for x in native.inflight(schedule, pp, m)]
-    if schedule == "gpipe":
-        return [(m, m)] * pp
-    if schedule == "1f1b":
-        return [(min(pp - s, m), min(pp - s, m)) for s in range(pp)]
-    from ..ir.inflight import inflight as inflight_python
-
-    return inflight_python(generate(schedule, pp, m))
-
-
-def stage_memory(segs: Sequence[_Seg], start: int, stop: int, *, held: int, graphs: int, num_mb: int,
-                 headroom: float) -> int:
-    """Peak bytes of a stage running segments ``[start, stop)``.
-
-    ``graphs`` micro-batches keep their saved activations, ``held`` keep their stashed stage input, and the
-    runtime posts receive buffers for every micro-batch of the step (activations in, gradients in).
-    """
-    static = sum(s.static_bytes for s in segs[start:stop])
-    saved = sum(s.saved_bytes for s in segs[start:stop])
-    input_bytes = segs[start - 1].output_bytes if start > 0 else 0.0
-    output_bytes = segs[stop - 1].output_bytes if stop < len(segs) else 0.0
-    activations = graphs * saved + held * input_bytes
-    buffers = num_mb * (input_bytes + output_bytes)
-    return int((static + activations + buffers) * (1.0 + headroom))
-
-
-def _stage_cost(segs: Sequence[_Seg], start: int, stop: int, recompute: bool) -> float:
-    return sum((s.forward + s.recompute + s.backward) if recompute else (s.recompute + s.backward)
-               for s in segs[start:stop])
-
-
 class _Prefix:
-    """Prefix sums over segments, so a stage's cost and memory are O(1)."""
+    """Prefix sums over segments, so a stage's cost and memory (:func:`~varuna_core.planning.memory.stage_bytes`)
+    are O(1)."""
 
     def __init__(self, segs: Sequence[_Seg]) -> None:
         self.segs = segs
@@ -179,12 +146,12 @@ class _Prefix:
         return table[b] - table[a]
 
     def memory(self, a: int, b: int, *, held: int, graphs: int, num_mb: int, headroom: float) -> float:
+        """Peak bytes of a stage running segments ``[a, b)`` (the memory model, :mod:`.memory`)."""
         segs = self.segs
-        input_bytes = segs[a - 1].output_bytes if a > 0 else 0.0
-        output_bytes = segs[b - 1].output_bytes if b < len(segs) else 0.0
-        total = (self.static[b] - self.static[a]) + graphs * (self.saved[b] - self.saved[a]) \
-            + held * input_bytes + num_mb * (input_bytes + output_bytes)
-        return total * (1.0 + headroom)
+        return stage_bytes(static=self.static[b] - self.static[a], saved=self.saved[b] - self.saved[a],
+                           input_bytes=segs[a - 1].output_bytes if a > 0 else 0.0,
+                           output_bytes=segs[b - 1].output_bytes if b < len(segs) else 0.0,
+                           held=held, graphs=graphs, num_mb=num_mb, headroom=headroom)
 
 
 def partition_under_memory(
@@ -383,16 +350,17 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
     num_mb = math.ceil(replica_batch / mbs)
     last = replica_batch - (num_mb - 1) * mbs
     segs = tables.segs(mbs)
-    counts = _inflight(schedule, pp, num_mb)
-    recompute = [schedule == "varuna" and s < pp - 1 for s in range(pp)]
+    counts = inflight_counts(schedule, pp, num_mb)
+    recompute = list(recompute_stages(schedule, pp))
     part = tables.partition(pp, mbs, recompute, counts, num_mb, req)
     if part is None:
         if pp > len(segs):
             return None, None
+        pre = tables.prefix(mbs)
         free = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts, num_mb=num_mb,
-                                      limit=None, headroom=req.headroom, prefix=tables.prefix(mbs))
-        need = max(stage_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], num_mb=num_mb,
-                                headroom=req.headroom) for s, (a, b) in enumerate(free.ranges))
+                                      limit=None, headroom=req.headroom, prefix=pre)
+        need = max(int(pre.memory(a, b, held=counts[s][0], graphs=counts[s][1], num_mb=num_mb,
+                                  headroom=req.headroom)) for s, (a, b) in enumerate(free.ranges))
         return None, need
     boundary, dp_inter = _crossings(pp, dp, req.gpus_per_node or req.gpus)
     pre, pre_last = tables.prefix(mbs), tables.prefix(last)
@@ -427,21 +395,12 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
                                   send_act_l, send_grad_l))
         c.memory.append(int(pre.memory(a, b, held=c.counts[s][0], graphs=c.counts[s][1], num_mb=c.num_mb,
                                        headroom=req.headroom)))
-    step, pipe, busy = _simulate(c.schedule, c.pp, c.num_mb, c.costs, req.max_concurrent_sends)
+    sim = simulate_generated(c.schedule, c.pp, c.num_mb, c.costs, max_concurrent_sends=req.max_concurrent_sends)
     # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
-    step += tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
-    c.step, c.pipeline, c.busy = step, pipe, list(busy)
-    c.bubble = 1.0 - sum(busy) / (c.pp * pipe) if pipe > 0 else 0.0
+    step = sim.step_time + tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
+    c.step, c.pipeline, c.busy, c.bubble = step, sim.pipeline_time, list(sim.busy), sim.bubble_fraction
     c.allreduce = max(x.allreduce - o for x, o in zip(c.costs, c.optimizer))
     return c
-
-
-def _simulate(schedule: str, pp: int, num_mb: int, costs: list[StageCosts], sends: int):
-    native = _native_shim.module()
-    if native is not None:
-        return native.simulate_generated(schedule, pp, num_mb, [c.as_tuple() for c in costs], sends, True)
-    result = simulate(generate(schedule, pp, num_mb), costs, max_concurrent_sends=sends, backend="python")
-    return result.step_time, result.pipeline_time, result.busy
 
 
 def _reason(c: _Scored, best: _Scored) -> str:
@@ -473,6 +432,23 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
         ConfigError: bad request (sizes, unknown schedule, batch smaller than the data-parallel width).
         PlanInfeasible: nothing fits in ``gpu_memory``; names the smallest memory that would, and with what.
     """
+    _check_request(req)
+    assumptions = _assumptions(profile, req)
+    tables = _Tables(profile)
+    prepared, smallest, clamped = _prepare_all(tables, profile, req)
+    scored = _score_best(prepared, tables, req)
+    if not scored:
+        _raise_nothing_fits(profile, req, smallest)
+    scored.sort(key=lambda c: (c.step, c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule)))
+    best = scored[0]
+    if best.pp in clamped:
+        assumptions.add(f"the global batch of {req.batch_size} is smaller than the {req.gpus // best.pp} replicas "
+                        f"{req.gpus} devices allow at pp={best.pp}: {best.dp} replica(s) used, "
+                        f"{req.gpus - best.pp * best.dp} device(s) idle")
+    return _to_plan(profile, req, best, scored[1: 1 + req.top], assumptions)
+
+
+def _check_request(req: PlanRequest) -> None:
     if req.gpus < 1:
         raise ConfigError(f"--gpus must be ≥ 1, got {req.gpus}")
     if req.batch_size < 1:
@@ -483,6 +459,11 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     per_node = req.gpus_per_node or req.gpus
     if per_node < 1:
         raise ConfigError(f"--gpus-per-node must be ≥ 1, got {per_node}")
+
+
+def _assumptions(profile: Profile, req: PlanRequest) -> set[str]:
+    """What the prediction takes for granted, whatever configuration wins."""
+    per_node = req.gpus_per_node or req.gpus
     assumptions: set[str] = set()
     if not any(c.op == "p2p" for c in profile.comm):
         assumptions.add("the profile has no network measurement: communication is taken as free "
@@ -492,8 +473,13 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     if req.gpu_memory is None:
         assumptions.add("no --gpu-memory given: memory is not limited")
     assumptions.add("d = ⌊gpus / pp⌋ replicas; leftover devices idle")
+    return assumptions
 
-    tables = _Tables(profile)
+
+def _prepare_all(tables: _Tables, profile: Profile,
+                 req: PlanRequest) -> tuple[list[_Scored], tuple[int, str] | None, set[int]]:
+    """Partition and bound every configuration; returns the ones that fit, the smallest memory need of those
+    that did not (and which it was), and the depths whose data-parallel width the batch clamped."""
     prepared: list[_Scored] = []
     smallest: tuple[int, str] | None = None
     clamped: set[int] = set()
@@ -512,8 +498,12 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
                     prepared.append(result)
                 elif need is not None and (smallest is None or need < smallest[0]):
                     smallest = (need, f"pp={pp}, dp={dp}, micro-batch {mbs}, {schedule}")
-    # Simulate in order of a lower bound on the step time; once the bound exceeds the k-th best simulated step,
-    # nothing later can enter the top k. The winner and alternatives are exactly those of a full search.
+    return prepared, smallest, clamped
+
+
+def _score_best(prepared: list[_Scored], tables: _Tables, req: PlanRequest) -> list[_Scored]:
+    """Simulate in order of a lower bound on the step time; once the bound exceeds the k-th best simulated step,
+    nothing later can enter the top k. The winner and alternatives are exactly those of a full search."""
     prepared.sort(key=lambda c: c.lower_bound)
     keep = 1 + req.top
     scored: list[_Scored] = []
@@ -524,27 +514,23 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
         scored.append(_score(cand, tables, req))
         bisect.insort(best_steps, cand.step)
         del best_steps[keep:]
-    if not scored:
-        if smallest is not None:
-            from ..ir.units import format_bytes
+    return scored
 
-            raise PlanInfeasible(
-                f"no configuration fits in {format_bytes(req.gpu_memory)} per device; the smallest need is "
-                f"{format_bytes(smallest[0])} ({smallest[1]})",
-                hint="use devices with more memory, more devices, or profile smaller micro-batch sizes",
-            )
-        raise ConfigError(
-            f"no configuration: batch {req.batch_size} with the profiled micro-batch sizes "
-            f"{profile.microbatch_sizes} over {req.gpus} device(s)",
-            hint="the global batch must hold at least one micro-batch per data-parallel replica",
+
+def _raise_nothing_fits(profile: Profile, req: PlanRequest, smallest: tuple[int, str] | None) -> None:
+    if smallest is not None:
+        from ..ir.units import format_bytes
+
+        raise PlanInfeasible(
+            f"no configuration fits in {format_bytes(req.gpu_memory)} per device; the smallest need is "
+            f"{format_bytes(smallest[0])} ({smallest[1]})",
+            hint="use devices with more memory, more devices, or profile smaller micro-batch sizes",
         )
-    scored.sort(key=lambda c: (c.step, c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule)))
-    best = scored[0]
-    if best.pp in clamped:
-        assumptions.add(f"the global batch of {req.batch_size} is smaller than the {req.gpus // best.pp} replicas "
-                        f"{req.gpus} devices allow at pp={best.pp}: {best.dp} replica(s) used, "
-                        f"{req.gpus - best.pp * best.dp} device(s) idle")
-    return _to_plan(profile, req, best, scored[1: 1 + req.top], assumptions)
+    raise ConfigError(
+        f"no configuration: batch {req.batch_size} with the profiled micro-batch sizes "
+        f"{profile.microbatch_sizes} over {req.gpus} device(s)",
+        hint="the global batch must hold at least one micro-batch per data-parallel replica",
+    )
 
 
 def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch_size: int, schedule: str) -> Plan:

@@ -18,19 +18,25 @@ Events are processed in time order (ties: lower stage first), which makes the op
 the time a stage is free at ``t``, everything that started before ``t`` has been simulated.
 
 This module is the reference; ``varuna_core._native`` implements the same algorithm in C++ for the planner's
-search and is tested against it. Pure Python, no torch.
+search and is tested against it. :func:`native_module` is the one place that chooses between the two (the C++ one
+when built, unless ``VARUNA_NO_NATIVE=1``); :func:`simulate`, :func:`simulate_generated` and
+:func:`inflight_counts` follow it. Pure Python, no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+from types import ModuleType
 from typing import Sequence
 
-from ..ir.inflight import inflight
-from ..ir.schedule import Op, Schedule
+from ..env import NO_NATIVE, flag
+from ..errors import VarunaError
+from ..ir.inflight import inflight, inflight_named
+from ..ir.schedule import Action, Op, Schedule, generate
 
-__all__ = ["StageCosts", "SimResult", "simulate", "simulate_python"]
+__all__ = ["StageCosts", "SimResult", "native_module", "require_native", "simulate", "simulate_generated",
+           "inflight_counts", "simulate_python"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +104,46 @@ class SimResult:
         return tuple(self.step_time - b for b in self.busy)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The native/Python switch
+
+
+_native_cache: list[ModuleType | None] = []
+
+
+def native_module() -> ModuleType | None:
+    """The C++ simulator ``varuna_core._native``, or ``None`` when it is not built or ``VARUNA_NO_NATIVE=1`` asks
+    for the pure-Python reference (e.g. to compare the two). Every native-or-Python choice follows this."""
+    if flag(NO_NATIVE):
+        return None
+    if not _native_cache:
+        try:
+            from .. import _native
+        except ImportError:
+            _native = None  # type: ignore[assignment]
+        _native_cache.append(_native)
+    return _native_cache[0]
+
+
+def require_native() -> ModuleType:
+    native = native_module()
+    if native is None:
+        raise VarunaError("the native extension varuna_core._native is not available",
+                          hint="reinstall the package (pip install -e .) so the C++ extension is built")
+    return native
+
+
+def _backend(backend: str) -> ModuleType | None:
+    """The native module to use for ``backend`` (``None``: the Python reference)."""
+    if backend == "python":
+        return None
+    if backend == "native":
+        return require_native()
+    if backend == "auto":
+        return native_module()
+    raise ValueError(f"backend must be 'auto', 'native' or 'python', got {backend!r}")
+
+
 def simulate(
     schedule: Schedule,
     costs: Sequence[StageCosts],
@@ -110,23 +156,41 @@ def simulate(
     """Simulate ``schedule`` with per-stage ``costs`` (see the module docstring for the rules).
 
     Args:
-        backend: ``"native"`` (C++), ``"python"`` (this module), or ``"auto"`` (native when built, unless
-            ``VARUNA_NO_NATIVE=1``).
+        backend: ``"native"`` (C++), ``"python"`` (this module), or ``"auto"`` (:func:`native_module`).
     """
     if len(costs) != schedule.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {schedule.num_stages} stages")
-    if backend != "python":
-        from . import native as _native_shim
+    native = _backend(backend)
+    if native is None:
+        return simulate_python(schedule, costs, max_concurrent_sends=max_concurrent_sends,
+                               opportunistic=opportunistic, timeline=timeline)
+    actions = [[(_OP_CODE[a.op], a.mb) for a in stage] for stage in schedule.actions]
+    step, pipe, busy, line = native.simulate_actions(
+        actions, schedule.num_microbatches, [c.as_tuple() for c in costs], max_concurrent_sends,
+        opportunistic, timeline)
+    return _result(step, pipe, busy, line)
 
-        native = _native_shim.module() if backend == "auto" else _native_shim.require()
-        if native is not None:
-            actions = [[(_OP_CODE[a.op], a.mb) for a in stage] for stage in schedule.actions]
-            step, pipe, busy, line = native.simulate_actions(
-                actions, schedule.num_microbatches, [c.as_tuple() for c in costs], max_concurrent_sends,
-                opportunistic, timeline)
-            return _result(step, pipe, busy, line)
-    return simulate_python(schedule, costs, max_concurrent_sends=max_concurrent_sends,
-                           opportunistic=opportunistic, timeline=timeline)
+
+def simulate_generated(name: str, num_stages: int, num_mb: int, costs: Sequence[StageCosts], *,
+                       max_concurrent_sends: int = 4, opportunistic: bool = True) -> SimResult:
+    """:func:`simulate` of ``generate(name, num_stages, num_mb)`` (no timeline): the planner's inner call, which
+    the native module answers without building the schedule in Python."""
+    native = native_module()
+    if native is None:
+        return simulate(generate(name, num_stages, num_mb), costs, max_concurrent_sends=max_concurrent_sends,
+                        opportunistic=opportunistic, backend="python")
+    step, pipe, busy = native.simulate_generated(name, num_stages, num_mb, [c.as_tuple() for c in costs],
+                                                 max_concurrent_sends, opportunistic)
+    return _result(step, pipe, busy, None)
+
+
+def inflight_counts(name: str, num_stages: int, num_mb: int) -> list[tuple[int, int]]:
+    """Per stage ``(held, graphs)`` of the named schedule (:func:`varuna_core.ir.inflight.inflight`), the
+    memory model's counts."""
+    native = native_module()
+    if native is None:
+        return inflight_named(name, num_stages, num_mb)
+    return [(held, graphs) for held, graphs in native.inflight(name, num_stages, num_mb)]
 
 
 _OP_CODE = {Op.F: 0, Op.R: 1, Op.B: 2}
@@ -142,93 +206,125 @@ def _result(step: float, pipe: float, busy: Sequence[float], line) -> SimResult:
     return SimResult(step, pipe, tuple(busy), bubble, timeline)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The reference
+
+
 def simulate_python(schedule: Schedule, costs: Sequence[StageCosts], *, max_concurrent_sends: int = 4,
                     opportunistic: bool = False, timeline: bool = False) -> SimResult:
     """The reference implementation (see :func:`simulate`)."""
-    p, m = schedule.num_stages, schedule.num_microbatches
-    pending = [list(stage) for stage in schedule.actions]
-    pos = [0] * p
-    free = [0.0] * p
-    busy = [0.0] * p
-    end = [0.0] * p
-    act_arrival: list[dict[int, float]] = [dict() for _ in range(p)]   # at stage s, activation of mb
-    grad_arrival: list[dict[int, float]] = [dict() for _ in range(p)]  # at stage s, gradient of mb
-    channels = [[[0.0] * max(1, max_concurrent_sends) for _ in range(2)] for _ in range(p)]
-    line: list[tuple[int, str, int, float, float]] = []
-    heap: list[tuple[float, int]] = []
-    waiting: set[int] = set()  # stages whose next action waits on a message not yet sent
-    held = [0] * p  # micro-batches between their F and B
-    cap = [h for h, _ in inflight(schedule)]  # the swap never makes a stage hold more than its static order
+    return _EventSim(schedule, costs, max_concurrent_sends, opportunistic, timeline).run()
 
-    def ready_time(s: int) -> float | None:
+
+class _EventSim:
+    """One simulated step: every stage's position in its (mutable) action list, its clocks, the messages in
+    flight, and the heap of stages ready to run their next action at a known time."""
+
+    def __init__(self, schedule: Schedule, costs: Sequence[StageCosts], max_concurrent_sends: int,
+                 opportunistic: bool, timeline: bool) -> None:
+        p = self.p = schedule.num_stages
+        self.m = schedule.num_microbatches
+        self.costs, self.opportunistic, self.timeline = costs, opportunistic, timeline
+        self.pending = [list(stage) for stage in schedule.actions]
+        self.pos = [0] * p
+        self.free = [0.0] * p
+        self.busy = [0.0] * p
+        self.end = [0.0] * p
+        self.act_arrival: list[dict[int, float]] = [dict() for _ in range(p)]   # at stage s, activation of mb
+        self.grad_arrival: list[dict[int, float]] = [dict() for _ in range(p)]  # at stage s, gradient of mb
+        self.channels = [[[0.0] * max(1, max_concurrent_sends) for _ in range(2)] for _ in range(p)]
+        self.line: list[tuple[int, str, int, float, float]] = []
+        self.heap: list[tuple[float, int]] = []
+        self.waiting: set[int] = set()  # stages whose next action waits on a message not yet sent
+        self.held = [0] * p  # micro-batches between their F and B
+        self.cap = [h for h, _ in inflight(schedule)]  # the swap never makes a stage hold more than its static order
+
+    def run(self) -> SimResult:
+        """Process events in time order (ties: lower stage first) until every stage is done or stuck."""
+        for s in range(self.p):
+            self._push(s)
+        while self.heap:
+            t, s = heapq.heappop(self.heap)
+            if self._done(s) or self._ready_time(s) != t:  # finished, or a stale entry
+                continue
+            self._execute(s, self._next_action(s, t), t)
+        self._check_finished()
+        end = self.end
+        pipe = max(end)
+        step = max(end[s] + self.costs[s].allreduce for s in range(self.p))
+        return _result(step, pipe, self.busy, self.line if self.timeline else None)
+
+    def _done(self, s: int) -> bool:
+        return self.pos[s] >= len(self.pending[s])
+
+    def _ready_time(self, s: int) -> float | None:
         """When stage ``s`` can start its next action (``None``: it waits on something not yet known)."""
-        a = pending[s][pos[s]]
+        a = self.pending[s][self.pos[s]]
         if a.op is Op.F and s > 0:
-            t = act_arrival[s].get(a.mb)
-            return None if t is None else max(free[s], t)
-        if a.op is Op.B and s < p - 1:
-            t = grad_arrival[s].get(a.mb)
-            return None if t is None else max(free[s], t)
-        return free[s]
+            t = self.act_arrival[s].get(a.mb)
+            return None if t is None else max(self.free[s], t)
+        if a.op is Op.B and s < self.p - 1:
+            t = self.grad_arrival[s].get(a.mb)
+            return None if t is None else max(self.free[s], t)
+        return self.free[s]
 
-    def push(s: int) -> None:
-        if pos[s] >= len(pending[s]):
+    def _push(self, s: int) -> None:
+        if self._done(s):
             return
-        t = ready_time(s)
+        t = self._ready_time(s)
         if t is None:
-            waiting.add(s)
+            self.waiting.add(s)
         else:
-            heapq.heappush(heap, (t, s))
+            heapq.heappush(self.heap, (t, s))
 
-    def send(s: int, dst: int, mb: int, gradient: bool, at: float) -> None:
-        chans = channels[s][1 if gradient else 0]
+    def _next_action(self, s: int, t: float) -> Action:
+        """The action stage ``s`` runs at ``t``: its next one, or the opportunistic swap's forward."""
+        pending, pos = self.pending[s], self.pos[s]
+        a = pending[pos]
+        if not (self.opportunistic and a.op is Op.R and s < self.p - 1 and self.held[s] < self.cap[s]):
+            return a
+        g = self.grad_arrival[s].get(a.mb)
+        if g is not None and g <= t:
+            return a
+        for j in range(pos + 1, len(pending)):
+            b = pending[j]
+            if b.op is Op.F:
+                if s == 0 or self.act_arrival[s].get(b.mb, float("inf")) <= t:  # its input has arrived
+                    pending.insert(pos, pending.pop(j))
+                    return b
+                return a
+        return a
+
+    def _execute(self, s: int, a: Action, t: float) -> None:
+        """Run ``a`` on stage ``s`` from ``t``, send its result, and schedule the stage's next action."""
+        duration = self.costs[s].duration(a.op, a.mb == self.m - 1)
+        finish = t + duration
+        self.busy[s] += duration
+        self.free[s] = finish
+        self.end[s] = finish
+        self.pos[s] += 1
+        self.held[s] += 1 if a.op is Op.F else -1 if a.op is Op.B else 0
+        if self.timeline:
+            self.line.append((s, a.op.value, a.mb, t, finish))
+        if a.op is Op.F and s < self.p - 1:
+            self._send(s, s + 1, a.mb, False, finish)
+        elif a.op is Op.B and s > 0:
+            self._send(s, s - 1, a.mb, True, finish)
+        self._push(s)
+
+    def _send(self, s: int, dst: int, mb: int, gradient: bool, at: float) -> None:
+        """Send on the first free channel of ``s`` (first-come first-served); wake ``dst`` if it waited on it."""
+        chans = self.channels[s][1 if gradient else 0]
         i = min(range(len(chans)), key=lambda k: (chans[k], k))
         start = max(at, chans[i])
-        done = start + costs[s].send(gradient, mb == m - 1)
+        done = start + self.costs[s].send(gradient, mb == self.m - 1)
         chans[i] = done
-        (grad_arrival if gradient else act_arrival)[dst][mb] = done
-        if dst in waiting:
-            waiting.discard(dst)
-            push(dst)
+        (self.grad_arrival if gradient else self.act_arrival)[dst][mb] = done
+        if dst in self.waiting:
+            self.waiting.discard(dst)
+            self._push(dst)
 
-    for s in range(p):
-        push(s)
-    while heap:
-        t, s = heapq.heappop(heap)
-        if pos[s] >= len(pending[s]):
-            continue
-        current = ready_time(s)
-        if current is None or current != t:  # stale entry
-            continue
-        a = pending[s][pos[s]]
-        if opportunistic and a.op is Op.R and s < p - 1 and held[s] < cap[s]:
-            g = grad_arrival[s].get(a.mb)
-            if g is None or g > t:
-                for j in range(pos[s] + 1, len(pending[s])):
-                    b = pending[s][j]
-                    if b.op is Op.F:
-                        arrived = s == 0 or act_arrival[s].get(b.mb, float("inf")) <= t
-                        if arrived:
-                            pending[s].insert(pos[s], pending[s].pop(j))
-                            a = b
-                        break
-        duration = costs[s].duration(a.op, a.mb == m - 1)
-        finish = t + duration
-        busy[s] += duration
-        free[s] = finish
-        end[s] = finish
-        pos[s] += 1
-        held[s] += 1 if a.op is Op.F else -1 if a.op is Op.B else 0
-        if timeline:
-            line.append((s, a.op.value, a.mb, t, finish))
-        if a.op is Op.F and s < p - 1:
-            send(s, s + 1, a.mb, False, finish)
-        elif a.op is Op.B and s > 0:
-            send(s, s - 1, a.mb, True, finish)
-        push(s)
-    if any(pos[s] < len(pending[s]) for s in range(p)):
-        stuck = [str(pending[s][pos[s]]) for s in range(p) if pos[s] < len(pending[s])]
-        raise ValueError(f"schedule deadlocks in simulation; stuck at {', '.join(stuck)}")
-    pipe = max(end)
-    step = max(end[s] + costs[s].allreduce for s in range(p))
-    return _result(step, pipe, busy, line if timeline else None)
+    def _check_finished(self) -> None:
+        stuck = [str(self.pending[s][self.pos[s]]) for s in range(self.p) if not self._done(s)]
+        if stuck:
+            raise ValueError(f"schedule deadlocks in simulation; stuck at {', '.join(stuck)}")

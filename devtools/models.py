@@ -1,0 +1,57 @@
+"""Models shared by the tests and the benchmarks (the tests re-export them from ``tests.models``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from varuna_core import CutPoint
+
+__all__ = ["SleepLayer", "SleepModel"]
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward and backward each take a set time without using the CPU."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepLayer(nn.Module):
+    """A layer that sleeps ``forward_s`` in forward and ``backward_s`` in backward (no CPU used)."""
+
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.forward_s, self.backward_s)
+
+
+class SleepModel(nn.Module):
+    """Segments whose forward and backward take set times: segment ``i`` is a ``Linear(h, h)`` and a
+    :class:`SleepLayer` of ``times[i] = (forward_s, backward_s)``. The cuts carry ``[b, h]`` float32."""
+
+    def __init__(self, times: list[tuple[float, float]], hidden: int = 8) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(hidden, hidden), SleepLayer(f, b)) for f, b in times])
+        self.cuts = nn.ModuleList([CutPoint() for _ in times[1:]])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.cuts):
+                x = self.cuts[i](x)
+        return F.mse_loss(x, y)
