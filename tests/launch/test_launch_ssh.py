@@ -98,9 +98,10 @@ def test_a_partial_start_is_rolled_back(cluster, plan4, tmp_path) -> None:
     stopped again and nothing of the job is left."""
     from varuna_core.planning.artifacts import load_plan
     from varuna_core.launch.hosts import Host
-    from varuna_core.launch.attempt import LaunchError, LaunchOptions
+    from varuna_core.launch.attempt import LaunchError
+    from varuna_core.launch.options import LaunchOptions
     from varuna_core.launch.manager import Manager
-    from varuna_core.launch.ssh import Runtime, SSHConfig
+    from varuna_core.launch.options import Runtime, SSHConfig
 
     good = cluster.hosts[0]
     hosts = [Host(good.address, 2, user=cluster.user, port=good.port), Host(good.address, 2, user=cluster.user, port=1)]

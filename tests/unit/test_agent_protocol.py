@@ -13,8 +13,11 @@ import time
 
 import pytest
 
-from varuna_core.launch.agent import MAX_LINE, _grace, _store_socket
-from varuna_core.launch.ssh import MAX_EVENT, _lines, parse_event
+from varuna_core.launch.agent import _store_socket
+from varuna_core.launch.protocol import (MAX_EVENT, MAX_LINE, AgentSpec, ErrorEvent, LegacyArgs, SignalCommand,
+                                        StopCommand, parse_command, parse_event, parse_spec)
+from varuna_core.launch.protocol import grace_seconds as _grace
+from varuna_core.launch.ssh import _lines
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,6 +30,8 @@ pytestmark = pytest.mark.timeout(120)
     b'{"event": "store", "port": 0}', b'{"event": "log", "rank": 0, "line": ["x"]}',
     b'{"event": "ready", "pid": 1, "interface": 3, "address": null}', b"[" * 100_000, b"\xff\xfe",
     b"Welcome to Ubuntu 22.04 LTS", b'{"event": "error", "message": {"nested": 1}}',
+    b'{"event": "gone", "code": 0}',  # the launcher's own event: an agent cannot claim its host is gone
+    b'{"event": "log", "rank": 0, "line": "' + b"x" * (MAX_LINE + 1) + b'"}',
 ])
 def test_only_well_formed_events_count(line) -> None:
     """A remote shell's banner printing `42` crashed the launcher (before: any JSON line was an event)."""
@@ -41,7 +46,49 @@ def test_only_well_formed_events_count(line) -> None:
     {"event": "error", "message": "boom"}, {"event": "stopped"},
 ])
 def test_real_events_are_accepted(event) -> None:
-    assert parse_event(json.dumps(event).encode()) == event
+    assert parse_event(json.dumps(event).encode()).model_dump() == event
+
+
+def _parse(line: bytes) -> dict | None:
+    event = parse_event(line)
+    return None if event is None else event.model_dump()
+
+
+def test_the_launchers_spec_and_commands_survive_the_wire() -> None:
+    spec = AgentSpec.model_validate(_spec(["python", "train.py"], workers=2))
+    assert parse_spec(spec.model_dump_json()) == spec
+    legacy = spec.model_copy(update={"legacy_args": LegacyArgs(stage_to_rank_map="0;1;", chunk_size=2, batch_size=8)})
+    assert parse_spec(legacy.model_dump_json()) == legacy
+    assert parse_command(SignalCommand(signal="SIGUSR1").model_dump_json()) == SignalCommand(signal="SIGUSR1")
+    assert parse_command(StopCommand(grace=3).model_dump_json()).grace_or(5) == 3
+    assert parse_command('{"cmd": "stop", "grace": "soon"}').grace_or(5) == 5  # a stop still stops
+    assert parse_command('{"cmd": "stop", "grace": 1e9}').grace_or(5) == 3600
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"world": "2"}, "world"), ({"store": 1}, "store"), ({"argv": []}, "argv"), ({"master_port": 70000}, "port"),
+    ({"grace": float("nan")}, "grace"), ({"evil": 1}, "evil"), ({"job": ""}, "job"),
+    ({"workers": [{"rank": 5, "local_rank": 0}]}, "below world"),
+    ({"workers": [{"rank": 0, "local_rank": 0}, {"rank": 0, "local_rank": 1}]}, "same rank"),
+    ({"master_port": None}, "master_port"), ({"legacy_args": {"stage_to_rank_map": "0;", "chunk_size": 0,
+                                                              "batch_size": 1}}, "chunk_size"),
+])
+def test_a_wrong_spec_is_refused_in_one_line(change, needle) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_spec(json.dumps({**_spec(["true"], workers=2), **change}))
+    message = str(info.value)
+    assert needle in message and "\n" not in message and len(message) < 500
+
+
+@pytest.mark.parametrize("line", ['{"cmd": "signal"}', '{"cmd": "signal", "signal": 9}', '{"cmd": "reboot"}', "{}"])
+def test_a_wrong_command_is_refused(line) -> None:
+    with pytest.raises(ValueError):
+        parse_command(line)
+
+
+def test_an_error_event_is_cut_to_fit() -> None:
+    event = ErrorEvent.of("x" * (3 * MAX_LINE))
+    assert parse_event(event.model_dump_json()) == event and len(event.message) == MAX_LINE
 
 
 def test_lines_are_bounded() -> None:
@@ -79,7 +126,7 @@ def _spec(argv: list[str], workers: int = 1) -> dict:
 
 def _events(proc: subprocess.Popen, timeout: float = 30) -> list[dict]:
     out, _ = proc.communicate(timeout=timeout)
-    return [e for line in out.splitlines() if (e := parse_event(line)) is not None]
+    return [e for line in out.splitlines() if (e := _parse(line)) is not None]
 
 
 def test_output_without_newlines_reaches_the_launcher_in_bounded_pieces() -> None:
@@ -89,7 +136,7 @@ def test_output_without_newlines_reaches_the_launcher_in_bounded_pieces() -> Non
     while not events or events[-1]["event"] != "exit":  # stdin stays open until the worker is done
         line = proc.stdout.readline()
         assert line, "the agent ended early"
-        if (event := parse_event(line)) is not None:
+        if (event := _parse(line)) is not None:
             events.append(event)
     events += _events(proc)
     lines = [e["line"] for e in events if e["event"] == "log"]
@@ -102,7 +149,7 @@ def test_a_garbage_spec_is_an_error_event_not_a_traceback(first) -> None:
     proc = _agent(first)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 2 and b"Traceback" not in err
-    assert [parse_event(line)["event"] for line in out.splitlines()] == ["error"]
+    assert [parse_event(line).event for line in out.splitlines()] == ["error"]
 
 
 def test_garbage_commands_are_reported_and_ignored() -> None:
@@ -120,7 +167,9 @@ def test_garbage_commands_are_reported_and_ignored() -> None:
 _TERM_IN_EMIT = """
 import signal, sys, threading
 from varuna_core.launch import agent
-a = agent.Agent({"job": "testjob0", "workers": []})
+from varuna_core.launch.protocol import AgentSpec
+a = agent.Agent(AgentSpec(job="testjob0", node=0, host="h", store=False, master_addr="127.0.0.1", master_port=1,
+                          world=1, workers=[], argv=["true"]))
 signal.signal(signal.SIGTERM, agent.sigterm_handler(a, 1.0))
 with agent._out_lock:  # as if the signal arrived while the main thread was writing an event
     signal.raise_signal(signal.SIGTERM)
@@ -142,7 +191,7 @@ def test_sigterm_at_any_moment_stops_the_agent() -> None:
     chatty = [sys.executable, "-c", "import time\nfor i in range(100000): print(i, flush=True)\ntime.sleep(30)"]
     for delay in (0.0, 0.01, 0.1, 0.3):
         proc = _agent(_spec(chatty, workers=2))
-        assert parse_event(proc.stdout.readline())["event"] == "ready"  # its handler is installed by now
+        assert parse_event(proc.stdout.readline()).event == "ready"  # its handler is installed by now
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGTERM)
         try:

@@ -15,7 +15,9 @@ import time
 import pytest
 
 from varuna_core.launch import heartbeat
-from varuna_core.launch.heartbeat import Beacon, Listener, decode, send_notice
+from varuna_core.launch.heartbeat import Listener, send_notice
+from varuna_core.launch.protocol import decode
+from varuna_core.worker.beacon import Beacon
 
 JOB, TOKEN = "job", "tok"
 

@@ -9,13 +9,15 @@ import pytest
 
 from tests.profiles import make_profile
 from varuna_core.errors import ConfigError
-from varuna_core.launch.heartbeat import Beacon, Listener, decode, encode, send_notice
+from varuna_core.launch.heartbeat import Listener, send_notice
 from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts
 from varuna_core.launch.attempt import place, worker_argv
+from varuna_core.launch.protocol import decode, encode
 from varuna_core.launch.manager import replan
 from varuna_core.planning.planner import PlanRequest, make_plan, plan_for
-from varuna_core.launch.ssh import Runtime, SSHConfig
+from varuna_core.launch.options import Runtime, SSHConfig
 from varuna_core.launch.stragglers import StragglerDetector
+from varuna_core.worker.beacon import Beacon
 
 
 def test_hosts_file_lines() -> None:
@@ -144,3 +146,18 @@ def test_replan_from_the_profile(tmp_path) -> None:
     new, why = replan(plan, 4, 2)
     assert new.pp * new.dp <= 4 and new.batch_size == 64 and new.profile_path == str(path)
     assert new.microbatch_size == plan.microbatch_size and "kept" in why
+
+
+def test_the_cli_reads_its_defaults_from_the_library() -> None:
+    """A default is written once, in LaunchOptions; `varuna launch` shows and uses the same."""
+    import typer.main
+
+    from varuna_cli.app import app
+    from varuna_core.launch.options import DEFAULTS
+
+    command = typer.main.get_command(app).commands["launch"]
+    field_of = {"steps": "total_steps"}
+    shared = {p.name: p.default for p in command.params if field_of.get(p.name, p.name) in DEFAULTS}
+    assert len(shared) >= 14
+    for name, value in shared.items():
+        assert value == DEFAULTS[field_of.get(name, name)], name

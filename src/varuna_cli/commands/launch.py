@@ -17,6 +17,7 @@ import typer
 from varuna_core.env import LAUNCHER_SET
 from varuna_core.errors import ConfigError, VarunaError
 from varuna_core.launch.hosts import MAX_SLOTS
+from varuna_core.launch.options import DEFAULTS, LaunchOptions, Runtime, SSHConfig
 
 HELP = (
     "Run SCRIPT on every device of PLAN: local processes, or the hosts of --hosts over SSH.\n\n"
@@ -155,65 +156,75 @@ def _check_script(script: list[str], code_dir: str) -> None:
         raise ConfigError(f"SCRIPT {first!r} is neither a file nor a command on PATH")
 
 
+# The options of `varuna launch`. A default that the launcher also has is read from LaunchOptions, its one source.
+PlanFile = Annotated[Path, typer.Argument(metavar="PLAN", help="The plan from `varuna plan`.")]
+Script = Annotated[Optional[list[str]], typer.Argument(
+    metavar="-- SCRIPT ARGS", help="The training script and its arguments (after --).", show_default=False)]
+Hosts = Annotated[Optional[Path], typer.Option("--hosts", help="Hosts file: one '\\[user@]host\\[:port] \\[slots=N]' "
+                                                "per line; without it, local processes.")]
+GpusPerNode = Annotated[Optional[int], typer.Option(
+    "--gpus-per-node", help="Workers per host without slots=N (default: the plan's).")]
+CodeDir = Annotated[Optional[Path], typer.Option(
+    "--code-dir", help="Directory SCRIPT runs in on every host (default: the current one).")]
+EnvFile = Annotated[Optional[Path], typer.Option("--env-file", help="KEY=VALUE lines set for every worker.")]
+CkptDir = Annotated[Optional[Path], typer.Option(
+    "--ckpt-dir", help="Checkpoint store shared by all hosts (default: RUN_DIR/checkpoints).")]
+RunDir = Annotated[Optional[Path], typer.Option(
+    "--run-dir", help="Logs, events and metrics (default: runs/launch-<time>).")]
+Morph = Annotated[bool, typer.Option("--morph", help="Follow host changes and preemptions; restart after crashes.")]
+MorphAnyMicrobatch = Annotated[bool, typer.Option(
+    "--morph-any-microbatch", help="Let a morph change the micro-batch size (faster, but the losses then "
+    "differ from an uninterrupted run's by rounding).")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue the run whose checkpoints are in --ckpt-dir, "
+                                      "from its latest complete one (without it, a store that holds checkpoints "
+                                      "is refused).")]
+RunId = Annotated[Optional[str], typer.Option(
+    "--run-id", help="The run to continue with --resume when the store holds several, or the id of a new run "
+    "(default: found, or made).")]
+LegacyArgs = Annotated[bool, typer.Option(
+    "--legacy-args", help="Also pass the original's --rank --local_rank --stage_to_rank_map --chunk_size "
+    "--batch-size.")]
+CkptEvery = Annotated[int, typer.Option("--ckpt-every", help="Checkpoint every N steps (0: only on demand).")]
+CkptKeep = Annotated[Optional[int], typer.Option("--ckpt-keep", help="Keep the newest K checkpoints.")]
+CkptTempdir = Annotated[Optional[str], typer.Option(
+    "--ckpt-tempdir", help="Fast local directory for background periodic checkpoints.")]
+Steps = Annotated[Optional[int], typer.Option("--steps", help="Total steps, for the ETA (if the script does not set "
+                                              "model.total_steps).")]
+Python = Annotated[Optional[str], typer.Option("--python", help="Interpreter on the hosts (default: this one).")]
+SshUser = Annotated[Optional[str], typer.Option("--ssh-user", help="SSH user (a host's user@ wins).")]
+SshPort = Annotated[Optional[int], typer.Option("--ssh-port", help="SSH port (a host's :port wins).")]
+SshIdentity = Annotated[Optional[str], typer.Option("--ssh-identity", help="SSH private key.")]
+SshOption = Annotated[Optional[list[str]], typer.Option(
+    "--ssh-option", help="Extra ssh -o option, e.g. StrictHostKeyChecking=accept-new (repeatable).")]
+MaxRestarts = Annotated[int, typer.Option("--max-restarts", help="Restarts without a new checkpoint before giving up "
+                                          "(--morph).")]
+HeartbeatTimeout = Annotated[float, typer.Option(
+    "--heartbeat-timeout", help="Seconds without a worker's heartbeat that count as a crash.")]
+MorphTimeout = Annotated[float, typer.Option("--morph-timeout", help="Seconds the on-demand checkpoint may take.")]
+PreemptMargin = Annotated[float, typer.Option(
+    "--preempt-margin", help="Morph this many seconds before a notified preemption.")]
+Grace = Annotated[float, typer.Option(
+    "--grace", help="Seconds workers get to exit after SIGTERM when the job stops, before SIGKILL.")]
+StragglerThreshold = Annotated[float, typer.Option(
+    "--straggler-threshold", help="Compute time over the median that makes a straggler (0.3 = 30%).")]
+
+
 def launch(
-    plan: Annotated[Path, typer.Argument(metavar="PLAN", help="The plan from `varuna plan`.")],
-    script: Annotated[Optional[list[str]], typer.Argument(metavar="-- SCRIPT ARGS", help="The training script "
-                                                          "and its arguments (after --).", show_default=False)] = None,
-    hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hosts file: one '\\[user@]host\\[:port] \\[slots=N]' "
-                                                  "per line; without it, local processes.")] = None,
-    gpus_per_node: Annotated[Optional[int], typer.Option(
-        "--gpus-per-node", help="Workers per host without slots=N (default: the plan's).")] = None,
-    code_dir: Annotated[Optional[Path], typer.Option(
-        "--code-dir", help="Directory SCRIPT runs in on every host (default: the current one).")] = None,
-    env_file: Annotated[Optional[Path], typer.Option("--env-file", help="KEY=VALUE lines set for every worker.")] = None,
-    ckpt_dir: Annotated[Optional[Path], typer.Option(
-        "--ckpt-dir", help="Checkpoint store shared by all hosts (default: RUN_DIR/checkpoints).")] = None,
-    run_dir: Annotated[Optional[Path], typer.Option(
-        "--run-dir", help="Logs, events and metrics (default: runs/launch-<time>).")] = None,
-    morph: Annotated[bool, typer.Option("--morph", help="Follow host changes and preemptions; restart after "
-                                        "crashes.")] = False,
-    morph_any_microbatch: Annotated[bool, typer.Option(
-        "--morph-any-microbatch", help="Let a morph change the micro-batch size (faster, but the losses then "
-        "differ from an uninterrupted run's by rounding).")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run whose checkpoints are in --ckpt-dir, "
-                                         "from its latest complete one (without it, a store that holds checkpoints "
-                                         "is refused).")] = False,
-    run_id: Annotated[Optional[str], typer.Option(
-        "--run-id", help="The run to continue with --resume when the store holds several, or the id of a new run "
-        "(default: found, or made).")] = None,
-    legacy_args: Annotated[bool, typer.Option(
-        "--legacy-args", help="Also pass the original's --rank --local_rank --stage_to_rank_map --chunk_size "
-        "--batch-size.")] = False,
-    ckpt_every: Annotated[int, typer.Option("--ckpt-every", help="Checkpoint every N steps (0: only on demand).")] = 0,
-    ckpt_keep: Annotated[Optional[int], typer.Option("--ckpt-keep", help="Keep the newest K checkpoints.")] = None,
-    ckpt_tempdir: Annotated[Optional[str], typer.Option(
-        "--ckpt-tempdir", help="Fast local directory for background periodic checkpoints.")] = None,
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Total steps, for the ETA (if the script does "
-                                                 "not set model.total_steps).")] = None,
-    python: Annotated[Optional[str], typer.Option("--python", help="Interpreter on the hosts (default: this one).")] = None,
-    ssh_user: Annotated[Optional[str], typer.Option("--ssh-user", help="SSH user (a host's user@ wins).")] = None,
-    ssh_port: Annotated[Optional[int], typer.Option("--ssh-port", help="SSH port (a host's :port wins).")] = None,
-    ssh_identity: Annotated[Optional[str], typer.Option("--ssh-identity", help="SSH private key.")] = None,
-    ssh_option: Annotated[Optional[list[str]], typer.Option(
-        "--ssh-option", help="Extra ssh -o option, e.g. StrictHostKeyChecking=accept-new (repeatable).")] = None,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", help="Restarts without a new checkpoint before "
-                                              "giving up (--morph).")] = 3,
-    heartbeat_timeout: Annotated[float, typer.Option(
-        "--heartbeat-timeout", help="Seconds without a worker's heartbeat that count as a crash.")] = 60.0,
-    morph_timeout: Annotated[float, typer.Option(
-        "--morph-timeout", help="Seconds the on-demand checkpoint may take.")] = 300.0,
-    preempt_margin: Annotated[float, typer.Option(
-        "--preempt-margin", help="Morph this many seconds before a notified preemption.")] = 30.0,
-    grace: Annotated[float, typer.Option(
-        "--grace", help="Seconds workers get to exit after SIGTERM when the job stops, before SIGKILL.")] = 10.0,
-    straggler_threshold: Annotated[float, typer.Option(
-        "--straggler-threshold", help="Compute time over the median that makes a straggler (0.3 = 30%).")] = 0.3,
+    plan: PlanFile, script: Script = None, hosts: Hosts = None, gpus_per_node: GpusPerNode = None,
+    code_dir: CodeDir = None, env_file: EnvFile = None, ckpt_dir: CkptDir = None, run_dir: RunDir = None,
+    morph: Morph = DEFAULTS["morph"], morph_any_microbatch: MorphAnyMicrobatch = DEFAULTS["morph_any_microbatch"],
+    resume: Resume = DEFAULTS["resume"], run_id: RunId = DEFAULTS["run_id"],
+    legacy_args: LegacyArgs = DEFAULTS["legacy_args"], ckpt_every: CkptEvery = DEFAULTS["ckpt_every"],
+    ckpt_keep: CkptKeep = DEFAULTS["ckpt_keep"], ckpt_tempdir: CkptTempdir = DEFAULTS["ckpt_tempdir"],
+    steps: Steps = DEFAULTS["total_steps"], python: Python = None, ssh_user: SshUser = None,
+    ssh_port: SshPort = None, ssh_identity: SshIdentity = None, ssh_option: SshOption = None,
+    max_restarts: MaxRestarts = DEFAULTS["max_restarts"],
+    heartbeat_timeout: HeartbeatTimeout = DEFAULTS["heartbeat_timeout"],
+    morph_timeout: MorphTimeout = DEFAULTS["morph_timeout"], preempt_margin: PreemptMargin = DEFAULTS["preempt_margin"],
+    grace: Grace = DEFAULTS["grace"], straggler_threshold: StragglerThreshold = DEFAULTS["straggler_threshold"],
 ) -> None:
-    from varuna_core.planning.artifacts import load_plan
-    from varuna_core.launch.hosts import is_loopback, read_hosts
-    from varuna_core.launch.attempt import LaunchError, LaunchOptions, place
     from varuna_core.launch.manager import Manager, choose_run
-    from varuna_core.launch.ssh import Runtime, SSHConfig, check_hosts
+    from varuna_core.planning.artifacts import load_plan
 
     script = list(script or [])
     _check_counts({"--gpus-per-node": gpus_per_node, "--ckpt-every": ckpt_every, "--ckpt-keep": ckpt_keep,
@@ -223,22 +234,11 @@ def launch(
                     "--straggler-threshold": straggler_threshold})
     _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir})
     the_plan = load_plan(plan)
-    world = the_plan.pp * the_plan.dp
     code = str((code_dir or Path.cwd()).resolve())
     _check_script(script, code)
     env = _env_file(env_file) if env_file else {}
     slots = gpus_per_node or the_plan.gpus_per_node
-    host_list = None
-    if hosts is not None:
-        host_list = read_hosts(hosts, slots)
-        place(world, host_list)  # exit 2 with the numbers if the plan does not fit
-        if len(host_list) > 1 and is_loopback(host_list[0].address) and not all(
-                is_loopback(h.address) for h in host_list):
-            raise ConfigError(f"the first host, {host_list[0].name}, is the master and resolves to loopback, which "
-                              f"the other hosts cannot reach", hint="list it by an address the others reach")
-    elif gpus_per_node is not None and gpus_per_node < world:
-        raise ConfigError(f"the plan needs {world} devices (pp × dp); --gpus-per-node gives {gpus_per_node} on "
-                          f"this machine", hint="add --hosts, or plan for fewer devices")
+    host_list = _hosts(hosts, slots, the_plan.pp * the_plan.dp, gpus_per_node)
     run = (run_dir or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")).resolve()
     store = (ckpt_dir or run / "checkpoints").resolve()
     choose_run(store, resume, run_id)  # a store of another run is refused before anything starts
@@ -246,13 +246,7 @@ def launch(
     ssh = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ())) \
         if host_list is not None else None
     reporter = _reporter()
-    if host_list is not None:
-        reporter.event(f"checking {len(host_list)} host(s) over SSH")
-        problems = check_hosts(host_list, ssh, runtime)
-        if problems:
-            names = ", ".join(p.host.name for p in problems)
-            raise LaunchError(f"cannot use {names}: " + "; ".join(f"{p.host.name}: {p.message}" for p in problems),
-                              hint="nothing was started; fix SSH access (BatchMode, keys) or the hosts file")
+    _preflight(reporter, host_list, ssh, runtime)
     opts = LaunchOptions(
         script=script, run_dir=run, ckpt_dir=store, runtime=runtime, ssh=ssh, run_id=run_id,
         env=env, legacy_args=legacy_args, morph=morph, morph_any_microbatch=morph_any_microbatch, resume=resume,
@@ -272,6 +266,39 @@ def launch(
     if code_:
         raise typer.Exit(code_)
 
+
+def _hosts(hosts: Path | None, slots: int, world: int, gpus_per_node: int | None):
+    """The hosts of ``--hosts`` (None: local processes), checked against the plan's ``world`` devices."""
+    from varuna_core.launch.attempt import place
+    from varuna_core.launch.hosts import is_loopback, read_hosts
+
+    if hosts is None:
+        if gpus_per_node is not None and gpus_per_node < world:
+            raise ConfigError(f"the plan needs {world} devices (pp × dp); --gpus-per-node gives {gpus_per_node} on "
+                              f"this machine", hint="add --hosts, or plan for fewer devices")
+        return None
+    host_list = read_hosts(hosts, slots)
+    place(world, host_list)  # exit 2 with the numbers if the plan does not fit
+    if len(host_list) > 1 and is_loopback(host_list[0].address) and not all(
+            is_loopback(h.address) for h in host_list):
+        raise ConfigError(f"the first host, {host_list[0].name}, is the master and resolves to loopback, which "
+                          f"the other hosts cannot reach", hint="list it by an address the others reach")
+    return host_list
+
+
+def _preflight(reporter, host_list, ssh, runtime) -> None:
+    """Check every host over SSH before anything starts (nothing to check for local processes)."""
+    if host_list is None:
+        return
+    from varuna_core.launch.attempt import LaunchError
+    from varuna_core.launch.ssh import check_hosts
+
+    reporter.event(f"checking {len(host_list)} host(s) over SSH")
+    problems = check_hosts(host_list, ssh, runtime)
+    if problems:
+        names = ", ".join(p.host.name for p in problems)
+        raise LaunchError(f"cannot use {names}: " + "; ".join(f"{p.host.name}: {p.message}" for p in problems),
+                          hint="nothing was started; fix SSH access (BatchMode, keys) or the hosts file")
 
 
 MANAGER_FILE_LIMIT = 64 * 2**10

@@ -7,22 +7,18 @@ stdin closes (the launcher stopped, was killed, or its SSH connection dropped) i
 group, SIGKILL after a grace period) and exits. The agent of node 0 also hosts the job's ``TCPStore``, as
 torchrun's agent does, so the store outlives any worker.
 
-Protocol. The first stdin line is the node's spec::
-
-    {"job": id, "node": i, "host": name, "store": bool, "master_addr": addr, "master_port": port or null,
-     "workers": [{"rank": r, "local_rank": l}, ...], "world": n, "argv": [...], "cwd": dir, "env": {...},
-     "plan": {...} or null, "grace": seconds, "legacy_args": {...} or absent}
-
-Then commands: ``{"cmd": "signal", "signal": "SIGUSR1"}`` (to every worker's main process),
-``{"cmd": "stop", "grace": s}``. Events on stdout: ``ready`` (pid, interface, address), ``store`` (port),
-``started`` (rank, pid), ``log`` (rank, line), ``exit`` (rank, code), ``error`` (message), ``stopped``.
+Protocol (:mod:`varuna_core.launch.protocol`). The first stdin line is the node's
+:class:`~varuna_core.launch.protocol.AgentSpec`; a line that is not one is answered with one ``error`` event and
+exit code 2. Then commands: ``{"cmd": "signal", "signal": "SIGUSR1"}`` (to every worker's main process),
+``{"cmd": "stop", "grace": s}``. Events on stdout, one JSON line each: ``ready`` (pid, interface, address),
+``store`` (port), ``started`` (rank, pid), ``log`` (rank, line), ``exit`` (rank, code), ``error`` (message),
+``stopped``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
 import signal
 import subprocess
@@ -33,34 +29,41 @@ import time
 from pathlib import Path
 
 from ..env import HOST, PLAN
+from .protocol import (MAX_LINE, MAX_SPEC, AgentSpec, ErrorEvent, ExitEvent, LogEvent, ReadyEvent, SignalCommand,
+                       StartedEvent, StopCommand, StoppedEvent, StoreEvent, WorkerSlot, parse_command, parse_spec)
 
-__all__ = ["main", "worker_env"]
+__all__ = ["main", "worker_env", "MAX_LINE"]
 
 _PR_SET_PDEATHSIG = 1
 IDLE_EXIT = 600.0  # seconds an agent whose workers have all exited waits for the launcher before leaving
-MAX_LINE = 64 * 2**10  # bytes of a worker's output line forwarded as one event (longer lines are split)
 _out_lock = threading.Lock()
 
 
-def emit(event: str, **fields) -> None:
-    line = json.dumps({"event": event, **fields}, separators=(",", ":"))
+def emit(event) -> None:
+    """Write one event (a model of :mod:`~varuna_core.launch.protocol`) as a JSON line."""
+    line = event.model_dump_json()
     with _out_lock:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
 
-def worker_env(spec: dict, worker: dict, master_port: int, interface: str | None, plan_path: str | None) -> dict:
+def _error(message: str) -> None:
+    emit(ErrorEvent.of(message))
+
+
+def worker_env(spec: AgentSpec, worker: WorkerSlot, master_port: int, interface: str | None,
+               plan_path: str | None) -> dict:
     """The environment of one worker: the launcher's, the spec's, and the torchrun-style variables."""
     env = dict(os.environ)
-    env.update(spec.get("env", {}))
+    env.update(spec.env)
     env.update(
-        RANK=str(worker["rank"]), LOCAL_RANK=str(worker["local_rank"]), WORLD_SIZE=str(spec["world"]),
-        LOCAL_WORLD_SIZE=str(len(spec["workers"])), GROUP_RANK=str(spec["node"]),
-        MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(master_port),
+        RANK=str(worker.rank), LOCAL_RANK=str(worker.local_rank), WORLD_SIZE=str(spec.world),
+        LOCAL_WORLD_SIZE=str(len(spec.workers)), GROUP_RANK=str(spec.node),
+        MASTER_ADDR=spec.master_addr, MASTER_PORT=str(master_port),
         TORCHELASTIC_USE_AGENT_STORE="True",  # the store lives in node 0's agent, not in rank 0
         PYTHONUNBUFFERED="1",
     )
-    env[HOST] = spec["host"]
+    env[HOST] = spec.host
     env.setdefault("OMP_NUM_THREADS", "1")
     if interface:
         env.setdefault("GLOO_SOCKET_IFNAME", interface)
@@ -79,71 +82,79 @@ def _die_with_parent() -> None:
 
 
 class Agent:
-    def __init__(self, spec: dict) -> None:
+    def __init__(self, spec: AgentSpec) -> None:
         self.spec = spec
         self.procs: dict[int, subprocess.Popen] = {}
         self.store = None
-        self.tmp = Path(tempfile.mkdtemp(prefix=f"varuna-agent-{spec['job'][:8]}-"))
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"varuna-agent-{spec.job[:8]}-"))
         self.stopping = threading.Event()
         self.pumps: list[threading.Thread] = []
 
     def start(self) -> None:
         from .netinfo import route_to
 
-        interface, address = route_to(self.spec["master_addr"])
-        emit("ready", pid=os.getpid(), interface=interface, address=address)
-        port = self.spec.get("master_port")
-        if self.spec.get("store"):
-            import datetime
-
-            import torch.distributed as dist
-
-            self.listen = _store_socket(self.spec["master_addr"], int(port or 0))
-            self.store = dist.TCPStore(self.spec["master_addr"], self.listen.getsockname()[1],
-                                       len(self.spec["workers"]), is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=600), master_listen_fd=self.listen.fileno())
-            port = self.store.port
-            emit("store", port=port)
+        spec = self.spec
+        interface, address = route_to(spec.master_addr)
+        emit(ReadyEvent(pid=os.getpid(), interface=interface, address=address))
+        port = spec.master_port
+        if spec.store:
+            port = self._start_store(port)
+            emit(StoreEvent(port=port))
         plan_path = None
-        if self.spec.get("plan") is not None:
+        if spec.plan is not None:
             plan_path = str(self.tmp / "plan.json")
-            Path(plan_path).write_text(json.dumps(self.spec["plan"]))
+            Path(plan_path).write_text(json.dumps(spec.plan))
         # every worker is forked before any thread exists here, so preexec_fn is safe
-        legacy = self.spec.get("legacy_args")
-        for worker in self.spec["workers"]:
-            env = worker_env(self.spec, worker, int(port), interface, plan_path)
-            argv = list(self.spec["argv"])
-            if legacy:  # the original launcher's arguments, for scripts written for it
-                argv += [f"--rank={worker['rank']}", f"--local_rank={worker['local_rank']}",
-                         f"--stage_to_rank_map={legacy['stage_to_rank_map']}", f"--chunk_size={legacy['chunk_size']}",
-                         f"--batch-size={legacy['batch_size']}"]
+        for worker in spec.workers:
+            env = worker_env(spec, worker, int(port), interface, plan_path)
             try:
-                proc = subprocess.Popen(argv, cwd=self.spec.get("cwd") or None, env=env,
+                proc = subprocess.Popen(self._argv(worker), cwd=spec.cwd or None, env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         start_new_session=True, preexec_fn=_die_with_parent)
             except OSError as exc:
-                emit("error", message=f"cannot start {self.spec['argv'][0]!r}: {exc.strerror or exc}")
+                _error(f"cannot start {spec.argv[0]!r}: {exc.strerror or exc}")
                 self.stop(0)
                 return
-            self.procs[worker["rank"]] = proc
-            emit("started", rank=worker["rank"], pid=proc.pid)
+            self.procs[worker.rank] = proc
+            emit(StartedEvent(rank=worker.rank, pid=proc.pid))
         for rank, proc in self.procs.items():
             pump = threading.Thread(target=self._pump, args=(rank, proc), name=f"rank{rank}", daemon=True)
             pump.start()
             self.pumps.append(pump)
 
+    def _start_store(self, port: int | None) -> int:
+        """Host the job's TCPStore (node 0); its port."""
+        import datetime
+
+        import torch.distributed as dist
+
+        self.listen = _store_socket(self.spec.master_addr, int(port or 0))
+        self.store = dist.TCPStore(self.spec.master_addr, self.listen.getsockname()[1], len(self.spec.workers),
+                                   is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=600),
+                                   master_listen_fd=self.listen.fileno())
+        return self.store.port
+
+    def _argv(self, worker: WorkerSlot) -> list[str]:
+        argv = list(self.spec.argv)
+        legacy = self.spec.legacy_args
+        if legacy is not None:  # the original launcher's arguments, for scripts written for it
+            argv += [f"--rank={worker.rank}", f"--local_rank={worker.local_rank}",
+                     f"--stage_to_rank_map={legacy.stage_to_rank_map}", f"--chunk_size={legacy.chunk_size}",
+                     f"--batch-size={legacy.batch_size}"]
+        return argv
+
     def _pump(self, rank: int, proc: subprocess.Popen) -> None:
         """Forward the worker's output line by line (a line longer than :data:`MAX_LINE` bytes in pieces of that
         size, so that output without newlines cannot grow memory), then its exit code (after the last line)."""
         for raw in iter(lambda: proc.stdout.readline(MAX_LINE), b""):
-            emit("log", rank=rank, line=raw.decode(errors="replace").rstrip("\n"))
+            emit(LogEvent(rank=rank, line=raw.decode(errors="replace").rstrip("\n")))
         proc.stdout.close()
-        emit("exit", rank=rank, code=proc.wait())
+        emit(ExitEvent(rank=rank, code=proc.wait()))
 
     def signal(self, name: str) -> None:
         sig = getattr(signal, name, None) if name in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT") else None
         if not isinstance(sig, signal.Signals):
-            emit("error", message=f"unknown signal {name!r}")
+            _error(f"unknown signal {name!r}")
             return
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -198,33 +209,22 @@ def _store_socket(address: str, port: int):
         except OSError as exc:
             if not host:
                 raise
-            emit("error", message=f"the job's store cannot listen on {address} only ({exc.strerror or exc}); "
-                                  f"it listens on every interface")
+            _error(f"the job's store cannot listen on {address} only ({exc.strerror or exc}); "
+                   f"it listens on every interface")
     raise AssertionError("unreachable")
 
 
-def _grace(value, default: float) -> float:
-    """A grace period from the launcher: a finite number of seconds in [0, 3600], else ``default``."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return default
-    return min(max(number, 0.0), 3600.0) if math.isfinite(number) else default
-
-
-def _read_spec() -> dict | None:
-    first = sys.stdin.readline(16 * 2**20)
+def _read_spec() -> AgentSpec | None:
+    """The spec on the first stdin line; None if stdin is empty. Anything else: one ``error`` event, exit 2."""
+    first = sys.stdin.readline(MAX_SPEC)
     if not first:
         return None
     try:
-        spec = json.loads(first)
-        if not isinstance(spec, dict) or not isinstance(spec.get("workers"), list) or not spec.get("argv"):
-            raise ValueError("not a node spec")
-    except (ValueError, RecursionError) as exc:
-        emit("error", message=f"the launcher sent an invalid node spec: {exc}")
+        return parse_spec(first)
+    except ValueError as exc:
+        _error(f"the launcher sent an invalid node spec: {exc}")
         sys.stdout.flush()
         os._exit(2)
-    return spec
 
 
 def sigterm_handler(agent: Agent, grace: float):
@@ -245,25 +245,22 @@ def main() -> None:
     if spec is None:
         return
     agent = Agent(spec)
-    default_grace = _grace(spec.get("grace"), 5.0)
-    signal.signal(signal.SIGTERM, sigterm_handler(agent, default_grace))
+    signal.signal(signal.SIGTERM, sigterm_handler(agent, spec.grace))
     agent.start()
     threading.Thread(target=_watchdog, args=(agent,), name="watchdog", daemon=True).start()
     for line in iter(lambda: sys.stdin.readline(MAX_LINE), ""):
         try:
-            cmd = json.loads(line)
-            if not isinstance(cmd, dict):
-                raise ValueError
-        except (ValueError, RecursionError):
-            emit("error", message=f"not a command: {line.strip()[:80]!r}")
+            cmd = parse_command(line)
+        except ValueError:
+            _error(f"not a command: {line.strip()[:80]!r}")
             continue
-        if cmd.get("cmd") == "signal":
-            agent.signal(str(cmd.get("signal")))
-        elif cmd.get("cmd") == "stop":
-            agent.stop(_grace(cmd.get("grace"), default_grace))
+        if isinstance(cmd, SignalCommand):
+            agent.signal(cmd.signal)
+        elif isinstance(cmd, StopCommand):
+            agent.stop(cmd.grace_or(spec.grace))
             break
     else:  # stdin closed: the launcher is gone
-        agent.stop(default_grace)
+        agent.stop(spec.grace)
     _finish(agent)
 
 
@@ -288,7 +285,7 @@ def _finish(agent: Agent) -> None:
     for pump in agent.pumps:  # the last lines and exit codes of the workers go out before "stopped"
         pump.join(timeout=5)
     shutil.rmtree(agent.tmp, ignore_errors=True)
-    emit("stopped")
+    emit(StoppedEvent())
     sys.stdout.flush()
     os._exit(0)
 

@@ -24,15 +24,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from ..planning.artifacts import Plan
+from pydantic import ValidationError
+
 from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, ConfigError, VarunaError
+from ..planning.artifacts import Plan
 from .heartbeat import Listener
 from .hosts import Host
-from .ssh import AgentHandle, Runtime, SSHConfig
+from .options import LaunchOptions
+from .protocol import (AgentSpec, ErrorEvent, ExitEvent, GoneEvent, LegacyArgs, LogEvent, ReadyEvent,
+                       SignalCommand, StopCommand, WorkerSlot, describe)
+from .ssh import AgentHandle
 from .stragglers import Straggler, StragglerDetector
 
-__all__ = ["LaunchError", "LaunchOptions", "Node", "place", "JobFiles", "Outcome", "Attempt", "Status", "Reporter",
+__all__ = ["LaunchError", "Node", "place", "JobFiles", "Outcome", "Attempt", "Status", "Reporter",
            "worker_argv"]
 
 log = logging.getLogger(__name__)
@@ -40,35 +45,6 @@ log = logging.getLogger(__name__)
 
 class LaunchError(VarunaError):
     """The job could not be started or kept running (exit code 1)."""
-
-
-@dataclass
-class LaunchOptions:
-    """Everything ``varuna launch`` was asked to do (see its ``--help`` for each)."""
-
-    script: list[str]
-    run_dir: Path
-    ckpt_dir: Path
-    runtime: Runtime = field(default_factory=Runtime)
-    ssh: SSHConfig | None = None  # None: local processes
-    env: dict[str, str] = field(default_factory=dict)
-    legacy_args: bool = False
-    morph: bool = False
-    morph_any_microbatch: bool = False
-    resume: bool = False
-    ckpt_every: int = 0
-    ckpt_keep: int | None = None
-    ckpt_tempdir: str | None = None
-    total_steps: int | None = None
-    max_restarts: int = 3
-    backoff: float = 2.0
-    heartbeat_timeout: float = 60.0
-    start_timeout: float = 600.0
-    morph_timeout: float = 300.0
-    preempt_margin: float = 30.0
-    grace: float = 10.0
-    straggler_threshold: float = 0.3
-    run_id: str | None = None  # the run to resume (--resume) or to start under; default: found or new
 
 
 @dataclass(frozen=True)
@@ -204,7 +180,7 @@ class Attempt:
         self.opts, self.files, self.listener, self.reporter, self.status = opts, files, listener, reporter, status
         self.job, self.token, self.manager_address, self.run_id = job, token, manager_address, run_id
         self.world = plan.pp * plan.dp
-        self.events: queue.Queue[tuple[int, dict]] = queue.Queue()
+        self.events: queue.Queue = queue.Queue()  # (node, event of launch.protocol)
         self.agents: list[AgentHandle] = []
         self.exits: dict[int, int] = {}
         self.errors: dict[int, str] = {}  # rank -> the last "error: ..." line it printed
@@ -223,7 +199,7 @@ class Attempt:
     # ------------------------------------------------------------------------------------------------------
     # Start
 
-    def _spec(self, node: Node, master_port: int | None) -> dict:
+    def _spec(self, node: Node, master_port: int | None) -> AgentSpec:
         told = WorkerEnv(
             ckpt_dir=str(self.opts.ckpt_dir), run_dir=str(self.opts.run_dir), job_id=self.job, job_token=self.token,
             attempt=self.number, run_id=self.run_id, resume_step=self.resume,
@@ -231,20 +207,25 @@ class Attempt:
             ckpt_every=self.opts.ckpt_every or None, ckpt_keep=self.opts.ckpt_keep or None,
             ckpt_tempdir=str(self.opts.ckpt_tempdir) if self.opts.ckpt_tempdir else None,
             total_steps=self.opts.total_steps or None)
-        env = {**self.opts.env, **told.to_environ()}
-        spec = {
-            "job": self.job, "node": node.index, "host": node.host.name, "store": node.index == 0,
-            "master_addr": self.nodes[0].host.address if self.opts.ssh else "127.0.0.1",
-            "master_port": master_port, "world": self.world,
-            "workers": [{"rank": r, "local_rank": lr} for r, lr in node.ranks],
-            "argv": worker_argv(self.opts.script, self.opts.runtime.python), "cwd": self.opts.runtime.code_dir,
-            "env": env, "plan": self.plan.model_dump(mode="json"), "grace": self.opts.grace,
-        }
+        legacy = None
         if self.opts.legacy_args:
-            spec["legacy_args"] = {"stage_to_rank_map": self.plan.stage_to_rank_map,
-                                   "chunk_size": self.plan.microbatch_size,
-                                   "batch_size": self.plan.batch_size // self.plan.dp}
-        return spec
+            legacy = LegacyArgs(stage_to_rank_map=self.plan.stage_to_rank_map, chunk_size=self.plan.microbatch_size,
+                                batch_size=self.plan.batch_size // self.plan.dp)
+        try:
+            return self._agent_spec(node, master_port, told, legacy)
+        except ValueError as exc:  # pydantic's ValidationError is one
+            detail = describe(exc) if isinstance(exc, ValidationError) else str(exc)
+            raise LaunchError(f"cannot describe node {node.index} ({node.host.name}) to its agent: {detail}") from None
+
+    def _agent_spec(self, node: Node, master_port: int | None, told: WorkerEnv, legacy: LegacyArgs | None) -> AgentSpec:
+        return AgentSpec(
+            job=self.job, node=node.index, host=node.host.name, store=node.index == 0,
+            master_addr=self.nodes[0].host.address if self.opts.ssh else "127.0.0.1",
+            master_port=master_port, world=self.world,
+            workers=[WorkerSlot(rank=r, local_rank=lr) for r, lr in node.ranks],
+            argv=worker_argv(self.opts.script, self.opts.runtime.python), cwd=self.opts.runtime.code_dir,
+            env={**self.opts.env, **told.to_environ()}, plan=self.plan.model_dump(mode="json"),
+            grace=self.opts.grace, legacy_args=legacy)
 
     def start(self) -> None:
         """Start node 0's agent (it hosts the job's store), then every other; roll everything back if one fails.
@@ -259,7 +240,7 @@ class Attempt:
                                           f"{'step ' + str(self.resume) if self.resume is not None else 'none'} =====")
         try:
             first = self._start_agent(self.nodes[0], None)
-            port = self._await(first, "store", timeout=120)["port"]
+            port = self._await(first, "store", timeout=120).port
             for node in self.nodes[1:]:
                 self._start_agent(node, port)
             for agent in self.agents:
@@ -274,7 +255,7 @@ class Attempt:
         self.agents.append(agent)
         return agent
 
-    def _await(self, agent: AgentHandle, kind: str, timeout: float) -> dict:
+    def _await(self, agent: AgentHandle, kind: str, timeout: float):
         """Wait for ``agent``'s event ``kind``; other events are put back for :meth:`run`."""
         if kind == "ready" and agent.ready is not None:
             return agent.ready
@@ -286,15 +267,16 @@ class Attempt:
                     node, event = self.events.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                if node == agent.node and event["event"] == kind:
+                if node == agent.node and event.event == kind:
                     return event
-                if event["event"] == "ready":
+                if isinstance(event, ReadyEvent):
                     self.agents[node].ready = event
                     if node == agent.node and kind == "ready":
                         return event
                     continue
-                if event["event"] in ("gone", "error") and node == agent.node:
-                    detail = event.get("message") or "; ".join(agent.stderr[-3:]) or f"exit code {event.get('code')}"
+                if isinstance(event, (GoneEvent, ErrorEvent)) and node == agent.node:
+                    detail = getattr(event, "message", "") or "; ".join(agent.stderr[-3:]) or \
+                        f"exit code {getattr(event, 'code', None)}"
                     raise LaunchError(f"the agent on {agent.host.name} failed to start: {detail}",
                                       hint="run `varuna launch` with the same hosts file to see the pre-flight check")
                 held.append((node, event))
@@ -358,7 +340,7 @@ class Attempt:
         self.reporter.event(f"{why}: asking every worker to checkpoint and stop")
         self.status.state = "checkpointing"
         for agent in self.agents:
-            agent.send({"cmd": "signal", "signal": "SIGUSR1"})
+            agent.send(SignalCommand(signal="SIGUSR1"))
         return True
 
     def _drain(self, timeout: float) -> None:
@@ -373,25 +355,25 @@ class Attempt:
             except queue.Empty:
                 return
 
-    def _handle(self, node: int, event: dict) -> None:
-        kind = event.get("event")
-        if "rank" in event and event["rank"] not in self.node_ranks[node]:
-            self.reporter.event(f"agent on {self.agents[node].host.name} reported rank {event['rank']}, which it "
+    def _handle(self, node: int, event) -> None:
+        rank = getattr(event, "rank", None)
+        if rank is not None and rank not in self.node_ranks[node]:
+            self.reporter.event(f"agent on {self.agents[node].host.name} reported rank {rank}, which it "
                                 f"does not run: ignored")
             return
-        if kind == "log":
-            self.files.log_line(event["rank"], event["line"])
-            said = event["line"].split("] ", 1)[-1] if event["line"].startswith("[rank ") else event["line"]
+        if isinstance(event, LogEvent):
+            self.files.log_line(rank, event.line)
+            said = event.line.split("] ", 1)[-1] if event.line.startswith("[rank ") else event.line
             if said.startswith("error: "):
-                self.errors[event["rank"]] = said[len("error: "):][:500]
-        elif kind == "exit":
-            self.exits[int(event["rank"])] = int(event["code"])
-        elif kind == "gone":
+                self.errors[rank] = said[len("error: "):][:500]
+        elif isinstance(event, ExitEvent):
+            self.exits[rank] = event.code
+        elif isinstance(event, GoneEvent):
             self.gone.add(node)
-        elif kind == "ready":
+        elif isinstance(event, ReadyEvent):
             self.agents[node].ready = event
-        elif kind == "error":
-            self.reporter.event(f"agent on {self.agents[node].host.name}: {event.get('message')}")
+        elif isinstance(event, ErrorEvent):
+            self.reporter.event(f"agent on {self.agents[node].host.name}: {event.message}")
 
     def _heartbeats(self) -> None:
         for step, (loss, step_time) in sorted(self.listener.take_steps().items()):
@@ -473,7 +455,7 @@ class Attempt:
         """Stop every agent (its workers get SIGTERM, then SIGKILL after ``grace``) and wait for them."""
         grace = self.opts.grace if grace is None else grace
         for agent in self.agents:
-            agent.send({"cmd": "stop", "grace": grace})
+            agent.send(StopCommand(grace=grace))
         deadline = time.monotonic() + grace + 15
         for agent in self.agents:
             agent.close()

@@ -38,11 +38,12 @@ import uuid
 from pathlib import Path
 
 from ..planning.artifacts import Plan, load_plan, save_plan
-from ..checkpoint.layout import check_run_id, describe_runs, new_run_id, quick_check, runs, scan
+from ..checkpoint.layout import check_run_id, describe_runs, latest, new_run_id, runs, scan
 from ..errors import ConfigError, VarunaError
 from .heartbeat import Listener
 from .hosts import Host, HostsWatcher
-from .attempt import Attempt, JobFiles, LaunchError, LaunchOptions, Outcome, Reporter, Status, place
+from .attempt import Attempt, JobFiles, LaunchError, Outcome, Reporter, Status, place
+from .options import LaunchOptions
 from .netinfo import route_to
 from .ssh import check_hosts
 from ..util.fs import atomic_write
@@ -163,16 +164,13 @@ class Manager:
     def latest(self) -> int | None:
         """The step of this run's newest checkpoint that looks loadable; the ones that do not (or that the
         workers refused) are set aside with the reason, once."""
-        for entry in reversed(scan(self.opts.ckpt_dir)):
-            if entry.run not in self.runs or not entry.complete or entry.step in self.refused:
-                continue
-            problem = quick_check(entry)
-            if problem is None:
-                return entry.step
-            self.refused[entry.step] = problem
-            self.reporter.event(f"checkpoint step_{entry.step} cannot be used ({problem}); trying the one before")
-            self.files.event("checkpoint_refused", step=entry.step, reason=problem)
-        return None
+        known = set(self.refused)
+        found = latest(self.opts.ckpt_dir, of_runs=self.runs, refused=self.refused, check=True)
+        for step, problem in self.refused.items():  # newest first: the order they were looked at
+            if step not in known:
+                self.reporter.event(f"checkpoint step_{step} cannot be used ({problem}); trying the one before")
+                self.files.event("checkpoint_refused", step=step, reason=problem)
+        return found.step if found is not None else None
 
     def manager_address(self, host: Host) -> str:
         """The address of this machine that ``host`` reaches (where its workers send heartbeats)."""

@@ -9,62 +9,20 @@ in ``ps`` on either side.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
-import shlex
 import signal
 import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..env import JOB_ID
 from .hosts import Host
+from .options import Runtime, SSHConfig
+from .protocol import MAX_EVENT, AgentSpec, GoneEvent, SignalCommand, StopCommand, parse_event
 
-__all__ = ["SSHConfig", "Runtime", "AgentHandle", "check_hosts", "HostProblem", "parse_event"]
-
-
-@dataclass(frozen=True)
-class SSHConfig:
-    """How to SSH: defaults for every host (a host's own ``user@``/``:port`` in the hosts file win)."""
-
-    user: str | None = None
-    port: int | None = None
-    identity: str | None = None
-    options: tuple[str, ...] = ()
-    connect_timeout: int = 10
-
-    def argv(self, host: Host, command: str) -> list[str]:
-        argv = ["ssh"]
-        for option in self.options:  # ssh keeps the first value of an option: the user's come first
-            argv += ["-o", option]
-        argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.connect_timeout}",
-                 "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3", "-o", "LogLevel=ERROR"]
-        user, port = host.user or self.user, host.port or self.port
-        if port:
-            argv += ["-p", str(port)]
-        if user:
-            argv += ["-l", user]
-        if self.identity:
-            argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
-        return [*argv, "--", host.address, command]  # after --, a host named "-o..." is still a host
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """Where the job's code runs on every host: the Python interpreter and the working directory."""
-
-    python: str = sys.executable
-    code_dir: str = field(default_factory=os.getcwd)
-
-    def command(self, *words: str, env: dict[str, str] | None = None) -> str:
-        """A shell command that runs ``python WORDS`` in the code directory (each word quoted), with ``env``
-        (names and values that are not secret: they show in ``ps``)."""
-        assignments = "".join(f"{k}={shlex.quote(v)} " for k, v in (env or {}).items())
-        return f"cd {shlex.quote(self.code_dir)} && {assignments}exec {shlex.quote(self.python)} " + " ".join(
-            shlex.quote(w) for w in words)
+__all__ = ["AgentHandle", "check_hosts", "HostProblem", "parse_event", "MAX_EVENT"]
 
 
 @dataclass(frozen=True)
@@ -101,45 +59,6 @@ def check_hosts(hosts: list[Host], ssh: SSHConfig, runtime: Runtime, timeout: fl
         return [p for p in pool.map(one, hosts) if p is not None]
 
 
-MAX_EVENT = 256 * 2**10  # bytes of one line of an agent's output (a worker's line is at most 64 KiB before JSON)
-
-# The events an agent sends (see varuna_core.launch.agent) and the type of each field; anything else on its stdout is
-# not an event.
-_EVENTS: dict[str, dict[str, tuple[type, ...]]] = {
-    "ready": {"pid": (int,), "interface": (str, type(None)), "address": (str, type(None))},
-    "store": {"port": (int,)},
-    "started": {"rank": (int,), "pid": (int,)},
-    "log": {"rank": (int,), "line": (str,)},
-    "exit": {"rank": (int,), "code": (int,)},
-    "error": {"message": (str,)},
-    "stopped": {},
-}
-
-
-def parse_event(raw: bytes) -> dict | None:
-    """The event in one line of an agent's output, or None if the line is not a well-formed event: a JSON
-    object whose ``event`` is a known kind, with every field of that kind present and of its type (``bool`` is
-    not an ``int``), ports and ranks in range."""
-    try:
-        event = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(event, dict):
-        return None
-    fields = _EVENTS.get(event.get("event")) if isinstance(event.get("event"), str) else None
-    if fields is None:
-        return None
-    for name, types in fields.items():
-        value = event.get(name)
-        if not isinstance(value, types) or isinstance(value, bool):
-            return None
-    if "rank" in fields and not 0 <= event["rank"] < 2**20:
-        return None
-    if "port" in fields and not 0 < event["port"] < 65536:
-        return None
-    return event
-
-
 def _lines(stream, limit: int = MAX_EVENT):
     """The lines of a binary stream, each at most ``limit`` bytes: the rest of a longer line is dropped."""
     while True:
@@ -154,14 +73,15 @@ def _lines(stream, limit: int = MAX_EVENT):
 
 class AgentHandle:
     """One node agent: its process (``python -m varuna_core.launch.agent`` locally, or ``ssh HOST ...``), a writer for
-    its commands, and a thread that puts its events on a shared queue as ``(node, event dict)``. An agent whose
-    output ends (it exited, or SSH lost the host) yields ``{"event": "gone", "code": ...}``."""
+    its commands, and a thread that puts its events (:mod:`~varuna_core.launch.protocol` models) on a shared queue as
+    ``(node, event)``. An agent whose output ends (it exited, or SSH lost the host) yields a
+    :class:`~varuna_core.launch.protocol.GoneEvent`."""
 
-    def __init__(self, node: int, host: Host, spec: dict, events: "queue.Queue[tuple[int, dict]]",
-                 runtime: Runtime, ssh: SSHConfig | None) -> None:
+    def __init__(self, node: int, host: Host, spec: AgentSpec, events: queue.Queue, runtime: Runtime,
+                 ssh: SSHConfig | None) -> None:
         self.node, self.host = node, host
         # the job id marks every process of the job (the agent's and, through the spec, the workers')
-        command = runtime.command("-m", "varuna_core.launch.agent", env={JOB_ID: spec["job"]})
+        command = runtime.command("-m", "varuna_core.launch.agent", env={JOB_ID: spec.job})
         if ssh is None:
             argv = ["/bin/sh", "-c", command]
         else:
@@ -172,16 +92,17 @@ class AgentHandle:
         self._events = events
         self._lock = threading.Lock()
         self.stderr: list[str] = []
-        self.ready: dict | None = None  # the agent's "ready" event, once it came
+        self.ready = None  # the agent's ReadyEvent, once it came
         self.send(spec)
         threading.Thread(target=self._read, name=f"agent{node}", daemon=True).start()
         threading.Thread(target=self._read_stderr, name=f"agent{node}-err", daemon=True).start()
 
-    def send(self, message: dict) -> bool:
-        """Write one JSON line to the agent; False if it is gone."""
+    def send(self, message: AgentSpec | SignalCommand | StopCommand) -> bool:
+        """Write one message to the agent as a JSON line; False if it is gone."""
+        line = message.model_dump_json() + "\n"
         with self._lock:
             try:
-                self.proc.stdin.write((json.dumps(message) + "\n").encode())
+                self.proc.stdin.write(line.encode())
                 self.proc.stdin.flush()
                 return True
             except (BrokenPipeError, OSError, ValueError):
@@ -195,7 +116,7 @@ class AgentHandle:
                 del self.stderr[:-20]
                 continue
             self._events.put((self.node, event))
-        self._events.put((self.node, {"event": "gone", "code": self.proc.wait()}))
+        self._events.put((self.node, GoneEvent(code=self.proc.wait())))
 
     def _read_stderr(self) -> None:
         for raw in _lines(self.proc.stderr, 4096):

@@ -1,0 +1,97 @@
+"""What ``varuna launch`` is asked to do, as plain data: :class:`LaunchOptions` and the two parts of it that say how
+to reach the hosts (:class:`SSHConfig`) and where the code runs on them (:class:`Runtime`).
+
+The field defaults of these dataclasses are the launcher's defaults: the CLI's options read theirs from here
+(:data:`DEFAULTS`), so a default is written once. No torch and no pydantic here: the CLI imports this module when
+it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from .hosts import Host
+
+__all__ = ["DEFAULTS", "LaunchOptions", "Runtime", "SSHConfig"]
+
+
+@dataclass(frozen=True)
+class SSHConfig:
+    """How to SSH: defaults for every host (a host's own ``user@``/``:port`` in the hosts file win)."""
+
+    user: str | None = None
+    port: int | None = None
+    identity: str | None = None
+    options: tuple[str, ...] = ()
+    connect_timeout: int = 10
+
+    def argv(self, host: Host, command: str) -> list[str]:
+        argv = ["ssh"]
+        for option in self.options:  # ssh keeps the first value of an option: the user's come first
+            argv += ["-o", option]
+        argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.connect_timeout}",
+                 "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3", "-o", "LogLevel=ERROR"]
+        user, port = host.user or self.user, host.port or self.port
+        if port:
+            argv += ["-p", str(port)]
+        if user:
+            argv += ["-l", user]
+        if self.identity:
+            argv += ["-i", self.identity, "-o", "IdentitiesOnly=yes"]
+        return [*argv, "--", host.address, command]  # after --, a host named "-o..." is still a host
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where the job's code runs on every host: the Python interpreter and the working directory."""
+
+    python: str = sys.executable
+    code_dir: str = field(default_factory=os.getcwd)
+
+    def command(self, *words: str, env: dict[str, str] | None = None) -> str:
+        """A shell command that runs ``python WORDS`` in the code directory (each word quoted), with ``env``
+        (names and values that are not secret: they show in ``ps``)."""
+        assignments = "".join(f"{k}={shlex.quote(v)} " for k, v in (env or {}).items())
+        return f"cd {shlex.quote(self.code_dir)} && {assignments}exec {shlex.quote(self.python)} " + " ".join(
+            shlex.quote(w) for w in words)
+
+
+@dataclass
+class LaunchOptions:
+    """Everything ``varuna launch`` was asked to do (see its ``--help`` for each)."""
+
+    script: list[str]
+    run_dir: Path
+    ckpt_dir: Path
+    runtime: Runtime = field(default_factory=Runtime)
+    ssh: SSHConfig | None = None  # None: local processes
+    env: dict[str, str] = field(default_factory=dict)
+    legacy_args: bool = False
+    morph: bool = False
+    morph_any_microbatch: bool = False
+    resume: bool = False
+    ckpt_every: int = 0
+    ckpt_keep: int | None = None
+    ckpt_tempdir: str | None = None
+    total_steps: int | None = None
+    max_restarts: int = 3
+    backoff: float = 2.0
+    heartbeat_timeout: float = 60.0
+    start_timeout: float = 600.0
+    morph_timeout: float = 300.0
+    preempt_margin: float = 30.0
+    grace: float = 10.0
+    straggler_threshold: float = 0.3
+    run_id: str | None = None  # the run to resume (--resume) or to start under; default: found or new
+
+
+# Every plain field default of LaunchOptions, by field name: what the CLI's options default to.
+DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {f.name: f.default for f in fields(LaunchOptions) if f.default is not MISSING})
