@@ -54,7 +54,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -69,6 +68,7 @@ if str(ROOT) not in sys.path:  # for devtools.testhosts
 GPT_DIR = ROOT / "examples" / "gpt"
 
 from devtools.testhosts import kill_namespace_processes  # noqa: E402
+from varuna_core.util.procs import JobOutcome, run_workers  # noqa: E402
 
 DEEPSPEED = "deepspeed-1f1b"
 CONTENDERS: dict[str, str] = {
@@ -203,21 +203,78 @@ def peak_rss_mb() -> float:
 
 def worker(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    import datetime
 
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
-    import torch.nn.functional as F
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(GPT_DIR))
     from data import CharDataset  # noqa: E402
-    from model import GPT, SHARED_WEIGHTS, GPTConfig  # noqa: E402
+    from model import GPT, GPTConfig  # noqa: E402
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = float(spec["timeout"])
-    contender = spec["contender"]
+    _init_process_group(spec["contender"], rank, world, float(spec["timeout"]))
+    rss_after_import = peak_rss_mb()
+
+    M, mbs, T, L = spec["microbatches"], spec["microbatch_size"], spec["block_size"], spec["n_layer"]
+    ds = CharDataset.load()
+    cfg = GPTConfig(vocab_size=ds.vocab_size, block_size=T, n_layer=L, n_head=spec["n_head"],
+                    n_embd=spec["n_embd"], dropout=0.0)
+    torch.manual_seed(spec["seed"])
+    job = _Job(spec=spec, rank=rank, world=world, ds=ds, cfg=cfg, gpt=GPT(cfg))
+    total_params = job.gpt.num_parameters()
+    # Every step's global batch, drawn up front from a generator seeded by (seed, step): same data for all.
+    batches = [ds.get_batch("train", M * mbs, T, torch.Generator().manual_seed(spec["seed"] * 1_000_003 + i))
+               for i in range(spec["warmup"] + spec["steps"])]
+
+    t_setup = time.perf_counter()
+    if spec["contender"].startswith("ours-"):
+        step, params, param_names = _setup_ours(job)
+    elif spec["contender"] == DEEPSPEED:
+        step, params, param_names = _setup_deepspeed(job)
+    else:
+        step, params, param_names = _setup_torch(job)
+    setup_s = time.perf_counter() - t_setup
+    rss_after_setup = peak_rss_mb()
+
+    times, cpu_times, losses = _run_steps(step, batches, spec, rank)
+    result = {
+        "rank": rank,
+        "contender": spec["contender"],
+        "times_s": times,
+        "cpu_s": cpu_times,  # process CPU time (all threads) during each measured step
+        "losses": losses,
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_after_import_mb": rss_after_import,
+        "peak_rss_after_setup_mb": rss_after_setup,
+        "setup_s": setup_s,
+        "stage_params": sum(p.numel() for p in params),
+        "stage_param_names": param_names,
+        "total_params": total_params,
+        "torch": torch.__version__,
+    }
+    Path(out_path).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+class _Job:
+    """What every contender's set-up needs: the spec, this rank, the data, the GPT and its config."""
+
+    def __init__(self, *, spec: dict, rank: int, world: int, ds, cfg, gpt) -> None:
+        self.spec, self.rank, self.world, self.ds, self.cfg = spec, rank, world, ds, cfg
+        self.gpt = gpt  # the whole model (torch's contenders drop it once their stage is built)
+        self.k = spec["n_layer"] // 2  # blocks on stage 0
+        self.M, self.mbs, self.T, self.L = (spec["microbatches"], spec["microbatch_size"], spec["block_size"],
+                                            spec["n_layer"])
+        self.batch_size = self.M * self.mbs
+        self.timeout = float(spec["timeout"])
+
+
+def _init_process_group(contender: str, rank: int, world: int, timeout: float) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
     if contender == DEEPSPEED:
         os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is imported; without it, it looks for a GPU
         import deepspeed
@@ -226,26 +283,18 @@ def worker(spec_path: str, out_path: str) -> None:
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
-    rss_after_import = peak_rss_mb()
 
-    M, mbs, T, L = spec["microbatches"], spec["microbatch_size"], spec["block_size"], spec["n_layer"]
-    batch_size = M * mbs
-    ds = CharDataset.load()
-    cfg = GPTConfig(vocab_size=ds.vocab_size, block_size=T, n_layer=L, n_head=spec["n_head"],
-                    n_embd=spec["n_embd"], dropout=0.0)
-    torch.manual_seed(spec["seed"])
-    gpt = GPT(cfg)
-    total_params = gpt.num_parameters()
-    n_steps = spec["warmup"] + spec["steps"]
-    # Every step's global batch, drawn up front from a generator seeded by (seed, step): same data for all.
-    batches = [ds.get_batch("train", batch_size, T, torch.Generator().manual_seed(spec["seed"] * 1_000_003 + i))
-               for i in range(n_steps)]
-    k = L // 2  # blocks on stage 0
+
+def _peer_parts(cfg):
+    """(Embeddings, untied_head, loss_fn): the pieces torch's and DeepSpeed's contenders build the GPT from."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
 
     class Embeddings(nn.Module):
         """Token + position embeddings (ours: segment 0): the first layer of stage 0 for torch and DeepSpeed."""
 
-        def __init__(self, g: GPT) -> None:
+        def __init__(self, g) -> None:
             super().__init__()
             self.wte, self.wpe, self.drop = g.wte, g.wpe, g.drop
 
@@ -253,7 +302,7 @@ def worker(spec_path: str, out_path: str) -> None:
             pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)
             return self.drop(self.wte(idx) + self.wpe(pos))
 
-    def untied_head(g: GPT) -> nn.Linear:
+    def untied_head(g) -> nn.Linear:
         """The head with a weight of its own, starting equal to the embedding (no cross-stage ties for peers)."""
         head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         with torch.no_grad():
@@ -264,119 +313,157 @@ def worker(spec_path: str, out_path: str) -> None:
         """The peers' loss on the last stage's logits: the GPT's own (mean cross-entropy)."""
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-    t_setup = time.perf_counter()
-    if contender.startswith("ours-"):
-        from varuna_core import Varuna
+    return Embeddings, untied_head, loss_fn
 
-        # Segments (model.py): 0 = wte+wpe, i = blocks[i-1] for 1 <= i < L, L = blocks[L-1] + ln_f + lm_head.
-        # Stage 0 = segments [0, k+1) = embeddings + blocks[:k]; stage 1 = blocks[k:] + ln_f + head + loss.
-        partition = [(0, k + 1), (k + 1, L + 1)]
-        dummy = ds.get_batch("train", mbs, T, torch.Generator().manual_seed(spec["seed"]))
-        model = Varuna(gpt, "0;1", dummy, batch_size=batch_size, chunk_size=mbs, shared_weights=SHARED_WEIGHTS,
-                       schedule=contender.removeprefix("ours-"), partition=partition, from_cache=False,
-                       timeout=timeout)
-        params = list(model.parameters())
-        param_names = [n for n, _ in model.named_parameters()]
-        optimizer = torch.optim.SGD(params, lr=spec["lr"])
-        model.set_optimizer(optimizer)
 
-        def step(batch: dict) -> float | None:
-            loss, overflow = model.step(batch)
-            if not overflow:
-                optimizer.step()
-            optimizer.zero_grad()
-            return float(loss)
+def _setup_ours(job: _Job):
+    """(step, params, param names) of ours: Varuna with the contender's schedule and the same split."""
+    import torch
+    from model import SHARED_WEIGHTS  # noqa: E402
 
-    elif contender == DEEPSPEED:
-        from deepspeed.pipe import PipelineModule
+    from varuna_core import Varuna
 
-        # The GPT as a sequence of layers: DeepSpeed runs a stage as ``x = layer(x)`` over its layers.
-        layers = [Embeddings(gpt), *gpt.blocks, gpt.ln_f, untied_head(gpt)]
-        # DeepSpeed has no explicit split: "type:REGEX" balances the number of layers whose class matches.
-        # Counting the blocks (and, for an odd n_layer, the embeddings too) has exactly one balanced split:
-        # stage 0 = embeddings + blocks[:k], stage 1 = the rest, as for the other contenders (checked below).
-        counted = "^block$" if L % 2 == 0 else "^(embeddings|block)$"
-        module = PipelineModule(layers, num_stages=world, loss_fn=loss_fn, partition_method=f"type:{counted}")
-        if module.parts != [0, k + 1, len(layers)]:
-            raise RuntimeError(f"DeepSpeed split the layers at {module.parts}, not [0, {k + 1}, {len(layers)}]")
-        # The module keeps the whole list, so the other stage's layers stay in memory (0.4 MB here; every
-        # contender's peak RSS includes the whole GPT anyway, built before the split).
-        param_names = [n for n, _ in module.named_parameters()]
-        params = list(module.parameters())
-        config = {
-            "train_micro_batch_size_per_gpu": mbs,
-            "gradient_accumulation_steps": M,
-            "train_batch_size": batch_size,  # 1 replica
-            "steps_per_print": n_steps + 1,  # no progress lines (and no timer reads) during the run
-            "gradient_clipping": 0.0,  # DeepSpeed clips to norm 1.0 unless told not to; the others do not clip
-            "zero_optimization": {"stage": 0},
-            "fp16": {"enabled": False},
-            "bf16": {"enabled": False},
-        }
-        engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(params, lr=spec["lr"]),
-                                          config=config)
+    # Segments (model.py): 0 = wte+wpe, i = blocks[i-1] for 1 <= i < L, L = blocks[L-1] + ln_f + lm_head.
+    # Stage 0 = segments [0, k+1) = embeddings + blocks[:k]; stage 1 = blocks[k:] + ln_f + head + loss.
+    k, L, spec = job.k, job.L, job.spec
+    partition = [(0, k + 1), (k + 1, L + 1)]
+    dummy = job.ds.get_batch("train", job.mbs, job.T, torch.Generator().manual_seed(spec["seed"]))
+    model = Varuna(job.gpt, "0;1", dummy, batch_size=job.batch_size, chunk_size=job.mbs, shared_weights=SHARED_WEIGHTS,
+                   schedule=spec["contender"].removeprefix("ours-"), partition=partition, from_cache=False,
+                   timeout=job.timeout)
+    params = list(model.parameters())
+    param_names = [n for n, _ in model.named_parameters()]
+    optimizer = torch.optim.SGD(params, lr=spec["lr"])
+    model.set_optimizer(optimizer)
 
-        def step(batch: dict) -> float | None:
-            # train_batch pulls M (inputs, targets) micro-batches, runs the 1F1B schedule, the optimizer step and
-            # zero_grad, and returns the mean loss on every stage.
-            micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs))
-            return float(engine.train_batch(iter(micro)))
-
-    else:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        class Stage0(nn.Module):
-            """Embeddings + the first k blocks (what ours runs as segments [0, k+1))."""
-
-            def __init__(self, g: GPT) -> None:
-                super().__init__()
-                self.embed = Embeddings(g)
-                self.blocks = nn.ModuleList(g.blocks[:k])
-
-            def forward(self, idx: torch.Tensor) -> torch.Tensor:
-                x = self.embed(idx)
-                for block in self.blocks:
-                    x = block(x)
-                return x
-
-        class Stage1(nn.Module):
-            """The other blocks + final LayerNorm + head; the loss is the schedule's loss_fn."""
-
-            def __init__(self, g: GPT) -> None:
-                super().__init__()
-                self.blocks = nn.ModuleList(g.blocks[k:])
-                self.ln_f = g.ln_f
-                self.lm_head = untied_head(g)
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                for block in self.blocks:
-                    x = block(x)
-                return self.lm_head(self.ln_f(x))
-
-        submodule = Stage0(gpt) if rank == 0 else Stage1(gpt)
-        del gpt
-        param_names = [n for n, _ in submodule.named_parameters()]
-        stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
-        schedule_cls = Schedule1F1B if contender == "torch-1f1b" else ScheduleGPipe
-        schedule = schedule_cls(stage, n_microbatches=M, loss_fn=loss_fn)
-        params = list(submodule.parameters())
-        optimizer = torch.optim.SGD(params, lr=spec["lr"])
-        last = rank == world - 1
-
-        def step(batch: dict) -> float | None:
-            if rank == 0:
-                schedule.step(batch["idx"])
-                loss = None
-            else:
-                losses: list = []
-                schedule.step(target=batch["targets"], losses=losses, return_outputs=False)
-                loss = float(torch.stack([x.detach() for x in losses]).mean()) if last else None
+    def step(batch: dict) -> float | None:
+        loss, overflow = model.step(batch)
+        if not overflow:
             optimizer.step()
-            optimizer.zero_grad()
-            return loss
+        optimizer.zero_grad()
+        return float(loss)
 
-    setup_s = time.perf_counter() - t_setup
-    rss_after_setup = peak_rss_mb()
+    return step, params, param_names
+
+
+def _setup_deepspeed(job: _Job):
+    """(step, params, param names) of DeepSpeed's PipelineModule + engine.train_batch()."""
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+
+    Embeddings, untied_head, loss_fn = _peer_parts(job.cfg)
+    k, L, mbs = job.k, job.L, job.mbs
+    # The GPT as a sequence of layers: DeepSpeed runs a stage as ``x = layer(x)`` over its layers.
+    gpt = job.gpt
+    layers = [Embeddings(gpt), *gpt.blocks, gpt.ln_f, untied_head(gpt)]
+    # DeepSpeed has no explicit split: "type:REGEX" balances the number of layers whose class matches.
+    # Counting the blocks (and, for an odd n_layer, the embeddings too) has exactly one balanced split:
+    # stage 0 = embeddings + blocks[:k], stage 1 = the rest, as for the other contenders (checked below).
+    counted = "^block$" if L % 2 == 0 else "^(embeddings|block)$"
+    module = PipelineModule(layers, num_stages=job.world, loss_fn=loss_fn, partition_method=f"type:{counted}")
+    if module.parts != [0, k + 1, len(layers)]:
+        raise RuntimeError(f"DeepSpeed split the layers at {module.parts}, not [0, {k + 1}, {len(layers)}]")
+    # The module keeps the whole list, so the other stage's layers stay in memory (0.4 MB here; every
+    # contender's peak RSS includes the whole GPT anyway, built before the split).
+    param_names = [n for n, _ in module.named_parameters()]
+    params = list(module.parameters())
+    config = {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": job.M,
+        "train_batch_size": job.batch_size,  # 1 replica
+        "steps_per_print": job.spec["warmup"] + job.spec["steps"] + 1,  # no progress lines (nor timer reads)
+        "gradient_clipping": 0.0,  # DeepSpeed clips to norm 1.0 unless told not to; the others do not clip
+        "zero_optimization": {"stage": 0},
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+    }
+    engine, *_ = deepspeed.initialize(model=module, optimizer=torch.optim.SGD(params, lr=job.spec["lr"]),
+                                      config=config)
+
+    def step(batch: dict) -> float | None:
+        # train_batch pulls M (inputs, targets) micro-batches, runs the 1F1B schedule, the optimizer step and
+        # zero_grad, and returns the mean loss on every stage.
+        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs))
+        return float(engine.train_batch(iter(micro)))
+
+    return step, params, param_names
+
+
+def _torch_stages(job: _Job, gpt):
+    """This rank's stage of the GPT as a plain module for torch.distributed.pipelining, and the loss."""
+    import torch
+    import torch.nn as nn
+
+    Embeddings, untied_head, loss_fn = _peer_parts(job.cfg)
+    k = job.k
+
+    class Stage0(nn.Module):
+        """Embeddings + the first k blocks (what ours runs as segments [0, k+1))."""
+
+        def __init__(self, g) -> None:
+            super().__init__()
+            self.embed = Embeddings(g)
+            self.blocks = nn.ModuleList(g.blocks[:k])
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.embed(idx)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    class Stage1(nn.Module):
+        """The other blocks + final LayerNorm + head; the loss is the schedule's loss_fn."""
+
+        def __init__(self, g) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(g.blocks[k:])
+            self.ln_f = g.ln_f
+            self.lm_head = untied_head(g)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
+
+    return (Stage0(gpt) if job.rank == 0 else Stage1(gpt)), loss_fn
+
+
+def _setup_torch(job: _Job):
+    """(step, params, param names) of torch.distributed.pipelining's PipelineStage + Schedule1F1B/GPipe."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, world = job.rank, job.world
+    submodule, loss_fn = _torch_stages(job, job.gpt)
+    job.gpt = None
+    param_names = [n for n, _ in submodule.named_parameters()]
+    stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
+    schedule_cls = Schedule1F1B if job.spec["contender"] == "torch-1f1b" else ScheduleGPipe
+    schedule = schedule_cls(stage, n_microbatches=job.M, loss_fn=loss_fn)
+    params = list(submodule.parameters())
+    optimizer = torch.optim.SGD(params, lr=job.spec["lr"])
+    last = rank == world - 1
+
+    def step(batch: dict) -> float | None:
+        if rank == 0:
+            schedule.step(batch["idx"])
+            loss = None
+        else:
+            losses: list = []
+            schedule.step(target=batch["targets"], losses=losses, return_outputs=False)
+            loss = float(torch.stack([x.detach() for x in losses]).mean()) if last else None
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step, params, param_names
+
+
+def _run_steps(step, batches: list, spec: dict, rank: int) -> tuple[list[float], list[float], list[float | None]]:
+    """Every step after a barrier: wall and CPU times of the measured ones, every step's loss (cProfile on
+    request)."""
+    import torch.distributed as dist
 
     times: list[float] = []
     cpu_times: list[float] = []
@@ -402,24 +489,7 @@ def worker(spec_path: str, out_path: str) -> None:
     dist.barrier()
     if profiler is not None:
         profiler.dump_stats(spec["profile"].replace("{rank}", str(rank)))  # one file per rank
-
-    result = {
-        "rank": rank,
-        "contender": contender,
-        "times_s": times,
-        "cpu_s": cpu_times,  # process CPU time (all threads) during each measured step
-        "losses": losses,
-        "peak_rss_mb": peak_rss_mb(),
-        "peak_rss_after_import_mb": rss_after_import,
-        "peak_rss_after_setup_mb": rss_after_setup,
-        "setup_s": setup_s,
-        "stage_params": sum(p.numel() for p in params),
-        "stage_param_names": param_names,
-        "total_params": total_params,
-        "torch": torch.__version__,
-    }
-    Path(out_path).write_text(json.dumps(result))
-    dist.destroy_process_group()
+    return times, cpu_times, losses
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -570,12 +640,6 @@ class SlowNetwork:
 # Launcher
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def busy_cpu_s() -> float | None:
     """CPU seconds the whole machine has spent busy since boot (all cores, from /proc/stat)."""
     try:
@@ -607,16 +671,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _die_with_parent() -> None:
-    """In a worker before exec: SIGKILL it when the launcher dies, even by SIGKILL (Linux prctl; kept by exec).
-
-    Safe as a ``preexec_fn``: the launcher runs no threads.
-    """
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def run_pair(spec: dict, workdir: Path, tag: str, timeout: float,
              network: SlowNetwork | None) -> tuple[list[dict] | None, str | None, float | None]:
     """Run both ranks of one contender in fresh processes (each in its namespace on a slow ``network``); kill
@@ -628,61 +682,41 @@ def run_pair(spec: dict, workdir: Path, tag: str, timeout: float,
     busy0, own0, wall0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
     spec_path = workdir / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    port = free_port()
-    procs, logs, outs = [], [], []
-    for rank in range(WORLD):
-        env = dict(os.environ)
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                   VARUNA_TIMEOUT=str(int(timeout)))
-        prefix: list[str] = []
-        if network is not None:
-            env.update(network.env())
-            prefix = network.command(rank)
-        out = workdir / f"{tag}.rank{rank}.json"
+    outs = [workdir / f"{tag}.rank{rank}.json" for rank in range(WORLD)]
+    for out in outs:
         out.unlink(missing_ok=True)
-        logf = open(workdir / f"{tag}.rank{rank}.log", "w")
-        procs.append(subprocess.Popen([*prefix, sys.executable, str(Path(__file__).resolve()), "--worker",
-                                       str(spec_path), str(out)], cwd=ROOT, env=env, stdout=logf,
-                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
-        logs.append(logf)
-        outs.append(out)
-    deadline = time.monotonic() + timeout
-    error = None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            if any(c not in (None, 0) for c in codes):
-                error = f"a worker exited with code {[c for c in codes if c not in (None, 0)][0]}"
-                break
-            if time.monotonic() > deadline:
-                error = f"timed out after {timeout:g}s"
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for f in logs:
-            f.close()
+    env = {"MKL_NUM_THREADS": "1", "VARUNA_TIMEOUT": str(int(timeout)), **(network.env() if network else {})}
+
+    def argv(rank: int) -> list[str]:
+        prefix = network.command(rank) if network is not None else []
+        return [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), str(outs[rank])]
+
+    # rank 0 hosts the store (no agent store): on a slow network the workers cannot reach this namespace
+    outcome = run_workers(argv, WORLD, log_dir=workdir, log_name=f"{tag}.rank{{rank}}.log", timeout=timeout,
+                          env=env, cwd=ROOT, agent_store=False, die_with_parent=True, poll=0.05)
     busy1, own1, wall1 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
     others = None
     if busy0 is not None and busy1 is not None:
         others = max(0.0, ((busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9))
-    codes = [p.returncode for p in procs]
-    if error is None and any(codes):
-        error = f"worker exit codes {codes}"
-    if error is None and not all(o.exists() for o in outs):
-        error = "a worker finished without writing its result"
+    error = _pair_error(outcome, outs)
     if error is not None:
         for rank in range(WORLD):
             text = (workdir / f"{tag}.rank{rank}.log").read_text()
             log(f"--- {tag} rank {rank} log (last 3000 chars) ---\n{text[-3000:]}")
         return None, error, others
     return [json.loads(o.read_text()) for o in outs], None, others
+
+
+def _pair_error(outcome: JobOutcome, outs: list[Path]) -> str | None:
+    if outcome.failed is not None:
+        return f"a worker exited with code {outcome.failed[1]}"
+    if outcome.timed_out:
+        return f"timed out after {outcome.timeout:g}s"
+    if any(outcome.returncodes):
+        return f"worker exit codes {outcome.returncodes}"
+    if not all(o.exists() for o in outs):
+        return "a worker finished without writing its result"
+    return None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -750,19 +784,9 @@ def main() -> int:
     # A terminated launcher still kills its workers and removes its namespaces (the finally blocks and atexit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    names = args.contender_list
-    if DEEPSPEED in names and importlib.util.find_spec("deepspeed") is None:
-        if args.install_deepspeed:
-            error = install_deepspeed()
-            if error:
-                log(f"error: {error}")
-                return 1
-        else:
-            log(f"{DEEPSPEED} skipped: DeepSpeed is not installed (install it with "
-                f"`{DS_INSTALL.format(pip=pip_command())}`, or pass --install-deepspeed)")
-            names = [n for n in names if n != DEEPSPEED]
-            if not names:
-                return 0
+    names = _contenders(args)
+    if not names:
+        return 1 if names is None else 0
     network = None
     if args.network == "slow":
         network = SlowNetwork(args.rate_bps, args.delay_s)
@@ -771,8 +795,6 @@ def main() -> int:
         except NetworkUnavailable as e:
             log(f"--network slow skipped: {e}")
             return 0
-    spec_base = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block_size", "microbatch_size",
-                                              "microbatches", "steps", "warmup", "lr", "seed", "timeout")}
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         log("note: --profile is on; cProfile inflates the step times, do not compare them with unprofiled runs")
@@ -795,30 +817,8 @@ def main() -> int:
         meta["deepspeed"] = importlib.metadata.version("deepspeed")
     try:
         for rnd in range(args.rounds):
-            order = names if rnd % 2 == 0 else names[::-1]
-            for name in order:
-                tag = f"{name}-round{rnd}"
-                spec = dict(spec_base, contender=name)
-                if args.profile:
-                    spec["profile"] = str(Path(args.profile).resolve() / f"{tag}-rank{{rank}}.prof")
-                log(f"[{time.perf_counter() - t_all:6.1f}s] round {rnd + 1}/{args.rounds}: {CONTENDERS[name]} ...")
-                ranks, err, others = run_pair(spec, workdir, tag, args.timeout, network)
-                if others is not None:
-                    meta.setdefault("other_cores", []).append(others)
-                    if others > 0.2:
-                        log(f"  warning: other processes kept {others:.2f} cores busy during this run")
-                if err is not None:
-                    log(f"  {CONTENDERS[name]} failed: {err}")
-                    errors[name].append(err)
-                    continue
-                summary = summarize_run(ranks)
-                summary["round"] = rnd
-                summary["other_cores"] = others
-                runs[name].append(summary)
-                meta.setdefault("total_params", ranks[0]["total_params"])
-                meta.setdefault("torch", ranks[0]["torch"])
-                meta.setdefault("stage_param_names", {})[name] = [r["stage_param_names"] for r in ranks]
-                log(f"  median {summary['median_ms']:.2f} ms/step, loss(step 1) {summary['losses'][0]:.5f}")
+            for name in (names if rnd % 2 == 0 else names[::-1]):
+                _run_round(args, name, rnd, workdir, network, t_all, runs, errors, meta)
     except KeyboardInterrupt:
         log("interrupted")
         return 130
@@ -837,8 +837,52 @@ def main() -> int:
     return 0 if not any(errors.values()) else 1
 
 
+def _contenders(args) -> list[str] | None:
+    """The contenders to run (DeepSpeed dropped, or installed, when missing); None when installing failed."""
+    names = args.contender_list
+    if DEEPSPEED in names and importlib.util.find_spec("deepspeed") is None:
+        if args.install_deepspeed:
+            error = install_deepspeed()
+            if error:
+                log(f"error: {error}")
+                return None
+        else:
+            log(f"{DEEPSPEED} skipped: DeepSpeed is not installed (install it with "
+                f"`{DS_INSTALL.format(pip=pip_command())}`, or pass --install-deepspeed)")
+            names = [n for n in names if n != DEEPSPEED]
+    return names
+
+
+def _run_round(args, name: str, rnd: int, workdir: Path, network: SlowNetwork | None, t_all: float,
+               runs: dict[str, list[dict]], errors: dict[str, list[str]], meta: dict[str, Any]) -> None:
+    """One contender's run of round ``rnd``: its summary goes to ``runs``, or its error to ``errors``."""
+    spec_base = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block_size", "microbatch_size",
+                                              "microbatches", "steps", "warmup", "lr", "seed", "timeout")}
+    tag = f"{name}-round{rnd}"
+    spec = dict(spec_base, contender=name)
+    if args.profile:
+        spec["profile"] = str(Path(args.profile).resolve() / f"{tag}-rank{{rank}}.prof")
+    log(f"[{time.perf_counter() - t_all:6.1f}s] round {rnd + 1}/{args.rounds}: {CONTENDERS[name]} ...")
+    ranks, err, others = run_pair(spec, workdir, tag, args.timeout, network)
+    if others is not None:
+        meta.setdefault("other_cores", []).append(others)
+        if others > 0.2:
+            log(f"  warning: other processes kept {others:.2f} cores busy during this run")
+    if err is not None:
+        log(f"  {CONTENDERS[name]} failed: {err}")
+        errors[name].append(err)
+        return
+    summary = summarize_run(ranks)
+    summary["round"] = rnd
+    summary["other_cores"] = others
+    runs[name].append(summary)
+    meta.setdefault("total_params", ranks[0]["total_params"])
+    meta.setdefault("torch", ranks[0]["torch"])
+    meta.setdefault("stage_param_names", {})[name] = [r["stage_param_names"] for r in ranks]
+    log(f"  median {summary['median_ms']:.2f} ms/step, loss(step 1) {summary['losses'][0]:.5f}")
+
+
 def build_report(args, names, runs, errors, meta, elapsed) -> dict:
-    contenders = []
     base = None
     best: dict[str, dict] = {}
     for name in names:
@@ -848,30 +892,8 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
         base = best[BASELINE]["median_ms"]
     ref_losses = best.get("ours-1f1b", next(iter(best.values()), None))
     ref_losses = ref_losses["losses"] if ref_losses else None
-    for name in names:
-        entry: dict[str, Any] = {"key": name, "contender": CONTENDERS[name], "errors": errors[name]}
-        if name in best:
-            b = best[name]
-            entry.update(
-                median_ms=b["median_ms"], p10_ms=b["p10_ms"], p90_ms=b["p90_ms"],
-                ratio_vs_torch_1f1b=(b["median_ms"] / base) if base else None,
-                round_medians_ms=[r["median_ms"] for r in runs[name]],
-                best_round=b["round"],
-                rank_median_ms=b["rank_median_ms"],
-                rank_cpu_fraction=b["rank_cpu_fraction"],
-                other_cores_by_round=[r["other_cores"] for r in runs[name]],
-                peak_rss_mb=[max(r["peak_rss_mb"][k] for r in runs[name]) for k in range(WORLD)],
-                peak_rss_after_setup_mb=b["peak_rss_after_setup_mb"],
-                peak_rss_after_import_mb=b["peak_rss_after_import_mb"],
-                setup_s=b["setup_s"],
-                stage_params=b["stage_params"],
-                loss_first_step=b["losses"][0],
-                loss_last_step=b["losses"][-1],
-                loss_first_step_diff_vs_ours_1f1b=(b["losses"][0] - ref_losses[0]) if ref_losses else None,
-                loss_last_step_diff_vs_ours_1f1b=(b["losses"][-1] - ref_losses[-1]) if ref_losses else None,
-                step_ms=b["step_ms"],
-            )
-        contenders.append(entry)
+    contenders = [_contender_entry(name, runs[name], errors[name], best.get(name), base, ref_losses)
+                  for name in names]
     ratios = []
     for ours, theirs in PAIRS:
         if ours in best and theirs in best:
@@ -881,20 +903,7 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
     split = {n: best[n]["stage_params"] for n in best}
     same_split = len({tuple(v) for v in split.values()}) <= 1
     return {
-        "config": {
-            "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,
-            "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
-            "batch_size": args.microbatch_size * args.microbatches, "steps": args.steps, "warmup": args.warmup,
-            "rounds": args.rounds, "lr": args.lr, "seed": args.seed, "optimizer": "SGD",
-            "stages": WORLD, "replicas": 1, "backend": "gloo", "threads_per_process": 1,
-            "network": meta["network"], "deepspeed": meta.get("deepspeed"),
-            "split": f"stage 0 = embeddings + blocks[0:{args.n_layer // 2}], "
-                     f"stage 1 = blocks[{args.n_layer // 2}:{args.n_layer}] + ln_f + head + loss; "
-                     f"ours partition [(0, {args.n_layer // 2 + 1}), ({args.n_layer // 2 + 1}, {args.n_layer + 1})]",
-            "total_params": meta.get("total_params"), "torch": meta.get("torch"),
-            "profiled": bool(args.profile),
-            "cpus": meta.get("cpus"),
-        },
+        "config": _report_config(args, meta),
         "machine_load": {"loadavg_1min_before": meta.get("loadavg_before"),
                          "other_cores_max": max(meta.get("other_cores") or [0.0]),
                          "other_cores_mean": statistics.mean(meta.get("other_cores") or [0.0])},
@@ -920,7 +929,53 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
     }
 
 
-def print_report(report: dict) -> None:
+def _contender_entry(name: str, runs: list[dict], errors: list[str], b: dict | None, base: float | None,
+                     ref_losses: list[float] | None) -> dict:
+    """One contender in the report: its best round ``b`` (by median), the other rounds, its errors."""
+    entry: dict[str, Any] = {"key": name, "contender": CONTENDERS[name], "errors": errors}
+    if b is not None:
+        entry.update(
+            median_ms=b["median_ms"], p10_ms=b["p10_ms"], p90_ms=b["p90_ms"],
+            ratio_vs_torch_1f1b=(b["median_ms"] / base) if base else None,
+            round_medians_ms=[r["median_ms"] for r in runs],
+            best_round=b["round"],
+            rank_median_ms=b["rank_median_ms"],
+            rank_cpu_fraction=b["rank_cpu_fraction"],
+            other_cores_by_round=[r["other_cores"] for r in runs],
+            peak_rss_mb=[max(r["peak_rss_mb"][k] for r in runs) for k in range(WORLD)],
+            peak_rss_after_setup_mb=b["peak_rss_after_setup_mb"],
+            peak_rss_after_import_mb=b["peak_rss_after_import_mb"],
+            setup_s=b["setup_s"],
+            stage_params=b["stage_params"],
+            loss_first_step=b["losses"][0],
+            loss_last_step=b["losses"][-1],
+            loss_first_step_diff_vs_ours_1f1b=(b["losses"][0] - ref_losses[0]) if ref_losses else None,
+            loss_last_step_diff_vs_ours_1f1b=(b["losses"][-1] - ref_losses[-1]) if ref_losses else None,
+            step_ms=b["step_ms"],
+        )
+    return entry
+
+
+def _report_config(args, meta: dict) -> dict:
+    """The report's ``config``: the model, the run and the machine."""
+    return {
+        "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,
+        "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
+        "batch_size": args.microbatch_size * args.microbatches, "steps": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds, "lr": args.lr, "seed": args.seed, "optimizer": "SGD",
+        "stages": WORLD, "replicas": 1, "backend": "gloo", "threads_per_process": 1,
+        "network": meta["network"], "deepspeed": meta.get("deepspeed"),
+        "split": f"stage 0 = embeddings + blocks[0:{args.n_layer // 2}], "
+                 f"stage 1 = blocks[{args.n_layer // 2}:{args.n_layer}] + ln_f + head + loss; "
+                 f"ours partition [(0, {args.n_layer // 2 + 1}), ({args.n_layer // 2 + 1}, {args.n_layer + 1})]",
+        "total_params": meta.get("total_params"), "torch": meta.get("torch"),
+        "profiled": bool(args.profile),
+        "cpus": meta.get("cpus"),
+    }
+
+
+def _report_header(report: dict) -> list[str]:
+    """The lines above the tables: model, network, pipeline, split, timing method, machine load, warnings."""
     cfg = report["config"]
     lines_before = [
         f"model: char GPT, n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, n_head {cfg['n_head']}, "
@@ -945,6 +1000,12 @@ def print_report(report: dict) -> None:
         some = next(iter(report["stage_params"].values()), None)
         if some:
             lines_before.append(f"parameters per rank (all contenders): {some}")
+    return lines_before
+
+
+def print_report(report: dict) -> None:
+    cfg = report["config"]
+    lines_before = _report_header(report)
 
     rows = []
     for c in report["contenders"]:

@@ -355,12 +355,7 @@ def discover(
             a structure that cannot cross a cut; cuts executed in a different order at the two sizes.
         ConfigError: the model's output holds no scalar loss.
     """
-    cuts = find_cutpoints(model)
-    if not cuts:
-        raise CutPointError(
-            f"{type(model).__name__} has no CutPoint, so it cannot be split into pipeline stages",
-            hint="insert `x = self.cut(x)` with `self.cut = CutPoint()` between blocks (e.g. after each layer)",
-        )
+    cuts = _require_cutpoints(model)
     inputs_1, inputs_2 = _call_batch_fn(batch_fn, 1), _call_batch_fn(batch_fn, 2)
     key = structure_key(model, inputs_1, inputs_2, input_batch_dims, precision)
     if use_cache:
@@ -369,19 +364,53 @@ def discover(
             return cached
 
     slots = _slots(model)
-    tracked = {id(t): t for _, t, _ in slots}
-    mode = _UseMode(None, tracked)  # type: ignore[arg-type]
+    mode = _UseMode(None, {id(t): t for _, t, _ in slots})  # type: ignore[arg-type]
     rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
     rec_2, _ = _run(model, cuts, inputs_2, None, precision)
+    _check_loss(out_1)
+    _check_cut_order(cuts, rec_1, rec_2)
+    cut_specs = _cut_specs(rec_1, rec_2)
+    module_calls = _module_calls(rec_1, rec_2)
+    param_uses, buffer_uses = _tensor_uses(slots, mode, module_calls)
+    structure = Structure(
+        key=key,
+        cut_names=tuple(rec_1.cut_order),
+        cuts=cut_specs,
+        inputs=dict(input_batch_dims),
+        module_calls=module_calls,
+        param_uses=param_uses,
+        buffer_uses=buffer_uses,
+    )
+    if use_cache:
+        _cache_put(structure)
+    return structure
 
-    loss = extract_loss(out_1)
+
+def _require_cutpoints(model: nn.Module) -> dict[str, CutPoint]:
+    """The model's cutpoints by name; a CutPointError when it has none."""
+    cuts = find_cutpoints(model)
+    if not cuts:
+        raise CutPointError(
+            f"{type(model).__name__} has no CutPoint, so it cannot be split into pipeline stages",
+            hint="insert `x = self.cut(x)` with `self.cut = CutPoint()` between blocks (e.g. after each layer)",
+        )
+    return cuts
+
+
+def _check_loss(output: Any) -> None:
+    """The dry run's output must hold a scalar loss."""
+    loss = extract_loss(output)
     if loss is None or loss.numel() != 1:
-        got = type(out_1).__name__ if loss is None else f"a tensor of shape {list(loss.shape)}"
+        got = type(output).__name__ if loss is None else f"a tensor of shape {list(loss.shape)}"
         raise ConfigError(
             f"the model's forward must return the loss (a scalar tensor, or a tuple/dict whose first/'loss' entry "
             f"is one); it returned {got}",
             hint="compute the loss inside forward, e.g. `return F.cross_entropy(logits, targets)`",
         )
+
+
+def _check_cut_order(cuts: dict[str, CutPoint], rec_1: _Recorder, rec_2: _Recorder) -> None:
+    """Some cutpoint ran, in the same order at both sizes; cutpoints never called are ignored (with a warning)."""
     if not rec_1.cut_order:
         raise CutPointError(
             f"the model has {len(cuts)} CutPoint(s) but forward called none of them",
@@ -396,6 +425,9 @@ def discover(
     if unused:
         log.warning("CutPoint(s) never called in forward, ignored: %s", ", ".join(unused))
 
+
+def _cut_specs(rec_1: _Recorder, rec_2: _Recorder) -> tuple[ValueSpec, ...]:
+    """What crosses each cut, from its values at 1 and 2 examples; at least one tensor must be batched."""
     cut_specs = []
     for name, v1, v2 in zip(rec_1.cut_order, rec_1.cut_values, rec_2.cut_values):
         try:
@@ -413,7 +445,11 @@ def discover(
                 hint="place cutpoints on per-example activations (e.g. [batch, seq, hidden] or [seq, batch, hidden])",
             )
         cut_specs.append(spec)
+    return tuple(cut_specs)
 
+
+def _module_calls(rec_1: _Recorder, rec_2: _Recorder) -> dict[str, tuple[ModuleCall, ...]]:
+    """Each module's calls (segment span, and its output's spec when both sizes called it alike)."""
     module_calls: dict[str, tuple[ModuleCall, ...]] = {}
     for name, calls_1 in rec_1.calls.items():
         calls_2 = rec_2.calls.get(name, [])
@@ -427,7 +463,13 @@ def discover(
                     spec = None
             out.append(ModuleCall(start, end, spec))
         module_calls[name] = tuple(out)
+    return module_calls
 
+
+def _tensor_uses(slots: list[tuple[str, torch.Tensor, bool]], mode: _UseMode,
+                 module_calls: dict[str, tuple[ModuleCall, ...]]
+                 ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(parameter uses, buffer uses): the segments that read each slot; one never read lives with its owner."""
     param_uses: dict[str, tuple[int, ...]] = {}
     buffer_uses: dict[str, tuple[int, ...]] = {}
     for name, tensor, is_param in slots:
@@ -436,19 +478,7 @@ def discover(
             owner = name.rpartition(".")[0]
             segments = {c.segment_start for c in module_calls.get(owner, ())} or {0}
         (param_uses if is_param else buffer_uses)[name] = tuple(sorted(segments))
-
-    structure = Structure(
-        key=key,
-        cut_names=tuple(rec_1.cut_order),
-        cuts=tuple(cut_specs),
-        inputs=dict(input_batch_dims),
-        module_calls=module_calls,
-        param_uses=param_uses,
-        buffer_uses=buffer_uses,
-    )
-    if use_cache:
-        _cache_put(structure)
-    return structure
+    return param_uses, buffer_uses
 
 
 def _slots(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:

@@ -28,7 +28,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ from ..model.payload import TensorSpec, flatten
 from ..model.precision import autocast, resolve_precision
 from ..model.spec import ModelSpec, load_spec
 from ..model.stage import StageModule, find_tie_sets
+from ..util.procs import JobOutcome, run_workers
 
 __all__ = ["profile", "DEFAULT_MICROBATCH_SIZES", "P2P_SIZES"]
 
@@ -473,49 +473,43 @@ def _allreduce_curves(rank: int, world: int, device: torch.device, repeats: int,
 
 
 def _spawn(reference: str, nproc: int, options: dict, progress: Progress | None, timeout: float) -> Profile:
-    from ..util.procs import free_port  # local helper, no torch.distributed state in this process
-
     with tempfile.TemporaryDirectory(prefix="varuna-profile-") as tmp:
         job = Path(tmp) / "job.json"
         job.write_text(json.dumps({"spec": reference, "nproc": nproc, "options": options}))
-        port = free_port()
-        store = dist.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False)
-        procs = []
-        for rank in range(nproc):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TORCHELASTIC_USE_AGENT_STORE="True")
-            procs.append(subprocess.Popen([sys.executable, "-m", "varuna_core.profiling.run", str(job), tmp], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / f"rank{rank}.log", "w")))
-        deadline = time.monotonic() + timeout
-        total = None
-        try:
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() > deadline:
-                    raise VarunaError(f"profiling did not finish within {timeout:g}s",
-                                      hint="raise the timeout or measure fewer micro-batch sizes")
-                if any(p.poll() not in (None, 0) for p in procs):
-                    break
-                if progress:
-                    done = sum(int(store.add(f"done/{r}", 0)) for r in range(nproc))
-                    total = total or int(store.add("total", 0))
-                    if total:
-                        progress(done, total, "measuring segments" if done < total else "measuring the network")
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-        if failed:
-            rank, code = failed[0]
-            text = (Path(tmp) / f"error{rank}.txt")
-            detail = text.read_text() if text.exists() else (Path(tmp) / f"rank{rank}.log").read_text()[-2000:]
-            err = json.loads(detail) if text.exists() else {"message": detail.strip().splitlines()[-1:] or ["?"]}
-            raise ConfigError(err["message"], hint=err.get("hint")) if err.get("config") else VarunaError(
-                f"profiling process {rank} failed (exit {code}): {err['message']}", hint=err.get("hint"))
+        outcome = run_workers(
+            [sys.executable, "-m", "varuna_core.profiling.run", str(job), tmp], nproc, log_dir=tmp, timeout=timeout,
+            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}, stdout_to_log=False, poll=0.2,
+            on_poll=_progress_reporter(progress, nproc) if progress else None)
+        if outcome.timed_out:
+            raise VarunaError(f"profiling did not finish within {timeout:g}s",
+                              hint="raise the timeout or measure fewer micro-batch sizes")
+        if not outcome.ok:
+            _raise_worker_error(Path(tmp), outcome)
         return Profile.model_validate_json((Path(tmp) / "profile.json").read_text())
+
+
+def _progress_reporter(progress: Progress, nproc: int) -> Callable[[Any], None]:
+    """Reads the workers' counters from the job's store and reports them."""
+    total = [0]
+
+    def report(store) -> None:
+        done = sum(int(store.add(f"done/{r}", 0)) for r in range(nproc))
+        total[0] = total[0] or int(store.add("total", 0))
+        if total[0]:
+            progress(done, total[0], "measuring segments" if done < total[0] else "measuring the network")
+
+    return report
+
+
+def _raise_worker_error(tmp: Path, outcome: JobOutcome) -> None:
+    """The error of the rank that failed (its error file, else the end of its log) as a Varuna error."""
+    rank, code = outcome.failed or next((r, c) for r, c in enumerate(outcome.returncodes) if c != 0)
+    text = tmp / f"error{rank}.txt"
+    detail = text.read_text() if text.exists() else (tmp / f"rank{rank}.log").read_text()[-2000:]
+    err = json.loads(detail) if text.exists() else {"message": detail.strip().splitlines()[-1:] or ["?"]}
+    if err.get("config"):
+        raise ConfigError(err["message"], hint=err.get("hint"))
+    raise VarunaError(f"profiling process {rank} failed (exit {code}): {err['message']}", hint=err.get("hint"))
 
 
 def _worker(job_path: str, out_dir: str) -> None:
