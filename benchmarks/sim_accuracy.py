@@ -49,8 +49,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from tests.models import SleepModel  # noqa: E402
+from devtools.models import SleepModel  # noqa: E402
 from varuna_core import ModelSpec  # noqa: E402
+from varuna_core.pipeline.tracing import ActionObserver, ActionTiming  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------
 # The sleep model: 8 segments, (forward, backward) seconds each; a Linear(h, h) in front of each sleep.
@@ -205,15 +206,44 @@ def log(msg: str) -> None:
 def worker(job_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from varuna_core import Varuna
-    from varuna_core.model.spec import load_spec
-
     job = json.loads(Path(job_path).read_text())
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     # wall-clock times of the start-up phases (the JSON output shows them relative to the launch)
     stamps = {"launched": float(os.environ.get("SIM_ACCURACY_LAUNCHED", "nan")), "imported": time.time()}
     t_start = time.perf_counter()
+    vm, opt, inputs = _build(job, stamps)
+    setup_s = time.perf_counter() - t_start
+    stamps["varuna"] = time.time()
+    probe = _PhaseProbe(vm)
+    rows, actions, load = _timed_steps(vm, opt, inputs, job, probe)
+    stamps["steps"] = time.time()
+    times = torch.tensor(rows, dtype=torch.float64)
+    slowest = times.clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"rank": rank, "stage": vm.stage, "replica": vm.replica, "rows": rows,
+                                      "setup_s": setup_s, "stamps": stamps, "actions": actions,
+                                      "cpu_s": load["cpu_s"], "num_microbatches": vm.num_microbatches,
+                                      "microbatch_sizes": vm.microbatch_sizes})
+    if rank == 0:
+        _write_result(Path(out_dir), vm, slowest, gathered, load)
+    dist.barrier()
+    dist.destroy_process_group()
+    # Skip the interpreter's tear-down of torch (about 1 CPU-second per process, i.e. several seconds of wall
+    # time when 8 processes share 2 cores); everything this process reports is written and flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _build(job: dict, stamps: dict):
+    """The process group, the Varuna model (and its optimizer), and this replica's batch."""
+    import torch.distributed as dist
+
+    from varuna_core import Varuna
+    from varuna_core.model.spec import load_spec
+
     spec = load_spec(job["spec"])
     model = spec.build()
     batch_size = job["batch"]
@@ -225,61 +255,46 @@ def worker(job_path: str, out_dir: str) -> None:
     opt = spec.optimizer(params) if params else None  # SGD, the optimizer the profile timed
     if opt is not None:
         vm.set_optimizer(opt)
-    inputs = vm.replica_slice(spec.batch(batch_size))
-    setup_s = time.perf_counter() - t_start
-    stamps["varuna"] = time.time()
+    return vm, opt, vm.replica_slice(spec.batch(batch_size))
 
-    # Instrumentation, in this process only (the library is untouched): wrap two of the facade's internals
-    # (instance attributes) to split a step into phases: the pipeline (runtime.run), the gradient sync (tied
-    # weights + data parallel); the rest of step() is the loss/norm all-reduce; then the optimizer. Per action,
-    # the runtime's trace gives its wall time, a wrapper of runtime._forward / runtime._backward its time, and
-    # a wrapper of p2p.wait_all the time spent waiting for a message inside it; compute = time - waits.
-    from varuna_core.pipeline import p2p
 
-    marks: dict[str, float] = {}
-    waited = [0.0]
-    parts: list[tuple[float, float, float]] = []  # per _forward/_backward call: (duration, waits inside it,
-    #                                                 all waits so far)
-    run, sync, fwd, bwd, wait_all = (vm.runtime.run, vm._sync_grads, vm.runtime._forward, vm.runtime._backward,
-                                     p2p.wait_all)
+class _PhaseProbe(ActionObserver):
+    """Splits a step into phases, in this process only (the library is untouched).
 
-    def timed_run(*a, **k):
-        out = run(*a, **k)
-        marks["pipeline"] = time.perf_counter()
-        return out
+    As the runtime's observer it gets, per action, its wall time, its compute (forward or backward, waits
+    excluded) and its waits for messages, the end of the pipeline (``runtime.run``) and the end of the gradient
+    sync (tied weights + data parallel). The rest of ``step()`` is the loss/norm all-reduce; then the optimizer.
+    """
 
-    def timed_sync(*a, **k):
-        out = sync(*a, **k)
-        marks["sync"] = time.perf_counter()
-        return out
+    def __init__(self, vm) -> None:
+        self.marks: dict[str, float] = {}
+        self.actions: list[list] | None = None  # per action while recording: [op, mb, wall s, compute s, wait s]
+        vm.runtime.add_observer(self)
 
-    def timed(fn):
-        def call(*a, **k):
-            w0, t = waited[0], time.perf_counter()
-            out = fn(*a, **k)
-            parts.append((time.perf_counter() - t, waited[0] - w0, waited[0]))
-            return out
-        return call
+    def on_action(self, timing: ActionTiming) -> None:
+        if self.actions is not None:
+            self.actions.append([timing.action.op.value, timing.action.mb, timing.end - timing.start,
+                                 timing.compute, timing.waited])
 
-    def timed_wait(*a, **k):
-        t = time.perf_counter()
-        try:
-            return wait_all(*a, **k)
-        finally:
-            waited[0] += time.perf_counter() - t
+    def on_run(self, start: float, end: float) -> None:
+        self.marks["pipeline"] = end
 
-    vm.runtime.run, vm._sync_grads = timed_run, timed_sync
-    vm.runtime._forward, vm.runtime._backward, p2p.wait_all = timed(fwd), timed(bwd), timed_wait
+    def on_sync(self, start: float, end: float) -> None:
+        self.marks["sync"] = end
 
-    rows = []  # per step: [total, pipeline end, sync end, step() end] relative to the barrier
-    actions = []  # per timed step and action: [op, mb, wall s, compute s, wait s] (wall - compute - wait:
-    #               the runtime's own overhead)
+
+def _timed_steps(vm, opt, inputs: dict, job: dict, probe: _PhaseProbe) -> tuple[list, list, dict]:
+    """Warm-up steps, then the timed ones: per step [total, pipeline end, sync end, step() end] relative to the
+    barrier, per timed action [op, mb, wall s, compute s, wait s] (wall - compute - wait: the runtime's own
+    overhead), and the machine's load over the timed steps."""
+    import torch.distributed as dist
+
+    rows, actions = [], []
     for i in range(job["warmup"] + job["steps"]):
         if i == job["warmup"]:  # machine load over the timed steps
             busy0, cpu0, wall0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
         timed_step = i >= job["warmup"]
-        vm.runtime.trace, parts[:] = ([] if timed_step else None), []
-        waited_before = waited[0]
+        probe.actions = actions if timed_step else None
         dist.barrier()
         t0 = time.perf_counter()
         vm.step(inputs)
@@ -289,48 +304,31 @@ def worker(job_path: str, out_dir: str) -> None:
             opt.zero_grad()
         t1 = time.perf_counter()
         if timed_step:
-            rows.append([t1 - t0, marks["pipeline"] - t0, marks["sync"] - t0, t_step - t0])
-            prefix = len(str(vm.stage))
-            for (name, start, end), (dur, inside, upto) in zip(vm.runtime.trace, parts):
-                # waits of this action: its receive (before _forward) and those inside _forward/_backward
-                actions.append([name[prefix], int(name[prefix + 1:]), end - start, dur - inside,
-                                upto - waited_before])
-                waited_before = upto
-    vm.runtime.trace = None
+            rows.append([t1 - t0, probe.marks["pipeline"] - t0, probe.marks["sync"] - t0, t_step - t0])
+    probe.actions = None
     busy1, cpu1, wall1 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-    stamps["steps"] = time.time()
-    times = torch.tensor(rows, dtype=torch.float64)
-    slowest = times.clone()
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"rank": rank, "stage": vm.stage, "replica": vm.replica, "rows": rows,
-                                      "setup_s": setup_s, "stamps": stamps, "actions": actions,
-                                      "cpu_s": cpu1 - cpu0, "num_microbatches": vm.num_microbatches,
-                                      "microbatch_sizes": vm.microbatch_sizes})
+    return rows, actions, {"busy_s": None if busy0 is None or busy1 is None else busy1 - busy0,
+                           "cpu_s": cpu1 - cpu0, "wall_s": wall1 - wall0}
+
+
+def _write_result(out_dir: Path, vm, slowest: torch.Tensor, gathered: list, load: dict) -> None:
+    """Rank 0: the medians over steps of the slowest rank's phase ends, every rank's rows, the load."""
     others = None
-    if busy0 is not None and busy1 is not None:
-        others = max(0.0, ((busy1 - busy0) - sum(g["cpu_s"] for g in gathered)) / (wall1 - wall0))
-    if rank == 0:
-        step_s = slowest[:, 0].tolist()
-        result = {
-            "step_s": step_s,
-            "median_s": statistics.median(step_s),
-            # medians over steps of the slowest rank's phase ends (seconds after the barrier)
-            "pipeline_end_s": statistics.median(slowest[:, 1].tolist()),
-            "sync_end_s": statistics.median(slowest[:, 2].tolist()),
-            "step_end_s": statistics.median(slowest[:, 3].tolist()),
-            "ranks": gathered,
-            "other_cores": others,  # cores other processes kept busy during the timed steps
-            "schedule": vm.schedule_name, "chunk": vm.chunk_size, "partition": vm.partition.ranges,
-        }
-        (Path(out_dir) / "result.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    # Skip the interpreter's tear-down of torch (about 1 CPU-second per process, i.e. several seconds of wall
-    # time when 8 processes share 2 cores); everything this process reports is written and flushed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if load["busy_s"] is not None:
+        others = max(0.0, (load["busy_s"] - sum(g["cpu_s"] for g in gathered)) / load["wall_s"])
+    step_s = slowest[:, 0].tolist()
+    result = {
+        "step_s": step_s,
+        "median_s": statistics.median(step_s),
+        # medians over steps of the slowest rank's phase ends (seconds after the barrier)
+        "pipeline_end_s": statistics.median(slowest[:, 1].tolist()),
+        "sync_end_s": statistics.median(slowest[:, 2].tolist()),
+        "step_end_s": statistics.median(slowest[:, 3].tolist()),
+        "ranks": gathered,
+        "other_cores": others,  # cores other processes kept busy during the timed steps
+        "schedule": vm.schedule_name, "chunk": vm.chunk_size, "partition": vm.partition.ranges,
+    }
+    (out_dir / "result.json").write_text(json.dumps(result))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -416,7 +414,8 @@ def resimulate(plan, stages: list[dict], *, overhead: bool) -> float:
 
 def measure_model(name: str, ref: str, configs: list[Config], sizes: list[int], repeats: int, args,
                   tmp: Path) -> dict:
-    from varuna_core.planning.artifacts import save_artifact, save_plan
+    from varuna_core.planning.artifacts import save_plan
+    from varuna_core.util.artifacts import save_artifact
     from varuna_core.planning.planner import PlanRequest, plan_for
     from varuna_core.profiling.run import profile
 
@@ -576,9 +575,9 @@ def main() -> int:
             blocks.append(measure_model("gpt", GPT_REF, GPT_QUICK if args.quick else GPT_CONFIGS, [4, 8],
                                         10 if args.quick else 20, args, tmp))
     total_s = time.perf_counter() - started
-    from varuna_core.planning import native as _native_shim
+    from varuna_core.planning.simulate import native_module
 
-    meta = {"cpus": os.cpu_count(), "torch": torch.__version__, "native_simulator": _native_shim.module() is not None,
+    meta = {"cpus": os.cpu_count(), "torch": torch.__version__, "native_simulator": native_module() is not None,
             "quick": args.quick, "steps": args.steps, "warmup": args.warmup, "total_s": total_s,
             "waited_for_idle_s": WAITED[0],
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

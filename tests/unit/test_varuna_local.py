@@ -54,6 +54,33 @@ def test_single_process_matches_plain_training(schedule) -> None:
         assert diff <= 1e-5, (name, float(diff))
 
 
+def test_observers_see_every_action_the_run_and_the_gradient_sync() -> None:
+    from varuna_core.pipeline.tracing import ActionObserver
+
+    class Recorder(ActionObserver):
+        def __init__(self) -> None:
+            self.events: list[tuple] = []
+
+        def on_action(self, timing) -> None:
+            assert timing.start <= timing.end and timing.waited >= 0 and timing.compute >= 0
+            self.events.append(("action", timing.name))
+
+        def on_run(self, start: float, end: float) -> None:
+            self.events.append(("run", start <= end))
+
+        def on_sync(self, start: float, end: float) -> None:
+            self.events.append(("sync", start <= end))
+
+    vm = _wrap(schedule="1f1b")
+    recorder = Recorder()
+    with vm.runtime.observing(recorder):
+        vm.step(batch(8, seed=1))
+    assert recorder.events == [("action", a) for a in ("0F0", "0B0", "0F1", "0B1", "0F2", "0B2")] + [
+        ("run", True), ("sync", True)]
+    vm.step(batch(8, seed=2))  # detached after the block
+    assert len(recorder.events) == 8
+
+
 def test_evaluate_any_batch_size() -> None:
     vm = _wrap()
     torch.manual_seed(0)

@@ -4,6 +4,8 @@ between neighbouring stages.
 The schedule object is the one :mod:`varuna_core.ir.schedule` generates and validates (the same IR the planner
 scores). Actions are interpreted by one loop; there is no per-schedule code path. All receives of a step are
 posted before the first action, sends are posted as soon as a value exists, and nothing creates threads.
+A run is three steps: post the receives, run the actions, finish (wait for the sends). Whoever wants to know
+how long the actions took (traces, benchmarks) attaches an observer (:mod:`varuna_core.pipeline.tracing`).
 
 [Note: opportunistic forward] With the ``varuna`` schedule, when the next action is a recompute whose
 gradient has not arrived yet and a later forward's input has, the forward runs first (as the original's
@@ -19,20 +21,23 @@ saved state and then left the live stream at the recomputed micro-batch's state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from . import p2p
 from ..errors import ConfigError
 from ..ir.inflight import inflight
+from ..ir.schedule import Action, Op, Schedule, generate, validate
+from ..ir.topology import Topology
 from ..model.payload import flatten, unflatten
 from ..model.precision import autocast
-from ..ir.schedule import Action, Op, Schedule, generate, validate
 from ..model.stage import StageModule
-from ..ir.topology import Topology
+from . import p2p
+from .tracing import ActionObserver, ActionTiming
 
 __all__ = ["PipelineRuntime"]
 
@@ -45,6 +50,35 @@ class _MicroState:
     outputs: list[torch.Tensor] | None = None  # tensor leaves of the outgoing value (or [loss])
 
 
+@dataclasses.dataclass
+class _Step:
+    """One run of :meth:`PipelineRuntime.run`: its arguments, this stage's actions, and what it holds."""
+
+    microbatches: list[dict]
+    sizes: list[int]
+    weights: list[float]
+    train: bool
+    rng: tuple[int, int] | None
+    rng_ids: list[int] | None
+    loss_scale: torch.Tensor | None
+    capture: list | None
+    actions: list[Action]  # in the order they run ([Note: opportunistic forward] may move forwards up)
+    recompute: bool  # this stage's forwards keep no graph: a recompute (R) precedes each backward
+    cap: int  # fewer micro-batches than this held: a forward may move before a recompute
+    state: dict[int, _MicroState]
+    loss_sum: torch.Tensor
+    acts: dict[int, p2p.Pending] = dataclasses.field(default_factory=dict)  # posted activation receives
+    grads: dict[int, p2p.Pending] = dataclasses.field(default_factory=dict)  # posted gradient receives
+    sends: list[Any] = dataclasses.field(default_factory=list)
+    held: int = 0  # micro-batches forwarded and not yet backwarded
+    busy: float = 0.0  # seconds inside actions
+
+    def rng_key(self, mb: int) -> tuple[int, int, int] | None:
+        if self.rng is None:
+            return None
+        return self.rng[0], self.rng[1], self.rng_ids[mb] if self.rng_ids is not None else mb
+
+
 class PipelineRuntime:
     """Runs micro-batches through this rank's stage according to a schedule.
 
@@ -55,10 +89,12 @@ class PipelineRuntime:
         schedule: schedule name (``varuna``, ``1f1b``, ``gpipe``).
         timeout: seconds any wait may take.
         precision: ``fp32``, ``bf16`` or ``fp16`` (autocast around every forward and recompute).
+        observers: told about every action and run (see :mod:`varuna_core.pipeline.tracing`); more can be
+            attached later with :meth:`add_observer` or :meth:`observing`.
     """
 
     def __init__(self, stage: StageModule, topology: Topology, rank: int, schedule: str, timeout: float,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", observers: Sequence[ActionObserver] = ()) -> None:
         self.stage = stage
         self.topology = topology
         self.rank = rank
@@ -77,10 +113,30 @@ class PipelineRuntime:
         self._out_tensor_specs = [leaf for _, leaf in self._out.tensor_leaves] if self._out else []
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._caps: dict[int, int] = {}  # per micro-batch count: the static peak of held micro-batches
-        self.trace: list[tuple[str, float, float]] | None = None  # set to a list to record (action, start, end)
+        self.observers: list[ActionObserver] = list(observers)
         self.compute_time = 0.0  # seconds of the last run() spent in this rank's own work (not waiting for peers)
-        self._waited = 0.0
+        self._waited = 0.0  # seconds of this run spent waiting for peers' messages
+        self._computed = 0.0  # seconds of the current action spent in forward/backward
         generate(schedule, self.num_stages, 1)  # unknown names fail at construction, not at the first step
+
+    def add_observer(self, observer: ActionObserver) -> ActionObserver:
+        """Tell ``observer`` about every action and run from now on; returns it."""
+        self.observers.append(observer)
+        return observer
+
+    def remove_observer(self, observer: ActionObserver) -> None:
+        self.observers.remove(observer)
+
+    @contextlib.contextmanager
+    def observing(self, *observers: ActionObserver) -> Iterator[None]:
+        """Attach ``observers`` for the block (and detach them after it, also on error)."""
+        for observer in observers:
+            self.add_observer(observer)
+        try:
+            yield
+        finally:
+            for observer in observers:
+                self.remove_observer(observer)
 
     def schedule_for(self, num_microbatches: int) -> Schedule:
         key = (num_microbatches, True)
@@ -121,88 +177,143 @@ class PipelineRuntime:
         Returns:
             On the last stage, ``Σ weight·loss`` (float64, shape ``[]``); zero elsewhere.
         """
-        num = len(microbatches)
-        s = self.stage_index
-        last = self.next_rank is None
+        started = time.perf_counter()
+        step = self._new_step(microbatches, sizes, weights, train=train, rng=rng, rng_ids=rng_ids,
+                              loss_scale=loss_scale, capture=capture)
+        self._post_receives(step)
+        self._run_actions(step)
+        return self._finish(step, started)
+
+    # ------------------------------------------------------------------------------------------------------
+    # The steps of run()
+
+    def _new_step(self, microbatches: list[dict], sizes: list[int], weights: list[float], *, train: bool,
+                  rng: tuple[int, int] | None, rng_ids: list[int] | None, loss_scale: torch.Tensor | None,
+                  capture: list | None) -> _Step:
+        """This stage's actions for the run, and empty state for each micro-batch."""
+        num, s = len(microbatches), self.stage_index
         if train:
             actions = list(self.schedule_for(num).stage_actions(s))
             recompute = self.schedule_for(num).uses_recompute(s)
         else:
             actions = [Action(s, Op.F, mb) for mb in range(num)]
             recompute = False
-        acts: dict[int, p2p.Pending] = {}
-        grads: dict[int, p2p.Pending] = {}
+        return _Step(
+            microbatches=microbatches, sizes=sizes, weights=weights, train=train, rng=rng, rng_ids=rng_ids,
+            loss_scale=loss_scale, capture=capture, actions=actions, recompute=recompute,
+            cap=self._caps[num] if train and recompute else 0,
+            state={mb: _MicroState() for mb in range(num)},
+            loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
+        )
+
+    def _post_receives(self, step: _Step) -> None:
+        """Post every receive of the run before the first action: activations, and (training) gradients."""
         if self.prev_rank is not None:
-            for mb in range(num):
-                acts[mb] = p2p.post_recv(
-                    self._in_tensor_specs, sizes[mb], src=self.prev_rank, mb=mb, kind=p2p.ACTIVATION,
+            for mb, n in enumerate(step.sizes):
+                step.acts[mb] = p2p.post_recv(
+                    self._in_tensor_specs, n, src=self.prev_rank, mb=mb, kind=p2p.ACTIVATION,
                     device=self.device, group=None, what="activation",
                 )
-        if train and not last:
+        if step.train and self.next_rank is not None:
             float_specs = [spec for spec in self._out_tensor_specs if spec.is_float]
-            for mb in range(num):
-                grads[mb] = p2p.post_recv(
-                    float_specs, sizes[mb], src=self.next_rank, mb=mb, kind=p2p.GRADIENT,
+            for mb, n in enumerate(step.sizes):
+                step.grads[mb] = p2p.post_recv(
+                    float_specs, n, src=self.next_rank, mb=mb, kind=p2p.GRADIENT,
                     device=self.device, group=None, what="gradient",
                 )
-        state = {mb: _MicroState() for mb in range(num)}
-        sends: list[Any] = []
-        held, cap = 0, (self._caps[num] if train and recompute else 0)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
 
+    def _run_actions(self, step: _Step) -> None:
+        """Run the actions in order (but for [Note: opportunistic forward]); sets ``compute_time``."""
         self._waited = 0.0
-        busy = 0.0
-        i = 0
-        while i < len(actions):
-            action = actions[i]
-            if action.op is Op.R and not last and held < cap and not grads[action.mb].ready():
-                j = next((k for k in range(i + 1, len(actions)) if actions[k].op is Op.F), None)
-                if j is not None and (self.prev_rank is None or acts[actions[j].mb].ready()):
-                    actions.insert(i, actions.pop(j))
-                    action = actions[i]
-            mb = action.mb
-            st = state[mb]
-            key = None if rng is None else (rng[0], rng[1], rng_ids[mb] if rng_ids is not None else mb)
-            started = time.perf_counter()
-            if action.op is Op.F:
-                st.incoming = self._receive(acts, action) if self.prev_rank is not None else None
-                keep_graph = train and not recompute
-                out = self._forward(microbatches[mb], st.incoming, sizes[mb], grad=keep_graph, rng=key)
-                if last:
-                    loss_sum += out.detach().reshape(()).to(torch.float64) * weights[mb]
-                    if keep_graph:
-                        st.outputs = [self._scaled(out, weights[mb], loss_scale)]
-                    if capture is not None:
-                        capture.append([out.detach()])
-                else:
-                    leaves = self._check_out(out, sizes[mb])
-                    if capture is not None:
-                        capture.append([t.detach() for t in leaves])
-                    sends += p2p.send(p2p.wire_leaves(leaves, self._out), dst=self.next_rank, mb=mb,
-                                      kind=p2p.ACTIVATION, group=None)
-                    st.outputs = leaves if keep_graph else None
-                if not keep_graph and not recompute:
-                    st.incoming = None
-            elif action.op is Op.R:
-                out = self._forward(microbatches[mb], st.incoming, sizes[mb], grad=True, rng=key)
-                if last:
-                    st.outputs = [self._scaled(out, weights[mb], loss_scale)]
-                else:
-                    st.outputs = self._leaves(out)
-            else:
-                self._backward(st, grads.get(mb), action, sends)
-                state[mb] = _MicroState()
-            held += 1 if action.op is Op.F else -1 if action.op is Op.B else 0
-            ended = time.perf_counter()
-            busy += ended - started
-            if self.trace is not None:
-                self.trace.append((str(action), started, ended))
-            i += 1
-        self.compute_time = busy - self._waited
+        for i in range(len(step.actions)):
+            self._maybe_forward_first(step, i)
+            self._run_action(step, step.actions[i])
+        self.compute_time = step.busy - self._waited
 
-        p2p.wait_all(sends, timeout=self.timeout, peer=None,
+    def _maybe_forward_first(self, step: _Step, i: int) -> None:
+        """[Note: opportunistic forward]: move the next forward before the recompute at ``i`` if it can run."""
+        actions = step.actions
+        action = actions[i]
+        if (action.op is Op.R and self.next_rank is not None and step.held < step.cap
+                and not step.grads[action.mb].ready()):
+            j = next((k for k in range(i + 1, len(actions)) if actions[k].op is Op.F), None)
+            if j is not None and (self.prev_rank is None or step.acts[actions[j].mb].ready()):
+                actions.insert(i, actions.pop(j))
+
+    def _run_action(self, step: _Step, action: Action) -> None:
+        """One action, timed, and told to the observers."""
+        started, waited_before = time.perf_counter(), self._waited
+        self._computed = 0.0
+        if action.op is Op.F:
+            self._do_forward(step, action)
+        elif action.op is Op.R:
+            self._do_recompute(step, action)
+        else:
+            self._do_backward(step, action)
+        step.held += 1 if action.op is Op.F else -1 if action.op is Op.B else 0
+        ended = time.perf_counter()
+        step.busy += ended - started
+        if self.observers:
+            timing = ActionTiming(action, started, ended, self._waited - waited_before, self._computed)
+            for observer in self.observers:
+                observer.on_action(timing)
+
+    def _finish(self, step: _Step, started: float) -> torch.Tensor:
+        """Wait for this stage's sends to complete; tell the observers the run ended."""
+        p2p.wait_all(step.sends, timeout=self.timeout, peer=None,
                      describe=lambda: f"{self._who()} waiting for its sends to complete")
-        return loss_sum
+        if self.observers:
+            ended = time.perf_counter()
+            for observer in self.observers:
+                observer.on_run(started, ended)
+        return step.loss_sum
+
+    # ------------------------------------------------------------------------------------------------------
+    # The actions
+
+    def _do_forward(self, step: _Step, action: Action) -> None:
+        mb = action.mb
+        st = step.state[mb]
+        st.incoming = self._receive(step.acts, action) if self.prev_rank is not None else None
+        keep_graph = step.train and not step.recompute
+        out = self._timed_forward(step, mb, st.incoming, grad=keep_graph)
+        if self.next_rank is None:
+            step.loss_sum += out.detach().reshape(()).to(torch.float64) * step.weights[mb]
+            if keep_graph:
+                st.outputs = [self._scaled(out, step.weights[mb], step.loss_scale)]
+            if step.capture is not None:
+                step.capture.append([out.detach()])
+        else:
+            leaves = self._check_out(out, step.sizes[mb])
+            if step.capture is not None:
+                step.capture.append([t.detach() for t in leaves])
+            step.sends += p2p.send(p2p.wire_leaves(leaves, self._out), dst=self.next_rank, mb=mb,
+                                   kind=p2p.ACTIVATION, group=None)
+            st.outputs = leaves if keep_graph else None
+        if not keep_graph and not step.recompute:
+            st.incoming = None
+
+    def _do_recompute(self, step: _Step, action: Action) -> None:
+        mb = action.mb
+        st = step.state[mb]
+        out = self._timed_forward(step, mb, st.incoming, grad=True)
+        if self.next_rank is None:
+            st.outputs = [self._scaled(out, step.weights[mb], step.loss_scale)]
+        else:
+            st.outputs = self._leaves(out)
+
+    def _do_backward(self, step: _Step, action: Action) -> None:
+        mb = action.mb
+        started, waited_before = time.perf_counter(), self._waited
+        self._backward(step.state[mb], step.grads.get(mb), action, step.sends)
+        self._computed += time.perf_counter() - started - (self._waited - waited_before)
+        step.state[mb] = _MicroState()
+
+    def _timed_forward(self, step: _Step, mb: int, incoming: list[torch.Tensor] | None, *, grad: bool) -> Any:
+        started = time.perf_counter()
+        out = self._forward(step.microbatches[mb], incoming, step.sizes[mb], grad=grad, rng=step.rng_key(mb))
+        self._computed += time.perf_counter() - started
+        return out
 
     # ------------------------------------------------------------------------------------------------------
 

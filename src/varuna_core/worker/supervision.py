@@ -11,7 +11,7 @@ The launcher's environment (see ``varuna launch --help``) asks for:
   handler in user code, and no rank can checkpoint a step the others have not reached;
 * ``VARUNA_CKPT_EVERY=N``: a checkpoint every ``N`` steps (what a restart after a crash resumes from),
   ``VARUNA_CKPT_KEEP`` of them kept, written in the background through ``VARUNA_CKPT_TEMPDIR`` if set;
-* heartbeats to the manager (:class:`~varuna_core.launch.heartbeat.Beacon`): step, loss, step time and compute time.
+* heartbeats to the manager (:class:`~varuna_core.worker.beacon.Beacon`): step, loss, step time and compute time.
 """
 
 from __future__ import annotations
@@ -22,16 +22,13 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Callable, NamedTuple
 
 from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError
-from ..launch.heartbeat import Beacon
+from .beacon import Beacon
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..varuna import Varuna
-
-__all__ = ["Supervision", "EXIT_CHECKPOINTED", "EXIT_BAD_CHECKPOINT", "ResumeRefused"]
+__all__ = ["Supervision", "Progress", "EXIT_CHECKPOINTED", "EXIT_BAD_CHECKPOINT", "ResumeRefused"]
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +51,32 @@ def _process_start() -> float | None:
         return None
 
 
+class Progress(NamedTuple):
+    """Where training is, as the facade reports it when asked."""
+
+    iteration: int
+    compute_time: float | None = None
+    total_steps: int | None = None
+
+
 class Supervision:
-    def __init__(self, rank: int) -> None:
+    """Gets plain values and callables from the facade, returns decisions (checkpoint, exit); never sees it.
+
+    Args:
+        rank, stage, replica: this worker's place (reported in heartbeats).
+        samples: examples per step (the global batch).
+        save: ``save(directory, tempdir=..., background=..., keep=...)`` writes a checkpoint of the current step
+            (collective) and returns the ``Future`` of a background write, or anything else.
+        load: ``load(directory, step)`` restores that checkpoint (collective) and returns the step loaded.
+        progress: the current :class:`Progress` (iteration, compute time of the last step, total steps).
+    """
+
+    def __init__(self, rank: int, *, stage: int = 0, replica: int = 0, samples: int | None = None,
+                 save: Callable[..., Any], load: Callable[[str, int], int],
+                 progress: Callable[[], Progress | tuple]) -> None:
+        self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
+        self._save, self._load = save, load
+        self._progress = progress
         self.started = _process_start()
         told = WorkerEnv.from_environ()
         self.ckpt_dir = told.ckpt_dir
@@ -89,49 +110,55 @@ class Supervision:
 
     # ------------------------------------------------------------------------------------------------------
 
-    def ready(self, vm: "Varuna") -> None:
+    def _now(self) -> Progress:
+        return Progress(*self._progress())
+
+    def ready(self) -> None:
         """The model is built: tell the manager (its first heartbeat)."""
         if self.beacon is not None:
-            self.beacon.progress(step=vm.iteration, t_start=self.started, t_ready=time.time(),
-                                 stage=vm.stage, replica=vm.replica, total_steps=self.total_steps)
+            self.beacon.progress(step=self._now().iteration, t_start=self.started, t_ready=time.time(),
+                                 stage=self.stage, replica=self.replica, total_steps=self.total_steps)
 
-    def resume(self, vm: "Varuna") -> None:
+    def resume(self) -> None:
         """Load ``VARUNA_RESUME_STEP`` (once), now that the optimizer is set."""
         if self.resume_step is None or self.resumed:
             return
         self.resumed = True
         try:
-            step = vm.load_checkpoint(self.ckpt_dir, iteration=self.resume_step)
+            step = self._load(self.ckpt_dir, self.resume_step)
         except CheckpointError as exc:
             raise ResumeRefused(exc.message, hint="the launcher falls back to an earlier checkpoint") from None
         self.last_saved = step
-        log.info("rank %d resumed from %s/step_%d", vm.rank, self.ckpt_dir, step)
+        log.info("rank %d resumed from %s/step_%d", self.rank, self.ckpt_dir, step)
         if self.beacon is not None:
-            self.beacon.progress(step=vm.iteration, t_resumed=time.time())
+            self.beacon.progress(step=self._now().iteration, t_resumed=time.time())
 
-    def before_step(self, vm: "Varuna") -> None:
+    def before_step(self) -> None:
         """At the start of ``step()``: the agreed on-demand checkpoint (then exit), or a periodic one."""
         if self.resume_step is not None and not self.resumed:
-            self.resume(vm)  # no set_optimizer: model state only
+            self.resume()  # no set_optimizer: model state only
         self._check_background()
         now = time.perf_counter()
         self._step_time = None if self._last_step_start is None else now - self._last_step_start
         self._last_step_start = now
         if self.stop_agreed:
-            self._checkpoint_and_exit(vm)
-        if self.every and vm.iteration and vm.iteration % self.every == 0 and vm.iteration != self.last_saved:
-            self._periodic(vm)
+            self._checkpoint_and_exit()
+        iteration = self._now().iteration
+        if self.every and iteration and iteration % self.every == 0 and iteration != self.last_saved:
+            self._periodic(iteration)
 
     def flag(self) -> float:
         """1.0 if this rank was asked to checkpoint and stop (summed over ranks by the step's all-reduce)."""
         return 1.0 if self.requested else 0.0
 
-    def after_step(self, vm: "Varuna", loss: float, requested_anywhere: bool) -> None:
+    def after_step(self, loss: float, requested_anywhere: bool) -> None:
+        """The step's loss is known on every rank, and whether some rank was asked to checkpoint and stop."""
         self.stop_agreed = requested_anywhere
         if self.beacon is not None:
-            self.beacon.progress(step=vm.iteration, loss_step=vm.iteration - 1, loss=loss, step_time=self._step_time,
-                                 compute_time=vm.runtime.compute_time, samples=vm.batch_size,
-                                 total_steps=getattr(vm, "total_steps", None) or self.total_steps)
+            now = self._now()
+            self.beacon.progress(step=now.iteration, loss_step=now.iteration - 1, loss=loss,
+                                 step_time=self._step_time, compute_time=now.compute_time, samples=self.samples,
+                                 total_steps=now.total_steps or self.total_steps)
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -142,25 +169,26 @@ class Supervision:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def _periodic(self, vm: "Varuna") -> None:
+    def _periodic(self, iteration: int) -> None:
         if self._pending is not None:
             self._pending.result()  # one background checkpoint at a time
             self._pending = None
-        self._pending = vm.checkpoint(self.ckpt_dir, tempdir=self.tempdir, background=self.tempdir is not None,
-                                      keep=self.keep)
-        self.last_saved = vm.iteration
+        self._pending = self._save(self.ckpt_dir, tempdir=self.tempdir, background=self.tempdir is not None,
+                                   keep=self.keep)
+        self.last_saved = iteration
 
-    def _checkpoint_and_exit(self, vm: "Varuna") -> None:
+    def _checkpoint_and_exit(self) -> None:
         import torch.distributed as dist
 
         if self._pending is not None:
             self._pending.result()
             self._pending = None
-        if vm.iteration != self.last_saved:
-            vm.checkpoint(self.ckpt_dir, keep=self.keep)
-        log.info("rank %d: checkpointed step %d on request; stopping", vm.rank, vm.iteration)
+        iteration = self._now().iteration
+        if iteration != self.last_saved:
+            self._save(self.ckpt_dir, keep=self.keep)
+        log.info("rank %d: checkpointed step %d on request; stopping", self.rank, iteration)
         if self.beacon is not None:
-            self.beacon.progress(step=vm.iteration, checkpointed=vm.iteration, t_checkpointed=time.time())
+            self.beacon.progress(step=iteration, checkpointed=iteration, t_checkpointed=time.time())
             self.beacon.flush()
         if dist.is_initialized():
             dist.barrier()

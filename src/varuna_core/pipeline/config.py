@@ -1,0 +1,218 @@
+"""What ``Varuna(...)`` was asked to do, checked and resolved before anything is built.
+
+The arguments' numbers (see :mod:`varuna_core.util.checks`), a plan (a :class:`~varuna_core.planning.artifacts.Plan`
+or ``VARUNA_PLAN``) that overrides the map, micro-batch size, schedule and partition, the batch each replica and
+micro-batch holds, and the partition once the model's structure is known.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from .. import env
+from ..errors import ConfigError, TopologyError
+from ..ir.partition import Partition, balance, coerce_partition
+from ..ir.schedule import SCHEDULE_NAMES
+from ..ir.topology import Topology
+from ..model.discovery import Structure
+from ..model.precision import resolve_precision
+from ..util.checks import integer, real
+from .microbatch import batch_size_of, microbatch_sizes
+from .p2p import default_timeout
+
+__all__ = ["Config", "resolve_config", "parse_topology", "BatchLayout", "batch_layout", "check_structure",
+           "choose_partition", "loss_weights", "replica_share", "MASK64"]
+
+log = logging.getLogger(__name__)
+
+MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class Config:
+    """The arguments of ``Varuna(...)`` after checks, defaults and the plan."""
+
+    stage_to_rank_map: Any
+    batch_size: int
+    chunk_size: int
+    schedule: str
+    partition: Partition | Sequence | str | None
+    precision: str
+    plan: Any
+    timeout: float
+    bucket_mb: float
+    seed: int | None
+    trace_dir: str | os.PathLike | None
+    trace_step: int
+    cutpoints: str | None
+    loss_reduction: str
+
+
+def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_size: Any, *, fp16: bool,
+                   schedule: str, partition: Any, timeout: Any, bucket_mb: Any, precision: str | None, seed: Any,
+                   plan: Any, trace: Any, trace_step: Any, cutpoints: str | None, loss_reduction: str) -> Config:
+    """Check every argument that needs no process group or model structure; apply the plan."""
+    batch_size, chunk_size, timeout, bucket_mb, trace_step, seed = _check_arguments(
+        batch_size, chunk_size, timeout, bucket_mb, trace_step, seed, plan)
+    if loss_reduction not in ("mean", "sum"):
+        raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if cutpoints not in (None, "auto"):
+        raise ConfigError(f"cutpoints must be 'auto' or None, got {cutpoints!r}",
+                          hint="'auto' cuts in front of every block of the model's longest nn.ModuleList")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    resolved_precision = resolve_precision(precision, fp16)
+    loaded = _load_plan(plan)
+    if loaded is not None:
+        stage_to_rank_map, chunk_size, schedule, partition = _apply_plan(
+            loaded, stage_to_rank_map, batch_size, chunk_size, schedule, partition)
+    if schedule not in SCHEDULE_NAMES:
+        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {', '.join(SCHEDULE_NAMES)}")
+    return Config(
+        stage_to_rank_map=stage_to_rank_map, batch_size=int(batch_size), chunk_size=int(chunk_size),
+        schedule=schedule, partition=partition, precision=resolved_precision, plan=loaded,
+        timeout=float(timeout) if timeout is not None else default_timeout(), bucket_mb=bucket_mb, seed=seed,
+        trace_dir=trace if trace is not None else env.text(env.TRACE), trace_step=trace_step, cutpoints=cutpoints,
+        loss_reduction=loss_reduction,
+    )
+
+
+def parse_topology(stage_to_rank_map: Any, world_size: int) -> Topology:
+    if not isinstance(stage_to_rank_map, str):
+        raise TopologyError(f"stage_to_rank_map must be a string like '0,2;1,3', got {stage_to_rank_map!r}")
+    return Topology.parse(stage_to_rank_map, world_size)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One replica's share of the global batch and its micro-batches."""
+
+    replica_batch_size: int
+    replica_range: tuple[int, int]  # [start, stop) in the global batch
+    microbatch_sizes: list[int]
+    microbatch_ids: list[int]  # micro-batches are named by their first example in the global batch
+
+
+def batch_layout(batch_size: int, chunk_size: int, dp: int, replica: int) -> BatchLayout:
+    """Replicas take consecutive slices of the global batch; the first ``batch_size % dp`` hold one more."""
+    if batch_size < dp:
+        raise ConfigError(f"batch_size={batch_size} is smaller than the {dp} data-parallel replicas",
+                          hint=f"use batch_size ≥ {dp}")
+    base, extra = divmod(batch_size, dp)
+    share = base + (1 if replica < extra else 0)
+    if chunk_size < 1 or chunk_size > share:
+        raise ConfigError(
+            f"chunk_size={chunk_size} does not fit this replica's batch of {share} "
+            f"(batch_size={batch_size} over {dp} replica(s))",
+            hint=f"use 1 ≤ chunk_size ≤ {share}, or a larger batch_size",
+        )
+    start = replica * base + min(replica, extra)
+    sizes = microbatch_sizes(share, chunk_size)
+    ids = [start + sum(sizes[:i]) for i in range(len(sizes))]
+    return BatchLayout(share, (start, start + share), sizes, ids)
+
+
+def loss_weights(sizes: Sequence[int], total: int, loss_reduction: str) -> list[float]:
+    """Each micro-batch's weight in the loss: its share of ``total`` examples (``"mean"``), or 1 (``"sum"``)."""
+    return [n / total for n in sizes] if loss_reduction == "mean" else [1.0] * len(sizes)
+
+
+def check_structure(structure: Structure, plan: Any, pp: int) -> None:
+    """The discovered model fits the plan and the number of stages."""
+    nseg = structure.num_segments
+    if plan is not None:
+        if plan.num_segments != nseg:
+            raise ConfigError(
+                f"the plan is for a model with {plan.num_segments} segments; this model has {nseg}",
+                hint="plan again from a profile of this model",
+            )
+        if plan.profile_hash != structure.key:
+            log.warning("the plan was made from a profile of a model whose structure differs from this one "
+                        "(hash %s vs %s); its partition still applies", plan.profile_hash, structure.key)
+    if pp > nseg:
+        raise ConfigError(
+            f"{pp} pipeline stages but the model has only {nseg} segments ({nseg - 1} CutPoints executed)",
+            hint=f"use at most {nseg} stages, or add CutPoints",
+        )
+
+
+def choose_partition(partition: Any, model: nn.Module, structure: Structure, pp: int) -> Partition:
+    """The given partition, checked; by default the one balancing parameter bytes."""
+    if partition is not None:
+        return coerce_partition(partition, num_segments=structure.num_segments, num_stages=pp)
+    return balance(_segment_param_bytes(model, structure), pp)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_arguments(batch_size, chunk_size, timeout, bucket_mb, trace_step, seed, plan):
+    """The numbers given to ``Varuna(...)``, checked (see :mod:`varuna_core.util.checks`)."""
+    batch_size = integer("batch_size", batch_size, low=1)
+    if chunk_size is not None or plan is None:
+        chunk_size = integer("chunk_size", chunk_size, low=1)
+    if timeout is not None:
+        timeout = real("timeout", timeout, low=0, low_open=True)
+    bucket_mb = real("bucket_mb", bucket_mb, low=0, low_open=True, high=2**20)
+    trace_step = integer("trace_step", trace_step, low=0)
+    if seed is not None:
+        seed = integer("seed", seed, low=-(2**63), high=MASK64)
+    return batch_size, chunk_size, timeout, bucket_mb, trace_step, seed
+
+
+def _load_plan(plan: Any):
+    if plan is None:
+        plan = env.text(env.PLAN)
+    if plan is None:
+        return None
+    from ..planning.artifacts import load_plan
+
+    return load_plan(plan)
+
+
+def _apply_plan(plan, stage_to_rank_map, batch_size, chunk_size, schedule, partition):
+    """The plan's map, micro-batch size, schedule and partition; differences from the arguments are logged."""
+    given = {"stage_to_rank_map": stage_to_rank_map, "chunk_size": chunk_size, "schedule": schedule}
+    wanted = {"stage_to_rank_map": plan.stage_to_rank_map, "chunk_size": plan.microbatch_size,
+              "schedule": plan.schedule}
+    for key, value in given.items():
+        if value not in (None, "") and str(value).rstrip(";") != str(wanted[key]).rstrip(";") and key != "schedule":
+            log.warning("the plan sets %s=%s (argument %s ignored)", key, wanted[key], value)
+    if batch_size != plan.batch_size:
+        log.warning("batch_size=%s differs from the plan's %s: its predictions do not apply", batch_size,
+                    plan.batch_size)
+    if partition is not None:
+        log.warning("the plan's partition replaces the partition argument")
+    return plan.stage_to_rank_map, plan.microbatch_size, plan.schedule, [tuple(r) for r in plan.partition]
+
+
+def _segment_param_bytes(model: nn.Module, structure: Structure) -> list[float]:
+    weights = [0.0] * structure.num_segments
+    counted: set[tuple[int, int]] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        for seg in structure.param_uses.get(name, (0,)):
+            if (id(param), seg) not in counted:
+                counted.add((id(param), seg))
+                weights[seg] += param.numel() * param.element_size()
+    return weights
+
+
+def replica_share(inputs: Mapping[str, Any], input_batch_dims: Mapping[str, int | None], batch_size: int,
+                  replica_range: tuple[int, int]) -> dict:
+    """This replica's share of a global batch of ``batch_size`` examples, sliced along each input's batch dim
+    (unbatched inputs are passed whole)."""
+    have = batch_size_of(inputs, input_batch_dims)
+    if have != batch_size:
+        raise ConfigError(f"replica_slice() takes the global batch of {batch_size} examples, got {have}")
+    start, stop = replica_range
+    return {
+        name: value.narrow(input_batch_dims[name], start, stop - start)
+        if input_batch_dims.get(name) is not None and isinstance(value, torch.Tensor) else value
+        for name, value in inputs.items()
+    }

@@ -1,0 +1,152 @@
+"""The process group, the device, the sub-groups a stage talks in and what every rank must agree on at start-up.
+
+* :func:`ensure_process_group` joins (or creates, from torchrun-style variables) the default process group;
+* :func:`resolve_device` picks (and sets) this rank's device;
+* :func:`build_groups` creates the data-parallel group of every stage and one group per tied weight and replica;
+* :func:`sync_initial_state` starts every replica of a stage and every copy of a tied weight from the same values;
+* :func:`agree_identity` broadcasts rank 0's dropout seed and run id.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import env
+from ..errors import ConfigError
+from ..ir.topology import Topology
+from ..model.stage import StageModule, TieSet
+from .config import MASK64
+
+__all__ = ["ensure_process_group", "resolve_device", "Groups", "build_groups", "tie_params",
+           "sync_initial_state", "agree_identity", "broadcast_coalesced"]
+
+_RUN_ID_BYTES = 64
+
+
+def ensure_process_group(timeout: float) -> tuple[int, int]:
+    """``(world_size, rank)``: the default process group if one exists; else one created from torchrun-style
+    env vars (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); ``(1, 0)`` for a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 1, 0
+    missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set",
+                          hint="launch with torchrun or `varuna launch`, which set them")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60)))
+    return dist.get_world_size(), dist.get_rank()
+
+
+def resolve_device(device: Any, local_rank: int) -> torch.device:
+    """``device`` as a ``torch.device``; ``-1``: CUDA ``local_rank`` (default ``LOCAL_RANK``) if available, else
+    CPU. A CUDA device is made the current one."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        return torch.device(device)
+    if local_rank < 0:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        index = device if device >= 0 else local_rank
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+@dataclass
+class Groups:
+    """The groups this rank belongs to: its stage's data-parallel group (``None`` without replicas) and, per tied
+    weight it holds a copy of, the group of its replica's copies."""
+
+    dp: Any = None
+    ties: list[tuple[TieSet, Any]] = field(default_factory=list)
+
+
+def build_groups(topology: Topology, ties: list[TieSet], stage: int, replica: int, world_size: int,
+                 timeout: float) -> Groups:
+    """Create every process group on every rank, in one order (``new_group`` is collective)."""
+    groups = Groups()
+    if world_size == 1:
+        return groups
+    delta = datetime.timedelta(seconds=timeout)
+    for s in range(topology.pp):
+        ranks = list(topology.stage_ranks[s])
+        group = dist.new_group(ranks, timeout=delta) if len(ranks) > 1 else None
+        if s == stage:
+            groups.dp = group
+    made: dict[tuple[int, ...], Any] = {}
+    for tie in ties:
+        if len(tie.stages) < 2:
+            continue
+        for r in range(topology.dp):
+            ranks = tuple(topology.rank(s, r) for s in tie.stages)
+            if ranks not in made:
+                made[ranks] = dist.new_group(list(ranks), timeout=delta)
+            if r == replica and stage in tie.stages:
+                groups.ties.append((tie, made[ranks]))
+    return groups
+
+
+def tie_params(module: nn.Module, ties: list[TieSet], stage: int) -> dict[str, nn.Parameter]:
+    """This stage's copy of each tied weight it holds, by canonical name (after slicing; the slicer never
+    replaces them afterwards)."""
+    slots = dict(module.named_parameters(remove_duplicate=False))
+    return {tie.canonical: next(slots[n] for n in tie.names if slots[n].device.type != "meta")
+            for tie in ties if stage in tie.stages}
+
+
+def sync_initial_state(stage_module: StageModule, module: nn.Module, groups: Groups, tied: dict[str, nn.Parameter],
+                       topology: Topology, stage: int, replica: int, world_size: int) -> None:
+    """Start every replica of a stage, and every copy of a tied weight, from the same values (like DDP)."""
+    if world_size == 1:
+        return
+    if groups.dp is not None:
+        tensors = [p.data for _, p in stage_module.param_names]
+        tensors += [b for b in module.buffers() if b.device.type != "meta"]
+        broadcast_coalesced(tensors, src=topology.rank(stage, 0), group=groups.dp)
+    for tie, group in groups.ties:
+        src = topology.rank(tie.stages[0], replica)
+        broadcast_coalesced([tied[tie.canonical].data], src=src, group=group)
+
+
+def agree_identity(seed: int | None, world_size: int) -> tuple[int, str]:
+    """The dropout seed (unsigned 64-bit) and the run id, identical on every rank (rank 0's choice wins).
+
+    ``torch.initial_seed()`` of an unseeded process is a random value in ``[0, 2**64)``: it travels as the
+    int64 with the same bits. The run id is ``VARUNA_RUN_ID`` (set by ``varuna launch``) or a fresh one."""
+    from ..checkpoint.layout import check_run_id, new_run_id
+
+    value = (int(seed) if seed is not None else torch.initial_seed()) & MASK64
+    env_run = env.text(env.RUN_ID)
+    run = check_run_id(env_run, env.RUN_ID) if env_run else new_run_id()
+    if world_size > 1:
+        packed = torch.zeros(2 + _RUN_ID_BYTES, dtype=torch.int64)
+        packed[0] = value - 2**64 if value >= 2**63 else value
+        packed[1] = len(run)
+        packed[2:2 + len(run)] = torch.tensor(list(run.encode()), dtype=torch.int64)
+        dist.broadcast(packed, src=0)
+        value = int(packed[0]) & MASK64
+        run = bytes(int(b) for b in packed[2:2 + int(packed[1])]).decode()
+    return value, run
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], *, src: int, group) -> None:
+    """Broadcast ``tensors`` from ``src`` in one message per dtype and device."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for group_tensors in by_kind.values():
+        flat = torch._utils._flatten_dense_tensors(group_tensors)
+        dist.broadcast(flat, src=src, group=group)
+        for t, synced in zip(group_tensors, torch._utils._unflatten_dense_tensors(flat, group_tensors)):
+            t.copy_(synced)

@@ -1,0 +1,143 @@
+"""After the pipeline: gradients summed over tied copies and replicas, then one all-reduce per step that carries
+the loss, the squared gradient norm, fp16 overflow and a flag of the caller's (e.g. "some rank was asked to
+checkpoint"); then loss scaling and clipping. And evaluation: the pipeline without backward, one loss over all
+replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from ..errors import ConfigError
+from ..model.precision import LossScaler
+from ..model.stage import TieSet
+from .config import loss_weights
+from .executor import PipelineRuntime
+from .grads import GradBuffer, all_reduce_tensor
+from .groups import Groups
+from .microbatch import batch_size_of, microbatch_sizes, split_inputs
+
+__all__ = ["GradSync", "StepResult", "check_clip", "norm_params", "finish_step", "global_sum", "evaluate_loss",
+           "loss_scaler", "check_optimizer"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # the global batch's loss, the same on every rank
+    overflow: bool  # fp16 found an inf/NaN on some rank: gradients were zeroed, the step must be skipped
+    grad_norm: float  # before clipping (``inf`` on overflow)
+    flagged: bool  # some rank raised the caller's flag
+
+
+def check_clip(clip_grad_max_norm: float | None) -> None:
+    if clip_grad_max_norm is not None and not clip_grad_max_norm > 0:
+        raise ConfigError(f"clip_grad_max_norm must be positive, got {clip_grad_max_norm}")
+
+
+class GradSync:
+    """Sums the gradients of each tied weight over its stages, then the stage's over its replicas."""
+
+    def __init__(self, groups: Groups, tied: dict[str, nn.Parameter], grad_buffer: GradBuffer, *, timeout: float,
+                 rank: int, stage: int) -> None:
+        self.groups, self.tied, self.grad_buffer = groups, tied, grad_buffer
+        self.timeout, self.rank, self.stage = timeout, rank, stage
+
+    def __call__(self) -> None:
+        for tie, group in self.groups.ties:
+            all_reduce_tensor(self.tied[tie.canonical].grad, group, timeout=self.timeout,
+                              describe=lambda: f"rank {self.rank} summing gradients of tied weight {tie.canonical!r}")
+        if self.groups.dp is not None:
+            self.grad_buffer.all_reduce(self.groups.dp, timeout=self.timeout,
+                                        describe=lambda: f"rank {self.rank} (stage {self.stage}) data-parallel all-reduce")
+
+
+def norm_params(grad_buffer: GradBuffer, ties: list[TieSet], tied: dict[str, nn.Parameter],
+                stage: int) -> list[nn.Parameter]:
+    """The parameters whose gradients make up the global norm: each tied weight counts once, with only its first
+    stage's copy."""
+    skip = {id(tied[t.canonical]) for t in ties if stage in t.stages[1:]}
+    return [p for p in grad_buffer.params if id(p) not in skip]
+
+
+def global_sum(value: torch.Tensor, *, world_size: int, timeout: float, rank: int) -> torch.Tensor:
+    """``value`` summed over every rank (a copy)."""
+    if world_size == 1:
+        return value
+    value = value.clone()
+    all_reduce_tensor(value, None, timeout=timeout, describe=lambda: f"rank {rank} loss all-reduce")
+    return value
+
+
+def finish_step(loss_sum: torch.Tensor, grad_buffer: GradBuffer, norm_params: list[nn.Parameter],
+                scaler: LossScaler | None, *, flag: float, dp: int, device: torch.device,
+                clip_grad_max_norm: float | None, reduce: Callable[[torch.Tensor], torch.Tensor]) -> StepResult:
+    """Unscale (fp16), all-reduce loss / squared norm / overflow / flag with ``reduce``, update the loss scale, and
+    zero (overflow) or clip the gradients."""
+    grads = [p.grad for p in grad_buffer.params]
+    found_inf = scaler.unscale_(grads) if scaler is not None and grads else None
+    norm_grads = [p.grad for p in norm_params]
+    sq_norm = (torch.stack(torch._foreach_norm(norm_grads)).double().pow(2).sum() if norm_grads
+               else torch.zeros((), dtype=torch.float64, device=device))
+    zero = torch.zeros((), dtype=torch.float64, device=loss_sum.device)
+    totals = reduce(torch.stack([
+        loss_sum.double(), sq_norm.to(loss_sum.device),
+        found_inf.double().sum() if found_inf is not None else zero,
+        zero + flag,
+    ]))
+    loss, overflow = float(totals[0]), bool(totals[2] > 0)
+    grad_norm = float("inf") if overflow else float(totals[1] / dp) ** 0.5
+    if scaler is not None:
+        scaler.update(overflow)
+    if overflow:
+        grad_buffer.zero()
+    elif clip_grad_max_norm is not None and grads:
+        coef = min(clip_grad_max_norm / (grad_norm + 1e-6), 1.0)
+        torch._foreach_mul_(grads, coef)
+    return StepResult(loss, overflow, grad_norm, bool(totals[3] > 0))
+
+
+def evaluate_loss(runtime: PipelineRuntime, inputs: Mapping[str, Any], input_batch_dims: Mapping[str, Any],
+                  batch_size: int | None, *, chunk_size: int, loss_reduction: str, rng: Callable[[], tuple[int, int]],
+                  is_last: bool, world_size: int, timeout: float, rank: int) -> float:
+    """The loss over every replica's ``inputs``: the mean over all examples, or with ``loss_reduction="sum"`` the
+    sum of the micro-batch losses. ``rng()`` names the dropout stream, once the inputs are split."""
+    n = batch_size_of(inputs, input_batch_dims) if batch_size is None else int(batch_size)
+    sizes = microbatch_sizes(n, chunk_size)
+    microbatches = split_inputs(inputs, input_batch_dims, sizes, expected=n)
+    with torch.no_grad():
+        loss_sum = runtime.run(microbatches, sizes, loss_weights(sizes, n, loss_reduction), train=False, rng=rng())
+    total = loss_sum * n if loss_reduction == "mean" else loss_sum
+    pair = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=loss_sum.device)])
+    if not is_last:
+        pair.zero_()
+    if world_size > 1:
+        all_reduce_tensor(pair, None, timeout=timeout, describe=lambda: f"rank {rank} evaluate()")
+    return float(pair[0] / pair[1]) if loss_reduction == "mean" else float(pair[0])
+
+
+def loss_scaler(precision: str, loss_scale: str | float, init_loss_scale: float, min_loss_scale: float,
+                device: torch.device, current: LossScaler | None) -> LossScaler | None:
+    """The loss scaler ``set_optimizer`` asks for: dynamic or fixed in fp16, ``current`` otherwise."""
+    if precision != "fp16":
+        return current
+    if loss_scale == "dynamic":
+        return LossScaler(init_loss_scale, min_loss_scale, dynamic=True, device=device)
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        return LossScaler(float(loss_scale), min_loss_scale, dynamic=False, device=device)
+    raise ConfigError(f"loss_scale must be 'dynamic' or a number, got {loss_scale!r}")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]]) -> None:
+    """The optimizer steps only parameters this rank holds."""
+    mine = {id(p) for _, p in params}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in mine:
+                raise ConfigError(
+                    "the optimizer holds a parameter this rank does not own",
+                    hint="create the optimizer after Varuna(...), over varuna_model.parameters()",
+                )

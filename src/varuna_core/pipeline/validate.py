@@ -1,0 +1,81 @@
+"""Start-up validation: does the sliced pipeline compute what the unsliced model computes?
+
+:func:`reference_run` records the unsliced model's value at every cut and its loss on the dummy inputs (before
+slicing); :func:`check_slicing` runs the sliced pipeline on the same inputs, compares each stage's output and
+names, on every rank, the first cut where they differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import CutPointError
+from ..ir.partition import Partition
+from ..model.discovery import Structure
+from .executor import PipelineRuntime
+from .microbatch import batch_size_of
+
+__all__ = ["reference_run", "check_slicing"]
+
+
+def reference_run(model: nn.Module, dummy_inputs: Any, batch_fn: Callable[[int], dict],
+                  chunk_size: int) -> tuple[dict, list, torch.Tensor]:
+    """The unsliced model's value at each cut and its loss on the dummy inputs (eval mode, no grad)."""
+    from ..model.cutpoint import find_cutpoints
+    from ..model.discovery import _quiet_run, extract_loss
+
+    inputs = dict(dummy_inputs) if isinstance(dummy_inputs, Mapping) else batch_fn(chunk_size)
+    values: list[Any] = []
+    cuts = find_cutpoints(model)
+    for cut in cuts.values():
+        cut.set_hook(lambda c, v: (values.append(torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, v)), v)[1])
+    try:
+        with _quiet_run(model):
+            loss = extract_loss(model(**inputs)).detach().clone()
+    finally:
+        for cut in cuts.values():
+            cut.set_hook(None)
+    return inputs, values, loss
+
+
+def check_slicing(runtime: PipelineRuntime, module: nn.Module, structure: Structure, partition: Partition,
+                  stage: int, *, is_last: bool, input_batch_dims: Mapping[str, Any], world_size: int,
+                  reference: tuple[dict, list, torch.Tensor]) -> None:
+    """Run the sliced pipeline on the reference's inputs and compare each stage's output with the unsliced
+    model's (collective); raise :class:`~varuna_core.errors.CutPointError` naming the first differing cut."""
+    inputs, cut_values, loss = reference
+    training = module.training
+    module.eval()
+    captured: list = []
+    n = batch_size_of(inputs, input_batch_dims)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            runtime.run([inputs], [n], [1.0], train=False, capture=captured)
+    finally:
+        module.train(training)
+    if is_last:
+        want = [loss]
+        index = len(structure.cut_names)
+    else:
+        index = partition.segments(stage).stop - 1
+        want = [t for t in torch.utils._pytree.tree_leaves(cut_values[index]) if isinstance(t, torch.Tensor)]
+    got = captured[0]
+    ok = len(got) == len(want) and all(
+        torch.allclose(g.to(w.device).float(), w.float(), rtol=1e-4, atol=1e-5) for g, w in zip(got, want)
+    )
+    flag = torch.tensor([index if not ok else 10**9], dtype=torch.int64)
+    if world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    bad = int(flag.item())
+    if bad < 10**9:
+        name = "the loss" if bad == len(structure.cut_names) else f"CutPoint {structure.cut_names[bad]!r}"
+        raise CutPointError(
+            f"validation failed: the sliced pipeline's value at {name} differs from the unsliced model's",
+            hint="the stage ending there depends on state not passed through its incoming CutPoint "
+            "(e.g. a value computed on an earlier stage); route it through the CutPoint",
+        )
