@@ -14,7 +14,6 @@ Subcommands live in :mod:`varuna_cli.commands`, one module each, and import torc
 
 from __future__ import annotations
 
-import os
 import sys
 from importlib import metadata
 from typing import Annotated

@@ -283,6 +283,15 @@ def test_torch_stays_out_of_the_planner_the_launcher_and_the_ir(package) -> None
     assert torch_violations(package) == []
 
 
+def test_the_launcher_does_not_reach_into_workers(package) -> None:
+    """The launcher runs where torch may be missing; the worker side depends on it, not the reverse."""
+    for module in package.top:
+        if under(module, "launch"):
+            inside = [t for t in package.all(module)
+                      if any(under(t, part) for part in ("worker", "pipeline", "model", "profiling"))]
+            assert inside == [], module
+
+
 def test_checkpoint_and_worker_never_see_the_facade(package) -> None:
     for module in package.top:
         if under(module, "checkpoint") or under(module, "worker"):
