@@ -27,16 +27,38 @@ from .ir.partition import Partition
 from .model.discovery import Structure, discover, make_batch_fn
 from .model.precision import LossScaler
 from .model.stage import StageModule, TieSet, find_tie_sets, weight_groups
-from .pipeline.config import (Config, batch_layout, check_structure, choose_partition, loss_weights,
-                              parse_topology, replica_share, resolve_config)
+from .pipeline.config import (
+    Config,
+    batch_layout,
+    check_structure,
+    choose_partition,
+    loss_weights,
+    parse_topology,
+    replica_share,
+    resolve_config,
+)
 from .pipeline.executor import PipelineRuntime
-from .pipeline.tracing import ChromeTrace
 from .pipeline.grads import GradBuffer
-from .pipeline.groups import (agree_identity, build_groups, ensure_process_group, resolve_device,
-                              sync_initial_state, tie_params)
+from .pipeline.groups import (
+    agree_identity,
+    build_groups,
+    ensure_process_group,
+    resolve_device,
+    sync_initial_state,
+    tie_params,
+)
 from .pipeline.microbatch import split_inputs
-from .pipeline.step import (GradSync, check_clip, check_optimizer, evaluate_loss, finish_step, global_sum,
-                            loss_scaler, norm_params)
+from .pipeline.step import (
+    GradSync,
+    check_clip,
+    check_optimizer,
+    evaluate_loss,
+    finish_step,
+    global_sum,
+    loss_scaler,
+    norm_params,
+)
+from .pipeline.tracing import ChromeTrace
 from .pipeline.validate import check_slicing, reference_run
 from .worker.excepthook import install_excepthook
 from .worker.supervision import Supervision

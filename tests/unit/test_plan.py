@@ -27,15 +27,41 @@ def _segs(costs, static=0):
                  grad_bytes=static) for c in costs]
 
 
+def _direct_memory(segs, start, stop, *, held, graphs, num_mb):
+    """The memory model written out with plain sums (the planner uses prefix sums): an independent reference."""
+    static = sum(s.static_bytes for s in segs[start:stop])
+    saved = sum(s.saved_bytes for s in segs[start:stop])
+    input_bytes = segs[start - 1].output_bytes if start > 0 else 0.0
+    output_bytes = segs[stop - 1].output_bytes if stop < len(segs) else 0.0
+    return static + graphs * saved + held * input_bytes + num_mb * (input_bytes + output_bytes)
+
+
+def test_the_planners_prefix_sums_equal_the_memory_model_summed_directly() -> None:
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        segs = [_Seg(forward=1.0, recompute=1.0, backward=2.0, output_bytes=rng.uniform(0, 1e6),
+                     saved_bytes=rng.uniform(0, 1e7), static_bytes=rng.uniform(0, 1e8), grad_bytes=0.0)
+                for _ in range(n)]
+        prefix = _Prefix(segs)
+        a = rng.randrange(n)
+        b = rng.randint(a + 1, n)
+        held, graphs, num_mb, headroom = rng.randint(0, 8), rng.randint(0, 8), rng.randint(1, 64), rng.random()
+        want = _direct_memory(segs, a, b, held=held, graphs=graphs, num_mb=num_mb) * (1 + headroom)
+        got = prefix.memory(a, b, held=held, graphs=graphs, num_mb=num_mb, headroom=headroom)
+        assert got == pytest.approx(want, rel=1e-12)
+
+
 def _brute(segs, pp, recompute, counts, limit):
     n = len(segs)
-    pre = _Prefix(segs)
     best = None
     for cuts in itertools.combinations(range(1, n), pp - 1):
         bounds = (0, *cuts, n)
         ranges = list(zip(bounds, bounds[1:]))
         if limit is not None and any(
-                pre.memory(a, b, held=counts[s][0], graphs=counts[s][1], num_mb=4, headroom=0.0) > limit
+                _direct_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], num_mb=4) > limit
                 for s, (a, b) in enumerate(ranges)):
             continue
         worst = max(sum((x.forward + x.recompute + x.backward) if recompute[s] else (x.recompute + x.backward)

@@ -26,7 +26,9 @@ def _cache(tmp_path, monkeypatch):
 
 
 def _close(measured: float, expected: float) -> bool:
-    return abs(measured - expected) <= 0.10 * expected + 0.001
+    """A sleep is never shorter than asked (so a swapped forward/backward or a wrong unit fails the lower bound),
+    but a loaded machine wakes the process late: the upper bound leaves room for that."""
+    return 0.95 * expected <= measured <= 1.5 * expected + 0.002
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

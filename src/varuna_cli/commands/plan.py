@@ -10,7 +10,6 @@ import typer
 
 from varuna_core.errors import ConfigError
 
-
 MAX_TOP = 100
 
 
@@ -40,10 +39,10 @@ def plan(
     from rich.console import Console
     from rich.text import Text
 
-    from varuna_core.planning.artifacts import load_profile, save_plan
-    from varuna_core.util.artifacts import check_writable, first_problem
-    from varuna_core.planning.planner import PlanRequest, make_plan
     from varuna_core.ir.units import parse_bytes
+    from varuna_core.planning.artifacts import load_profile, save_plan
+    from varuna_core.planning.planner import PlanRequest, make_plan
+    from varuna_core.util.artifacts import check_writable, first_problem
 
     _check_counts(gpus, batch_size, gpus_per_node, top)
     if not (math.isfinite(headroom) and 0 <= headroom < 1):
@@ -167,9 +166,9 @@ def show(
     max_steps: Annotated[int, typer.Option("--max-steps", help="Rows of the grid to print (0: all).")] = 60,
 ) -> None:
     """Print a plan's schedule as a step × stage grid; optionally draw the simulated timeline."""
+    from varuna_core.ir.schedule import generate
     from varuna_core.planning.artifacts import load_plan
     from varuna_core.util.artifacts import check_writable
-    from varuna_core.ir.schedule import generate
 
     if max_steps < 0:
         raise ConfigError(f"--max-steps must be ≥ 0, got {max_steps}")

@@ -9,7 +9,6 @@ import typer
 
 from varuna_core.errors import ConfigError
 
-
 MAX_SIZES = 64  # micro-batch sizes in one sweep
 MAX_NPROC = 64
 MAX_REPEATS = 10_000
@@ -74,9 +73,9 @@ def profile(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from varuna_core.util.artifacts import check_writable, save_artifact
-    from varuna_core.profiling.run import profile as run_profile
     from varuna_core.ir.units import parse_bytes
+    from varuna_core.profiling.run import profile as run_profile
+    from varuna_core.util.artifacts import check_writable, save_artifact
 
     sizes = _sizes(microbatch_sizes, max_microbatch)
     _check_counts(nproc, repeats, warmup)

@@ -67,8 +67,18 @@ from ..errors import CheckpointError, ConfigError, VarunaError
 from ..util.checks import integer
 from ..util.fs import atomic_write
 from .io import copy_file
-from .layout import (COMPLETE_FILE, MANIFEST_FILE, RUN_FILE, describe_runs, latest, read_manifest, read_run, runs,
-                     scan, step_dir)
+from .layout import (
+    COMPLETE_FILE,
+    MANIFEST_FILE,
+    RUN_FILE,
+    describe_runs,
+    latest,
+    read_manifest,
+    read_run,
+    runs,
+    scan,
+    step_dir,
+)
 from .manifest import CHECKPOINT_INDEX, FileEntry, Manifest, TensorEntry
 from .state import CheckpointState
 from .storage import RawReader, RawWriter, dcp_load, dcp_save

@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.futures import Future
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -61,6 +60,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from ..errors import CheckpointError, VarunaError
 from ..util.fs import MiB, describe_mode, read_regular

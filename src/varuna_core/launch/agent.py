@@ -29,8 +29,23 @@ import time
 from pathlib import Path
 
 from ..env import HOST, PLAN
-from .protocol import (MAX_LINE, MAX_SPEC, AgentSpec, ErrorEvent, ExitEvent, LogEvent, ReadyEvent, SignalCommand,
-                       StartedEvent, StopCommand, StoppedEvent, StoreEvent, WorkerSlot, parse_command, parse_spec)
+from .protocol import (
+    MAX_LINE,
+    MAX_SPEC,
+    AgentSpec,
+    ErrorEvent,
+    ExitEvent,
+    LogEvent,
+    ReadyEvent,
+    SignalCommand,
+    StartedEvent,
+    StopCommand,
+    StoppedEvent,
+    StoreEvent,
+    WorkerSlot,
+    parse_command,
+    parse_spec,
+)
 
 __all__ = ["main", "worker_env", "MAX_LINE"]
 

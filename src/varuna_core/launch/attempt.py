@@ -32,8 +32,19 @@ from ..planning.artifacts import Plan
 from .heartbeat import Listener
 from .hosts import Host
 from .options import LaunchOptions
-from .protocol import (AgentSpec, ErrorEvent, ExitEvent, GoneEvent, LegacyArgs, LogEvent, ReadyEvent,
-                       SignalCommand, StopCommand, WorkerSlot, describe)
+from .protocol import (
+    AgentSpec,
+    ErrorEvent,
+    ExitEvent,
+    GoneEvent,
+    LegacyArgs,
+    LogEvent,
+    ReadyEvent,
+    SignalCommand,
+    StopCommand,
+    WorkerSlot,
+    describe,
+)
 from .ssh import AgentHandle
 from .stragglers import Straggler, StragglerDetector
 

@@ -37,16 +37,16 @@ import time
 import uuid
 from pathlib import Path
 
-from ..planning.artifacts import Plan, load_plan, save_plan
 from ..checkpoint.layout import check_run_id, describe_runs, latest, new_run_id, runs, scan
 from ..errors import ConfigError, VarunaError
+from ..planning.artifacts import Plan, load_plan, save_plan
+from ..util.fs import atomic_write
+from .attempt import Attempt, JobFiles, LaunchError, Outcome, Reporter, Status, place
 from .heartbeat import Listener
 from .hosts import Host, HostsWatcher
-from .attempt import Attempt, JobFiles, LaunchError, Outcome, Reporter, Status, place
-from .options import LaunchOptions
 from .netinfo import route_to
+from .options import LaunchOptions
 from .ssh import check_hosts
-from ..util.fs import atomic_write
 
 __all__ = ["Manager", "replan", "choose_run", "EXIT_TERMINATED"]
 

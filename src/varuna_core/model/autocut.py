@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .cutpoint import CutPoint
 from ..errors import CutPointError
+from .cutpoint import CutPoint
 
 __all__ = ["apply_auto_cutpoints", "longest_module_list", "AUTO_ATTRIBUTE"]
 

@@ -34,9 +34,9 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from .cutpoint import CutPoint, find_cutpoints
 from ..env import CACHE_DIR
 from ..errors import ConfigError, CutPointError
+from .cutpoint import CutPoint, find_cutpoints
 from .payload import ProbeMismatch, ValueSpec, spec_from_probes
 from .precision import autocast
 

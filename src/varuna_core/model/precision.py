@@ -12,6 +12,7 @@ agree, or one stage would step while another skipped.)
 from __future__ import annotations
 
 import contextlib
+
 import torch
 
 from ..errors import ConfigError

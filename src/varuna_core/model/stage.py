@@ -25,10 +25,10 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .cutpoint import CutPoint, find_cutpoints
-from .discovery import Structure, extract_loss
 from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
+from .cutpoint import CutPoint, find_cutpoints
+from .discovery import Structure, extract_loss
 from .rng import preserve_rng, seed_segment, segment_seed
 
 __all__ = ["TieSet", "find_tie_sets", "StageModule"]

@@ -34,8 +34,17 @@ from pydantic import Field, Strict, field_validator, model_validator
 
 from ..errors import ConfigError, TopologyError
 from ..ir.units import MAX_BYTES
-from ..util.artifacts import (CheckedModel, check_document, parse_json, parse_yaml, read_artifact, short_repr,
-                              unique_keys, validate, write_output)
+from ..util.artifacts import (
+    CheckedModel,
+    check_document,
+    parse_json,
+    parse_yaml,
+    read_artifact,
+    short_repr,
+    unique_keys,
+    validate,
+    write_output,
+)
 from ..util.fs import MiB
 
 __all__ = [

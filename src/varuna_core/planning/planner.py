@@ -25,13 +25,13 @@ import datetime
 import math
 from typing import Sequence
 
-from .artifacts import MAX_MICROBATCHES, Candidate, CommCurve, Plan, Prediction, Profile, SegmentMeasure, StagePlan
-from .memory import stage_bytes
-from .simulate import StageCosts, inflight_counts, simulate_generated
 from ..errors import ConfigError, VarunaError
 from ..ir.partition import Partition
 from ..ir.schedule import SCHEDULE_NAMES, recompute_stages
 from ..ir.topology import Topology
+from .artifacts import MAX_MICROBATCHES, Candidate, CommCurve, Plan, Prediction, Profile, SegmentMeasure, StagePlan
+from .memory import stage_bytes
+from .simulate import StageCosts, inflight_counts, simulate_generated
 
 __all__ = ["PlanRequest", "make_plan", "plan_for", "partition_under_memory", "PlanInfeasible"]
 

@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 from typing import Iterable
 
-from .artifacts import Plan
 from ..errors import ConfigError
-from ..util.fs import read_regular
 from ..ir.schedule import generate
+from ..util.fs import read_regular
+from .artifacts import Plan
 from .simulate import StageCosts, simulate
 
 __all__ = ["simulated_timeline", "load_trace", "draw_plan", "draw_timelines"]

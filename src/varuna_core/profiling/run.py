@@ -37,15 +37,23 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..planning.artifacts import (CommCurve, Environment, LinearFit, Profile, SegmentMeasure, SegmentProfile, Stat,
-                        StopReason)
-from ..model.discovery import Structure, discover, make_batch_fn
 from ..errors import ConfigError, VarunaError
 from ..ir.partition import Partition
+from ..model.discovery import Structure, discover, make_batch_fn
 from ..model.payload import TensorSpec, flatten
 from ..model.precision import autocast, resolve_precision
 from ..model.spec import ModelSpec, load_spec
 from ..model.stage import StageModule, find_tie_sets
+from ..planning.artifacts import (
+    CommCurve,
+    Environment,
+    LinearFit,
+    Profile,
+    SegmentMeasure,
+    SegmentProfile,
+    Stat,
+    StopReason,
+)
 from ..util.procs import JobOutcome, run_workers
 
 __all__ = ["profile", "DEFAULT_MICROBATCH_SIZES", "P2P_SIZES"]
