@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from tests.profiles import make_profile
-from varuna_core.planning.artifacts import Plan, load_plan, load_profile
-from varuna_core.util.artifacts import save_artifact, schema_text
 from varuna_core.errors import ConfigError
-from varuna_core.planning.planner import PlanInfeasible, PlanRequest, _Prefix, _Seg, make_plan, partition_under_memory
 from varuna_core.ir.topology import Topology
+from varuna_core.planning.artifacts import Plan, load_plan, load_profile
+from varuna_core.planning.planner import PlanInfeasible, PlanRequest, _Prefix, _Seg, make_plan, partition_under_memory
+from varuna_core.util.artifacts import save_artifact, schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,13 +27,20 @@ def _segs(costs, static=0):
                  grad_bytes=static) for c in costs]
 
 
-def _direct_memory(segs, start, stop, *, held, graphs, num_mb):
-    """The memory model written out with plain sums (the planner uses prefix sums): an independent reference."""
+def _direct_memory(segs, start, stop, *, held, graphs, recvs):
+    """The memory model written out with plain sums (the planner uses prefix sums): an independent reference.
+    ``recvs``: the stage's receive windows (activations, gradients)."""
     static = sum(s.static_bytes for s in segs[start:stop])
     saved = sum(s.saved_bytes for s in segs[start:stop])
     input_bytes = segs[start - 1].output_bytes if start > 0 else 0.0
     output_bytes = segs[stop - 1].output_bytes if stop < len(segs) else 0.0
-    return static + graphs * saved + held * input_bytes + num_mb * (input_bytes + output_bytes)
+    return static + graphs * saved + held * input_bytes + recvs[0] * input_bytes + recvs[1] * output_bytes
+
+
+def _windows(counts):
+    """The receive windows written out: the previous stage's held count for activations, the own for gradients."""
+    pp = len(counts)
+    return [(counts[s - 1][0] if s > 0 else 0, counts[s][0] if s < pp - 1 else 0) for s in range(pp)]
 
 
 def test_the_planners_prefix_sums_equal_the_memory_model_summed_directly() -> None:
@@ -48,9 +55,10 @@ def test_the_planners_prefix_sums_equal_the_memory_model_summed_directly() -> No
         prefix = _Prefix(segs)
         a = rng.randrange(n)
         b = rng.randint(a + 1, n)
-        held, graphs, num_mb, headroom = rng.randint(0, 8), rng.randint(0, 8), rng.randint(1, 64), rng.random()
-        want = _direct_memory(segs, a, b, held=held, graphs=graphs, num_mb=num_mb) * (1 + headroom)
-        got = prefix.memory(a, b, held=held, graphs=graphs, num_mb=num_mb, headroom=headroom)
+        held, graphs, headroom = rng.randint(0, 8), rng.randint(0, 8), rng.random()
+        recvs = (rng.randint(0, 8), rng.randint(0, 8))
+        want = _direct_memory(segs, a, b, held=held, graphs=graphs, recvs=recvs) * (1 + headroom)
+        got = prefix.memory(a, b, held=held, graphs=graphs, recvs=recvs, headroom=headroom)
         assert got == pytest.approx(want, rel=1e-12)
 
 
@@ -61,7 +69,7 @@ def _brute(segs, pp, recompute, counts, limit):
         bounds = (0, *cuts, n)
         ranges = list(zip(bounds, bounds[1:]))
         if limit is not None and any(
-                _direct_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], num_mb=4) > limit
+                _direct_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], recvs=_windows(counts)[s]) > limit
                 for s, (a, b) in enumerate(ranges)):
             continue
         worst = max(sum((x.forward + x.recompute + x.backward) if recompute[s] else (x.recompute + x.backward)
@@ -79,7 +87,7 @@ def test_partition_is_optimal_like_brute_force(seed) -> None:
     recompute = [rng.random() < 0.5 and s < pp - 1 for s in range(pp)]
     counts = [(rng.randint(1, 4), 1) for _ in range(pp)]
     limit = rng.choice([None, 400, 800, 1500])
-    part = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts, num_mb=4, limit=limit,
+    part = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts, limit=limit,
                                   headroom=0.0)
     expected = _brute(segs, pp, recompute, counts, limit)
     if expected is None:

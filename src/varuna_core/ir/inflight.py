@@ -4,13 +4,41 @@
 ``graphs``: micro-batches whose autograd graph is alive (``R``..``B`` on stages that recompute, else
 ``F``..``B``). The planner's memory model (:mod:`varuna_core.planning.memory`) multiplies these by the profiled
 activation sizes.
+
+:func:`posted_receives` is the receive window of the runtime (see [Note: receive window]): how many receive
+buffers per direction a stage keeps posted and not yet consumed. The executor posts exactly that many and the
+memory model charges exactly that many, both through :func:`receive_windows`.
+
+[Note: receive window]
+A stage does not post the receives of a whole step up front (that is ``M`` buffers per direction). It keeps a
+window per direction in the order of its consumers (its ``F`` actions for activations, its ``B`` actions for
+gradients): before the first action it posts the receives of its first ``W`` consumers, and when the ``k``-th
+consumer starts (and takes its buffer) it posts the receive of the ``(k+W)``-th. So at most ``W`` buffers per
+direction are posted and not consumed, and every consumer finds its receive posted.
+
+``W`` must cover every message a neighbour can have sent and this stage not consumed yet, or that neighbour's
+transfer would wait for this stage to post (gloo delivers a message only into a posted receive) and the overlap
+of communication with compute would shrink. An activation of micro-batch ``k`` sent by stage ``s-1`` and not yet
+consumed by stage ``s`` is held by stage ``s-1`` (its ``F`` ran, its ``B`` cannot have: it needs stage ``s``'s
+``B``); a gradient sent by stage ``s+1`` and not consumed by stage ``s`` is held by stage ``s``. Held counts
+never exceed the static peaks (the opportunistic forward is capped at them), and neighbouring stages of a
+generated schedule run their forwards in the same micro-batch order, and their backwards too; so the unconsumed
+messages are always the next ones in this stage's consumer order, and
+
+    activation window of stage ``s`` = held(s-1)  (0 on the first stage)
+    gradient window of stage ``s``   = held(s)    (0 on the last stage)
+
+with ``held`` the peak of :func:`inflight`. For ``gpipe`` that is ``M`` (no saving: a stage may really get
+every activation before it runs one), for ``1f1b`` ``S-s+1`` and ``S-s``, for ``varuna`` the held peaks of its
+order (a few micro-batches, independent of ``M`` once ``M`` exceeds them). A stage whose neighbour runs the same
+direction in another order (a hand-written schedule) gets a window of all its consumers: the old behaviour.
 """
 
 from __future__ import annotations
 
 from .schedule import Op, Schedule, generate
 
-__all__ = ["inflight", "inflight_named"]
+__all__ = ["inflight", "inflight_named", "posted_receives", "receive_windows"]
 
 
 def inflight(schedule: Schedule) -> list[tuple[int, int]]:
@@ -52,3 +80,31 @@ def inflight_named(name: str, num_stages: int, num_mb: int) -> list[tuple[int, i
     if closed is None or num_stages < 1 or num_mb < 1:
         return inflight(generate(name, num_stages, num_mb))
     return [closed(s, num_stages, num_mb) for s in range(num_stages)]
+
+
+def receive_windows(held: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """Per stage ``(activation window, gradient window)`` from the stages' peak held counts (the ``held`` of
+    :func:`inflight`), for a schedule whose neighbouring stages agree on the order of their forwards and of
+    their backwards, as every generated schedule does (see [Note: receive window]). The planner's memory model
+    calls this on its (native) in-flight counts; :func:`posted_receives` on a schedule."""
+    last = len(held) - 1
+    return [(held[s - 1] if s > 0 else 0, held[s] if s < last else 0) for s in range(len(held))]
+
+
+def posted_receives(schedule: Schedule) -> list[tuple[int, int]]:
+    """Per stage ``(activation buffers, gradient buffers)``: the most receives the runtime keeps posted and not
+    yet consumed per direction, its window ``W`` (see [Note: receive window]).
+
+    Where a stage and its neighbour order a direction's micro-batches differently, the window of that direction
+    is all the stage's consumers (every receive posted up front)."""
+    windows = receive_windows([held for held, _ in inflight(schedule)])
+    orders = [[tuple(a.mb for a in stage if a.op is op) for stage in schedule.actions] for op in (Op.F, Op.B)]
+    num = [(len(orders[0][s]), len(orders[1][s])) for s in range(schedule.num_stages)]
+    out = []
+    for s, (act, grad) in enumerate(windows):
+        if s > 0 and orders[0][s] != orders[0][s - 1]:
+            act = num[s][0]
+        if s < schedule.num_stages - 1 and orders[1][s] != orders[1][s + 1]:
+            grad = num[s][1]
+        out.append((min(act, num[s][0]) if s > 0 else 0, min(grad, num[s][1]) if s < schedule.num_stages - 1 else 0))
+    return out

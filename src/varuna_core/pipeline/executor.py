@@ -2,10 +2,17 @@
 between neighbouring stages.
 
 The schedule object is the one :mod:`varuna_core.ir.schedule` generates and validates (the same IR the planner
-scores). Actions are interpreted by one loop; there is no per-schedule code path. All receives of a step are
-posted before the first action, sends are posted as soon as a value exists, and nothing creates threads.
-A run is three steps: post the receives, run the actions, finish (wait for the sends). Whoever wants to know
-how long the actions took (traces, benchmarks) attaches an observer (:mod:`varuna_core.pipeline.tracing`).
+scores). Actions are interpreted by one loop; there is no per-schedule code path. Receives are posted in a
+window per direction ([Note: receive window] in :mod:`varuna_core.ir.inflight`): before the first action the
+receives of the first ``W`` consumers (forwards for activations, backwards for gradients, in this stage's static
+order), then the ``(k+W)``-th when the ``k``-th consumer starts, so at most ``W`` buffers per direction are
+posted and unconsumed (:func:`~varuna_core.ir.inflight.posted_receives`, the count the planner's memory model
+charges; ``max_posted`` reports the peak of the last run). ``W`` covers every message a neighbour can have sent
+ahead, so no transfer waits for its receive to be posted (gloo delivers only into a posted receive; a send never
+blocks the sender, which waits for its sends only when it finishes). Sends are posted as soon as a value exists,
+and nothing creates threads. A run is three steps: post the first receives, run the actions, finish (wait for
+the sends). Whoever wants to know how long the actions took (traces, benchmarks) attaches an observer
+(:mod:`varuna_core.pipeline.tracing`).
 
 [Note: opportunistic forward] With the ``varuna`` schedule, when the next action is a recompute whose
 gradient has not arrived yet and a later forward's input has, the forward runs first (as the original's
@@ -30,7 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..ir.inflight import inflight
+from ..ir.inflight import inflight, posted_receives
 from ..ir.schedule import Action, Op, Schedule, generate, validate
 from ..ir.topology import Topology
 from ..model.payload import flatten, unflatten
@@ -67,8 +74,12 @@ class _Step:
     cap: int  # fewer micro-batches than this held: a forward may move before a recompute
     state: dict[int, _MicroState]
     loss_sum: torch.Tensor
-    acts: dict[int, p2p.Pending] = dataclasses.field(default_factory=dict)  # posted activation receives
-    grads: dict[int, p2p.Pending] = dataclasses.field(default_factory=dict)  # posted gradient receives
+    windows: tuple[int, int]  # receives kept posted per direction (activations, gradients): [Note: receive window]
+    order: tuple[list[int], list[int]]  # micro-batches in the order this stage consumes activations, gradients
+    acts: dict[int, p2p.Pending] = dataclasses.field(default_factory=dict)  # posted, unconsumed activation receives
+    grads: dict[int, p2p.Pending] = dataclasses.field(default_factory=dict)  # posted, unconsumed gradient receives
+    posted: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # receives posted so far per direction
+    peak: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # most posted and unconsumed per direction
     sends: list[Any] = dataclasses.field(default_factory=list)
     held: int = 0  # micro-batches forwarded and not yet backwarded
     busy: float = 0.0  # seconds inside actions
@@ -111,8 +122,11 @@ class PipelineRuntime:
         self._out = stage.outgoing_spec
         self._in_tensor_specs = [leaf for _, leaf in self._in.tensor_leaves] if self._in else []
         self._out_tensor_specs = [leaf for _, leaf in self._out.tensor_leaves] if self._out else []
+        self._float_out_specs = [spec for spec in self._out_tensor_specs if spec.is_float]  # gradients received
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._caps: dict[int, int] = {}  # per micro-batch count: the static peak of held micro-batches
+        self._windows: dict[int, tuple[int, int]] = {}  # per micro-batch count: this stage's receive windows
+        self.max_posted = (0, 0)  # the last run's peak of posted, unconsumed receives (activations, gradients)
         self.observers: list[ActionObserver] = list(observers)
         self.compute_time = 0.0  # seconds of the last run() spent in this rank's own work (not waiting for peers)
         self._waited = 0.0  # seconds of this run spent waiting for peers' messages
@@ -146,6 +160,7 @@ class PipelineRuntime:
             validate(sched)
             self._schedules[key] = sched
             self._caps[num_microbatches] = inflight(sched)[self.stage_index][0]
+            self._windows[num_microbatches] = posted_receives(sched)[self.stage_index]
         return sched
 
     # ------------------------------------------------------------------------------------------------------
@@ -181,7 +196,10 @@ class PipelineRuntime:
         step = self._new_step(microbatches, sizes, weights, train=train, rng=rng, rng_ids=rng_ids,
                               loss_scale=loss_scale, capture=capture)
         self._post_receives(step)
-        self._run_actions(step)
+        try:
+            self._run_actions(step)
+        finally:
+            self.max_posted = (step.peak[0], step.peak[1])
         return self._finish(step, started)
 
     # ------------------------------------------------------------------------------------------------------
@@ -192,35 +210,53 @@ class PipelineRuntime:
                   capture: list | None) -> _Step:
         """This stage's actions for the run, and empty state for each micro-batch."""
         num, s = len(microbatches), self.stage_index
+        sched = self.schedule_for(num)
         if train:
-            actions = list(self.schedule_for(num).stage_actions(s))
-            recompute = self.schedule_for(num).uses_recompute(s)
-        else:
+            actions = list(sched.stage_actions(s))
+            recompute = sched.uses_recompute(s)
+        else:  # an evaluation posts activation receives in the training window (its memory stays below a step's)
             actions = [Action(s, Op.F, mb) for mb in range(num)]
             recompute = False
+        order = ([a.mb for a in actions if a.op is Op.F] if self.prev_rank is not None else [],
+                 [a.mb for a in actions if a.op is Op.B] if self.next_rank is not None else [])
         return _Step(
             microbatches=microbatches, sizes=sizes, weights=weights, train=train, rng=rng, rng_ids=rng_ids,
             loss_scale=loss_scale, capture=capture, actions=actions, recompute=recompute,
             cap=self._caps[num] if train and recompute else 0,
+            windows=self._windows[num], order=order,
             state={mb: _MicroState() for mb in range(num)},
             loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
         )
 
     def _post_receives(self, step: _Step) -> None:
-        """Post every receive of the run before the first action: activations, and (training) gradients."""
-        if self.prev_rank is not None:
-            for mb, n in enumerate(step.sizes):
-                step.acts[mb] = p2p.post_recv(
-                    self._in_tensor_specs, n, src=self.prev_rank, mb=mb, kind=p2p.ACTIVATION,
-                    device=self.device, group=None, what="activation",
-                )
-        if step.train and self.next_rank is not None:
-            float_specs = [spec for spec in self._out_tensor_specs if spec.is_float]
-            for mb, n in enumerate(step.sizes):
-                step.grads[mb] = p2p.post_recv(
-                    float_specs, n, src=self.next_rank, mb=mb, kind=p2p.GRADIENT,
-                    device=self.device, group=None, what="gradient",
-                )
+        """Post the receives of the first consumers of the run, a window per direction ([Note: receive window])."""
+        for kind in (p2p.ACTIVATION, p2p.GRADIENT):
+            for _ in range(min(step.windows[kind], len(step.order[kind]))):
+                self._post_next(step, kind)
+
+    def _post_next(self, step: _Step, kind: int) -> None:
+        """Post the receive of the next consumer (in this stage's order) of ``kind`` that has none yet."""
+        k = step.posted[kind]
+        if k >= len(step.order[kind]):
+            return
+        mb = step.order[kind][k]
+        n = step.sizes[mb]
+        if kind == p2p.ACTIVATION:
+            step.acts[mb] = p2p.post_recv(self._in_tensor_specs, n, src=self.prev_rank, mb=mb, kind=kind,
+                                          device=self.device, group=None, what="activation")
+            pending = len(step.acts)
+        else:
+            step.grads[mb] = p2p.post_recv(self._float_out_specs, n, src=self.next_rank, mb=mb, kind=kind,
+                                           device=self.device, group=None, what="gradient")
+            pending = len(step.grads)
+        step.posted[kind] = k + 1
+        step.peak[kind] = max(step.peak[kind], pending)
+
+    def _take(self, step: _Step, kind: int, mb: int) -> p2p.Pending:
+        """The posted receive of ``mb`` for its consumer, which starts now; the window moves on by one."""
+        pending = (step.acts if kind == p2p.ACTIVATION else step.grads).pop(mb)
+        self._post_next(step, kind)
+        return pending
 
     def _run_actions(self, step: _Step) -> None:
         """Run the actions in order (but for [Note: opportunistic forward]); sets ``compute_time``."""
@@ -234,8 +270,9 @@ class PipelineRuntime:
         """[Note: opportunistic forward]: move the next forward before the recompute at ``i`` if it can run."""
         actions = step.actions
         action = actions[i]
+        grad = step.grads.get(action.mb)  # not posted yet: it cannot have arrived
         if (action.op is Op.R and self.next_rank is not None and step.held < step.cap
-                and not step.grads[action.mb].ready()):
+                and (grad is None or not grad.ready())):
             j = next((k for k in range(i + 1, len(actions)) if actions[k].op is Op.F), None)
             if j is not None and (self.prev_rank is None or step.acts[actions[j].mb].ready()):
                 actions.insert(i, actions.pop(j))
@@ -274,7 +311,8 @@ class PipelineRuntime:
     def _do_forward(self, step: _Step, action: Action) -> None:
         mb = action.mb
         st = step.state[mb]
-        st.incoming = self._receive(step.acts, action) if self.prev_rank is not None else None
+        if self.prev_rank is not None:
+            st.incoming = self._receive(self._take(step, p2p.ACTIVATION, mb), action)
         keep_graph = step.train and not step.recompute
         out = self._timed_forward(step, mb, st.incoming, grad=keep_graph)
         if self.next_rank is None:
@@ -305,7 +343,8 @@ class PipelineRuntime:
     def _do_backward(self, step: _Step, action: Action) -> None:
         mb = action.mb
         started, waited_before = time.perf_counter(), self._waited
-        self._backward(step.state[mb], step.grads.get(mb), action, step.sends)
+        pending = self._take(step, p2p.GRADIENT, mb) if self.next_rank is not None else None
+        self._backward(step.state[mb], pending, action, step.sends)
         self._computed += time.perf_counter() - started - (self._waited - waited_before)
         step.state[mb] = _MicroState()
 
@@ -320,8 +359,7 @@ class PipelineRuntime:
     def _who(self) -> str:
         return f"rank {self.rank} (stage {self.stage_index}, replica {self.replica})"
 
-    def _receive(self, acts: dict[int, p2p.Pending], action: Action) -> list[torch.Tensor]:
-        pending = acts.pop(action.mb)
+    def _receive(self, pending: p2p.Pending, action: Action) -> list[torch.Tensor]:
         started = time.perf_counter()
         p2p.wait_all(pending.works, timeout=self.timeout, peer=pending.peer,
                      describe=lambda: f"{self._who()} in {action} waiting for the activation of micro-batch "

@@ -8,7 +8,7 @@ For every candidate (pp, dp = ⌊gpus / pp⌋, a profiled micro-batch size, a sc
    with a stage's segment set);
 2. predicts each stage's memory (:mod:`varuna_core.planning.memory`): parameters, gradients and optimizer state,
    the activations autograd saves for every graph the schedule keeps alive, the stashed inputs of every
-   micro-batch in flight, the receive buffers the runtime posts ahead, and headroom;
+   micro-batch in flight, the receive buffers the runtime keeps posted (its receive windows), and headroom;
 3. simulates the exact schedule the runtime would execute (:mod:`varuna_core.planning.simulate`, which chooses
    the C++ simulator when built) with point-to-point times from the profile's network fits (intra- or inter-node
    depending on where neighbouring stages are placed) and the data-parallel all-reduce of each stage's gradients.
@@ -26,6 +26,7 @@ import math
 from typing import Sequence
 
 from ..errors import ConfigError, VarunaError
+from ..ir.inflight import receive_windows
 from ..ir.partition import Partition
 from ..ir.schedule import SCHEDULE_NAMES, recompute_stages
 from ..ir.topology import Topology
@@ -145,18 +146,19 @@ class _Prefix:
         table = self.full if recompute else self.plain
         return table[b] - table[a]
 
-    def memory(self, a: int, b: int, *, held: int, graphs: int, num_mb: int, headroom: float) -> float:
-        """Peak bytes of a stage running segments ``[a, b)`` (the memory model, :mod:`.memory`)."""
+    def memory(self, a: int, b: int, *, held: int, graphs: int, recvs: tuple[int, int], headroom: float) -> float:
+        """Peak bytes of a stage running segments ``[a, b)`` (the memory model, :mod:`.memory`); ``recvs``: its
+        receive windows (activations, gradients), :func:`~varuna_core.ir.inflight.receive_windows`."""
         segs = self.segs
         return stage_bytes(static=self.static[b] - self.static[a], saved=self.saved[b] - self.saved[a],
                            input_bytes=segs[a - 1].output_bytes if a > 0 else 0.0,
                            output_bytes=segs[b - 1].output_bytes if b < len(segs) else 0.0,
-                           held=held, graphs=graphs, num_mb=num_mb, headroom=headroom)
+                           held=held, graphs=graphs, act_recvs=recvs[0], grad_recvs=recvs[1], headroom=headroom)
 
 
 def partition_under_memory(
     segs: Sequence[_Seg], pp: int, *, recompute_stages: Sequence[bool], counts: Sequence[tuple[int, int]],
-    num_mb: int, limit: int | None, headroom: float, prefix: _Prefix | None = None,
+    limit: int | None, headroom: float, prefix: _Prefix | None = None,
 ) -> Partition | None:
     """Contiguous partition into ``pp`` stages minimising the slowest stage's compute, each stage within
     ``limit`` bytes; ``None`` if no partition fits.
@@ -170,6 +172,7 @@ def partition_under_memory(
     if pp > n:
         return None
     pre = prefix or _Prefix(segs)
+    windows = receive_windows([held for held, _ in counts])
 
     def greedy(bound: float) -> list[tuple[int, int]] | None:
         ranges, a = [], 0
@@ -180,7 +183,7 @@ def partition_under_memory(
             b = bisect.bisect_right(table, table[a] + bound * (1 + 1e-12), a + 1, last_allowed + 1) - 1
             if limit is not None:
                 held, graphs = counts[s]
-                while b > a and pre.memory(a, b, held=held, graphs=graphs, num_mb=num_mb, headroom=headroom) > limit:
+                while b > a and pre.memory(a, b, held=held, graphs=graphs, recvs=windows[s], headroom=headroom) > limit:
                     b -= 1
             if b <= a:
                 return None
@@ -313,24 +316,24 @@ class _Tables:
             self._allreduce[key] = _allreduce_time(self.profile, nbytes, d, inter)
         return self._allreduce[key]
 
-    def partition(self, pp: int, mbs: int, recompute: list[bool], counts, num_mb: int,
-                  req: PlanRequest) -> Partition | None:
+    def partition(self, pp: int, mbs: int, recompute: list[bool], counts, req: PlanRequest) -> Partition | None:
         """The time-optimal partition ignoring memory is shared by every schedule with the same recompute
         pattern; only when it does not fit is the memory-constrained search run for this schedule."""
         key = (pp, mbs, tuple(recompute))
         free = self._free.get(key)
         if free is None:
             free = self._free[key] = partition_under_memory(
-                self.segs(mbs), pp, recompute_stages=recompute, counts=counts, num_mb=num_mb, limit=None,
+                self.segs(mbs), pp, recompute_stages=recompute, counts=counts, limit=None,
                 headroom=req.headroom, prefix=self.prefix(mbs))
         if free is None or req.gpu_memory is None:
             return free
         pre = self.prefix(mbs)
-        if all(pre.memory(a, b, held=counts[s][0], graphs=counts[s][1], num_mb=num_mb, headroom=req.headroom)
+        windows = receive_windows([held for held, _ in counts])
+        if all(pre.memory(a, b, held=counts[s][0], graphs=counts[s][1], recvs=windows[s], headroom=req.headroom)
                <= req.gpu_memory for s, (a, b) in enumerate(free.ranges)):
             return free
         return partition_under_memory(self.segs(mbs), pp, recompute_stages=recompute, counts=counts,
-                                      num_mb=num_mb, limit=req.gpu_memory, headroom=req.headroom, prefix=pre)
+                                      limit=req.gpu_memory, headroom=req.headroom, prefix=pre)
 
 
 def _stage_times(pre: _Prefix, a: int, b: int, recompute: bool) -> tuple[float, float, float]:
@@ -352,14 +355,15 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
     segs = tables.segs(mbs)
     counts = inflight_counts(schedule, pp, num_mb)
     recompute = list(recompute_stages(schedule, pp))
-    part = tables.partition(pp, mbs, recompute, counts, num_mb, req)
+    part = tables.partition(pp, mbs, recompute, counts, req)
     if part is None:
         if pp > len(segs):
             return None, None
         pre = tables.prefix(mbs)
-        free = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts, num_mb=num_mb,
+        free = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts,
                                       limit=None, headroom=req.headroom, prefix=pre)
-        need = max(int(pre.memory(a, b, held=counts[s][0], graphs=counts[s][1], num_mb=num_mb,
+        windows = receive_windows([held for held, _ in counts])
+        need = max(int(pre.memory(a, b, held=counts[s][0], graphs=counts[s][1], recvs=windows[s],
                                   headroom=req.headroom)) for s, (a, b) in enumerate(free.ranges))
         return None, need
     boundary, dp_inter = _crossings(pp, dp, req.gpus_per_node or req.gpus)
@@ -381,6 +385,7 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     segs, segs_last = tables.segs(c.mbs), tables.segs(c.last)
     pre, pre_last = tables.prefix(c.mbs), tables.prefix(c.last)
     pp = c.pp
+    windows = receive_windows([held for held, _ in c.counts])
     for s, (a, b) in enumerate(c.partition.ranges):
         f, r, bw = _stage_times(pre, a, b, c.recompute[s])
         fl, rl, bl = _stage_times(pre_last, a, b, c.recompute[s])
@@ -393,7 +398,7 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
         # after its last action a stage all-reduces its gradients, then steps its optimizer
         c.costs.append(StageCosts(f, r, bw, send_act, send_grad, allreduce + c.optimizer[-1], fl, rl, bl,
                                   send_act_l, send_grad_l))
-        c.memory.append(int(pre.memory(a, b, held=c.counts[s][0], graphs=c.counts[s][1], num_mb=c.num_mb,
+        c.memory.append(int(pre.memory(a, b, held=c.counts[s][0], graphs=c.counts[s][1], recvs=windows[s],
                                        headroom=req.headroom)))
     sim = simulate_generated(c.schedule, c.pp, c.num_mb, c.costs, max_concurrent_sends=req.max_concurrent_sends)
     # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)

@@ -1,0 +1,61 @@
+"""Worker for ``tests/dist/test_receives.py``: trains ``ToyLM`` under ``Varuna`` with many micro-batches per
+schedule and saves, per step, the runtime's peak of posted and unconsumed receives (``runtime.max_posted``),
+the IR's count for this stage, the losses and the final parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from tests.dist.worker import make_optimizer
+from tests.models import SHARED, ToyLM, batch
+from varuna_core import Varuna
+from varuna_core.ir.inflight import posted_receives
+from varuna_core.ir.schedule import generate
+
+
+def run_one(run: dict, spec: dict) -> dict:
+    torch.manual_seed(0)
+    model = ToyLM()
+    vm = Varuna(model, spec["map"], batch(2, 0), batch_size=run["batch"], chunk_size=run["chunk"],
+                shared_weights=SHARED, schedule=run["schedule"], timeout=spec.get("timeout", 60), seed=1234)
+    opt = make_optimizer(run["optimizer"], vm.parameters())
+    vm.set_optimizer(opt)
+    num_mb = -(-run["batch"] // run["chunk"])
+    want = posted_receives(generate(run["schedule"], vm.topology.pp, num_mb))[vm.stage]
+    losses, peaks = [], []
+    for step in range(run["steps"]):
+        loss, overflow = vm.step(vm.replica_slice(batch(run["batch"], seed=100 + step)))
+        assert not overflow
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss)
+        peaks.append(list(vm.runtime.max_posted))
+    vm.evaluate(batch(run["batch"], seed=999))
+    return {"losses": torch.tensor(losses, dtype=torch.float64), "peaks": torch.tensor(peaks),
+            "want": torch.tensor(want), "eval_peak": torch.tensor(vm.runtime.max_posted),
+            "params": {n: p.detach().clone() for n, p in vm.named_parameters()}, "stage": vm.stage}
+
+
+def main() -> None:
+    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    spec = json.loads(spec_path.read_text())
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    try:
+        results = [run_one(run, spec) for run in spec["runs"]]
+    except BaseException:
+        (out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    torch.save({"runs": results}, out_dir / f"rank{rank}.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

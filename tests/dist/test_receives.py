@@ -1,0 +1,64 @@
+"""Bounded receive buffers in a real run: with 16 micro-batches per step, each rank's peak of posted and
+unconsumed receives per direction (``runtime.max_posted``) equals the IR's count
+(``varuna_core.ir.inflight.posted_receives``, what the planner's memory model charges), for every schedule at
+pp=2 and pp=3; and the run still equals one process (losses and parameters, as in ``test_parity``)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.dist.harness import run_ranks
+from tests.dist.worker import make_optimizer
+from tests.models import ToyLM, batch
+
+pytestmark = pytest.mark.dist
+
+SCHEDULES = ("varuna", "1f1b", "gpipe")
+BATCH, CHUNK, STEPS = 16, 1, 2  # 16 micro-batches of one example
+TOL = 1e-5
+
+
+@functools.cache
+def reference() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = ToyLM()
+    opt = make_optimizer("sgd", model.parameters())
+    losses = []
+    for step in range(STEPS):
+        loss = model(**batch(BATCH, seed=100 + step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return torch.tensor(losses, dtype=torch.float64), params
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("stage_map,world", [("0;1", 2), ("0;1;2", 3)])
+def test_posted_receives_peak_at_the_ir_count(stage_map: str, world: int, tmp_path) -> None:
+    runs = [{"schedule": s, "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK, "steps": STEPS} for s in SCHEDULES]
+    results = run_ranks({"map": stage_map, "timeout": 60, "runs": runs}, world, tmp_path, timeout=240.0,
+                        worker="tests.dist.receives_worker")
+    for rank, res in enumerate(results):
+        assert res.returncode == 0, f"rank {rank} failed:\n{res.error or res.output[-3000:]}"
+    ref_losses, ref_params = reference()
+    for i, run in enumerate(runs):
+        for rank, res in enumerate(results):
+            got = res.result["runs"][i]
+            label = f"pp={world} {run['schedule']} rank {rank} (stage {got['stage']})"
+            want = got["want"].tolist()
+            assert got["peaks"].tolist() == [want] * STEPS, f"{label}: peaks {got['peaks'].tolist()} vs IR {want}"
+            if world == 3 and run["schedule"] != "gpipe":
+                assert max(want) < BATCH, f"{label}: the window {want} is not below M"
+            # an evaluation posts activation receives in the training window and no gradient receives
+            assert got["eval_peak"].tolist() == [want[0], 0], f"{label}: evaluation peak {got['eval_peak']}"
+            assert rel_diff(got["losses"], ref_losses) <= TOL, f"{label}: losses {got['losses']} vs {ref_losses}"
+            for pname, value in got["params"].items():
+                assert rel_diff(value, ref_params[pname]) <= TOL, f"{label}: parameter {pname} differs"
