@@ -39,6 +39,8 @@ _EXPORTS = {
     "Op": "ir.schedule",
     "ModelSpec": "model.spec",
     "load_spec": "model.spec",
+    "materialize": "model.materialize",
+    "meta_init": "model.materialize",
 }
 
 __all__ = ["__version__", *_EXPORTS]
