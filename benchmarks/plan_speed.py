@@ -17,8 +17,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from varuna_core.planning.artifacts import (CommCurve, Environment, LinearFit, Profile, SegmentMeasure, SegmentProfile,
-                                            Stat)
+from varuna_core.planning.artifacts import (
+    CommCurve,
+    Environment,
+    LinearFit,
+    Profile,
+    SegmentMeasure,
+    SegmentProfile,
+    Stat,
+)
 from varuna_core.planning.planner import PlanRequest, make_plan
 from varuna_core.planning.simulate import native_module
 from varuna_core.util.artifacts import save_artifact

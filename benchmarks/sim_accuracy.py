@@ -415,9 +415,9 @@ def resimulate(plan, stages: list[dict], *, overhead: bool) -> float:
 def measure_model(name: str, ref: str, configs: list[Config], sizes: list[int], repeats: int, args,
                   tmp: Path) -> dict:
     from varuna_core.planning.artifacts import save_plan
-    from varuna_core.util.artifacts import save_artifact
     from varuna_core.planning.planner import PlanRequest, plan_for
     from varuna_core.profiling.run import profile
+    from varuna_core.util.artifacts import save_artifact
 
     if args.wait_idle:
         wait_idle(args.wait_idle)

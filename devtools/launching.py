@@ -105,7 +105,8 @@ def make_plan(profile: Path, out: Path, *, pp: int | None = None, dp: int | None
     micro-batch ``mbs`` (what `varuna launch --morph` plans again when the devices come back), recording its
     profile (so that a morph can plan again)."""
     from varuna_core.planning.artifacts import load_profile, save_plan
-    from varuna_core.planning.planner import PlanRequest, make_plan as search, plan_for
+    from varuna_core.planning.planner import PlanRequest, plan_for
+    from varuna_core.planning.planner import make_plan as search
 
     if pp is None or dp is None:
         plan = search(load_profile(profile), PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=per_node,

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from varuna_core.planning.artifacts import (CommCurve, Environment, LinearFit, Profile, SegmentMeasure, SegmentProfile,
-                                   Stat)
+from varuna_core.planning.artifacts import (
+    CommCurve,
+    Environment,
+    LinearFit,
+    Profile,
+    SegmentMeasure,
+    SegmentProfile,
+    Stat,
+)
 
 
 def _stat(x: float) -> Stat:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.conftest import interrupt_and_expect_nothing_left, ROOT, TRAIN, VARUNA, job_processes
 from devtools.testhosts import start_cluster
+from tests.launch.conftest import ROOT, TRAIN, VARUNA, interrupt_and_expect_nothing_left, job_processes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 
@@ -96,12 +96,11 @@ def test_ctrl_c_stops_every_worker_on_every_host(cluster, plan2, tmp_path, launc
 def test_a_partial_start_is_rolled_back(cluster, plan4, tmp_path) -> None:
     """The first host's agent is up (it hosts the job's store) when the second cannot be reached: the first is
     stopped again and nothing of the job is left."""
-    from varuna_core.planning.artifacts import load_plan
-    from varuna_core.launch.hosts import Host
     from varuna_core.launch.attempt import LaunchError
-    from varuna_core.launch.options import LaunchOptions
+    from varuna_core.launch.hosts import Host
     from varuna_core.launch.manager import Manager
-    from varuna_core.launch.options import Runtime, SSHConfig
+    from varuna_core.launch.options import LaunchOptions, Runtime, SSHConfig
+    from varuna_core.planning.artifacts import load_plan
 
     good = cluster.hosts[0]
     hosts = [Host(good.address, 2, user=cluster.user, port=good.port), Host(good.address, 2, user=cluster.user, port=1)]

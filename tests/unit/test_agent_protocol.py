@@ -14,8 +14,18 @@ import time
 import pytest
 
 from varuna_core.launch.agent import _store_socket
-from varuna_core.launch.protocol import (MAX_EVENT, MAX_LINE, AgentSpec, ErrorEvent, LegacyArgs, SignalCommand,
-                                        StopCommand, parse_command, parse_event, parse_spec)
+from varuna_core.launch.protocol import (
+    MAX_EVENT,
+    MAX_LINE,
+    AgentSpec,
+    ErrorEvent,
+    LegacyArgs,
+    SignalCommand,
+    StopCommand,
+    parse_command,
+    parse_event,
+    parse_spec,
+)
 from varuna_core.launch.protocol import grace_seconds as _grace
 from varuna_core.launch.ssh import _lines
 

@@ -8,8 +8,8 @@ import torch.nn as nn
 
 from tests import models
 from varuna_core import CutPoint, ModelSpec, Varuna
-from varuna_core.model.autocut import AUTO_ATTRIBUTE, apply_auto_cutpoints, longest_module_list
 from varuna_core.errors import ConfigError, CutPointError
+from varuna_core.model.autocut import AUTO_ATTRIBUTE, apply_auto_cutpoints, longest_module_list
 
 
 class Plain(nn.Module):

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_ckpt_tools import write_checkpoint  # a plain function: writes a checkpoint the way the runtime does
 
 import varuna_cli.app as cli
-from test_ckpt_tools import write_checkpoint  # a plain function: writes a checkpoint the way the runtime does
 from varuna_core.checkpoint import io as ckpt_io
 from varuna_core.checkpoint import tools as ckpt_tools
 from varuna_core.checkpoint.storage import METADATA_FILE, RawReader, RawWriter, dcp_load, dcp_save, read_metadata

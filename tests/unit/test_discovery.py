@@ -11,8 +11,8 @@ import torch
 
 from tests import models
 from tests.models import SHARED, ToyLM, batch
-from varuna_core.model.discovery import discover, make_batch_fn, structure_key
 from varuna_core.errors import ConfigError, CutPointError
+from varuna_core.model.discovery import discover, make_batch_fn, structure_key
 
 
 @pytest.fixture(autouse=True)

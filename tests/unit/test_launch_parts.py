@@ -9,14 +9,14 @@ import pytest
 
 from tests.profiles import make_profile
 from varuna_core.errors import ConfigError
+from varuna_core.launch.attempt import place, worker_argv
 from varuna_core.launch.heartbeat import Listener, send_notice
 from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts
-from varuna_core.launch.attempt import place, worker_argv
-from varuna_core.launch.protocol import decode, encode
 from varuna_core.launch.manager import replan
-from varuna_core.planning.planner import PlanRequest, make_plan, plan_for
 from varuna_core.launch.options import Runtime, SSHConfig
+from varuna_core.launch.protocol import decode, encode
 from varuna_core.launch.stragglers import StragglerDetector
+from varuna_core.planning.planner import PlanRequest, make_plan, plan_for
 from varuna_core.worker.beacon import Beacon
 
 

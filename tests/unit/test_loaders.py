@@ -14,14 +14,21 @@ import pytest
 import yaml
 
 from tests.profiles import make_profile
-from varuna_core.planning.artifacts import (MAX_MICROBATCHES, MAX_PLAN_BYTES, MAX_PROFILE_BYTES, Plan, load_plan, load_profile,
-                                   save_plan)
-from varuna_core.util.artifacts import save_artifact
 from varuna_core.errors import ConfigError
-from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts, read_hosts
-from varuna_core.planning.planner import PlanRequest, make_plan, plan_for
-from varuna_core.launch.options import SSHConfig
 from varuna_core.ir.units import parse_bytes
+from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts, read_hosts
+from varuna_core.launch.options import SSHConfig
+from varuna_core.planning.artifacts import (
+    MAX_MICROBATCHES,
+    MAX_PLAN_BYTES,
+    MAX_PROFILE_BYTES,
+    Plan,
+    load_plan,
+    load_profile,
+    save_plan,
+)
+from varuna_core.planning.planner import PlanRequest, make_plan, plan_for
+from varuna_core.util.artifacts import save_artifact
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from tests.specs import sleep
-from varuna_core.planning.artifacts import Profile
-from varuna_core.util.artifacts import schema_text
 from varuna_core.errors import ConfigError
-from varuna_core.profiling.run import profile
 from varuna_core.model.spec import ModelSpec, load_spec
+from varuna_core.planning.artifacts import Profile
+from varuna_core.profiling.run import profile
+from varuna_core.util.artifacts import schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
