@@ -41,6 +41,8 @@ _EXPORTS = {
     "load_spec": "model.spec",
     "materialize": "model.materialize",
     "meta_init": "model.materialize",
+    "load_weights": "model.weights",
+    "WeightSource": "model.weights",
 }
 
 __all__ = ["__version__", *_EXPORTS]
