@@ -161,3 +161,28 @@ def test_the_cli_reads_its_defaults_from_the_library() -> None:
     assert len(shared) >= 14
     for name, value in shared.items():
         assert value == DEFAULTS[field_of.get(name, name)], name
+
+
+def test_restarts_are_forgiven_by_any_new_checkpoint_also_a_morphs() -> None:
+    """The sequence that once gave up on a healthy job: a crash, morphs that checkpointed (39, 45), then a crash
+    before the next periodic checkpoint. Progress since the previous crash is what counts, not since the step the
+    crashed attempt resumed from."""
+    from varuna_core.launch.manager import RestartBudget
+
+    budget = RestartBudget(1, baseline=None)
+    assert budget.crash(10) == 1 and not budget.exhausted  # first crash after step_10
+    assert budget.crash(20) == 1 and not budget.exhausted  # step_20 written in between
+    # morphs wrote step_39 and step_45 (on demand); the next attempt resumed from 45 and died before step_50
+    assert budget.crash(45) == 1 and not budget.exhausted
+    assert budget.crash(45) == 2 and budget.exhausted  # nothing new since: give up
+
+
+def test_a_job_that_never_saves_gives_up_and_a_refused_checkpoint_costs_no_restart() -> None:
+    from varuna_core.launch.manager import RestartBudget
+
+    budget = RestartBudget(2, baseline=None)
+    assert [budget.crash(None) for _ in range(3)] == [1, 2, 3] and budget.exhausted
+    budget = RestartBudget(1, baseline=30)  # resumed from step_30
+    assert budget.crash(30) == 1
+    assert budget.crash(25, refused=True) == 1 and not budget.exhausted  # step_30 set aside: fall back to 25
+    assert budget.crash(25) == 2 and budget.exhausted

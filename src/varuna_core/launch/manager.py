@@ -134,6 +134,34 @@ def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True
     return new, f"no profile to plan from: pp={plan.pp} kept, dp {plan.dp} -> {dp}"
 
 
+@dataclasses.dataclass
+class RestartBudget:
+    """How many restarts in a row the job has made without a new checkpoint.
+
+    Progress is a checkpoint newer than the newest one at the previous crash (or at the start), whichever
+    attempt wrote it: a morph's or a preemption's on-demand checkpoint counts as much as a periodic one. (Comparing
+    with the step the crashed attempt resumed from instead would forget the checkpoints of the morphs between two
+    crashes, and give up on a job that is making progress.) A checkpoint the workers refused costs a checkpoint,
+    not a restart.
+    """
+
+    limit: int
+    baseline: int | None = None  # the newest checkpoint at the previous crash (or at the start)
+    count: int = 0
+
+    def crash(self, newest: int | None, *, refused: bool = False) -> int:
+        """Record a crash, ``newest`` being the newest loadable checkpoint now; returns the restarts in a row."""
+        if not refused:
+            progressed = newest is not None and (self.baseline is None or newest > self.baseline)
+            self.count = 1 if progressed else self.count + 1
+        self.baseline = newest
+        return self.count
+
+    @property
+    def exhausted(self) -> bool:
+        return self.count > self.limit
+
+
 class Manager:
     """Runs a job (see the module docstring). ``hosts`` None: local processes."""
 
@@ -188,14 +216,14 @@ class Manager:
         if opts.resume:
             self.reporter.event(f"resuming run {self.run_id} from {opts.ckpt_dir}/step_{resume}" if resume is not None
                                 else f"--resume: no loadable checkpoint in {opts.ckpt_dir}; starting from scratch")
-        restarts, number = 0, 0
+        budget, number = RestartBudget(opts.max_restarts, baseline=resume), 0
         previous = self._handle_sigterm()
         try:
             while True:
                 if self.sigterms:
                     return self._terminated("SIGTERM between attempts")
                 number += 1
-                outcome = self._attempt(number, resume, restarts)
+                outcome = self._attempt(number, resume, budget.count)
                 if outcome.kind == "done":
                     self.reporter.event(f"done: {outcome.message}")
                     return 0
@@ -216,10 +244,8 @@ class Manager:
                     if outcome.refused and newest is None:
                         self.reporter.event(f"no loadable checkpoint of run {self.run_id} is left in "
                                             f"{opts.ckpt_dir}: starting again from step 0")
-                    if not outcome.refused:  # a checkpoint set aside costs a checkpoint, not a restart
-                        progressed = newest is not None and (resume is None or newest > resume)
-                        restarts = 1 if progressed else restarts + 1
-                    if restarts > opts.max_restarts:
+                    restarts = budget.crash(newest, refused=outcome.refused)
+                    if budget.exhausted:
                         raise LaunchError(f"giving up after {opts.max_restarts} restarts without a new checkpoint: "
                                           f"{outcome.message}", hint=f"see the rank logs in {opts.run_dir}/logs")
                     self.status.restarts += 1
