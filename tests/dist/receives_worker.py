@@ -4,15 +4,9 @@ the IR's count for this stage, the losses and the final parameters."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import traceback
-from pathlib import Path
-
 import torch
 
-from tests.dist.worker import make_optimizer
+from tests.dist.worker import main, make_optimizer
 from tests.models import SHARED, ToyLM, batch
 from varuna_core import Varuna
 from varuna_core.ir.inflight import posted_receives
@@ -42,20 +36,5 @@ def run_one(run: dict, spec: dict) -> dict:
             "params": {n: p.detach().clone() for n, p in vm.named_parameters()}, "stage": vm.stage}
 
 
-def main() -> None:
-    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
-    spec = json.loads(spec_path.read_text())
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    try:
-        results = [run_one(run, spec) for run in spec["runs"]]
-    except BaseException:
-        (out_dir / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-    torch.save({"runs": results}, out_dir / f"rank{rank}.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    main(run_one)

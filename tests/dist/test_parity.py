@@ -35,15 +35,16 @@ TOPOLOGIES = {
 
 
 @functools.lru_cache(maxsize=None)
-def reference(optimizer: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, str]]:
+def reference(optimizer: str, batch_size: int = BATCH, steps: int = STEPS,
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, str]]:
     """Losses, final parameters (every slot name, tied ones included) and each slot's first name, from a
     plain one-process run."""
     torch.manual_seed(0)
     model = ToyLM()
     opt = make_optimizer(optimizer, model.parameters())
     losses = []
-    for step in range(STEPS):
-        loss = model(**batch(BATCH, seed=100 + step))
+    for step in range(steps):
+        loss = model(**batch(batch_size, seed=100 + step))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -5,40 +5,16 @@ pp=2 and pp=3; and the run still equals one process (losses and parameters, as i
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
 from tests.dist.harness import run_ranks
-from tests.dist.worker import make_optimizer
-from tests.models import ToyLM, batch
+from tests.dist.test_parity import reference, rel_diff
 
 pytestmark = pytest.mark.dist
 
 SCHEDULES = ("varuna", "1f1b", "gpipe")
 BATCH, CHUNK, STEPS = 16, 1, 2  # 16 micro-batches of one example
 TOL = 1e-5
-
-
-@functools.cache
-def reference() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    model = ToyLM()
-    opt = make_optimizer("sgd", model.parameters())
-    losses = []
-    for step in range(STEPS):
-        loss = model(**batch(BATCH, seed=100 + step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return torch.tensor(losses, dtype=torch.float64), params
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
 @pytest.mark.parametrize("stage_map,world", [("0;1", 2), ("0;1;2", 3)])
@@ -48,7 +24,7 @@ def test_posted_receives_peak_at_the_ir_count(stage_map: str, world: int, tmp_pa
                         worker="tests.dist.receives_worker")
     for rank, res in enumerate(results):
         assert res.returncode == 0, f"rank {rank} failed:\n{res.error or res.output[-3000:]}"
-    ref_losses, ref_params = reference()
+    ref_losses, ref_params, _ = reference("sgd", BATCH, STEPS)
     for i, run in enumerate(runs):
         for rank, res in enumerate(results):
             got = res.result["runs"][i]

@@ -161,7 +161,8 @@ def run_one(run: dict, spec: dict) -> dict:
     return result
 
 
-def main() -> None:
+def main(run_one=run_one) -> None:
+    """Run every run of the spec (argv: SPEC OUT_DIR) with ``run_one(run, spec)`` and save this rank's results."""
     spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     spec = json.loads(spec_path.read_text())
     rank = int(os.environ["RANK"])
