@@ -9,8 +9,11 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +33,32 @@ __all__ = ["ensure_process_group", "resolve_device", "Groups", "build_groups", "
 _RUN_ID_BYTES = 64
 
 
+_release_registered = threading.Event()
+
+
+def _release_before_exit() -> None:
+    """Free the process groups (and the tensors their finished work holds) while the interpreter is alive.
+
+    A ``Varuna`` object sits in reference cycles (its supervision's callables), so a script's ``model`` outlives
+    ``main()`` and, with it, the sub-groups and their gloo worker threads. Left to the interpreter's final
+    collection, a worker thread that drops a tensor then needs the GIL of an interpreter being torn down, and
+    the process dies with ``terminate called without an active exception`` (SIGABRT) after a successful run.
+    ``atexit`` runs before that, so the collection and the teardown happen here, in order."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def ensure_process_group(timeout: float) -> tuple[int, int]:
     """``(world_size, rank)``: the default process group if one exists; else one created from torchrun-style
-    env vars (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); ``(1, 0)`` for a single process."""
+    env vars (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); ``(1, 0)`` for a single process.
+
+    Also arranges, once per process, for the groups to be released before the interpreter shuts down (see
+    :func:`_release_before_exit`)."""
+    if not _release_registered.is_set():
+        _release_registered.set()
+        atexit.register(_release_before_exit)
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     world = int(os.environ.get("WORLD_SIZE", "1"))
