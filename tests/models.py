@@ -58,6 +58,15 @@ class ToyLM(nn.Module):
 SHARED = [("emb.weight", "head.weight")]
 
 
+def init_toy(module: nn.Module) -> None:
+    """The initialiser of a ``ToyLM`` built on meta (``materialize(..., init=init_toy)``, ``Varuna(init=...)``):
+    the root's own ``pos`` as ``__init__`` draws it, every other module's ``reset_parameters()``."""
+    if isinstance(module, ToyLM):
+        nn.init.normal_(module.pos, std=0.1)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
 def batch(n: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, VOCAB, (n, SEQ), generator=g)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -27,6 +27,8 @@ from .ir.partition import Partition
 from .model.discovery import Structure, discover, make_batch_fn
 from .model.precision import LossScaler
 from .model.stage import StageModule, TieSet, find_tie_sets, weight_groups
+from .model.touch import Values
+from .model.values import load_stage_weights, model_values
 from .pipeline.config import (
     Config,
     batch_layout,
@@ -72,10 +74,12 @@ class Varuna(nn.Module):
     """Pipeline + data parallel training of ``model`` across the ranks of ``stage_to_rank_map``.
 
     Args:
-        model: the full model, on CPU (or the target device), in fp32. Its forward takes keyword inputs and
-            returns the loss (a scalar, or a tuple/dict whose first/``"loss"`` entry is it); ``CutPoint``
-            modules mark the possible stage boundaries. It is modified in place: other stages' parameters move
-            to the ``meta`` device.
+        model: the full model in fp32, on CPU (or the target device), or built without memory under
+            :func:`~varuna_core.meta_init` (or ``torch.device("meta")``): then each rank allocates and initialises
+            only its stage (see ``seed``, ``init``, ``weights``). Its forward takes keyword inputs and returns the
+            loss (a scalar, or a tuple/dict whose first/``"loss"`` entry is it); ``CutPoint`` modules mark the
+            possible stage boundaries. It is modified in place: other stages' parameters move to the ``meta``
+            device.
         stage_to_rank_map: the original's string, e.g. ``"0,2;1,3"``: stage ``s`` lists its global ranks, the
             position in the list is the data-parallel replica.
         dummy_inputs: example inputs (a dict, batched along dim 0 unless ``input_batch_dims`` says otherwise)
@@ -99,7 +103,15 @@ class Varuna(nn.Module):
         bucket_mb: size of the data-parallel all-reduce buckets.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and loss scaling); parameters and
             optimizer state stay fp32.
-        seed: seeds dropout per (seed, step, micro-batch, segment); default: rank 0's ``torch.initial_seed()``.
+        seed: seeds dropout per (seed, step, micro-batch, segment), and the values of a model built on meta
+            (:func:`~varuna_core.materialize` with this seed gives a single process the same model); default:
+            rank 0's ``torch.initial_seed()``.
+        init: for a model built on meta, ``init(module)`` initialises a module's own tensors (default: the
+            module's ``reset_parameters()``, or a Hugging Face model's ``_init_weights``; see
+            :func:`~varuna_core.materialize`).
+        weights: pretrained values: a ``.safetensors`` file, a Hugging Face directory (sharded or not) or the
+            output of ``varuna ckpt merge``, names as in ``model.named_parameters()``. Each rank reads only its
+            stage's tensors (memory-mapped); a missing or extra name or a wrong shape is an error naming it.
         plan: a :class:`~varuna_core.planning.artifacts.Plan` or the path of one (default: ``VARUNA_PLAN``); it sets the
             stage-to-rank map, partition, schedule and micro-batch size. ``stage_to_rank_map`` may then be
             ``None``.
@@ -140,6 +152,8 @@ class Varuna(nn.Module):
         trace_step: int = 2,
         cutpoints: str | None = None,
         loss_reduction: str = "mean",
+        init: Callable[[nn.Module], Any] | None = None,
+        weights: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         install_excepthook()
@@ -154,19 +168,22 @@ class Varuna(nn.Module):
         self.loss_reduction, self.precision, self.plan = config.loss_reduction, config.precision, config.plan
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
+        self.seed, self.run_id = agree_identity(config.seed, self.world_size)
+        shared = list(shared_weights or [])
+        values = model_values(model, shared, self.seed, init, weights)
         batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
         self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache,
-                                             precision=self.precision)
+                                             precision=self.precision, values=values)
         check_structure(self.structure, self.plan, self.pp)
         self.partition = choose_partition(config.partition, model, self.structure, self.pp)
         if validate is None:
             validate = config.cutpoints == "auto"
-        reference = reference_run(model, dummy_inputs, batch_fn, self.chunk_size) if validate else None
-        self._slice(model, list(shared_weights or []), config.cutpoints)
+        reference = reference_run(model, dummy_inputs, batch_fn, self.chunk_size, values) if validate else None
+        self._slice(model, shared, config.cutpoints, values)
         schedule = config.schedule
         self.runtime = PipelineRuntime(self.stage_module, self.topology, self.rank, schedule, self.timeout,
                                        self.precision)
-        self._communicate(config.bucket_mb, config.seed)
+        self._communicate(config.bucket_mb)
         if reference is not None:
             check_slicing(self.runtime, self.module, self.structure, self.partition, self.stage,
                           is_last=self.stage_module.is_last, input_batch_dims=self.input_batch_dims,
@@ -195,25 +212,27 @@ class Varuna(nn.Module):
         self.device = resolve_device(device, local_rank)
         self.schedule_name = config.schedule
 
-    def _slice(self, model: nn.Module, shared_weights: list, cutpoints: str | None) -> None:
-        """This stage's module, its tied weights, and the groups that keep replicas and tied copies in step."""
+    def _slice(self, model: nn.Module, shared_weights: list, cutpoints: str | None, values: Values | None) -> None:
+        """This stage's module (allocated and loaded here if built on meta), its tied weights, and the groups that
+        keep replicas and tied copies in step."""
         self.weight_groups = weight_groups(model, shared_weights)  # checkpoint names: any layout
         self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, shared_weights)
         self.stage_module = StageModule(model, self.structure, self.partition, self.stage, self.ties, self.device,
-                                        placeholders="real" if cutpoints == "auto" else "meta")
+                                        placeholders="real" if cutpoints == "auto" else "meta", values=values)
+        if values is not None and values.weights is not None:
+            load_stage_weights(model, values.weights, self.weight_groups)
         self.module = model
         self.groups = build_groups(self.topology, self.ties, self.stage, self.replica, self.world_size, self.timeout)
         self._tied = tie_params(model, self.ties, self.stage)
         sync_initial_state(self.stage_module, model, self.groups, self._tied, self.topology, self.stage,
                            self.replica, self.world_size)
 
-    def _communicate(self, bucket_mb: float, seed: int | None) -> None:
-        """Gradient buckets and their sync, the agreed seed and run id, the loss scaler, the step counter."""
+    def _communicate(self, bucket_mb: float) -> None:
+        """Gradient buckets and their sync, the loss scaler, the step counter."""
         self.grad_buffer = GradBuffer([p for _, p in self.stage_module.param_names], int(bucket_mb * 2**20))
         self._grad_sync = GradSync(self.groups, self._tied, self.grad_buffer, timeout=self.timeout, rank=self.rank,
                                    stage=self.stage)
         self._norm_params = norm_params(self.grad_buffer, self.ties, self._tied, self.stage)
-        self.seed, self.run_id = agree_identity(seed, self.world_size)
         self.scaler = LossScaler(device=self.device) if self.precision == "fp16" else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.iteration = 0

@@ -6,11 +6,13 @@ Run options (all optional except schedule/optimizer/batch/chunk): model (a class
 example, or "hf-gpt2", "hf-bert", "hf-llama" from tests.hf_models with cutpoints="auto"), n_layer, dropout, steps, partition, validate, precision, clip, declare_shared, bad_seq,
 stall_rank/stall_seconds, inject_inf {rank, step}, die {rank, step}, evaluate (batch size of an evaluation),
 unseeded (no torch.manual_seed and no seed= for Varuna), varuna_seed, fail_copy {rank} (that rank's background
-checkpoint copy fails with ENOSPC).
+checkpoint copy fails with ENOSPC), meta (build under meta_init: each rank allocates and initialises its stage),
+weights (a path for Varuna(weights=...)).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +25,7 @@ import torch
 
 from tests import models
 from tests.models import SHARED, batch
-from varuna_core import Varuna
+from varuna_core import Varuna, meta_init
 from varuna_core.errors import VarunaError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,24 +50,30 @@ def gpt_setup(run: dict):
     return model, SHARED_WEIGHTS, lambda n, seed: ds.get_batch("train", n, 32, torch.Generator().manual_seed(seed))
 
 
-def run_one(run: dict, spec: dict) -> dict:
-    if not run.get("unseeded"):  # unseeded: torch.initial_seed() is a random 64-bit value, as in a user's script
-        torch.manual_seed(run.get("seed", 0))
-    cutpoints, loss_reduction = None, "mean"
+def build_model(run: dict):
+    """(model, shared weights, step -> batch, cutpoints, loss reduction, initialiser for a meta build)."""
     if run.get("model") == "GPT":
         model, shared, make_batch = gpt_setup(run)
-    elif str(run.get("model", "")).startswith("hf-"):
+        return model, shared, make_batch, None, "mean", type(model).init_module
+    if str(run.get("model", "")).startswith("hf-"):
         from tests import hf_models
 
         name = run["model"][3:]
         model = hf_models.build(name, dropout=run.get("dropout", 0.0))
-        shared, cutpoints = None, "auto"
-        loss_reduction = "sum" if name == "llama" else "mean"
         make_batch = lambda n, seed: hf_models.batch(name, n, seed)  # noqa: E731
-    else:
-        model_cls = getattr(models, run.get("model", "ToyLM"))
-        model = model_cls(n_layer=run.get("n_layer", 4), dropout=run.get("dropout", 0.0))
-        shared, make_batch = SHARED, batch
+        return model, None, make_batch, "auto", "sum" if name == "llama" else "mean", None
+    model_cls = getattr(models, run.get("model", "ToyLM"))
+    model = model_cls(n_layer=run.get("n_layer", 4), dropout=run.get("dropout", 0.0))
+    return model, SHARED, batch, None, "mean", models.init_toy
+
+
+def run_one(run: dict, spec: dict) -> dict:
+    if not run.get("unseeded"):  # unseeded: torch.initial_seed() is a random 64-bit value, as in a user's script
+        torch.manual_seed(run.get("seed", 0))
+    with meta_init() if run.get("meta") else contextlib.nullcontext():
+        model, shared, make_batch, cutpoints, loss_reduction, init = build_model(run)
+    if not run.get("meta"):
+        init = None
     batch_dims = None
     if run.get("model") == "SeqFirstLM":
         make_batch, batch_dims = models.seq_first_batch, {"idx": 1, "targets": 1}
@@ -76,7 +84,7 @@ def run_one(run: dict, spec: dict) -> dict:
                 timeout=spec.get("timeout", 60), precision=run.get("precision"),
                 seed=None if run.get("unseeded") else run.get("varuna_seed", 1234),
                 input_batch_dims=batch_dims, plan=run.get("plan"), trace=run.get("trace"), trace_step=1,
-                cutpoints=cutpoints, loss_reduction=loss_reduction)
+                cutpoints=cutpoints, loss_reduction=loss_reduction, init=init, weights=run.get("weights"))
     opt = make_optimizer(run["optimizer"], vm.parameters())
     vm.set_optimizer(opt, init_loss_scale=run.get("init_loss_scale", 2**20))
     losses, norms, overflows, scales = [], [], [], []

@@ -39,6 +39,7 @@ from ..errors import ConfigError, CutPointError
 from .cutpoint import CutPoint, find_cutpoints
 from .payload import ProbeMismatch, ValueSpec, spec_from_probes
 from .precision import autocast
+from .touch import Values, on_touch, reads_values
 
 __all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "extract_loss"]
 
@@ -46,17 +47,6 @@ log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int], dict]
 FORMAT_VERSION = 1
-
-# Tensor properties that read metadata only: touching them is not a use of the parameter's values.
-_META_PROPERTIES = frozenset(
-    "shape dtype device requires_grad is_leaf grad_fn ndim layout names is_cuda is_meta is_sparse "
-    "is_quantized itemsize nbytes _version grad is_mkldnn is_nested".split()
-)
-_META_METHODS = frozenset(
-    "size dim numel stride is_floating_point is_contiguous element_size data_ptr __len__ __hash__ "
-    "is_complex nelement ndimension get_device __format__ __repr__ storage_offset".split()
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class ModuleCall:
@@ -242,13 +232,7 @@ class _UseMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name == "__get__":
-            prop = getattr(getattr(func, "__self__", None), "__name__", "")
-            skip = prop in _META_PROPERTIES
-        else:
-            skip = name in _META_METHODS
-        if not skip:
+        if reads_values(func):
             for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor) and id(leaf) in self.tracked:
                     self.uses.setdefault(id(leaf), set()).add(self.recorder.segment)
@@ -343,11 +327,13 @@ def discover(
     *,
     use_cache: bool = True,
     precision: str = "fp32",
+    values: Values | None = None,
 ) -> Structure:
     """Run the model at 1 and 2 examples and describe its cuts, module calls and parameter uses.
 
     ``precision`` runs the dry run under the same autocast as training, so the dtypes recorded at the cuts
-    are those the stages will exchange.
+    are those the stages will exchange. A model built on ``meta`` runs with the values ``values`` gives its
+    tensors, made as each op reads them (:func:`~varuna_core.model.touch.on_touch`): never the whole model at once.
 
     Raises:
         CutPointError: no cutpoints; a cutpoint called twice; a cut value with no batched tensor (tensors
@@ -365,8 +351,11 @@ def discover(
 
     slots = _slots(model)
     mode = _UseMode(None, {id(t): t for _, t, _ in slots})  # type: ignore[arg-type]
-    rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
-    rec_2, _ = _run(model, cuts, inputs_2, None, precision)
+    if values is None and _has_meta_tensors(slots):
+        values = Values(seed=0)  # any values show the structure; the stages get theirs from their own seed
+    with on_touch(model, values):
+        rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
+        rec_2, _ = _run(model, cuts, inputs_2, None, precision)
     _check_loss(out_1)
     _check_cut_order(cuts, rec_1, rec_2)
     cut_specs = _cut_specs(rec_1, rec_2)
@@ -479,6 +468,10 @@ def _tensor_uses(slots: list[tuple[str, torch.Tensor, bool]], mode: _UseMode,
             segments = {c.segment_start for c in module_calls.get(owner, ())} or {0}
         (param_uses if is_param else buffer_uses)[name] = tuple(sorted(segments))
     return param_uses, buffer_uses
+
+
+def _has_meta_tensors(slots: list[tuple[str, torch.Tensor, bool]]) -> bool:
+    return any(t.is_meta for _, t, _ in slots)
 
 
 def _slots(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:

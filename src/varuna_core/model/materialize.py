@@ -34,7 +34,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..util import checks
 
-__all__ = ["materialize", "meta_init"]
+__all__ = ["materialize", "meta_init", "has_meta", "ValuePlan", "value_plan", "owner_values"]
 
 Init = Callable[[nn.Module], Any]
 Selection = Callable[[str], bool] | Collection[str] | None
@@ -163,6 +163,84 @@ def materialize(model: nn.Module, *, seed: int, init: Init | None = None, device
         if id(old) in wanted:
             getattr(m, kind)[key] = made[id(old)]
     return model
+
+
+def has_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on ``meta``."""
+    return any(t.is_meta for t in model.parameters()) or any(b.is_meta for b in model.buffers())
+
+
+class ValuePlan:
+    """What :func:`owner_values` needs to make the values of a meta model's tensors one owner at a time (see
+    :mod:`varuna_core.model.touch`), computed once per model.
+
+    ``tracked``: ids of every meta tensor in the model; ``aliases`` (slot name -> canonical slot name) make a
+    tensor take another's value (declared tied weights, where the canonical value wins as on the stages)."""
+
+    def __init__(self, model: nn.Module, seed: int, init: Init | None, device: torch.device,
+                 aliases: dict[str, str] | None = None) -> None:
+        self.model, self.seed, self.init, self.device = model, seed, init, device
+        self.named = list(model.named_modules())
+        self.module_name = {id(m): n for n, m in self.named}
+        self.all_modules = dict(model.named_modules(remove_duplicate=False))
+        _, self.owners = _meta_slots(self.named)
+        slot_tensor: dict[str, torch.Tensor] = {}
+        self.names: dict[int, list[str]] = {}
+        for prefix, m in self.all_modules.items():
+            for kind in ("_parameters", "_buffers"):
+                for key, t in getattr(m, kind).items():
+                    if t is not None:
+                        name = f"{prefix}.{key}" if prefix else key
+                        slot_tensor[name] = t
+                        if t.is_meta:
+                            self.names.setdefault(id(t), []).append(name)
+        self.redirect: dict[int, torch.Tensor] = {}
+        for name, canonical in (aliases or {}).items():
+            t, c = slot_tensor.get(name), slot_tensor.get(canonical)
+            if t is not None and c is not None and t is not c and t.is_meta:
+                self.redirect[id(t)] = c
+                if c.is_meta:
+                    self.names.setdefault(id(c), []).append(name)
+        self.tracked = set(self.owners) | set(self.redirect)
+
+    def resolve(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor whose value ``tensor`` takes (itself unless aliased)."""
+        return self.redirect.get(id(tensor), tensor)
+
+
+def value_plan(model: nn.Module, seed: int, init: Init | None, device: Any,
+               aliases: dict[str, str] | None = None) -> ValuePlan:
+    """A :class:`ValuePlan` for ``model`` (arguments checked as :func:`materialize` checks them)."""
+    seed = checks.integer("seed", seed, low=0, high=_SEED_MAX)
+    if init is not None and not callable(init):
+        raise ConfigError(f"init must be a callable init(module), got {type(init).__name__} {init!r}")
+    return ValuePlan(model, seed, init, torch.device(device), aliases)
+
+
+def owner_values(plan: ValuePlan, owner: nn.Module, source: Any = None) -> dict[int, torch.Tensor]:
+    """Fresh values for every meta tensor ``owner`` holds first: ``{id(meta tensor): value}``, bit-identical to
+    what :func:`materialize` gives them, then overwritten by ``source``'s tensors (a
+    :class:`~varuna_core.model.weights.WeightSource`) under any of their names. The model is left unchanged."""
+    name = plan.module_name[id(owner)]
+    with _forked_rng(plan.device), torch.no_grad(), torch.autocast(plan.device.type, enabled=False):
+        made = _init_owner(plan.model, plan.all_modules, name, owner, plan.owners, plan.seed, plan.init,
+                           plan.device)
+        if source is not None:
+            for key, value in made.items():
+                _overwrite(value, plan.names.get(key, []), source)
+    return made
+
+
+def _overwrite(value: torch.Tensor, names: list[str], source: Any) -> None:
+    """Copy ``source``'s tensor under the first of ``names`` it holds into ``value`` (shapes checked)."""
+    name = next((n for n in names if n in source), None)
+    if name is None:
+        return
+    shape = source.shape(name)
+    if tuple(shape) != tuple(value.shape):
+        raise ConfigError(f"{name!r} has shape {list(shape)} in {source.shard_of(name)}, but the model has "
+                          f"{list(value.shape)}", hint="is it the right model or config?")
+    value.copy_(source.read(name))
 
 
 def _select(model: nn.Module, modules: Selection) -> set[int]:

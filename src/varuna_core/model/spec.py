@@ -31,6 +31,9 @@ class ModelSpec:
         name: a label for reports (default: the reference it was loaded from).
         cutpoints: ``"auto"`` for a model without ``CutPoint``s (a cut in front of every block of its longest
             ``nn.ModuleList``, as ``Varuna(..., cutpoints="auto")`` does).
+        init: for a model built on meta, ``init(module)`` initialises a module's own tensors (as
+            ``Varuna(init=...)``; default: ``reset_parameters()`` or a Hugging Face model's ``_init_weights``).
+            Profiling then allocates one segment at a time.
     """
 
     build: Callable[[], Any]
@@ -39,12 +42,15 @@ class ModelSpec:
     optimizer: Callable[[Any], Any] | None = None
     name: str = ""
     cutpoints: str | None = None
+    init: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.build):
             raise ConfigError(f"ModelSpec.build must be callable, got {type(self.build).__name__}")
         if not callable(self.batch):
             raise ConfigError(f"ModelSpec.batch must be callable, got {type(self.batch).__name__}")
+        if self.init is not None and not callable(self.init):
+            raise ConfigError(f"ModelSpec.init must be callable, got {type(self.init).__name__}")
         if self.cutpoints not in (None, "auto"):
             raise ConfigError(f"ModelSpec.cutpoints must be 'auto' or None, got {self.cutpoints!r}")
 

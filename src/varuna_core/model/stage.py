@@ -29,7 +29,9 @@ from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
 from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
+from .materialize import materialize
 from .rng import preserve_rng, seed_segment, segment_seed
+from .touch import Values
 
 __all__ = ["TieSet", "find_tie_sets", "StageModule"]
 
@@ -144,6 +146,10 @@ class StageModule:
         placeholders: ``"meta"`` (default: a value that leaks past a cut fails loudly, naming the cut) or
             ``"real"`` (NaN-filled tensors on ``device``: code before the incoming cut may inspect values, as
             Hugging Face's mask builders do; leaks are then caught by validation, see ``Varuna(validate=...)``).
+        values: how this stage's tensors that are still on ``meta`` (a model built on meta) get their values:
+            the modules holding them are materialised on ``device`` (:func:`.materialize`, layout-independent
+            values from ``values.seed`` and ``values.init``); nothing else of the model is allocated. Pretrained
+            ``values.weights`` are loaded by the caller once the stage is sliced (one read per tensor).
     """
 
     def __init__(
@@ -155,8 +161,10 @@ class StageModule:
         ties: list[TieSet],
         device: torch.device,
         placeholders: str = "meta",
+        values: Values | None = None,
     ) -> None:
         self.model = model
+        self.values = values
         self.placeholder_device = torch.device("meta") if placeholders == "meta" else device
         self.structure = structure
         self.stage = stage
@@ -188,19 +196,31 @@ class StageModule:
         parameters as (name, parameter), deduplicated, each under the name it has in this stage's code."""
         model, structure = self.model, self.structure
         tie_of = {name: tie for tie in self.ties for name in tie.names}
-        slot_objects = dict(model.named_parameters(remove_duplicate=False))
         keep: set[str] = set()
-        for name in slot_objects:
+        for name, _ in model.named_parameters(remove_duplicate=False):
             tie = tie_of.get(name)
             if tie is not None:
                 if self.stage in tie.stages:
                     keep.add(name)
             elif self._owns(structure.param_uses.get(name, (0,))):
                 keep.add(name)
+        modules = dict(model.named_modules(remove_duplicate=False))
+        param_free = {name for name, m in modules.items() if not any(True for _ in m.parameters())}
+        needed_buffers: set[str] = set()
+        for module_name, module in modules.items():
+            for bname, buf in module._buffers.items():
+                full = f"{module_name}.{bname}" if module_name else bname
+                runs_here = module_name in param_free and any(
+                    c.segment_start < self.stop_segment for c in structure.module_calls.get(module_name, ())
+                )
+                if buf is not None and (runs_here or self._owns(structure.buffer_uses.get(full, (0,)))):
+                    needed_buffers.add(full)
+        canonicals = {tie_of[name].canonical for name in keep if name in tie_of}
+        self._materialize(keep | canonicals | needed_buffers)
+        slot_objects = dict(model.named_parameters(remove_duplicate=False))
         # One object per tie set on this stage, valued as the canonical slot.
         canonical_obj = {tie.canonical: slot_objects[tie.canonical] for tie in self.ties}
         moved: dict[int, nn.Parameter] = {}
-        modules = dict(model.named_modules(remove_duplicate=False))
         for module_name, module in modules.items():
             for pname, param in list(module._parameters.items()):
                 if param is None:
@@ -213,17 +233,11 @@ class StageModule:
                     data = source.detach().to(target_device)
                     moved[key] = nn.Parameter(data, requires_grad=source.requires_grad)
                 module._parameters[pname] = moved[key]
-        param_free = {name for name, m in modules.items() if not any(True for _ in m.parameters())}
         for module_name, module in modules.items():
             for bname, buf in list(module._buffers.items()):
-                if buf is None:
-                    continue
-                full = f"{module_name}.{bname}" if module_name else bname
-                runs_here = module_name in param_free and any(
-                    c.segment_start < self.stop_segment for c in structure.module_calls.get(module_name, ())
-                )
-                needed = runs_here or self._owns(structure.buffer_uses.get(full, (0,)))
-                module._buffers[bname] = buf.to(self.device if needed else "meta")
+                if buf is not None:
+                    full = f"{module_name}.{bname}" if module_name else bname
+                    module._buffers[bname] = buf.to(self.device if full in needed_buffers else "meta")
         names: list[tuple[str, nn.Parameter]] = []
         seen: dict[int, int] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -236,6 +250,19 @@ class StageModule:
             elif here and not self._owns(structure.param_uses.get(names[seen[id(param)]][0], (0,))):
                 names[seen[id(param)]] = (name, param)  # prefer the name used by this stage's code
         return names
+
+    def _materialize(self, names: set[str]) -> None:
+        """Give real values to the tensors of ``names`` that are on meta (their modules', on ``device``)."""
+        tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        tensors.update(self.model.named_buffers(remove_duplicate=False))
+        on_meta = sorted(n for n in names if n in tensors and tensors[n].is_meta)
+        if not on_meta:
+            return
+        if self.values is None:
+            raise ConfigError(f"stage {self.stage} holds {on_meta[0]!r}, which is on the meta device, and no values "
+                              f"were given for it", hint="pass seed= (and init=) for a model built on meta")
+        materialize(self.model, seed=self.values.seed, init=self.values.init, device=self.device,
+                    modules={n.rpartition(".")[0] for n in on_meta})
 
     def _install_hooks(self) -> None:
         for index, cut in enumerate(self._cuts):

@@ -34,7 +34,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -390,14 +390,17 @@ def _check_extras(model: nn.Module, source: WeightSource, groups: dict[int, _Gro
                                "or pass strict=False")
 
 
-def _pick(source: WeightSource, group: _Group) -> str | None:
-    """The name to read ``group`` under: one in an already open shard if any, else the first the source has."""
-    present = [n for n in group.names if n in source]
+def _pick(source: WeightSource, group: _Group, also: Mapping[str, Collection[str]]) -> str | None:
+    """The name to read ``group`` under: one in an already open shard if any, else the first the source has
+    (its own names first, then those ``also`` gives them)."""
+    names = list(group.names) + [a for n in group.names for a in also.get(n, ()) if a not in group.names]
+    present = [n for n in names if n in source]
     return next((n for n in present if source.is_open(n)), present[0] if present else None)
 
 
 def load_into(model: nn.Module, source: WeightSource, *, names: Collection[str] | None = None,
-              strict: bool = True, ignore: str | Iterable[str] = ()) -> LoadReport:
+              strict: bool = True, ignore: str | Iterable[str] = (),
+              also: Mapping[str, Collection[str]] | None = None) -> LoadReport:
     """Copy pretrained tensors from ``source`` into ``model``'s own tensors, in place, one at a time.
 
     The model's tensors must be real already (allocated by :func:`.materialize` or built normally): loading
@@ -411,6 +414,8 @@ def load_into(model: nn.Module, source: WeightSource, *, names: Collection[str] 
             it still counts as a model name). Ignored when ``names`` is given (a stage sees part of the source).
         ignore: regular expression(s) (``re.search``) of source names allowed to match nothing, e.g. GPT-2's
             ``attn.masked_bias``.
+        also: per model name, other names its value may be read under (a declared tied weight whose copies are
+            distinct tensors, as on a pipeline stage that holds one of them: the source may hold the other).
 
     Returns:
         A :class:`LoadReport`.
@@ -429,7 +434,7 @@ def load_into(model: nn.Module, source: WeightSource, *, names: Collection[str] 
         _check_extras(model, source, groups, patterns, report)
     plan = []  # checked from the headers first: a missing name or a wrong shape leaves the model untouched
     for group in _selected(model, groups, names):
-        name = _pick(source, group)
+        name = _pick(source, group, also or {})
         if name is None:
             if not group.is_param:
                 report.missing_buffers.append(group.names[0])
@@ -459,11 +464,12 @@ def _not_in_source(model: nn.Module, source: WeightSource, group: _Group) -> Con
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike, *, names: Collection[str] | None = None,
-                 strict: bool = True, ignore: str | Iterable[str] = ()) -> LoadReport:
+                 strict: bool = True, ignore: str | Iterable[str] = (),
+                 also: Mapping[str, Collection[str]] | None = None) -> LoadReport:
     """Open ``path`` (see :meth:`WeightSource.open`), :func:`load_into` ``model``, and close it again.
 
     Typical use: build under :func:`.meta_init`, :func:`.materialize` the modules a rank holds, then
     ``load_weights(model, path)``: only the real tensors are loaded and only their shards are read.
     """
     with WeightSource.open(path) as source:
-        return load_into(model, source, names=names, strict=strict, ignore=ignore)
+        return load_into(model, source, names=names, strict=strict, ignore=ignore, also=also)

@@ -23,24 +23,26 @@ __all__ = ["reference_run", "check_slicing"]
 
 
 def reference_run(model: nn.Module, dummy_inputs: Any, batch_fn: Callable[[int], dict],
-                  chunk_size: int) -> tuple[dict, list, torch.Tensor]:
-    """The unsliced model's value at each cut and its loss on the dummy inputs (eval mode, no grad)."""
+                  chunk_size: int, values: Any = None) -> tuple[dict, list, torch.Tensor]:
+    """The unsliced model's value at each cut and its loss on the dummy inputs (eval mode, no grad). A model
+    built on meta runs with ``values`` (:class:`~varuna_core.model.touch.Values`), made as each op reads them."""
     from ..model.cutpoint import find_cutpoints
     from ..model.discovery import _quiet_run, extract_loss
+    from ..model.touch import on_touch
 
     inputs = dict(dummy_inputs) if isinstance(dummy_inputs, Mapping) else batch_fn(chunk_size)
-    values: list[Any] = []
+    at_cuts: list[Any] = []
     cuts = find_cutpoints(model)
     for cut in cuts.values():
-        cut.set_hook(lambda c, v: (values.append(torch.utils._pytree.tree_map(
+        cut.set_hook(lambda c, v: (at_cuts.append(torch.utils._pytree.tree_map(
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, v)), v)[1])
     try:
-        with _quiet_run(model):
+        with _quiet_run(model), on_touch(model, values):
             loss = extract_loss(model(**inputs)).detach().clone()
     finally:
         for cut in cuts.values():
             cut.set_hook(None)
-    return inputs, values, loss
+    return inputs, at_cuts, loss
 
 
 def check_slicing(runtime: PipelineRuntime, module: nn.Module, structure: Structure, partition: Partition,

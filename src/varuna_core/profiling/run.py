@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ from ..model.payload import TensorSpec, flatten
 from ..model.precision import autocast, resolve_precision
 from ..model.spec import ModelSpec, load_spec
 from ..model.stage import StageModule, find_tie_sets
+from ..model.touch import Values
 from ..planning.artifacts import (
     CommCurve,
     Environment,
@@ -136,7 +138,7 @@ def _structure(spec: ModelSpec, precision: str) -> Structure:
     model = spec.make()
     batch_fn, dims = make_batch_fn(spec.batch, None)
     _check_batch(spec.batch, dims, 2)
-    return discover(model, batch_fn, dims, precision=precision)
+    return discover(model, batch_fn, dims, precision=precision, values=Values(seed=0, init=spec.init))
 
 
 def _check_batch(batch_fn: Callable[[int], dict], dims: dict, n: int) -> dict:
@@ -186,7 +188,8 @@ class _SegmentBench:
         model = spec.make()
         ties = find_tie_sets(model, structure, partition, list(spec.shared_weights or []))
         self.stage = StageModule(model, structure, partition, segment, ties, device,
-                                 placeholders="real" if spec.cutpoints == "auto" else "meta")
+                                 placeholders="real" if spec.cutpoints == "auto" else "meta",
+                                 values=Values(seed=0, init=spec.init))  # used if built on meta
         self.model = model
         self.structure = structure
         self.segment = segment
@@ -223,10 +226,11 @@ class _SegmentBench:
         hooks = contextlib.nullcontext()
         if saved is not None:
             seen: set[tuple[int, int]] = set()
+            static = self.static_storages()
 
             def pack(t: torch.Tensor):
                 key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                if key not in seen and not isinstance(t, torch.nn.Parameter) and t.device.type != "meta":
+                if key not in seen and t.device.type != "meta" and key[0] not in static:
                     seen.add(key)
                     saved[0] += t.untyped_storage().nbytes()
                 return t
@@ -235,6 +239,14 @@ class _SegmentBench:
         with torch.set_grad_enabled(grad), autocast(self.precision, self.device), hooks:
             out = self.stage.forward(inputs, value, n)
         return out
+
+    def static_storages(self) -> set[int]:
+        """Where the model's real parameters and buffers live. Autograd saves views of them (a ``Linear`` on a
+        3-D input saves its transposed weight, a split bias saves the pieces), which are not ``Parameter``
+        objects; counted as activations, the weights of a segment would be charged once more for every
+        micro-batch a schedule keeps, while they exist once, in the static bytes."""
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        return {t.untyped_storage().data_ptr() for t in tensors if t.device.type != "meta"}
 
     def output_grads(self, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The output leaves to back-propagate from and random gradients for them (made outside the timing)."""
