@@ -121,8 +121,11 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying: the very same Parameter object
 
+        # GPT-2 style: the projections that write into the residual stream start smaller.
+        for name, module in self.named_modules():
+            if name.endswith("c_proj"):
+                module.init_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         self.apply(self._init_weights)
-        # GPT-2 style: scale the init of the projections that write into the residual stream.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
@@ -135,6 +138,24 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @staticmethod
+    def init_module(module: nn.Module) -> None:
+        """Initialise ``module``'s own tensors with the distributions ``__init__`` uses, for a model built on
+        meta (``with varuna_core.meta_init(): GPT(cfg)``): ``Varuna(..., init=GPT.init_module)`` or
+        ``varuna_core.materialize(model, seed=..., init=GPT.init_module)`` call it on each module whose tensors
+        a process holds, each from its own seeded stream, so the values do not depend on the pipeline layout
+        (they differ from a CPU-built model's, which draws all of them from one stream in order)."""
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=getattr(module, "init_std", 0.02))
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        elif isinstance(module, CausalSelfAttention) and module.qv_bias is not None:
+            nn.init.zeros_(module.qv_bias)
 
     def num_parameters(self) -> int:
         """Number of distinct parameters (the tied embedding counted once)."""

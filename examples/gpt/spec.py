@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import CharDataset  # noqa: E402
 from model import GPT, SHARED_WEIGHTS, GPTConfig  # noqa: E402
 
-from varuna_core import ModelSpec  # noqa: E402
+from varuna_core import ModelSpec, meta_init  # noqa: E402
 
 BLOCK_SIZE = 64
 _data = CharDataset.load()
@@ -20,8 +20,9 @@ CONFIG = GPTConfig(vocab_size=_data.vocab_size, block_size=BLOCK_SIZE, n_layer=4
 
 
 def build() -> GPT:
-    torch.manual_seed(0)
-    return GPT(CONFIG)
+    """The GPT with its parameters on the meta device: profiling allocates one segment at a time."""
+    with meta_init():
+        return GPT(CONFIG)
 
 
 def batch(n: int) -> dict:
@@ -29,4 +30,4 @@ def batch(n: int) -> dict:
     return _data.get_batch("train", n, BLOCK_SIZE, torch.Generator().manual_seed(n))
 
 
-spec = ModelSpec(build=build, batch=batch, shared_weights=SHARED_WEIGHTS, name="examples/gpt")
+spec = ModelSpec(build=build, batch=batch, shared_weights=SHARED_WEIGHTS, name="examples/gpt", init=GPT.init_module)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # model.py and data.py
 from data import CharDataset  # noqa: E402
 from model import GPT, SHARED_WEIGHTS, GPTConfig  # noqa: E402
 
-from varuna_core import Varuna  # noqa: E402
+from varuna_core import Varuna, meta_init  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,6 +44,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--build", choices=["meta", "cpu"], default="meta",
+                   help="meta: build without memory, each rank allocates and initialises only its stage (values "
+                        "independent of the layout); cpu: build the whole model on every rank first")
+    p.add_argument("--weights", default=None,
+                   help="start from these values: a .safetensors file or the output of `varuna ckpt merge`")
     p.add_argument("--data", default=None, help="text file to train on (default: the shipped data/input.txt)")
     p.add_argument("--ckpt-dir", default=os.environ.get("VARUNA_CKPT_DIR"),
                    help="checkpoint store for a final checkpoint (default: $VARUNA_CKPT_DIR, set by varuna launch)")
@@ -68,13 +73,18 @@ def main() -> None:
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=ds.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd, dropout=args.dropout)
-    model = GPT(cfg)
+    if args.build == "meta":
+        with meta_init():  # parameters on the meta device: no memory until Varuna allocates this rank's stage
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
     n_params = model.num_parameters()
     dummy_inputs = ds.get_batch("train", 2, args.block_size, torch.Generator().manual_seed(args.seed))
 
     model = Varuna(model, stage_to_rank_map, dummy_inputs=dummy_inputs, batch_size=args.batch_size,
                    chunk_size=None if args.plan else args.chunk_size, shared_weights=SHARED_WEIGHTS,
-                   schedule=args.schedule,
+                   schedule=args.schedule, seed=args.seed,
+                   init=GPT.init_module if args.build == "meta" else None, weights=args.weights,
                    plan=args.plan)
     # Created after wrapping: each rank only holds (and optimizes) its own stage's parameters. Under
     # `varuna launch` after a restart or a morph, set_optimizer also restores the checkpoint to resume from.
