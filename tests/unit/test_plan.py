@@ -27,14 +27,17 @@ def _segs(costs, static=0):
                  grad_bytes=static) for c in costs]
 
 
-def _direct_memory(segs, start, stop, *, held, graphs, recvs):
+def _direct_memory(segs, start, stop, *, held, graphs, recvs, num_mb, recompute):
     """The memory model written out with plain sums (the planner uses prefix sums): an independent reference.
-    ``recvs``: the stage's receive windows (activations, gradients)."""
+    ``recvs``: the stage's receive windows (activations, gradients). The runtime keeps every send of a step until
+    it ends, so each of the ``num_mb`` micro-batches keeps one input-sized buffer (posted, stashed or its gradient
+    sent back) and one output (sent), next to the posted gradient receives and a recompute's outputs."""
     static = sum(s.static_bytes for s in segs[start:stop])
     saved = sum(s.saved_bytes for s in segs[start:stop])
     input_bytes = segs[start - 1].output_bytes if start > 0 else 0.0
     output_bytes = segs[stop - 1].output_bytes if stop < len(segs) else 0.0
-    return static + graphs * saved + held * input_bytes + recvs[0] * input_bytes + recvs[1] * output_bytes
+    outputs = num_mb + recvs[1] + (graphs if recompute else 0)
+    return static + graphs * saved + num_mb * input_bytes + outputs * output_bytes
 
 
 def _windows(counts):
@@ -55,21 +58,25 @@ def test_the_planners_prefix_sums_equal_the_memory_model_summed_directly() -> No
         prefix = _Prefix(segs)
         a = rng.randrange(n)
         b = rng.randint(a + 1, n)
-        held, graphs, headroom = rng.randint(0, 8), rng.randint(0, 8), rng.random()
-        recvs = (rng.randint(0, 8), rng.randint(0, 8))
-        want = _direct_memory(segs, a, b, held=held, graphs=graphs, recvs=recvs) * (1 + headroom)
-        got = prefix.memory(a, b, held=held, graphs=graphs, recvs=recvs, headroom=headroom)
+        num_mb, recompute, headroom = rng.randint(1, 16), rng.random() < 0.5, rng.random()
+        held, graphs = rng.randint(0, num_mb), rng.randint(0, num_mb)
+        recvs = (rng.randint(0, num_mb), rng.randint(0, num_mb))
+        want = _direct_memory(segs, a, b, held=held, graphs=graphs, recvs=recvs, num_mb=num_mb,
+                              recompute=recompute) * (1 + headroom)
+        got = prefix.memory(a, b, held=held, graphs=graphs, recvs=recvs, headroom=headroom, num_mb=num_mb,
+                            recompute=recompute)
         assert got == pytest.approx(want, rel=1e-12)
 
 
-def _brute(segs, pp, recompute, counts, limit):
+def _brute(segs, pp, recompute, counts, limit, num_mb):
     n = len(segs)
     best = None
     for cuts in itertools.combinations(range(1, n), pp - 1):
         bounds = (0, *cuts, n)
         ranges = list(zip(bounds, bounds[1:]))
         if limit is not None and any(
-                _direct_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], recvs=_windows(counts)[s]) > limit
+                _direct_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], recvs=_windows(counts)[s],
+                               num_mb=num_mb, recompute=recompute[s]) > limit
                 for s, (a, b) in enumerate(ranges)):
             continue
         worst = max(sum((x.forward + x.recompute + x.backward) if recompute[s] else (x.recompute + x.backward)
@@ -87,9 +94,10 @@ def test_partition_is_optimal_like_brute_force(seed) -> None:
     recompute = [rng.random() < 0.5 and s < pp - 1 for s in range(pp)]
     counts = [(rng.randint(1, 4), 1) for _ in range(pp)]
     limit = rng.choice([None, 400, 800, 1500])
+    num_mb = rng.randint(4, 8)
     part = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts, limit=limit,
-                                  headroom=0.0)
-    expected = _brute(segs, pp, recompute, counts, limit)
+                                  headroom=0.0, num_mb=num_mb)
+    expected = _brute(segs, pp, recompute, counts, limit, num_mb)
     if expected is None:
         assert part is None
         return

@@ -8,7 +8,8 @@ For every candidate (pp, dp = ⌊gpus / pp⌋, a profiled micro-batch size, a sc
    with a stage's segment set);
 2. predicts each stage's memory (:mod:`varuna_core.planning.memory`): parameters, gradients and optimizer state,
    the activations autograd saves for every graph the schedule keeps alive, the stashed inputs of every
-   micro-batch in flight, the receive buffers the runtime keeps posted (its receive windows), and headroom;
+   micro-batch in flight, the receive buffers the runtime keeps posted (its receive windows), the values it
+   sent and keeps until the step ends, and headroom;
 3. simulates the exact schedule the runtime would execute (:mod:`varuna_core.planning.simulate`, which chooses
    the C++ simulator when built) with point-to-point times from the profile's network fits (intra- or inter-node
    depending on where neighbouring stages are placed) and the data-parallel all-reduce of each stage's gradients.
@@ -146,19 +147,36 @@ class _Prefix:
         table = self.full if recompute else self.plain
         return table[b] - table[a]
 
-    def memory(self, a: int, b: int, *, held: int, graphs: int, recvs: tuple[int, int], headroom: float) -> float:
+    def memory(self, a: int, b: int, *, held: int, graphs: int, recvs: tuple[int, int], headroom: float,
+               num_mb: int, recompute: bool) -> float:
         """Peak bytes of a stage running segments ``[a, b)`` (the memory model, :mod:`.memory`); ``recvs``: its
-        receive windows (activations, gradients), :func:`~varuna_core.ir.inflight.receive_windows`."""
+        receive windows (activations, gradients), :func:`~varuna_core.ir.inflight.receive_windows`; ``num_mb``:
+        micro-batches per step; ``recompute``: whether the stage recomputes."""
         segs = self.segs
         return stage_bytes(static=self.static[b] - self.static[a], saved=self.saved[b] - self.saved[a],
                            input_bytes=segs[a - 1].output_bytes if a > 0 else 0.0,
                            output_bytes=segs[b - 1].output_bytes if b < len(segs) else 0.0,
-                           held=held, graphs=graphs, act_recvs=recvs[0], grad_recvs=recvs[1], headroom=headroom)
+                           held=held, graphs=graphs, act_recvs=recvs[0], grad_recvs=recvs[1], headroom=headroom,
+                           microbatches=num_mb, kept_sends=_kept_sends(num_mb), recompute=recompute)
+
+    def stage_memory(self, a: int, b: int, s: int, *, counts: Sequence[tuple[int, int]],
+                     windows: Sequence[tuple[int, int]], recompute: Sequence[bool], num_mb: int,
+                     headroom: float) -> float:
+        """:meth:`memory` of stage ``s`` of a schedule with these in-flight ``counts``, receive ``windows`` and
+        ``recompute`` stages."""
+        return self.memory(a, b, held=counts[s][0], graphs=counts[s][1], recvs=windows[s], headroom=headroom,
+                           num_mb=num_mb, recompute=recompute[s])
+
+
+def _kept_sends(num_mb: int) -> int:
+    """Sent values the runtime keeps allocated per direction: every one of the step's ``num_mb`` (it waits for
+    its sends when the step's actions are done; [Note: kept sends] in :mod:`.memory`)."""
+    return num_mb
 
 
 def partition_under_memory(
     segs: Sequence[_Seg], pp: int, *, recompute_stages: Sequence[bool], counts: Sequence[tuple[int, int]],
-    limit: int | None, headroom: float, prefix: _Prefix | None = None,
+    limit: int | None, headroom: float, num_mb: int, prefix: _Prefix | None = None,
 ) -> Partition | None:
     """Contiguous partition into ``pp`` stages minimising the slowest stage's compute, each stage within
     ``limit`` bytes; ``None`` if no partition fits.
@@ -182,8 +200,8 @@ def partition_under_memory(
             last_allowed = n - (pp - s - 1)
             b = bisect.bisect_right(table, table[a] + bound * (1 + 1e-12), a + 1, last_allowed + 1) - 1
             if limit is not None:
-                held, graphs = counts[s]
-                while b > a and pre.memory(a, b, held=held, graphs=graphs, recvs=windows[s], headroom=headroom) > limit:
+                while b > a and pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute_stages,
+                                                 num_mb=num_mb, headroom=headroom) > limit:
                     b -= 1
             if b <= a:
                 return None
@@ -316,7 +334,8 @@ class _Tables:
             self._allreduce[key] = _allreduce_time(self.profile, nbytes, d, inter)
         return self._allreduce[key]
 
-    def partition(self, pp: int, mbs: int, recompute: list[bool], counts, req: PlanRequest) -> Partition | None:
+    def partition(self, pp: int, mbs: int, recompute: list[bool], counts, num_mb: int,
+                  req: PlanRequest) -> Partition | None:
         """The time-optimal partition ignoring memory is shared by every schedule with the same recompute
         pattern; only when it does not fit is the memory-constrained search run for this schedule."""
         key = (pp, mbs, tuple(recompute))
@@ -324,16 +343,16 @@ class _Tables:
         if free is None:
             free = self._free[key] = partition_under_memory(
                 self.segs(mbs), pp, recompute_stages=recompute, counts=counts, limit=None,
-                headroom=req.headroom, prefix=self.prefix(mbs))
+                headroom=req.headroom, num_mb=num_mb, prefix=self.prefix(mbs))
         if free is None or req.gpu_memory is None:
             return free
         pre = self.prefix(mbs)
         windows = receive_windows([held for held, _ in counts])
-        if all(pre.memory(a, b, held=counts[s][0], graphs=counts[s][1], recvs=windows[s], headroom=req.headroom)
-               <= req.gpu_memory for s, (a, b) in enumerate(free.ranges)):
+        if all(pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute, num_mb=num_mb,
+                                headroom=req.headroom) <= req.gpu_memory for s, (a, b) in enumerate(free.ranges)):
             return free
         return partition_under_memory(self.segs(mbs), pp, recompute_stages=recompute, counts=counts,
-                                      limit=req.gpu_memory, headroom=req.headroom, prefix=pre)
+                                      limit=req.gpu_memory, headroom=req.headroom, num_mb=num_mb, prefix=pre)
 
 
 def _stage_times(pre: _Prefix, a: int, b: int, recompute: bool) -> tuple[float, float, float]:
@@ -355,16 +374,17 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
     segs = tables.segs(mbs)
     counts = inflight_counts(schedule, pp, num_mb)
     recompute = list(recompute_stages(schedule, pp))
-    part = tables.partition(pp, mbs, recompute, counts, req)
+    part = tables.partition(pp, mbs, recompute, counts, num_mb, req)
     if part is None:
         if pp > len(segs):
             return None, None
         pre = tables.prefix(mbs)
         free = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts,
-                                      limit=None, headroom=req.headroom, prefix=pre)
+                                      limit=None, headroom=req.headroom, num_mb=num_mb, prefix=pre)
         windows = receive_windows([held for held, _ in counts])
-        need = max(int(pre.memory(a, b, held=counts[s][0], graphs=counts[s][1], recvs=windows[s],
-                                  headroom=req.headroom)) for s, (a, b) in enumerate(free.ranges))
+        need = max(int(pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute,
+                                        num_mb=num_mb, headroom=req.headroom))
+                   for s, (a, b) in enumerate(free.ranges))
         return None, need
     boundary, dp_inter = _crossings(pp, dp, req.gpus_per_node or req.gpus)
     pre, pre_last = tables.prefix(mbs), tables.prefix(last)
@@ -398,8 +418,8 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
         # after its last action a stage all-reduces its gradients, then steps its optimizer
         c.costs.append(StageCosts(f, r, bw, send_act, send_grad, allreduce + c.optimizer[-1], fl, rl, bl,
                                   send_act_l, send_grad_l))
-        c.memory.append(int(pre.memory(a, b, held=c.counts[s][0], graphs=c.counts[s][1], recvs=windows[s],
-                                       headroom=req.headroom)))
+        c.memory.append(int(pre.stage_memory(a, b, s, counts=c.counts, windows=windows, recompute=c.recompute,
+                                             num_mb=c.num_mb, headroom=req.headroom)))
     sim = simulate_generated(c.schedule, c.pp, c.num_mb, c.costs, max_concurrent_sends=req.max_concurrent_sends)
     # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
     step = sim.step_time + tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))

@@ -1,0 +1,92 @@
+"""The planner's memory model against what the runtime allocates (``benchmarks/memory_model.py`` measures it):
+the profile's saved activations leave the weights out, and a stage is charged for the values the runtime keeps
+until the end of a step ([Note: kept sends] in ``varuna_core.planning.memory``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.profiles import make_profile
+from varuna_core import CutPoint, ModelSpec
+from varuna_core.ir.inflight import receive_windows
+from varuna_core.planning.memory import stage_bytes
+from varuna_core.planning.planner import PlanRequest, plan_for
+from varuna_core.planning.simulate import inflight_counts
+from varuna_core.profiling.run import profile
+
+HIDDEN, LENGTH = 256, 2
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VARUNA_CACHE_DIR", str(tmp_path / "cache"))
+
+
+class _Linears(nn.Module):
+    """Two big Linears on small 3-D activations, a cut between them: autograd saves each one's transposed weight
+    (a view of the parameter, not a ``Parameter``) and its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(HIDDEN, HIDDEN)
+        self.cut = CutPoint()
+        self.second = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.second(self.cut(self.first(x))) - y) ** 2).mean()
+
+
+def _batch(n: int) -> dict:
+    g = torch.Generator().manual_seed(n)
+    return {"x": torch.randn(n, LENGTH, HIDDEN, generator=g), "y": torch.randn(n, LENGTH, HIDDEN, generator=g)}
+
+
+def test_saved_activations_leave_the_weights_out() -> None:
+    """Counted as activations, views of the weights would be charged once per graph a schedule keeps."""
+    result = profile(ModelSpec(build=_Linears, batch=_batch, name="linears"), microbatch_sizes=[1, 2], repeats=1,
+                     warmup=0)
+    activation = LENGTH * HIDDEN * 4  # one example's [LENGTH, HIDDEN] in fp32
+    for m in result.segments[0].measures:  # saves its input x
+        assert m.saved_bytes == m.microbatch_size * activation
+    for m in result.segments[1].measures:  # saves its input (the cut) and the difference squared
+        assert m.saved_bytes == 2 * m.microbatch_size * activation
+
+
+def _middle_stage_memory(schedule: str, batch: int) -> int:
+    """Predicted bytes (no headroom) of the middle stage of 3, micro-batches of 2 examples."""
+    prof = make_profile([0.001] * 6, param_bytes=10**6, saved_per_example=10**5, out_per_example=10**4)
+    plan = plan_for(prof, PlanRequest(gpus=3, batch_size=batch, headroom=0.0), pp=3, dp=1, microbatch_size=2,
+                    schedule=schedule)
+    assert plan.partition == [(0, 2), (2, 4), (4, 6)]
+    return plan.stages[1].memory_bytes
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "varuna"])
+def test_every_microbatch_of_a_step_costs_its_input_and_output(schedule: str) -> None:
+    """The runtime waits for its sends when a step's actions are done, and a send holds its tensor: each more
+    micro-batch keeps one more output sent forward and one more gradient sent back, though the schedule holds no
+    more micro-batches at once."""
+    grown = _middle_stage_memory(schedule, 64) - _middle_stage_memory(schedule, 32)
+    assert grown == 16 * (2 * 10**4 + 2 * 10**4)  # 16 more micro-batches × (input + output) of 2 examples
+
+
+def test_gpipe_counts_each_microbatchs_input_once() -> None:
+    """A received activation is first a posted buffer, then the stashed input, then its gradient is sent back:
+    one buffer per micro-batch, not a window of posted buffers on top of every stashed one."""
+    m = 16
+    (held, graphs), = inflight_counts("gpipe", 3, m)[1:2]
+    act, grad = receive_windows([h for h, _ in inflight_counts("gpipe", 3, m)])[1]
+    assert (held, act, grad) == (m, m, m)
+    inputs = stage_bytes(static=0.0, saved=0.0, input_bytes=1.0, output_bytes=0.0, held=held, graphs=graphs,
+                         act_recvs=act, grad_recvs=grad, headroom=0.0, microbatches=m, kept_sends=m)
+    assert inputs == m
+
+
+def test_a_recompute_keeps_its_own_outputs() -> None:
+    """The output of a recompute is a new tensor kept until its backward; a forward's output is the one it sent."""
+    terms = {"static": 0.0, "saved": 0.0, "input_bytes": 0.0, "output_bytes": 1.0, "held": 3, "graphs": 1,
+             "act_recvs": 3, "grad_recvs": 3, "headroom": 0.0, "microbatches": 8, "kept_sends": 8}
+    assert stage_bytes(**terms, recompute=True) == 8 + 3 + 1
+    assert stage_bytes(**terms, recompute=False) == 8 + 3
