@@ -18,7 +18,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo bench bench-sim bench-ckpt bench-morph bench-chaos clean distclean
+.PHONY: help setup test demo bench bench-memory bench-sim bench-ckpt bench-morph bench-chaos clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [DEMO_ARGS=...]"
@@ -72,6 +72,12 @@ demo: setup ## profile -> plan -> launch -> verify -> merge -> sample, the examp
 # between network namespaces (see benchmarks/README.md).
 bench: setup ## compare our pipeline step time with torch pipelining and DeepSpeed (BENCH_ARGS="--network slow")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/pipeline_vs_peers.py --install-deepspeed $(BENCH_ARGS)
+
+# Peak memory per rank at start-up and during training (pp=4, a 1.2 GB GPT) of ours built on CPU, on meta and from
+# weights per stage, DeepSpeed's PipelineModule of LayerSpecs and torch pipelining with a meta-built stage; then the
+# largest model each trains under a per-rank cap (cgroup v2 memory.max, else measured peaks; see benchmarks/README.md).
+bench-memory: setup ## memory per rank at start-up/training and the largest model under a cap, ours vs peers (BENCH_ARGS="--quick")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py --install-deepspeed $(BENCH_ARGS)
 
 # The planner's predicted step time vs measured runs: a sleep model on up to 8 local processes, and the example GPT (see benchmarks/README.md).
 bench-sim: setup ## compare the planner's predicted step time with measured runs (BENCH_ARGS="--quick")
