@@ -39,8 +39,8 @@ message arrives, as it is allocated on a GPU) and ``MKL_DISABLE_FAST_MM=1`` (MKL
 buffers in a pool of its own, as PyTorch's CUDA caching allocator keeps blocks that ``max_memory_allocated`` does
 not count). ``--malloc default`` measures under the libraries' defaults instead: what ``top`` shows a user.
 
-    python benchmarks/memory_model.py            # 24 configurations (about 5 minutes on a 2-core machine)
-    python benchmarks/memory_model.py --quick    # 6 configurations (about 1.5 minutes)
+    python benchmarks/memory_model.py            # 24 configurations (about 4 minutes on an idle 2-core machine)
+    python benchmarks/memory_model.py --quick    # 6 configurations (about 1 minute)
     python benchmarks/memory_model.py --json     # one JSON document on stdout instead of the table
 
 Progress goes to stderr. Exit code 0 when every run succeeded (whether or not the criterion was met; the last
