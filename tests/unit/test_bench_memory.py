@@ -233,7 +233,8 @@ def test_judge_measured_cap(bench, tmp_path):
     fits = bench._judge(ok, outs, [], bench.MeasuredCap(1200, "test"))
     assert not fits.over_cap and not fits.error and fits.peak_mb == 1100
     over = bench._judge(ok, outs, [], bench.MeasuredCap(1000, "test"))
-    assert over.over_cap and "1100" in over.detail
+    assert over.over_cap and "1100" in over.detail and over.phase == "training"
+    assert bench._judge(ok, outs, [], bench.MeasuredCap(500, "test")).phase == "start-up"  # 550 at start-up
     no_cap = bench._judge(ok, outs, [], None)
     assert not no_cap.over_cap
 
@@ -243,7 +244,7 @@ def test_judge_over_cap_and_errors(bench, tmp_path):
     failed = JobOutcome(returncodes=[bench.OVER_CAP_EXIT, -9], failed=(0, bench.OVER_CAP_EXIT))
     Path(f"{outs[0]}.overcap").write_text('{"rss_mb": 1234.5, "cap_mb": 1000, "phase": "training"}')
     run = bench._judge(failed, outs, [], bench.MeasuredCap(1000, "test"))
-    assert run.over_cap and not run.error and "training" in run.detail
+    assert run.over_cap and not run.error and run.phase == "training"
     Path(f"{outs[0]}.overcap").unlink()
     outs[0].write_text('{"rank": 0, "startup_pe')  # killed while writing: no result, not a crash of the launcher
     assert bench._judge(JobOutcome(returncodes=[-9, -9], failed=(1, -9)), outs, [], None).error
@@ -256,6 +257,14 @@ def test_judge_over_cap_and_errors(bench, tmp_path):
     outs[1].unlink()
     timeout = bench._judge(JobOutcome(returncodes=[-9, -9], timed_out=True, timeout=5), outs, [], None)
     assert timeout.error and "timed out" in timeout.error
+
+
+def test_probe_text(bench):
+    base = {"n_layer": 44, "error": None, "peak_mb": 940.2, "fits": True, "phase": None}
+    assert bench._probe_text(base) == "44: fits 940"
+    assert bench._probe_text(dict(base, fits=False, phase="start-up")) == "44: over in start-up"
+    assert bench._probe_text(dict(base, fits=False)) == "44: over"
+    assert bench._probe_text(dict(base, fits=False, error="boom")) == "44: error"
 
 
 def test_md_table(bench):
