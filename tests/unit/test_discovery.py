@@ -155,3 +155,41 @@ def test_shared_weights_names_are_checked() -> None:
     assert [t.stages for t in auto] == [(0, 1)]
     with pytest.raises(ConfigError, match="not a parameter of the model"):
         find_tie_sets(model, s, part, [("emb.weight", "lm_head.weight")])
+
+
+def test_a_cut_carrying_an_object_is_named() -> None:
+    class Note:
+        pass
+
+    class ObjectCut(ToyLM):
+        def forward(self, idx, targets):
+            x = self.emb(idx).transpose(0, 1)
+            x, _ = self.cuts[0]((x, Note()))
+            return self.head(self.ln_f(x)).sum()
+
+    with pytest.raises(CutPointError, match="CutPoint 'cuts.0' carries a Note, which cannot cross a cut") as info:
+        _discover(ObjectCut(n_layer=1), use_cache=False)
+    assert info.value.hint
+
+
+def test_dry_run_keeps_no_activation_alive() -> None:
+    """The recorder keeps shapes, not values: the first dry run's module outputs are freed before the second."""
+    import weakref
+
+    alive: list[weakref.ref] = []
+    kept_at_second_run: list[int] = []
+
+    class Watched(ToyLM):
+        def __init__(self) -> None:
+            super().__init__(n_layer=4)
+            for block in self.blocks:
+                block.register_forward_hook(lambda m, a, out: alive.append(weakref.ref(out)))
+
+        def forward(self, idx, targets):
+            if alive:  # the run at 2 examples
+                kept_at_second_run.append(sum(ref() is not None for ref in alive))
+            return super().forward(idx, targets)
+
+    s = _discover(Watched(), use_cache=False)
+    assert kept_at_second_run == [0] and len(alive) == 8  # 4 blocks at 1 and at 2 examples
+    assert s.module_calls["blocks.1"][0].output.tensor_leaves[0][1].batch_dims == (1,)

@@ -101,6 +101,17 @@ def test_gradients_accumulate_across_steps_without_zero_grad() -> None:
     assert all(float(p.grad.abs().sum()) == 0 for p in vm.parameters())
 
 
+def test_gradient_buffer_is_allocated_at_the_first_step_not_at_start_up() -> None:
+    vm = _wrap()
+    assert vm.grad_buffer.flats == [] and all(p.grad is None for p in vm.parameters())
+    vm.zero_grad()  # before any step: nothing to zero, nothing allocated
+    assert vm.grad_buffer.flats == [] and all(p.grad is None for p in vm.parameters())
+    vm.step(batch(8, seed=1))
+    total = sum(p.numel() for p in vm.parameters())
+    assert sum(f.numel() for f in vm.grad_buffer.flats) == total
+    assert all(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in vm.parameters())
+
+
 def test_replica_slice_and_names() -> None:
     vm = _wrap()
     assert vm.replica_range == (0, 8)

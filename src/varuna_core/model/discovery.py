@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from ..env import CACHE_DIR
 from ..errors import ConfigError, CutPointError
 from .cutpoint import CutPoint, find_cutpoints
-from .payload import ProbeMismatch, ValueSpec, spec_from_probes
+from .payload import CONST_TYPES, ProbeMismatch, ValueSpec, spec_from_probes
 from .precision import autocast
 from .touch import Values, on_touch, reads_values
 
@@ -269,7 +269,7 @@ class _Recorder:
         def hook(module, args, output):
             for call in reversed(self.calls[name]):
                 if call[1] is None:
-                    call[1], call[2] = self.segment, output
+                    call[1], call[2] = self.segment, _shadow(output)
                     break
 
         return hook
@@ -281,7 +281,7 @@ class _Recorder:
                 hint="call each CutPoint exactly once per forward; create one CutPoint per boundary",
             )
         self.cut_order.append(cut.cut_name)
-        self.cut_values.append(value)
+        self.cut_values.append(_shadow(value))
         self.segment += 1
         return value
 
@@ -290,6 +290,42 @@ class _Recorder:
             handle.remove()
         for cut in self._cuts.values():
             cut.set_hook(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opaque:
+    """Stands in for a recorded value that cannot be flattened (its spec is then ``None``; at a cut, an error)."""
+
+    type_name: str
+    error: str
+
+
+def _shadow(value: Any) -> Any:
+    """``value`` with each tensor replaced by a ``meta`` tensor of its shape and dtype, and any other leaf that is
+    not a constant by an :class:`_Opaque`: all that the specs read.
+
+    Recording the values themselves kept every module's output of both dry runs alive until the end (at a
+    sequence of 1024, each block's attention scores: hundreds of MB on a model of 25 MB)."""
+    try:
+        leaves, spec = torch.utils._pytree.tree_flatten(value)
+    except Exception as exc:  # noqa: BLE001 - any container pytree cannot take: undescribable, said later
+        return _Opaque(type(value).__name__, str(exc))
+
+    def shadow(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return torch.empty(leaf.shape, dtype=leaf.dtype, device="meta")
+        if isinstance(leaf, CONST_TYPES):
+            return leaf
+        return _Opaque(type(leaf).__name__, "neither a tensor nor a constant")
+
+    with torch._C.DisableTorchFunction():
+        return torch.utils._pytree.tree_unflatten([shadow(leaf) for leaf in leaves], spec)
+
+
+def _first_opaque(value: Any) -> _Opaque | None:
+    if isinstance(value, _Opaque):
+        return value
+    return next((x for x in torch.utils._pytree.tree_leaves(value) if isinstance(x, _Opaque)), None)
 
 
 @contextlib.contextmanager
@@ -353,6 +389,8 @@ def discover(
     mode = _UseMode(None, {id(t): t for _, t, _ in slots})  # type: ignore[arg-type]
     if values is None and _has_meta_tensors(slots):
         values = Values(seed=0)  # any values show the structure; the stages get theirs from their own seed
+    elif values is not None and values.weights is not None:
+        values = dataclasses.replace(values, weights=None)  # initial values show it too, without reading the file
     with on_touch(model, values):
         rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
         rec_2, _ = _run(model, cuts, inputs_2, None, precision)
@@ -419,6 +457,10 @@ def _cut_specs(rec_1: _Recorder, rec_2: _Recorder) -> tuple[ValueSpec, ...]:
     """What crosses each cut, from its values at 1 and 2 examples; at least one tensor must be batched."""
     cut_specs = []
     for name, v1, v2 in zip(rec_1.cut_order, rec_1.cut_values, rec_2.cut_values):
+        opaque = _first_opaque(v1)
+        if opaque is not None:
+            raise CutPointError(f"CutPoint {name!r} carries a {opaque.type_name}, which cannot cross a cut: "
+                                f"{opaque.error}", hint="a cut may carry a tensor or a tuple/list/dict of tensors")
         try:
             spec = spec_from_probes(v1, v2)
         except ProbeMismatch as exc:

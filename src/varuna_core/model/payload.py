@@ -25,7 +25,7 @@ __all__ = [
     "dtype_from_str",
 ]
 
-_CONST_TYPES = (type(None), bool, int, float, str)
+CONST_TYPES = (type(None), bool, int, float, str)
 
 
 def dtype_from_str(name: str) -> torch.dtype:
@@ -166,7 +166,7 @@ def spec_from_probes(value_1: Any, value_2: Any) -> ValueSpec:
                         f"dim {d} of a tensor is {s1} with 1 example and {s2} with 2 (expected equal or doubled)"
                     )
             out.append(TensorSpec(tuple(a.shape), tuple(batch_dims), str(a.dtype)))
-        elif isinstance(a, _CONST_TYPES) and a == b:
+        elif isinstance(a, CONST_TYPES) and a == b:
             out.append({"const": a})
         else:
             raise ProbeMismatch(f"leaf of type {type(a).__name__} is neither a tensor nor a constant")

@@ -36,6 +36,14 @@ class GradBuffer:
         self.bucket_bytes = bucket_bytes
         self.flats: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.flats) or not self.params
+
+    def _allocate(self) -> None:
+        """The flat buffers, at the first backward rather than at start-up: the peers allocate gradients then
+        too, and a stage's gradients are as large as its parameters, which start-up memory must not hold twice."""
         by_kind: dict[tuple, list[nn.Parameter]] = {}
         for p in self.params:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
@@ -51,6 +59,8 @@ class GradBuffer:
 
     def attach(self) -> None:
         """Make every ``param.grad`` a view of the flat buffer, keeping any gradient already accumulated."""
+        if not self.allocated:
+            self._allocate()
         for p, view in zip(self.params, self.views):
             grad = p.grad
             if grad is None:
@@ -61,6 +71,10 @@ class GradBuffer:
                 p.grad = view
 
     def zero(self) -> None:
+        if not self.allocated:  # nothing accumulated into the buffer yet
+            for p in self.params:
+                p.grad = None
+            return
         for flat in self.flats:
             flat.zero_()
         for p, view in zip(self.params, self.views):
