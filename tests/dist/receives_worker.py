@@ -1,6 +1,7 @@
 """Worker for ``tests/dist/test_receives.py``: trains ``ToyLM`` under ``Varuna`` with many micro-batches per
-schedule and saves, per step, the runtime's peak of posted and unconsumed receives (``runtime.max_posted``),
-the IR's count for this stage, the losses and the final parameters."""
+schedule and saves, per step, the runtime's peak of posted and unconsumed receives (``runtime.max_posted``) and
+of sent values not yet waited for (``runtime.max_unwaited``), the IR's counts for this stage, the losses and the
+final parameters."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from tests.dist.worker import main, make_optimizer
 from tests.models import SHARED, ToyLM, batch
 from varuna_core import Varuna
-from varuna_core.ir.inflight import posted_receives
+from varuna_core.ir.inflight import posted_receives, unwaited_sends
 from varuna_core.ir.schedule import generate
 
 
@@ -21,8 +22,9 @@ def run_one(run: dict, spec: dict) -> dict:
     opt = make_optimizer(run["optimizer"], vm.parameters())
     vm.set_optimizer(opt)
     num_mb = -(-run["batch"] // run["chunk"])
-    want = posted_receives(generate(run["schedule"], vm.topology.pp, num_mb))[vm.stage]
-    losses, peaks = [], []
+    sched = generate(run["schedule"], vm.topology.pp, num_mb)
+    want, want_sends = posted_receives(sched)[vm.stage], unwaited_sends(sched)[vm.stage]
+    losses, peaks, unwaited = [], [], []
     for step in range(run["steps"]):
         loss, overflow = vm.step(vm.replica_slice(batch(run["batch"], seed=100 + step)))
         assert not overflow
@@ -30,9 +32,12 @@ def run_one(run: dict, spec: dict) -> dict:
         opt.zero_grad()
         losses.append(loss)
         peaks.append(list(vm.runtime.max_posted))
+        unwaited.append(list(vm.runtime.max_unwaited))
     vm.evaluate(batch(run["batch"], seed=999))
     return {"losses": torch.tensor(losses, dtype=torch.float64), "peaks": torch.tensor(peaks),
             "want": torch.tensor(want), "eval_peak": torch.tensor(vm.runtime.max_posted),
+            "unwaited": torch.tensor(unwaited), "want_sends": torch.tensor(want_sends),
+            "eval_unwaited": torch.tensor(vm.runtime.max_unwaited),
             "params": {n: p.detach().clone() for n, p in vm.named_parameters()}, "stage": vm.stage}
 
 

@@ -1,6 +1,7 @@
 """The planner's memory model against what the runtime allocates (``benchmarks/memory_model.py`` measures it):
-the profile's saved activations leave the weights out, and a stage is charged for the values the runtime keeps
-until the end of a step ([Note: kept sends] in ``varuna_core.planning.memory``)."""
+the profile's saved activations leave the weights out, and a stage is charged for the sent values the runtime
+keeps unwaited: the receiving neighbour's window, not the step's micro-batches ([Note: unwaited sends] in
+``varuna_core.ir.inflight``)."""
 
 from __future__ import annotations
 
@@ -64,12 +65,16 @@ def _middle_stage_memory(schedule: str, batch: int) -> int:
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "varuna"])
-def test_every_microbatch_of_a_step_costs_its_input_and_output(schedule: str) -> None:
-    """The runtime waits for its sends when a step's actions are done, and a send holds its tensor: each more
-    micro-batch keeps one more output sent forward and one more gradient sent back, though the schedule holds no
-    more micro-batches at once."""
-    grown = _middle_stage_memory(schedule, 64) - _middle_stage_memory(schedule, 32)
-    assert grown == 16 * (2 * 10**4 + 2 * 10**4)  # 16 more micro-batches × (input + output) of 2 examples
+def test_more_microbatches_cost_no_memory_where_the_schedule_holds_no_more(schedule: str) -> None:
+    """The runtime waits for its oldest send before exceeding the receiver's window, so sent values no longer
+    pile up until the step ends: 32 or 64 micro-batches need the same memory."""
+    assert _middle_stage_memory(schedule, 64) == _middle_stage_memory(schedule, 32)
+
+
+def test_gpipe_memory_grows_with_the_microbatches_it_holds() -> None:
+    grown = _middle_stage_memory("gpipe", 64) - _middle_stage_memory("gpipe", 32)
+    # 16 more micro-batches held: each its graph (2 segments x 2 examples), input and outputs (gradient receive + sent)
+    assert grown == 16 * (2 * 2 * 10**5 + 2 * 10**4 + 2 * 2 * 10**4)
 
 
 def test_gpipe_counts_each_microbatchs_input_once() -> None:
@@ -80,13 +85,14 @@ def test_gpipe_counts_each_microbatchs_input_once() -> None:
     act, grad = receive_windows([h for h, _ in inflight_counts("gpipe", 3, m)])[1]
     assert (held, act, grad) == (m, m, m)
     inputs = stage_bytes(static=0.0, saved=0.0, input_bytes=1.0, output_bytes=0.0, held=held, graphs=graphs,
-                         act_recvs=act, grad_recvs=grad, headroom=0.0, microbatches=m, kept_sends=m)
+                         act_recvs=act, grad_recvs=grad, headroom=0.0, microbatches=m)
     assert inputs == m
 
 
 def test_a_recompute_keeps_its_own_outputs() -> None:
-    """The output of a recompute is a new tensor kept until its backward; a forward's output is the one it sent."""
-    terms = {"static": 0.0, "saved": 0.0, "input_bytes": 0.0, "output_bytes": 1.0, "held": 3, "graphs": 1,
-             "act_recvs": 3, "grad_recvs": 3, "headroom": 0.0, "microbatches": 8, "kept_sends": 8}
-    assert stage_bytes(**terms, recompute=True) == 8 + 3 + 1
-    assert stage_bytes(**terms, recompute=False) == 8 + 3
+    """The output of a recompute is a new tensor kept until its backward; a forward's output is the one it sent,
+    so a stage without recompute never holds more outputs than the step's values it sent."""
+    terms = {"static": 0.0, "saved": 0.0, "input_bytes": 0.0, "output_bytes": 1.0, "held": 3, "graphs": 2,
+             "act_recvs": 3, "grad_recvs": 3, "headroom": 0.0, "microbatches": 4}
+    assert stage_bytes(**terms, recompute=True) == 3 + 3 + 2  # posted receives, unwaited sends, the recomputes'
+    assert stage_bytes(**terms, recompute=False) == 3 + 4  # posted receives, the 4 values sent

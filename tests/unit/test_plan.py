@@ -29,15 +29,19 @@ def _segs(costs, static=0):
 
 def _direct_memory(segs, start, stop, *, held, graphs, recvs, num_mb, recompute):
     """The memory model written out with plain sums (the planner uses prefix sums): an independent reference.
-    ``recvs``: the stage's receive windows (activations, gradients). The runtime keeps every send of a step until
-    it ends, so each of the ``num_mb`` micro-batches keeps one input-sized buffer (posted, stashed or its gradient
-    sent back) and one output (sent), next to the posted gradient receives and a recompute's outputs."""
+    ``recvs``: the stage's receive windows (activations, gradients). Per direction the runtime keeps a window of
+    posted receives and as many sent values unwaited (the neighbour's window, which equals it), so the input-sized
+    buffers are the posted receives, the stashed inputs and the unwaited gradients sent back, and the output-sized
+    ones the posted gradient receives, the unwaited sent outputs and the graphs' outputs (a recompute's are new
+    tensors, a forward's are among the values sent); neither exceeds one per micro-batch of the step."""
     static = sum(s.static_bytes for s in segs[start:stop])
     saved = sum(s.saved_bytes for s in segs[start:stop])
     input_bytes = segs[start - 1].output_bytes if start > 0 else 0.0
     output_bytes = segs[stop - 1].output_bytes if stop < len(segs) else 0.0
-    outputs = num_mb + recvs[1] + (graphs if recompute else 0)
-    return static + graphs * saved + num_mb * input_bytes + outputs * output_bytes
+    inputs = min(num_mb, recvs[0] + held + recvs[0])
+    sent = min(num_mb, recvs[1]) + graphs if recompute else min(num_mb, recvs[1] + graphs)
+    outputs = recvs[1] + sent
+    return static + graphs * saved + inputs * input_bytes + outputs * output_bytes
 
 
 def _windows(counts):

@@ -32,13 +32,22 @@ with ``held`` the peak of :func:`inflight`. For ``gpipe`` that is ``M`` (no savi
 every activation before it runs one), for ``1f1b`` ``S-s+1`` and ``S-s``, for ``varuna`` the held peaks of its
 order (a few micro-batches, independent of ``M`` once ``M`` exceeds them). A stage whose neighbour runs the same
 direction in another order (a hand-written schedule) gets a window of all its consumers: the old behaviour.
+
+[Note: unwaited sends]
+A send's work handle holds its tensor until it is waited for, and gloo cannot tell whether a send has completed
+without waiting (``is_completed()`` stays false until ``wait()``, and a wait that times out closes the
+connection). So a stage waits for its oldest send of a direction before posting one more than the receiving
+neighbour's window in that direction (:func:`unwaited_sends`). That wait does not block: more than ``W`` values
+sent means the oldest has been consumed (at most ``W`` are sent and unconsumed, and the receiver consumes them in
+the order they were sent), so it has arrived. Sent values stay allocated for at most ``W`` micro-batches per
+direction, not the whole step's ``M``; the memory model charges exactly that.
 """
 
 from __future__ import annotations
 
 from .schedule import Op, Schedule, generate
 
-__all__ = ["inflight", "inflight_named", "posted_receives", "receive_windows"]
+__all__ = ["inflight", "inflight_named", "posted_receives", "receive_windows", "unwaited_sends"]
 
 
 def inflight(schedule: Schedule) -> list[tuple[int, int]]:
@@ -108,3 +117,11 @@ def posted_receives(schedule: Schedule) -> list[tuple[int, int]]:
             grad = num[s][1]
         out.append((min(act, num[s][0]) if s > 0 else 0, min(grad, num[s][1]) if s < schedule.num_stages - 1 else 0))
     return out
+
+
+def unwaited_sends(schedule: Schedule) -> list[tuple[int, int]]:
+    """Per stage ``(activation sends, gradient sends)`` the runtime keeps unwaited: the window of the neighbour
+    that receives them ([Note: unwaited sends]); 0 where there is no such neighbour."""
+    windows = posted_receives(schedule)
+    last = schedule.num_stages - 1
+    return [(windows[s + 1][0] if s < last else 0, windows[s - 1][1] if s > 0 else 0) for s in range(last + 1)]

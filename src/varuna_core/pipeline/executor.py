@@ -8,9 +8,11 @@ receives of the first ``W`` consumers (forwards for activations, backwards for g
 order), then the ``(k+W)``-th when the ``k``-th consumer starts, so at most ``W`` buffers per direction are
 posted and unconsumed (:func:`~varuna_core.ir.inflight.posted_receives`, the count the planner's memory model
 charges; ``max_posted`` reports the peak of the last run). ``W`` covers every message a neighbour can have sent
-ahead, so no transfer waits for its receive to be posted (gloo delivers only into a posted receive; a send never
-blocks the sender, which waits for its sends only when it finishes). Sends are posted as soon as a value exists,
-and nothing creates threads. A run is three steps: post the first receives, run the actions, finish (wait for
+ahead, so no transfer waits for its receive to be posted (gloo delivers only into a posted receive). Sends are
+posted as soon as a value exists; a stage keeps at most the receiver's window of them unwaited per direction
+(:func:`~varuna_core.ir.inflight.unwaited_sends`), waiting for the oldest, which has arrived by then ([Note:
+unwaited sends]), before posting one more, so sent values do not pile up until the step ends. Nothing creates
+threads. A run is three steps: post the first receives, run the actions, finish (wait for
 the sends). Whoever wants to know how long the actions took (traces, benchmarks) attaches an observer
 (:mod:`varuna_core.pipeline.tracing`).
 
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..ir.inflight import inflight, posted_receives
+from ..ir.inflight import inflight, posted_receives, unwaited_sends
 from ..ir.schedule import Action, Op, Schedule, generate, validate
 from ..ir.topology import Topology
 from ..model.payload import flatten, unflatten
@@ -80,7 +82,9 @@ class _Step:
     grads: dict[int, p2p.Pending] = dataclasses.field(default_factory=dict)  # posted, unconsumed gradient receives
     posted: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # receives posted so far per direction
     peak: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # most posted and unconsumed per direction
-    sends: list[Any] = dataclasses.field(default_factory=list)
+    send_caps: tuple[int, int] = (0, 0)  # unwaited sends kept per direction: [Note: unwaited sends]
+    sends: tuple[list, list] = dataclasses.field(default_factory=lambda: ([], []))  # per direction: works per value
+    kept: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # most unwaited sent values per direction
     held: int = 0  # micro-batches forwarded and not yet backwarded
     busy: float = 0.0  # seconds inside actions
 
@@ -126,7 +130,9 @@ class PipelineRuntime:
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._caps: dict[int, int] = {}  # per micro-batch count: the static peak of held micro-batches
         self._windows: dict[int, tuple[int, int]] = {}  # per micro-batch count: this stage's receive windows
+        self._send_caps: dict[int, tuple[int, int]] = {}  # per micro-batch count: unwaited sends per direction
         self.max_posted = (0, 0)  # the last run's peak of posted, unconsumed receives (activations, gradients)
+        self.max_unwaited = (0, 0)  # the last run's peak of sent values not yet waited for (activations, gradients)
         self.observers: list[ActionObserver] = list(observers)
         self.compute_time = 0.0  # seconds of the last run() spent in this rank's own work (not waiting for peers)
         self._waited = 0.0  # seconds of this run spent waiting for peers' messages
@@ -161,6 +167,7 @@ class PipelineRuntime:
             self._schedules[key] = sched
             self._caps[num_microbatches] = inflight(sched)[self.stage_index][0]
             self._windows[num_microbatches] = posted_receives(sched)[self.stage_index]
+            self._send_caps[num_microbatches] = unwaited_sends(sched)[self.stage_index]
         return sched
 
     # ------------------------------------------------------------------------------------------------------
@@ -200,6 +207,7 @@ class PipelineRuntime:
             self._run_actions(step)
         finally:
             self.max_posted = (step.peak[0], step.peak[1])
+            self.max_unwaited = (step.kept[0], step.kept[1])
         return self._finish(step, started)
 
     # ------------------------------------------------------------------------------------------------------
@@ -223,7 +231,7 @@ class PipelineRuntime:
             microbatches=microbatches, sizes=sizes, weights=weights, train=train, rng=rng, rng_ids=rng_ids,
             loss_scale=loss_scale, capture=capture, actions=actions, recompute=recompute,
             cap=self._caps[num] if train and recompute else 0,
-            windows=self._windows[num], order=order,
+            windows=self._windows[num], send_caps=self._send_caps[num], order=order,
             state={mb: _MicroState() for mb in range(num)},
             loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
         )
@@ -295,10 +303,29 @@ class PipelineRuntime:
             for observer in self.observers:
                 observer.on_action(timing)
 
-    def _finish(self, step: _Step, started: float) -> torch.Tensor:
-        """Wait for this stage's sends to complete; tell the observers the run ended."""
-        p2p.wait_all(step.sends, timeout=self.timeout, peer=None,
+    def _send(self, step: _Step, tensors: list[torch.Tensor], kind: int, mb: int) -> None:
+        """Post the sends of one value, after waiting for the oldest of ``kind`` if the cap is reached ([Note:
+        unwaited sends])."""
+        queue = step.sends[kind]
+        if queue and len(queue) >= step.send_caps[kind]:
+            started = time.perf_counter()
+            while queue and len(queue) >= step.send_caps[kind]:
+                self._wait_sends(queue.pop(0))
+            self._waited += time.perf_counter() - started
+        dst = self.next_rank if kind == p2p.ACTIVATION else self.prev_rank
+        queue.append(p2p.send(tensors, dst=dst, mb=mb, kind=kind, group=None))
+        step.kept[kind] = max(step.kept[kind], len(queue))
+
+    def _wait_sends(self, works: list) -> None:
+        p2p.wait_all(works, timeout=self.timeout, peer=None,
                      describe=lambda: f"{self._who()} waiting for its sends to complete")
+
+    def _finish(self, step: _Step, started: float) -> torch.Tensor:
+        """Wait for this stage's remaining sends to complete; tell the observers the run ended."""
+        for queue in step.sends:
+            for works in queue:
+                self._wait_sends(works)
+            queue.clear()
         if self.observers:
             ended = time.perf_counter()
             for observer in self.observers:
@@ -325,8 +352,7 @@ class PipelineRuntime:
             leaves = self._check_out(out, step.sizes[mb])
             if step.capture is not None:
                 step.capture.append([t.detach() for t in leaves])
-            step.sends += p2p.send(p2p.wire_leaves(leaves, self._out), dst=self.next_rank, mb=mb,
-                                   kind=p2p.ACTIVATION, group=None)
+            self._send(step, p2p.wire_leaves(leaves, self._out), p2p.ACTIVATION, mb)
             st.outputs = leaves if keep_graph else None
         if not keep_graph and not step.recompute:
             st.incoming = None
@@ -344,7 +370,7 @@ class PipelineRuntime:
         mb = action.mb
         started, waited_before = time.perf_counter(), self._waited
         pending = self._take(step, p2p.GRADIENT, mb) if self.next_rank is not None else None
-        self._backward(step.state[mb], pending, action, step.sends)
+        self._backward(step, step.state[mb], pending, action)
         self._computed += time.perf_counter() - started - (self._waited - waited_before)
         step.state[mb] = _MicroState()
 
@@ -397,7 +423,7 @@ class PipelineRuntime:
         p2p.check_value(leaves, treespec, self._out, n, cut=self.stage.outgoing_cut, stage=self.stage_index)
         return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
-    def _backward(self, st: _MicroState, pending: p2p.Pending | None, action: Action, sends: list) -> None:
+    def _backward(self, step: _Step, st: _MicroState, pending: p2p.Pending | None, action: Action) -> None:
         if st.outputs is None:
             raise ConfigError(f"schedule error: {action} has no forward graph (missing F or R before it)")
         if pending is None:  # last stage: outputs = [weighted loss]
@@ -419,4 +445,4 @@ class PipelineRuntime:
                 (t.grad if t.grad is not None else torch.zeros_like(t))
                 for t in st.incoming if t.is_floating_point()
             ]
-            sends += p2p.send(back, dst=self.prev_rank, mb=action.mb, kind=p2p.GRADIENT, group=None)
+            self._send(step, back, p2p.GRADIENT, action.mb)

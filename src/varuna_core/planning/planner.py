@@ -157,7 +157,7 @@ class _Prefix:
                            input_bytes=segs[a - 1].output_bytes if a > 0 else 0.0,
                            output_bytes=segs[b - 1].output_bytes if b < len(segs) else 0.0,
                            held=held, graphs=graphs, act_recvs=recvs[0], grad_recvs=recvs[1], headroom=headroom,
-                           microbatches=num_mb, kept_sends=_kept_sends(num_mb), recompute=recompute)
+                           microbatches=num_mb, recompute=recompute)
 
     def stage_memory(self, a: int, b: int, s: int, *, counts: Sequence[tuple[int, int]],
                      windows: Sequence[tuple[int, int]], recompute: Sequence[bool], num_mb: int,
@@ -166,12 +166,6 @@ class _Prefix:
         ``recompute`` stages."""
         return self.memory(a, b, held=counts[s][0], graphs=counts[s][1], recvs=windows[s], headroom=headroom,
                            num_mb=num_mb, recompute=recompute[s])
-
-
-def _kept_sends(num_mb: int) -> int:
-    """Sent values the runtime keeps allocated per direction: every one of the step's ``num_mb`` (it waits for
-    its sends when the step's actions are done; [Note: kept sends] in :mod:`.memory`)."""
-    return num_mb
 
 
 def partition_under_memory(
