@@ -62,6 +62,7 @@ from .pipeline.step import (
 )
 from .pipeline.tracing import ChromeTrace
 from .pipeline.validate import check_slicing, reference_run
+from .util.heap import release_free_memory
 from .worker.excepthook import install_excepthook
 from .worker.supervision import Supervision
 
@@ -174,12 +175,14 @@ class Varuna(nn.Module):
         batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
         self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache,
                                              precision=self.precision, values=values)
+        release_free_memory()  # the dry runs' values and activations, before the stage is allocated
         check_structure(self.structure, self.plan, self.pp)
         self.partition = choose_partition(config.partition, model, self.structure, self.pp)
         if validate is None:
             validate = config.cutpoints == "auto"
         reference = reference_run(model, dummy_inputs, batch_fn, self.chunk_size, values) if validate else None
         self._slice(model, shared, config.cutpoints, values)
+        release_free_memory()  # the other stages' tensors of a model built for real, the validation's run
         schedule = config.schedule
         self.runtime = PipelineRuntime(self.stage_module, self.topology, self.rank, schedule, self.timeout,
                                        self.precision)

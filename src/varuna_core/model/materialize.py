@@ -30,9 +30,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError
 from ..util import checks
+from ..util.heap import release_free_memory
 
 __all__ = ["materialize", "meta_init", "has_meta", "ValuePlan", "value_plan", "owner_values"]
 
@@ -62,6 +64,11 @@ def meta_init() -> Iterator[None]:
     the duration, so a parameter is created where its code creates it and moved to ``meta`` on registration
     (tensors computed before registration, e.g. ``nn.Parameter(torch.randn(n))``, exist briefly).
 
+    While the context is open, initialisers that write only to meta tensors (``nn.init.*_``, ``normal_``,
+    ``uniform_``, ``fill_``, ...) are skipped in the entering thread: on meta they compute nothing, yet a first
+    ``normal_`` on meta imports torch's Python meta kernels (about 800 modules, 67 MB per process), and
+    :func:`materialize` runs the initialisers again where values are real.
+
     Thread safety: the patch is process-wide. Modules that another thread constructs while the context is open
     are built on ``meta`` too. Nesting and entering from several threads is safe (the patch is installed by the
     first entry and removed by the last exit), but build models for real and on meta from different threads at
@@ -81,13 +88,39 @@ def meta_init() -> Iterator[None]:
             nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
         _patch_depth += 1
     try:
-        yield
+        with _SkipMetaWrites():
+            yield
     finally:
         with _patch_lock:
             _patch_depth -= 1
-            if _patch_depth == 0:
+            outermost = _patch_depth == 0
+            if outermost:
                 nn.Module.register_parameter = _saved_register  # type: ignore[method-assign]
                 _saved_register = None
+        if outermost:  # the parameters created before their move to meta are freed, but glibc keeps the pages
+            release_free_memory(collect=False)
+
+
+# In-place writes of values only (no shape, stride or flag changes): on meta tensors they do nothing.
+_VALUE_WRITES = frozenset(
+    "normal_ uniform_ trunc_normal_ constant_ ones_ zeros_ eye_ dirac_ xavier_uniform_ xavier_normal_ "
+    "kaiming_uniform_ kaiming_normal_ orthogonal_ sparse_ fill_ zero_ random_ bernoulli_ exponential_ cauchy_ "
+    "log_normal_ geometric_ erfinv_ clamp_ clamp_min_ clamp_max_ mul_ div_ add_ sub_ copy_ fill_diagonal_ "
+    "masked_fill_ index_fill_ abs_ neg_ sqrt_ exp_ log_ addcmul_ addcdiv_".split()
+)
+
+
+class _SkipMetaWrites(TorchFunctionMode):
+    """Skips the value writes of :data:`_VALUE_WRITES` whose tensor arguments are all on meta (returns the
+    written tensor, as the op would)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _VALUE_WRITES:
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            if tensors and all(t.is_meta for t in tensors):  # the written tensor: first, positional or not
+                return args[0] if args and isinstance(args[0], torch.Tensor) else tensors[0]
+        return func(*args, **kwargs)
 
 
 def _as_meta(param: nn.Parameter) -> nn.Parameter:
@@ -298,7 +331,8 @@ def _init_owner(model: nn.Module, all_modules: dict[str, nn.Module], name: str, 
         getattr(owner, kind)[key] = new
         fresh[key] = (new, new._version)
     try:
-        ran = _run_chain(model, all_modules, name, seed, init, device)
+        with _SkipMetaWrites():  # writes to the other (meta) tensors: nothing to compute
+            ran = _run_chain(model, all_modules, name, seed, init, device)
         out: dict[int, torch.Tensor] = {}
         for kind, key, old in mine:
             new, version = fresh[key]

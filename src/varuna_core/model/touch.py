@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..util.heap import release_free_memory
 from .materialize import Init, has_meta, owner_values, value_plan
 
 __all__ = ["Values", "on_touch", "reads_values", "META_PROPERTIES", "META_METHODS"]
@@ -91,8 +92,10 @@ class _OnTouch(TorchFunctionMode):
             got = owner_values(self.plan, owner, self.source)
             self.touched_owners += 1
             self.cache[id(owner)] = got
-            while len(self.cache) > self.keep:
-                self.cache.popitem(last=False)
+            if len(self.cache) > self.keep:
+                while len(self.cache) > self.keep:
+                    self.cache.popitem(last=False)
+                release_free_memory(collect=False)  # else glibc keeps the evicted values' pages: RSS would grow
         else:
             self.cache.move_to_end(id(owner))
         return got[id(target)]
