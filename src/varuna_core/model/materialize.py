@@ -365,7 +365,8 @@ def _run_chain(model: nn.Module, all_modules: dict[str, nn.Module], name: str, s
 def _allocate(old: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Uninitialised storage like ``old`` on ``device``; floating point filled with NaN so that an entry that
     no initialiser writes is detected, not silently left as garbage."""
-    data = torch.empty_like(old, device=device)
+    # not empty_like: from a meta tensor it runs torch's Python reference (importing sympy, ~40 MB per process)
+    data = torch.empty_strided(old.size(), old.stride(), dtype=old.dtype, device=device)
     if data.is_floating_point() or data.is_complex():
         try:
             data.fill_(math.nan)
@@ -381,8 +382,8 @@ def _written(new: torch.Tensor, version: int, now: torch.Tensor) -> bool:
     if now is not new:
         return now.device.type != "meta"
     if new.is_floating_point() or new.is_complex():
-        try:
-            return not bool(torch.isnan(new).any())
+        try:  # a NaN left makes the sum NaN; only then look element-wise (that needs a mask as large as the tensor)
+            return not bool(torch.isnan(new.sum())) or not bool(torch.isnan(new).any())
         except RuntimeError:
             pass
     return new._version != version
