@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +25,21 @@ class RankResult:
     output: str
     result: dict | None
     error: str | None
+
+
+def train_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, loss_at: Callable[[int], torch.Tensor],
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The reference of every parity test: ``steps`` plain steps of one process (``loss_at(step)`` runs the
+    forward). Returns the losses (float64) and the final parameters under every slot name, tied ones included."""
+    losses = []
+    for step in range(steps):
+        loss = loss_at(step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return torch.tensor(losses, dtype=torch.float64), params
 
 
 def run_ranks(spec: dict, world: int, tmp_path: Path, *, timeout: float = 240.0, worker: str = "tests.dist.worker",

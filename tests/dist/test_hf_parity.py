@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests import hf_models
-from tests.dist.harness import run_ranks
+from tests.dist.harness import run_ranks, train_plain
 from tests.dist.test_parity import rel_diff
 
 pytestmark = pytest.mark.dist
@@ -39,15 +39,7 @@ def reference(name: str):
     torch.manual_seed(0)
     model = hf_models.build(name)
     opt = optimizer(model.parameters())
-    losses = []
-    for step in range(STEPS):
-        loss = model(**hf_models.batch(name, BATCH, 100 + step)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return torch.tensor(losses, dtype=torch.float64), params
+    return train_plain(model, opt, STEPS, lambda step: model(**hf_models.batch(name, BATCH, 100 + step)).loss)
 
 
 def runs(dropout: float = 0.0) -> list[dict]:

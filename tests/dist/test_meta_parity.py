@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests import hf_models
-from tests.dist.harness import run_ranks
+from tests.dist.harness import run_ranks, train_plain
 from tests.dist.test_hf_parity import param_diff
 from tests.dist.test_parity import rel_diff
 from tests.dist.worker import make_optimizer
@@ -57,15 +57,7 @@ def reference(name: str):
     model, init = build(name)
     materialize(model, seed=SEED, init=init)
     opt = make_optimizer("sgd", model.parameters())
-    losses = []
-    for step in range(STEPS):
-        loss = loss_of(model(**make_batch(name, BATCH, 100 + step)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return torch.tensor(losses, dtype=torch.float64), params
+    return train_plain(model, opt, STEPS, lambda step: loss_of(model(**make_batch(name, BATCH, 100 + step))))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from tests.dist.harness import run_ranks
+from tests.dist.harness import run_ranks, train_plain
 from tests.dist.worker import make_optimizer
 from tests.models import ToyLM, batch
 
@@ -42,19 +42,12 @@ def reference(optimizer: str, batch_size: int = BATCH, steps: int = STEPS,
     torch.manual_seed(0)
     model = ToyLM()
     opt = make_optimizer(optimizer, model.parameters())
-    losses = []
-    for step in range(steps):
-        loss = model(**batch(batch_size, seed=100 + step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, params = train_plain(model, opt, steps, lambda step: model(**batch(batch_size, seed=100 + step)))
     first_name = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         first_name.setdefault(id(p), n)
-    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     owner = {n: first_name[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
-    return torch.tensor(losses, dtype=torch.float64), params, owner
+    return losses, params, owner
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

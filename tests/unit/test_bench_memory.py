@@ -3,28 +3,22 @@ verdict on a run. No worker runs here (those take minutes and gigabytes)."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.scripts import BENCHMARKS, load_script
 from varuna_core.util.procs import JobOutcome
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
+SCRIPT = BENCHMARKS / "memory.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
     """Import the script under a unique module name (torch is imported only by its workers and helpers)."""
-    name = "_bench_memory"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script(SCRIPT, "_bench_memory")
 
 
 # ---------------------------------------------------------------------------------------------------------- flags

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pipeline_vs_peers.py"
+from tests.scripts import BENCHMARKS, load_script
+
+SCRIPT = BENCHMARKS / "pipeline_vs_peers.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
     """Import the script under a unique module name (it imports only the standard library at top level)."""
-    name = "_bench_pipeline_vs_peers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_script(SCRIPT, "_bench_pipeline_vs_peers")
 
 
 @pytest.mark.parametrize(("text", "bps"), [
