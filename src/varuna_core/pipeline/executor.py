@@ -21,7 +21,9 @@ gradient has not arrived yet and a later forward's input has, the forward runs f
 runtime did), but only while the stage holds fewer micro-batches than its static order ever does: the swap
 must not raise the memory the planner predicted (the original's unbounded swap held up to half again as
 many). Only forwards move, and backwards keep their order, so gradients are accumulated in the same order
-whatever the timing: results do not depend on it. The simulator applies the same rule.
+whatever the timing: results do not depend on it. The simulator applies the same rule. "Has arrived" is the
+receive's ``is_completed()``: gloo's point-to-point handles report completion only once waited for, so on gloo
+(CPU) the forward never moves and the static order runs; NCCL's handles report it.
 
 A recompute draws the same dropout masks as its forward because both seed each segment from (seed, step,
 micro-batch, segment) (see [Note: deterministic dropout] in :mod:`varuna_core.model.rng`); the original restored a

@@ -51,6 +51,7 @@ class Pending:
     what: str
 
     def ready(self) -> bool:
+        """Whether every receive has completed, without waiting (always False on gloo until waited for)."""
         return all(w.is_completed() for w in self.works)
 
 
