@@ -30,7 +30,7 @@ CUDA the measurement is ``max_memory_allocated()`` over the steps minus ``memory
 
 The model predicts allocated bytes, as a GPU's allocator counts them: parameters, gradients (the runtime's flat
 buckets) and optimizer state of the stage's segments, plus what a step holds (saved activations, stashed inputs,
-posted receive buffers, the values sent and kept until the step ends). The warm-up step creates the optimizer
+posted receive buffers, the values sent and not yet waited for). The warm-up step creates the optimizer
 state; all of it lives in the measured step, and none of it before the baseline. So that resident memory equals
 allocated memory, the workers run with ``MALLOC_MMAP_THRESHOLD_=65536`` (every tensor above 64 KiB gets its own
 mapping, returned to the kernel when freed, so that a start-up that builds more than the stage leaves nothing

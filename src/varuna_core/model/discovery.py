@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..env import CACHE_DIR
 from ..errors import ConfigError, CutPointError
+from ..util.heap import release_free_memory
 from .cutpoint import CutPoint, find_cutpoints
 from .payload import CONST_TYPES, ProbeMismatch, ValueSpec, spec_from_probes
 from .precision import autocast
@@ -283,6 +284,7 @@ class _Recorder:
         self.cut_order.append(cut.cut_name)
         self.cut_values.append(_shadow(value))
         self.segment += 1
+        release_free_memory(collect=False)  # the segment's freed intermediates (glibc keeps them in its heap)
         return value
 
     def close(self) -> None:
