@@ -73,6 +73,18 @@ def batch(n: int, seed: int = 0) -> dict:
     return {"idx": idx, "targets": torch.roll(idx, -1, dims=1)}
 
 
+class ListCutLM(ToyLM):
+    """``ToyLM`` with its cutpoints in a plain Python list, as the original's README writes them
+    (``self.cutpoints = [CutPoint() for i in range(n)]``): no CutPoint is a registered submodule. CutPoints hold
+    no parameters, so a seed gives it exactly ``ToyLM``'s values."""
+
+    def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
+        super().__init__(n_layer, hidden, dropout)
+        cuts = list(self.cuts)
+        del self.cuts
+        self.cuts = cuts  # a list attribute, not an nn.ModuleList
+
+
 class SkipAcrossCut(ToyLM):
     """Wrong on purpose: the embedding output skips over the cuts straight into the head."""
 

@@ -78,6 +78,21 @@ def test_pipeline_equals_single_process(name: str, tmp_path) -> None:
         assert {owner[n] for n in seen} == set(owner.values()), f"{name}: some parameters are held by no rank"
 
 
+def test_cutpoints_in_a_plain_list_pipeline_as_registered_ones(tmp_path) -> None:
+    """The original's README pattern (CutPoints in a plain list, not registered) trains like ToyLM, uneven."""
+    runs = [{"model": "ListCutLM", "schedule": "varuna", "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK,
+             "steps": STEPS, "partition": [(0, 1), (1, 4), (4, 5)]}]
+    results = run_ranks({"map": "0;1;2", "timeout": 60, "runs": runs}, 3, tmp_path)
+    for rank, res in enumerate(results):
+        assert res.returncode == 0, f"rank {rank} failed:\n{res.error or res.output[-3000:]}"
+    ref_losses, ref_params, _ = reference("sgd")
+    for rank, res in enumerate(results):
+        got = res.result["runs"][0]
+        assert rel_diff(got["losses"], ref_losses) <= TOL, f"rank {rank}: losses {got['losses']} vs {ref_losses}"
+        for pname, value in got["params"].items():
+            assert rel_diff(value, ref_params[pname]) <= TOL, f"rank {rank}: parameter {pname} differs"
+
+
 def test_rank_holds_only_its_stage(tmp_path) -> None:
     """Each of 4 stages holds its own parameters (plus the tied embedding where used), not the model."""
     runs = [{"schedule": "1f1b", "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK, "steps": 1}]

@@ -12,6 +12,7 @@ import torch
 from tests import models
 from tests.models import SHARED, ToyLM, batch
 from varuna_core.errors import ConfigError, CutPointError
+from varuna_core.model.cutpoint import CutPoint, find_cutpoints
 from varuna_core.model.discovery import discover, make_batch_fn, structure_key
 
 
@@ -193,3 +194,25 @@ def test_dry_run_keeps_no_activation_alive() -> None:
     s = _discover(Watched(), use_cache=False)
     assert kept_at_second_run == [0] and len(alive) == 8  # 4 blocks at 1 and at 2 examples
     assert s.module_calls["blocks.1"][0].output.tensor_leaves[0][1].batch_dims == (1,)
+
+
+def test_cutpoints_in_a_plain_list_are_found_and_named() -> None:
+    """The original's README keeps its CutPoints in a plain list: not registered, still found (named by the
+    attribute and index), in the order the forward calls them."""
+    model = models.ListCutLM(n_layer=4)
+    assert not any(isinstance(m, CutPoint) for m in model.modules())
+    assert list(find_cutpoints(model)) == ["cuts.0", "cuts.1", "cuts.2", "cuts.3"]
+    s = _discover(model, use_cache=False)
+    assert s.cut_names == ("cuts.0", "cuts.1", "cuts.2", "cuts.3")
+    assert s.cuts == _discover(ToyLM(n_layer=4), use_cache=False).cuts
+
+
+def test_cutpoints_in_nested_modules_dicts_and_tuples_are_named_by_their_path() -> None:
+    inner = torch.nn.Module()
+    inner.marks = {"a": CutPoint(), "b": CutPoint()}
+    outer = torch.nn.Module()
+    outer.inner = inner
+    outer.pair = (CutPoint(), 3)
+    outer.registered = CutPoint()
+    outer.again = [outer.registered]  # a registered one listed again keeps its registered name
+    assert list(find_cutpoints(outer)) == ["registered", "pair.0", "inner.marks.a", "inner.marks.b"]

@@ -14,7 +14,7 @@ import dataclasses
 
 from varuna_core.errors import TopologyError
 
-__all__ = ["Topology"]
+__all__ = ["Topology", "map_shape", "rank_place"]
 
 
 def _example_map(world_size: int, pp: int | None = None) -> str:
@@ -190,3 +190,15 @@ class Topology:
                 f"but WORLD_SIZE={world_size}",
                 hint=f"a valid map for WORLD_SIZE={world_size} is {_example_map(world_size, self.pp)}",
             )
+
+
+def map_shape(stage_to_rank_map: str) -> tuple[int, int]:
+    """``(pipeline depth, data-parallel width)`` of a stage-to-rank map: the original's ``get_varuna_config``."""
+    topology = Topology.parse(stage_to_rank_map)
+    return topology.pp, topology.dp
+
+
+def rank_place(stage_to_rank_map: str, rank: int) -> tuple[int, int]:
+    """``(stage, replica)`` of global ``rank`` in a stage-to-rank map: the original's
+    ``get_this_rank_config_varuna`` (its second value is the data-parallel rank a script shards its data by)."""
+    return Topology.parse(stage_to_rank_map).coords(rank)

@@ -52,10 +52,29 @@ class CutPoint(nn.Module):
 
 
 def find_cutpoints(model: nn.Module) -> dict[str, CutPoint]:
-    """Return ``{qualified name: CutPoint}`` for every CutPoint in ``model``, in registration order."""
+    """Return ``{qualified name: CutPoint}`` for every CutPoint in ``model``: the registered ones in registration
+    order, then those a module holds in a plain list, tuple or dict attribute (the original's README writes
+    ``self.cutpoints = [CutPoint() for i in range(n)]``, which registers nothing), named
+    ``<module>.<attribute>.<index or key>``. Which of them a forward calls, and in which order, is discovery's to
+    find."""
     found: dict[str, CutPoint] = {}
-    for name, module in model.named_modules():
+    seen: set[int] = set()
+    modules = list(model.named_modules())
+    for name, module in modules:
         if isinstance(module, CutPoint):
-            object.__setattr__(module, "_cut_name", name)
-            found[name] = module
+            _found(found, seen, name, module)
+    for name, module in modules:
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or not isinstance(value, (list, tuple, dict)):
+                continue
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(item, CutPoint) and id(item) not in seen:
+                    _found(found, seen, f"{name}.{attr}.{key}" if name else f"{attr}.{key}", item)
     return found
+
+
+def _found(found: dict[str, CutPoint], seen: set[int], name: str, cut: CutPoint) -> None:
+    object.__setattr__(cut, "_cut_name", name)
+    found[name] = cut
+    seen.add(id(cut))
