@@ -9,6 +9,12 @@ The launcher's environment (see ``varuna launch --help``) asks for:
   start of the next ``step()`` (the optimizer has stepped by then) all ranks write a checkpoint to
   ``VARUNA_CKPT_DIR`` together, leave the process group and exit with :data:`EXIT_CHECKPOINTED`. No signal
   handler in user code, and no rank can checkpoint a step the others have not reached;
+* a script's own ``SIGUSR1`` handler (the original's README had users write one that calls
+  ``model.checkpoint(...)`` and exits) is adopted, whether it was installed before ``Varuna(...)`` or later
+  (checked at every step): the signal only sets the flag, and the handler runs on every rank at the same point,
+  the start of the step after the one that carried the flag. Run when the signal arrives, it would start a
+  collective checkpoint on one rank in the middle of a step while the others go on: a hang. Under
+  ``varuna launch`` the launcher's on-demand checkpoint (above) takes its place: the launcher resumes from it;
 * ``VARUNA_CKPT_EVERY=N``: a checkpoint every ``N`` steps (what a restart after a crash resumes from),
   ``VARUNA_CKPT_KEEP`` of them kept, written in the background through ``VARUNA_CKPT_TEMPDIR`` if set;
 * heartbeats to the manager (:class:`~varuna_core.worker.beacon.Beacon`): step, loss, step time and compute time.
@@ -95,18 +101,31 @@ class Supervision:
         self._pending = None  # the Future of a background checkpoint in flight
         self._last_step_start: float | None = None
         self.beacon = Beacon.from_env(rank)
-        if self.ckpt_dir is not None:
-            self._install_handler()
-
-    def _install_handler(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        self.user_handler: Callable[..., Any] | None = None  # the script's own SIGUSR1 handler, adopted
+        self._main_thread = threading.current_thread() is threading.main_thread()
+        if self.ckpt_dir is not None and not self._main_thread:
             log.warning("Varuna(...) was built outside the main thread: SIGUSR1 (checkpoint and stop) is not handled")
+        self._adopt_handler()
+
+    def _on_usr1(self, signum, frame) -> None:  # noqa: ARG002
+        self.requested = True
+
+    def _adopt_handler(self) -> None:
+        """Make SIGUSR1 set the flag: under ``varuna launch`` always; otherwise when the script has a handler of
+        its own, which is then kept and run at the agreed point (see the module docstring)."""
+        if not self._main_thread:
             return
-
-        def on_usr1(signum, frame) -> None:  # noqa: ARG001
-            self.requested = True
-
-        signal.signal(signal.SIGUSR1, on_usr1)
+        current = signal.getsignal(signal.SIGUSR1)
+        if current == self._on_usr1:
+            return
+        if callable(current) and getattr(current, "__func__", None) is not Supervision._on_usr1:
+            self.user_handler = current
+            if self.ckpt_dir is not None:
+                log.info("rank %d: the script's SIGUSR1 handler is replaced by varuna launch's on-demand checkpoint "
+                         "(agreed by all ranks, then exit %d)", self.rank, EXIT_CHECKPOINTED)
+        elif self.ckpt_dir is None:
+            return  # nothing to do on the signal: the default action stays
+        signal.signal(signal.SIGUSR1, self._on_usr1)
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -134,7 +153,9 @@ class Supervision:
             self.beacon.progress(step=self._now().iteration, t_resumed=time.time())
 
     def before_step(self) -> None:
-        """At the start of ``step()``: the agreed on-demand checkpoint (then exit), or a periodic one."""
+        """At the start of ``step()``: the agreed on-demand checkpoint (then exit) or the script's own handler,
+        or a periodic checkpoint."""
+        self._adopt_handler()  # a handler the script installed since the last step
         if self.resume_step is not None and not self.resumed:
             self.resume()  # no set_optimizer: model state only
         self._check_background()
@@ -142,7 +163,10 @@ class Supervision:
         self._step_time = None if self._last_step_start is None else now - self._last_step_start
         self._last_step_start = now
         if self.stop_agreed:
-            self._checkpoint_and_exit()
+            if self.user_handler is not None and self.ckpt_dir is None:
+                self._run_user_handler()
+            else:
+                self._checkpoint_and_exit()
         iteration = self._now().iteration
         if self.every and iteration and iteration % self.every == 0 and iteration != self.last_saved:
             self._periodic(iteration)
@@ -177,9 +201,21 @@ class Supervision:
                                    keep=self.keep)
         self.last_saved = iteration
 
-    def _checkpoint_and_exit(self) -> None:
-        import torch.distributed as dist
+    def _run_user_handler(self) -> None:
+        """Every rank, at the same step boundary: the script's handler (it usually checkpoints and exits). If it
+        returns, training goes on and a later signal is handled again."""
+        self.stop_agreed = self.requested = False
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        log.info("rank %d: running the script's SIGUSR1 handler at step %d", self.rank, self._now().iteration)
+        try:
+            self.user_handler(signal.SIGUSR1, None)
+        except SystemExit:  # every rank is leaving at this step: leave the process group together, as below
+            self._leave()
+            raise
 
+    def _checkpoint_and_exit(self) -> None:
         if self._pending is not None:
             self._pending.result()
             self._pending = None
@@ -190,9 +226,17 @@ class Supervision:
         if self.beacon is not None:
             self.beacon.progress(step=iteration, checkpointed=iteration, t_checkpointed=time.time())
             self.beacon.flush()
+        self._leave()
+        raise SystemExit(EXIT_CHECKPOINTED)
+
+    @staticmethod
+    def _leave() -> None:
+        """Every rank stops at this step: leave the process group together (a rank whose peer has already
+        closed its connections can die in gloo's teardown, SIGABRT after a clean run) and flush the output."""
+        import torch.distributed as dist
+
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
-        raise SystemExit(EXIT_CHECKPOINTED)
