@@ -30,6 +30,7 @@ except Exception:  # pragma: no cover - running from a source tree without insta
 _EXPORTS = {
     "CutPoint": "model.cutpoint",
     "Varuna": "varuna",
+    "AutoConfig": "planning.autoconfig",
     "VarunaError": "errors",
     "ConfigError": "errors",
     "Topology": "ir.topology",
