@@ -215,7 +215,10 @@ def parse_yaml(text: str, path: str | Path, what: str, *, max_events: int, max_n
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise ConfigError(f"{path} is not a valid {what}: {exc.problem or exc.context}{where}") from None
+        problem = exc.problem or exc.context
+        if problem and "maximum nesting depth" in problem:  # PyYAML >= 6.0.4's own limit (deeper than ours) hit
+            problem = f"nested more than {max_nesting} levels deep"  # first, while its scanner read ahead
+        raise ConfigError(f"{path} is not a valid {what}: {problem}{where}") from None
     except (yaml.YAMLError, ValueError, RecursionError) as exc:
         detail = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{path} is not a valid {what}: {detail}") from None
