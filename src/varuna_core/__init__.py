@@ -31,6 +31,7 @@ _EXPORTS = {
     "CutPoint": "model.cutpoint",
     "Varuna": "varuna",
     "AutoConfig": "planning.autoconfig",
+    "Profiler": "profiling.profiler",
     "VarunaError": "errors",
     "ConfigError": "errors",
     "Topology": "ir.topology",

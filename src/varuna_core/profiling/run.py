@@ -58,7 +58,7 @@ from ..planning.artifacts import (
 )
 from ..util.procs import JobOutcome, run_workers
 
-__all__ = ["profile", "DEFAULT_MICROBATCH_SIZES", "P2P_SIZES"]
+__all__ = ["profile", "profile_in_job", "DEFAULT_MICROBATCH_SIZES", "P2P_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -532,39 +532,53 @@ def _raise_worker_error(tmp: Path, outcome: JobOutcome) -> None:
     raise VarunaError(f"profiling process {rank} failed (exit {code}): {err['message']}", hint=err.get("hint"))
 
 
+def profile_in_job(spec: ModelSpec, options: dict, progress: Progress | None = None,
+                   on_total: Callable[[int], None] | None = None) -> Profile | None:
+    """Every rank of a running job (the default process group): measure this rank's share of the segments, then,
+    with two ranks or more, the network between them; rank 0 returns the whole :class:`Profile`, the others None.
+
+    ``options``: :func:`profile`'s ``microbatch_sizes`` (a sorted list), ``precision``, ``device``, ``repeats``,
+    ``warmup`` and ``memory_limit``; ``on_total(measurements of the whole job)`` is called on rank 0 once the
+    structure is known. Collective: every rank calls it with the same options."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    structure = _structure(spec, options["precision"])
+    if rank == 0 and on_total is not None:
+        on_total(structure.num_segments * len(options["microbatch_sizes"]))
+    if world == 1:
+        return _measure(spec, structure, rank=0, world=1, progress=progress, **options)
+    segments, sizes, stopped = _measure(spec, structure, rank=rank, world=world, progress=progress, **options)
+    dev = torch.device(options["device"], rank) if options["device"] == "cuda" else torch.device("cpu")
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    link = "inter" if len(set(hosts)) > 1 else "intra"
+    p2p = _p2p_curve(rank, dev, 5, link)
+    allreduce = _allreduce_curves(rank, world, dev, 5, link)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, segments)
+    result = None
+    if rank == 0:
+        all_segments = [s for segs in gathered for s in segs]
+        result = _assemble(spec, structure, all_segments, sizes, stopped, [p2p, *allreduce], nproc=world,
+                           precision=options["precision"], device=dev)
+        result.environment.hosts = sorted(set(hosts))
+    dist.barrier()
+    return result
+
+
 def _worker(job_path: str, out_dir: str) -> None:
     """Entry point of one profiling process (``python -m varuna_core.profiling.run JOB DIR``)."""
     job = json.loads(Path(job_path).read_text())
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     try:
         options = job["options"]
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
         store = dist.distributed_c10d._get_default_store()
         spec = load_spec(job["spec"])
-        structure = _structure(spec, options["precision"])
-        if rank == 0:
-            store.add("total", structure.num_segments * len(options["microbatch_sizes"]))
         step = lambda done, total, what: store.add(f"done/{rank}", 1)  # noqa: E731
-        segments, sizes, stopped = _measure(spec, structure, rank=rank, world=world, progress=step, **options)
-        dev = torch.device(options["device"], rank) if options["device"] == "cuda" else torch.device("cpu")
-        comm_device = dev
-        link = "intra"
-        hosts: list = [None] * world
-        dist.all_gather_object(hosts, socket.gethostname())
-        if len(set(hosts)) > 1:
-            link = "inter"
-        p2p = _p2p_curve(rank, comm_device, 5, link)
-        allreduce = _allreduce_curves(rank, world, comm_device, 5, link)
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, segments)
-        if rank == 0:
-            all_segments = [s for segs in gathered for s in segs]
-            profile_ = _assemble(spec, structure, all_segments, sizes, stopped, [p2p, *allreduce], nproc=world,
-                                 precision=options["precision"], device=dev)
-            profile_.environment.hosts = sorted(set(hosts))
-            (Path(out_dir) / "profile.json").write_text(profile_.model_dump_json())
-        dist.barrier()
+        result = profile_in_job(spec, options, progress=step, on_total=lambda total: store.add("total", total))
+        if result is not None:
+            (Path(out_dir) / "profile.json").write_text(result.model_dump_json())
         dist.destroy_process_group()
     except VarunaError as exc:
         Path(out_dir, f"error{rank}.txt").write_text(json.dumps(
