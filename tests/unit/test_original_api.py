@@ -10,10 +10,17 @@ from varuna_core.errors import TopologyError
 
 
 def test_original_names_are_this_librarys() -> None:
-    from varuna import AutoConfig, CutPoint, Varuna, get_this_rank_config_varuna, get_varuna_config  # noqa: F401
+    from varuna import (  # noqa: F401
+        AutoConfig,
+        CutPoint,
+        Profiler,
+        Varuna,
+        get_this_rank_config_varuna,
+        get_varuna_config,
+    )
 
     assert varuna.Varuna is varuna_core.Varuna and varuna.CutPoint is varuna_core.CutPoint
-    assert varuna.AutoConfig is varuna_core.AutoConfig
+    assert varuna.AutoConfig is varuna_core.AutoConfig and varuna.Profiler is varuna_core.Profiler
 
 
 @pytest.mark.parametrize(("stage_map", "shape", "places"), [
