@@ -40,6 +40,7 @@ __all__ = ["KINDS", "Fault", "ChaosResult", "schedule", "run_chaos"]
 
 KINDS = ("kill_worker", "kill_agent", "stop_worker", "remove_host", "preempt", "corrupt_checkpoint")
 TRAIN = ["examples/gpt/train.py", "--batch-size", "32", "--log-every", "10"]
+TAIL_STEPS = 40
 
 
 @dataclass
@@ -110,7 +111,9 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     and compare it with an uninterrupted run of the same plan on local processes (``reference``: a store of that
     run's final checkpoint and its launcher's run directory, made here when None)."""
     faults = schedule(seed, kinds, first=first, gap=gap, ranks=slots * len(cluster.hosts), hosts=len(cluster.hosts))
-    steps = steps or faults[-1].step + gap + ckpt_every
+    # The tail after the last fault must outlast a whole morph (notice, pre-flight SSH check, checkpoint,
+    # restart) when the last fault takes a host away and brings it back: steps take ~0.15 s, a morph seconds.
+    steps = steps or faults[-1].step + gap + ckpt_every + TAIL_STEPS
     workdir.mkdir(parents=True, exist_ok=True)
     lines = cluster.hosts_file_lines(slots)
     hosts = workdir / "hosts"
@@ -132,7 +135,8 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
             fault.survived = _await_recovery(launch, fault, before, hosts, lines, timeout)
         code = launch.wait()
     except AssertionError as exc:  # the launcher died or hung: report it, do not raise
-        problems.append(str(exc)[-2000:])
+        text = str(exc)
+        problems.append(text if len(text) <= 2400 else f"{text[:400]} [...] {text[-2000:]}")  # why, then the end
         launch.kill()
         code = launch.proc.returncode
     finally:
