@@ -179,6 +179,10 @@ def show(
     if measured:
         _check_trace(measured)
     result = load_plan(plan_path)
+    if png:
+        from varuna_core.planning.timeline import check_drawable
+
+        check_drawable(result)
     sched = generate(result.schedule, result.pp, result.num_microbatches)
     lines = sched.grid().splitlines()
     if max_steps and len(lines) > max_steps + 1:

@@ -126,7 +126,7 @@ def loss_weights(sizes: Sequence[int], total: int, loss_reduction: str) -> list[
 def check_structure(structure: Structure, plan: Any, pp: int) -> None:
     """The discovered model fits the plan and the number of stages."""
     nseg = structure.num_segments
-    if plan is not None:
+    if plan is not None and not plan.by_hand:
         if plan.num_segments != nseg:
             raise ConfigError(
                 f"the plan is for a model with {plan.num_segments} segments; this model has {nseg}",
@@ -187,6 +187,8 @@ def _apply_plan(plan, stage_to_rank_map, batch_size, chunk_size, schedule, parti
     if batch_size != plan.batch_size:
         log.warning("batch_size=%s differs from the plan's %s: its predictions do not apply", batch_size,
                     plan.batch_size)
+    if plan.by_hand:  # a layout without a partition: the argument's, or the balanced one
+        return plan.stage_to_rank_map, plan.microbatch_size, plan.schedule, partition
     if partition is not None:
         log.warning("the plan's partition replaces the partition argument")
     return plan.stage_to_rank_map, plan.microbatch_size, plan.schedule, [tuple(r) for r in plan.partition]

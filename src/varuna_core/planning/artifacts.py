@@ -296,8 +296,10 @@ class Plan(CheckedModel):
 
     schema_version: Literal[1] = 1
     model: str
-    profile_hash: str = Field(description="structure hash of the profiled model")
-    num_segments: Annotated[int, Strict(), Field(ge=1, le=MAX_SEGMENTS)]
+    profile_hash: str | None = Field(description="structure hash of the profiled model (None: a layout given by "
+                                     "hand)")
+    num_segments: Annotated[int, Strict(), Field(ge=1, le=MAX_SEGMENTS)] | None = Field(
+        description="segments of the profiled model (None: a layout given by hand)")
     gpus: Devices
     gpus_per_node: Devices
     batch_size: Count = Field(description="global batch")
@@ -307,7 +309,9 @@ class Plan(CheckedModel):
     num_microbatches: Annotated[int, Strict(), Field(ge=1, le=MAX_MICROBATCHES)] = Field(
         description="per replica (the first replicas may hold one example more)")
     schedule: str
-    partition: list[tuple[Index, Index]] = Field(description="half-open segment range per stage")
+    partition: list[tuple[Index, Index]] | None = Field(
+        description="half-open segment range per stage (None: a layout given by hand; Varuna(...) balances the "
+                    "parameter bytes of the segments it finds)")
     stage_to_rank_map: str = Field(description="the original's format: stages ';'-separated, replicas ','")
     nodes: list[list[Index]] = Field(description="global ranks on each node")
     memory_limit: Annotated[int, Strict(), Field(ge=1, le=MAX_BYTES)] | None = Field(
@@ -318,8 +322,9 @@ class Plan(CheckedModel):
         0.1, description="fraction of memory the plan kept free")
     profile_path: str | None = Field(None, description="the profile the plan was made from (absolute path): "
                                      "`varuna launch --morph` plans again from it when the device count changes")
-    prediction: Prediction
-    stages: list[StagePlan]
+    prediction: Prediction | None = Field(description="the simulated step (None: a layout given by hand)")
+    stages: list[StagePlan] = Field(default_factory=list, description="per stage (empty for a layout given by "
+                                    "hand)")
     alternatives: list[Candidate] = Field(default_factory=list)
     assumptions: list[str] = Field(default_factory=list, description="defaults and approximations used")
     created: str
@@ -336,10 +341,15 @@ class Plan(CheckedModel):
             _schedule_name(name)
         return value
 
+    @property
+    def by_hand(self) -> bool:
+        """A layout given by hand (``pp``, ``dp``, micro-batch): no profile, partition or prediction."""
+        return self.partition is None
+
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
         _check_sizes(self)
-        _check_partition(self)
+        _check_layout_only(self) if self.by_hand else _check_partition(self)
         _check_map(self)
         _check_nodes(self)
         return self
@@ -350,7 +360,7 @@ def _check_sizes(p: Plan) -> None:
     world = p.pp * p.dp
     if world > p.gpus:
         raise ValueError(f"pp × dp = {p.pp} × {p.dp} = {world} devices, more than gpus = {p.gpus}")
-    if p.pp > p.num_segments:
+    if p.num_segments is not None and p.pp > p.num_segments:
         raise ValueError(f"pp = {p.pp} stages for {p.num_segments} segments: every stage needs a segment")
     if p.dp > p.batch_size:
         raise ValueError(f"dp = {p.dp} replicas for a global batch of {p.batch_size}: every replica needs an example")
@@ -366,6 +376,9 @@ def _check_sizes(p: Plan) -> None:
 
 def _check_partition(p: Plan) -> None:
     """``pp`` contiguous non-empty ranges covering the segments, and one stage entry for each."""
+    for name in ("num_segments", "profile_hash", "prediction"):
+        if getattr(p, name) is None:
+            raise ValueError(f"{name} is null, but a plan with a partition is made from a profile and sets it")
     if len(p.partition) != p.pp:
         raise ValueError(f"partition has {len(p.partition)} ranges for pp = {p.pp} stages")
     start = 0
@@ -382,6 +395,16 @@ def _check_partition(p: Plan) -> None:
         if stage.stage != s or tuple(stage.segments) != tuple(p.partition[s]):
             raise ValueError(f"stages[{s}] is stage {stage.stage} over segments {list(stage.segments)}, but "
                              f"partition[{s}] is {list(p.partition[s])}")
+
+
+def _check_layout_only(p: Plan) -> None:
+    """A layout given by hand says nothing a profile would have measured."""
+    measured = {"num_segments": p.num_segments, "profile_hash": p.profile_hash, "prediction": p.prediction,
+                "profile_path": p.profile_path, "stages": p.stages or None, "alternatives": p.alternatives or None}
+    for name, value in measured.items():
+        if value is not None:
+            raise ValueError(f"partition is null (a layout given by hand), but {name} is set: a plan made from a "
+                             f"profile has a partition")
 
 
 def _check_map(p: Plan) -> None:

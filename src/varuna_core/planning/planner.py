@@ -35,7 +35,7 @@ from .artifacts import MAX_MICROBATCHES, Candidate, CommCurve, Plan, Prediction,
 from .memory import stage_bytes
 from .simulate import StageCosts, inflight_counts, simulate_generated
 
-__all__ = ["PlanRequest", "make_plan", "plan_for", "partition_under_memory", "PlanInfeasible"]
+__all__ = ["PlanRequest", "make_plan", "plan_for", "layout_plan", "partition_under_memory", "PlanInfeasible"]
 
 
 class PlanInfeasible(VarunaError):
@@ -575,11 +575,46 @@ def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch
     return _to_plan(profile, req, result, [], assumptions)
 
 
+def layout_plan(*, pp: int, dp: int, microbatch_size: int, batch_size: int, gpus: int, gpus_per_node: int,
+                schedule: str = "varuna", model: str = "", note: str = "") -> Plan:
+    """The plan of a layout given by hand, without a profile (the original's ``--nstages``/``--chunk_size``).
+
+    It has no partition (``Varuna(...)`` balances the parameter bytes of the segments it finds), no prediction
+    and no stage entries; ``varuna launch`` runs it like any plan, and a morph keeps ``pp`` and changes ``dp``.
+
+    Raises:
+        ConfigError: the numbers do not make a layout (the message names which).
+    """
+    from pydantic import ValidationError
+
+    if schedule not in SCHEDULE_NAMES:
+        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
+    replica = -(-batch_size // max(dp, 1))
+    try:
+        return Plan(
+            model=model, profile_hash=None, num_segments=None, gpus=gpus, gpus_per_node=gpus_per_node,
+            batch_size=batch_size, pp=pp, dp=dp, microbatch_size=microbatch_size,
+            num_microbatches=-(-replica // max(microbatch_size, 1)), schedule=schedule, partition=None,
+            stage_to_rank_map=Topology.clustered(pp, dp).to_string(), nodes=_nodes(pp * dp, gpus_per_node),
+            schedules=[schedule], prediction=None,
+            assumptions=["layout given by hand: no profile, so no partition (Varuna(...) balances parameter bytes) "
+                         "and no prediction", *([note] if note else [])],
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        raise ConfigError(f"no layout pp={pp} × dp={dp}, micro-batch {microbatch_size}, batch {batch_size}: "
+                          f"{error['msg'].removeprefix('Value error, ')}") from None
+
+
+def _nodes(world: int, per_node: int) -> list[list[int]]:
+    """Ranks ``0..world-1`` on nodes of ``per_node`` devices, consecutively (a replica's stages stay together)."""
+    return [list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)]
+
+
 def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Scored], assumptions: set[str]) -> Plan:
     per_node = req.gpus_per_node or req.gpus
     topology = Topology.clustered(best.pp, best.dp)
-    world = best.pp * best.dp
-    nodes = [list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)]
+    nodes = _nodes(best.pp * best.dp, per_node)
     stages = [
         StagePlan(stage=s, segments=(a, b), forward=c.forward, recompute=c.recompute, backward=c.backward,
                   send_activation=c.send_activation, send_gradient=c.send_gradient,

@@ -14,14 +14,22 @@ from ..util.fs import read_regular
 from .artifacts import Plan
 from .simulate import StageCosts, simulate
 
-__all__ = ["simulated_timeline", "load_trace", "draw_plan", "draw_timelines"]
+__all__ = ["check_drawable", "simulated_timeline", "load_trace", "draw_plan", "draw_timelines"]
 
 _COLORS = {"F": "#4C72B0", "R": "#DD8452", "B": "#55A868"}
+
+
+def check_drawable(plan: Plan) -> None:
+    """A layout given by hand has no simulated times to draw."""
+    if plan.by_hand:
+        raise ConfigError("the plan is a layout given by hand: it has no simulated times to draw",
+                          hint="make a plan from a profile with `varuna plan` to see its timeline")
 
 
 def simulated_timeline(plan: Plan) -> list[tuple[int, str, int, float, float]]:
     """``(stage, op, mb, start, end)`` of one step as the planner's simulation predicts it (every micro-batch at
     full size)."""
+    check_drawable(plan)
     costs = [StageCosts(s.forward, s.recompute, s.backward, s.send_activation, s.send_gradient,
                         s.allreduce + s.optimizer)
              for s in plan.stages]
