@@ -85,6 +85,29 @@ class ListCutLM(ToyLM):
         self.cuts = cuts  # a list attribute, not an nn.ModuleList
 
 
+class SequentialLM(nn.Module):
+    """Blocks in an ``nn.Sequential``, no CutPoint, a tied head: ``cutpoints="auto"`` cuts in front of blocks
+    1.. (``n_layer`` segments). Positions come from an ``nn.Embedding`` (an auto-cut stage runs the code before
+    its incoming cut on real placeholders, which a root-level parameter of another stage cannot join)."""
+
+    AUTO_CUTS = True
+
+    def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, hidden)
+        self.wpe = nn.Embedding(SEQ, hidden)
+        self.blocks = nn.Sequential(*(Block(hidden, dropout) for _ in range(n_layer)))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.blocks((self.emb(idx) + self.wpe(positions)).transpose(0, 1))  # [s, b, h]
+        logits = self.head(self.ln_f(x)).transpose(0, 1)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
 class SkipAcrossCut(ToyLM):
     """Wrong on purpose: the embedding output skips over the cuts straight into the head."""
 

@@ -51,6 +51,7 @@ def _child(module: str, argv: list[str], env: dict[str, str], cwd: str, log: str
     os.chdir(cwd)
     torch.seed()  # a fresh process draws its own seed; a fork would share the server's
     sys.argv = [module, *argv]
+    sys.modules.pop(module, None)  # preloaded: runpy would warn that it runs a module already imported
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

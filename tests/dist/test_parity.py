@@ -15,7 +15,7 @@ import torch
 
 from tests.dist.harness import run_ranks, train_plain
 from tests.dist.worker import make_optimizer
-from tests.models import ToyLM, batch
+from tests.models import SequentialLM, ToyLM, batch
 
 pytestmark = pytest.mark.dist
 
@@ -35,12 +35,12 @@ TOPOLOGIES = {
 
 
 @functools.lru_cache(maxsize=None)
-def reference(optimizer: str, batch_size: int = BATCH, steps: int = STEPS,
+def reference(optimizer: str, batch_size: int = BATCH, steps: int = STEPS, model_cls=ToyLM,
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, str]]:
     """Losses, final parameters (every slot name, tied ones included) and each slot's first name, from a
     plain one-process run."""
     torch.manual_seed(0)
-    model = ToyLM()
+    model = model_cls()
     opt = make_optimizer(optimizer, model.parameters())
     losses, params = train_plain(model, opt, steps, lambda step: model(**batch(batch_size, seed=100 + step)))
     first_name = {}
@@ -91,6 +91,21 @@ def test_cutpoints_in_a_plain_list_pipeline_as_registered_ones(tmp_path) -> None
         assert rel_diff(got["losses"], ref_losses) <= TOL, f"rank {rank}: losses {got['losses']} vs {ref_losses}"
         for pname, value in got["params"].items():
             assert rel_diff(value, ref_params[pname]) <= TOL, f"rank {rank}: parameter {pname} differs"
+
+
+def test_blocks_in_a_sequential_cut_automatically_pipeline_as_registered_cuts(tmp_path) -> None:
+    """nn.Sequential blocks and cutpoints="auto": three uneven stages over its 4 segments equal one process."""
+    runs = [{"model": "SequentialLM", "schedule": s, "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK,
+             "steps": STEPS, "partition": [(0, 1), (1, 3), (3, 4)]} for s in ("varuna", "1f1b")]
+    results = run_ranks({"map": "0;1;2", "timeout": 60, "runs": runs}, 3, tmp_path)
+    for rank, res in enumerate(results):
+        assert res.returncode == 0, f"rank {rank} failed:\n{res.error or res.output[-3000:]}"
+    ref_losses, ref_params, _ = reference("sgd", model_cls=SequentialLM)
+    for rank, res in enumerate(results):
+        for got in res.result["runs"]:
+            assert rel_diff(got["losses"], ref_losses) <= TOL, f"rank {rank}: losses {got['losses']} vs {ref_losses}"
+            for pname, value in got["params"].items():
+                assert rel_diff(value, ref_params[pname]) <= TOL, f"rank {rank}: parameter {pname} differs"
 
 
 def test_rank_holds_only_its_stage(tmp_path) -> None:

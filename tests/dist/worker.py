@@ -64,7 +64,8 @@ def build_model(run: dict):
         return model, None, make_batch, "auto", "sum" if name == "llama" else "mean", None
     model_cls = getattr(models, run.get("model", "ToyLM"))
     model = model_cls(n_layer=run.get("n_layer", 4), dropout=run.get("dropout", 0.0))
-    return model, SHARED, batch, None, "mean", models.init_toy
+    cutpoints = "auto" if getattr(model_cls, "AUTO_CUTS", False) else None
+    return model, SHARED, batch, cutpoints, "mean", models.init_toy
 
 
 def run_one(run: dict, spec: dict) -> dict:

@@ -1,10 +1,12 @@
 """``cutpoints="auto"``: cut points between the blocks of a model that has none, without editing its code.
 
-Most large models keep their repeated blocks in one ``nn.ModuleList`` (Hugging Face ``transformer.h``,
-``encoder.layer``, ``model.layers``; torchtitan's ``layers``; nanoGPT's ``h``). The longest one (most
-blocks; the most parameters among equally long ones) gets a ``CutPoint`` in front of every block but the
-first, through a forward *pre-hook*: parameter names, ``state_dict`` keys and the model's own ``forward`` do not
-change.
+Most large models keep their repeated blocks in an ``nn.ModuleList`` (Hugging Face ``transformer.h``,
+``encoder.layer``, ``model.layers``; torchtitan's ``layers``; nanoGPT's ``h``), some in an ``nn.Sequential``
+of repeated blocks (vision models, hand-written stacks), and encoder–decoders in two of them. Every such stack
+(:func:`block_stacks`: the longest ``ModuleList``, and any other stack holding a tenth of the parameters) gets a
+``CutPoint`` in front of every block but its first, through a forward *pre-hook*: parameter names,
+``state_dict`` keys and the model's own ``forward`` do not change. In a stack other than the one holding the
+most parameters, a block that carries nothing from the block before it (heads run side by side) gets no cut.
 
 What crosses such a cut is what the loop carries from one block to the next: the arguments of the block that
 are not the very objects the previous block was called with (the hidden state). The loop-invariant ones
@@ -31,7 +33,7 @@ import torch.utils._pytree as pytree
 from ..errors import CutPointError
 from .cutpoint import CutPoint
 
-__all__ = ["apply_auto_cutpoints", "longest_module_list", "AUTO_ATTRIBUTE"]
+__all__ = ["apply_auto_cutpoints", "block_stacks", "longest_module_list", "AUTO_ATTRIBUTE"]
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +51,61 @@ def longest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     return None if best is None else (best[1], best[2])
 
 
+MIN_STACK_SHARE = 0.1  # of the model's parameters: smaller lists (heads, adapters) are not block stacks
+
+
+def block_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's stacks of blocks, in registration order: the longest ``nn.ModuleList`` (see
+    :func:`longest_module_list`), and every other ``nn.ModuleList`` of at least 2 entries or ``nn.Sequential``
+    of at least 2 children of one class (each holding parameters) that holds at least
+    :data:`MIN_STACK_SHARE` of the parameters and does not sit inside a block of another stack (an encoder's
+    and a decoder's layers; a vision model's stages)."""
+    total = sum(p.numel() for p in model.parameters()) or 1
+    primary = longest_module_list(model)
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if name.endswith(AUTO_ATTRIBUTE) or any(name.startswith(f"{outer}.") if outer else True
+                                                for outer, _ in found):
+            continue
+        if primary is not None and module is primary[1]:
+            found.append((name, module))
+        elif _is_stack(module) and sum(p.numel() for p in module.parameters()) >= MIN_STACK_SHARE * total:
+            found.append((name, module))
+    if primary is not None and all(m is not primary[1] for _, m in found):  # nested in a Sequential stack
+        found = [(n, m) for n, m in found if not primary[0].startswith(f"{n}.")] + [primary]
+    return found
+
+
+def _is_stack(module: nn.Module) -> bool:
+    if isinstance(module, nn.ModuleList):
+        children = list(module)
+    elif type(module) is nn.Sequential:
+        children = list(module)
+        if len({type(c) for c in children}) != 1:
+            return False
+    else:
+        return False
+    return len(children) >= 2 and all(any(True for _ in c.parameters()) for c in children)
+
+
 class _LoopState:
     """The flattened arguments of the previous block call of this forward (to tell loop-carried values from
-    loop-invariant ones)."""
+    loop-invariant ones). ``strict``: a block that carries nothing from the one before is an error (the stack
+    with the most parameters); otherwise its cut is left out (entries that do not run one after another)."""
 
-    def __init__(self) -> None:
+    def __init__(self, strict: bool = True) -> None:
         self.previous: list[Any] | None = None
+        self.strict = strict
 
 
 def apply_auto_cutpoints(model: nn.Module) -> list[str]:
-    """Put a cut in front of every block of the longest ``ModuleList`` but the first (idempotent).
+    """Put a cut in front of every block but the first of each block stack (idempotent; see
+    :func:`block_stacks`).
 
     Returns the names of the blocks a cut precedes.
 
     Raises:
-        CutPointError: the model already has CutPoints of its own, or no ``ModuleList`` with two blocks.
+        CutPointError: the model already has CutPoints of its own, or no stack of at least two blocks.
     """
     if isinstance(getattr(model, AUTO_ATTRIBUTE, None), nn.ModuleList):
         return list(getattr(model, "_varuna_auto_blocks"))
@@ -71,25 +113,29 @@ def apply_auto_cutpoints(model: nn.Module) -> list[str]:
     if own:
         raise CutPointError(f"{type(model).__name__} already has CutPoints ({own[0]}, ...): cutpoints='auto' would "
                             f"add more", hint="use cutpoints='auto' only for models without CutPoints")
-    found = longest_module_list(model)
-    if found is None or len(found[1]) < 2:
-        raise CutPointError(f"cutpoints='auto' found no nn.ModuleList of at least 2 blocks in {type(model).__name__}",
+    stacks = [(name, blocks) for name, blocks in block_stacks(model) if len(blocks) >= 2]
+    if not stacks:
+        raise CutPointError(f"cutpoints='auto' found no block stack (an nn.ModuleList, or an nn.Sequential of "
+                            f"repeated blocks) of at least 2 blocks in {type(model).__name__}",
                             hint="insert CutPoint() calls between the model's blocks by hand")
-    name, blocks = found
-    cuts = nn.ModuleList(CutPoint() for _ in range(len(blocks) - 1))
+    main = max((blocks for _, blocks in stacks), key=lambda b: sum(p.numel() for p in b.parameters()))
+    cuts = nn.ModuleList(CutPoint() for _, blocks in stacks for _ in range(len(blocks) - 1))
     model.add_module(AUTO_ATTRIBUTE, cuts)
-    state = _LoopState()
+    names, next_cut = [], iter(cuts)
+    for name, blocks in stacks:
+        state = _LoopState(strict=blocks is main)
 
-    def first_block(module, args, kwargs):
-        state.previous = pytree.tree_leaves((args, kwargs))
+        def first_block(module, args, kwargs, state=state):
+            state.previous = pytree.tree_leaves((args, kwargs))
 
-    blocks[0].register_forward_pre_hook(first_block, with_kwargs=True)
-    for cut, block in zip(cuts, list(blocks)[1:]):
-        block.register_forward_pre_hook(_crossing(cut, state), with_kwargs=True)
-    names = [f"{name}.{i}" for i in range(1, len(blocks))]
+        blocks[0].register_forward_pre_hook(first_block, with_kwargs=True)
+        for block in list(blocks)[1:]:
+            block.register_forward_pre_hook(_crossing(next(next_cut), state), with_kwargs=True)
+        prefix = f"{name}." if name else ""
+        names += [f"{prefix}{i}" for i in range(1, len(blocks))]
     object.__setattr__(model, "_varuna_auto_blocks", tuple(names))
-    log.info("cutpoints='auto': %d cuts in front of the blocks of %s (%d blocks)", len(cuts), name or "the model",
-             len(blocks))
+    log.info("cutpoints='auto': %d cuts in front of the blocks of %s", len(cuts),
+             ", ".join(f"{name or 'the model'} ({len(blocks)} blocks)" for name, blocks in stacks))
     return names
 
 
@@ -97,6 +143,10 @@ def _crossing(cut: CutPoint, state: _LoopState):
     def pre_hook(module, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         previous, state.previous = state.previous, leaves
+        carries = previous is not None and len(previous) == len(leaves) and any(
+            isinstance(x, torch.Tensor) and x is not y for x, y in zip(leaves, previous))
+        if not carries and not state.strict:
+            return None  # not a chain of blocks: no cut here (discovery lists the cut as never called)
         if previous is None or len(previous) != len(leaves):
             raise CutPointError(f"cutpoints='auto': block {type(module).__name__} is called with other arguments "
                                 f"than the block before it", hint="insert CutPoint() calls by hand")

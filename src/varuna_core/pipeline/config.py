@@ -64,7 +64,8 @@ def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_si
         raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
     if cutpoints not in (None, "auto"):
         raise ConfigError(f"cutpoints must be 'auto' or None, got {cutpoints!r}",
-                          hint="'auto' cuts in front of every block of the model's longest nn.ModuleList")
+                          hint="'auto' cuts in front of every block of the model's block stacks "
+                               "(nn.ModuleList, nn.Sequential of repeated blocks)")
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     resolved_precision = resolve_precision(precision, fp16)
