@@ -112,6 +112,15 @@ def train_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, 
     return torch.tensor(losses, dtype=torch.float64), params
 
 
+def run_module_ranks(module: str, world: int, tmp_path: Path, *, timeout: float) -> tuple[JobOutcome, str]:
+    """``python -m module TMP_PATH`` as ``world`` ranks (forked, see :func:`run_forked`): the outcome, and the
+    tail of every rank's log for assertion messages."""
+    outcome = run_forked(module, [str(tmp_path)], world, log_dir=tmp_path, timeout=timeout,
+                         env={CACHE_DIR: str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(world))
+    return outcome, logs
+
+
 def run_ranks(spec: dict, world: int, tmp_path: Path, *, timeout: float = 240.0, worker: str = "tests.dist.worker",
               env: dict | None = None) -> list[RankResult]:
     """Start ``world`` workers running ``worker`` on ``spec``; kill them all if any runs past ``timeout``.

@@ -3,23 +3,16 @@ measure the network between them, rank 0 writes ``profile.json``."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from tests.dist.harness import ROOT
-from varuna_core.env import CACHE_DIR
+from tests.dist.harness import run_module_ranks
 from varuna_core.planning.artifacts import load_profile
-from varuna_core.util.procs import run_workers
 
 pytestmark = pytest.mark.dist
 
 
 def test_every_rank_profiles_its_share_and_rank_0_writes(tmp_path) -> None:
-    outcome = run_workers([sys.executable, "-m", "tests.dist.profiler_worker", str(tmp_path)], 3, log_dir=tmp_path,
-                          timeout=180, env={CACHE_DIR: str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                          stop_on_failure=False)
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(3))
+    outcome, logs = run_module_ranks("tests.dist.profiler_worker", 3, tmp_path, timeout=180)
     assert not outcome.killed and outcome.returncodes == [0, 0, 0], logs
     assert [(tmp_path / f"returned{r}").read_text() for r in range(3)] == ["profile", "none", "none"]
     profile = load_profile(tmp_path / "profiles" / "profile.json")

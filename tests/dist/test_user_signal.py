@@ -4,23 +4,16 @@ complete checkpoint; run when the signal arrives, it started a collective checkp
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from tests.dist.harness import ROOT
+from tests.dist.harness import run_module_ranks
 from varuna_core.checkpoint.layout import scan
-from varuna_core.env import CACHE_DIR
-from varuna_core.util.procs import run_workers
 
 pytestmark = pytest.mark.dist
 
 
 def test_a_scripts_own_handler_runs_on_every_rank_at_one_step(tmp_path) -> None:
-    outcome = run_workers([sys.executable, "-m", "tests.dist.usr1_worker", str(tmp_path)], 2, log_dir=tmp_path,
-                          timeout=120, env={CACHE_DIR: str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                          stop_on_failure=False)
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2))
+    outcome, logs = run_module_ranks("tests.dist.usr1_worker", 2, tmp_path, timeout=120)
     assert not outcome.killed and outcome.returncodes == [0, 0], logs
     steps = [(tmp_path / f"handled{r}").read_text() for r in range(2)]
     assert steps == ["3", "3"], steps  # signalled after step 2; the flag rode on step 3's all-reduce
