@@ -208,7 +208,7 @@ def run(argv: list[str]) -> None:
                          model=Path(ns.training_script).stem)
     run_dir = Path(ns.launch_run_dir or Path("runs") / time.strftime("run_varuna-%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    plan_file = run_dir / "plan.yaml"
+    plan_file = _free_name(run_dir, "plan", ".yaml")  # a reused run directory keeps its earlier plans
     save_plan(plan, plan_file)
     env_file = ns.env_file or (ENV_FILE if Path(ENV_FILE).is_file() else None)
     print(f"run_varuna: pp={plan.pp} × dp={plan.dp}, micro-batch {plan.microbatch_size}, global batch "
@@ -219,6 +219,15 @@ def run(argv: list[str]) -> None:
            code_dir=Path(ns.code_dir) if ns.code_dir else None, env_file=Path(env_file) if env_file else None,
            run_dir=run_dir, morph=not ns.no_morphing, resume=ns.resume, legacy_args=True,
            **_launch_options(ns))
+
+
+def _free_name(directory: Path, stem: str, suffix: str) -> Path:
+    """``directory/stem suffix``, or ``stem-2``, ``stem-3``, ... when taken."""
+    path, n = directory / f"{stem}{suffix}", 1
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = directory / f"{stem}-{n}{suffix}"
+    return path
 
 
 def _launch_options(ns: argparse.Namespace) -> dict:

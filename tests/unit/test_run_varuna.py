@@ -187,3 +187,12 @@ def test_plan_show_prints_a_layout_plan_and_refuses_to_draw_it(tmp_path, capsys)
         main(["plan", "show", str(tmp_path / "p.yaml"), "--png", str(tmp_path / "t.png")])
     assert drawn.value.code == 2 and "layout given by hand" in capsys.readouterr().err
     assert not (tmp_path / "t.png").exists()
+
+
+def test_a_reused_run_directory_keeps_its_earlier_plans(tmp_path, machines, launched) -> None:
+    args = ["--machine_list", machines("127.0.0.1 slots=2"), "--batch_size", "8", "--chunk_size", "2"]
+    run(tmp_path, *args, "--nstages", "2")
+    first = (tmp_path / "run" / "plan.yaml").read_text()
+    run(tmp_path, *args, "--nstages", "1")
+    assert (tmp_path / "run" / "plan.yaml").read_text() == first
+    assert load_plan(tmp_path / "run" / "plan-2.yaml").pp == 1 and launched[-1]["plan"].pp == 1
