@@ -38,8 +38,9 @@ from ..env import CACHE_DIR
 from ..errors import ConfigError, CutPointError
 from ..util.heap import release_free_memory
 from .cutpoint import CutPoint, find_cutpoints
-from .payload import CONST_TYPES, ProbeMismatch, ValueSpec, spec_from_probes
+from .payload import CONST_TYPES, ProbeMismatch, TensorSpec, ValueSpec, spec_from_probes
 from .precision import autocast
+from .skips import CUT, Provenance, Skip, crossing_spec
 from .touch import Values, on_touch, reads_values
 
 __all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "extract_loss"]
@@ -47,7 +48,7 @@ __all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "e
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int], dict]
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 @dataclasses.dataclass(frozen=True)
 class ModuleCall:
@@ -70,6 +71,8 @@ class Structure:
         module_calls: per module name, its calls in order.
         param_uses: per parameter slot name, the segments that touch its values.
         buffer_uses: per buffer slot name, the segments that touch its values.
+        skips: tensors read in a later segment than the one computing them, besides what the cuts carry
+            (see [Note: skip routing]).
     """
 
     key: str
@@ -79,10 +82,19 @@ class Structure:
     module_calls: dict[str, tuple[ModuleCall, ...]]
     param_uses: dict[str, tuple[int, ...]]
     buffer_uses: dict[str, tuple[int, ...]]
+    skips: tuple[Skip, ...] = ()
 
     @property
     def num_segments(self) -> int:
         return len(self.cut_names) + 1
+
+    def skips_across(self, cut: int) -> list[Skip]:
+        """The skipped tensors crossing cut ``cut``, in a fixed order (both sides of the cut agree on it)."""
+        return [s for s in self.skips if s.crosses(cut)]
+
+    def crossing(self, cut: int) -> ValueSpec:
+        """What crosses cut ``cut``: the cut's value, and with skips, ``(value, [skipped tensors])``."""
+        return crossing_spec(self.cuts[cut], self.skips_across(cut))
 
     def to_json(self) -> dict:
         return {
@@ -100,6 +112,7 @@ class Structure:
             },
             "param_uses": {k: list(v) for k, v in self.param_uses.items()},
             "buffer_uses": {k: list(v) for k, v in self.buffer_uses.items()},
+            "skips": [s.to_json() for s in self.skips],
         }
 
     @classmethod
@@ -117,6 +130,7 @@ class Structure:
             },
             param_uses={k: tuple(v) for k, v in data["param_uses"].items()},
             buffer_uses={k: tuple(v) for k, v in data["buffer_uses"].items()},
+            skips=tuple(Skip.from_json(s) for s in data["skips"]),
         )
 
 
@@ -230,20 +244,26 @@ class _UseMode(TorchFunctionMode):
         self.recorder = recorder
         self.tracked = tracked
         self.uses: dict[int, set[int]] = {}
+        self.provenance = Provenance(set(tracked))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if reads_values(func):
+        reads = reads_values(func)
+        segment = self.recorder.segment
+        if reads:
             for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor) and id(leaf) in self.tracked:
-                    self.uses.setdefault(id(leaf), set()).add(self.recorder.segment)
-        return func(*args, **kwargs)
+                    self.uses.setdefault(id(leaf), set()).add(segment)
+        out = func(*args, **kwargs)
+        self.provenance.after_op(func, args, kwargs, out, segment, reads)
+        return out
 
 
 class _Recorder:
     """Hooks that follow one forward: the current segment, cut values and module calls."""
 
-    def __init__(self, model: nn.Module, cuts: dict[str, CutPoint]) -> None:
+    def __init__(self, model: nn.Module, cuts: dict[str, CutPoint], provenance: Provenance | None = None) -> None:
+        self.provenance = provenance
         self.segment = 0
         self.cut_order: list[str] = []
         self.cut_values: list[Any] = []
@@ -255,14 +275,18 @@ class _Recorder:
             if module is model or isinstance(module, CutPoint) or id(module) in names:
                 continue
             names[id(module)] = name
-            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            has_params = any(True for _ in module.parameters())
+            self._handles.append(module.register_forward_pre_hook(self._pre(name, has_params)))
             self._handles.append(module.register_forward_hook(self._post(name)))
         for cut in cuts.values():
             cut.set_hook(self._on_cut)
 
-    def _pre(self, name: str):
+    def _pre(self, name: str, has_params: bool):
         def hook(module, args):
-            self.calls.setdefault(name, []).append([self.segment, None, None])
+            calls = self.calls.setdefault(name, [])
+            if self.provenance is not None:
+                self.provenance.module_enter(name, len(calls), self.segment, has_params)
+            calls.append([self.segment, None, None])
 
         return hook
 
@@ -272,6 +296,8 @@ class _Recorder:
                 if call[1] is None:
                     call[1], call[2] = self.segment, _shadow(output)
                     break
+            if self.provenance is not None:
+                self.provenance.module_output(self.segment, output)
 
         return hook
 
@@ -283,6 +309,8 @@ class _Recorder:
             )
         self.cut_order.append(cut.cut_name)
         self.cut_values.append(_shadow(value))
+        if self.provenance is not None:
+            value = self.provenance.cut_value(cut.cut_name, len(self.cut_order) - 1, value)
         self.segment += 1
         release_free_memory(collect=False)  # the segment's freed intermediates (glibc keeps them in its heap)
         return value
@@ -345,7 +373,7 @@ def _quiet_run(model: nn.Module):
 
 
 def _run(model: nn.Module, cuts: dict[str, CutPoint], inputs: dict, mode: _UseMode | None, precision: str):
-    recorder = _Recorder(model, cuts)
+    recorder = _Recorder(model, cuts, None if mode is None else mode.provenance)
     if mode is not None:
         mode.recorder = recorder
     try:
@@ -400,7 +428,10 @@ def discover(
     _check_cut_order(cuts, rec_1, rec_2)
     cut_specs = _cut_specs(rec_1, rec_2)
     module_calls = _module_calls(rec_1, rec_2)
+    for slot, segments in mode.provenance.slot_reads().items():
+        mode.uses.setdefault(slot, set()).update(segments)
     param_uses, buffer_uses = _tensor_uses(slots, mode, module_calls)
+    skips = _skips(mode.provenance, tuple(rec_1.cut_order), cut_specs, module_calls)
     structure = Structure(
         key=key,
         cut_names=tuple(rec_1.cut_order),
@@ -409,6 +440,7 @@ def discover(
         module_calls=module_calls,
         param_uses=param_uses,
         buffer_uses=buffer_uses,
+        skips=skips,
     )
     if use_cache:
         _cache_put(structure)
@@ -497,6 +529,21 @@ def _module_calls(rec_1: _Recorder, rec_2: _Recorder) -> dict[str, tuple[ModuleC
             out.append(ModuleCall(start, end, spec))
         module_calls[name] = tuple(out)
     return module_calls
+
+
+def _skips(provenance: Provenance, cut_names: tuple[str, ...], cut_specs: tuple[ValueSpec, ...],
+           module_calls: dict[str, tuple[ModuleCall, ...]]) -> tuple[Skip, ...]:
+    """The tensors to carry across cuts (see [Note: skip routing]), each with its spec."""
+    def spec_of(origin):
+        if origin.source == CUT:
+            value = cut_specs[origin.call]
+        else:
+            calls = module_calls.get(origin.name, ())
+            value = calls[origin.call].output if origin.call < len(calls) else None
+        leaf = value.leaves[origin.leaf] if value is not None and origin.leaf < len(value.leaves) else None
+        return leaf if isinstance(leaf, TensorSpec) else None
+
+    return provenance.skips(cut_names, spec_of)
 
 
 def _tensor_uses(slots: list[tuple[str, torch.Tensor, bool]], mode: _UseMode,

@@ -11,12 +11,16 @@
 * The cutpoints before the stage only count segments; the *incoming* cut swaps the placeholder for the
   activation received from the previous stage; the *outgoing* cut raises :class:`_StageExit` carrying the
   activation out of ``forward``, so nothing after it runs and no exception is swallowed.
-* A skip connection across a cut makes a placeholder meet a real tensor, which torch refuses; that error is
-  turned into one that names the cut. Nothing silently computes on garbage.
+* A tensor that skips over cuts (found by discovery, see [Note: skip routing]) crosses with the cut's value as
+  ``(value, [skipped tensors])``: the stage that computes it captures it (a forward hook on its module, or at
+  its cut), the stages in between pass it on, and the stage that reads it puts it where its placeholder
+  would be. Any other value that skips a cut makes a placeholder meet a real tensor, which torch refuses;
+  that error is turned into one that names the cut. Nothing silently computes on garbage.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any, Iterator
@@ -24,6 +28,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
@@ -31,6 +36,7 @@ from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
 from .materialize import materialize
 from .rng import preserve_rng, seed_segment, segment_seed
+from .skips import CUT, Skip, join_crossing, split_crossing
 from .touch import Values
 
 __all__ = ["TieSet", "find_tie_sets", "StageModule"]
@@ -128,7 +134,9 @@ class _Context:
         self.n = 1
         self.incoming: Any = None
         self.incoming_seen = False
-        self.counters: dict[tuple[str, int], int] = {}
+        self.counters: dict[tuple[str, int], int] = {}  # stood-in module calls per (module, segment)
+        self.produced: dict[tuple[str, int], int] = {}  # module calls per (module, segment) whose outputs skip
+        self.carried: dict[int, torch.Tensor] = {}  # skipped tensors at hand, by index in structure.skips
         self.rng: tuple[int, int, int] | None = None  # (seed, step, micro-batch) for per-segment seeding
 
 
@@ -180,9 +188,13 @@ class StageModule:
         self._cuts = [cuts[name] for name in structure.cut_names]
         self.incoming_cut = structure.cut_names[self.first_segment - 1] if not self.is_first else None
         self.outgoing_cut = structure.cut_names[self.stop_segment - 1] if not self.is_last else None
-        self.incoming_spec = structure.cuts[self.first_segment - 1] if not self.is_first else None
-        self.outgoing_spec = structure.cuts[self.stop_segment - 1] if not self.is_last else None
+        self.incoming_spec = structure.crossing(self.first_segment - 1) if not self.is_first else None
+        self.outgoing_spec = structure.crossing(self.stop_segment - 1) if not self.is_last else None
+        index = {skip: i for i, skip in enumerate(structure.skips)}
+        self._in_skips = [index[s] for s in structure.skips_across(self.first_segment - 1)] if not self.is_first else []
+        self._out_skips = [index[s] for s in structure.skips_across(self.stop_segment - 1)] if not self.is_last else []
         self.param_names = self._slice_tensors()
+        self._pre_cut = _PlaceholderWins() if not self.is_first else contextlib.nullcontext()
         self._install_hooks()
 
     # ------------------------------------------------------------------------------------------------------
@@ -264,21 +276,61 @@ class StageModule:
         materialize(self.model, seed=self.values.seed, init=self.values.init, device=self.device,
                     modules={n.rpartition(".")[0] for n in on_meta})
 
+    def _skip_tables(self) -> tuple[dict, dict, dict, dict]:
+        """Where this stage puts received skipped tensors and takes the ones it sends on.
+
+        Returns ``(received by module, received by cut, sent by module, sent by cut)``: per module name a map
+        ``(segment, call index within the segment) -> [(leaf, skip index)]``, per cut index ``[(leaf, skip
+        index)]``. Received: produced before this stage and read here (a stand-in call or a counted cut gives
+        them back; a stage that only passes one on leaves its placeholder alone). Sent: produced here and
+        crossing the outgoing cut."""
+        received_mod: dict[str, dict] = {}
+        received_cut: dict[int, list] = {}
+        sent_mod: dict[str, dict] = {}
+        sent_cut: dict[int, list] = {}
+        sent = set(self._out_skips)
+        for i, skip in enumerate(self.structure.skips):
+            here = self.first_segment <= skip.produced < self.stop_segment
+            if i in self._in_skips and skip.read_in(self.first_segment, self.stop_segment):
+                mod_table, cut_table = received_mod, received_cut
+            elif i in sent and here:
+                mod_table, cut_table = sent_mod, sent_cut
+            else:
+                continue
+            if skip.source == CUT:
+                cut_table.setdefault(skip.call, []).append((skip.leaf, i))
+            else:
+                key = self._call_key(skip)
+                mod_table.setdefault(skip.name, {}).setdefault(key, []).append((skip.leaf, i))
+        return received_mod, received_cut, sent_mod, sent_cut
+
+    def _call_key(self, skip: Skip) -> tuple[int, int]:
+        """``(segment, index among the module's calls starting in that segment)`` of a skip's module call."""
+        calls = self.structure.module_calls[skip.name]
+        segment = calls[skip.call].segment_start
+        return segment, sum(1 for c in calls[:skip.call] if c.segment_start == segment)
+
     def _install_hooks(self) -> None:
+        received_mod, received_cut, sent_mod, sent_cut = self._skip_tables()
         for index, cut in enumerate(self._cuts):
             if index == self.first_segment - 1:
-                cut.set_hook(self._incoming_hook)
+                cut.set_hook(self._incoming_hook if index not in sent_cut else self._capturing(
+                    self._incoming_hook, sent_cut[index]))
             elif index == self.stop_segment - 1:
                 cut.set_hook(self._outgoing_hook)
             elif index < self.first_segment - 1:
-                cut.set_hook(self._count_hook)
+                cut.set_hook(self._count_hook if index not in received_cut else self._substituting(
+                    received_cut[index]))
             elif index < self.stop_segment - 1:
-                cut.set_hook(self._inner_hook)
+                cut.set_hook(self._inner_hook if index not in sent_cut else self._capturing(
+                    self._inner_hook, sent_cut[index]))
             else:
                 cut.set_hook(None)
+        modules = dict(self.model.named_modules())
+        for name, table in sent_mod.items():
+            modules[name].register_forward_hook(self._capture_output(name, table))
         if self.is_first:
             return
-        modules = dict(self.model.named_modules())
         for name, calls in self.structure.module_calls.items():
             module = modules.get(name)
             if module is None or isinstance(module, CutPoint):
@@ -290,19 +342,23 @@ class StageModule:
             by_segment: dict[int, list] = {}
             for call in calls:
                 by_segment.setdefault(call.segment_start, []).append(call)
-            object.__setattr__(module, "forward", self._stub(name, module.forward, by_segment, has_params))
+            object.__setattr__(module, "forward", self._stub(name, module.forward, by_segment, has_params,
+                                                             received_mod.get(name, {})))
 
-    def _stub(self, name: str, forward, by_segment: dict, has_params: bool):
+    def _stub(self, name: str, forward, by_segment: dict, has_params: bool, received: dict):
         ctx = self._ctx
         first = self.first_segment
 
         def stub(*args, **kwargs):
             segment = ctx.segment
-            if segment >= first or (not has_params and not _has_meta(args, kwargs)):
+            if segment >= first:
                 return forward(*args, **kwargs)
-            calls = by_segment.get(segment, [])
             index = ctx.counters.get((name, segment), 0)
             ctx.counters[(name, segment)] = index + 1
+            carried = received.get((segment, index)) if received else None
+            if carried is None and not has_params and not _has_meta(args, kwargs):
+                return forward(*args, **kwargs)
+            calls = by_segment.get(segment, [])
             call = calls[index] if index < len(calls) else None
             if call is not None and call.segment_end != segment:
                 # a container whose call spans cuts (e.g. a transformer body around its blocks): it runs, its
@@ -315,15 +371,64 @@ class StageModule:
                     hint="modules before a stage's incoming cut must return tensors (or tuples/dicts of tensors) "
                     "whose shapes depend only on the batch size",
                 )
-            return call.output.placeholder(ctx.n, self.placeholder_device)
+            value = call.output.placeholder(ctx.n, self.placeholder_device)
+            return value if carried is None else self._put_back(value, carried)
 
         return stub
+
+    def _put_back(self, value: Any, carried: list[tuple[int, int]]) -> Any:
+        """``value`` with the received skipped tensors at their leaves."""
+        leaves, spec = pytree.tree_flatten(value)
+        for leaf, i in carried:
+            leaves[leaf] = self._ctx.carried[i]
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _capture_output(self, name: str, table: dict):
+        """A forward hook keeping the leaves of ``name``'s output that this stage sends on as skips."""
+        ctx = self._ctx
+
+        def hook(module, args, output):
+            key = (ctx.segment, ctx.produced.get((name, ctx.segment), 0))
+            ctx.produced[(name, ctx.segment)] = key[1] + 1
+            wanted = table.get(key)
+            if wanted:
+                leaves = pytree.tree_leaves(output)
+                for leaf, i in wanted:
+                    ctx.carried[i] = leaves[leaf]
+
+        return hook
+
+    def _capturing(self, hook, wanted: list[tuple[int, int]]):
+        """``hook`` (incoming or inner cut), then keep the leaves of the value leaving the cut that skip."""
+        ctx = self._ctx
+
+        def capture(cut: CutPoint, value: Any) -> Any:
+            value = hook(cut, value)
+            leaves = pytree.tree_leaves(value)
+            for leaf, i in wanted:
+                ctx.carried[i] = leaves[leaf]
+            return value
+
+        return capture
+
+    def _substituting(self, carried: list[tuple[int, int]]):
+        """A counted cut (before this stage) whose value holds received skipped tensors: they replace the
+        placeholders there. The segment after it is seeded as its own stage seeds it (code before this stage's
+        cut runs again on the carried tensors)."""
+        def hook(cut: CutPoint, value: Any) -> Any:
+            self._ctx.segment += 1
+            self._seed()
+            return self._put_back(value, carried)
+
+        return hook
 
     # ------------------------------------------------------------------------------------------------------
     # Cut hooks
 
     def _count_hook(self, cut: CutPoint, value: Any) -> Any:
         self._ctx.segment += 1
+        if self._in_skips:  # code before this stage's cut then computes on carried tensors: seed it as the owner
+            self._seed()
         return value
 
     def _inner_hook(self, cut: CutPoint, value: Any) -> Any:
@@ -333,6 +438,7 @@ class StageModule:
 
     def _incoming_hook(self, cut: CutPoint, value: Any) -> Any:
         ctx = self._ctx
+        self._pre_cut.leave()
         ctx.segment += 1
         ctx.incoming_seen = True
         self._seed()
@@ -345,6 +451,16 @@ class StageModule:
             seed_segment(self.device, segment_seed(seed, step, mb, ctx.segment))
 
     def _outgoing_hook(self, cut: CutPoint, value: Any) -> Any:
+        if self._out_skips:
+            carried = self._ctx.carried
+            missing = [i for i in self._out_skips if i not in carried]
+            if missing:
+                skip = self.structure.skips[missing[0]]
+                raise CutPointError(
+                    f"on stage {self.stage}, {skip.describe()} must cross CutPoint {self.outgoing_cut!r} but was "
+                    f"not computed in this forward",
+                    hint="the forward must run the same modules and cuts for every batch")
+            value = join_crossing(value, [carried[i] for i in self._out_skips])
         raise _StageExit(value)
 
     # ------------------------------------------------------------------------------------------------------
@@ -366,21 +482,27 @@ class StageModule:
         ctx = self._ctx
         ctx.segment = 0
         ctx.n = n
-        ctx.incoming = incoming
         ctx.incoming_seen = False
         ctx.counters.clear()
+        ctx.produced.clear()
+        ctx.carried.clear()
+        if self._in_skips:
+            incoming, carried = split_crossing(incoming, len(self._in_skips))
+            ctx.carried.update(zip(self._in_skips, carried))
+        ctx.incoming = incoming
         ctx.rng = rng
         if rng is None:
             return self._run(inputs)
         with preserve_rng(self.device):
-            if self.is_first:
+            if self.is_first or self._in_skips:
                 self._seed()
             return self._run(inputs)
 
     def _run(self, inputs: dict) -> Any:
         ctx = self._ctx
         try:
-            output = self.model(**inputs)
+            with self._pre_cut:
+                output = self.model(**inputs)
         except _StageExit as done:
             value = done.value
             if _has_meta(value, {}):
@@ -404,6 +526,7 @@ class StageModule:
             raise
         finally:
             ctx.incoming = None
+            ctx.carried.clear()
         if not self.is_last:
             raise CutPointError(
                 f"stage {self.stage}'s forward ended without reaching its outgoing CutPoint {self.outgoing_cut!r}",
@@ -428,6 +551,41 @@ class StageModule:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         yield from self.param_names
+
+
+class _PlaceholderWins(TorchFunctionMode):
+    """Active from the start of a stage's forward to its incoming cut: an op mixing a ``meta`` tensor (a
+    placeholder, or another stage's parameter) with real ones (a carried skip, a NaN placeholder, this stage's
+    parameter) computes on ``meta``. The code before the cut runs only for what it leaves behind (values from
+    the model's inputs, skips put back in place); what it computes from placeholders is garbage either way, and
+    without this a root-level ``x + self.pos`` of another stage or ``down(h) + h`` with ``h`` carried would fail
+    on the device mismatch. Left (:meth:`leave`) at the incoming cut, or when the forward ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._active = False
+
+    def __enter__(self):
+        self._active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._active:
+            self._active = False
+            return super().__exit__(*exc)
+        return None
+
+    def leave(self) -> None:
+        self.__exit__(None, None, None)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        meta = [isinstance(t, torch.Tensor) and t.is_meta for t in leaves]
+        if any(meta) and not all(m for m, t in zip(meta, leaves) if isinstance(t, torch.Tensor)):
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t if t.is_meta else torch.empty_like(t, device="meta"), (args, kwargs))
+        return func(*args, **kwargs)
 
 
 def _has_meta(args: Any, kwargs: Any) -> bool:

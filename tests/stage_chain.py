@@ -1,0 +1,64 @@
+"""One process plays every stage of a pipeline: each stage's slice of its own copy of the model runs one
+micro-batch, the values crossing each cut are handed on (detached, as a receive would give them), and the
+gradients go back the same way. For checking slicing (skips, stand-ins, ties) without processes."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from varuna_core.ir.partition import Partition
+from varuna_core.model.discovery import discover, extract_loss, make_batch_fn
+from varuna_core.model.stage import StageModule, find_tie_sets
+
+
+def reference(make_model: Callable[[], nn.Module], inputs: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients (by parameter name) of the unsliced model."""
+    model = make_model()
+    loss = extract_loss(model(**inputs))
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def pipelined(make_model: Callable[[], nn.Module], ranges: list[tuple[int, int]], inputs: dict,
+              placeholders: str = "meta", shared=None) -> tuple[float, dict[str, torch.Tensor], list[StageModule]]:
+    """Loss and gradients of the model cut into stages of segment ranges ``ranges`` (tied copies summed)."""
+    probe = make_model()
+    fn, dims = make_batch_fn(inputs, None)
+    structure = discover(probe, fn, dims, use_cache=False)
+    partition = Partition.from_ranges(ranges, structure.num_segments)
+    n = next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor))
+    stages, outs, ins = [], [], []
+    value = None
+    for s in range(partition.num_stages):
+        model = make_model()
+        stage = StageModule(model, structure, partition, s, find_tie_sets(model, structure, partition, shared),
+                            torch.device("cpu"), placeholders=placeholders)
+        received = None
+        if value is not None:
+            received = pytree.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point())
+                                       if isinstance(t, torch.Tensor) else t, value)
+        out = stage.forward(inputs, received, n)
+        stages.append(stage)
+        ins.append(received)
+        outs.append(out)
+        value = out
+    loss = outs[-1]
+    loss.backward()
+    for s in range(len(stages) - 2, -1, -1):
+        sent = [t for t in pytree.tree_leaves(outs[s]) if isinstance(t, torch.Tensor)]
+        got = [t for t in pytree.tree_leaves(ins[s + 1]) if isinstance(t, torch.Tensor)]
+        pairs = [(o, g.grad if g.grad is not None else torch.zeros_like(g)) for o, g in zip(sent, got)
+                 if o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    grads: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        canonical = {name: tie.canonical for tie in stage.ties for name in tie.names}
+        for name, param in stage.named_parameters():
+            if param.grad is not None:
+                name = canonical.get(name, name)
+                grads[name] = grads[name] + param.grad if name in grads else param.grad.clone()
+    return loss.item(), grads, stages
