@@ -1,7 +1,9 @@
 """Tiny Hugging Face models built from configs (no downloads) and their batches, for the auto-cut tests.
 
 Each ``build(name, dropout)`` returns a 4-block model with its own loss (``labels`` in the batch); GPT-2 and
-BERT tie their output head to the input embedding, Llama does not. ``batch(name, n, seed)`` gives ``n``
+BERT tie their output head to the input embedding, Llama does not. The encoder–decoders (``SEQ2SEQ``: T5 and
+BART, ``...ForConditionalGeneration``) have 3 encoder and 3 decoder blocks and translate 12 tokens into 8
+(the reversed first 8, padding at the end of the second example's source). ``batch(name, n, seed)`` gives ``n``
 examples of 12 tokens: GPT-2 predicts every position; Llama a different number per example, normalised by the
 batch's count (``loss_reduction="sum"``); BERT 3 masked positions per example, with padding at the end of the
 second example (so the attention mask is a real tensor).
@@ -13,10 +15,35 @@ import torch
 
 VOCAB, SEQ = 61, 12
 NAMES = ("gpt2", "bert", "llama")
+SEQ2SEQ = ("t5", "bart")
+TARGET = 8
 
 
-def build(name: str, dropout: float = 0.0, n_layer: int = 4) -> torch.nn.Module:
+def build(name: str, dropout: float = 0.0, n_layer: int = 4, auto: bool = False) -> torch.nn.Module:
+    """The model ``name``; ``auto``: with ``cutpoints="auto"``'s cuts applied (as ``Varuna`` applies them)."""
+    model = _build(name, dropout, n_layer)
+    if auto:
+        from varuna_core.model.autocut import apply_auto_cutpoints
+
+        apply_auto_cutpoints(model)
+    return model
+
+
+def _build(name: str, dropout: float, n_layer: int) -> torch.nn.Module:
     import transformers as tf
+
+    if name == "t5":
+        cfg = tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3,
+                          num_heads=4, relative_attention_num_buckets=8, dropout_rate=dropout,
+                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        return tf.T5ForConditionalGeneration(cfg)
+    if name == "bart":
+        cfg = tf.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+                            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                            max_position_embeddings=SEQ, dropout=dropout, attention_dropout=dropout,
+                            activation_dropout=dropout, pad_token_id=0, bos_token_id=0, eos_token_id=1,
+                            decoder_start_token_id=1, forced_eos_token_id=None)
+        return tf.BartForConditionalGeneration(cfg)
 
     if name == "gpt2":
         cfg = tf.GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
@@ -39,6 +66,11 @@ def build(name: str, dropout: float = 0.0, n_layer: int = 4) -> torch.nn.Module:
 def batch(name: str, n: int, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (n, SEQ), generator=g)
+    if name in SEQ2SEQ:  # every example has TARGET labels, so a micro-batch's mean is a mean over examples
+        attention = torch.ones_like(ids)
+        if n > 1:
+            attention[1, -4:] = 0
+        return {"input_ids": ids, "attention_mask": attention, "labels": ids[:, :TARGET].flip(1).clone()}
     if name == "gpt2":
         return {"input_ids": ids, "labels": ids.clone()}
     if name == "llama":

@@ -109,7 +109,7 @@ class SequentialLM(nn.Module):
 
 
 class SkipAcrossCut(ToyLM):
-    """Wrong on purpose: the embedding output skips over the cuts straight into the head."""
+    """The embedding output (plus the root-level ``pos``) skips over every cut straight into the head."""
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)
@@ -185,7 +185,8 @@ class UNetLM(nn.Module):
     values skip over cuts: the embedding (``h0``, a module output) reaches the head across every cut, ``h1``
     (the value leaving cut 0) skips cuts 1..3, ``h2`` (leaving cut 1) skips cuts 2 and 3. The root-level
     ``self.pos`` is added to the skipped embedding both before the cuts and in the head's input, so the
-    stage computing the head holds it too (a tie found by discovery). 6 segments."""
+    stage computing the head holds it too (a tie found by discovery); the head is tied to the embedding.
+    6 segments."""
 
     def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
         super().__init__()
@@ -195,14 +196,40 @@ class UNetLM(nn.Module):
         self.mid = Block(hidden, dropout)
         self.up2, self.up1 = Block(hidden, dropout), Block(hidden, dropout)
         self.cuts = nn.ModuleList([CutPoint() for _ in range(5)])
-        self.head = nn.Linear(hidden, VOCAB)
+        self.head = nn.Linear(hidden, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied, as ToyLM (SHARED)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h0 = self.emb(idx)  # [b, s, h]
         x = self.cuts[0](h0 + self.pos[: idx.shape[1]])
-        h1 = self.cuts[1](self.down1(x))
+        h1 = self.cuts[1](self.down1(x) + h0)  # a later stage mixes the carried h0 with a placeholder here
         h2 = self.cuts[2](self.down2(h1))
         m = self.cuts[3](self.mid(h2))
         u2 = self.cuts[4](self.up2(m) + h2)
         u1 = self.up1(u2) * 0.5 + h1 + (h0 + self.pos[: idx.shape[1]])
         return F.cross_entropy(self.head(u1).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class _KeepingBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.kept = self.ln(x)  # an inner value left behind in an attribute
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.kept))))
+
+
+class SkipInsideBlock(ToyLM):
+    """Wrong on purpose: block 0 leaves an inner value in an attribute that the head reads; a later stage stands
+    in for block 0 as a whole, so the value cannot be carried (discovery names it)."""
+
+    def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
+        super().__init__(n_layer, hidden, dropout)
+        self.blocks[0] = _KeepingBlock(hidden, dropout)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)
+        x = self.cuts[0](x)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x)
+        logits = self.head(self.ln_f(x) + self.blocks[0].kept).transpose(0, 1)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))

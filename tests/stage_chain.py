@@ -59,6 +59,8 @@ def pipelined(make_model: Callable[[], nn.Module], ranges: list[tuple[int, int]]
         canonical = {name: tie.canonical for tie in stage.ties for name in tie.names}
         for name, param in stage.named_parameters():
             if param.grad is not None:
+                tied = name in canonical
                 name = canonical.get(name, name)
+                assert tied or name not in grads, f"{name} is held by two stages but is no tie set"
                 grads[name] = grads[name] + param.grad if name in grads else param.grad.clone()
     return loss.item(), grads, stages

@@ -33,12 +33,12 @@ def test_shape_change_at_a_cut_is_named(tmp_path) -> None:
     assert "rank 0" in receiver.error
 
 
-def test_skip_connection_across_a_cut_is_named(tmp_path) -> None:
-    results = _run(tmp_path, "0;1", 2, model="SkipAcrossCut")
-    last = results[1]
-    assert last.returncode == 1 and last.error.startswith("CutPointError"), last.error
-    assert "skip connection" in last.error and "CutPoint 'cuts." in last.error
-    assert results[0].returncode == 1  # its peer died: it fails too instead of hanging
+def test_a_skip_that_cannot_be_carried_is_named_on_every_rank(tmp_path) -> None:
+    """A value left inside a module and read after a cut: every rank refuses it at start-up, naming both."""
+    results = _run(tmp_path, "0;1", 2, model="SkipInsideBlock")
+    for res in results:
+        assert res.returncode == 1 and res.error.startswith("CutPointError"), res.error
+        assert "'blocks.0'" in res.error and "CutPoint 'cuts." in res.error
 
 
 def test_validation_names_the_cut_where_values_differ(tmp_path) -> None:

@@ -78,3 +78,33 @@ def test_dropout_masks_do_not_depend_on_the_layout(tmp_path) -> None:
     alone, pipelined = losses("0", 1), losses("0,2;1,3", 4)
     for a, b in zip(alone, pipelined):
         assert rel_diff(b, a) <= TOL, (a, b)
+
+
+@functools.lru_cache(maxsize=None)
+def seq2seq_reference(name: str, dropout: float = 0.0):
+    torch.manual_seed(0)
+    model = hf_models.build(name, dropout=dropout)
+    opt = optimizer(model.parameters())
+    return train_plain(model, opt, STEPS, lambda step: model(**hf_models.batch(name, BATCH, 100 + step)).loss)
+
+
+@pytest.mark.parametrize(("stage_map", "world"), [("0;1", 2), ("0,2;1,3", 4), ("0;1;2;3", 4)])
+def test_encoder_decoder_models_pipelined_equal_one_plain_process(stage_map, world, tmp_path) -> None:
+    """T5 and BART (ForConditionalGeneration) with cutpoints="auto": cuts in the encoder's and the decoder's
+    blocks, the encoder's output (and T5's shared position biases) carried to every decoder stage."""
+    runs = [{"model": f"hf-{name}", "schedule": schedule, "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK,
+             "steps": STEPS} for name, schedule in (("t5", "1f1b"), ("bart", "varuna"))]
+    results = run_ranks({"map": stage_map, "timeout": 120, "runs": runs}, world, tmp_path, timeout=300)
+    for res in results:
+        assert res.returncode == 0, res.error or res.output[-3000:]
+    for index, name in enumerate(hf_models.SEQ2SEQ):
+        want_losses, want_params = seq2seq_reference(name)
+        seen: set[str] = set()
+        for res in results:
+            got = res.result["runs"][index]
+            assert rel_diff(got["losses"], want_losses) <= TOL, (name, got["losses"], want_losses)
+            for pname, value in got["params"].items():
+                assert param_diff(value, want_params[pname]) <= TOL, (name, pname)
+                seen.add(pname)
+        every = {n for n, p in hf_models.build(name).named_parameters()}
+        assert every <= seen, (name, sorted(every - seen)[:5])

@@ -15,7 +15,7 @@ import torch
 
 from tests.dist.harness import run_ranks, train_plain
 from tests.dist.worker import make_optimizer
-from tests.models import SequentialLM, ToyLM, batch
+from tests.models import SkipAcrossCut, UNetLM, SequentialLM, ToyLM, batch
 
 pytestmark = pytest.mark.dist
 
@@ -122,3 +122,29 @@ def test_rank_holds_only_its_stage(tmp_path) -> None:
     tied_bytes = tied.numel() * tied.element_size()
     # every parameter is held exactly once, except the tied embedding held by the first and last stages
     assert sum(g["held_bytes"] for g in per_rank) == full + tied_bytes
+
+
+@pytest.mark.parametrize(("stage_map", "world", "partition"), [
+    ("0;1;2", 3, [(0, 1), (1, 5), (5, 6)]),  # the middle stage only passes the down path's features on
+    ("0,2;1,3", 4, [(0, 3), (3, 6)]),
+])
+def test_values_skipping_over_cuts_are_carried(stage_map, world, partition, tmp_path) -> None:
+    """A U-Net-like model (its up path adds the down path's features across the cuts) and a model whose
+    embedding skips into the head: pipelined, every loss and parameter equal one process."""
+    runs = [{"model": "UNetLM", "schedule": "1f1b", "optimizer": "adamw", "batch": BATCH, "chunk": CHUNK,
+             "steps": STEPS, "partition": partition},
+            {"model": "SkipAcrossCut", "schedule": "varuna", "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK,
+             "steps": STEPS, "partition": [(0, 1), (1, 5)] if world == 4 else [(0, 1), (1, 2), (2, 5)]}]
+    results = run_ranks({"map": stage_map, "timeout": 60, "runs": runs}, world, tmp_path)
+    for rank, res in enumerate(results):
+        assert res.returncode == 0, f"rank {rank} failed:\n{res.error or res.output[-3000:]}"
+    for index, (cls, optimizer) in enumerate(((UNetLM, "adamw"), (SkipAcrossCut, "sgd"))):
+        ref_losses, ref_params, owner = reference(optimizer, model_cls=cls)
+        seen: set[str] = set()
+        for rank, res in enumerate(results):
+            got = res.result["runs"][index]
+            assert rel_diff(got["losses"], ref_losses) <= TOL, f"{cls.__name__} rank {rank}: {got['losses']}"
+            for pname, value in got["params"].items():
+                assert rel_diff(value, ref_params[pname]) <= TOL, f"{cls.__name__} rank {rank}: {pname} differs"
+                seen.add(pname)
+        assert {owner[n] for n in seen} == set(owner.values()), f"{cls.__name__}: some parameters are held by no rank"

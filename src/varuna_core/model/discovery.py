@@ -633,7 +633,7 @@ def _cache_get(key: str) -> Structure | None:
     path = cache_dir() / f"{key}.json"
     try:
         structure = Structure.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError):
         return None
     if structure.key != key:
         return None

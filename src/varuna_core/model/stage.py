@@ -113,11 +113,16 @@ def weight_groups(model: nn.Module, shared_weights: list[tuple[str, str]] | None
 def find_tie_sets(
     model: nn.Module, structure: Structure, partition: Partition, shared_weights: list[tuple[str, str]] | None
 ) -> list[TieSet]:
-    """The weights of :func:`weight_groups` whose copies the pipeline must keep equal: those held by more than
-    one stage, or by more than one parameter object."""
+    """The weights whose copies the pipeline must keep equal: those of :func:`weight_groups` and single
+    parameters held by more than one stage, or a weight held by more than one parameter object."""
     slot_objects = dict(model.named_parameters(remove_duplicate=False))
+    groups = weight_groups(model, shared_weights)
+    grouped = {name for _, names in groups for name in names}
+    # a weight under one name is tied too when segments of several stages read it (root code such as
+    # ``h + self.pos`` computed again where a carried skip is read; see [Note: skip routing])
+    groups += [(name, (name,)) for name in slot_objects if name not in grouped]
     ties = []
-    for canonical, names in weight_groups(model, shared_weights):
+    for canonical, names in groups:
         segments = {seg for n in names for seg in structure.param_uses.get(n, (0,))}
         stages = tuple(sorted({partition.stage_of_segment(seg) for seg in segments}))
         objects = {id(slot_objects[n]) for n in names}
