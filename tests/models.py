@@ -87,8 +87,7 @@ class ListCutLM(ToyLM):
 
 class SequentialLM(nn.Module):
     """Blocks in an ``nn.Sequential``, no CutPoint, a tied head: ``cutpoints="auto"`` cuts in front of blocks
-    1.. (``n_layer`` segments). Positions come from an ``nn.Embedding`` (an auto-cut stage runs the code before
-    its incoming cut on real placeholders, which a root-level parameter of another stage cannot join)."""
+    1.. (``n_layer`` segments). Positions come from an ``nn.Embedding``."""
 
     AUTO_CUTS = True
 

@@ -43,3 +43,14 @@ def _boom():
 
 
 marked = ModelSpec(build=_boom, batch=_batch, name="marked")
+
+
+def _unet() -> torch.nn.Module:
+    from tests.models import UNetLM
+
+    torch.manual_seed(0)
+    return UNetLM()
+
+
+unet = ModelSpec(build=_unet, batch=lambda n: batch(n, seed=n), shared_weights=[("emb.weight", "head.weight")],
+                 name="unet")  # values skip over its cuts (tests.models.UNetLM)

@@ -132,3 +132,26 @@ def test_cli_writes_profile_and_json(tmp_path) -> None:
     printed = Profile.model_validate(json.loads(out.stdout))
     assert Profile.model_validate_json(path.read_text()) == printed
     assert printed.microbatch_sizes == [1, 2]
+
+
+def test_values_skipping_a_cut_are_measured_and_planned(tmp_path) -> None:
+    """U-Net-like model: each cut's output bytes include what skips over it (h0 over all, h1 over 2-4, h2 over
+    3: [n, 6, 16] float32 each), reported per cut, and a plan's stage boundary carries them."""
+    from varuna_core.planning.planner import PlanRequest, plan_for
+
+    result = profile(sleep.unet, microbatch_sizes=[2, 4], repeats=1, warmup=0)
+    per_tensor = {n: n * 6 * 16 * 4 for n in (2, 4)}
+    skipped = [1, 1, 2, 3, 2]  # tensors skipping cut 0..4
+    for seg in result.segments[:-1]:
+        assert len(seg.skips) == skipped[seg.index], seg.skips
+        for m in seg.measures:
+            assert m.skip_bytes == skipped[seg.index] * per_tensor[m.microbatch_size]
+            assert m.output_bytes == m.skip_bytes + per_tensor[m.microbatch_size]
+    assert "output 0 of 'emb' ([1, 6, 16] float32 per example)" in result.segments[0].skips
+    assert not result.segments[-1].skips and result.segments[-1].measures[0].skip_bytes == 0
+    plan = plan_for(result, PlanRequest(gpus=2, batch_size=8), pp=2, dp=1, microbatch_size=4, schedule="1f1b")
+    boundary = plan.stages[0]
+    cut = boundary.segments[1] - 1
+    assert boundary.skip_bytes == skipped[cut] * per_tensor[4]
+    assert boundary.activation_bytes == boundary.skip_bytes + per_tensor[4]
+    assert plan.stages[1].skip_bytes == plan.stages[1].activation_bytes == 0

@@ -141,6 +141,34 @@ def test_a_damaged_cache_entry_is_a_miss(text) -> None:
 
 
 
+class _RootPositions(models.SequentialLM):
+    """Auto cuts and a root-level parameter added before the first block: a later stage runs that code on
+    NaN placeholders while the parameter lives elsewhere (on meta); the mix computes on meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(models.SEQ, models.HIDDEN) * 0.1)
+
+    def forward(self, idx, targets):
+        x = self.blocks((self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1))
+        logits = self.head(self.ln_f(x)).transpose(0, 1)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, models.VOCAB), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("ranges", [[(0, 1), (1, 4)], [(0, 2), (2, 3), (3, 4)]])
+def test_auto_cuts_with_a_root_level_parameter_of_another_stage(ranges) -> None:
+    from varuna_core.model.autocut import apply_auto_cutpoints
+
+    def make():
+        torch.manual_seed(0)
+        model = _RootPositions()
+        apply_auto_cutpoints(model)
+        return model
+
+    inputs = models.batch(3)
+    _assert_same(reference(make, inputs), pipelined(make, ranges, inputs, "real", shared=models.SHARED))
+
+
 @pytest.mark.parametrize("name", ["t5", "bart"])
 def test_encoder_decoder_models_cut_automatically_equal_the_unsliced_model(name) -> None:
     pytest.importorskip("transformers", reason="the [hf] extra")

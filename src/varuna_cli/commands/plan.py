@@ -144,8 +144,20 @@ def _table(result) -> None:
     stages = ", ".join(f"{a}-{b - 1}" for a, b in result.partition)
     out.print(f"partition (segments per stage): {stages}; stage_to_rank_map {result.stage_to_rank_map!r}",
               markup=False)
+    _print_skips(out, result)
     if result.alternatives:
         out.print(f"why this plan: {_why(result)}", markup=False)
+
+
+def _print_skips(out, result) -> None:
+    """Per stage boundary where tensors skip over the cut, what is sent and how much of it skips."""
+    from varuna_core.ir.units import format_bytes
+
+    for st in result.stages:
+        if st.skip_bytes:
+            out.print(f"stage {st.stage} → {st.stage + 1} sends {format_bytes(st.activation_bytes)} per micro-batch, "
+                      f"of which {format_bytes(st.skip_bytes)} are values skipping the cut for later stages",
+                      markup=False, highlight=False)
 
 
 def _why(result) -> str:
@@ -190,6 +202,10 @@ def show(
         lines = lines[: max_steps + 1] + [f"... {hidden} more steps (--max-steps 0 shows all)"]
     typer.echo(f"{result.schedule}: {result.pp} stages, {result.num_microbatches} micro-batches per replica")
     typer.echo("\n".join(lines))
+    if any(st.skip_bytes for st in result.stages):
+        from rich.console import Console
+
+        _print_skips(Console(), result)
     if png:
         from varuna_core.planning.timeline import draw_plan
 

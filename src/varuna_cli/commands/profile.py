@@ -126,6 +126,10 @@ def _summary(result, output: Path) -> None:
         cells.append(f"{format_bytes(last.output_bytes)} / {format_bytes(last.saved_bytes)}")
         table.add_row(*map(Text, cells))
     out.print(table)
+    for seg in result.segments:
+        if seg.skips:
+            out.print(Text(f"{seg.output_cut} also carries {format_bytes(seg.measures[-1].skip_bytes)} of values "
+                           f"skipping it (mb {seg.measures[-1].microbatch_size}): {'; '.join(seg.skips)}"))
     for curve in result.comm:
         what = "point-to-point" if curve.op == "p2p" else f"all-reduce over {curve.group_size}"
         out.print(f"{what} ({curve.link}-node): latency {curve.fit.latency * 1e6:.0f} µs, "

@@ -75,7 +75,8 @@ class Skip:
 
     def describe(self) -> str:
         what = f"output {self.leaf} of {self.name!r}" if self.source == MODULE else f"value {self.leaf} at {self.name!r}"
-        return f"{what} ({self.spec.describe(1)} per example)"
+        per = "per example" if self.spec.batch_dims else "for any number of examples"
+        return f"{what} ({self.spec.describe(1)} {per})"
 
     def to_json(self) -> list:
         return [self.source, self.name, self.call, self.leaf, self.produced, list(self.reads),

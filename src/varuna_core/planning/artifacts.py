@@ -89,6 +89,8 @@ class SegmentMeasure(CheckedModel):
     recompute: Stat = Field(description="forward that records the graph (1F1B/GPipe F, varuna R)")
     backward: Stat = Field(description="backward of the segment, from the output gradient to input and weights")
     output_bytes: Bytes = Field(description="bytes of the value leaving the segment at its cut (0 for the last)")
+    skip_bytes: Bytes = Field(0, description="of output_bytes, the tensors that skip over the cut to a later "
+                              "segment, carried with the cut's value (see skip routing in the docs)")
     saved_bytes: Bytes = Field(description="activation bytes autograd keeps for the backward (saved tensors)")
     peak_bytes: Bytes | None = Field(None, description="device max_memory_allocated during the pass (CUDA only)")
 
@@ -98,6 +100,10 @@ class SegmentProfile(CheckedModel):
 
     index: Index
     input_cut: str | None = Field(description="cut the segment starts after (None for the first)")
+    skips: list[Annotated[str, Field(max_length=500)]] = Field(
+        default_factory=list, max_length=10_000,
+        description="the tensors computed before the segment's output cut and read after it, carried with the "
+                    "cut's value (what, where from, per-example shape)")
     output_cut: str | None = Field(description="cut the segment ends at (None for the last)")
     param_count: Bytes
     param_bytes: Bytes = Field(
@@ -252,6 +258,9 @@ class StagePlan(CheckedModel):
         description="predicted R time per full micro-batch (s); 0 when the stage does not recompute")
     backward: Seconds = Field(description="predicted B time per full micro-batch (s)")
     send_activation: Seconds = Field(0.0, description="predicted time to send one activation to the next stage (s)")
+    activation_bytes: Bytes = Field(0, description="bytes sent to the next stage per full micro-batch")
+    skip_bytes: Bytes = Field(0, description="of activation_bytes, the tensors skipping over the stage's "
+                              "outgoing cut (carried for a later stage)")
     send_gradient: Seconds = Field(0.0, description="predicted time to send one gradient to the previous stage (s)")
     allreduce: Seconds = Field(0.0, description="predicted data-parallel gradient all-reduce time (s)")
     optimizer: Seconds = Field(0.0, description="predicted optimizer step time (s)")

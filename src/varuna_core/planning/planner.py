@@ -84,6 +84,7 @@ class _Seg:
     static_bytes: int  # parameters + gradients + optimizer state
     grad_bytes: int
     optimizer_time: float = 0.0
+    skip_bytes: float = 0.0  # of output_bytes: tensors skipping over the cut
 
 
 def _interp(measures: Sequence[SegmentMeasure], n: float, get) -> float:
@@ -113,6 +114,7 @@ def _segments_at(profile: Profile, n: float) -> list[_Seg]:
             static_bytes=seg.param_bytes + seg.grad_bytes + seg.optimizer_bytes,
             grad_bytes=seg.grad_bytes,
             optimizer_time=seg.optimizer_time,
+            skip_bytes=_interp(ms, n, lambda m: m.skip_bytes),
         ))
     return out
 
@@ -615,9 +617,12 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
     per_node = req.gpus_per_node or req.gpus
     topology = Topology.clustered(best.pp, best.dp)
     nodes = _nodes(best.pp * best.dp, per_node)
+    segs = _segments_at(profile, best.mbs)
     stages = [
         StagePlan(stage=s, segments=(a, b), forward=c.forward, recompute=c.recompute, backward=c.backward,
                   send_activation=c.send_activation, send_gradient=c.send_gradient,
+                  activation_bytes=round(segs[b - 1].output_bytes) if b < len(segs) else 0,
+                  skip_bytes=round(segs[b - 1].skip_bytes) if b < len(segs) else 0,
                   allreduce=c.allreduce - best.optimizer[s], optimizer=best.optimizer[s],
                   busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0])
         for s, ((a, b), c) in enumerate(zip(best.partition.ranges, best.costs))

@@ -265,6 +265,14 @@ class _SegmentBench:
             return 0
         return sum(t.numel() * t.element_size() for t in flatten(out)[0] if isinstance(t, torch.Tensor))
 
+    def skip_bytes(self, out: Any) -> int:
+        """Of :meth:`output_bytes`, the skipped tensors (they follow the cut's value, see :mod:`varuna_core.model.skips`)."""
+        count = 0 if self.stage.is_last else len(self.structure.skips_across(self.segment))
+        if not count:
+            return 0
+        tensors = [t for t in flatten(out)[0] if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors[-count:])
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -311,7 +319,7 @@ def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     return SegmentMeasure(microbatch_size=n, forward=_stat(forward), recompute=_stat(recompute),
                           backward=_stat(backward), output_bytes=bench.output_bytes(out), saved_bytes=saved[0],
-                          peak_bytes=peak)
+                          skip_bytes=bench.skip_bytes(out), peak_bytes=peak)
 
 
 def _static_sizes(bench: _SegmentBench, repeats: int = 5) -> tuple[int, int, int, int, float]:
@@ -385,7 +393,9 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
         SegmentProfile(index=k, input_cut=structure.cut_names[k - 1] if k > 0 else None,
                        output_cut=structure.cut_names[k] if k < len(structure.cut_names) else None,
                        param_count=statics[k][0], param_bytes=statics[k][1], grad_bytes=statics[k][2],
-                       optimizer_bytes=statics[k][3], optimizer_time=statics[k][4], measures=measures[k])
+                       optimizer_bytes=statics[k][3], optimizer_time=statics[k][4], measures=measures[k],
+                       skips=[skip.describe() for skip in structure.skips_across(k)]
+                       if k < len(structure.cut_names) else [])
         for k in mine
     ]
     if world > 1:
