@@ -188,3 +188,25 @@ def test_encoder_decoder_models_cut_automatically_equal_the_unsliced_model(name)
     assert any(s.name.endswith("encoder.layers.2") or s.name == "encoder.dropout" for s in structure.skips)
     for ranges in ([(0, 2), (2, 5)], [(0, 1), (1, 3), (3, 5)], [(i, i + 1) for i in range(n)]):
         _assert_same(ref, pipelined(make, ranges, inputs, "real"))
+
+
+class _ThroughPython(models.ToyLM):
+    """The embedding's mean leaves torch as a Python number and comes back as a new tensor read by the head:
+    no tensor op leads from the embedding to its use, so nothing is carried."""
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        scale = torch.tensor(1.0 + h.detach().abs().mean().item())
+        x = self.cuts[0](h.transpose(0, 1))
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x)
+        logits = self.head(self.ln_f(x)).transpose(0, 1) * scale
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, models.VOCAB), targets.reshape(-1))
+
+
+def test_a_value_that_leaves_torch_is_named_at_run_time() -> None:
+    with pytest.raises(CutPointError, match=r"on stage 1, code before CutPoint 'cuts\.0' mixes") as info:
+        pipelined(_seeded(_ThroughPython), [(0, 1), (1, 5)], models.batch(2), shared=models.SHARED)
+    assert "Python number" in info.value.hint

@@ -514,7 +514,8 @@ class StageModule:
                 raise CutPointError(
                     f"on stage {self.stage}, the value reaching CutPoint {self.outgoing_cut!r} depends on a value "
                     f"computed on an earlier stage that did not cross CutPoint {self.incoming_cut!r}",
-                    hint="pass everything a later stage needs through the CutPoint (it accepts a tuple or dict)",
+                    hint="values that skip over cuts are carried when tensor ops lead from them to their use; pass "
+                    "this one through the CutPoint (it accepts a tuple or dict)",
                 ) from None
             return value
         except CutPointError:
@@ -525,8 +526,9 @@ class StageModule:
                 raise CutPointError(
                     f"on stage {self.stage}, code {where} CutPoint {self.incoming_cut!r} mixes a value computed on "
                     f"an earlier stage with this stage's tensors ({type(exc).__name__}: {str(exc).splitlines()[0]})",
-                    hint="a skip connection may not cross a cut: route the value through the CutPoint "
-                    "(it accepts a tuple or dict of tensors)",
+                    hint="values that skip over cuts are carried when tensor ops lead from them to their use; this "
+                    "one came another way (a Python number, numpy, state kept across calls): pass it through the "
+                    "CutPoint (it accepts a tuple or dict of tensors)",
                 ) from exc
             raise
         finally:
