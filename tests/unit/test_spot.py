@@ -1,0 +1,191 @@
+"""Spot notices (varuna_core.launch.spot): each cloud's documented answers served by a local HTTP server on
+127.0.0.1, and hostile ones (huge, nested, trickled, redirected, wrong types) that must be no notice, quickly."""
+
+from __future__ import annotations
+
+import email.utils
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+from varuna_core.launch.spot import MAX_BODY, SpotWatcher, check
+
+NOW = 1_800_000_000.0
+
+
+class _Metadata(http.server.ThreadingHTTPServer):
+    """Serves ``routes[(method, path)] -> (status, body, headers required)``; records what was asked."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.routes: dict[tuple[str, str], tuple[int, bytes | callable]] = {}
+        self.required: dict[tuple[str, str], dict[str, str]] = {}
+        self.asked: list[tuple[str, str, dict]] = []
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+    def _serve(self) -> None:
+        server: _Metadata = self.server  # type: ignore[assignment]
+        key = (self.command, self.path)
+        server.asked.append((self.command, self.path, dict(self.headers)))
+        want = server.required.get(key, {})
+        if any(self.headers.get(k) != v for k, v in want.items()):
+            self.send_response(401)
+            self.end_headers()
+            return
+        status, body = server.routes.get(key, (404, b""))
+        if callable(body):
+            body(self)
+            return
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_PUT = _serve
+
+
+@pytest.fixture()
+def server():
+    srv = _Metadata()
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+AZURE = ("GET", "/metadata/scheduledevents?api-version=2020-07-01")
+AWS_TOKEN = ("PUT", "/latest/api/token")
+AWS_ACTION = ("GET", "/latest/meta-data/spot/instance-action")
+GCP = ("GET", "/computeMetadata/v1/instance/preempted")
+
+
+def _azure(server, events) -> None:
+    server.required[AZURE] = {"Metadata": "true"}
+    server.routes[AZURE] = (200, json.dumps({"DocumentIncarnation": 2, "Events": events}).encode())
+
+
+def _event(kind="Preempt", seconds=45.0, resources=("vm-1",), event_id="E1") -> dict:
+    not_before = email.utils.formatdate(NOW + seconds, usegmt=True) if seconds is not None else ""
+    return {"EventId": event_id, "EventType": kind, "ResourceType": "VirtualMachine", "Resources": list(resources),
+            "EventStatus": "Scheduled", "NotBefore": not_before, "Description": "", "EventSource": "Platform"}
+
+
+def test_azure_scheduled_events(server) -> None:
+    _azure(server, [_event("Reboot", 5), _event("Preempt", 45)])
+    notice = check("azure", server.base, now=NOW)
+    assert notice.source == "azure" and notice.event == "E1" and notice.seconds == pytest.approx(45, abs=1)
+    _azure(server, [_event("Terminate", None, event_id="E2")])  # started: NotBefore is empty
+    assert check("azure", server.base, now=NOW).seconds == 0
+    _azure(server, [_event("Preempt", 30, resources=("vm-2",))])
+    assert check("azure", server.base, now=NOW, vm_name="vm-1") is None  # another VM's eviction
+    assert check("azure", server.base, now=NOW, vm_name="vm-2").seconds == pytest.approx(30, abs=1)
+    _azure(server, [_event("Freeze", 10), _event("Redeploy", 10)])
+    assert check("azure", server.base, now=NOW) is None
+    server.required[AZURE] = {"Metadata": "true"}
+    assert server.asked[-1][2].get("Metadata") == "true"
+
+
+def test_aws_instance_action_through_imdsv2(server) -> None:
+    server.required[AWS_ACTION] = {"X-aws-ec2-metadata-token": "tok-123"}
+    server.required[AWS_TOKEN] = {"X-aws-ec2-metadata-token-ttl-seconds": "300"}
+    server.routes[AWS_TOKEN] = (200, b"tok-123")
+    assert check("aws", server.base, now=NOW) is None  # 404: nothing scheduled
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(NOW + 120))
+    server.routes[AWS_ACTION] = (200, json.dumps({"action": "terminate", "time": when}).encode())
+    notice = check("aws", server.base, now=NOW)
+    assert notice.seconds == pytest.approx(120, abs=1) and "terminate" in notice.detail
+    server.routes[AWS_TOKEN] = (200, b"wrong")  # the action document refuses the token: no notice
+    assert check("aws", server.base, now=NOW) is None
+
+
+def test_gcp_preempted_key(server) -> None:
+    server.required[GCP] = {"Metadata-Flavor": "Google"}
+    server.routes[GCP] = (200, b"FALSE")
+    assert check("gcp", server.base) is None
+    server.routes[GCP] = (200, b"TRUE")
+    assert check("gcp", server.base).seconds == 0
+
+
+def _trickle(handler) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Length", "1000")
+    handler.end_headers()
+    for _ in range(1000):
+        handler.wfile.write(b"[")
+        handler.wfile.flush()
+        time.sleep(0.05)
+
+
+def _redirect(handler) -> None:
+    handler.send_response(302)
+    handler.send_header("Location", "http://127.0.0.1:1/elsewhere")
+    handler.send_header("Content-Length", "0")
+    handler.end_headers()
+
+
+@pytest.mark.parametrize("body", [
+    b"x" * (MAX_BODY + 10),  # huge
+    b"[" * 100_000,  # nested past the parser's recursion
+    b"\xff\xfe not utf-8",
+    b"null", b"[]", b'{"Events": {"a": 1}}', b'{"Events": [1, "x", null, {"EventType": ["Preempt"]}]}',
+    json.dumps({"Events": [{"EventId": "E", "EventType": "Preempt", "Resources": [], "NotBefore": "not a date"}]}).encode(),
+    json.dumps({"Events": [{"EventId": 7, "EventType": "Preempt", "NotBefore": ""}]}).encode(),
+    _trickle, _redirect,
+], ids=["huge", "nested", "binary", "null", "list", "events-dict", "bad-entries", "bad-date", "bad-id", "trickle",
+        "redirect"])
+def test_hostile_answers_are_no_notice_and_quick(server, body) -> None:
+    server.routes[AZURE] = (200, body)
+    started = time.monotonic()
+    assert check("azure", server.base, now=NOW, timeout=0.5) is None
+    assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("doc", [{"action": "reboot", "time": "2030-01-01T00:00:00Z"}, {"action": "stop"},
+                                 {"action": ["stop"], "time": "2030-01-01T00:00:00Z"},
+                                 {"action": "stop", "time": "9999999-01-01T00:00:00Z"},
+                                 {"action": "stop", "time": "yesterday"}, {"action": "stop", "time": 5}, [1]])
+def test_aws_documents_not_as_documented_are_no_notice(server, doc) -> None:
+    server.routes[AWS_TOKEN] = (200, b"t")
+    server.routes[AWS_ACTION] = (200, json.dumps(doc).encode())
+    assert check("aws", server.base, now=NOW) is None
+
+
+def test_nothing_listening_and_bad_addresses() -> None:
+    assert check("gcp", "http://127.0.0.1:1", timeout=0.5) is None
+    for bad in ("https://x", "ftp://x", "http://", "http://h/path", "http://h?q=1"):
+        with pytest.raises(ValueError):
+            check("aws", bad)
+    with pytest.raises(ValueError, match="unknown preemption source"):
+        check("oracle")
+
+
+def test_watcher_calls_back_once_per_event(server) -> None:
+    _azure(server, [_event("Preempt", 60)])
+    got: list = []
+    watcher = SpotWatcher("azure", got.append, base=server.base, interval=0.05).start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(server.asked) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _azure(server, [_event("Preempt", 60), _event("Terminate", None, event_id="E9")])
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        watcher.stop(timeout=5)
+    assert [n.event for n in got] == ["E1", "E9"]
+    with pytest.raises(ValueError):
+        SpotWatcher("azure", got.append, base="https://x")
