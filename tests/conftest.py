@@ -31,3 +31,12 @@ def small_disk(tmp_path):
     yield make
     for path in mounts:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _outside_any_scheduler():
+    """The suite may itself run inside a Slurm job: `varuna launch` would then take the allocation's nodes. Its
+    launches stay local unless a test builds its own cluster (tests/launch/test_slurm.py)."""
+    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("SLURM_")}
+    yield
+    os.environ.update(saved)

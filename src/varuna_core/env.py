@@ -79,6 +79,7 @@ class WorkerEnv:
     run_id: str | None = None  # VARUNA_RUN_ID: the run the checkpoints belong to
     manager: str | None = None  # VARUNA_MANAGER: host:port of the launcher's heartbeat listener
     host: str | None = None  # VARUNA_HOST: this worker's host as the launcher names it
+    on_sigterm: str | None = None  # VARUNA_ON_SIGTERM: "checkpoint" under a scheduler that signals every process
 
     @staticmethod
     def variable(field_name: str) -> str:

@@ -99,6 +99,7 @@ PLAN_CASES = [
     (["--schedule", "bogus"], "unknown schedule 'bogus'"),
     (["--schedule", ","], "--schedule names no schedule"),
     (["--no-such-option"], "No such option"),
+    (["--slurm"], "--gpus and --slurm both give the device count"),
 ]
 
 
@@ -219,6 +220,10 @@ def test_launch_bad_plans(capsys, files, tmp_path, plan, needle) -> None:
     ("--ssh-port", "70000", "--ssh-port must be in 1..65535"),
     ("--ssh-user", "-oProxyCommand=x", "--ssh-user '-oProxyCommand=x' is not a user name"),
     ("--heartbeat-timeout", "soon", "Invalid value for '--heartbeat-timeout'"),
+    ("--preemption-source", "ibm", "--preemption-source 'ibm' is not one of azure, aws, gcp"),
+    ("--preemption-endpoint", "http://127.0.0.1:9", "--preemption-endpoint needs --preemption-source"),
+    ("--preemption-interval", "0", "--preemption-interval must be a number in [0.1, 3600]"),
+    ("--preemption-interval", "nan", "--preemption-interval"),
 ])
 def test_launch_bad_numbers(capsys, files, tmp_path, option, value, needle) -> None:
     code, err = _launch(capsys, files, tmp_path, option, value)
@@ -482,3 +487,28 @@ def test_env_in_a_subprocess_redacts_the_job_token() -> None:
     done = _run("env", env={"VARUNA_JOB_TOKEN": "s3cr3t"})
     assert done.returncode == 0, done.stderr
     assert "s3cr3t" not in done.stdout and "env.VARUNA_JOB_TOKEN:" in done.stdout
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (["--preemption-source", "aws", "--preemption-endpoint", "ftp://x"], "--preemption-endpoint: a metadata"),
+    (["--preemption-source", "gcp", "--preemption-endpoint", "http://h/path"], "is http://host[:port]"),
+    (["--slurm"], "not inside a Slurm job (SLURM_JOB_ID is not set)"),
+])
+def test_launch_clouds_and_clusters(capsys, monkeypatch, files, tmp_path, extra, needle) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    code, err = _launch(capsys, files, tmp_path, *extra)
+    assert_one_error(code, err, needle=needle)
+
+
+def test_launch_slurm_and_hosts_conflict(capsys, monkeypatch, files, tmp_path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 slots=4\n")
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    code, err = _launch(capsys, files, tmp_path, "--slurm", "--hosts", str(hosts))
+    assert_one_error(code, err, needle="--slurm and --hosts both say where to run")
+
+
+def test_plan_needs_a_device_count(capsys, files) -> None:
+    code, out, err = run_main(capsys, "plan", files["profile.json"], "--batch-size", "16", "-o",
+                              files["dir_path"] / "none.yaml")
+    assert_one_error(code, err, needle="--gpus is required")

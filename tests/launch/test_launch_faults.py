@@ -65,6 +65,34 @@ def test_sigterm_checkpoints_and_resume_continues(plan2, tmp_path, launches) -> 
     assert [e["resume"] for e in again.events() if e["event"] == "starting"] == [term["checkpoint"]]
 
 
+def test_a_spot_notice_checkpoints_a_job_that_cannot_move(plan2, tmp_path, launches) -> None:
+    """Each node agent asks the cloud's metadata service (here GCP's, served on 127.0.0.1) whether its VM goes
+    away; when it says TRUE, the job (local, no --morph: nowhere to move) checkpoints and stops with 143, as on
+    SIGTERM; every agent asked with the documented header."""
+    from devtools.metadata import MetadataServer
+
+    store = tmp_path / "run" / "checkpoints"
+    preempted = ("GET", "/computeMetadata/v1/instance/preempted")
+    with MetadataServer() as cloud:
+        cloud.required[preempted] = {"Metadata-Flavor": "Google"}
+        cloud.routes[preempted] = (200, b"FALSE")
+        launch = launches([str(plan2), "--preemption-source", "gcp", "--preemption-endpoint", cloud.base,
+                           "--preemption-interval", "0.2", "--", *TRAIN, "--steps", "100000"], tmp_path / "run",
+                          timeout=300)
+        launch.wait_for(lambda: len(launch.steps()) >= 10)
+        cloud.routes[preempted] = (200, b"TRUE")
+        assert launch.wait() == 143, launch.output()[-3000:]
+        asked = [a for a in cloud.asked if (a[0], a[1]) == preempted]
+    assert asked and all(headers.get("Metadata-Flavor") == "Google" for _, _, headers in asked)
+    events = launch.events()
+    notice = next(e for e in events if e["event"] == "spot_notice")
+    assert (notice["host"], notice["source"], notice["seconds"]) == ("127.0.0.1", "gcp", 0.0)
+    term = next(e for e in events if e["event"] == "terminated")
+    assert "the preemption notice for 127.0.0.1" in term["reason"] and term["checkpoint"] >= 10
+    assert (store / f"step_{term['checkpoint']}" / "COMPLETE").exists()
+    assert "gcp says 127.0.0.1 goes away in 0s" in launch.output()
+
+
 def test_a_job_whose_every_save_fails_gives_up(plan2, tmp_path, small_disk, launches) -> None:
     """Progress is counted in checkpoints saved, not steps trained (a job that can never save would otherwise
     lose its work again and again)."""

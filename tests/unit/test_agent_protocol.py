@@ -41,6 +41,10 @@ pytestmark = pytest.mark.timeout(120)
     b'{"event": "ready", "pid": 1, "interface": 3, "address": null}', b"[" * 100_000, b"\xff\xfe",
     b"Welcome to Ubuntu 22.04 LTS", b'{"event": "error", "message": {"nested": 1}}',
     b'{"event": "gone", "code": 0}',  # the launcher's own event: an agent cannot claim its host is gone
+    b'{"event": "preempt", "source": "aws", "seconds": -1}', b'{"event": "preempt", "source": "aws"}',
+    b'{"event": "preempt", "source": "aws", "seconds": 1e300}', b'{"event": "preempt", "source": "aws", '
+    b'"seconds": "5"}', b'{"event": "preempt", "source": "' + b"x" * 100 + b'", "seconds": 5}',
+    b'{"event": "signalled", "signal": "SIGKILL"}', b'{"event": "signalled"}',
     b'{"event": "log", "rank": 0, "line": "' + b"x" * (MAX_LINE + 1) + b'"}',
 ])
 def test_only_well_formed_events_count(line) -> None:
@@ -54,6 +58,8 @@ def test_only_well_formed_events_count(line) -> None:
     {"event": "store", "port": 29500}, {"event": "started", "rank": 3, "pid": 99},
     {"event": "log", "rank": 0, "line": "[/] step 1"}, {"event": "exit", "rank": 1, "code": -9},
     {"event": "error", "message": "boom"}, {"event": "stopped"},
+    {"event": "preempt", "source": "gcp", "seconds": 0.0, "detail": "preempted"},
+    {"event": "signalled", "signal": "SIGUSR1"}, {"event": "signalled", "signal": "SIGTERM"},
 ])
 def test_real_events_are_accepted(event) -> None:
     assert parse_event(json.dumps(event).encode()).model_dump() == event
@@ -80,7 +86,8 @@ def test_the_launchers_spec_and_commands_survive_the_wire() -> None:
     ({"grace": float("nan")}, "grace"), ({"evil": 1}, "evil"), ({"job": ""}, "job"),
     ({"workers": [{"rank": 5, "local_rank": 0}]}, "below world"),
     ({"workers": [{"rank": 0, "local_rank": 0}, {"rank": 0, "local_rank": 1}]}, "same rank"),
-    ({"master_port": None}, "master_port"), ({"legacy_args": {"stage_to_rank_map": "0;", "chunk_size": 0,
+    ({"master_port": None}, "master_port"), ({"spot": {"source": "ibm"}}, "spot.source"),
+    ({"spot": {"source": "aws", "interval": 0}}, "interval"), ({"scheduler_signals": 1}, "scheduler_signals"), ({"legacy_args": {"stage_to_rank_map": "0;", "chunk_size": 0,
                                                               "batch_size": 1}}, "chunk_size"),
 ])
 def test_a_wrong_spec_is_refused_in_one_line(change, needle) -> None:
@@ -211,3 +218,47 @@ def test_sigterm_at_any_moment_stops_the_agent() -> None:
             pytest.fail(f"the agent hung after SIGTERM at {delay}s")
         assert proc.returncode == 0
         assert out.strip().splitlines()[-1] == b'{"event":"stopped"}'
+
+
+_SLEEPER = [sys.executable, "-c", "import signal, sys, time\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: print('usr1', flush=True))\n"
+            "signal.signal(signal.SIGTERM, lambda *a: print('term', flush=True))\n"
+            "print('up', flush=True)\ntime.sleep(60)"]
+
+
+def _until(proc: subprocess.Popen, predicate, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        event = _parse(proc.stdout.readline())
+        if event is not None and predicate(event):
+            return event
+    pytest.fail("the agent did not report the expected event")
+
+
+def test_under_a_scheduler_sigterm_is_reported_and_the_workers_keep_running() -> None:
+    """Slurm signals every process of the job: the agent must not kill workers that are checkpointing; it tells
+    the launcher and passes SIGUSR1 on; the launcher's stop then still stops them (a second SIGTERM)."""
+    proc = _agent({**_spec(_SLEEPER), "scheduler_signals": True})
+    _until(proc, lambda e: e.get("line") == "up")
+    os.kill(proc.pid, signal.SIGTERM)
+    assert _until(proc, lambda e: e["event"] == "signalled") == {"event": "signalled", "signal": "SIGTERM"}
+    assert _until(proc, lambda e: e["event"] == "log")["line"] == "usr1"
+    os.kill(proc.pid, signal.SIGUSR1)
+    assert _until(proc, lambda e: e["event"] == "signalled")["signal"] == "SIGUSR1"
+    proc.stdin.write(b'{"cmd": "stop", "grace": 5}\n')
+    proc.stdin.flush()
+    events = _events(proc)
+    # two SIGTERMs (a real worker's second one ends it; this one ignores both), then SIGKILL after the grace
+    assert [e["line"] for e in events if e["event"] == "log"][-2:] == ["term", "term"]
+    assert {"event": "exit", "rank": 0, "code": -signal.SIGKILL} in events and events[-1]["event"] == "stopped"
+
+
+def test_without_a_scheduler_sigusr1_is_passed_on_and_not_reported() -> None:
+    proc = _agent(_spec(_SLEEPER))
+    _until(proc, lambda e: e.get("line") == "up")
+    os.kill(proc.pid, signal.SIGUSR1)
+    assert _until(proc, lambda e: e["event"] in ("log", "signalled")) == {"event": "log", "rank": 0, "line": "usr1"}
+    proc.stdin.write(b'{"cmd": "stop", "grace": 0}\n')
+    proc.stdin.flush()
+    events = _events(proc)
+    assert events[-1]["event"] == "stopped" and not any(e["event"] == "signalled" for e in events)

@@ -4,67 +4,21 @@
 from __future__ import annotations
 
 import email.utils
-import http.server
 import json
-import threading
 import time
 
 import pytest
 
+from devtools.metadata import MetadataServer
 from varuna_core.launch.spot import MAX_BODY, SpotWatcher, check
 
 NOW = 1_800_000_000.0
 
 
-class _Metadata(http.server.ThreadingHTTPServer):
-    """Serves ``routes[(method, path)] -> (status, body, headers required)``; records what was asked."""
-
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        self.routes: dict[tuple[str, str], tuple[int, bytes | callable]] = {}
-        self.required: dict[tuple[str, str], dict[str, str]] = {}
-        self.asked: list[tuple[str, str, dict]] = []
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
-
-    def _serve(self) -> None:
-        server: _Metadata = self.server  # type: ignore[assignment]
-        key = (self.command, self.path)
-        server.asked.append((self.command, self.path, dict(self.headers)))
-        want = server.required.get(key, {})
-        if any(self.headers.get(k) != v for k, v in want.items()):
-            self.send_response(401)
-            self.end_headers()
-            return
-        status, body = server.routes.get(key, (404, b""))
-        if callable(body):
-            body(self)
-            return
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_GET = do_PUT = _serve
-
-
 @pytest.fixture()
 def server():
-    srv = _Metadata()
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    with MetadataServer() as srv:
+        yield srv
 
 
 AZURE = ("GET", "/metadata/scheduledevents?api-version=2020-07-01")
@@ -189,3 +143,26 @@ def test_watcher_calls_back_once_per_event(server) -> None:
     assert [n.event for n in got] == ["E1", "E9"]
     with pytest.raises(ValueError):
         SpotWatcher("azure", got.append, base="https://x")
+
+
+AZURE_NAME = ("GET", "/metadata/instance/compute/name?api-version=2021-02-01&format=text")
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    (b"vm-2", ["E2"]),  # the VM's own events only: a scale set's events name every VM they affect
+    # not a name: every eviction counts (the soonest is the notice)
+    (b"-rf /", ["E1"]), (b"x" * 200, ["E1"]), (b"", ["E1"]), (b"\xff", ["E1"]),
+])
+def test_an_azure_watcher_keeps_to_its_own_vm(server, name, expected) -> None:
+    server.required[AZURE_NAME] = {"Metadata": "true"}
+    server.routes[AZURE_NAME] = (200, name)
+    _azure(server, [_event("Preempt", 60, resources=("vm-1",)), _event("Preempt", 60, ("vm-2", "vm-3"), "E2")])
+    got = []
+    watcher = SpotWatcher("azure", got.append, base=server.base, interval=0.05).start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(server.asked) < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        watcher.stop(timeout=5)
+    assert sorted(n.event for n in got) == expected

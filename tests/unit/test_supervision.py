@@ -109,3 +109,29 @@ def test_without_the_launcher_nothing_happens(monkeypatch) -> None:
     sup.resume()
     t.train(sup, 4, flag_at=None)
     assert t.saved == [] and t.loaded == [] and sup.beacon is None
+
+
+def test_under_a_scheduler_the_first_sigterm_asks_for_a_checkpoint_and_the_second_ends_the_process() -> None:
+    import subprocess
+    import sys
+
+    code = """
+import os, signal, sys, time
+from varuna_core.worker.supervision import Supervision
+sup = Supervision(0, save=lambda *a, **k: None, load=lambda d, s: s, progress=lambda: (3, None, None))
+os.kill(os.getpid(), signal.SIGTERM)
+print("flag", sup.flag(), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("still alive", flush=True)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VARUNA_")}
+    env.update(VARUNA_CKPT_DIR="/nonexistent", VARUNA_ON_SIGTERM="checkpoint")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout == "flag 1.0\n" and done.returncode == -signal.SIGTERM, (done.stdout, done.stderr[-2000:])
+
+
+def test_a_wrong_sigterm_mode_is_refused(launched) -> None:
+    launched.setenv("VARUNA_ON_SIGTERM", "ignore")
+    with pytest.raises(ConfigError, match="VARUNA_ON_SIGTERM"):
+        Trainer().supervision()

@@ -28,8 +28,14 @@ HELP = (
     "notify-preempt HOST` says a host goes away, the workers checkpoint and stop, the plan is made again for the "
     "new device count (same global batch) and the job continues from that checkpoint; after a crash it restarts "
     "from the last complete checkpoint it can load.\n\n"
-    "SIGTERM (a scheduler's warning) makes every worker checkpoint, then the launcher exits with 143. A checkpoint "
-    "store that already holds checkpoints is refused unless --resume continues its run.\n\n"
+    "SIGTERM or SIGUSR1 (a scheduler's warning) makes every worker checkpoint, then the launcher exits with 143. A "
+    "checkpoint store that already holds checkpoints is refused unless --resume continues its run.\n\n"
+    "Inside a Slurm job (sbatch, salloc) the nodes and devices are the allocation's and the workers start with "
+    "srun (--slurm; the default when SLURM_JOB_ID is set and --hosts is not given). The job's run is named after it: "
+    "a requeued job resumes from its latest checkpoint by itself, and after Slurm's warning signal "
+    "(--signal=B:USR1@60) a requeueable job is requeued once it has checkpointed.\n\n"
+    "On spot VMs, --preemption-source azure|aws|gcp makes every node ask its cloud's metadata service for eviction "
+    "notices, which act as `varuna notify-preempt` does.\n\n"
     "Put -- before SCRIPT so that its options are not read as the launcher's: "
     "varuna launch plan.yaml --hosts hosts.txt --morph -- examples/gpt/train.py --steps 400"
 )
@@ -111,6 +117,7 @@ _COUNTS = {"--gpus-per-node": (1, MAX_SLOTS), "--ckpt-every": (0, 10**9), "--ckp
 # The range of each number option (the lower bound is excluded where the third item says so). Timeouts are
 # bounded because waits far longer than a day are refused by the OS calls that implement them.
 _NUMBERS = {"--heartbeat-timeout": (1.0, 86400.0, False), "--morph-timeout": (1.0, 86400.0, False),
+            "--preemption-interval": (0.1, 3600.0, False),
             "--preempt-margin": (0.0, 86400.0, False), "--grace": (0.0, 3600.0, False),
             "--straggler-threshold": (0.0, 100.0, True)}
 _SSH_USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]{0,63}")
@@ -207,6 +214,16 @@ Grace = Annotated[float, typer.Option(
     "--grace", help="Seconds workers get to exit after SIGTERM when the job stops, before SIGKILL.")]
 StragglerThreshold = Annotated[float, typer.Option(
     "--straggler-threshold", help="Compute time over the median that makes a straggler (0.3 = 30%).")]
+Slurm = Annotated[Optional[bool], typer.Option(
+    "--slurm/--no-slurm", help="Run on the nodes of the Slurm allocation, agents started by srun (default: when "
+    "SLURM_JOB_ID is set and --hosts is not given).", show_default=False)]
+PreemptionSource = Annotated[Optional[str], typer.Option(
+    "--preemption-source", help="Ask each node's cloud metadata service for spot eviction notices: azure, aws or "
+    "gcp.")]
+PreemptionEndpoint = Annotated[Optional[str], typer.Option(
+    "--preemption-endpoint", help="The metadata service as http://host\\[:port] (default: the cloud's own).")]
+PreemptionInterval = Annotated[float, typer.Option(
+    "--preemption-interval", help="Seconds between two questions to the metadata service.")]
 
 
 def launch(
@@ -222,6 +239,8 @@ def launch(
     heartbeat_timeout: HeartbeatTimeout = DEFAULTS["heartbeat_timeout"],
     morph_timeout: MorphTimeout = DEFAULTS["morph_timeout"], preempt_margin: PreemptMargin = DEFAULTS["preempt_margin"],
     grace: Grace = DEFAULTS["grace"], straggler_threshold: StragglerThreshold = DEFAULTS["straggler_threshold"],
+    slurm: Slurm = None, preemption_source: PreemptionSource = None, preemption_endpoint: PreemptionEndpoint = None,
+    preemption_interval: PreemptionInterval = 5.0,
 ) -> None:
     from varuna_core.launch.manager import Manager, choose_run
     from varuna_core.planning.artifacts import load_plan
@@ -231,24 +250,34 @@ def launch(
                    "--steps": steps, "--max-restarts": max_restarts, "--ssh-port": ssh_port})
     _check_seconds({"--heartbeat-timeout": heartbeat_timeout, "--morph-timeout": morph_timeout,
                     "--preempt-margin": preempt_margin, "--grace": grace,
-                    "--straggler-threshold": straggler_threshold})
+                    "--straggler-threshold": straggler_threshold, "--preemption-interval": preemption_interval})
+    spot = _spot(preemption_source, preemption_endpoint, preemption_interval)
     _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir})
     the_plan = load_plan(plan)
     code = str((code_dir or Path.cwd()).resolve())
     _check_script(script, code)
     env = _env_file(env_file) if env_file else {}
     slots = gpus_per_node or the_plan.gpus_per_node
-    host_list = _hosts(hosts, slots, the_plan.pp * the_plan.dp, gpus_per_node)
     run = (run_dir or Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")).resolve()
     store = (ckpt_dir or run / "checkpoints").resolve()
+    reporter = None
+    job = _slurm_job(slurm, hosts, gpus_per_node, the_plan.pp * the_plan.dp)
+    if job is not None:
+        host_list, slots = job.hosts(), min(job.slots)
+        resume, run_id, why = _slurm_run(job, store, resume, run_id)
+        reporter = _reporter()
+        reporter.event(job.describe() + (f"; {why}" if why else ""))
+    else:
+        host_list = _hosts(hosts, slots, the_plan.pp * the_plan.dp, gpus_per_node)
     choose_run(store, resume, run_id)  # a store of another run is refused before anything starts
     runtime = Runtime(python=python or sys.executable, code_dir=code)
     ssh = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ())) \
-        if host_list is not None else None
-    reporter = _reporter()
-    _preflight(reporter, host_list, ssh, runtime)
+        if host_list is not None and job is None else None
+    reporter = reporter or _reporter()
+    _preflight(reporter, host_list if job is None else None, ssh, runtime)
     opts = LaunchOptions(
         script=script, run_dir=run, ckpt_dir=store, runtime=runtime, ssh=ssh, run_id=run_id,
+        slurm=job.config() if job is not None else None, spot=spot,
         env=env, legacy_args=legacy_args, morph=morph, morph_any_microbatch=morph_any_microbatch, resume=resume,
         ckpt_every=ckpt_every, ckpt_keep=ckpt_keep,
         ckpt_tempdir=ckpt_tempdir, total_steps=steps, max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout,
@@ -257,8 +286,8 @@ def launch(
     run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
     reporter.event(f"run directory {run}")
-    manager = Manager(opts, the_plan, host_list, hosts.resolve() if (hosts is not None and morph) else None, slots,
-                      reporter)
+    manager = Manager(opts, the_plan, host_list, hosts.resolve() if (hosts is not None and morph and job is None)
+                      else None, slots, reporter)
     try:
         code_ = manager.run()
     finally:
@@ -286,6 +315,55 @@ def _hosts(hosts: Path | None, slots: int, world: int, gpus_per_node: int | None
     return host_list
 
 
+def _slurm_job(slurm: bool | None, hosts: Path | None, gpus_per_node: int | None, world: int):
+    """The Slurm allocation to run on (None: --hosts or local processes); see ``--slurm``."""
+    from varuna_core.launch.attempt import place
+    from varuna_core.launch.slurm import allocation, in_allocation
+
+    if slurm is None:
+        slurm = hosts is None and in_allocation()
+    if not slurm:
+        return None
+    if hosts is not None:
+        raise ConfigError("--slurm and --hosts both say where to run", hint="give one of them")
+    job = allocation(gpus_per_node=gpus_per_node)
+    place(world, job.hosts())  # exit 2 with the numbers if the plan does not fit
+    return job
+
+
+def _slurm_run(job, store: Path, resume: bool, run_id: str | None) -> tuple[bool, str | None, str]:
+    """``(resume, run id, what was decided)`` for a job in ``store``: unless told otherwise, the run is named
+    after the Slurm job, and continued when the store holds its checkpoints (the job was requeued)."""
+    from varuna_core.checkpoint.layout import scan
+
+    if resume or run_id is not None:
+        return resume, run_id, ""
+    own = job.run_id()
+    mine = [e for e in scan(store) if e.run == own]
+    if mine:
+        return True, own, f"run {own} has checkpoints in {store}: resuming it (restart {job.restarts} of the job)"
+    return False, own, f"run {own}"
+
+
+def _spot(source: str | None, endpoint: str | None, interval: float):
+    """The spot watch of ``--preemption-source`` (None without it)."""
+    from varuna_core.launch.options import SpotConfig
+    from varuna_core.launch.spot import SOURCES, check_endpoint
+
+    if source is None:
+        if endpoint is not None:
+            raise ConfigError("--preemption-endpoint needs --preemption-source", hint=f"one of {', '.join(SOURCES)}")
+        return None
+    if source not in SOURCES:
+        raise ConfigError(f"--preemption-source {_shown(source)} is not one of {', '.join(SOURCES)}")
+    if endpoint is not None:
+        try:
+            check_endpoint(endpoint)
+        except ValueError as exc:
+            raise ConfigError(f"--preemption-endpoint: {exc}") from None
+    return SpotConfig(source=source, endpoint=endpoint, interval=interval)
+
+
 def _preflight(reporter, host_list, ssh, runtime) -> None:
     """Check every host over SSH before anything starts (nothing to check for local processes)."""
     if host_list is None:
@@ -302,7 +380,7 @@ def _preflight(reporter, host_list, ssh, runtime) -> None:
 
 
 MANAGER_FILE_LIMIT = 64 * 2**10
-MAX_NOTICE_SECONDS = 7 * 86400.0
+MAX_NOTICE_SECONDS = 7 * 86400.0  # as varuna_core.launch.protocol's (not imported here: it loads pydantic)
 
 
 def notify_preempt(

@@ -15,7 +15,7 @@ MAX_TOP = 100
 
 def plan(
     profile: Annotated[Path, typer.Argument(help="A profile from `varuna profile`.")],
-    gpus: Annotated[int, typer.Option("--gpus", help="Devices available.")] = ...,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices available.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Global batch (kept fixed).")] = ...,
     gpus_per_node: Annotated[Optional[int], typer.Option(
         "--gpus-per-node", help="Devices per node (default: all on one node).")] = None,
@@ -28,6 +28,8 @@ def plan(
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the plan (.yaml or .json).")] = Path(
         "plan.yaml"),
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
+    slurm: Annotated[bool, typer.Option(
+        "--slurm", help="Take --gpus and --gpus-per-node from the Slurm allocation this runs in.")] = False,
 ) -> None:
     """Simulate every (pipeline depth, data-parallel width, micro-batch size, schedule) and write the best.
 
@@ -44,6 +46,7 @@ def plan(
     from varuna_core.planning.planner import PlanRequest, make_plan
     from varuna_core.util.artifacts import check_writable, first_problem
 
+    gpus, gpus_per_node = _devices(gpus, gpus_per_node, slurm)
     _check_counts(gpus, batch_size, gpus_per_node, top)
     if not (math.isfinite(headroom) and 0 <= headroom < 1):
         raise ConfigError(f"--headroom must be a fraction in [0, 1), got {headroom}")
@@ -74,6 +77,24 @@ def plan(
         return
     _table(result)
     err.print(f"searched in {elapsed:.2f} s; wrote {output}", markup=False, highlight=False)
+
+
+def _devices(gpus: int | None, gpus_per_node: int | None, slurm: bool) -> tuple[int, int | None]:
+    """``(--gpus, --gpus-per-node)``: as given, or the Slurm allocation's (``--gpus-per-node`` still says how
+    many devices a node has, when Slurm cannot tell)."""
+    if not slurm:
+        if gpus is None:
+            raise ConfigError("--gpus is required", hint="give the device count, or --slurm inside a Slurm allocation")
+        return gpus, gpus_per_node
+    if gpus is not None:
+        raise ConfigError("--gpus and --slurm both give the device count", hint="give one of them")
+    from rich.console import Console
+
+    from varuna_core.launch.slurm import allocation
+
+    found = allocation(gpus_per_node=gpus_per_node)
+    Console(stderr=True).print(f"{found.describe()}", markup=False, highlight=False)
+    return found.total, min(found.slots)
 
 
 def _check_counts(gpus: int, batch_size: int, gpus_per_node: int | None, top: int) -> None:

@@ -12,7 +12,15 @@ Protocol (:mod:`varuna_core.launch.protocol`). The first stdin line is the node'
 exit code 2. Then commands: ``{"cmd": "signal", "signal": "SIGUSR1"}`` (to every worker's main process),
 ``{"cmd": "stop", "grace": s}``. Events on stdout, one JSON line each: ``ready`` (pid, interface, address),
 ``store`` (port), ``started`` (rank, pid), ``log`` (rank, line), ``exit`` (rank, code), ``error`` (message),
-``stopped``.
+``preempt`` (source, seconds, detail), ``signalled`` (signal), ``stopped``.
+
+Signals the agent gets from outside. SIGUSR1 is passed on to every worker (which checkpoints and stops). SIGTERM
+stops the workers and the agent, unless the spec says the node runs under a scheduler (``scheduler_signals``):
+Slurm signals every process of the job at once before a preemption or the time limit, so the workers got the
+signal too and are checkpointing (``VARUNA_ON_SIGTERM=checkpoint``); the agent then only reports a ``signalled``
+event, and the launcher ends the attempt once the checkpoint is written. With a ``spot`` watch the agent asks the
+cloud's metadata service whether its VM goes away (:mod:`varuna_core.launch.spot`) and reports a notice as a
+``preempt`` event.
 """
 
 from __future__ import annotations
@@ -31,13 +39,16 @@ from pathlib import Path
 from ..env import HOST, PLAN
 from .protocol import (
     MAX_LINE,
+    MAX_NOTICE_SECONDS,
     MAX_SPEC,
     AgentSpec,
     ErrorEvent,
     ExitEvent,
     LogEvent,
+    PreemptEvent,
     ReadyEvent,
     SignalCommand,
+    SignalledEvent,
     StartedEvent,
     StopCommand,
     StoppedEvent,
@@ -104,6 +115,7 @@ class Agent:
         self.tmp = Path(tempfile.mkdtemp(prefix=f"varuna-agent-{spec.job[:8]}-"))
         self.stopping = threading.Event()
         self.pumps: list[threading.Thread] = []
+        self.spot = None  # the SpotWatcher, if the spec asks for one
 
     def start(self) -> None:
         from .netinfo import route_to
@@ -136,6 +148,22 @@ class Agent:
             pump = threading.Thread(target=self._pump, args=(rank, proc), name=f"rank{rank}", daemon=True)
             pump.start()
             self.pumps.append(pump)
+        if spec.spot is not None:
+            self._watch_spot(spec.spot)
+
+    def _watch_spot(self, watch) -> None:
+        """Report the cloud's notices for this VM as ``preempt`` events (the launcher checkpoints and morphs)."""
+        from .spot import SpotWatcher
+
+        def report(notice) -> None:
+            emit(PreemptEvent(source=notice.source, seconds=min(notice.seconds, MAX_NOTICE_SECONDS),
+                              detail=notice.detail[:1024]))
+
+        try:
+            self.spot = SpotWatcher(watch.source, report, base=watch.endpoint, interval=watch.interval,
+                                    vm_name=watch.vm_name).start()
+        except ValueError as exc:
+            _error(f"no spot notices: {exc}")
 
     def _start_store(self, port: int | None) -> int:
         """Host the job's TCPStore (node 0); its port."""
@@ -179,13 +207,21 @@ class Agent:
                     pass
 
     def stop(self, grace: float) -> None:
-        """SIGTERM every worker's process group, SIGKILL whatever is left after ``grace`` seconds."""
+        """SIGTERM every worker's process group, SIGKILL whatever is left after ``grace`` seconds. Under a
+        scheduler a worker's first SIGTERM only asks for a checkpoint: it gets a second one."""
         if self.stopping.is_set():
             return
         self.stopping.set()
+        if self.spot is not None:
+            self.spot.stop(timeout=0)
         live = [p for p in self.procs.values() if p.poll() is None]
         for proc in live:
             _killpg(proc.pid, signal.SIGTERM)
+        if self.spec.scheduler_signals and live:
+            time.sleep(0.5)  # two SIGTERMs sent at once could arrive as one
+            for proc in live:
+                if proc.poll() is None:
+                    _killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for proc in live:
             try:
@@ -253,6 +289,24 @@ def sigterm_handler(agent: Agent, grace: float):
     return on_term
 
 
+def signalled_handler(agent: Agent):
+    """The handler of a signal that asks for a checkpoint rather than a stop (SIGUSR1; SIGTERM under a
+    scheduler): pass SIGUSR1 on to the workers and, under a scheduler, tell the launcher. In a thread, for the
+    reason given at :func:`sigterm_handler`."""
+
+    def on_signal(signum, frame) -> None:  # noqa: ARG001
+        name = signal.Signals(signum).name
+
+        def act() -> None:
+            agent.signal("SIGUSR1")
+            if agent.spec.scheduler_signals:
+                emit(SignalledEvent(signal=name))
+
+        threading.Thread(target=act, name="signalled", daemon=True).start()
+
+    return on_signal
+
+
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when to stop; a terminal's ^C is its
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -260,7 +314,9 @@ def main() -> None:
     if spec is None:
         return
     agent = Agent(spec)
-    signal.signal(signal.SIGTERM, sigterm_handler(agent, spec.grace))
+    signal.signal(signal.SIGUSR1, signalled_handler(agent))
+    signal.signal(signal.SIGTERM, signalled_handler(agent) if spec.scheduler_signals
+                  else sigterm_handler(agent, spec.grace))
     agent.start()
     threading.Thread(target=_watchdog, args=(agent,), name="watchdog", daemon=True).start()
     for line in iter(lambda: sys.stdin.readline(MAX_LINE), ""):

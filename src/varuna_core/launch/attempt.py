@@ -39,8 +39,11 @@ from .protocol import (
     GoneEvent,
     LegacyArgs,
     LogEvent,
+    PreemptEvent,
     ReadyEvent,
     SignalCommand,
+    SignalledEvent,
+    SpotWatch,
     StopCommand,
     WorkerSlot,
     describe,
@@ -206,6 +209,7 @@ class Attempt:
                                             threshold=opts.straggler_threshold)
         self.started_at = time.monotonic()
         self.first_step_seen = False
+        self.signalled: str | None = None  # the scheduler's signal an agent reported, and where
 
     # ------------------------------------------------------------------------------------------------------
     # Start
@@ -217,7 +221,7 @@ class Attempt:
             manager=f"{self.manager_address(node.host)}:{self.listener.port}",
             ckpt_every=self.opts.ckpt_every or None, ckpt_keep=self.opts.ckpt_keep or None,
             ckpt_tempdir=str(self.opts.ckpt_tempdir) if self.opts.ckpt_tempdir else None,
-            total_steps=self.opts.total_steps or None)
+            total_steps=self.opts.total_steps or None, on_sigterm="checkpoint" if self.opts.slurm else None)
         legacy = None
         if self.opts.legacy_args:
             legacy = LegacyArgs(stage_to_rank_map=self.plan.stage_to_rank_map, chunk_size=self.plan.microbatch_size,
@@ -231,12 +235,14 @@ class Attempt:
     def _agent_spec(self, node: Node, master_port: int | None, told: WorkerEnv, legacy: LegacyArgs | None) -> AgentSpec:
         return AgentSpec(
             job=self.job, node=node.index, host=node.host.name, store=node.index == 0,
-            master_addr=self.nodes[0].host.address if self.opts.ssh else "127.0.0.1",
+            master_addr=self.nodes[0].host.address if self.opts.ssh or self.opts.slurm else "127.0.0.1",
             master_port=master_port, world=self.world,
             workers=[WorkerSlot(rank=r, local_rank=lr) for r, lr in node.ranks],
             argv=worker_argv(self.opts.script, self.opts.runtime.python), cwd=self.opts.runtime.code_dir,
             env={**self.opts.env, **told.to_environ()}, plan=self.plan.model_dump(mode="json"),
-            grace=self.opts.grace, legacy_args=legacy)
+            grace=self.opts.grace, legacy_args=legacy, scheduler_signals=self.opts.slurm is not None,
+            spot=SpotWatch(source=spot.source, endpoint=spot.endpoint, interval=spot.interval, vm_name=spot.vm_name)
+            if (spot := self.opts.spot) is not None else None)
 
     def start(self) -> None:
         """Start node 0's agent (it hosts the job's store), then every other; roll everything back if one fails.
@@ -262,7 +268,7 @@ class Attempt:
 
     def _start_agent(self, node: Node, master_port: int | None) -> AgentHandle:
         agent = AgentHandle(node.index, node.host, self._spec(node, master_port), self.events, self.opts.runtime,
-                            self.opts.ssh)
+                            self.opts.slurm or self.opts.ssh)
         self.agents.append(agent)
         return agent
 
@@ -301,10 +307,11 @@ class Attempt:
     # Watch
 
     def run(self, changes: Callable[[], tuple[list[Host], str] | None],
-            terminating: Callable[[], int] = lambda: 0) -> Outcome:
+            terminating: Callable[[], tuple[int, str]] = lambda: (0, "")) -> Outcome:
         """Watch the workers until the attempt ends. ``changes()`` says whether the set of hosts should change
         (the new hosts and why); ``terminating()`` whether the launcher must stop (1: after an on-demand
-        checkpoint, 2: now). For either, the workers are asked to checkpoint and stop."""
+        checkpoint, 2: now) and why (e.g. ``SIGTERM``). A scheduler's signal reported by an agent counts as 1.
+        For either, the workers are asked to checkpoint and stop."""
         request: Outcome | None = None  # what the attempt ends as once the workers have checkpointed and stopped
         asked_at: float | None = None
         try:
@@ -318,20 +325,22 @@ class Attempt:
                 if silent:
                     why, host = silent
                     return Outcome("crash", why, hosts=request.hosts if request else None, suspects=[host])
-                urgency = terminating()
+                urgency, why = terminating()
+                if not urgency and self.signalled:
+                    urgency, why = 1, self.signalled
                 if urgency >= 2:
-                    return Outcome("terminated", "SIGTERM again: stopped without waiting for the checkpoint")
+                    return Outcome("terminated", f"on {why} again, without waiting for the checkpoint")
                 if request is None or (urgency and request.kind != "terminated"):
-                    new = None
+                    new, reason = None, why
                     if urgency:
-                        new = Outcome("terminated", "SIGTERM: stopped after an on-demand checkpoint")
+                        new = Outcome("terminated", f"on {why}, after an on-demand checkpoint")
                     elif (change := changes()) is not None:
-                        new = Outcome("morph", change[1], hosts=change[0])
+                        new, reason = Outcome("morph", change[1], hosts=change[0]), change[1]
                     if new is not None:
                         first, request = request is None, new
                         if first:
                             asked_at = time.monotonic()
-                            if not self._ask_to_checkpoint(new.message):
+                            if not self._ask_to_checkpoint(reason):
                                 return Outcome(new.kind, new.message + " (before the first step: nothing to "
                                                "checkpoint)", hosts=new.hosts, step=self.resume)
                 if asked_at is not None and time.monotonic() - asked_at > self.opts.morph_timeout:
@@ -385,6 +394,15 @@ class Attempt:
             self.agents[node].ready = event
         elif isinstance(event, ErrorEvent):
             self.reporter.event(f"agent on {self.agents[node].host.name}: {event.message}")
+        elif isinstance(event, PreemptEvent):
+            host = self.agents[node].host.name
+            self.files.event("spot_notice", host=host, source=event.source, seconds=event.seconds,
+                             detail=event.detail)
+            self.reporter.event(f"{event.source} says {host} goes away in {event.seconds:.0f}s ({event.detail})")
+            self.listener.add_notice(host, event.seconds, event.source)
+        elif isinstance(event, SignalledEvent) and self.signalled is None:
+            self.signalled = f"{event.signal} from the scheduler on {self.agents[node].host.name}"
+            self.files.event("scheduler_signal", host=self.agents[node].host.name, signal=event.signal)
 
     def _heartbeats(self) -> None:
         for step, (loss, step_time) in sorted(self.listener.take_steps().items()):

@@ -211,6 +211,14 @@ class Listener:
             pass
         return None
 
+    def add_notice(self, host: str, seconds: float, source: str) -> None:
+        """Queue a notice that did not come as a datagram (a node agent's ``preempt`` event, reported over its
+        authenticated channel), to be taken with the others."""
+        with self._lock:
+            self.notices.append({"host": host, "seconds": seconds, "source": source})
+            del self.notices[:-_MAX_PENDING_NOTICES]
+            self._counts["notices"] += 1
+
     def take_notices(self) -> list[dict]:
         with self._lock:
             out, self.notices = self.notices, []

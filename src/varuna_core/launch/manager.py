@@ -19,9 +19,15 @@ The job's checkpoints belong to one **run** (:mod:`varuna_core.checkpoint.layout
 store that already holds checkpoints (``--resume`` continues the run it finds there), so a reused store can
 neither delete the new job's checkpoints nor make a restart resume an older job's.
 
-**SIGTERM** (a scheduler's, or a spot VM's shutdown) is treated like a preemption notice for every host: the
-workers write an on-demand checkpoint and stop, and the launcher exits with 143; a second SIGTERM stops at
-once. ``--resume`` continues from that checkpoint.
+**SIGTERM** or **SIGUSR1** (a scheduler's warning, or a spot VM's shutdown) is treated like a preemption notice for
+every host: the workers write an on-demand checkpoint and stop, and the launcher exits with 143; a second one
+stops at once. ``--resume`` continues from that checkpoint. Without ``--morph`` a preemption notice for a host of
+the job (``varuna notify-preempt``, a spot notice) does the same when the host's time is up: the job cannot move.
+
+**Inside a Slurm allocation** the nodes are the allocation's and the agents are job steps; the scheduler's
+signals reach every process of the job at once, and an agent reports its signal like the launcher's own. After
+stopping on Slurm's warning signal (``--signal=B:USR1@N``) the launcher requeues the job if it is requeueable
+(``sbatch --requeue``); the requeued job resumes from that checkpoint by itself (its run is named after the job).
 """
 
 from __future__ import annotations
@@ -180,6 +186,8 @@ class Manager:
         self.listener = Listener(self.job, self.token, bind="127.0.0.1" if self.local else "0.0.0.0")
         self.status = Status()
         self.sigterms = 0  # SIGTERMs received: 1 = checkpoint and stop, 2 = stop now
+        self.stop_why = "SIGTERM"  # what asked the job to stop (also SIGUSR1, a preemption notice)
+        self.warned = False  # the stop came from the scheduler's warning signal (SIGUSR1): requeue under Slurm
         self.refused: dict[int, str] = {}  # steps that cannot be loaded, and why
         self._write_manager_file()
 
@@ -221,7 +229,7 @@ class Manager:
         try:
             while True:
                 if self.sigterms:
-                    return self._terminated("SIGTERM between attempts")
+                    return self._terminated(f"on {self.stop_why}, between attempts")
                 number += 1
                 outcome = self._attempt(number, resume, budget.count)
                 if outcome.kind == "done":
@@ -260,8 +268,8 @@ class Manager:
                 resume = self.latest()
                 self._reconfigure(hosts)
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in (previous or {}).items():
+                signal.signal(sig, handler)
             self.listener.close()
             self.files.close()
             self._draw_loss()
@@ -269,20 +277,32 @@ class Manager:
     def _terminated(self, why: str) -> int:
         last = self.latest()
         self.files.event("terminated", reason=why, checkpoint=last)
-        self.reporter.event(f"stopped on SIGTERM: {why}; the latest checkpoint is "
-                            + (f"step_{last}" if last is not None else "none")
-                            + " (`varuna launch --resume` continues from it)")
+        slurm = self.opts.slurm
+        then = "(`varuna launch --resume` continues from it)"
+        if slurm is not None:
+            then = "(the job's requeue resumes from it)"
+            if self.warned:
+                from .slurm import requeue
+
+                done, detail = requeue(slurm.job_id)
+                self.files.event("requeue", job=slurm.job_id, done=done, detail=detail)
+                then = f"(job {slurm.job_id} {'requeued: it resumes from it' if done else 'not requeued: ' + detail})"
+        self.reporter.event(f"stopped {why}; the latest checkpoint is "
+                            + (f"step_{last}" if last is not None else "none") + f" {then}")
         return EXIT_TERMINATED
 
     def _handle_sigterm(self):
-        """Count SIGTERMs (see the module docstring); returns the previous handler (None: not the main thread)."""
+        """Count SIGTERMs and SIGUSR1s (see the module docstring); returns the previous handlers (None: not the
+        main thread)."""
         if threading.current_thread() is not threading.main_thread():
             return None
 
-        def on_term(signum, frame) -> None:  # noqa: ARG001 - only a counter: the loop acts on it
+        def on_signal(signum, frame) -> None:  # noqa: ARG001 - only a counter: the loop acts on it
             self.sigterms += 1
+            self.stop_why = signal.Signals(signum).name
+            self.warned = self.warned or signum == signal.SIGUSR1
 
-        return signal.signal(signal.SIGTERM, on_term)
+        return {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
     def _sleep(self, seconds: float) -> None:
         """Sleep, but wake for a SIGTERM (the next attempt then stops at once)."""
@@ -328,8 +348,10 @@ class Manager:
                 return Outcome("interrupted", "interrupted while starting")
             self.files.event("started", attempt=number)
             if self.sigterms:
-                return Outcome("terminated", "SIGTERM before the attempt started")
-            outcome = attempt.run(lambda: self._changes(), lambda: self.sigterms)
+                return Outcome("terminated", f"on {self.stop_why}, before the attempt started")
+            outcome = attempt.run(lambda: self._changes(), lambda: (self.sigterms, self.stop_why))
+            if attempt.signalled and attempt.signalled.startswith("SIGUSR1"):
+                self.warned = True
             self.status.state = "stopping"
             self.files.event("ending", attempt=number, kind=outcome.kind, message=outcome.message,
                              step=outcome.step)
@@ -346,6 +368,7 @@ class Manager:
         the job runs on)."""
         current = self.hosts if current is None else current
         if not self.opts.morph:
+            self._notices_without_morph(current)
             return None
         reasons = []
         if self.watcher is not None:
@@ -359,18 +382,8 @@ class Manager:
                 reasons.append("the hosts file changed")
                 self.desired = polled
                 self.preempted.clear()  # a new hosts file is the new truth
-        for notice in self.listener.take_notices():
-            name = str(notice.get("host"))
-            match = next((h for h in self.desired if name in (h.name, h.address)), None)
-            if match is None:
-                self.reporter.event(f"preemption notice for {name}, which the job does not use: ignored")
-                continue
-            seconds = float(notice.get("seconds") or 0)
-            self.preempted[match.name] = time.monotonic() + seconds
-            self.files.event("preempt_notice", host=match.name, seconds=seconds)
-            self.reporter.event(f"preemption notice: {match.name} goes away in {seconds:.0f}s")
-        now = time.monotonic()
-        leaving = {n for n, when in self.preempted.items() if now >= when - self.opts.preempt_margin}
+        self._take_notices()
+        leaving = self._leaving()
         effective = [h for h in self.desired if h.name not in leaving]
         if effective == current:
             return None
@@ -382,10 +395,37 @@ class Manager:
                                        f"added {', '.join(new)}" if new else "") if x)
         return effective, f"{' and '.join(reasons) or 'hosts changed'} ({detail or 'slots changed'})"
 
+    def _take_notices(self) -> None:
+        """Record the preemption notices received since the last call (hosts the job does not use: ignored)."""
+        for notice in self.listener.take_notices():
+            name = str(notice.get("host"))
+            match = next((h for h in self.desired if name in (h.name, h.address)), None)
+            if match is None:
+                self.reporter.event(f"preemption notice for {name}, which the job does not use: ignored")
+                continue
+            seconds = float(notice.get("seconds") or 0)
+            self.preempted[match.name] = time.monotonic() + seconds
+            self.files.event("preempt_notice", host=match.name, seconds=seconds, source=notice.get("source"))
+            self.reporter.event(f"preemption notice: {match.name} goes away in {seconds:.0f}s")
+
+    def _leaving(self) -> set[str]:
+        """The hosts whose preemption is due (within ``--preempt-margin`` seconds)."""
+        now = time.monotonic()
+        return {n for n, when in self.preempted.items() if now >= when - self.opts.preempt_margin}
+
+    def _notices_without_morph(self, current: list[Host]) -> None:
+        """Without ``--morph`` the job cannot leave a host: when one of its hosts is about to be preempted, it
+        checkpoints and stops as on SIGTERM (exit 143; ``--resume`` continues)."""
+        self._take_notices()
+        leaving = sorted(self._leaving() & {h.name for h in current})
+        if leaving and not self.sigterms:
+            self.sigterms = 1
+            self.stop_why = f"the preemption notice for {', '.join(leaving)} (without --morph the job cannot move)"
+
     def _reachable(self, hosts: list[Host], only_new: bool = False, suspects: list[str] | None = None) -> list[Host]:
         """``hosts`` minus those that fail the pre-flight check: all of them, only those not in the current set
         (``only_new``), or only the ``suspects`` (hosts named by a crash; the others answered just now)."""
-        if self.local:
+        if self.local or self.opts.slurm is not None:  # Slurm's nodes are the allocation's: srun reaches them
             return hosts
         to_check = [h for h in hosts if (not only_new or h not in self.hosts)
                     and (suspects is None or h.name in suspects or h not in self.hosts)]

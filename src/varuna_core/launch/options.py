@@ -1,5 +1,6 @@
-"""What ``varuna launch`` is asked to do, as plain data: :class:`LaunchOptions` and the two parts of it that say how
-to reach the hosts (:class:`SSHConfig`) and where the code runs on them (:class:`Runtime`).
+"""What ``varuna launch`` is asked to do, as plain data: :class:`LaunchOptions` and the parts of it that say how
+to reach the hosts (:class:`SSHConfig`, or :class:`SlurmConfig` inside a Slurm allocation), where the code runs on
+them (:class:`Runtime`) and which cloud to ask for spot notices (:class:`SpotConfig`).
 
 The field defaults of these dataclasses are the launcher's defaults: the CLI's options read theirs from here
 (:data:`DEFAULTS`), so a default is written once. No torch and no pydantic here: the CLI imports this module when
@@ -19,7 +20,7 @@ from typing import Any
 
 from .hosts import Host
 
-__all__ = ["DEFAULTS", "LaunchOptions", "Runtime", "SSHConfig"]
+__all__ = ["DEFAULTS", "LaunchOptions", "Runtime", "SSHConfig", "SlurmConfig", "SpotConfig"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,34 @@ class SSHConfig:
 
 
 @dataclass(frozen=True)
+class SlurmConfig:
+    """The Slurm job the launcher runs in: node agents are job steps started with ``srun``, not SSH sessions."""
+
+    job_id: str
+    cluster: str | None = None
+    restarts: int = 0  # SLURM_RESTART_COUNT: how many times the job was requeued
+
+    def argv(self, host: Host, command: str) -> list[str]:
+        """``srun`` running ``command`` as one task on ``host``, inside this job. ``--overlap``: the step shares
+        the node with the batch step and other steps (Slurm would otherwise wait for free CPUs); without
+        ``--exact`` it gets every CPU and, by default, every GPU the job has on the node. Its stdin (the agent's
+        commands) and stdout (its events) are forwarded unbuffered."""
+        return ["srun", f"--jobid={self.job_id}", "--nodes=1", "--ntasks=1", f"--nodelist={host.address}",
+                "--overlap", "--unbuffered", "--quiet", "--kill-on-bad-exit=0", "--job-name=varuna-agent",
+                "/bin/sh", "-c", command]
+
+
+@dataclass(frozen=True)
+class SpotConfig:
+    """Which cloud's metadata service each node agent asks for preemption notices (:mod:`.spot`)."""
+
+    source: str
+    endpoint: str | None = None
+    interval: float = 5.0
+    vm_name: str | None = None
+
+
+@dataclass(frozen=True)
 class Runtime:
     """Where the job's code runs on every host: the Python interpreter and the working directory."""
 
@@ -71,7 +100,9 @@ class LaunchOptions:
     run_dir: Path
     ckpt_dir: Path
     runtime: Runtime = field(default_factory=Runtime)
-    ssh: SSHConfig | None = None  # None: local processes
+    ssh: SSHConfig | None = None  # None: local processes (or Slurm job steps)
+    slurm: SlurmConfig | None = None  # inside a Slurm allocation: agents by srun, scheduler signals
+    spot: SpotConfig | None = None
     env: dict[str, str] = field(default_factory=dict)
     legacy_args: bool = False
     morph: bool = False

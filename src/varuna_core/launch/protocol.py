@@ -5,7 +5,8 @@ launcher and ``varuna notify-preempt`` import this module.
 stdout, locally or through SSH). The first line the launcher writes is the node's :class:`AgentSpec`; then come
 commands (:class:`SignalCommand`, :class:`StopCommand`). The agent answers with events, one JSON object per line
 tagged by ``event`` (:data:`AgentEvent`): ``ready``, ``store``, ``started``, ``log``, ``exit``, ``error``,
-``stopped``. Anything else on the agent's stdout (a remote shell's banner, a stray ``42``) is not an event
+``stopped``, ``preempt`` (the cloud announced that the node's VM goes away) and ``signalled`` (the scheduler
+signalled the node). Anything else on the agent's stdout (a remote shell's banner, a stray ``42``) is not an event
 (:func:`parse_event` gives None). The models are strict: no type is coerced (``"0"`` is not a rank, ``true`` is not
 an int), ranks and ports are in range, and a line is bounded (:data:`MAX_SPEC`, :data:`MAX_EVENT`,
 :data:`MAX_LINE`). :class:`GoneEvent` is the launcher's own (an agent whose output ended), never read from an agent.
@@ -50,8 +51,9 @@ from pydantic import (
 
 __all__ = [
     # the node agent's protocol
-    "MAX_LINE", "MAX_EVENT", "MAX_SPEC", "WorkerSlot", "LegacyArgs", "AgentSpec", "ReadyEvent", "StoreEvent",
-    "StartedEvent", "LogEvent", "ExitEvent", "ErrorEvent", "StoppedEvent", "GoneEvent", "AgentEvent",
+    "MAX_LINE", "MAX_EVENT", "MAX_SPEC", "WorkerSlot", "LegacyArgs", "SpotWatch", "AgentSpec", "ReadyEvent",
+    "StoreEvent", "StartedEvent", "LogEvent", "ExitEvent", "ErrorEvent", "StoppedEvent", "PreemptEvent",
+    "SignalledEvent", "GoneEvent", "AgentEvent", "MAX_NOTICE_SECONDS",
     "SignalCommand", "StopCommand", "AgentCommand", "parse_spec", "parse_event", "parse_command", "grace_seconds",
     "describe",
     # heartbeat datagrams
@@ -68,6 +70,7 @@ MAX_SPEC = 16 * 2**20  # bytes of the spec line
 MAX_LINE = 64 * 2**10  # bytes of a worker's output line forwarded as one event (longer lines are split)
 MAX_EVENT = 256 * 2**10  # bytes of one line of an agent's output (a worker's line is at most MAX_LINE before JSON)
 MAX_GRACE = 3600.0
+MAX_NOTICE_SECONDS = 7 * 86400.0  # a preemption announced further ahead is not a notice
 
 Rank = Annotated[int, Field(ge=0, lt=MAX_RANK)]
 Port = Annotated[int, Field(gt=0, lt=65536)]
@@ -95,6 +98,15 @@ class LegacyArgs(_Strict):
     batch_size: Annotated[int, Field(ge=1)]
 
 
+class SpotWatch(_Strict):
+    """Ask the cloud's metadata service whether this node's VM goes away (:mod:`varuna_core.launch.spot`)."""
+
+    source: Literal["azure", "aws", "gcp"]
+    endpoint: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # default: the cloud's address
+    interval: Annotated[float, Field(ge=0.1, le=3600.0, allow_inf_nan=False)] = 5.0
+    vm_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # Azure: events must name it
+
+
 class AgentSpec(_Strict):
     """What one node agent runs: the first line the launcher writes to it."""
 
@@ -112,6 +124,10 @@ class AgentSpec(_Strict):
     plan: dict[str, Any] | None = None  # written beside the workers, named by VARUNA_PLAN
     grace: Annotated[float, Field(ge=0.0, le=MAX_GRACE, allow_inf_nan=False)] = 5.0
     legacy_args: LegacyArgs | None = None
+    spot: SpotWatch | None = None
+    # the node runs under a scheduler (Slurm) that signals every process of the job: a SIGTERM or SIGUSR1 the
+    # agent gets is the scheduler's warning, reported to the launcher, and does not stop the workers
+    scheduler_signals: bool = False
 
     @model_validator(mode="after")
     def _workers_fit(self) -> AgentSpec:
@@ -175,6 +191,22 @@ class StoppedEvent(_Event):
     event: Literal["stopped"] = "stopped"
 
 
+class PreemptEvent(_Event):
+    """The node's VM goes away in ``seconds`` (the cloud said so through its metadata service)."""
+
+    event: Literal["preempt"] = "preempt"
+    source: Annotated[str, Field(max_length=64)]
+    seconds: Annotated[float, Field(ge=0.0, le=MAX_NOTICE_SECONDS, allow_inf_nan=False)]
+    detail: Annotated[str, Field(max_length=1024)] = ""
+
+
+class SignalledEvent(_Event):
+    """The agent got ``signal`` from the scheduler (it runs with ``scheduler_signals``): the job must stop."""
+
+    event: Literal["signalled"] = "signalled"
+    signal: Literal["SIGTERM", "SIGUSR1"]
+
+
 class GoneEvent(_Event):
     """The launcher's own event: the agent's output ended (it exited, or SSH lost the host)."""
 
@@ -182,8 +214,8 @@ class GoneEvent(_Event):
     code: int | None
 
 
-AgentEvent = Annotated[ReadyEvent | StoreEvent | StartedEvent | LogEvent | ExitEvent | ErrorEvent | StoppedEvent,
-                       Field(discriminator="event")]
+AgentEvent = Annotated[ReadyEvent | StoreEvent | StartedEvent | LogEvent | ExitEvent | ErrorEvent | StoppedEvent
+                       | PreemptEvent | SignalledEvent, Field(discriminator="event")]
 _EVENTS: TypeAdapter = TypeAdapter(AgentEvent)
 
 
@@ -251,7 +283,7 @@ def parse_spec(line: str | bytes) -> AgentSpec:
 
 
 def parse_event(raw: str | bytes) -> ReadyEvent | StoreEvent | StartedEvent | LogEvent | ExitEvent | ErrorEvent | \
-        StoppedEvent | None:
+        StoppedEvent | PreemptEvent | SignalledEvent | None:
     """The event in one line of an agent's output, or None if the line is not a well-formed event: a JSON
     object whose ``event`` is a known kind, with every field of that kind present and of its type (``bool`` is
     not an ``int``), ports and ranks in range, a log line at most :data:`MAX_LINE` characters."""

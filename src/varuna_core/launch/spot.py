@@ -9,6 +9,9 @@ thread and calls back once per announced event. What is read, exactly:
   ``Terminate`` count; ``Reboot``, ``Redeploy``, ``Freeze`` do not take the VM away), ``Resources`` (a list of VM
   names: when ``vm_name`` is given, an event must name it), ``EventId`` (one callback per id) and
   ``NotBefore`` (an RFC 1123 date such as ``Mon, 19 Sep 2016 18:29:47 GMT``; empty once the event started: 0 s).
+  The watcher learns its VM's name from ``GET {base}/metadata/instance/compute/name?api-version=2021-02-01
+  &format=text`` (same header; a name of letters, digits, ``-``, ``_`` and ``.``) so that only events naming this
+  VM count (the events of a scale set list every VM they affect); without an answer every eviction counts.
 * **aws** — the spot instance-action document through IMDSv2: ``PUT {base}/latest/api/token`` with header
   ``X-aws-ec2-metadata-token-ttl-seconds: 300`` gives a token, then ``GET
   {base}/latest/meta-data/spot/instance-action`` with header ``X-aws-ec2-metadata-token``: 404 while no
@@ -33,12 +36,13 @@ import http.client
 import json
 import logging
 import math
+import re
 import threading
 import time
 import urllib.parse
 from typing import Callable
 
-__all__ = ["Notice", "SOURCES", "check", "SpotWatcher", "MAX_BODY"]
+__all__ = ["Notice", "SOURCES", "check", "check_endpoint", "azure_vm_name", "SpotWatcher", "MAX_BODY"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ DEFAULT_BASE = {"azure": "http://169.254.169.254", "aws": "http://169.254.169.25
                 "gcp": "http://metadata.google.internal"}
 AZURE_EVICTIONS = frozenset({"Preempt", "Terminate"})
 AWS_ACTIONS = frozenset({"terminate", "stop", "hibernate"})
+_VM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +74,7 @@ def check(source: str, base: str | None = None, *, timeout: float = 2.0, vm_name
     """Ask ``source``'s metadata endpoint once. ``None``: no eviction announced, or no usable answer."""
     if source not in SOURCES:
         raise ValueError(f"unknown preemption source {source!r} (one of {', '.join(SOURCES)})")
-    host, port = _address(base or DEFAULT_BASE[source])
+    host, port = check_endpoint(base or DEFAULT_BASE[source])
     now = time.time() if now is None else now
     try:
         if source == "azure":
@@ -82,7 +87,8 @@ def check(source: str, base: str | None = None, *, timeout: float = 2.0, vm_name
         return None
 
 
-def _address(base: str) -> tuple[str, int]:
+def check_endpoint(base: str) -> tuple[str, int]:
+    """``(host, port)`` of a metadata endpoint ``http://host[:port]``; ValueError for anything else."""
     parts = urllib.parse.urlsplit(base)
     if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
         raise ValueError(f"a metadata endpoint is http://host[:port], got {base[:100]!r}")
@@ -151,6 +157,18 @@ def _azure(host: str, port: int, timeout: float, vm_name: str | None, now: float
     return min(found, key=lambda n: n.seconds) if found else None
 
 
+def azure_vm_name(base: str | None = None, *, timeout: float = 2.0) -> str | None:
+    """This VM's name from Azure's instance metadata, or None without a usable answer."""
+    host, port = check_endpoint(base or DEFAULT_BASE["azure"])
+    try:
+        status, body = _request(host, port, "GET", "/metadata/instance/compute/name?api-version=2021-02-01"
+                                "&format=text", {"Metadata": "true"}, timeout)
+    except (OSError, http.client.HTTPException, _Unusable):
+        return None
+    name = body.decode("ascii", errors="replace").strip()
+    return name if status == 200 and _VM_NAME.fullmatch(name) else None
+
+
 def _aws(host: str, port: int, timeout: float, now: float) -> Notice | None:
     status, token = _request(host, port, "PUT", "/latest/api/token",
                              {"X-aws-ec2-metadata-token-ttl-seconds": "300"}, timeout)
@@ -199,7 +217,7 @@ class SpotWatcher:
                  interval: float = 5.0, timeout: float = 2.0, vm_name: str | None = None) -> None:
         if source not in SOURCES:
             raise ValueError(f"unknown preemption source {source!r} (one of {', '.join(SOURCES)})")
-        _address(base or DEFAULT_BASE[source])  # a bad address fails here, not silently in the thread
+        check_endpoint(base or DEFAULT_BASE[source])  # a bad address fails here, not silently in the thread
         self.source, self.base, self.interval, self.timeout, self.vm_name = source, base, interval, timeout, vm_name
         self.on_notice = on_notice
         self.seen: set[str] = set()
@@ -215,6 +233,8 @@ class SpotWatcher:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        if self.source == "azure" and self.vm_name is None:
+            self.vm_name = azure_vm_name(self.base, timeout=self.timeout)
         while not self._stop.is_set():
             notice = check(self.source, self.base, timeout=self.timeout, vm_name=self.vm_name)
             if notice is not None and notice.event not in self.seen:

@@ -1,5 +1,5 @@
 """Reaching the hosts of a job: SSH command lines, the pre-flight check of every host, and the handle of one
-node agent (:mod:`varuna_core.launch.agent`) started locally or over SSH.
+node agent (:mod:`varuna_core.launch.agent`) started locally, over SSH, or as a Slurm job step (``srun``).
 
 SSH runs with ``BatchMode=yes`` (never a password prompt that would hang the launcher), a connect timeout and
 keep-alives (a dead host is noticed in seconds), and the remote command built from shell-quoted words. The
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..env import JOB_ID
 from .hosts import Host
-from .options import Runtime, SSHConfig
+from .options import Runtime, SlurmConfig, SSHConfig
 from .protocol import MAX_EVENT, AgentSpec, GoneEvent, SignalCommand, StopCommand, parse_event
 
 __all__ = ["AgentHandle", "check_hosts", "HostProblem", "parse_event", "MAX_EVENT"]
@@ -72,20 +72,18 @@ def _lines(stream, limit: int = MAX_EVENT):
 
 
 class AgentHandle:
-    """One node agent: its process (``python -m varuna_core.launch.agent`` locally, or ``ssh HOST ...``), a writer for
+    """One node agent: its process (``python -m varuna_core.launch.agent`` locally, ``ssh HOST ...`` or ``srun
+    --nodelist=HOST ...``: ``remote``'s command line), a writer for
     its commands, and a thread that puts its events (:mod:`~varuna_core.launch.protocol` models) on a shared queue as
     ``(node, event)``. An agent whose output ends (it exited, or SSH lost the host) yields a
     :class:`~varuna_core.launch.protocol.GoneEvent`."""
 
     def __init__(self, node: int, host: Host, spec: AgentSpec, events: queue.Queue, runtime: Runtime,
-                 ssh: SSHConfig | None) -> None:
+                 remote: SSHConfig | SlurmConfig | None) -> None:
         self.node, self.host = node, host
         # the job id marks every process of the job (the agent's and, through the spec, the workers')
         command = runtime.command("-m", "varuna_core.launch.agent", env={JOB_ID: spec.job})
-        if ssh is None:
-            argv = ["/bin/sh", "-c", command]
-        else:
-            argv = ssh.argv(host, command)
+        argv = ["/bin/sh", "-c", command] if remote is None else remote.argv(host, command)
         # a session of its own: a ^C in the launcher's terminal reaches the launcher only, which stops the job
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
@@ -141,7 +139,8 @@ class AgentHandle:
             return False
 
     def kill(self) -> None:
-        """Kill the local end (the agent itself, or the ssh client: the remote agent then sees its stdin close)."""
+        """Kill the local end (the agent itself, or the ssh or srun client: the remote agent then sees its stdin
+        close)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)

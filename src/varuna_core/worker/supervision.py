@@ -9,6 +9,9 @@ The launcher's environment (see ``varuna launch --help``) asks for:
   start of the next ``step()`` (the optimizer has stepped by then) all ranks write a checkpoint to
   ``VARUNA_CKPT_DIR`` together, leave the process group and exit with :data:`EXIT_CHECKPOINTED`. No signal
   handler in user code, and no rank can checkpoint a step the others have not reached;
+* ``VARUNA_ON_SIGTERM=checkpoint`` (the launcher sets it inside a Slurm job, whose scheduler sends SIGTERM to
+  every process of the job before a preemption or the time limit): the first ``SIGTERM`` does what ``SIGUSR1``
+  does; a second one ends the process as SIGTERM would;
 * a script's own ``SIGUSR1`` handler (the original's README had users write one that calls
   ``model.checkpoint(...)`` and exits) is adopted, whether it was installed before ``Varuna(...)`` or later
   (checked at every step): the signal only sets the flag, and the handler runs on every rank at the same point,
@@ -91,10 +94,13 @@ class Supervision:
         self.keep = told.ckpt_keep
         self.tempdir = told.ckpt_tempdir
         self.total_steps = told.total_steps
+        if told.on_sigterm not in (None, "checkpoint"):
+            raise ConfigError(f"VARUNA_ON_SIGTERM is {told.on_sigterm!r}", hint="it is 'checkpoint' or unset")
         if (self.resume_step is not None or self.every) and not self.ckpt_dir:
             raise ConfigError("VARUNA_RESUME_STEP or VARUNA_CKPT_EVERY is set but VARUNA_CKPT_DIR is not",
                               hint="set VARUNA_CKPT_DIR to the checkpoint store (varuna launch does)")
         self.requested = False
+        self._terms = 0  # SIGTERMs received (VARUNA_ON_SIGTERM=checkpoint)
         self.stop_agreed = False
         self.resumed = False
         self.last_saved: int | None = None
@@ -106,6 +112,17 @@ class Supervision:
         if self.ckpt_dir is not None and not self._main_thread:
             log.warning("Varuna(...) was built outside the main thread: SIGUSR1 (checkpoint and stop) is not handled")
         self._adopt_handler()
+        if told.on_sigterm == "checkpoint" and self._main_thread:
+            signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum, frame) -> None:  # noqa: ARG002
+        """The first SIGTERM asks for a checkpoint; the next one ends the process as SIGTERM does by default."""
+        if self._terms:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self._terms += 1
+        self.requested = True
 
     def _on_usr1(self, signum, frame) -> None:  # noqa: ARG002
         self.requested = True

@@ -1,0 +1,98 @@
+"""`varuna launch` inside a real Slurm job (a one-node cluster on this machine, :mod:`devtools.testslurm`): the
+example batch script runs the example GPT on the allocation's two tasks, agents started by srun; Slurm's warning
+signal makes it checkpoint and requeue itself; a preemption-like SIGTERM to every process of the job makes it
+checkpoint and stop; each requeue resumes from the latest checkpoint of the job's run, and every step's loss equals
+the uninterrupted run's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from devtools.launching import read_events, read_steps
+from devtools.testslurm import SlurmUnavailable, start_slurm
+from tests.launch.conftest import ROOT, VARUNA, run_reference
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+STEPS = 160
+EXAMPLE = ROOT / "examples" / "slurm" / "train.sbatch"
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    try:
+        cluster = start_slurm(tmp_path_factory.mktemp("slurm"))
+    except SlurmUnavailable as exc:
+        pytest.skip(f"no Slurm cluster on this machine: {exc}")
+    yield cluster
+    cluster.close()
+
+
+def _wait(what, timeout: float, message: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(message)
+
+
+def test_a_slurm_job_checkpoints_on_the_schedulers_signals_and_resumes_when_requeued(slurm, plan2, tmp_path,
+                                                                                    launches) -> None:
+    reference = run_reference(plan2, STEPS, tmp_path, launches)
+    run_dir, out = tmp_path / "slurm-run", tmp_path / "job.out"
+    job = slurm.sbatch(EXAMPLE, "--output", str(out), "--ntasks=2", "--nodes=1", env={
+        "VARUNA": str(VARUNA), "PLAN": str(plan2), "RUN_DIR": str(run_dir), "STEPS": str(STEPS),
+        "WORK": str(tmp_path / "work")})
+    output = lambda: out.read_text() if out.exists() else ""  # noqa: E731
+    steps = lambda: max(read_steps(run_dir), default=-1)  # noqa: E731
+
+    # 1. Slurm's warning (the example's --signal=B:USR1@N, sent now): checkpoint, and the launcher requeues the job
+    _wait(lambda: steps() >= 30, 180, f"no training progress in the job:\n{output()[-3000:]}")
+    slurm.run("scancel", "--signal=USR1", "--batch", job)
+    slurm.wait_state(job, {"PENDING"}, 120)
+    assert f"job {job} requeued" in output(), output()[-3000:]
+    first_stop = max(read_steps(run_dir)) + 1  # steps done: the step the checkpoint resumes at
+    slurm.start_now(job)
+
+    # 2. the requeued job resumes by itself; then SIGTERM to every process of the job (a preemption, the time
+    #    limit): the workers checkpoint; the scheduler requeues it (as PreemptMode=REQUEUE would)
+    _wait(lambda: steps() >= first_stop + 40, 180, f"the requeued job made no progress:\n{output()[-3000:]}")
+    slurm.run("scancel", "--signal=TERM", "--full", job)
+    slurm.wait_state(job, {"FAILED", "CANCELLED", "COMPLETED"}, 120)
+    second_stop = max(read_steps(run_dir)) + 1
+    slurm.run("scontrol", "requeue", job)
+    slurm.start_now(job)
+
+    # 3. the second requeue resumes and finishes
+    state = slurm.wait_state(job, {"COMPLETED", "FAILED"}, 240)
+    text = output()
+    assert state == "COMPLETED", text[-4000:]
+    assert slurm.job(job)["Restarts"] == "2"
+
+    starts = [e for e in read_events(run_dir) if e["event"] == "starting"]
+    assert [e["resume"] for e in starts] == [None, first_stop, second_stop], (starts, text[-3000:])
+    assert text.count("resuming run slurm-varunatest-" + job) == 2, text[-3000:]
+    assert "stopped on SIGTERM, after an on-demand checkpoint" in text
+    steps_seen = read_steps(run_dir)
+    assert sorted(steps_seen) == sorted(reference) and len(reference) == STEPS
+    assert steps_seen == reference  # every step's loss, bit for bit
+    scheduler = [e for e in read_events(run_dir) if e["event"] in ("scheduler_signal", "requeue")]
+    assert any(e["event"] == "requeue" and e["done"] for e in scheduler), scheduler
+
+
+def test_plan_takes_the_devices_of_the_allocation(slurm, gpt_profile, tmp_path) -> None:
+    out = tmp_path / "plan.yaml"
+    log = tmp_path / "plan.out"
+    job = slurm.run("sbatch", "--parsable", "--ntasks=2", "--output", str(log), "--chdir", str(ROOT), "--wrap",
+                    f"{VARUNA} plan {gpt_profile} --slurm --batch-size 32 -o {out}").stdout.strip()
+    state = slurm.wait_state(job, {"COMPLETED", "FAILED"}, 120)
+    assert state == "COMPLETED", log.read_text()
+    from varuna_core.planning.artifacts import load_plan
+
+    plan = load_plan(out)
+    assert plan.gpus == 2 and plan.pp * plan.dp <= 2
+    assert f"Slurm job {job}: 1 node(s), 2 tasks" in log.read_text()
