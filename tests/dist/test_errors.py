@@ -54,7 +54,7 @@ def test_validation_passes_on_a_correct_model(tmp_path) -> None:
 
 
 def test_timeout_names_rank_stage_action_and_peer(tmp_path) -> None:
-    results = _run(tmp_path, "0;1", 2, timeout=4, stall_rank=1, stall_seconds=12)
+    results = _run(tmp_path, "0;1", 2, timeout=4, stall_rank=1, stall_seconds=8)
     waiting = results[0]
     assert waiting.returncode == 1 and waiting.error.startswith("CommTimeoutError"), waiting.error
     for part in ("rank 0 (stage 0, replica 0)", "0B0", "gradient", "from rank 1 (stage 1)", "within 4s"):

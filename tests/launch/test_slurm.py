@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from devtools.launching import read_events, read_steps
+from devtools.launching import Launch, job_processes, read_events, read_steps
 from devtools.testslurm import SlurmUnavailable, start_slurm
-from tests.launch.conftest import ROOT, VARUNA, run_reference
+from tests.launch.conftest import ROOT, TRAIN, VARUNA, run_reference
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
-STEPS = 160
+STEPS = 120
 EXAMPLE = ROOT / "examples" / "slurm" / "train.sbatch"
 
 
@@ -30,14 +30,15 @@ def slurm(tmp_path_factory):
     cluster.close()
 
 
-def _wait(what, timeout: float, message: str):
+def _wait(what, timeout: float, message):
+    """``what()`` once it is true; after ``timeout`` seconds, an AssertionError with ``message()``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = what()
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(message)
+    raise AssertionError(message() if callable(message) else message)
 
 
 def test_a_slurm_job_checkpoints_on_the_schedulers_signals_and_resumes_when_requeued(slurm, plan2, tmp_path,
@@ -51,26 +52,26 @@ def test_a_slurm_job_checkpoints_on_the_schedulers_signals_and_resumes_when_requ
     steps = lambda: max(read_steps(run_dir), default=-1)  # noqa: E731
 
     # 1. Slurm's warning (the example's --signal=B:USR1@N, sent now): checkpoint, and the launcher requeues the job
-    _wait(lambda: steps() >= 30, 180, f"no training progress in the job:\n{output()[-3000:]}")
+    _wait(lambda: steps() >= 25, 180, lambda: f"no training progress: {slurm.diagnose(job)}\n{output()[-3000:]}")
     slurm.run("scancel", "--signal=USR1", "--batch", job)
     slurm.wait_state(job, {"PENDING"}, 120)
     assert f"job {job} requeued" in output(), output()[-3000:]
     first_stop = max(read_steps(run_dir)) + 1  # steps done: the step the checkpoint resumes at
-    slurm.start_now(job)
 
     # 2. the requeued job resumes by itself; then SIGTERM to every process of the job (a preemption, the time
     #    limit): the workers checkpoint; the scheduler requeues it (as PreemptMode=REQUEUE would)
-    _wait(lambda: steps() >= first_stop + 40, 180, f"the requeued job made no progress:\n{output()[-3000:]}")
+    _wait(lambda: steps() >= first_stop + 30, 180,
+          lambda: f"the requeued job made no progress: {slurm.diagnose(job)}\n{output()[-3000:]}")
     slurm.run("scancel", "--signal=TERM", "--full", job)
     slurm.wait_state(job, {"FAILED", "CANCELLED", "COMPLETED"}, 120)
     second_stop = max(read_steps(run_dir)) + 1
     slurm.run("scontrol", "requeue", job)
-    slurm.start_now(job)
+    slurm.wait_state(job, {"PENDING"}, 60)
 
     # 3. the second requeue resumes and finishes
     state = slurm.wait_state(job, {"COMPLETED", "FAILED"}, 240)
     text = output()
-    assert state == "COMPLETED", text[-4000:]
+    assert state == "COMPLETED", f"{slurm.diagnose(job)}\n{text[-4000:]}"
     assert slurm.job(job)["Restarts"] == "2"
 
     starts = [e for e in read_events(run_dir) if e["event"] == "starting"]
@@ -96,3 +97,31 @@ def test_plan_takes_the_devices_of_the_allocation(slurm, gpt_profile, tmp_path) 
     plan = load_plan(out)
     assert plan.gpus == 2 and plan.pp * plan.dp <= 2
     assert f"Slurm job {job}: 1 node(s), 2 tasks" in log.read_text()
+
+
+@pytest.fixture
+def allocation(slurm):
+    """A running two-task job to launch into from outside its batch script, as from an salloc shell: its
+    environment, as Slurm gives it to the job."""
+    job = slurm.run("sbatch", "--parsable", "--ntasks=2", "--output=/dev/null", "--wrap", "sleep 600").stdout.strip()
+    slurm.wait_state(job, {"RUNNING"}, 60)
+    yield {"SLURM_CONF": slurm.env["SLURM_CONF"], "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": slurm.node, "SLURM_TASKS_PER_NODE": "2",
+           "SLURM_CLUSTER_NAME": "varunatest"}
+    slurm.run("scancel", job, check=False)
+
+
+def test_no_process_of_the_job_outlives_a_killed_launcher_in_an_allocation(allocation, plan2, tmp_path) -> None:
+    """The agents are job steps, not children of the launcher, and a killed srun would leave its step running: a
+    launcher killed outright closes srun's stdin instead, which reaches the agents, which stop their workers.
+    (Ctrl-C stops the agents with a command, as for local and SSH jobs.)"""
+    launch = Launch([str(plan2), "--run-dir", str(tmp_path / "run"), "--", *TRAIN, "--steps", "100000"],
+                    tmp_path / "run", timeout=180, env=allocation)
+    try:
+        launch.wait_for(lambda: len(launch.steps()) >= 3)
+        assert f"Slurm job {allocation['SLURM_JOB_ID']}: 1 node(s), 2 tasks" in launch.output()
+        job = launch.job()
+        assert len(job_processes(job)) == 3  # one agent, two workers
+        launch.kill()
+        _wait(lambda: not job_processes(job), 30, f"left behind: {job_processes(job)}")
+    finally:
+        launch.close()

@@ -17,7 +17,7 @@ import typer
 from varuna_core.env import LAUNCHER_SET
 from varuna_core.errors import ConfigError, VarunaError
 from varuna_core.launch.hosts import MAX_SLOTS
-from varuna_core.launch.options import DEFAULTS, LaunchOptions, Runtime, SSHConfig
+from varuna_core.launch.options import DEFAULTS, LaunchOptions, Runtime, SpotConfig, SSHConfig
 
 HELP = (
     "Run SCRIPT on every device of PLAN: local processes, or the hosts of --hosts over SSH.\n\n"
@@ -240,7 +240,7 @@ def launch(
     morph_timeout: MorphTimeout = DEFAULTS["morph_timeout"], preempt_margin: PreemptMargin = DEFAULTS["preempt_margin"],
     grace: Grace = DEFAULTS["grace"], straggler_threshold: StragglerThreshold = DEFAULTS["straggler_threshold"],
     slurm: Slurm = None, preemption_source: PreemptionSource = None, preemption_endpoint: PreemptionEndpoint = None,
-    preemption_interval: PreemptionInterval = 5.0,
+    preemption_interval: PreemptionInterval = SpotConfig.interval,
 ) -> None:
     from varuna_core.launch.manager import Manager, choose_run
     from varuna_core.planning.artifacts import load_plan
@@ -347,7 +347,6 @@ def _slurm_run(job, store: Path, resume: bool, run_id: str | None) -> tuple[bool
 
 def _spot(source: str | None, endpoint: str | None, interval: float):
     """The spot watch of ``--preemption-source`` (None without it)."""
-    from varuna_core.launch.options import SpotConfig
     from varuna_core.launch.spot import SOURCES, check_endpoint
 
     if source is None:

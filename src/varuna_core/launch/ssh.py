@@ -14,6 +14,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -87,6 +88,7 @@ class AgentHandle:
         # a session of its own: a ^C in the launcher's terminal reaches the launcher only, which stops the job
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
+        self.srun = isinstance(remote, SlurmConfig)
         self._events = events
         self._lock = threading.Lock()
         self.stderr: list[str] = []
@@ -139,8 +141,17 @@ class AgentHandle:
             return False
 
     def kill(self) -> None:
-        """Kill the local end (the agent itself, or the ssh or srun client: the remote agent then sees its stdin
-        close)."""
+        """Kill the local end (the agent itself, or the ssh client: the remote agent then sees its stdin close).
+        A killed srun would leave its job step running, unseen: srun is asked to cancel the step instead (two
+        SIGINTs within a second), and killed only if it does not."""
+        if self.srun and self.proc.poll() is None:
+            try:
+                for _ in range(2):
+                    os.killpg(self.proc.pid, signal.SIGINT)
+                    time.sleep(0.2)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.wait(5)
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
