@@ -105,8 +105,8 @@ def allocation(slurm):
     environment, as Slurm gives it to the job."""
     job = slurm.run("sbatch", "--parsable", "--ntasks=2", "--output=/dev/null", "--wrap", "sleep 600").stdout.strip()
     slurm.wait_state(job, {"RUNNING"}, 60)
-    yield {"SLURM_CONF": slurm.env["SLURM_CONF"], "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": slurm.node, "SLURM_TASKS_PER_NODE": "2",
-           "SLURM_CLUSTER_NAME": "varunatest"}
+    yield {"SLURM_CONF": slurm.env["SLURM_CONF"], "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": slurm.node,
+           "SLURM_TASKS_PER_NODE": "2", "SLURM_CLUSTER_NAME": "varunatest"}
     slurm.run("scancel", job, check=False)
 
 

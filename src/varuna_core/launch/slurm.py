@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..util.artifacts import short_repr
 from .hosts import MAX_SLOTS, Host
 from .options import SlurmConfig
 
@@ -92,7 +93,7 @@ def allocation(environ: Mapping[str, str] | None = None, *, gpus_per_node: int |
         raise ConfigError("not inside a Slurm job (SLURM_JOB_ID is not set)",
                           hint="run `varuna launch --slurm` in an sbatch script or an salloc shell")
     if not _JOB.fullmatch(job):
-        raise ConfigError(f"SLURM_JOB_ID {_shown(job)} is not a Slurm job id")
+        raise ConfigError(f"SLURM_JOB_ID {short_repr(job, 120)} is not a Slurm job id")
     nodelist = (environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or "").strip()
     if not nodelist:
         raise ConfigError("SLURM_JOB_NODELIST is not set: cannot tell the job's nodes",
@@ -109,8 +110,8 @@ def allocation(environ: Mapping[str, str] | None = None, *, gpus_per_node: int |
                               hint="submit it with --gpus-per-node or --ntasks-per-node, or give --gpus-per-node")
         slots, devices = expand_counts(tasks, "SLURM_TASKS_PER_NODE"), "tasks"
         if len(slots) != len(nodes):
-            raise ConfigError(f"SLURM_TASKS_PER_NODE {_shown(tasks)} counts {len(slots)} node(s) but the job has "
-                              f"{len(nodes)}")
+            raise ConfigError(f"SLURM_TASKS_PER_NODE {short_repr(tasks, 120)} counts {len(slots)} node(s) but the "
+                              f"job has {len(nodes)}")
     if any(not 1 <= s <= MAX_SLOTS for s in slots):
         raise ConfigError(f"a node of the job would run {max(slots)} workers (at most {MAX_SLOTS})")
     cluster = environ.get("SLURM_CLUSTER_NAME", "").strip() or None
@@ -128,7 +129,7 @@ def _gpus(environ: Mapping[str, str]) -> int | None:
             continue
         count = value.rsplit(":", 1)[-1]
         if not count.isdigit() or len(count) > 9:
-            raise ConfigError(f"{name} {_shown(value)} is not a GPU count",
+            raise ConfigError(f"{name} {short_repr(value, 120)} is not a GPU count",
                               hint="give the workers per node with --gpus-per-node")
         return int(count) or None
     return None
@@ -140,10 +141,10 @@ def expand_counts(text: str, name: str = "SLURM_TASKS_PER_NODE") -> list[int]:
     for part in text.strip().split(","):
         match = _COUNT.fullmatch(part.strip())
         if match is None:
-            raise ConfigError(f"{name} {_shown(text)} is not a list of counts like 2(x3),1")
+            raise ConfigError(f"{name} {short_repr(text, 120)} is not a list of counts like 2(x3),1")
         repeat = int(match.group(2) or 1)
         if len(counts) + repeat > MAX_NODES:
-            raise ConfigError(f"{name} {_shown(text)} counts more than {MAX_NODES} nodes")
+            raise ConfigError(f"{name} {short_repr(text, 120)} counts more than {MAX_NODES} nodes")
         counts += [int(match.group(1))] * repeat
     return counts
 
@@ -163,17 +164,17 @@ def expand_hostnames(nodelist: str, *, scontrol: str = "scontrol") -> list[str]:
                           hint="is slurmctld reachable?") from None
     if done.returncode != 0:
         detail = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        raise ConfigError(f"`{scontrol} show hostnames {_shown(nodelist, 60)}` failed: {detail[:200]}")
+        raise ConfigError(f"`{scontrol} show hostnames {short_repr(nodelist, 60)}` failed: {detail[:200]}")
     names = done.stdout.split()
     if not names:
-        raise ConfigError(f"the job's node list {_shown(nodelist, 60)} names no node")
+        raise ConfigError(f"the job's node list {short_repr(nodelist, 60)} names no node")
     if len(names) > MAX_NODES:
         raise ConfigError(f"the job's node list names {len(names)} nodes (at most {MAX_NODES})")
     for name in names:
         if not _NODE.fullmatch(name):
-            raise ConfigError(f"the job's node list names {_shown(name, 60)}, which is not a host name")
+            raise ConfigError(f"the job's node list names {short_repr(name, 60)}, which is not a host name")
     if len(set(names)) != len(names):
-        raise ConfigError(f"the job's node list {_shown(nodelist, 60)} names a node twice")
+        raise ConfigError(f"the job's node list {short_repr(nodelist, 60)} names a node twice")
     return names
 
 
@@ -193,8 +194,3 @@ def requeue(job_id: str, *, scontrol: str = "scontrol") -> tuple[bool, str]:
     if done.returncode != 0:
         return False, f"`scontrol requeue` failed: {done.stderr.strip()[:200]}"
     return True, ""
-
-
-def _shown(value: str, limit: int = 120) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
