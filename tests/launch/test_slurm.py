@@ -76,6 +76,7 @@ def test_a_slurm_job_checkpoints_on_the_schedulers_signals_and_resumes_when_requ
 
     starts = [e for e in read_events(run_dir) if e["event"] == "starting"]
     assert [e["resume"] for e in starts] == [None, first_stop, second_stop], (starts, text[-3000:])
+    assert [e["attempt"] for e in starts] == [1, 2, 3]  # numbered on in the run directory the requeues share
     assert text.count("resuming run slurm-varunatest-" + job) == 2, text[-3000:]
     assert "stopped on SIGTERM, after an on-demand checkpoint" in text
     steps_seen = read_steps(run_dir)

@@ -9,7 +9,7 @@ import pytest
 
 from tests.profiles import make_profile
 from varuna_core.errors import ConfigError
-from varuna_core.launch.attempt import place, worker_argv
+from varuna_core.launch.attempt import JobFiles, place, worker_argv
 from varuna_core.launch.heartbeat import Listener, send_notice
 from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts
 from varuna_core.launch.manager import replan
@@ -186,3 +186,22 @@ def test_a_job_that_never_saves_gives_up_and_a_refused_checkpoint_costs_no_resta
     assert budget.crash(30) == 1
     assert budget.crash(25, refused=True) == 1 and not budget.exhausted  # step_30 set aside: fall back to 25
     assert budget.crash(25) == 2 and budget.exhausted
+
+
+@pytest.mark.parametrize(("text", "before"), [
+    (None, 0), (b"", 0), (b'{"event": "starting", "attempt": 2}\n{"event": "starting", "attempt": 3}\n', 3),
+    (b'{"event": "starting", "attempt": 7}\n{"event": "starting", "att', 7),  # a launcher killed mid-line
+    (b'{"event": "starting", "attempt": true}\n{"event": "starting", "attempt": "9"}\n[1, "starting"]\n', 0),
+    (b'{"event": "starting", "attempt": 1e400}\n{"event": "starting", "attempt": 99999999999}\n', 0),
+    (b'{"event": "stopped", "attempt": 5, "x": "starting"}\n\xff\xfe"starting"\n' + b"[" * 100_000 + b'"starting"', 0),
+])
+def test_a_reused_run_directory_numbers_attempts_on(tmp_path, text, before) -> None:
+    """A requeued Slurm job launches again into its run directory: the attempts of the earlier launches are
+    counted from its events (whatever else the file holds), so that logs, plans and events stay apart."""
+    if text is not None:
+        (tmp_path / "events.jsonl").write_bytes(text)
+    files = JobFiles(tmp_path)
+    try:
+        assert files.attempts_before == before
+    finally:
+        files.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -97,6 +98,31 @@ def worker_argv(script: list[str], python: str) -> list[str]:
     return [python, *script] if script[0].endswith(".py") else list(script)
 
 
+def _attempts_in(events: Path, limit: int = 16 * 2**20) -> int:
+    """The highest attempt number an earlier launcher recorded in ``events`` (0: none). A requeued Slurm job runs
+    again in the same run directory: its attempts are numbered on, so that their logs, plans and events stay
+    apart. Only the last ``limit`` bytes are read; a line that is not an event is skipped."""
+    try:
+        with open(events, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            data = f.read(limit)
+    except OSError:
+        return 0
+    highest = 0
+    for line in data.splitlines():
+        if b'"starting"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        attempt = event.get("attempt") if isinstance(event, dict) and event.get("event") == "starting" else None
+        if isinstance(attempt, int) and not isinstance(attempt, bool) and 0 < attempt < 2**31:
+            highest = max(highest, attempt)
+    return highest
+
+
 class JobFiles:
     """The run directory (see the module docstring)."""
 
@@ -105,6 +131,7 @@ class JobFiles:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "plans").mkdir(exist_ok=True)
         self._logs: dict[int, object] = {}
+        self.attempts_before = _attempts_in(self.run_dir / "events.jsonl")
         self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
 

@@ -224,7 +224,7 @@ class Manager:
         if opts.resume:
             self.reporter.event(f"resuming run {self.run_id} from {opts.ckpt_dir}/step_{resume}" if resume is not None
                                 else f"--resume: no loadable checkpoint in {opts.ckpt_dir}; starting from scratch")
-        budget, number = RestartBudget(opts.max_restarts, baseline=resume), 0
+        budget, number = RestartBudget(opts.max_restarts, baseline=resume), self.files.attempts_before
         previous = self._handle_sigterm()
         try:
             while True:
