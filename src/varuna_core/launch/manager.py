@@ -280,7 +280,7 @@ class Manager:
         slurm = self.opts.slurm
         then = "(`varuna launch --resume` continues from it)"
         if slurm is not None:
-            then = "(the job's requeue resumes from it)"
+            then = f"(a requeue of job {slurm.job_id} resumes from it; a new job continues it with --resume)"
             if self.warned:
                 from .slurm import requeue
 
