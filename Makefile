@@ -13,6 +13,8 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`; a test file stays on one worker (its fixtures are built once), 0 runs serially
+TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
 STAMP := $(VENV)/.setup-stamp
@@ -21,7 +23,7 @@ STAMP := $(VENV)/.setup-stamp
 .PHONY: help setup test demo bench bench-memory bench-sim bench-ckpt bench-morph bench-chaos clean distclean
 
 help: ## list the targets
-	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [DEMO_ARGS=...]"
+	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
 	@echo
 	@grep -E '^[a-z][a-z-]*:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14 | sed 's/^/  /'
 
@@ -35,8 +37,8 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.hpp src/*/*
 	$(PIP) install -e ".[dev,hf]"
 	@touch $@
 
-test: setup ## run the test suite (PYTEST_ARGS="-k env" to select)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+test: setup ## run the test suite (PYTEST_ARGS="-k env" to select, TEST_WORKERS=0 to run it serially)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The whole workflow on the example char-level GPT, in runs/demo (about 2 minutes on 2 CPU cores): profile it
 # on 2 processes; plan for 4 devices that we pretend have only 6 MiB each (so the model must be split into

@@ -111,6 +111,34 @@ class HostCluster:
         return subprocess.run(self._ssh_argv(host, command), stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, timeout=timeout)
 
+    def processes(self, needle: str) -> list[tuple[int, str]]:
+        """``(pid, command line)`` of the live processes started over SSH on this cluster's hosts (descendants
+        of its sshd daemons) whose command line contains ``needle`` — unlike a machine-wide ``pgrep``, blind to
+        other tests' jobs running at the same time."""
+        parents, commands = {}, {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] != "Z":
+                    parents[int(entry.name)] = int(stat[1])
+                    commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+        roots = {d.pid for d in self.daemons}
+
+        def ours(pid: int) -> bool:
+            for _ in range(64):
+                pid = parents.get(pid, 0)
+                if pid in roots:
+                    return True
+                if pid <= 1:
+                    return False
+            return False
+
+        return [(pid, cmd) for pid, cmd in commands.items() if needle in cmd and ours(pid)]
+
     def close(self) -> None:
         """Kill every process of the cluster and remove its namespaces and interfaces (idempotent, never raises).
 
