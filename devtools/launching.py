@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from devtools.procs import Proc, live_processes
+
 __all__ = ["ROOT", "VARUNA", "Launch", "LaunchFailed", "profile_example_gpt", "make_plan", "read_reports", "read_steps", "read_events", "job_processes",
            "worker_pid", "agent_pids", "process_environ", "listening_addresses"]
 
@@ -147,26 +149,12 @@ def job_processes(job: str) -> list[tuple[int, str]]:
     """``(pid, command line)`` of every live process whose environment carries ``VARUNA_JOB_ID=job`` (agents and
     workers, on every test host: the hosts' namespaces share this machine's process table)."""
     needle = f"VARUNA_JOB_ID={job}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":  # a zombie holds nothing
-                    found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
-        except OSError:
-            continue
-    return found
+    return [(p.pid, p.cmdline()) for p in live_processes() if needle in p.environ()]
 
 
 def process_environ(pid: int) -> list[bytes]:
     """The ``KEY=VALUE`` entries of a process's environment ([] if it is gone)."""
-    try:
-        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return []
+    return Proc(pid, 0).environ()
 
 
 def worker_pid(job: str, rank: int, script: str = "train.py") -> int | None:

@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from devtools.procs import live_processes
+
 __all__ = ["TestHost", "HostCluster", "start_cluster", "cleanup_stale"]
 
 NETNS_ETC = Path("/etc/netns")
@@ -115,17 +117,8 @@ class HostCluster:
         """``(pid, command line)`` of the live processes started over SSH on this cluster's hosts (descendants
         of its sshd daemons) whose command line contains ``needle`` — unlike a machine-wide ``pgrep``, blind to
         other tests' jobs running at the same time."""
-        parents, commands = {}, {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if stat[0] != "Z":
-                    parents[int(entry.name)] = int(stat[1])
-                    commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
+        procs = live_processes()
+        parents = {p.pid: p.ppid for p in procs}
         roots = {d.pid for d in self.daemons}
 
         def ours(pid: int) -> bool:
@@ -137,7 +130,7 @@ class HostCluster:
                     return False
             return False
 
-        return [(pid, cmd) for pid, cmd in commands.items() if needle in cmd and ours(pid)]
+        return [(p.pid, cmd) for p in procs if ours(p.pid) and needle in (cmd := p.cmdline())]
 
     def close(self) -> None:
         """Kill every process of the cluster and remove its namespaces and interfaces (idempotent, never raises).

@@ -17,6 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from devtools.procs import live_processes
+
 __all__ = ["SlurmCluster", "SlurmUnavailable", "start_slurm"]
 
 _DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel", "srun")
@@ -91,12 +93,11 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait()
         needle = f"SLURM_CONF={self.conf}".encode()
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and int(entry.name) != os.getpid():
+        for proc in live_processes():
+            if proc.pid != os.getpid() and needle in proc.environ():
                 try:
-                    if needle in (entry / "environ").read_bytes().split(b"\0"):
-                        os.kill(int(entry.name), signal.SIGKILL)
-                except (OSError, ValueError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                except OSError:
                     continue
         try:
             os.kill(int(self.munged_pid.read_text().strip()), signal.SIGTERM)
