@@ -1,8 +1,8 @@
 """`varuna launch` inside a real Slurm job (a one-node cluster on this machine, :mod:`devtools.testslurm`): the
 example batch script runs the example GPT on the allocation's two tasks, agents started by srun; Slurm's warning
-signal makes it checkpoint and requeue itself; a preemption-like SIGTERM to every process of the job makes it
-checkpoint and stop; each requeue resumes from the latest checkpoint of the job's run, and every step's loss equals
-the uninterrupted run's."""
+signal (to the batch shell, or to the job steps) makes it checkpoint and requeue itself; a preemption-like SIGTERM
+to every process of the job makes it checkpoint and stop; each requeue resumes from the latest checkpoint of the
+job's run, and every step's loss equals the uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -68,17 +68,29 @@ def test_a_slurm_job_checkpoints_on_the_schedulers_signals_and_resumes_when_requ
     slurm.run("scontrol", "requeue", job)
     slurm.wait_state(job, {"PENDING"}, 60)
 
-    # 3. the second requeue resumes and finishes
+    # 3. the second requeue resumes; Slurm's warning as `--signal=USR1@N` without B: sends it to the job steps
+    #    (the node agents and their workers), not to the batch shell: an agent reports it, the job checkpoints
+    #    and the launcher requeues it as in 1.
+    _wait(lambda: steps() >= second_stop + 20, 180,
+          lambda: f"the second requeue made no progress: {slurm.diagnose(job)}\n{output()[-3000:]}")
+    slurm.run("scancel", "--signal=USR1", job)
+    slurm.wait_state(job, {"PENDING"}, 120)
+    third_stop = max(read_steps(run_dir)) + 1
+
+    # 4. the third requeue resumes and finishes
     state = slurm.wait_state(job, {"COMPLETED", "FAILED"}, 240)
     text = output()
     assert state == "COMPLETED", f"{slurm.diagnose(job)}\n{text[-4000:]}"
-    assert slurm.job(job)["Restarts"] == "2"
+    assert slurm.job(job)["Restarts"] == "3"
 
     starts = [e for e in read_events(run_dir) if e["event"] == "starting"]
-    assert [e["resume"] for e in starts] == [None, first_stop, second_stop], (starts, text[-3000:])
-    assert [e["attempt"] for e in starts] == [1, 2, 3]  # numbered on in the run directory the requeues share
-    assert text.count("resuming run slurm-varunatest-" + job) == 2, text[-3000:]
-    assert "stopped on SIGTERM, after an on-demand checkpoint" in text
+    assert [e["resume"] for e in starts] == [None, first_stop, second_stop, third_stop], (starts, text[-3000:])
+    assert [e["attempt"] for e in starts] == [1, 2, 3, 4]  # numbered on in the run directory the requeues share
+    assert text.count("resuming run slurm-varunatest-" + job) == 3, text[-3000:]
+    said = " ".join(text.split())  # the launcher's lines as said, not as wrapped for the job's output file
+    assert "stopped on SIGTERM, after an on-demand checkpoint" in said
+    assert f"stopped on SIGUSR1 from the scheduler on {slurm.node}, after an on-demand checkpoint" in said, said
+    assert said.count(f"job {job} requeued") == 2, text[-3000:]
     steps_seen = read_steps(run_dir)
     assert sorted(steps_seen) == sorted(reference) and len(reference) == STEPS
     assert steps_seen == reference  # every step's loss, bit for bit
