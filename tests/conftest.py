@@ -10,6 +10,25 @@ from pathlib import Path
 import pytest
 
 
+def _no_skips(report) -> None:
+    """With ``VARUNA_NO_SKIPS=1`` (CI: ``.ci/run``) a skip fails: a test skipped because a tool (Slurm, sshd,
+    transformers, a tmpfs) could not be had would otherwise let the run pass having proved nothing."""
+    if report.skipped and os.environ.get("VARUNA_NO_SKIPS") == "1" and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped, and VARUNA_NO_SKIPS=1 forbids skips: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    _no_skips((yield).get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    _no_skips((yield).get_result())  # a module skipped whole (importorskip at its top)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """``small_disk(bytes) -> Path``: a directory on a tmpfs of that size (a real full disk: writes fail with
