@@ -237,6 +237,7 @@ class Attempt:
         self.started_at = time.monotonic()
         self.first_step_seen = False
         self.signalled: str | None = None  # the scheduler's signal an agent reported, and where
+        self.scheduler_signal: str | None = None  # that signal's name (SIGUSR1: Slurm's warning, SIGTERM: the end)
 
     # ------------------------------------------------------------------------------------------------------
     # Start
@@ -428,6 +429,7 @@ class Attempt:
             self.reporter.event(f"{event.source} says {host} goes away in {event.seconds:.0f}s ({event.detail})")
             self.listener.add_notice(host, event.seconds, event.source)
         elif isinstance(event, SignalledEvent) and self.signalled is None:
+            self.scheduler_signal = event.signal
             self.signalled = f"{event.signal} from the scheduler on {self.agents[node].host.name}"
             self.files.event("scheduler_signal", host=self.agents[node].host.name, signal=event.signal)
 

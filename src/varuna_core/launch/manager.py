@@ -350,7 +350,7 @@ class Manager:
             if self.sigterms:
                 return Outcome("terminated", f"on {self.stop_why}, before the attempt started")
             outcome = attempt.run(lambda: self._changes(), lambda: (self.sigterms, self.stop_why))
-            if attempt.signalled and attempt.signalled.startswith("SIGUSR1"):
+            if attempt.scheduler_signal == "SIGUSR1":
                 self.warned = True
             self.status.state = "stopping"
             self.files.event("ending", attempt=number, kind=outcome.kind, message=outcome.message,
