@@ -43,9 +43,14 @@ def test_a_new_job_refuses_a_store_that_holds_checkpoints(plan4, tmp_path) -> No
 
 def test_sigterm_checkpoints_and_resume_continues(plan2, tmp_path, launches) -> None:
     """SIGTERM (a scheduler's warning) makes the workers write an on-demand checkpoint and the launcher exit 143
-    (before: 143 at once, nothing saved, no word); `--resume` then continues from that checkpoint."""
+    (before: 143 at once, nothing saved, no word); `--resume` then continues from that checkpoint. A rank that
+    dies as it leaves, after its checkpoint (here SIGABRT on exit 75), is named but does not turn the stop into
+    a crash (before: a crash, which counts against --max-restarts)."""
     store = tmp_path / "run" / "checkpoints"
-    launch = launches([str(plan2), "--morph", "--ckpt-every", "5", "--", *TRAIN, "--steps", "100000"],
+    env_file = tmp_path / "env"
+    env_file.write_text("CRASH_RANK=1\n")
+    launch = launches([str(plan2), "--morph", "--ckpt-every", "5", "--env-file", str(env_file), "--",
+                       "tests/launch/teardown_crash_worker.py", *TRAIN[1:], "--steps", "100000"],
                       tmp_path / "run", timeout=300)
     launch.wait_for(lambda: (store / "step_10" / "COMPLETE").exists())
     job = launch.job()
@@ -55,6 +60,10 @@ def test_sigterm_checkpoints_and_resume_continues(plan2, tmp_path, launches) -> 
     assert term["checkpoint"] is not None and term["checkpoint"] > 10
     assert (store / f"step_{term['checkpoint']}" / "COMPLETE").exists()
     assert "stopped on SIGTERM" in launch.output() and "Traceback" not in launch.output()
+    assert [e["kind"] for e in launch.events() if e["event"] == "ending"] == ["terminated"]
+    late = [e for e in launch.events() if e["event"] == "late_exit"]
+    assert [(e["rank"], e["step"]) for e in late] == [(1, term["checkpoint"])], late
+    assert "exited with signal SIGABRT after checkpointing" in " ".join(launch.output().split())
     deadline = time.monotonic() + 5
     while job_processes(job) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -483,6 +483,24 @@ class Attempt:
             return Outcome("crash", f"lost the agent on {', '.join(lost)} (host down or SSH dropped)", hosts=hosts,
                            suspects=lost)
         bad = {r: c for r, c in self.exits.items() if c not in (0, EXIT_CHECKPOINTED)}
+        beats = self.listener.snapshot()
+        teardown = {r: c for r, c in bad.items() if _checkpointed_before_exit(beats.get(r))}
+        if teardown and len(teardown) == len(bad):
+            # Every rank that failed had reported its on-demand checkpoint first: it died leaving the process group
+            # or in the interpreter's shutdown, with nothing left to lose. The attempt ends as asked, not as a
+            # crash (which would count against --max-restarts), once every rank has exited.
+            if len(self.exits) < self.world:
+                return None
+            r, code = next(iter(teardown.items()))
+            late = (f"rank {r} on {self.rank_host[r]} exited with {_describe(code)} after checkpointing step "
+                    f"{beats[r].step} (log: {self.files.rank_log(r)})")
+            self.reporter.event(f"{late}: counted as a stop, not a crash")
+            self.files.event("late_exit", attempt=self.number, rank=r, code=code, step=beats[r].step)
+            step = max(b.step for b in beats.values())
+            if request is not None:
+                return Outcome(request.kind, f"{request.message}; {late}", hosts=request.hosts, step=step)
+            return Outcome("checkpointed", f"the workers checkpointed and stopped (SIGUSR1 from outside the "
+                           f"launcher); {late}", step=step)
         if bad:
             first = next(iter(bad))  # exits are recorded in the order they happened
             what = f"rank {first} on {self.rank_host[first]} exited with {_describe(bad[first])}"
@@ -527,6 +545,12 @@ class Attempt:
             except queue.Empty:
                 break
             self._handle(node, event)
+
+
+def _checkpointed_before_exit(beat) -> bool:
+    """Whether the rank's last heartbeat said it had just written its on-demand checkpoint and was stopping
+    (``checkpointed`` at its current step: the last thing a worker sends before it leaves)."""
+    return beat is not None and beat.get("checkpointed") is not None and beat.get("checkpointed") == beat.step
 
 
 def _describe(code: int) -> str:
