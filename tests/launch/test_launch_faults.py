@@ -64,6 +64,7 @@ def test_sigterm_checkpoints_and_resume_continues(plan2, tmp_path, launches) -> 
     late = [e for e in launch.events() if e["event"] == "late_exit"]
     assert [(e["rank"], e["step"]) for e in late] == [(1, term["checkpoint"])], late
     assert "exited with signal SIGABRT after checkpointing" in " ".join(launch.output().split())
+    assert "Fatal Python error: Aborted" in (tmp_path / "run" / "logs" / "rank1.log").read_text()  # its stacks
     deadline = time.monotonic() + 5
     while job_processes(job) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -56,6 +56,7 @@ def test_worker_contract_legacy_args_and_env_file(plan4, tmp_path) -> None:
         assert info["plan_exists"] and env["VARUNA_CKPT_DIR"].endswith("checkpoints")
         assert env["VARUNA_RESUME_STEP"] is None and env["GLOO_SOCKET_IFNAME"] == "lo"
         assert env["FROM_ENV_FILE"] == "yes" and env["SPACED"] == "a b"
+        assert env["PYTHONFAULTHANDLER"] == os.environ.get("PYTHONFAULTHANDLER", "1")  # stacks on a fatal signal
         assert info["argv"] == ["--mine", "x y", f"--rank={rank}", f"--local_rank={rank}",
                                 "--stage_to_rank_map=0,2;1,3;", "--chunk_size=4", "--batch-size=16"]
 

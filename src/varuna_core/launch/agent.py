@@ -91,6 +91,8 @@ def worker_env(spec: AgentSpec, worker: WorkerSlot, master_port: int, interface:
     )
     env[HOST] = spec.host
     env.setdefault("OMP_NUM_THREADS", "1")
+    # a worker killed by a fatal signal (SIGSEGV, or SIGABRT from C++) leaves every thread's Python stack in its log
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     if interface:
         env.setdefault("GLOO_SOCKET_IFNAME", interface)
         env.setdefault("NCCL_SOCKET_IFNAME", interface)
