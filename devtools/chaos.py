@@ -109,7 +109,7 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
               say=lambda text: None) -> ChaosResult:
     """Run the example GPT by ``plan`` over ``cluster``'s hosts with ``--morph``, inject the scheduled faults,
     and compare it with an uninterrupted run of the same plan on local processes (``reference``: a store of that
-    run's final checkpoint and its launcher's run directory, made here when None)."""
+    run's final checkpoint and its launcher's run directory; when None it is made here, alongside the chaotic run)."""
     faults = schedule(seed, kinds, first=first, gap=gap, ranks=slots * len(cluster.hosts), hosts=len(cluster.hosts))
     # The tail after the last fault must outlast a whole morph (notice, pre-flight SSH check, checkpoint,
     # restart) when the last fault takes a host away and brings it back: steps take ~0.15 s, a morph seconds.
@@ -123,6 +123,7 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
             "--heartbeat-timeout", str(heartbeat_timeout), "--grace", "2", "--max-restarts", str(max_restarts),
             *cluster.launcher_args(), "--", *TRAIN, "--steps", str(steps)]
     started = time.monotonic()
+    pending = None if reference is not None else _start_reference(plan, steps, workdir / "reference", timeout)
     launch = Launch(args, run_dir, timeout)
     problems: list[str] = []
     try:
@@ -139,6 +140,10 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
         problems.append(text if len(text) <= 2400 else f"{text[:400]} [...] {text[-2000:]}")  # why, then the end
         launch.kill()
         code = launch.proc.returncode
+    except BaseException:
+        if pending is not None:
+            pending.close()
+        raise
     finally:
         launch.close()
     seconds = time.monotonic() - started
@@ -146,7 +151,7 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
         problems.append(f"the launcher exited with {code}")
     for fault in faults:
         fault.survived = fault.survived and code == 0
-    reference = reference or _reference(plan, steps, workdir / "reference", timeout)
+    reference = reference or _finish_reference(pending)
     loss_diff, (param_diff, abs_diff, worst) = _compare(launch, run_dir / "checkpoints", reference, steps, problems)
     events = launch.events()
     ends = [e for e in events if e["event"] == "ending"]
@@ -267,17 +272,21 @@ def _await_recovery(launch: Launch, fault: Fault, before: int, hosts: Path, line
 # Comparing with an uninterrupted run
 
 
-def _reference(plan: Path, steps: int, where: Path, timeout: float) -> Path:
+def _start_reference(plan: Path, steps: int, where: Path, timeout: float) -> Launch:
+    """The uninterrupted run, started now: it trains while the chaotic run mostly waits (restarts, timeouts)."""
     where.mkdir(parents=True, exist_ok=True)
     run_dir = where / "run"
-    launch = Launch([str(plan), "--run-dir", str(run_dir), "--", *TRAIN, "--steps", str(steps)], run_dir, timeout)
+    return Launch([str(plan), "--run-dir", str(run_dir), "--", *TRAIN, "--steps", str(steps)], run_dir, timeout)
+
+
+def _finish_reference(launch: Launch) -> Path:
     try:
         code = launch.wait()
     finally:
         launch.close()
     if code != 0:
         raise AssertionError(f"the uninterrupted reference run failed ({code}):\n{launch.output()[-3000:]}")
-    return run_dir
+    return launch.run_dir
 
 
 def _compare(launch: Launch, store: Path, reference: Path, steps: int, problems: list[str]):
