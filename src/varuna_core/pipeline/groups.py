@@ -14,6 +14,7 @@ import datetime
 import gc
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ _RUN_ID_BYTES = 64
 
 
 _release_registered = threading.Event()
+_made: weakref.WeakSet = weakref.WeakSet()  # every Groups of this process, released before the interpreter exits
 
 
 def _release_before_exit() -> None:
@@ -43,7 +45,14 @@ def _release_before_exit() -> None:
     ``main()`` and, with it, the sub-groups and their gloo worker threads. Left to the interpreter's final
     collection, a worker thread that drops a tensor then needs the GIL of an interpreter being torn down, and
     the process dies with ``terminate called without an active exception`` (SIGABRT) after a successful run.
-    ``atexit`` runs before that, so the collection and the teardown happen here, in order."""
+    ``atexit`` runs before that, so the collection and the teardown happen here, in order.
+
+    The collection cannot free a ``Varuna`` that is still reachable: from a script's module globals, or from the
+    signal handlers the supervision installs. Its sub-groups would live on into the teardown with their threads
+    (destroying a group does not stop them while Python holds it), so every :class:`Groups` drops its groups
+    first."""
+    for groups in list(_made):
+        groups.release()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -89,13 +98,21 @@ def resolve_device(device: Any, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-@dataclass
+@dataclass(eq=False)  # compared (and hashed, in _made) by identity
 class Groups:
     """The groups this rank belongs to: its stage's data-parallel group (``None`` without replicas) and, per tied
     weight it holds a copy of, the group of its replica's copies."""
 
     dp: Any = None
     ties: list[tuple[TieSet, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _made.add(self)
+
+    def release(self) -> None:
+        """Drop the groups (at exit: see :func:`_release_before_exit`)."""
+        self.dp = None
+        self.ties.clear()
 
 
 def build_groups(topology: Topology, ties: list[TieSet], stage: int, replica: int, world_size: int,
