@@ -1,9 +1,9 @@
-"""Worker for ``tests/dist/test_exit.py``: a script that keeps its model in a module global (as scripts without a
-``main()`` do) and trains a few steps of a 2-stage pipeline with a tied weight (so a sub-group exists). Its
-first ``atexit`` handler runs last, when only the interpreter's teardown is left: it records the threads alive
-then, and those alive once the default process group was made. A thread of a process group still running in
-the teardown may need the GIL of an interpreter being torn down and end the process with SIGABRT after a
-successful run. argv: OUT_DIR."""
+"""Worker for ``tests/dist/test_exit.py``: a script that keeps its model and optimizer in module globals (as
+scripts without a ``main()`` do), makes the default process group itself after importing varuna, and trains a
+few steps of a 2-stage pipeline with a tied weight (so a sub-group exists). Its first ``atexit`` handler runs
+last, when only the interpreter's teardown is left: it records the threads alive then, and those alive once the
+default process group was made. A thread of a process group still running in the teardown may need the GIL of
+an interpreter being torn down and end the process with SIGABRT after a successful run. argv: OUT_DIR."""
 
 import atexit
 import json

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401 - before any process group exists: see _release_before_exit
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -50,7 +51,9 @@ def _release_before_exit() -> None:
     The collection cannot free a ``Varuna`` that is still reachable: from a script's module globals, or from the
     signal handlers the supervision installs. Its sub-groups would live on into the teardown with their threads
     (destroying a group does not stop them while Python holds it), so every :class:`Groups` drops its groups
-    first."""
+    first. And ``torch._dynamo`` (which every ``torch.optim`` optimizer imports), when first imported while a
+    default group exists, keeps that group alive past ``destroy_process_group()`` (torch 2.13); this module
+    imports it first, so that only a group the script made before importing varuna can still be held."""
     for groups in list(_made):
         groups.release()
     gc.collect()
