@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, ConfigError, VarunaError
 from ..planning.artifacts import Plan
-from .heartbeat import Listener
+from .heartbeat import Beat, Listener
 from .hosts import Host
 from .options import LaunchOptions
 from .protocol import (
@@ -547,10 +547,10 @@ class Attempt:
             self._handle(node, event)
 
 
-def _checkpointed_before_exit(beat) -> bool:
+def _checkpointed_before_exit(beat: Beat | None) -> bool:
     """Whether the rank's last heartbeat said it had just written its on-demand checkpoint and was stopping
     (``checkpointed`` at its current step: the last thing a worker sends before it leaves)."""
-    return beat is not None and beat.get("checkpointed") is not None and beat.get("checkpointed") == beat.step
+    return beat is not None and beat.get("checkpointed") == beat.step
 
 
 def _describe(code: int) -> str:
