@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist.harness import run_ranks
-from tests.dist.test_parity import BATCH, STEPS, reference, rel_diff
+from tests.dist.test_parity import BATCH, STEPS, assert_equal_run, reference
 from tests.profiles import make_profile
 from varuna_core.planning.artifacts import save_plan
 from varuna_core.planning.planner import PlanRequest, plan_for
@@ -27,15 +27,13 @@ def test_plan_drives_the_runtime_and_trace_is_recorded(tmp_path) -> None:
     run = {"schedule": "varuna", "optimizer": "adamw", "batch": BATCH, "chunk": 3, "steps": STEPS,
            "plan": str(plan_path), "trace": str(trace_dir)}
     results = run_ranks({"map": None, "timeout": 60, "runs": [run]}, 2, tmp_path / "run")
-    ref_losses, ref_params, _ = reference("adamw")
+    ref_losses, ref_params, _ = reference("adamw", pp=2, chunk=2)  # the plan's micro-batch size
     for rank, res in enumerate(results):
         assert res.returncode == 0, res.error
         got = res.result["runs"][0]
         assert got["schedule"] == "1f1b" and got["chunk"] == 2  # the plan's, not the arguments'
         assert [tuple(r) for r in got["partition"].tolist()] == [tuple(r) for r in plan.partition]
-        assert rel_diff(got["losses"], ref_losses) <= 1e-5
-        for name, value in got["params"].items():
-            assert rel_diff(value, ref_params[name]) <= 1e-5, name
+        assert_equal_run(got, ref_losses, ref_params, f"rank {rank}")
     files = sorted(trace_dir.glob("trace_rank*.json"))
     assert [f.name for f in files] == ["trace_rank0.json", "trace_rank1.json"]
     events = json.loads(files[0].read_text())["traceEvents"]

@@ -3,20 +3,19 @@ unconsumed receives per direction (``runtime.max_posted``) equals the IR's count
 (``varuna_core.ir.inflight.posted_receives``, what the planner's memory model charges), and its sent values not
 yet waited for (``runtime.max_unwaited``) never exceed the receiving neighbour's window
 (``varuna_core.ir.inflight.unwaited_sends``), for every schedule at pp=2 and pp=3; and the run still equals one
-process (losses and parameters, as in ``test_parity``)."""
+process bit for bit (losses and parameters, as in ``test_parity``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.dist.harness import run_ranks
-from tests.dist.test_parity import reference, rel_diff
+from tests.dist.test_parity import assert_equal_run, reference, shape_of
 
 pytestmark = pytest.mark.dist
 
 SCHEDULES = ("varuna", "1f1b", "gpipe")
 BATCH, CHUNK, STEPS = 16, 1, 2  # 16 micro-batches of one example
-TOL = 1e-5
 
 
 @pytest.mark.parametrize("stage_map,world", [("0;1", 2), ("0;1;2", 3)])
@@ -26,7 +25,7 @@ def test_posted_receives_peak_at_the_ir_count(stage_map: str, world: int, tmp_pa
                         worker="tests.dist.receives_worker")
     for rank, res in enumerate(results):
         assert res.returncode == 0, f"rank {rank} failed:\n{res.error or res.output[-3000:]}"
-    ref_losses, ref_params, _ = reference("sgd", BATCH, STEPS)
+    ref_losses, ref_params, _ = reference("sgd", *shape_of(stage_map), batch_size=BATCH, steps=STEPS, chunk=CHUNK)
     for i, run in enumerate(runs):
         for rank, res in enumerate(results):
             got = res.result["runs"][i]
@@ -43,6 +42,4 @@ def test_posted_receives_peak_at_the_ir_count(stage_map: str, world: int, tmp_pa
                 assert max(caps) < BATCH, f"{label}: the send cap {caps} is not below M"
             # an evaluation posts activation receives in the training window and no gradient receives
             assert got["eval_peak"].tolist() == [want[0], 0], f"{label}: evaluation peak {got['eval_peak']}"
-            assert rel_diff(got["losses"], ref_losses) <= TOL, f"{label}: losses {got['losses']} vs {ref_losses}"
-            for pname, value in got["params"].items():
-                assert rel_diff(value, ref_params[pname]) <= TOL, f"{label}: parameter {pname} differs"
+            assert_equal_run(got, ref_losses, ref_params, label)

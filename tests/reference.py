@@ -1,0 +1,196 @@
+"""The reference of the parity tests: one plain process, no library, that adds floating-point numbers in the order
+a pipeline adds them, so that a pipelined run must equal it **bit for bit** on any machine.
+
+A pipelined step computes exactly the ops of one process (the same kernels, the same precision, the same rounding
+of every op), but it *sums* in another order than a naive full-batch step:
+
+* each replica's gradient is accumulated micro-batch by micro-batch (``g0 + g1 + g2``), not computed from one
+  full-batch backward;
+* a tied weight held by two stages gets one gradient per copy, summed after the pipeline (``g_emb + g_head``),
+  where autograd sums the two uses inside every micro-batch's backward;
+* the replicas' gradients (and losses) are summed after their pipelines (``replica0 + replica1``).
+
+Floating-point addition is not associative, so a naive reference differs from the pipeline in the last bit of
+some gradient, and an optimizer such as Adam (``m / sqrt(v)`` normalises tiny gradients to steps of ``lr``)
+amplifies that over the steps: on the example GPT, fp32, 20 AdamW steps, parameters differ by 7e-4 relative; in
+bf16 autocast, where a last-bit change of a weight flips its bf16 rounding, by 1.5e-2; in fp16 by 0.36. A
+tolerance on that gap is a tolerance on one machine's trajectory. This reference does the same sums in the same
+order instead (micro-batches per replica, tied copies as separate parameters summed once per step, replicas
+summed after), so the comparison is ``torch.equal`` in every precision, schedule and partition: anything else is
+a defect.
+
+Exactness holds when every sum of the pipeline has at most two non-zero terms per element (two copies of a tied
+weight, two replicas): ``a + b == b + a`` in IEEE arithmetic, whatever order the collective uses. With more terms
+the collective's own order would have to be mirrored; such tests state their tolerance and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["Layout", "train_reference", "replica_shares", "untie"]
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a pipelined run adds: ``batch`` examples per step over ``dp`` replicas of ``pp`` stages, in
+    micro-batches of ``chunk``. The tied weights of the models here join the first and the last segment, so
+    their copies sit on different stages exactly when ``pp > 1``."""
+
+    batch: int
+    chunk: int
+    dp: int = 1
+    pp: int = 1
+
+
+def replica_shares(batch: int, dp: int) -> list[int]:
+    """Examples per replica: consecutive slices of the global batch, the first ``batch % dp`` one larger."""
+    base, extra = divmod(batch, dp)
+    return [base + (1 if r < extra else 0) for r in range(dp)]
+
+
+def _microbatches(n: int, chunk: int) -> list[int]:
+    full, rest = divmod(n, chunk)
+    return [chunk] * full + ([rest] if rest else [])
+
+
+def untie(model: nn.Module, ties: Sequence[Sequence[str]]) -> list[list[nn.Parameter]]:
+    """Give every name of each tie but the first its own copy of the tied parameter (same values); returns each
+    tie's copies in stage order. The reference then decides where their gradients add up."""
+    copies = []
+    for names in ties:
+        first = model.get_parameter(names[0])
+        group = [first]
+        for name in names[1:]:
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            if owner.get_parameter(attr) is not first:
+                raise ValueError(f"{name} is not tied to {names[0]}")
+            copy = nn.Parameter(first.detach().clone(), requires_grad=first.requires_grad)
+            setattr(owner, attr, copy)
+            group.append(copy)
+        copies.append(group)
+    return copies
+
+
+def _narrow(inputs: dict, dims: dict, start: int, n: int) -> dict:
+    return {k: v.narrow(dims.get(k, 0), start, n) if isinstance(v, torch.Tensor) and dims.get(k, 0) is not None
+            else v for k, v in inputs.items()}
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """``a + b``, where ``None`` is a gradient not computed yet (zero: the pipeline's buffers start at zero)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a + b
+
+
+def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                    steps: int, batch_at: Callable[[int], dict], layout: Layout | Sequence[Layout], *,
+                    ties: Sequence[Sequence[str]] = (), precision: str = "fp32", loss_scale: float | None = None,
+                    loss_reduction: str = "mean", batch_dims: dict | None = None, clip: float | None = None,
+                    norms: list[float] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Train ``model`` for ``steps`` steps of ``batch_at(step)`` (a global batch, a dict of tensors) as a pipeline
+    with ``layout`` adds (one layout, or one per step: a run resumed under another layout). ``ties`` names the
+    model's tied weights (``("emb.weight", "head.weight")``). Returns the losses (float64 ``[steps]``, each the
+    global batch's loss as the pipeline reports it) and the final parameters under every name the plain model
+    has (tied names included).
+
+    ``precision`` ``bf16``/``fp16`` runs each forward under ``torch.autocast`` on the CPU; fp16 multiplies each
+    micro-batch's weighted loss by ``loss_scale`` and unscales the summed gradients with torch's AMP kernel, as
+    the pipeline does (an overflow here is an error: the tests choose a scale that does not overflow).
+    ``clip`` clips by the global gradient norm (each tied weight counted once) as ``model.step(...,
+    clip_grad_max_norm=clip)`` does; each step's norm before clipping is appended to ``norms``. The pipeline sums
+    the squared norm over its ranks in the collective's order (float64), so with several ranks the clipping
+    factor may differ from this one in its last bit: tests that clip state a tolerance.
+    Runs on one thread, as the workers do.
+    """
+    layouts = [layout] * steps if isinstance(layout, Layout) else list(layout)
+    if len(layouts) != steps:
+        raise ValueError(f"{len(layouts)} layouts for {steps} steps")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every worker runs: a kernel may split a reduction by thread count
+    try:
+        return _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale, loss_reduction,
+                      batch_dims or {}, clip, norms if norms is not None else [])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale, loss_reduction, dims, clip, norms):
+    copies = untie(model, ties)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params)
+    losses = []
+    for step, layout in enumerate(layouts):
+        full = batch_at(step)
+        replica_grads, replica_losses, start = [], [], 0
+        for share in replica_shares(layout.batch, layout.dp):
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            acc: list[torch.Tensor | None] = [None] * len(params)
+            for n in _microbatches(share, layout.chunk):
+                weight = n / layout.batch if loss_reduction == "mean" else 1.0
+                with (torch.autocast("cpu", dtype=_AUTOCAST[precision]) if precision in _AUTOCAST
+                      else contextlib.nullcontext()):
+                    loss = model(**_narrow(full, dims, start, n))
+                start += n
+                loss_sum += loss.detach().reshape(()).double() * weight
+                root = loss.float() * weight
+                if precision == "fp16":
+                    root = root * torch.tensor([float(loss_scale)])
+                root.sum().backward()
+                if layout.pp == 1:  # one stage holds one tied weight: autograd adds its uses within the backward
+                    for group in copies:
+                        merged = None
+                        for p in group:
+                            merged = _add(merged, p.grad)
+                        for p in group:
+                            p.grad = merged
+                for i, p in enumerate(params):  # the stage's gradient buffer accumulates the micro-batches
+                    acc[i] = _add(acc[i], p.grad)
+                    p.grad = None
+            if layout.pp > 1:  # the tie all-reduce after the pipeline: every copy gets the copies' sum
+                index = {id(p): i for i, p in enumerate(params)}
+                for group in copies:
+                    total = None
+                    for p in group:
+                        total = _add(total, acc[index[id(p)]])
+                    for p in group:
+                        acc[index[id(p)]] = total
+            replica_grads.append(acc)
+            replica_losses.append(loss_sum)
+        for i, p in enumerate(params):  # the data-parallel all-reduce
+            grad = None
+            for grads in replica_grads:
+                grad = _add(grad, grads[i])
+            p.grad = torch.zeros_like(p) if grad is None else grad.clone()
+        if precision == "fp16":
+            found_inf = torch.zeros(1)
+            inv_scale = torch.tensor([float(loss_scale)]).double().reciprocal().float()
+            torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in params], found_inf, inv_scale)
+            if found_inf.item():
+                raise AssertionError(f"the reference overflowed at step {step} with loss scale {loss_scale}")
+        counted = [p for p in params if not any(p is q for group in copies for q in group[1:])]
+        norm = float(torch.stack(torch._foreach_norm([p.grad for p in counted])).double().pow(2).sum()) ** 0.5
+        norms.append(norm)
+        if clip is not None:
+            torch._foreach_mul_([p.grad for p in params], min(clip / (norm + 1e-6), 1.0))
+        optimizer.step()
+        optimizer.zero_grad()
+        total = replica_losses[0]
+        for other in replica_losses[1:]:
+            total = total + other
+        losses.append(float(total))
+    for group in copies:
+        for p in group[1:]:
+            if not torch.equal(p, group[0]):
+                raise AssertionError("the copies of a tied weight diverged in the reference")
+    params_out = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return torch.tensor(losses, dtype=torch.float64), params_out
