@@ -3,7 +3,6 @@ agreement, a dead worker, and evaluation of sequence-first inputs."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -140,9 +139,8 @@ def test_inf_in_one_stage_skips_the_step_on_every_rank(tmp_path) -> None:
 def test_a_dead_worker_is_named_by_every_other_rank(tmp_path) -> None:
     run = {"schedule": "1f1b", "optimizer": "sgd", "batch": BATCH, "chunk": 2, "steps": 3,
            "die": {"rank": 1, "step": 1}}
-    start = time.monotonic()
+    # a rank that never noticed would be killed at the harness's 120 s and the test fail as a hang
     results = run_ranks({"map": "0;1;2;3", "timeout": 30, "runs": [run]}, 4, tmp_path, timeout=120)
-    assert time.monotonic() - start < 60
     assert results[1].returncode == -9
     for rank in (0, 2, 3):
         res = results[rank]

