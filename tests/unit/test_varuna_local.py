@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.models import SHARED, ToyLM, batch
+from tests.reference import Layout, train_reference
 from varuna_core import Varuna
 from varuna_core.errors import ConfigError, PartitionError, TopologyError
 
@@ -31,27 +32,28 @@ def _wrap(stage_map="0", **kw):
 
 @pytest.mark.parametrize("schedule", ["varuna", "1f1b", "gpipe"])
 def test_single_process_matches_plain_training(schedule) -> None:
-    vm = _wrap(schedule=schedule)
+    """Bit for bit: one stage adds its micro-batches' gradients as the reference does (``tests/reference.py``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the reference's thread count: a kernel may split a reduction by it
+    try:
+        vm = _wrap(schedule=schedule)
+        opt = torch.optim.AdamW(vm.parameters(), lr=1e-2)
+        vm.set_optimizer(opt)
+        losses = []
+        for step in range(3):
+            loss, overflow = vm.step(batch(8, seed=step))
+            assert overflow is False
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+    finally:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
-    ref = ToyLM()
-    opt = torch.optim.AdamW(vm.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    vm.set_optimizer(opt)
-    for step in range(3):
-        b = batch(8, seed=step)
-        loss, overflow = vm.step(b)
-        assert overflow is False
-        opt.step()
-        opt.zero_grad()
-        ref_loss = ref(**b)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
-    ref_params = dict(ref.named_parameters())
-    for name, p in vm.named_parameters():  # micro-batching changes the summation order: not bitwise
-        diff = (p - ref_params[name]).abs().max() / ref_params[name].abs().max()
-        assert diff <= 1e-5, (name, float(diff))
+    ref_losses, ref_params = train_reference(ToyLM(), lambda ps: torch.optim.AdamW(ps, lr=1e-2), 3,
+                                             lambda step: batch(8, seed=step), Layout(8, 3), ties=SHARED)
+    assert torch.equal(torch.tensor(losses, dtype=torch.float64), ref_losses), (losses, ref_losses)
+    for name, p in vm.named_parameters():
+        assert torch.equal(p, ref_params[name]), name
 
 
 def test_observers_see_every_action_the_run_and_the_gradient_sync() -> None:
