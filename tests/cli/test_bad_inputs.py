@@ -512,3 +512,53 @@ def test_plan_needs_a_device_count(capsys, files) -> None:
     code, out, err = run_main(capsys, "plan", files["profile.json"], "--batch-size", "16", "-o",
                               files["dir_path"] / "none.yaml")
     assert_one_error(code, err, needle="--gpus is required")
+
+
+# --- Slurm's environment ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def slurm_job(monkeypatch, tmp_path):
+    """A Slurm job's environment with a fake scontrol on PATH that, like the real one, prints its version for
+    -V wherever it stands (GNU getopt permutes) unless `--` came before it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -- ] && break; [ "$a" = -V ] && '
+                        '{ echo "slurm 23.02.7"; exit 0; }; done\nprintf "node1\\nnode2\\n"\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    return monkeypatch
+
+
+@pytest.mark.parametrize(("variables", "needle"), [
+    ({"SLURM_JOB_NODELIST": "-V"}, "SLURM_JOB_NODELIST '-V' starts with '-'"),
+    ({"SLURM_JOB_NODELIST": "node[0-99999999]"}, "names 100,000,000 nodes, more than the 65,536"),
+    ({"SLURM_GPUS_PER_NODE": "volta:x"}, "SLURM_GPUS_PER_NODE 'volta:x' is not a GPU count"),
+    ({"SLURM_GPUS_PER_NODE": "1", "SLURM_RESTART_COUNT": "\x1b[2J"}, "SLURM_RESTART_COUNT '\\x1b[2J' is not"),
+])
+@pytest.mark.parametrize("verb", ["plan", "launch"])
+def test_a_bad_slurm_environment_is_one_error_naming_the_variable(capsys, files, tmp_path, slurm_job, variables,
+                                                                  needle, verb) -> None:
+    for name, value in variables.items():
+        slurm_job.setenv(name, value)
+    if verb == "plan":
+        code, _, err = run_main(capsys, "plan", files["profile.json"], "--slurm", "--batch-size", "16", "-o",
+                                tmp_path / "p.yaml")
+    else:
+        code, err = _launch(capsys, files, tmp_path)
+    assert_one_error(code, err, needle=needle)
+    assert "\x1b" not in err
+
+
+def test_plan_slurm_counts_typed_gpus(capsys, files, tmp_path, slurm_job) -> None:
+    """SLURM_GPUS_PER_NODE holds --gpus-per-node as written: volta:3,kepler:1 is 4 GPUs per node, not 1."""
+    slurm_job.setenv("SLURM_GPUS_PER_NODE", "volta:3,kepler:1")
+    code, _, err = run_main(capsys, "plan", files["profile.json"], "--slurm", "--batch-size", "16", "-o",
+                            tmp_path / "p.yaml", "--json")
+    assert code in (0, None), err
+    assert "2 node(s), 8 GPUs (node1×4, node2×4)" in err
+    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["gpus"] == 8
