@@ -198,6 +198,7 @@ def run(argv: list[str]) -> None:
     """Parse ``argv`` (the original's command line), make the plan, and run ``varuna launch`` on it."""
     from varuna_cli.commands.launch import launch
     from varuna_core.planning.artifacts import save_plan
+    from varuna_core.util.text import printable
 
     ns = parser().parse_args(argv)
     _check_numbers(ns)
@@ -212,8 +213,8 @@ def run(argv: list[str]) -> None:
     save_plan(plan, plan_file)
     env_file = ns.env_file or (ENV_FILE if Path(ENV_FILE).is_file() else None)
     print(f"run_varuna: pp={plan.pp} × dp={plan.dp}, micro-batch {plan.microbatch_size}, global batch "
-          f"{plan.batch_size} on {devices} device(s){' (local processes)' if local else ''}; plan {plan_file}",
-          file=sys.stderr)
+          f"{plan.batch_size} on {devices} device(s){' (local processes)' if local else ''}; plan "
+          f"{printable(plan_file)}", file=sys.stderr)
     launch(plan_file, [ns.training_script, *ns.training_script_args], hosts=None if local else Path(ns.machine_list),
            gpus_per_node=hosts[0].slots if local else ns.gpus_per_node,
            code_dir=Path(ns.code_dir) if ns.code_dir else None, env_file=Path(env_file) if env_file else None,

@@ -131,6 +131,37 @@ def test_plan_output_into_a_missing_directory_or_onto_a_directory(capsys, files)
     assert_one_error(code, err, needle="is a directory")
 
 
+ESCAPES = "\x1b[2J\x1b]0;owned\x07\u202e"  # clear the screen, retitle the window, bell, right-to-left override
+
+
+def test_plan_prints_text_from_the_profile_with_control_characters_escaped(capsys, files, tmp_path) -> None:
+    """A terminal escape in a profile's model name reached the terminal through `varuna plan`'s table."""
+    profile = make_profile([0.001, 0.003])
+    profile = profile.model_copy(update={"model": f"gpt{ESCAPES}"})
+    save_artifact(profile, tmp_path / "profile.json")
+    code, out, err = run_main(capsys, "plan", tmp_path / "profile.json", "--gpus", "2", "--batch-size", "8",
+                              "-o", tmp_path / "evil\x1b[31m.yaml")
+    assert code == 0, err
+    assert "gpt\\x1b[2J\\x1b]0;owned\\x07\\u202e: 2 devices" in out
+    assert not any(c in out + err for c in "\x1b\x07\u202e"), (out, err)
+
+
+def test_profile_summary_escapes_names_from_user_code(capsys, tmp_path) -> None:
+    from varuna_cli.commands.profile import _summary
+    from varuna_core.planning.artifacts import StopReason
+
+    profile = make_profile([0.001, 0.003])
+    segments = [profile.segments[0].model_copy(update={"output_cut": f"c0{ESCAPES}", "skips": [f"mask{ESCAPES}"]}),
+                profile.segments[1].model_copy(update={"input_cut": f"c0{ESCAPES}"})]
+    profile = profile.model_copy(update={"model": f"gpt{ESCAPES}", "cut_names": [f"c0{ESCAPES}"],
+                                         "segments": segments, "stopped": StopReason(
+                                             microbatch_size=16, segment=0, reason=f"out of memory{ESCAPES}")})
+    _summary(profile, tmp_path / f"p{ESCAPES}.json")
+    captured = capsys.readouterr()
+    assert "gpt\\x1b[2J" in captured.out and "out of memory\\x1b[2J" in captured.out
+    assert not any(c in captured.out + captured.err for c in "\x1b\x07\u202e"), captured
+
+
 def test_plan_prints_a_model_name_with_markup(capsys, files, tmp_path) -> None:
     code, out, err = run_main(capsys, "plan", files["markup.json"], "--gpus", "2", "--batch-size", "8",
                               "-o", tmp_path / "p.yaml")

@@ -444,7 +444,9 @@ def _check_address(address: str, port: int) -> None:
 def _printable(text: str) -> str:
     """``text`` with control characters escaped (a name from the command line or a hosts file may hold
     terminal escapes)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    from varuna_core.util.text import printable
+
+    return printable(text)
 
 
 # ----------------------------------------------------------------------------------------------------------
