@@ -53,6 +53,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
                          "manymb": {"num_microbatches": 50_000_000}, "nanstep": {"prediction": {
                              **data["prediction"], "step_time": float("nan")}}}.items():
         (d / f"{name}.yaml").write_text(yaml.safe_dump({**data, **update}, sort_keys=False))
+    last_skips = [data["stages"][0], {**data["stages"][1], "skip_bytes": 4096}]  # the last stage sends nothing
+    big_skips = [{**data["stages"][0], "skip_bytes": data["stages"][0]["activation_bytes"] + 1}, data["stages"][1]]
+    for name, stages in {"lastskip": last_skips, "bigskip": big_skips}.items():
+        (d / f"{name}.yaml").write_text(yaml.safe_dump({**data, "stages": stages}, sort_keys=False))
+    bad = json.loads(profile.model_dump_json())
+    bad["segments"][1]["measures"][0]["skip_bytes"] = bad["segments"][1]["measures"][0]["output_bytes"] + 1
+    (d / "bigskip.json").write_text(json.dumps(bad))
+    bad = json.loads(profile.model_dump_json())
+    bad["segments"][-1]["measures"][0]["skip_bytes"] = 8
+    (d / "lastskip.json").write_text(json.dumps(bad))
     (d / "bomb.yaml").write_text("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join([f"*{chr(97 + i)}"] * 9) + "]\n" for i in range(8)))
     (d / "deep.yaml").write_text("[" * 100_000 + "]" * 100_000)
@@ -115,6 +125,8 @@ def test_plan_options(capsys, files, extra, needle) -> None:
 @pytest.mark.parametrize(("profile", "needle"), [
     ("missing.json", "does not exist"), ("dir", "is a directory"), ("fifo", "is a FIFO"), ("binary", "UTF-8"),
     ("huge", "more than the"), ("plan.yaml", "not JSON"), ("list.yaml", "not JSON"),
+    ("bigskip.json", "segments[1].measures[0] (micro-batch 1): skip_bytes 10001 is more than output_bytes 10000"),
+    ("lastskip.json", "segments[3].measures[0] (micro-batch 1): output_bytes 0 and skip_bytes 8 on the last segment"),
 ])
 def test_plan_bad_profile_files(capsys, files, profile, needle) -> None:
     path = files.get(profile, files["dir_path"] / profile)
@@ -179,6 +191,9 @@ BAD_PLANS = [
     ("uncovered.yaml", "partition ends at segment 3"),
     ("manymb.yaml", "num_microbatches: Input should be less than or equal to 100000"),
     ("nanstep.yaml", "prediction.step_time: Input should be a finite number"),
+    ("lastskip.yaml", "stages[1] is the last stage, which sends nothing to a next one, but has activation_bytes 0, "
+                      "skip_bytes 4096"),
+    ("bigskip.yaml", "stages[0]: skip_bytes 20001 is more than activation_bytes 20000"),
     ("bomb.yaml", "anchors and aliases"),
     ("deep.yaml", "nested more than 32 levels deep"),
     ("list.yaml", "it holds [1, 2]"),
@@ -223,7 +238,8 @@ def _launch(capsys, files, tmp_path, *extra: str, plan: str = "plan.yaml") -> tu
 
 
 @pytest.mark.parametrize(("plan", "needle"), [case for case in BAD_PLANS if case[0] in (
-    "pp0.yaml", "dp-1.yaml", "badmap.yaml", "gapped.yaml", "manymb.yaml", "bomb.yaml", "fifo", "binary")])
+    "pp0.yaml", "dp-1.yaml", "badmap.yaml", "gapped.yaml", "manymb.yaml", "bomb.yaml", "fifo", "binary",
+    "lastskip.yaml", "bigskip.yaml")])
 def test_launch_bad_plans(capsys, files, tmp_path, plan, needle) -> None:
     code, err = _launch(capsys, files, tmp_path, plan=plan)
     assert_one_error(code, err, needle=needle)

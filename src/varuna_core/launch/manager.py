@@ -129,9 +129,10 @@ def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True
                           "profile file that the launcher can read")
     mbs = min(plan.microbatch_size, plan.batch_size // dp)
     world = plan.pp * dp
+    num_mb = math.ceil(math.ceil(plan.batch_size / dp) / mbs)
     new = load_plan(plan.model_copy(update=dict(
-        gpus=devices, gpus_per_node=per_node, dp=dp, microbatch_size=mbs,
-        num_microbatches=math.ceil(math.ceil(plan.batch_size / dp) / mbs),
+        gpus=devices, gpus_per_node=per_node, dp=dp, microbatch_size=mbs, num_microbatches=num_mb,
+        stages=[st.model_copy(update={"held_microbatches": min(st.held_microbatches, num_mb)}) for st in plan.stages],
         stage_to_rank_map=Topology.clustered(plan.pp, dp).to_string(),
         nodes=[list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)],
         alternatives=[],
