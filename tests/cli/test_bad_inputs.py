@@ -609,3 +609,54 @@ def test_plan_slurm_counts_typed_gpus(capsys, files, tmp_path, slurm_job) -> Non
     assert code in (0, None), err
     assert "2 node(s), 8 GPUs (node1×4, node2×4)" in err
     assert yaml.safe_load((tmp_path / "p.yaml").read_text())["gpus"] == 8
+
+
+# --- run ids, --resume, --code-dir ---------------------------------------------------------------------------
+
+def _step(store: Path, step: int, run: str) -> None:
+    (store / f"step_{step}").mkdir(parents=True)
+    (store / f"step_{step}" / "RUN").write_text(run + "\n")
+    (store / f"step_{step}" / "COMPLETE").write_text("")
+
+
+@pytest.mark.parametrize("case", ["no store", "typo", "newline", "escape", "or-start no store"])
+def test_launch_resume_and_run_id_mistakes(capsys, files, tmp_path, case) -> None:
+    store = tmp_path / "store"
+    for i, run in enumerate(["alpha", "beta"]):
+        _step(store, 10 + i, run)
+    args, needle = {
+        "no store": (["--resume"], "--resume needs the checkpoint store of the run to continue, but neither "
+                                   "--ckpt-dir nor --run-dir is given"),
+        "or-start no store": (["--resume-or-start", "--run-id", "x"], "--resume-or-start needs the checkpoint store"),
+        "typo": (["--resume", "--run-id", "alpah", "--ckpt-dir", str(store)],
+                 f"--resume: checkpoint store {store} holds nothing of run alpah, but checkpoints of run(s) 'alpha', "
+                 f"'beta'"),
+        "newline": (["--resume", "--run-id", "alpha\n", "--ckpt-dir", str(store)],
+                    "--run-id 'alpha\\n' is not a valid run id"),
+        "escape": (["--run-id", "\x1b[2J" * 100, "--ckpt-dir", str(tmp_path / "new")], "is not a valid run id"),
+    }[case]
+    code, _, err = run_main(capsys, "launch", files["plan.yaml"], "--code-dir", files["dir_path"], *args, "--",
+                            "train.py")
+    assert_one_error(code, err, needle=needle)
+    assert "\x1b" not in err and len(err) < 1000
+    assert sorted(p.name for p in store.iterdir()) == ["step_10", "step_11"] and not (tmp_path / "new").exists()
+
+
+def test_launch_resume_or_start_starts_a_named_run_beside_others(capsys, files, tmp_path, monkeypatch) -> None:
+    """--resume-or-start --run-id NEW in a store of other runs goes on to start NEW (the manager is not run)."""
+    import varuna_core.launch.manager as manager
+
+    store = tmp_path / "store"
+    _step(store, 10, "alpha")
+    started = []
+
+    def fake_manager(opts, *args):
+        started.append(opts)
+        raise KeyboardInterrupt  # stop here: nothing is started
+
+    monkeypatch.setattr(manager, "Manager", fake_manager)
+    run_main(capsys, "launch", files["plan.yaml"], "--code-dir", files["dir_path"], "--run-dir", tmp_path / "run",
+             "--ckpt-dir", store, "--resume-or-start", "--run-id", "new", "--", "train.py")
+    (opts,) = started
+    assert opts.resume and opts.resume_or_start and opts.run_id == "new"
+
