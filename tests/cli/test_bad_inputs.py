@@ -660,3 +660,10 @@ def test_launch_resume_or_start_starts_a_named_run_beside_others(capsys, files, 
     (opts,) = started
     assert opts.resume and opts.resume_or_start and opts.run_id == "new"
 
+
+def test_launch_a_missing_code_dir_is_bad_input(capsys, files, tmp_path) -> None:
+    """With an absolute SCRIPT, a missing --code-dir was found only when the agent failed to cd into it (exit 1)."""
+    code, _, err = run_main(capsys, "launch", files["plan.yaml"], "--run-dir", tmp_path / "run", "--code-dir",
+                            tmp_path / "missing", "--", files["train.py"])
+    assert_one_error(code, err, needle=f"--code-dir {tmp_path / 'missing'} does not exist")
+    assert not (tmp_path / "run").exists()

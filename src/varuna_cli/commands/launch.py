@@ -258,6 +258,9 @@ def launch(
                     "--straggler-threshold": straggler_threshold, "--preemption-interval": preemption_interval})
     spot = _spot(preemption_source, preemption_endpoint, preemption_interval)
     _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir})
+    if code_dir is not None and hosts is None and not code_dir.is_dir():  # SSH hosts: checked on each host
+        raise ConfigError(f"--code-dir {_printable(str(code_dir))} does not exist",
+                          hint="give the directory SCRIPT runs in (default: the current one)")
     resume = _check_resume(resume, resume_or_start, run_dir, ckpt_dir)
     the_plan = load_plan(plan)
     code = str((code_dir or Path.cwd()).resolve())
