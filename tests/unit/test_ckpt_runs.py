@@ -74,6 +74,8 @@ def test_a_new_run_in_a_reused_store_keeps_its_own_checkpoints(tmp_path) -> None
     with pytest.raises(CheckpointError, match="holds checkpoints of 2 runs") as info:
         fresh.load_checkpoint(store)
     assert "run=" in info.value.hint
+    with pytest.raises(ConfigError, match=r"run '.*\\n' is not a valid run id"):  # a name, nothing around it
+        fresh.load_checkpoint(store, run=new.run_id + "\n")
     assert fresh.load_checkpoint(store, run=new.run_id) == 3 and fresh.run_id == new.run_id
     assert new.load_checkpoint(store) == 3  # its own latest, not the other run's higher step
 

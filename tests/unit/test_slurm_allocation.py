@@ -113,12 +113,14 @@ def test_in_allocation() -> None:
 
 
 @pytest.mark.parametrize("cluster", [None, "lab", "a b/c$d", "x" * 200])
-def test_the_run_is_named_after_the_job(tmp_path, cluster) -> None:
-    environ = env(SLURM_JOB_ID="123456789_42") | ({"SLURM_CLUSTER_NAME": cluster} if cluster else {})
+@pytest.mark.parametrize("job", ["123456789_42", "1" * 20 + "_" + "2" * 20])
+def test_the_run_is_named_after_the_job(tmp_path, cluster, job) -> None:
+    """The whole job id is in the name (it was cut at 64 characters: two array tasks could share a run)."""
+    environ = env(SLURM_JOB_ID=job) | ({"SLURM_CLUSTER_NAME": cluster} if cluster else {})
     if cluster is None:
         environ.pop("SLURM_CLUSTER_NAME")
     run = allocation(environ, scontrol=fake_scontrol(tmp_path, HOSTNAMES)).run_id()
-    assert check_run_id(run) == run and run.startswith("slurm-") and run.endswith("123456789_42")
+    assert check_run_id(run) == run and run.startswith("slurm-") and run.endswith("-" + job)
 
 
 def test_an_agent_is_one_srun_task_on_its_node() -> None:

@@ -69,8 +69,9 @@ class Allocation:
     def run_id(self) -> str:
         """The id of the run this job's checkpoints belong to: named after the job, so that a requeued job (same
         id) finds its own checkpoints, and another job's store is not mistaken for its own."""
-        cluster = re.sub(r"[^A-Za-z0-9._-]", "_", self.cluster or "")[:24]
-        return f"slurm-{cluster + '-' if cluster else ''}{self.job_id}"[:64]
+        room = 64 - len("slurm--") - len(self.job_id)  # the job id is kept whole: it tells two jobs apart
+        cluster = re.sub(r"[^A-Za-z0-9._-]", "_", self.cluster or "")[:min(24, room)]
+        return f"slurm-{cluster + '-' if cluster else ''}{self.job_id}"
 
     def config(self) -> SlurmConfig:
         return SlurmConfig(job_id=self.job_id, cluster=self.cluster, restarts=self.restarts)
