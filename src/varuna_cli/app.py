@@ -92,8 +92,9 @@ MAX_LINE = 2000  # characters of one error or hint line
 def _one_line(text: str) -> str:
     """``text`` as one printable line: line breaks become spaces, other control characters escapes, and a very
     long text is cut."""
-    flat = " ".join(part.strip() for part in str(text).splitlines() if part.strip())
-    flat = "".join(c if c.isprintable() else repr(c)[1:-1] for c in flat)
+    from varuna_core.util.text import printable
+
+    flat = printable(" ".join(part.strip() for part in str(text).splitlines() if part.strip()))
     return flat if len(flat) <= MAX_LINE else flat[: MAX_LINE - 3] + "..."
 
 

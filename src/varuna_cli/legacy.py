@@ -6,9 +6,11 @@ A job started the original's way keeps its command line::
         --nstages 4 --chunk_size 8 --code_dir /work/code train.py --lr 1e-4
 
 It becomes a plan and a ``varuna launch --legacy-args`` of it: the machine list is the hosts file (one address per
-line, as before; ``user@host:port slots=N`` lines work too), a single loopback machine means local processes,
-morphing is on unless ``--no_morphing``, and every worker gets the original's ``--rank --local_rank
---stage_to_rank_map --chunk_size --batch-size`` before the script's own arguments.
+line, as before; ``user@host:port slots=N`` lines work too), a single loopback machine means local processes
+(inside a Slurm job too: the list asked for this machine, so its processes run here, not on the job's nodes by
+srun), morphing is on unless ``--no_morphing``, and every worker gets the original's ``--rank --local_rank
+--stage_to_rank_map --chunk_size --batch-size`` before the script's own arguments. ``--code_dir`` must exist
+when the processes are local (on SSH machines each is checked before anything starts).
 
 The plan is made the way the original documents it:
 
@@ -19,26 +21,38 @@ The plan is made the way the original documents it:
 * neither given and a profile given: the planner searches every configuration (``AutoConfig`` of the original;
   ``--nstages`` alone or ``--chunk_size`` alone narrows the search).
 
+Each run gets a run directory (logs, the plan, and the checkpoint store ``RUN_DIR/checkpoints``): ``--run-dir``, or
+a new ``runs/run_varuna-<time>`` (recording the script and code directory in ``run_varuna.json``).
+
 What the original did and this does not: ``--manager_ip`` is accepted and not needed (the launcher finds the
-address the hosts reach it by); ``--resume`` continues the run in the checkpoint store instead of re-reading
-``/tmp/varuna/launch_args``, so the other arguments are given again. Any ``varuna launch`` option not listed
-here may follow, spelled as there (``--ssh-identity KEY``, ``--ckpt-every 100`` ...).
+address the hosts reach it by); ``--resume`` continues the previous run instead of re-reading
+``/tmp/varuna/launch_args``, so the other arguments are given again. The previous run is the newest
+``runs/run_varuna-*`` of the same script and code directory whose store holds a complete checkpoint (or the run
+of ``--run-dir`` / the store of ``--ckpt-dir`` when given); when there is none, ``--resume`` is refused. Any
+``varuna launch`` option not listed here may follow, spelled as there (``--ssh-identity KEY``, ``--ckpt-every
+100`` ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 from varuna_core.errors import ConfigError
+from varuna_core.util.text import printable
 
 __all__ = ["main", "parser", "make_plan_for"]
 
 MACHINE_LIST = "available_machines.out"  # the original's defaults
 ENV_FILE = "varuna.env"
 GPUS_PER_NODE = 4
+RUNS = Path("runs")  # where each run gets its directory, run_varuna-<time>
+RUN_PREFIX = "run_varuna-"
+RUN_RECORD = "run_varuna.json"  # in a run directory: the script and code directory it ran
+RECORD_LIMIT = 64 * 2**10
 
 # `varuna launch` options that may follow the original's: name -> takes a value (True) or is a flag (False).
 LAUNCH_OPTIONS = {
@@ -46,7 +60,7 @@ LAUNCH_OPTIONS = {
     "--steps": True, "--python": True, "--ssh-user": True, "--ssh-port": True, "--ssh-identity": True,
     "--ssh-option": True, "--max-restarts": True, "--heartbeat-timeout": True, "--morph-timeout": True,
     "--preempt-margin": True, "--grace": True, "--straggler-threshold": True, "--run-id": True,
-    "--morph-any-microbatch": False,
+    "--morph-any-microbatch": False, "--resume-or-start": False,
 }
 
 
@@ -76,7 +90,10 @@ def parser() -> argparse.ArgumentParser:
                    help="global batch (all replicas)")
     p.add_argument("--chunk_size", type=int, default=None, help="micro-batch size")
     p.add_argument("--code_dir", default=None, help="directory the script runs in (default: the current one)")
-    p.add_argument("--resume", action="store_true", help="continue the run whose checkpoints are in the store")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the previous run: the newest runs/run_varuna-* of this script and code directory "
+                        "with a complete checkpoint (or the run of --run-dir, the store of --ckpt-dir); refused when "
+                        "there is none (--resume-or-start: start afresh then)")
     p.add_argument("--profile_folder", "--profile", dest="profile", default=None,
                    help="a profile (profile.json, or the folder holding it) to plan from")
     launch = p.add_argument_group("varuna launch options", "before the script; passed on as given (see `varuna "
@@ -202,23 +219,80 @@ def run(argv: list[str]) -> None:
     ns = parser().parse_args(argv)
     _check_numbers(ns)
     hosts, local = _machines(Path(ns.machine_list), ns.gpus_per_node)
+    code_dir = Path(ns.code_dir or ".").resolve()
+    if local and not code_dir.is_dir():
+        raise ConfigError(f"--code_dir {printable(ns.code_dir)} is not a directory",
+                          hint="give the directory the training script runs in (default: the current one)")
     devices = sum(h.slots for h in hosts)
     per_node = max(h.slots for h in hosts)
+    record = {"script": str(code_dir / ns.training_script), "code_dir": str(code_dir)}
+    run_dir = _run_dir(ns, record)
     plan = make_plan_for(ns.nstages, ns.chunk_size, ns.batch_size, devices, per_node, _profile_file(ns.profile),
                          model=Path(ns.training_script).stem)
-    run_dir = Path(ns.launch_run_dir or Path("runs") / time.strftime("run_varuna-%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / RUN_RECORD).exists():
+        (run_dir / RUN_RECORD).write_text(json.dumps(record) + "\n")
     plan_file = _free_name(run_dir, "plan", ".yaml")  # a reused run directory keeps its earlier plans
     save_plan(plan, plan_file)
     env_file = ns.env_file or (ENV_FILE if Path(ENV_FILE).is_file() else None)
     print(f"run_varuna: pp={plan.pp} × dp={plan.dp}, micro-batch {plan.microbatch_size}, global batch "
-          f"{plan.batch_size} on {devices} device(s){' (local processes)' if local else ''}; plan {plan_file}",
-          file=sys.stderr)
+          f"{plan.batch_size} on {devices} device(s){' (local processes)' if local else ''}; plan "
+          f"{printable(plan_file)}", file=sys.stderr)
     launch(plan_file, [ns.training_script, *ns.training_script_args], hosts=None if local else Path(ns.machine_list),
            gpus_per_node=hosts[0].slots if local else ns.gpus_per_node,
            code_dir=Path(ns.code_dir) if ns.code_dir else None, env_file=Path(env_file) if env_file else None,
            run_dir=run_dir, morph=not ns.no_morphing, resume=ns.resume, legacy_args=True,
-           **_launch_options(ns))
+           slurm=False if local else None, **_launch_options(ns))
+
+
+def _run_dir(ns: argparse.Namespace, record: dict) -> Path:
+    """The run directory: ``--run-dir``; with ``--resume`` (and no ``--ckpt-dir``), the previous run's; else a
+    new one under ``runs/`` (also for ``--resume-or-start`` when there is no previous run)."""
+    if ns.launch_run_dir:
+        return Path(ns.launch_run_dir).resolve()
+    if (ns.resume or ns.launch_resume_or_start) and not ns.launch_ckpt_dir:
+        try:
+            return _previous_run(RUNS, record)
+        except ConfigError:
+            if not ns.launch_resume_or_start:
+                raise
+    return (RUNS / time.strftime(f"{RUN_PREFIX}%Y%m%d-%H%M%S")).resolve()
+
+
+def _previous_run(runs: Path, record: dict) -> Path:
+    """The newest ``runs/run_varuna-*`` that ran ``record``'s script in its code directory and whose checkpoint
+    store holds a complete checkpoint: the run ``--resume`` continues (the original's ``--resume`` continued the
+    previous launch).
+
+    Raises:
+        ConfigError: there is no such run.
+    """
+    from varuna_core.checkpoint.layout import scan
+
+    same = [d for d in sorted(runs.glob(f"{RUN_PREFIX}*"), reverse=True) if _recorded(d) == record]
+    for directory in same:
+        if any(e.complete for e in scan(directory / "checkpoints")):
+            return directory.resolve()
+    script = printable(record["script"])
+    if same:
+        raise ConfigError(f"--resume: no run of {script} under {runs}/ holds a complete checkpoint (the newest, "
+                          f"{printable(same[0])}, holds none)",
+                          hint="leave out --resume to start afresh, or give --run-dir / --ckpt-dir of the run to "
+                               "continue")
+    raise ConfigError(f"--resume: no earlier run of {script} (code directory {printable(record['code_dir'])}) "
+                      f"under {printable(runs.resolve())}/ to continue",
+                      hint="leave out --resume to start afresh, or give --run-dir / --ckpt-dir of the run to continue")
+
+
+def _recorded(directory: Path) -> dict | None:
+    """The script and code directory a run directory recorded (None: none, or unreadable)."""
+    from varuna_core.util.fs import read_regular
+
+    try:
+        data = json.loads(read_regular(directory / RUN_RECORD, RECORD_LIMIT, what="run record"))
+    except (ConfigError, ValueError, OSError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _free_name(directory: Path, stem: str, suffix: str) -> Path:

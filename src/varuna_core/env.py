@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from .util.checks import env_integer
 
 __all__ = ["DEBUG", "TIMEOUT", "TRACE", "PLAN", "RUN_ID", "NO_NATIVE", "CACHE_DIR", "TORCHRUN", "WorkerEnv",
-           "LAUNCHER_SET", "flag", "debug", "text", "HOST", "JOB_ID", "JOB_TOKEN", "ATTEMPT",
+           "LAUNCHER_SET", "flag", "debug", "text", "exact", "HOST", "JOB_ID", "JOB_TOKEN", "ATTEMPT",
            "MANAGER"]
 
 # the user's switches
@@ -44,6 +44,13 @@ def text(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     """The value of ``name`` without surrounding blanks; None when unset or blank."""
     value = (os.environ if environ is None else environ).get(name)
     return value.strip() if value and value.strip() else None
+
+
+def exact(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of ``name`` as it is set, blanks and line breaks included; None when unset or blank. For
+    names (a run id), where ``"run\n"`` is a mistake to report, not to strip into another name."""
+    value = (os.environ if environ is None else environ).get(name)
+    return value if value and value.strip() else None
 
 
 def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:

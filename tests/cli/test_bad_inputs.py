@@ -53,6 +53,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
                          "manymb": {"num_microbatches": 50_000_000}, "nanstep": {"prediction": {
                              **data["prediction"], "step_time": float("nan")}}}.items():
         (d / f"{name}.yaml").write_text(yaml.safe_dump({**data, **update}, sort_keys=False))
+    last_skips = [data["stages"][0], {**data["stages"][1], "skip_bytes": 4096}]  # the last stage sends nothing
+    big_skips = [{**data["stages"][0], "skip_bytes": data["stages"][0]["activation_bytes"] + 1}, data["stages"][1]]
+    for name, stages in {"lastskip": last_skips, "bigskip": big_skips}.items():
+        (d / f"{name}.yaml").write_text(yaml.safe_dump({**data, "stages": stages}, sort_keys=False))
+    bad = json.loads(profile.model_dump_json())
+    bad["segments"][1]["measures"][0]["skip_bytes"] = bad["segments"][1]["measures"][0]["output_bytes"] + 1
+    (d / "bigskip.json").write_text(json.dumps(bad))
+    bad = json.loads(profile.model_dump_json())
+    bad["segments"][-1]["measures"][0]["skip_bytes"] = 8
+    (d / "lastskip.json").write_text(json.dumps(bad))
     (d / "bomb.yaml").write_text("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
         f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join([f"*{chr(97 + i)}"] * 9) + "]\n" for i in range(8)))
     (d / "deep.yaml").write_text("[" * 100_000 + "]" * 100_000)
@@ -115,6 +125,8 @@ def test_plan_options(capsys, files, extra, needle) -> None:
 @pytest.mark.parametrize(("profile", "needle"), [
     ("missing.json", "does not exist"), ("dir", "is a directory"), ("fifo", "is a FIFO"), ("binary", "UTF-8"),
     ("huge", "more than the"), ("plan.yaml", "not JSON"), ("list.yaml", "not JSON"),
+    ("bigskip.json", "segments[1].measures[0] (micro-batch 1): skip_bytes 10001 is more than output_bytes 10000"),
+    ("lastskip.json", "segments[3].measures[0] (micro-batch 1): output_bytes 0 and skip_bytes 8 on the last segment"),
 ])
 def test_plan_bad_profile_files(capsys, files, profile, needle) -> None:
     path = files.get(profile, files["dir_path"] / profile)
@@ -129,6 +141,37 @@ def test_plan_output_into_a_missing_directory_or_onto_a_directory(capsys, files)
     assert_one_error(code, err, needle="does not exist")
     code, _, err = run_main(capsys, *base, files["dir"])
     assert_one_error(code, err, needle="is a directory")
+
+
+ESCAPES = "\x1b[2J\x1b]0;owned\x07\u202e"  # clear the screen, retitle the window, bell, right-to-left override
+
+
+def test_plan_prints_text_from_the_profile_with_control_characters_escaped(capsys, files, tmp_path) -> None:
+    """A terminal escape in a profile's model name reached the terminal through `varuna plan`'s table."""
+    profile = make_profile([0.001, 0.003])
+    profile = profile.model_copy(update={"model": f"gpt{ESCAPES}"})
+    save_artifact(profile, tmp_path / "profile.json")
+    code, out, err = run_main(capsys, "plan", tmp_path / "profile.json", "--gpus", "2", "--batch-size", "8",
+                              "-o", tmp_path / "evil\x1b[31m.yaml")
+    assert code == 0, err
+    assert "gpt\\x1b[2J\\x1b]0;owned\\x07\\u202e: 2 devices" in out
+    assert not any(c in out + err for c in "\x1b\x07\u202e"), (out, err)
+
+
+def test_profile_summary_escapes_names_from_user_code(capsys, tmp_path) -> None:
+    from varuna_cli.commands.profile import _summary
+    from varuna_core.planning.artifacts import StopReason
+
+    profile = make_profile([0.001, 0.003])
+    segments = [profile.segments[0].model_copy(update={"output_cut": f"c0{ESCAPES}", "skips": [f"mask{ESCAPES}"]}),
+                profile.segments[1].model_copy(update={"input_cut": f"c0{ESCAPES}"})]
+    profile = profile.model_copy(update={"model": f"gpt{ESCAPES}", "cut_names": [f"c0{ESCAPES}"],
+                                         "segments": segments, "stopped": StopReason(
+                                             microbatch_size=16, segment=0, reason=f"out of memory{ESCAPES}")})
+    _summary(profile, tmp_path / f"p{ESCAPES}.json")
+    captured = capsys.readouterr()
+    assert "gpt\\x1b[2J" in captured.out and "out of memory\\x1b[2J" in captured.out
+    assert not any(c in captured.out + captured.err for c in "\x1b\x07\u202e"), captured
 
 
 def test_plan_prints_a_model_name_with_markup(capsys, files, tmp_path) -> None:
@@ -148,6 +191,9 @@ BAD_PLANS = [
     ("uncovered.yaml", "partition ends at segment 3"),
     ("manymb.yaml", "num_microbatches: Input should be less than or equal to 100000"),
     ("nanstep.yaml", "prediction.step_time: Input should be a finite number"),
+    ("lastskip.yaml", "stages[1] is the last stage, which sends nothing to a next one, but has activation_bytes 0, "
+                      "skip_bytes 4096"),
+    ("bigskip.yaml", "stages[0]: skip_bytes 20001 is more than activation_bytes 20000"),
     ("bomb.yaml", "anchors and aliases"),
     ("deep.yaml", "nested more than 32 levels deep"),
     ("list.yaml", "it holds [1, 2]"),
@@ -192,7 +238,8 @@ def _launch(capsys, files, tmp_path, *extra: str, plan: str = "plan.yaml") -> tu
 
 
 @pytest.mark.parametrize(("plan", "needle"), [case for case in BAD_PLANS if case[0] in (
-    "pp0.yaml", "dp-1.yaml", "badmap.yaml", "gapped.yaml", "manymb.yaml", "bomb.yaml", "fifo", "binary")])
+    "pp0.yaml", "dp-1.yaml", "badmap.yaml", "gapped.yaml", "manymb.yaml", "bomb.yaml", "fifo", "binary",
+    "lastskip.yaml", "bigskip.yaml")])
 def test_launch_bad_plans(capsys, files, tmp_path, plan, needle) -> None:
     code, err = _launch(capsys, files, tmp_path, plan=plan)
     assert_one_error(code, err, needle=needle)
@@ -512,3 +559,111 @@ def test_plan_needs_a_device_count(capsys, files) -> None:
     code, out, err = run_main(capsys, "plan", files["profile.json"], "--batch-size", "16", "-o",
                               files["dir_path"] / "none.yaml")
     assert_one_error(code, err, needle="--gpus is required")
+
+
+# --- Slurm's environment ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def slurm_job(monkeypatch, tmp_path):
+    """A Slurm job's environment with a fake scontrol on PATH that, like the real one, prints its version for
+    -V wherever it stands (GNU getopt permutes) unless `--` came before it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -- ] && break; [ "$a" = -V ] && '
+                        '{ echo "slurm 23.02.7"; exit 0; }; done\nprintf "node1\\nnode2\\n"\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    return monkeypatch
+
+
+@pytest.mark.parametrize(("variables", "needle"), [
+    ({"SLURM_JOB_NODELIST": "-V"}, "SLURM_JOB_NODELIST '-V' starts with '-'"),
+    ({"SLURM_JOB_NODELIST": "node[0-99999999]"}, "names 100,000,000 nodes, more than the 65,536"),
+    ({"SLURM_GPUS_PER_NODE": "volta:x"}, "SLURM_GPUS_PER_NODE 'volta:x' is not a GPU count"),
+    ({"SLURM_GPUS_PER_NODE": "1", "SLURM_RESTART_COUNT": "\x1b[2J"}, "SLURM_RESTART_COUNT '\\x1b[2J' is not"),
+])
+@pytest.mark.parametrize("verb", ["plan", "launch"])
+def test_a_bad_slurm_environment_is_one_error_naming_the_variable(capsys, files, tmp_path, slurm_job, variables,
+                                                                  needle, verb) -> None:
+    for name, value in variables.items():
+        slurm_job.setenv(name, value)
+    if verb == "plan":
+        code, _, err = run_main(capsys, "plan", files["profile.json"], "--slurm", "--batch-size", "16", "-o",
+                                tmp_path / "p.yaml")
+    else:
+        code, err = _launch(capsys, files, tmp_path)
+    assert_one_error(code, err, needle=needle)
+    assert "\x1b" not in err
+
+
+def test_plan_slurm_counts_typed_gpus(capsys, files, tmp_path, slurm_job) -> None:
+    """SLURM_GPUS_PER_NODE holds --gpus-per-node as written: volta:3,kepler:1 is 4 GPUs per node, not 1."""
+    slurm_job.setenv("SLURM_GPUS_PER_NODE", "volta:3,kepler:1")
+    code, _, err = run_main(capsys, "plan", files["profile.json"], "--slurm", "--batch-size", "16", "-o",
+                            tmp_path / "p.yaml", "--json")
+    assert code in (0, None), err
+    assert "2 node(s), 8 GPUs (node1×4, node2×4)" in err
+    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["gpus"] == 8
+
+
+# --- run ids, --resume, --code-dir ---------------------------------------------------------------------------
+
+def _step(store: Path, step: int, run: str) -> None:
+    (store / f"step_{step}").mkdir(parents=True)
+    (store / f"step_{step}" / "RUN").write_text(run + "\n")
+    (store / f"step_{step}" / "COMPLETE").write_text("")
+
+
+@pytest.mark.parametrize("case", ["no store", "typo", "newline", "escape", "or-start no store"])
+def test_launch_resume_and_run_id_mistakes(capsys, files, tmp_path, case) -> None:
+    store = tmp_path / "store"
+    for i, run in enumerate(["alpha", "beta"]):
+        _step(store, 10 + i, run)
+    args, needle = {
+        "no store": (["--resume"], "--resume needs the checkpoint store of the run to continue, but neither "
+                                   "--ckpt-dir nor --run-dir is given"),
+        "or-start no store": (["--resume-or-start", "--run-id", "x"], "--resume-or-start needs the checkpoint store"),
+        "typo": (["--resume", "--run-id", "alpah", "--ckpt-dir", str(store)],
+                 f"--resume: checkpoint store {store} holds nothing of run alpah, but checkpoints of run(s) 'alpha', "
+                 f"'beta'"),
+        "newline": (["--resume", "--run-id", "alpha\n", "--ckpt-dir", str(store)],
+                    "--run-id 'alpha\\n' is not a valid run id"),
+        "escape": (["--run-id", "\x1b[2J" * 100, "--ckpt-dir", str(tmp_path / "new")], "is not a valid run id"),
+    }[case]
+    code, _, err = run_main(capsys, "launch", files["plan.yaml"], "--code-dir", files["dir_path"], *args, "--",
+                            "train.py")
+    assert_one_error(code, err, needle=needle)
+    assert "\x1b" not in err and len(err) < 1000
+    assert sorted(p.name for p in store.iterdir()) == ["step_10", "step_11"] and not (tmp_path / "new").exists()
+
+
+def test_launch_resume_or_start_starts_a_named_run_beside_others(capsys, files, tmp_path, monkeypatch) -> None:
+    """--resume-or-start --run-id NEW in a store of other runs goes on to start NEW (the manager is not run)."""
+    import varuna_core.launch.manager as manager
+
+    store = tmp_path / "store"
+    _step(store, 10, "alpha")
+    started = []
+
+    def fake_manager(opts, *args):
+        started.append(opts)
+        raise KeyboardInterrupt  # stop here: nothing is started
+
+    monkeypatch.setattr(manager, "Manager", fake_manager)
+    run_main(capsys, "launch", files["plan.yaml"], "--code-dir", files["dir_path"], "--run-dir", tmp_path / "run",
+             "--ckpt-dir", store, "--resume-or-start", "--run-id", "new", "--", "train.py")
+    (opts,) = started
+    assert opts.resume and opts.resume_or_start and opts.run_id == "new"
+
+
+def test_launch_a_missing_code_dir_is_bad_input(capsys, files, tmp_path) -> None:
+    """With an absolute SCRIPT, a missing --code-dir was found only when the agent failed to cd into it (exit 1)."""
+    code, _, err = run_main(capsys, "launch", files["plan.yaml"], "--run-dir", tmp_path / "run", "--code-dir",
+                            tmp_path / "missing", "--", files["train.py"])
+    assert_one_error(code, err, needle=f"--code-dir {tmp_path / 'missing'} does not exist")
+    assert not (tmp_path / "run").exists()

@@ -448,3 +448,22 @@ def test_open_source_refuses_what_is_not_a_regular_file(tmp_path):
     with pytest.raises(CheckpointError, match="symbolic link"):
         ckpt_io.copy_file(tmp_path / "link", tmp_path / "copy2")
     assert not (tmp_path / "copy2").exists()
+
+
+def test_control_characters_in_manifest_fields_are_escaped(tmp_path, capsys, monkeypatch):
+    """A terminal escape in a manifest's model name reached the terminal through `varuna ckpt list/inspect`."""
+    monkeypatch.setenv("COLUMNS", "2000")
+    store = tmp_path / "store"
+    _, _, directory = write_checkpoint(store, 1)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest.update(model="gpt\x1b[2J\x07", created="2026\x1b]0;owned\x07")
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    _reseal(directory)
+    for args in (["list", str(store)], ["inspect", str(directory)], ["verify", str(store)]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["ckpt", *args])
+        out = capsys.readouterr()
+        assert (info.value.code or 0) == 0, out.err
+        assert "\x1b" not in out.out + out.err and "\x07" not in out.out + out.err, (args, out)
+        if args[0] != "verify":
+            assert "gpt\\x1b[2J\\x07" in out.out, out.out

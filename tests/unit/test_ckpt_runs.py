@@ -74,6 +74,8 @@ def test_a_new_run_in_a_reused_store_keeps_its_own_checkpoints(tmp_path) -> None
     with pytest.raises(CheckpointError, match="holds checkpoints of 2 runs") as info:
         fresh.load_checkpoint(store)
     assert "run=" in info.value.hint
+    with pytest.raises(ConfigError, match=r"run '.*\\n' is not a valid run id"):  # a name, nothing around it
+        fresh.load_checkpoint(store, run=new.run_id + "\n")
     assert fresh.load_checkpoint(store, run=new.run_id) == 3 and fresh.run_id == new.run_id
     assert new.load_checkpoint(store) == 3  # its own latest, not the other run's higher step
 
@@ -131,6 +133,70 @@ def test_the_run_id_comes_from_the_environment(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("VARUNA_RUN_ID", "../evil")
     with pytest.raises(ConfigError, match="VARUNA_RUN_ID"):
         _model()
+    monkeypatch.setenv("VARUNA_RUN_ID", "my-run.1\n")  # was stripped into my-run.1: another run's name
+    with pytest.raises(ConfigError, match=r"VARUNA_RUN_ID 'my-run.1\\n' is not a valid run id"):
+        _model()
+
+
+@pytest.mark.parametrize("run", ["abc\n", "abc\r", "\nabc", "a b", "a/b", "..\x00", "a" * 65, "", "é",
+                                 "x\x1b[2J" + "y" * 5000])
+def test_a_run_id_is_a_name_and_nothing_around_it(run) -> None:
+    """A run id ending in a newline passed the check (``$`` matches before a final newline)."""
+    from varuna_core.checkpoint.layout import check_run_id
+
+    with pytest.raises(ConfigError) as info:
+        check_run_id(run, "--run-id")
+    message = info.value.message
+    assert message.startswith("--run-id ") and "\x1b" not in message and "\n" not in message
+    assert len(message) < 200
+
+
+def test_a_run_file_with_more_than_a_name_records_no_run(tmp_path) -> None:
+    for text, run in (("abc\n", "abc"), ("abc\ndef\n", None), ("abc\x00", None), ("a" * 65, None)):
+        (tmp_path / "RUN").write_text(text)
+        assert read_run(tmp_path) == run, text
+
+
+def _step(store, step: int, run: str | None, complete: bool = True) -> None:
+    path = store / f"step_{step}"
+    path.mkdir(parents=True)
+    if run is not None:
+        (path / "RUN").write_text(run + "\n")
+    if complete:
+        (path / "COMPLETE").write_text("")
+
+
+def test_resuming_a_run_the_store_holds_nothing_of_is_refused(tmp_path) -> None:
+    """`--resume --run-id typo` in a store of other runs started a new run from scratch after one log line."""
+    from varuna_core.launch.manager import choose_run
+
+    store = tmp_path / "store"
+    for i in range(8):
+        _step(store, 10 + i, f"run{i}")
+    with pytest.raises(ConfigError) as info:
+        choose_run(store, True, "typo")
+    message, hint = info.value.message, info.value.hint
+    assert message.startswith(f"--resume: checkpoint store {store} holds nothing of run typo, but checkpoints of ")
+    assert "'run0', 'run1', 'run2', 'run3', 'run4' and 3 more" in message and "run7" not in message
+    assert "--run-id" in hint and "--resume-or-start" in hint
+    assert choose_run(store, True, "typo", or_start=True) == ("typo", {"typo"})  # on purpose
+    assert choose_run(store, True, "run3") == ("run3", {"run3"})
+    _step(store, 1, "typo", complete=False)  # a partial checkpoint of the run: it is the run's store too
+    assert choose_run(store, True, "typo") == ("typo", {"typo"})
+    assert choose_run(tmp_path / "empty", True, "typo") == ("typo", {"typo"})  # nothing there: a new start
+
+
+def test_resume_without_a_run_id_continues_the_one_run_it_finds(tmp_path) -> None:
+    from varuna_core.launch.manager import choose_run
+
+    store = tmp_path / "store"
+    _step(store, 5, "only", complete=False)  # crashed during its first checkpoint: continue that run
+    assert choose_run(store, True, None) == ("only", {"only"})
+    _step(store, 7, "second", complete=False)
+    with pytest.raises(ConfigError, match="holds only partial checkpoints of 2 runs"):
+        choose_run(store, True, None)
+    _step(store, 9, "second")
+    assert choose_run(store, True, None) == ("second", {"second"})
 
 
 # ----------------------------------------------------------------------------------------------------------

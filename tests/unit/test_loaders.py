@@ -99,6 +99,8 @@ PLAN_MUTATIONS = [
     ({"memory_limit": 0}, "memory_limit"),
     ({"num_segments": 1}, "pp = 2 stages for 1 segments"),
     ({"foo": 1}, "foo: Extra inputs are not permitted"),
+    ({"memory_limit": 9_000_000}, "stages[0]: memory_bytes 9812000 is more than memory_limit 9000000"),
+    ({"schedules": ["gpipe", "varuna"]}, "schedule 1f1b is not among schedules ['gpipe', 'varuna']"),
 ]
 
 
@@ -117,6 +119,18 @@ def test_plan_with_bad_fields(tmp_path, plan_data, update, needle) -> None:
     (("stages", 1, "stage"), 0, "stages[1] is stage 0"),
     (("stages", 0, "segments"), [0, 3], "stages[0] is stage 0 over segments [0, 3], but partition[0] is [0, 2]"),
     (("alternatives",), [{"pp": 0}], "alternatives.0"),
+    # fields of one stage that contradict each other or the stage's place in the pipeline
+    (("stages", 0, "skip_bytes"), 30_000, "stages[0]: skip_bytes 30000 is more than activation_bytes 20000"),
+    (("stages", 1, "skip_bytes"), 8, "stages[1] is the last stage, which sends nothing to a next one, but has "
+                                     "activation_bytes 0, skip_bytes 8"),
+    (("stages", 1, "activation_bytes"), 20_000, "stages[1] is the last stage"),
+    (("stages", 1, "send_activation"), 0.5, "send_activation 0.5 (all must be 0)"),
+    (("stages", 0, "send_gradient"), 0.5, "stages[0] is the first stage, which sends no gradient to a previous one, "
+                                          "but has send_gradient 0.5"),
+    (("stages", 0, "held_microbatches"), 9, "stages[0]: held_microbatches 9 is more than the num_microbatches 4"),
+    (("alternatives",), [{"pp": 4, "dp": 2, "microbatch_size": 1, "num_microbatches": 2, "schedule": "gpipe",
+                          "step_time": 1.0, "samples_per_second": 16.0, "bubble_fraction": 0.5,
+                          "peak_memory_bytes": 1}], "alternatives[0]: pp × dp = 4 × 2 = 8 devices, more than gpus = 4"),
 ])
 def test_plan_with_bad_nested_fields(tmp_path, plan_data, where, value, needle) -> None:
     data = copy.deepcopy(plan_data)
@@ -272,6 +286,12 @@ def _segment(data: dict, k: int, **fields) -> dict:
     return data
 
 
+def _measure(data: dict, k: int, j: int, **fields) -> dict:
+    data = copy.deepcopy(data)
+    data["segments"][k]["measures"][j].update(fields)
+    return data
+
+
 def _zero_times(data: dict) -> dict:
     data = copy.deepcopy(data)
     for seg in data["segments"]:
@@ -307,6 +327,16 @@ PROFILE_MUTATIONS = [
     (lambda d: _comm(d, 1, group_size=1), "comm.1.group_size: Input should be greater than or equal to 2"),
     (lambda d: _comm(d, 1, fit={"latency": 0.0, "bandwidth": 0.0, "rel_error": 0.0}), "comm.1.fit.bandwidth"),
     (lambda d: {**d, "schema_version": 3}, "profile format version 3"),
+    # fields that contradict each other
+    (lambda d: _measure(d, 0, 1, skip_bytes=10**6), "segments[0].measures[1] (micro-batch 2): skip_bytes 1000000 is "
+                                                    "more than output_bytes 20000"),
+    (lambda d: _measure(d, 2, 0, skip_bytes=8), "segments[2].measures[0] (micro-batch 1): output_bytes 0 and "
+                                                "skip_bytes 8 on the last segment, which ends at the loss"),
+    (lambda d: _measure(d, 2, 3, output_bytes=64), "output_bytes 64 and skip_bytes 0 on the last segment"),
+    (lambda d: _segment(d, 2, skips=["h: from segment 1"]), "segments[2] is the last segment but lists 1 skips"),
+    (lambda d: _measure(d, 1, 0, forward={"median": 2.0, "p10": 1.0, "p90": 1.5, "repeats": 3}),
+     "segments[1].measures[0] (micro-batch 1): forward has p10 1, median 2 and p90 1.5, not in increasing order"),
+    (lambda d: _comm(d, 0, group_size=3), "comm[0] is a p2p curve with group_size 3"),
 ]
 
 

@@ -196,3 +196,86 @@ def test_a_reused_run_directory_keeps_its_earlier_plans(tmp_path, machines, laun
     run(tmp_path, *args, "--nstages", "1")
     assert (tmp_path / "run" / "plan.yaml").read_text() == first
     assert load_plan(tmp_path / "run" / "plan-2.yaml").pp == 1 and launched[-1]["plan"].pp == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --resume, --code_dir and Slurm
+
+
+def _checkpoint(store, step: int, run: str = "r1", complete: bool = True) -> None:
+    path = store / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "RUN").write_text(run + "\n")
+    if complete:
+        (path / "COMPLETE").write_text(f"{step}\n")
+
+
+def _default_run(tmp_path, launched, *args: str, script: str = "train.py", name: str | None = None):
+    """Run without --run-dir in ``tmp_path`` (the current directory); the run directory it got, renamed to
+    ``name`` (a run of another time)."""
+    legacy.run(["--machine_list", str(tmp_path / "machines"), "--batch_size", "8", "--nstages", "1",
+                "--chunk_size", "2", *args, script])
+    used = launched[-1]["run_dir"]
+    assert used.parent == (tmp_path / "runs").resolve()
+    if name is not None and used.name != name:
+        used = used.rename(used.parent / name)
+    return used
+
+
+def test_resume_without_a_run_dir_continues_the_previous_run(tmp_path, monkeypatch, launched) -> None:
+    """Each run gets a new runs/run_varuna-<time>: `--resume` looked for checkpoints in the new, empty one and
+    trained from scratch. It continues the newest run of the same script with a complete checkpoint."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "machines").write_text("127.0.0.1 slots=2\n")
+    (tmp_path / "other").mkdir()
+    earlier = _default_run(tmp_path, launched, name="run_varuna-20200101-000000")
+    _checkpoint(earlier / "checkpoints", 40)
+    newest = _default_run(tmp_path, launched, name="run_varuna-20200102-000000")  # crashed before a checkpoint
+    _checkpoint(newest / "checkpoints", 10, complete=False)
+    other = _default_run(tmp_path, launched, "--code_dir", str(tmp_path / "other"), name="run_varuna-20200103-000000")
+    _checkpoint(other / "checkpoints", 90)  # another code directory: another training
+    _default_run(tmp_path, launched, "--resume")
+    assert launched[-1]["resume"] and launched[-1]["run_dir"] == earlier.resolve()
+    _default_run(tmp_path, launched, "--resume", "--code_dir", str(tmp_path / "other"))
+    assert launched[-1]["run_dir"] == other.resolve()
+
+
+def test_resume_with_nothing_to_continue_is_refused(tmp_path, monkeypatch, launched) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "machines").write_text("127.0.0.1 slots=2\n")
+    with pytest.raises(ConfigError, match=r"--resume: no earlier run of .*train\.py \(code directory"):
+        _default_run(tmp_path, launched, "--resume")
+    _default_run(tmp_path, launched, name="run_varuna-20200101-000000")
+    with pytest.raises(ConfigError, match=r"no run of .*train\.py under runs/ holds a complete checkpoint"):
+        _default_run(tmp_path, launched, "--resume")
+    assert len(launched) == 1
+
+
+def test_a_missing_code_dir_is_refused_before_anything_starts(tmp_path, machines, launched) -> None:
+    """It was found only when the first agent failed to `cd` into it (exit 1)."""
+    with pytest.raises(ConfigError, match="--code_dir .*/missing is not a directory"):
+        run(tmp_path, "--machine_list", machines("127.0.0.1 slots=2"), "--batch_size", "8", "--nstages", "1",
+            "--chunk_size", "2", "--code_dir", str(tmp_path / "missing"))
+    assert not launched
+
+
+def test_a_loopback_machine_list_runs_locally_inside_a_slurm_job(tmp_path, machines, launched, monkeypatch) -> None:
+    """Inside a Slurm job the launcher defaults to the job's nodes; a machine list of this machine asked for local
+    processes, so it runs them here (an SSH machine list still goes over SSH)."""
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    args = ["--batch_size", "8", "--nstages", "1", "--chunk_size", "2"]
+    run(tmp_path, "--machine_list", machines("127.0.0.1 slots=2"), *args)
+    assert launched[-1]["hosts"] is None and launched[-1]["slurm"] is False
+    run(tmp_path, "--machine_list", machines("10.0.0.1"), *args)
+    assert launched[-1]["hosts"] is not None and launched[-1]["slurm"] is None
+
+
+def test_resume_or_start_continues_the_previous_run_or_starts_one(tmp_path, monkeypatch, launched) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "machines").write_text("127.0.0.1 slots=2\n")
+    first = _default_run(tmp_path, launched, "--resume-or-start")  # nothing to continue: a new run
+    assert first.parent == (tmp_path / "runs").resolve() and launched[-1]["resume_or_start"]
+    first = first.rename(first.parent / "run_varuna-20200101-000000")
+    _checkpoint(first / "checkpoints", 40)
+    _default_run(tmp_path, launched, "--resume-or-start")
+    assert launched[-1]["run_dir"] == first.resolve()

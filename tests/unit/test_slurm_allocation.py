@@ -12,7 +12,7 @@ from varuna_core.checkpoint.layout import check_run_id
 from varuna_core.errors import ConfigError
 from varuna_core.launch.hosts import Host
 from varuna_core.launch.options import SlurmConfig
-from varuna_core.launch.slurm import allocation, expand_counts, in_allocation, requeue
+from varuna_core.launch.slurm import allocation, expand_counts, in_allocation, nodelist_size, requeue
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +50,7 @@ def test_the_allocations_nodes_and_tasks(tmp_path) -> None:
     job = allocation(env(SLURM_RESTART_COUNT="2"), scontrol=fake_scontrol(tmp_path, HOSTNAMES))
     assert job.hosts() == [Host("gpu01", 2), Host("gpu02", 2), Host("gpu03", 1)]
     assert (job.total, job.devices, job.restarts) == (5, "tasks", 2)
-    assert (tmp_path / "calls").read_text() == "show hostnames gpu[01-03]\n"
+    assert (tmp_path / "calls").read_text() == "-- show hostnames gpu[01-03]\n"  # no option after --
     assert "Slurm job 4242: 3 node(s), 5 tasks (gpu01×2, gpu02×2, gpu03×1)" == job.describe()
     assert job.config() == SlurmConfig(job_id="4242", cluster="lab", restarts=2)
 
@@ -58,6 +58,8 @@ def test_the_allocations_nodes_and_tasks(tmp_path) -> None:
 @pytest.mark.parametrize(("extra", "slots"), [
     ({"SLURM_GPUS_PER_NODE": "4"}, 4), ({"SLURM_GPUS_PER_NODE": "a100:8"}, 8),
     ({"SLURM_GPUS_PER_NODE": "gpu:a100:2"}, 2), ({"SLURM_GPUS_ON_NODE": "3"}, 3),
+    ({"SLURM_GPUS_PER_NODE": "volta:3,kepler:1"}, 4), ({"SLURM_GPUS_PER_NODE": "3g.40gb:2, a100:1"}, 3),
+    ({"SLURM_GPUS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "8"}, 2),  # what the job asked for per node wins
     ({"SLURM_GPUS_ON_NODE": "0"}, None),  # no GPUs: the tasks count
 ])
 def test_gpus_per_node_win_over_tasks(tmp_path, extra, slots) -> None:
@@ -86,6 +88,14 @@ def test_the_launchers_gpus_per_node_win_over_slurms(tmp_path) -> None:
     ({}, 'printf "gpu01\\n\\033[31mred\\n"', "which is not a host name"),
     ({}, 'printf "gpu01\\ngpu01\\n"', "names a node twice"),
     ({}, 'printf "\\377\\376\\n"', "which is not a host name"),
+    ({"SLURM_GPUS_PER_NODE": "volta:3,,kepler:1"}, HOSTNAMES, "SLURM_GPUS_PER_NODE 'volta:3,,kepler:1' is not"),
+    ({"SLURM_GPUS_PER_NODE": "volta:3(x2)"}, HOSTNAMES, "SLURM_GPUS_PER_NODE 'volta:3(x2)' is not a GPU count"),
+    ({"SLURM_GPUS_PER_NODE": "volta:9000,kepler:9000"}, HOSTNAMES, "would run 18000 workers (SLURM_GPUS_PER_NODE)"),
+    ({"SLURM_GPUS_ON_NODE": "a100:2"}, HOSTNAMES, "SLURM_GPUS_ON_NODE 'a100:2' is not a GPU count"),
+    ({"SLURM_RESTART_COUNT": "two"}, HOSTNAMES, "SLURM_RESTART_COUNT 'two' is not a count"),
+    ({"SLURM_CLUSTER_NAME": "lab\x1b[2J"}, HOSTNAMES, "SLURM_CLUSTER_NAME 'lab\\x1b[2J' is not a cluster name"),
+    ({"SLURM_JOB_NODELIST": "", "SLURM_NODELIST": "x[1-2"}, "echo 'Invalid hostlist: x[1-2' >&2",
+     "SLURM_NODELIST 'x[1-2' names no node (scontrol: Invalid hostlist: x[1-2)"),
 ])
 def test_a_broken_allocation_is_one_clear_error(tmp_path, environ, body, needle) -> None:
     with pytest.raises(ConfigError) as info:
@@ -103,12 +113,14 @@ def test_in_allocation() -> None:
 
 
 @pytest.mark.parametrize("cluster", [None, "lab", "a b/c$d", "x" * 200])
-def test_the_run_is_named_after_the_job(tmp_path, cluster) -> None:
-    environ = env(SLURM_JOB_ID="123456789_42") | ({"SLURM_CLUSTER_NAME": cluster} if cluster else {})
+@pytest.mark.parametrize("job", ["123456789_42", "1" * 20 + "_" + "2" * 20])
+def test_the_run_is_named_after_the_job(tmp_path, cluster, job) -> None:
+    """The whole job id is in the name (it was cut at 64 characters: two array tasks could share a run)."""
+    environ = env(SLURM_JOB_ID=job) | ({"SLURM_CLUSTER_NAME": cluster} if cluster else {})
     if cluster is None:
         environ.pop("SLURM_CLUSTER_NAME")
     run = allocation(environ, scontrol=fake_scontrol(tmp_path, HOSTNAMES)).run_id()
-    assert check_run_id(run) == run and run.startswith("slurm-") and run.endswith("123456789_42")
+    assert check_run_id(run) == run and run.startswith("slurm-") and run.endswith("-" + job)
 
 
 def test_an_agent_is_one_srun_task_on_its_node() -> None:
@@ -129,3 +141,43 @@ def test_requeue_only_a_requeueable_job(tmp_path, shown, done, why) -> None:
     assert requeued == done and why in reason and (reason == "") == done
     calls = (tmp_path / "calls").read_text().splitlines()
     assert ("requeue 5" in calls) == done
+
+
+@pytest.mark.parametrize("nodelist", ["-V", "--help", "-M other", "-"])
+def test_a_node_list_that_looks_like_an_option_never_reaches_scontrol(tmp_path, nodelist) -> None:
+    """`scontrol show hostnames -V` printed scontrol's version, read as the host names `slurm` and `23.02.7`."""
+    scontrol = fake_scontrol(tmp_path, 'case "$*" in *-V*) echo "slurm 23.02.7";; *) echo gpu01;; esac')
+    with pytest.raises(ConfigError) as info:
+        allocation(env(SLURM_JOB_NODELIST=nodelist), scontrol=scontrol)
+    assert info.value.message.startswith(f"SLURM_JOB_NODELIST {nodelist!r} starts with '-'")
+    assert not (tmp_path / "calls").exists()
+
+
+@pytest.mark.parametrize(("nodelist", "size"), [
+    ("gpu01", 1), ("gpu[01-04,07],login1", 6), ("rack[1-2]n[1-8]", 16), ("a,b,c", 3), ("x[3-1]", None),
+    ("x[1-2", None), ("x[a-b]", None), ("x[[1]]", None)])
+def test_the_size_of_a_node_list_is_counted_without_expanding_it(nodelist, size) -> None:
+    assert nodelist_size(nodelist) == size
+
+
+@pytest.mark.parametrize(("nodelist", "needle"), [
+    ("node[0-99999999]", "names 100,000,000 nodes, more than the 65,536 a job can have"),
+    ("n[0-9999]r[0-9999]", "names 100,000,000 nodes"),
+    ("n[0-" + "9" * 60 + "]", "names about 10^60 nodes"),
+])
+def test_an_absurd_range_is_refused_as_too_large(tmp_path, nodelist, needle) -> None:
+    with pytest.raises(ConfigError) as info:
+        allocation(env(SLURM_JOB_NODELIST=nodelist), scontrol=fake_scontrol(tmp_path, "true"))
+    assert needle in info.value.message and "SLURM_JOB_NODELIST" in info.value.message
+    assert len(info.value.message) < 300 and not (tmp_path / "calls").exists()
+
+
+def test_every_slurm_variable_in_an_error_is_escaped_and_shortened(tmp_path) -> None:
+    value = "\x1b]0;owned\x07" + "x" * 5000
+    for name in ("SLURM_JOB_ID", "SLURM_CLUSTER_NAME", "SLURM_RESTART_COUNT", "SLURM_GPUS_PER_NODE",
+                 "SLURM_GPUS_ON_NODE", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NODELIST"):
+        with pytest.raises(ConfigError) as info:
+            allocation(env(**{name: value}), scontrol=fake_scontrol(tmp_path, 'echo "Invalid hostlist" >&2' if
+                                                                     name == "SLURM_JOB_NODELIST" else HOSTNAMES))
+        message = info.value.message
+        assert name in message and "\x1b" not in message and "\\x1b" in message and len(message) < 400, message

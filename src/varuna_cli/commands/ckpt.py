@@ -5,7 +5,8 @@ stdout; ``--json`` prints one JSON document instead. ``verify`` exits 1 naming t
 
 Everything shown that comes from the checkpoint or its path (names, manifest fields, problems) passes through
 :func:`_plain` before it meets Rich: a ``[/]`` in a directory name or a model name is text, not markup (it would
-crash the command), and emoji codes are not expanded.
+crash the command), emoji codes are not expanded, and control characters are escaped (a terminal escape in a
+manifest never reaches the terminal). Plain lines (``verify``) pass through ``printable``.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ _Json = Annotated[bool, typer.Option("--json", help="Print one JSON document ins
 
 
 def _plain(value: object) -> str:
-    """``value`` as Rich markup that shows it literally."""
+    """``value`` as Rich markup that shows it literally, control characters escaped (a terminal escape in a
+    model name would otherwise reach the terminal)."""
     from rich.markup import escape
 
-    return escape(str(value))
+    from varuna_core.util.text import printable
+
+    return escape(printable(value))
 
 
 def _console(**kwargs):
@@ -168,6 +172,7 @@ def verify(
     from varuna_core.checkpoint.tools import verify as verify_checkpoint
     from varuna_core.errors import VarunaError
     from varuna_core.ir.units import format_bytes
+    from varuna_core.util.text import printable
 
     rep = verify_checkpoint(path, finite=finite)
     name = Path(rep.path).name
@@ -178,14 +183,14 @@ def verify(
                    f"{rep.parameters_checked} parameters present, {rep.tied_groups_checked} tied groups")
         if finite:
             summary += f", {rep.tensors_checked_finite} tensors finite"
-        typer.echo(f"ok: {summary}")
+        typer.echo(f"ok: {printable(summary)}")
     else:
-        typer.echo(f"{name}: {len(rep.problems)} problem{'s' if len(rep.problems) != 1 else ''}")
+        typer.echo(f"{printable(name)}: {len(rep.problems)} problem{'s' if len(rep.problems) != 1 else ''}")
         for problem in rep.problems:
-            typer.echo(f"- {problem}")
+            typer.echo(f"- {printable(problem)}")
     if not as_json:
         for note in rep.notes:
-            typer.echo(f"note: {note}", err=True)
+            typer.echo(f"note: {printable(note)}", err=True)
     if not rep.ok:
         raise VarunaError(rep.first_problem or "verification failed",
                           hint="load or merge an earlier checkpoint (`varuna ckpt list DIR` shows them)")

@@ -33,4 +33,6 @@ def env(
 def _one_line(text: str) -> str:
     """``text`` with control characters escaped: an environment variable's value may hold a newline or a
     terminal escape, which would break the one-line-per-fact block (or the terminal)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    from varuna_core.util.text import printable
+
+    return printable(text)

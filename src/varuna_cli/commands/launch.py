@@ -182,9 +182,13 @@ Morph = Annotated[bool, typer.Option("--morph", help="Follow host changes and pr
 MorphAnyMicrobatch = Annotated[bool, typer.Option(
     "--morph-any-microbatch", help="Let a morph change the micro-batch size (faster, but the losses then "
     "differ from an uninterrupted run's by rounding).")]
-Resume = Annotated[bool, typer.Option("--resume", help="Continue the run whose checkpoints are in --ckpt-dir, "
-                                      "from its latest complete one (without it, a store that holds checkpoints "
-                                      "is refused).")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue the run whose checkpoints are in --ckpt-dir (or "
+                                      "RUN_DIR/checkpoints), from its latest complete one (without it, a store that "
+                                      "holds checkpoints is refused). With --run-id, a store that holds nothing of "
+                                      "that run but other runs' checkpoints is refused.")]
+ResumeOrStart = Annotated[bool, typer.Option(
+    "--resume-or-start", help="As --resume, but start the run of --run-id from scratch when the store holds "
+    "nothing of it, beside other runs' checkpoints.")]
 RunId = Annotated[Optional[str], typer.Option(
     "--run-id", help="The run to continue with --resume when the store holds several, or the id of a new run "
     "(default: found, or made).")]
@@ -230,7 +234,8 @@ def launch(
     plan: PlanFile, script: Script = None, hosts: Hosts = None, gpus_per_node: GpusPerNode = None,
     code_dir: CodeDir = None, env_file: EnvFile = None, ckpt_dir: CkptDir = None, run_dir: RunDir = None,
     morph: Morph = DEFAULTS["morph"], morph_any_microbatch: MorphAnyMicrobatch = DEFAULTS["morph_any_microbatch"],
-    resume: Resume = DEFAULTS["resume"], run_id: RunId = DEFAULTS["run_id"],
+    resume: Resume = DEFAULTS["resume"], resume_or_start: ResumeOrStart = DEFAULTS["resume_or_start"],
+    run_id: RunId = DEFAULTS["run_id"],
     legacy_args: LegacyArgs = DEFAULTS["legacy_args"], ckpt_every: CkptEvery = DEFAULTS["ckpt_every"],
     ckpt_keep: CkptKeep = DEFAULTS["ckpt_keep"], ckpt_tempdir: CkptTempdir = DEFAULTS["ckpt_tempdir"],
     steps: Steps = DEFAULTS["total_steps"], python: Python = None, ssh_user: SshUser = None,
@@ -253,6 +258,10 @@ def launch(
                     "--straggler-threshold": straggler_threshold, "--preemption-interval": preemption_interval})
     spot = _spot(preemption_source, preemption_endpoint, preemption_interval)
     _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir})
+    if code_dir is not None and hosts is None and not code_dir.is_dir():  # SSH hosts: checked on each host
+        raise ConfigError(f"--code-dir {_printable(str(code_dir))} does not exist",
+                          hint="give the directory SCRIPT runs in (default: the current one)")
+    resume = _check_resume(resume, resume_or_start, run_dir, ckpt_dir)
     the_plan = load_plan(plan)
     code = str((code_dir or Path.cwd()).resolve())
     _check_script(script, code)
@@ -269,7 +278,7 @@ def launch(
         reporter.event(job.describe() + (f"; {why}" if why else ""))
     else:
         host_list = _hosts(hosts, slots, the_plan.pp * the_plan.dp, gpus_per_node)
-    choose_run(store, resume, run_id)  # a store of another run is refused before anything starts
+    choose_run(store, resume, run_id, or_start=resume_or_start)  # another run's store: refused before anything starts
     runtime = Runtime(python=python or sys.executable, code_dir=code)
     ssh = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ())) \
         if host_list is not None and job is None else None
@@ -279,6 +288,7 @@ def launch(
         script=script, run_dir=run, ckpt_dir=store, runtime=runtime, ssh=ssh, run_id=run_id,
         slurm=job.config() if job is not None else None, spot=spot,
         env=env, legacy_args=legacy_args, morph=morph, morph_any_microbatch=morph_any_microbatch, resume=resume,
+        resume_or_start=resume_or_start,
         ckpt_every=ckpt_every, ckpt_keep=ckpt_keep,
         ckpt_tempdir=ckpt_tempdir, total_steps=steps, max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout,
         morph_timeout=morph_timeout, preempt_margin=preempt_margin, grace=grace,
@@ -333,16 +343,32 @@ def _slurm_job(slurm: bool | None, hosts: Path | None, gpus_per_node: int | None
 
 def _slurm_run(job, store: Path, resume: bool, run_id: str | None) -> tuple[bool, str | None, str]:
     """``(resume, run id, what was decided)`` for a job in ``store``: unless told otherwise, the run is named
-    after the Slurm job, and continued when the store holds its checkpoints (the job was requeued)."""
+    after the Slurm job, and continued when the store holds its checkpoints (the job was requeued; a requeue
+    before its first checkpoint starts the run from scratch). ``--resume`` without ``--run-id`` prefers the
+    job's own run when the store holds it beside others."""
     from varuna_core.checkpoint.layout import scan
 
-    if resume or run_id is not None:
-        return resume, run_id, ""
     own = job.run_id()
     mine = [e for e in scan(store) if e.run == own]
+    if run_id is not None:
+        return resume, run_id, ""
+    if resume:
+        return True, (own if any(e.complete for e in mine) else None), ""
     if mine:
         return True, own, f"run {own} has checkpoints in {store}: resuming it (restart {job.restarts} of the job)"
     return False, own, f"run {own}"
+
+
+def _check_resume(resume: bool, resume_or_start: bool, run_dir: Path | None, ckpt_dir: Path | None) -> bool:
+    """Whether to resume. Without --run-dir and --ckpt-dir the store is the new RUN_DIR's (a new directory under
+    runs/ each time): nothing to resume could be there, and the run would start from scratch unnoticed."""
+    resume = resume or resume_or_start
+    if resume and run_dir is None and ckpt_dir is None:
+        option = "--resume-or-start" if resume_or_start else "--resume"
+        raise ConfigError(f"{option} needs the checkpoint store of the run to continue, but neither --ckpt-dir nor "
+                          f"--run-dir is given (the default run directory is a new one under runs/)",
+                          hint="give --ckpt-dir STORE (or the earlier run's --run-dir)")
+    return resume
 
 
 def _spot(source: str | None, endpoint: str | None, interval: float):
@@ -444,7 +470,9 @@ def _check_address(address: str, port: int) -> None:
 def _printable(text: str) -> str:
     """``text`` with control characters escaped (a name from the command line or a hosts file may hold
     terminal escapes)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    from varuna_core.util.text import printable
+
+    return printable(text)
 
 
 # ----------------------------------------------------------------------------------------------------------

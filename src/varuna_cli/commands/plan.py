@@ -45,6 +45,7 @@ def plan(
     from varuna_core.planning.artifacts import load_profile, save_plan
     from varuna_core.planning.planner import PlanRequest, make_plan
     from varuna_core.util.artifacts import check_writable, first_problem
+    from varuna_core.util.text import printable
 
     gpus, gpus_per_node = _devices(gpus, gpus_per_node, slurm)
     _check_counts(gpus, batch_size, gpus_per_node, top)
@@ -71,12 +72,12 @@ def plan(
     save_plan(result, output)
     err = Console(stderr=True)
     for note in result.assumptions:
-        err.print(Text(f"note: {note}", style="dim"))
+        err.print(Text(f"note: {printable(note)}", style="dim"))
     if as_json:
         typer.echo(result.model_dump_json(indent=2))
         return
     _table(result)
-    err.print(f"searched in {elapsed:.2f} s; wrote {output}", markup=False, highlight=False)
+    err.print(f"searched in {elapsed:.2f} s; wrote {printable(output)}", markup=False, highlight=False)
 
 
 def _devices(gpus: int | None, gpus_per_node: int | None, slurm: bool) -> tuple[int, int | None]:
@@ -137,16 +138,18 @@ def _check_microbatches(sizes: list[int], gpus: int, batch_size: int) -> None:
 
 
 def _table(result) -> None:
-    """The plan and its alternatives. Every text cell is plain text: the model name comes from the profile."""
+    """The plan and its alternatives. Every text cell is plain text, control characters escaped: the model name
+    comes from the profile."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     from varuna_core.ir.units import format_bytes
+    from varuna_core.util.text import printable
 
     out = Console()
     p = result.prediction
-    table = Table(title=Text(f"{result.model}: {result.gpus} devices, global batch {result.batch_size}"),
+    table = Table(title=Text(f"{printable(result.model)}: {result.gpus} devices, global batch {result.batch_size}"),
                   title_justify="left")
     for col, just in (("", "left"), ("pp×dp", "right"), ("mb×M", "right"), ("schedule", "left"),
                       ("step ms", "right"), ("samples/s", "right"), ("bubble", "right"), ("memory", "right")):
@@ -161,13 +164,13 @@ def _table(result) -> None:
                                   f"{alt.bubble_fraction:.0%}", format_bytes(alt.peak_memory_bytes))))
     out.print(table)
     for i, alt in enumerate(result.alternatives, 1):
-        out.print(f"  #{i + 1}: {alt.reason}", markup=False)
+        out.print(f"  #{i + 1}: {printable(alt.reason)}", markup=False)
     stages = ", ".join(f"{a}-{b - 1}" for a, b in result.partition)
     out.print(f"partition (segments per stage): {stages}; stage_to_rank_map {result.stage_to_rank_map!r}",
               markup=False)
     _print_skips(out, result)
     if result.alternatives:
-        out.print(f"why this plan: {_why(result)}", markup=False)
+        out.print(f"why this plan: {printable(_why(result))}", markup=False)
 
 
 def _print_skips(out, result) -> None:
@@ -231,7 +234,9 @@ def show(
         from varuna_core.planning.timeline import draw_plan
 
         draw_plan(result, png, measured=measured)
-        typer.echo(f"wrote {png}", err=True)
+        from varuna_core.util.text import printable
+
+        typer.echo(f"wrote {printable(png)}", err=True)
 
 
 MAX_TRACE_BYTES = 256 * 2**20

@@ -101,15 +101,17 @@ def profile(
 
 
 def _summary(result, output: Path) -> None:
-    """The measurements as a table of plain-text cells (the model and cut names come from user code)."""
+    """The measurements as a table of plain-text cells, control characters escaped (the model and cut names
+    come from user code)."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     from varuna_core.ir.units import format_bytes
+    from varuna_core.util.text import printable
 
     out = Console()
-    table = Table(title=Text(f"{result.model}: {result.num_segments} segments"), title_justify="left")
+    table = Table(title=Text(f"{printable(result.model)}: {result.num_segments} segments"), title_justify="left")
     table.add_column("segment", justify="right")
     table.add_column("ends at")
     table.add_column("params", justify="right")
@@ -118,7 +120,7 @@ def _summary(result, output: Path) -> None:
         table.add_column(f"mb {n}: fwd/bwd ms", justify="right")
     table.add_column(f"out / saved (mb {result.microbatch_sizes[-1]})", justify="right")
     for seg in result.segments:
-        cells = [str(seg.index), seg.output_cut or "(loss)", format_bytes(seg.param_bytes),
+        cells = [str(seg.index), printable(seg.output_cut or "(loss)"), format_bytes(seg.param_bytes),
                  format_bytes(seg.optimizer_bytes)]
         for m in seg.measures:
             cells.append(f"{m.forward.median * 1e3:.2f} / {m.backward.median * 1e3:.2f}")
@@ -128,12 +130,14 @@ def _summary(result, output: Path) -> None:
     out.print(table)
     for seg in result.segments:
         if seg.skips:
-            out.print(Text(f"{seg.output_cut} also carries {format_bytes(seg.measures[-1].skip_bytes)} of values "
-                           f"skipping it (mb {seg.measures[-1].microbatch_size}): {'; '.join(seg.skips)}"))
+            out.print(Text(printable(f"{seg.output_cut} also carries {format_bytes(seg.measures[-1].skip_bytes)} of "
+                                     f"values skipping it (mb {seg.measures[-1].microbatch_size}): "
+                                     f"{'; '.join(seg.skips)}")))
     for curve in result.comm:
         what = "point-to-point" if curve.op == "p2p" else f"all-reduce over {curve.group_size}"
         out.print(f"{what} ({curve.link}-node): latency {curve.fit.latency * 1e6:.0f} µs, "
                   f"bandwidth {format_bytes(curve.fit.bandwidth)}/s, fit error {curve.fit.rel_error:.0%}", markup=False)
     if result.stopped:
-        out.print(f"stopped at micro-batch {result.stopped.microbatch_size}: {result.stopped.reason}", markup=False)
-    typer.echo(f"wrote {output}", err=True)
+        out.print(f"stopped at micro-batch {result.stopped.microbatch_size}: {printable(result.stopped.reason)}",
+                  markup=False)
+    typer.echo(f"wrote {printable(output)}", err=True)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .manifest import Manifest
 
 __all__ = ["StepDir", "RUN_FILE", "COMPLETE_FILE", "MANIFEST_FILE", "scan", "step_dir", "read_run", "new_run_id",
-           "check_run_id", "latest", "runs", "describe_runs", "read_manifest", "quick_check"]
+           "check_run_id", "latest", "runs", "list_runs", "describe_runs", "read_manifest", "quick_check"]
 
 RUN_FILE = "RUN"
 COMPLETE_FILE = "COMPLETE"
@@ -38,7 +38,8 @@ MANIFEST_FILE = "manifest.json"
 MANIFEST_LIMIT = 256 * 2**20  # bytes: a manifest lists files and parameters, never tensor data
 _DATA_RE = re.compile(r"^(__\d+_\d+\.distcp|dcp_metadata\.json)$")
 _STEP_RE = re.compile(r"^step_(\d{1,18})$")
-_RUN_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: a trailing newline is not part of a name
+MAX_RUNS_SHOWN = 5
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,12 @@ def new_run_id() -> str:
 
 
 def check_run_id(run: str, source: str = "run id") -> str:
-    """``run`` if it is a valid run id (1-64 of ``A-Z a-z 0-9 . _ -``), else a ConfigError naming ``source``."""
-    if not isinstance(run, str) or not _RUN_RE.match(run):
-        raise ConfigError(f"{source} {run!r} is not a valid run id",
+    """``run`` if it is a valid run id (1-64 of ``A-Z a-z 0-9 . _ -``, nothing around them: no line break, no
+    path separator), else a ConfigError naming ``source`` and quoting the value (escaped, shortened)."""
+    if not isinstance(run, str) or not _RUN_RE.fullmatch(run):
+        shown = repr(run)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise ConfigError(f"{source} {shown} is not a valid run id",
                           hint="1 to 64 letters, digits, '.', '_' or '-'")
     return run
 
@@ -84,7 +88,7 @@ def read_run(directory: str | os.PathLike) -> str | None:
         return None
     finally:
         os.close(fd)
-    return text if _RUN_RE.match(text) else None
+    return text if _RUN_RE.fullmatch(text) else None
 
 
 def _is_complete(directory: Path) -> bool:
@@ -124,6 +128,14 @@ def runs(entries: list[StepDir]) -> dict[str | None, list[StepDir]]:
     for entry in entries:
         out.setdefault(entry.run, []).append(entry)
     return out
+
+
+def list_runs(entries: list[StepDir], limit: int = MAX_RUNS_SHOWN) -> str:
+    """The runs that have a step directory in ``entries`` (complete or not), at most ``limit`` of them named:
+    ``'3fa2…', 'slurm-lab-77' and 4 more``; for error messages."""
+    names = [repr(run) if run is not None else "(unrecorded)" for run in runs(entries)]
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def describe_runs(entries: list[StepDir]) -> str:

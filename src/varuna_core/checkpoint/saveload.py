@@ -71,6 +71,7 @@ from .layout import (
     COMPLETE_FILE,
     MANIFEST_FILE,
     RUN_FILE,
+    check_run_id,
     describe_runs,
     latest,
     read_manifest,
@@ -576,7 +577,10 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
         CheckpointError: on every rank, with the model untouched: no such checkpoint, incomplete, a file
             whose size or sha256 differs, a checkpoint of another model, or another optimizer (pass
             ``load_optimizer=False`` to load the model alone).
+        ConfigError: ``run`` is not a run id (every rank is given the same, and refuses it alike).
     """
+    if run is not None:
+        check_run_id(run, "run")
     store = Path(store)
     step = _agreed(state, lambda: _choose(state, store, iteration, check_complete, run), decided_by_rank0=True)
     directory = step_dir(store, step)

@@ -43,7 +43,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..checkpoint.layout import check_run_id, describe_runs, latest, new_run_id, runs, scan
+from ..checkpoint.layout import check_run_id, describe_runs, latest, list_runs, new_run_id, runs, scan
 from ..errors import ConfigError, VarunaError
 from ..planning.artifacts import Plan, load_plan, save_plan
 from ..util.fs import atomic_write
@@ -60,13 +60,21 @@ _WAIT_POLL = 1.0
 EXIT_TERMINATED = 143  # 128 + SIGTERM: the launcher stopped the job on SIGTERM (after checkpointing it)
 
 
-def choose_run(store: Path, resume: bool, run_id: str | None) -> tuple[str, set[str | None]]:
+def choose_run(store: Path, resume: bool, run_id: str | None, *, or_start: bool = False
+               ) -> tuple[str, set[str | None]]:
     """The run a job continues (``resume``) or starts in ``store``, and the run ids whose checkpoints it may
     resume from (its own, plus ``None`` when it continues checkpoints of a release that recorded no run).
 
+    ``resume`` with a ``run_id`` continues that run; when the store holds nothing of it (no step directory,
+    complete or not) but holds other runs', it is refused, as a mistyped id would otherwise start a new run
+    beside them, unless ``or_start`` says to start it from scratch. ``resume`` without a ``run_id`` continues the
+    one run the store holds (complete checkpoints first; else the one run with partial ones), or starts a new one
+    in an empty store.
+
     Raises:
-        ConfigError: a new job in a store that already holds checkpoints (any run's, complete or not), or
-            ``resume`` in a store of several runs without ``run_id``.
+        ConfigError: a new job in a store that already holds checkpoints (any run's, complete or not); ``resume``
+            in a store of several runs without ``run_id``; ``resume`` of a run the store holds nothing of, beside
+            other runs, without ``or_start``.
     """
     if run_id is not None:
         check_run_id(run_id, "--run-id")
@@ -81,12 +89,23 @@ def choose_run(store: Path, resume: bool, run_id: str | None) -> tuple[str, set[
         chosen = run_id or new_run_id()
         return chosen, {chosen}
     groups = runs([e for e in entries if e.complete])
-    if run_id is None and len(groups) > 1:
-        raise ConfigError(f"checkpoint store {store} holds checkpoints of {len(groups)} runs ({describe_runs(entries)})",
+    held = runs(entries)
+    if run_id is not None:
+        if run_id not in held and held and not or_start:
+            raise ConfigError(f"--resume: checkpoint store {store} holds nothing of run {run_id}, but checkpoints of "
+                              f"run(s) {list_runs(entries)}",
+                              hint=f"continue one of them with --run-id ID, or start run {run_id} from scratch "
+                                   f"beside them with --resume-or-start")
+        return run_id, {run_id}
+    candidates = groups or held
+    if len(candidates) > 1:
+        what = "checkpoints" if groups else "only partial checkpoints"
+        raise ConfigError(f"checkpoint store {store} holds {what} of {len(candidates)} runs "
+                          f"({describe_runs(entries) if groups else list_runs(entries)})",
                           hint="choose the run to resume with --run-id ID")
-    found = run_id if run_id is not None else next(iter(groups), None)
+    found = next(iter(candidates), None)
     chosen = found or new_run_id()
-    return chosen, {chosen} | ({None} if run_id is None and None in groups else set())
+    return chosen, {chosen} | ({None} if None in groups else set())
 
 
 def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True) -> tuple[Plan, str]:
@@ -129,9 +148,10 @@ def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True
                           "profile file that the launcher can read")
     mbs = min(plan.microbatch_size, plan.batch_size // dp)
     world = plan.pp * dp
+    num_mb = math.ceil(math.ceil(plan.batch_size / dp) / mbs)
     new = load_plan(plan.model_copy(update=dict(
-        gpus=devices, gpus_per_node=per_node, dp=dp, microbatch_size=mbs,
-        num_microbatches=math.ceil(math.ceil(plan.batch_size / dp) / mbs),
+        gpus=devices, gpus_per_node=per_node, dp=dp, microbatch_size=mbs, num_microbatches=num_mb,
+        stages=[st.model_copy(update={"held_microbatches": min(st.held_microbatches, num_mb)}) for st in plan.stages],
         stage_to_rank_map=Topology.clustered(plan.pp, dp).to_string(),
         nodes=[list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)],
         alternatives=[],
@@ -179,7 +199,7 @@ class Manager:
         self.desired = list(self.hosts)
         self.watcher = HostsWatcher(hosts_file, default_slots) if hosts_file is not None else None
         self.preempted: dict[str, float] = {}  # host name -> when (monotonic) it goes away
-        self.run_id, self.runs = choose_run(opts.ckpt_dir, opts.resume, opts.run_id)
+        self.run_id, self.runs = choose_run(opts.ckpt_dir, opts.resume, opts.run_id, or_start=opts.resume_or_start)
         self.job = uuid.uuid4().hex
         self.token = secrets.token_hex(32)
         self.files = JobFiles(opts.run_dir)
@@ -223,7 +243,8 @@ class Manager:
         resume = self.latest() if opts.resume else None
         if opts.resume:
             self.reporter.event(f"resuming run {self.run_id} from {opts.ckpt_dir}/step_{resume}" if resume is not None
-                                else f"--resume: no loadable checkpoint in {opts.ckpt_dir}; starting from scratch")
+                                else f"--resume: no loadable checkpoint of run {self.run_id} in {opts.ckpt_dir}; "
+                                     f"starting it from scratch")
         budget, number = RestartBudget(opts.max_restarts, baseline=resume), self.files.attempts_before
         previous = self._handle_sigterm()
         try:

@@ -108,6 +108,7 @@ class LaunchOptions:
     morph: bool = False
     morph_any_microbatch: bool = False
     resume: bool = False
+    resume_or_start: bool = False  # with resume and run_id: start that run when the store holds nothing of it
     ckpt_every: int = 0
     ckpt_keep: int | None = None
     ckpt_tempdir: str | None = None

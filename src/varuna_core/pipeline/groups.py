@@ -173,7 +173,7 @@ def agree_identity(seed: int | None, world_size: int) -> tuple[int, str]:
     from ..checkpoint.layout import check_run_id, new_run_id
 
     value = (int(seed) if seed is not None else torch.initial_seed()) & MASK64
-    env_run = env.text(env.RUN_ID)
+    env_run = env.exact(env.RUN_ID)
     run = check_run_id(env_run, env.RUN_ID) if env_run else new_run_id()
     if world_size > 1:
         packed = torch.zeros(2 + _RUN_ID_BYTES, dtype=torch.int64)

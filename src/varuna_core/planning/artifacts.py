@@ -19,8 +19,13 @@ and the planner rely on, and refuses the rest with one line naming the file and 
   micro-batch and stage, and the planner, the runtime and ``varuna plan show`` all build it).
 * **Consistency.** A plan's ``pp × dp`` fits its devices, its ``stage_to_rank_map`` is a ``pp × dp`` grid, its
   partition is ``pp`` contiguous non-empty ranges covering every segment, its micro-batch count follows from
-  the batch, its stages and nodes agree with all of that. A profile measured every segment at every listed
-  micro-batch size. Anything else would crash or hang a worker far from the file that caused it.
+  the batch, its stages and nodes agree with all of that; the last stage sends no activation (no
+  ``activation_bytes`` or ``skip_bytes``), a stage's ``skip_bytes`` are at most its ``activation_bytes``, it holds
+  at most ``num_microbatches`` and fits ``memory_limit``; its schedule is one of ``schedules`` and every
+  alternative fits ``gpus``. A profile measured every segment at every listed micro-batch size, its ``skip_bytes``
+  are at most its ``output_bytes``, its last segment sends nothing, its percentiles are ordered and a p2p
+  curve has two ranks. Anything else would crash or hang a worker far from the file that caused it, or make
+  the planner charge what never happens.
 """
 
 from __future__ import annotations
@@ -183,6 +188,8 @@ class Profile(CheckedModel):
     def _consistent(self) -> Profile:
         _check_segments(self)
         _check_measures(self)
+        _check_profile_bytes(self)
+        _check_comm(self)
         return self
 
 
@@ -221,6 +228,38 @@ def _check_measures(p: Profile) -> None:
                              f"after the largest measured size {sizes[-1]}")
     if not any(m.forward.median or m.recompute.median or m.backward.median for s in p.segments for m in s.measures):
         raise ValueError("every measured time is 0")
+
+
+def _check_profile_bytes(p: Profile) -> None:
+    """What a segment sends agrees with itself: the tensors skipping a cut are part of what crosses it, and the
+    last segment (which ends at the loss) sends nothing. The planner would otherwise charge sends that never
+    happen, or more skipped bytes than the cut carries."""
+    last = p.num_segments - 1
+    for seg in p.segments:
+        for j, m in enumerate(seg.measures):
+            where = f"segments[{seg.index}].measures[{j}] (micro-batch {m.microbatch_size})"
+            if seg.index == last and (m.output_bytes or m.skip_bytes):
+                raise ValueError(f"{where}: output_bytes {m.output_bytes} and skip_bytes {m.skip_bytes} on the last "
+                                 f"segment, which ends at the loss and sends nothing (both must be 0)")
+            if m.skip_bytes > m.output_bytes:
+                raise ValueError(f"{where}: skip_bytes {m.skip_bytes} is more than output_bytes {m.output_bytes}, "
+                                 f"of which the skipping tensors are a part")
+            for name in ("forward", "recompute", "backward"):
+                stat = getattr(m, name)
+                if not stat.p10 <= stat.median <= stat.p90:
+                    raise ValueError(f"{where}: {name} has p10 {stat.p10:g}, median {stat.median:g} and p90 "
+                                     f"{stat.p90:g}, not in increasing order")
+        if seg.index == last and seg.skips:
+            raise ValueError(f"segments[{last}] is the last segment but lists {len(seg.skips)} skips: it has no "
+                             f"outgoing cut to carry them")
+
+
+def _check_comm(p: Profile) -> None:
+    """A point-to-point curve is between two ranks."""
+    for i, curve in enumerate(p.comm):
+        if curve.op == "p2p" and curve.group_size != 2:
+            raise ValueError(f"comm[{i}] is a p2p curve with group_size {curve.group_size}; point-to-point is "
+                             f"between 2 ranks")
 
 
 
@@ -359,6 +398,8 @@ class Plan(CheckedModel):
     def _consistent(self) -> Plan:
         _check_sizes(self)
         _check_layout_only(self) if self.by_hand else _check_partition(self)
+        _check_stages(self)
+        _check_search(self)
         _check_map(self)
         _check_nodes(self)
         return self
@@ -404,6 +445,40 @@ def _check_partition(p: Plan) -> None:
         if stage.stage != s or tuple(stage.segments) != tuple(p.partition[s]):
             raise ValueError(f"stages[{s}] is stage {stage.stage} over segments {list(stage.segments)}, but "
                              f"partition[{s}] is {list(p.partition[s])}")
+
+
+def _check_stages(p: Plan) -> None:
+    """Each stage's predictions agree with its place in the pipeline and with the plan: the last stage sends no
+    activation and the first no gradient; the tensors skipping a cut are part of what crosses it; a stage holds
+    at most the micro-batches of a step, in at most the memory the plan had to fit."""
+    last = p.pp - 1
+    for s, st in enumerate(p.stages):
+        if s == last and (st.activation_bytes or st.skip_bytes or st.send_activation):
+            raise ValueError(f"stages[{s}] is the last stage, which sends nothing to a next one, but has "
+                             f"activation_bytes {st.activation_bytes}, skip_bytes {st.skip_bytes} and "
+                             f"send_activation {st.send_activation:g} (all must be 0)")
+        if st.skip_bytes > st.activation_bytes:
+            raise ValueError(f"stages[{s}]: skip_bytes {st.skip_bytes} is more than activation_bytes "
+                             f"{st.activation_bytes}, of which the skipping tensors are a part")
+        if s == 0 and st.send_gradient:
+            raise ValueError(f"stages[0] is the first stage, which sends no gradient to a previous one, but has "
+                             f"send_gradient {st.send_gradient:g}")
+        if st.held_microbatches > p.num_microbatches:
+            raise ValueError(f"stages[{s}]: held_microbatches {st.held_microbatches} is more than the "
+                             f"num_microbatches {p.num_microbatches} of a step")
+        if p.memory_limit is not None and st.memory_bytes > p.memory_limit:
+            raise ValueError(f"stages[{s}]: memory_bytes {st.memory_bytes} is more than memory_limit "
+                             f"{p.memory_limit}, which the plan had to fit")
+
+
+def _check_search(p: Plan) -> None:
+    """The chosen schedule is one the search considered, and every alternative fits the devices."""
+    if p.schedule not in p.schedules:
+        raise ValueError(f"schedule {p.schedule} is not among schedules {p.schedules}, which the search considered")
+    for i, alt in enumerate(p.alternatives):
+        if alt.pp * alt.dp > p.gpus:
+            raise ValueError(f"alternatives[{i}]: pp × dp = {alt.pp} × {alt.dp} = {alt.pp * alt.dp} devices, more "
+                             f"than gpus = {p.gpus}")
 
 
 def _check_layout_only(p: Plan) -> None:

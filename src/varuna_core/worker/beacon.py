@@ -129,7 +129,7 @@ class Beacon:
         try:
             attempt = int(os.environ.get(env.ATTEMPT) or 0)
         except ValueError:
-            log.warning("heartbeats disabled: %s=%s is not an integer", env.ATTEMPT, os.environ[env.ATTEMPT])
+            log.warning("heartbeats disabled: %s=%r is not an integer", env.ATTEMPT, os.environ[env.ATTEMPT])
             return None
         host, _, port = where.rpartition(":")
         try:
