@@ -561,11 +561,11 @@ def _setup_torch(job: Job):
             return self.head(x) if self.head is not None else x
 
     with torch.device("meta"):
-        stage_module = Stage()
-    stage_module.to_empty(device="cpu")
-    init_gpt_(stage_module, cfg.n_layer)
-    params = list(stage_module.parameters())
-    stage = PipelineStage(stage_module, rank, PP, torch.device("cpu"))
+        stage_slice = Stage()
+    stage_slice.to_empty(device="cpu")
+    init_gpt_(stage_slice, cfg.n_layer)
+    params = list(stage_slice.parameters())
+    stage = PipelineStage(stage_slice, rank, PP, torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=job.spec["microbatches"], loss_fn=loss_fn)
     optimizer = job.make_optimizer(params)
 

@@ -210,7 +210,7 @@ def worker(job_path: str, out_dir: str) -> None:
     after = read_status()
     row = {"rank": dist.get_rank(), "stage": vm.stage, "partition": list(vm.partition.ranges[vm.stage]),
            "method": method, "before_imports": before_imports, "baseline": baseline, "settled": settled,
-           "after": after, "static": _static_bytes(vm, opt), "max_posted": list(vm.runtime.max_posted)}
+           "after": after, "static": _static_bytes(vm, opt), "max_posted": list(vm.executor.max_posted)}
     if cuda:
         row.update(growth=peak - baseline_cuda, between_steps=settled_cuda - baseline_cuda)
     else:
@@ -525,7 +525,7 @@ def main() -> int:
 def _profile(args, sizes: tuple[int, int], tmp: Path):
     """The GPT's profile at the two micro-batch sizes (one repeat: the memory numbers do not vary)."""
     from varuna_core.profiling.run import profile
-    from varuna_core.util.artifacts import save_artifact
+    from varuna_core.util.versioned_io import save_artifact
 
     log(f"profiling the GPT {dataclasses.asdict(args.size)} at micro-batch sizes {list(sizes)} ...")
     t0 = time.perf_counter()

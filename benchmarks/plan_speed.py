@@ -28,7 +28,7 @@ from varuna_core.planning.artifacts import (
 )
 from varuna_core.planning.planner import PlanRequest, make_plan
 from varuna_core.planning.simulate import native_module
-from varuna_core.util.artifacts import save_artifact
+from varuna_core.util.versioned_io import save_artifact
 
 
 def gpt_like_profile(segments: int, sizes=(1, 2, 4, 8)) -> Profile:

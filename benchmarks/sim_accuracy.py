@@ -269,7 +269,7 @@ class _PhaseProbe(ActionObserver):
     def __init__(self, vm) -> None:
         self.marks: dict[str, float] = {}
         self.actions: list[list] | None = None  # per action while recording: [op, mb, wall s, compute s, wait s]
-        vm.runtime.add_observer(self)
+        vm.executor.add_observer(self)
 
     def on_action(self, timing: ActionTiming) -> None:
         if self.actions is not None:
@@ -417,7 +417,7 @@ def measure_model(name: str, ref: str, configs: list[Config], sizes: list[int], 
     from varuna_core.planning.artifacts import save_plan
     from varuna_core.planning.planner import PlanRequest, plan_for
     from varuna_core.profiling.run import profile
-    from varuna_core.util.artifacts import save_artifact
+    from varuna_core.util.versioned_io import save_artifact
 
     if args.wait_idle:
         wait_idle(args.wait_idle)

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 from varuna_core.ir.partition import Partition
 from varuna_core.model.discovery import discover, extract_loss, make_batch_fn
-from varuna_core.model.stage import StageModule, find_tie_sets
+from varuna_core.model.stage import StageSlice, find_tie_sets
 
 
 def reference(make_model: Callable[[], nn.Module], inputs: dict) -> tuple[float, dict[str, torch.Tensor]]:
@@ -24,7 +24,7 @@ def reference(make_model: Callable[[], nn.Module], inputs: dict) -> tuple[float,
 
 
 def pipelined(make_model: Callable[[], nn.Module], ranges: list[tuple[int, int]], inputs: dict,
-              placeholders: str = "meta", shared=None) -> tuple[float, dict[str, torch.Tensor], list[StageModule]]:
+              placeholders: str = "meta", shared=None) -> tuple[float, dict[str, torch.Tensor], list[StageSlice]]:
     """Loss and gradients of the model cut into stages of segment ranges ``ranges`` (tied copies summed)."""
     probe = make_model()
     fn, dims = make_batch_fn(inputs, None)
@@ -35,7 +35,7 @@ def pipelined(make_model: Callable[[], nn.Module], ranges: list[tuple[int, int]]
     value = None
     for s in range(partition.num_stages):
         model = make_model()
-        stage = StageModule(model, structure, partition, s, find_tie_sets(model, structure, partition, shared),
+        stage = StageSlice(model, structure, partition, s, find_tie_sets(model, structure, partition, shared),
                             torch.device("cpu"), placeholders=placeholders)
         received = None
         if value is not None:

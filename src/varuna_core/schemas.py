@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from .checkpoint.manifest import Manifest
 from .planning.artifacts import Plan, Profile
-from .util.artifacts import schema_text
+from .util.versioned_io import schema_text
 
 __all__ = ["SCHEMAS", "write_schemas"]
 

@@ -26,9 +26,9 @@ from .errors import ConfigError
 from .ir.partition import Partition
 from .model.discovery import Structure, discover, make_batch_fn
 from .model.precision import LossScaler
-from .model.stage import StageModule, TieSet, find_tie_sets, weight_groups
-from .model.touch import Values
-from .model.values import load_stage_weights, model_values
+from .model.stage import StageSlice, TieSet, find_tie_sets, weight_groups
+from .model.lazy_values import ValueSource
+from .model.values import load_stage_weights, value_source
 from .pipeline.config import (
     Config,
     batch_layout,
@@ -39,10 +39,10 @@ from .pipeline.config import (
     replica_share,
     resolve_config,
 )
-from .pipeline.executor import PipelineRuntime
+from .pipeline.executor import PipelineExecutor
 from .pipeline.grads import GradBuffer
 from .pipeline.groups import (
-    agree_identity,
+    agree_seed_and_run,
     build_groups,
     ensure_process_group,
     resolve_device,
@@ -50,7 +50,7 @@ from .pipeline.groups import (
     tie_params,
 )
 from .pipeline.microbatch import split_inputs
-from .pipeline.step import (
+from .pipeline.reduce import (
     GradSync,
     check_clip,
     check_optimizer,
@@ -169,9 +169,9 @@ class Varuna(nn.Module):
         self.loss_reduction, self.precision, self.plan = config.loss_reduction, config.precision, config.plan
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
-        self.seed, self.run_id = agree_identity(config.seed, self.world_size)
+        self.seed, self.run_id = agree_seed_and_run(config.seed, self.world_size)
         shared = list(shared_weights or [])
-        values = model_values(model, shared, self.seed, init, weights)
+        values = value_source(model, shared, self.seed, init, weights)
         batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
         self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache,
                                              precision=self.precision, values=values)
@@ -184,18 +184,18 @@ class Varuna(nn.Module):
         self._slice(model, shared, config.cutpoints, values)
         release_free_memory()  # the other stages' tensors of a model built for real, the validation's run
         schedule = config.schedule
-        self.runtime = PipelineRuntime(self.stage_module, self.topology, self.rank, schedule, self.timeout,
+        self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, schedule, self.timeout,
                                        self.precision)
         self._communicate(config.bucket_mb)
         if reference is not None:
-            check_slicing(self.runtime, self.module, self.structure, self.partition, self.stage,
-                          is_last=self.stage_module.is_last, input_batch_dims=self.input_batch_dims,
+            check_slicing(self.executor, self.module, self.structure, self.partition, self.stage,
+                          is_last=self.stage_slice.is_last, input_batch_dims=self.input_batch_dims,
                           world_size=self.world_size, reference=reference)
         self._supervise()
         log.info(
             "rank %d: stage %d/%d (segments %s), replica %d/%d, %d micro-batches of ≤%d, schedule %s, %.1f MB params",
             self.rank, self.stage, self.pp, self.partition.to_string(), self.replica, self.dp,
-            self.num_microbatches, self.chunk_size, schedule, self.stage_module.parameter_bytes() / 2**20,
+            self.num_microbatches, self.chunk_size, schedule, self.stage_slice.parameter_bytes() / 2**20,
         )
 
     # ------------------------------------------------------------------------------------------------------
@@ -215,24 +215,24 @@ class Varuna(nn.Module):
         self.device = resolve_device(device, local_rank)
         self.schedule_name = config.schedule
 
-    def _slice(self, model: nn.Module, shared_weights: list, cutpoints: str | None, values: Values | None) -> None:
+    def _slice(self, model: nn.Module, shared_weights: list, cutpoints: str | None, values: ValueSource | None) -> None:
         """This stage's module (allocated and loaded here if built on meta), its tied weights, and the groups that
         keep replicas and tied copies in step."""
         self.weight_groups = weight_groups(model, shared_weights)  # checkpoint names: any layout
         self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, shared_weights)
-        self.stage_module = StageModule(model, self.structure, self.partition, self.stage, self.ties, self.device,
+        self.stage_slice = StageSlice(model, self.structure, self.partition, self.stage, self.ties, self.device,
                                         placeholders="real" if cutpoints == "auto" else "meta", values=values)
         if values is not None and values.weights is not None:
             load_stage_weights(model, values.weights, self.weight_groups)
         self.module = model
         self.groups = build_groups(self.topology, self.ties, self.stage, self.replica, self.world_size, self.timeout)
         self._tied = tie_params(model, self.ties, self.stage)
-        sync_initial_state(self.stage_module, model, self.groups, self._tied, self.topology, self.stage,
+        sync_initial_state(self.stage_slice, model, self.groups, self._tied, self.topology, self.stage,
                            self.replica, self.world_size)
 
     def _communicate(self, bucket_mb: float) -> None:
         """Gradient buckets and their sync, the loss scaler, the step counter."""
-        self.grad_buffer = GradBuffer([p for _, p in self.stage_module.param_names], int(bucket_mb * 2**20))
+        self.grad_buffer = GradBuffer([p for _, p in self.stage_slice.param_names], int(bucket_mb * 2**20))
         self._grad_sync = GradSync(self.groups, self._tied, self.grad_buffer, timeout=self.timeout, rank=self.rank,
                                    stage=self.stage)
         self._norm_params = norm_params(self.grad_buffer, self.ties, self._tied, self.stage)
@@ -249,7 +249,7 @@ class Varuna(nn.Module):
             self.rank, stage=self.stage, replica=self.replica, samples=self.batch_size,
             save=lambda directory, **options: self.checkpoint(directory, **options),
             load=lambda directory, step: self.load_checkpoint(directory, iteration=step),
-            progress=lambda: (self.iteration, self.runtime.compute_time, self.total_steps))
+            progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps))
         self.supervision.ready()
 
     # ------------------------------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ class Varuna(nn.Module):
         """
         self.scaler = loss_scaler(self.precision, loss_scale, init_loss_scale, min_loss_scale, self.device,
                                   self.scaler)
-        check_optimizer(optimizer, self.stage_module.param_names)
+        check_optimizer(optimizer, self.stage_slice.param_names)
         self.optimizer = optimizer
         self.supervision.resume()  # under `varuna launch` with VARUNA_RESUME_STEP: continue from there
 
@@ -291,18 +291,18 @@ class Varuna(nn.Module):
         weights = loss_weights(self.microbatch_sizes, self.batch_size, self.loss_reduction)
         self.grad_buffer.attach()
         tracing = self.trace_dir is not None and self.iteration == self.trace_step
-        tracer = self.runtime.add_observer(self._chrome_trace()) if tracing else None
-        loss_sum = self.runtime.run(
+        tracer = self.executor.add_observer(self._chrome_trace()) if tracing else None
+        loss_sum = self.executor.run(
             microbatches, self.microbatch_sizes, weights, train=True, rng=(self.seed, self.iteration),
             rng_ids=self._microbatch_ids,
             loss_scale=self.scaler.scale if self.scaler is not None else None,
         )
         if tracer is not None:
-            self.runtime.remove_observer(tracer)
+            self.executor.remove_observer(tracer)
             tracer.write(os.path.join(self.trace_dir, f"trace_rank{self.rank}.json"))
         synced = time.perf_counter()
         self._grad_sync()
-        for observer in self.runtime.observers:
+        for observer in self.executor.observers:
             observer.on_sync(synced, time.perf_counter())
         result = finish_step(
             loss_sum, self.grad_buffer, self._norm_params, self.scaler, dp=self.dp, device=self.device,
@@ -355,7 +355,7 @@ class Varuna(nn.Module):
 
         return CheckpointState(
             rank=self.rank, world_size=self.world_size, replica=self.replica, device=self.device,
-            timeout=self.timeout, module=self.module, params=list(self.stage_module.param_names),
+            timeout=self.timeout, module=self.module, params=list(self.stage_slice.param_names),
             weight_groups=self.weight_groups, optimizer=self.optimizer, structure_hash=self.structure.key,
             num_segments=self.structure.num_segments, pp=self.pp, dp=self.dp,
             stage_to_rank_map=self.topology.to_string(), partition=list(self.partition.ranges),
@@ -375,8 +375,8 @@ class Varuna(nn.Module):
             self._evaluations += 1
             return self.seed, -self._evaluations
 
-        return evaluate_loss(self.runtime, inputs, self.input_batch_dims, batch_size, chunk_size=self.chunk_size,
-                             loss_reduction=self.loss_reduction, rng=rng, is_last=self.stage_module.is_last,
+        return evaluate_loss(self.executor, inputs, self.input_batch_dims, batch_size, chunk_size=self.chunk_size,
+                             loss_reduction=self.loss_reduction, rng=rng, is_last=self.stage_slice.is_last,
                              world_size=self.world_size, timeout=self.timeout, rank=self.rank)
 
     @property
@@ -400,7 +400,7 @@ class Varuna(nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the original model's names (tied copies once)."""
-        for name, param in self.stage_module.param_names:
+        for name, param in self.stage_slice.param_names:
             yield (f"{prefix}.{name}" if prefix else name), param
 
     def named_buffers(
@@ -412,12 +412,12 @@ class Varuna(nn.Module):
 
     def parameter_bytes(self) -> int:
         """Bytes of the parameters this rank holds."""
-        return self.stage_module.parameter_bytes()
+        return self.stage_slice.parameter_bytes()
 
     # ------------------------------------------------------------------------------------------------------
 
     def _chrome_trace(self) -> ChromeTrace:
-        """An observer of the runtime recording this step's actions: pid = replica, tid = stage."""
+        """An observer of the executor recording this step's actions: pid = replica, tid = stage."""
         return ChromeTrace(pid=self.replica, tid=self.stage, args={"rank": self.rank, "step": self.iteration})
 
     def _global_sum(self, value: torch.Tensor) -> torch.Tensor:

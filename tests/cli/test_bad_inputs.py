@@ -20,7 +20,7 @@ import varuna_cli.app as cli
 from tests.profiles import make_profile
 from varuna_core.planning.artifacts import save_plan
 from varuna_core.planning.planner import PlanRequest, plan_for
-from varuna_core.util.artifacts import save_artifact
+from varuna_core.util.versioned_io import save_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -31,13 +31,13 @@ def run_one(run: dict, spec: dict) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss)
-        peaks.append(list(vm.runtime.max_posted))
-        unwaited.append(list(vm.runtime.max_unwaited))
+        peaks.append(list(vm.executor.max_posted))
+        unwaited.append(list(vm.executor.max_unwaited))
     vm.evaluate(batch(run["batch"], seed=999))
     return {"losses": torch.tensor(losses, dtype=torch.float64), "peaks": torch.tensor(peaks),
-            "want": torch.tensor(want), "eval_peak": torch.tensor(vm.runtime.max_posted),
+            "want": torch.tensor(want), "eval_peak": torch.tensor(vm.executor.max_posted),
             "unwaited": torch.tensor(unwaited), "want_sends": torch.tensor(want_sends),
-            "eval_unwaited": torch.tensor(vm.runtime.max_unwaited),
+            "eval_unwaited": torch.tensor(vm.executor.max_unwaited),
             "params": {n: p.detach().clone() for n, p in vm.named_parameters()}, "stage": vm.stage}
 
 

@@ -27,7 +27,7 @@ from varuna_core.planning.artifacts import (
     save_plan,
 )
 from varuna_core.planning.planner import PlanRequest, make_plan, plan_for
-from varuna_core.util.artifacts import save_artifact
+from varuna_core.util.versioned_io import save_artifact
 
 pytestmark = pytest.mark.timeout(20)
 

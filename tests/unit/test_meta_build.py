@@ -15,8 +15,8 @@ from varuna_core.errors import ConfigError
 from varuna_core.ir.partition import Partition
 from varuna_core.model import materialize as materialize_module
 from varuna_core.model.discovery import discover, make_batch_fn
-from varuna_core.model.stage import StageModule, find_tie_sets
-from varuna_core.model.touch import Values, on_touch
+from varuna_core.model.stage import StageSlice, find_tie_sets
+from varuna_core.model.lazy_values import ValueSource, on_touch
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]')")
 
@@ -51,7 +51,7 @@ def test_on_touch_runs_a_meta_model_on_the_values_materialize_gives(name) -> Non
     inputs = hf_models.batch(name, 2, 0)
     with torch.no_grad():
         want = reference(**inputs).loss
-        with on_touch(model, Values(seed=7), keep=2) as mode:
+        with on_touch(model, ValueSource(seed=7), keep=2) as mode:
             got = model(**inputs).loss
             assert len(mode.cache) <= 2
     assert torch.equal(got, want)
@@ -61,7 +61,7 @@ def test_on_touch_runs_a_meta_model_on_the_values_materialize_gives(name) -> Non
 
 def test_on_touch_answers_device_and_is_meta_as_the_real_tensor_would() -> None:
     model = toy_on_meta()
-    with on_touch(model, Values(seed=0, init=init_toy)):
+    with on_touch(model, ValueSource(seed=0, init=init_toy)):
         assert model.pos.device == torch.device("cpu") and not model.pos.is_meta
         made = torch.zeros(2, device=model.pos.device)
         assert made.device.type == "cpu"
@@ -70,7 +70,7 @@ def test_on_touch_answers_device_and_is_meta_as_the_real_tensor_would() -> None:
 
 
 def test_on_touch_is_a_no_op_for_a_real_model_or_without_values() -> None:
-    with on_touch(ToyLM(), Values(seed=0)) as mode:
+    with on_touch(ToyLM(), ValueSource(seed=0)) as mode:
         assert mode is None
     with on_touch(toy_on_meta(), None) as mode:
         assert mode is None
@@ -85,7 +85,7 @@ def test_on_touch_takes_declared_aliases_and_pretrained_weights(tmp_path) -> Non
     save_file({k: v.contiguous() for k, v in reference.state_dict().items() if k != "head.weight"}, str(path))
     model = toy_on_meta()
     inputs = batch(2)
-    with torch.no_grad(), on_touch(model, Values(seed=1, init=init_toy, weights=path,
+    with torch.no_grad(), on_touch(model, ValueSource(seed=1, init=init_toy, weights=path,
                                                  aliases={"head.weight": "emb.weight"})):
         got = model(**inputs)
     assert torch.equal(got, reference(**inputs))
@@ -96,7 +96,7 @@ def test_on_touch_refuses_weights_of_the_wrong_shape(tmp_path) -> None:
     save_file({"pos": torch.zeros(5, 16)}, str(path))
     model = toy_on_meta()
     with pytest.raises(ConfigError, match=r"'pos' has shape \[5, 16\].*has \[6, 16\]"):
-        with torch.no_grad(), on_touch(model, Values(seed=0, init=init_toy, weights=path)):
+        with torch.no_grad(), on_touch(model, ValueSource(seed=0, init=init_toy, weights=path)):
             model(**batch(2))
 
 
@@ -106,7 +106,7 @@ def test_on_touch_refuses_weights_of_the_wrong_shape(tmp_path) -> None:
 
 def _structure(model):
     batch_fn, dims = make_batch_fn(batch(2), None)
-    return discover(model, batch_fn, dims, use_cache=False, values=Values(seed=3, init=init_toy))
+    return discover(model, batch_fn, dims, use_cache=False, values=ValueSource(seed=3, init=init_toy))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -124,7 +124,7 @@ def test_a_stage_allocates_only_its_modules_with_the_reference_values(stage, mon
     partition = Partition.from_ranges([(0, 1), (1, 3), (3, 4), (4, 5)], structure.num_segments)
     ties = find_tie_sets(model, structure, partition, SHARED)
     monkeypatch.setattr(materialize_module, "_init_owner", record)
-    sm = StageModule(model, structure, partition, stage, ties, torch.device("cpu"), values=Values(3, init_toy))
+    sm = StageSlice(model, structure, partition, stage, ties, torch.device("cpu"), values=ValueSource(3, init_toy))
     held = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
     assert held == {name for name, _ in sm.param_names} | ({"emb.weight", "head.weight"} & held)
     for name, param in sm.param_names:
@@ -140,7 +140,7 @@ def test_a_stage_of_a_meta_model_without_values_is_an_error() -> None:
     structure = _structure(model)
     partition = Partition.from_ranges([(0, 3), (3, 5)], structure.num_segments)
     with pytest.raises(ConfigError, match="on the meta device.*no values"):
-        StageModule(model, structure, partition, 1, find_tie_sets(model, structure, partition, SHARED),
+        StageSlice(model, structure, partition, 1, find_tie_sets(model, structure, partition, SHARED),
                     torch.device("cpu"))
 
 

@@ -17,7 +17,7 @@ from varuna_core.errors import ConfigError
 from varuna_core.ir.topology import Topology
 from varuna_core.planning.artifacts import Plan, load_plan, load_profile
 from varuna_core.planning.planner import PlanInfeasible, PlanRequest, _Prefix, _Seg, make_plan, partition_under_memory
-from varuna_core.util.artifacts import save_artifact, schema_text
+from varuna_core.util.versioned_io import save_artifact, schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
 

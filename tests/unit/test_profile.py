@@ -15,7 +15,7 @@ from varuna_core.errors import ConfigError
 from varuna_core.model.spec import ModelSpec, load_spec
 from varuna_core.planning.artifacts import Profile
 from varuna_core.profiling.run import profile
-from varuna_core.util.artifacts import schema_text
+from varuna_core.util.versioned_io import schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -75,7 +75,7 @@ def test_observers_see_every_action_the_run_and_the_gradient_sync() -> None:
 
     vm = _wrap(schedule="1f1b")
     recorder = Recorder()
-    with vm.runtime.observing(recorder):
+    with vm.executor.observing(recorder):
         vm.step(batch(8, seed=1))
     assert recorder.events == [("action", a) for a in ("0F0", "0B0", "0F1", "0B1", "0F2", "0B2")] + [
         ("run", True), ("sync", True)]

@@ -44,7 +44,7 @@ def plan(
     from varuna_core.ir.units import parse_bytes
     from varuna_core.planning.artifacts import load_profile, save_plan
     from varuna_core.planning.planner import PlanRequest, make_plan
-    from varuna_core.util.artifacts import check_writable, first_problem
+    from varuna_core.util.versioned_io import check_writable, first_problem
     from varuna_core.util.text import printable
 
     gpus, gpus_per_node = _devices(gpus, gpus_per_node, slurm)
@@ -204,7 +204,7 @@ def show(
     """Print a plan's schedule as a step × stage grid; optionally draw the simulated timeline."""
     from varuna_core.ir.schedule import generate
     from varuna_core.planning.artifacts import load_plan
-    from varuna_core.util.artifacts import check_writable
+    from varuna_core.util.versioned_io import check_writable
 
     if max_steps < 0:
         raise ConfigError(f"--max-steps must be ≥ 0, got {max_steps}")

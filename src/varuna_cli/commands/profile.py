@@ -75,7 +75,7 @@ def profile(
 
     from varuna_core.ir.units import parse_bytes
     from varuna_core.profiling.run import profile as run_profile
-    from varuna_core.util.artifacts import check_writable, save_artifact
+    from varuna_core.util.versioned_io import check_writable, save_artifact
 
     sizes = _sizes(microbatch_sizes, max_microbatch)
     _check_counts(nproc, repeats, warmup)

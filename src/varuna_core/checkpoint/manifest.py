@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..util.artifacts import ArtifactModel
+from ..util.versioned_io import ArtifactModel
 
 __all__ = ["CHECKPOINT_INDEX", "FileEntry", "Manifest", "TensorEntry"]
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..util.artifacts import short_repr
+from ..util.versioned_io import short_repr
 from .hosts import MAX_SLOTS, Host
 from .options import SlurmConfig
 

@@ -41,7 +41,7 @@ from .cutpoint import CutPoint, find_cutpoints
 from .payload import CONST_TYPES, ProbeMismatch, TensorSpec, ValueSpec, spec_from_probes
 from .precision import autocast
 from .skips import CUT, Provenance, Skip, crossing_spec
-from .touch import Values, on_touch, reads_values
+from .lazy_values import ValueSource, on_touch, reads_values
 
 __all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "extract_loss"]
 
@@ -393,13 +393,13 @@ def discover(
     *,
     use_cache: bool = True,
     precision: str = "fp32",
-    values: Values | None = None,
+    values: ValueSource | None = None,
 ) -> Structure:
     """Run the model at 1 and 2 examples and describe its cuts, module calls and parameter uses.
 
     ``precision`` runs the dry run under the same autocast as training, so the dtypes recorded at the cuts
     are those the stages will exchange. A model built on ``meta`` runs with the values ``values`` gives its
-    tensors, made as each op reads them (:func:`~varuna_core.model.touch.on_touch`): never the whole model at once.
+    tensors, made as each op reads them (:func:`~varuna_core.model.lazy_values.on_touch`): never the whole model at once.
 
     Raises:
         CutPointError: no cutpoints; a cutpoint called twice; a cut value with no batched tensor (tensors
@@ -418,7 +418,7 @@ def discover(
     slots = _slots(model)
     mode = _UseMode(None, {id(t): t for _, t, _ in slots})  # type: ignore[arg-type]
     if values is None and _has_meta_tensors(slots):
-        values = Values(seed=0)  # any values show the structure; the stages get theirs from their own seed
+        values = ValueSource(seed=0)  # any values show the structure; the stages get theirs from their own seed
     elif values is not None and values.weights is not None:
         values = dataclasses.replace(values, weights=None)  # initial values show it too, without reading the file
     with on_touch(model, values):

@@ -205,7 +205,7 @@ def has_meta(model: nn.Module) -> bool:
 
 class ValuePlan:
     """What :func:`owner_values` needs to make the values of a meta model's tensors one owner at a time (see
-    :mod:`varuna_core.model.touch`), computed once per model.
+    :mod:`varuna_core.model.lazy_values`), computed once per model.
 
     ``tracked``: ids of every meta tensor in the model; ``aliases`` (slot name -> canonical slot name) make a
     tensor take another's value (declared tied weights, where the canonical value wins as on the stages)."""

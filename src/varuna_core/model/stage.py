@@ -37,9 +37,9 @@ from .discovery import Structure, extract_loss
 from .materialize import materialize
 from .rng import preserve_rng, seed_segment, segment_seed
 from .skips import CUT, Skip, join_crossing, split_crossing
-from .touch import Values
+from .lazy_values import ValueSource
 
-__all__ = ["TieSet", "find_tie_sets", "StageModule"]
+__all__ = ["TieSet", "find_tie_sets", "StageSlice"]
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +145,10 @@ class _Context:
         self.rng: tuple[int, int, int] | None = None  # (seed, step, micro-batch) for per-segment seeding
 
 
-class StageModule:
-    """The part of ``model`` that stage ``stage`` computes. Mutates ``model`` in place (other stages' tensors
-    move to ``meta``); keeps a reference to it.
+class StageSlice:
+    """The part of ``model`` that stage ``stage`` computes: not a module of its own, but the user's model with
+    other stages' tensors moved to ``meta`` (in place; keeps a reference to it) and hooks that run the user's
+    ``forward`` from this stage's incoming cut to its outgoing one.
 
     Args:
         model: the user's full model (CPU or device).
@@ -174,7 +175,7 @@ class StageModule:
         ties: list[TieSet],
         device: torch.device,
         placeholders: str = "meta",
-        values: Values | None = None,
+        values: ValueSource | None = None,
     ) -> None:
         self.model = model
         self.values = values

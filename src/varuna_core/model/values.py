@@ -2,7 +2,7 @@
 seed, an initialiser and pretrained weights (a model built on ``meta``), decided once, before discovery.
 
 [Note: one source of values] Discovery, the start-up validation and the stage itself all see the same values:
-for a model built on meta, :func:`~varuna_core.model.touch.on_touch` gives the unsliced runs the values the
+for a model built on meta, :func:`~varuna_core.model.lazy_values.on_touch` gives the unsliced runs the values the
 stage will :func:`~varuna_core.model.materialize.materialize` and load, so the validation compares the stage
 with exactly the model a single process would build with ``materialize(model, seed=...)`` and
 ``load_weights(...)``. A model built for real that is given ``weights`` loads them whole, up front: it is in
@@ -20,17 +20,17 @@ from torch import nn
 from ..errors import ConfigError
 from .materialize import has_meta
 from .stage import weight_groups
-from .touch import Values
+from .lazy_values import ValueSource
 from .weights import WeightSource, load_weights
 
-__all__ = ["model_values", "load_stage_weights"]
+__all__ = ["value_source", "load_stage_weights"]
 
 log = logging.getLogger(__name__)
 
 
-def model_values(model: nn.Module, shared_weights: list, seed: int, init: Callable[[nn.Module], Any] | None,
-                 weights: str | os.PathLike | None) -> Values | None:
-    """The :class:`~varuna_core.model.touch.Values` of a model built on meta, else None (after loading
+def value_source(model: nn.Module, shared_weights: list, seed: int, init: Callable[[nn.Module], Any] | None,
+                 weights: str | os.PathLike | None) -> ValueSource | None:
+    """The :class:`~varuna_core.model.lazy_values.ValueSource` of a model built on meta, else None (after loading
     ``weights`` into the whole real model, if given). A bad ``init`` or ``weights`` fails here, before any
     collective work."""
     if init is not None and not callable(init):
@@ -45,7 +45,7 @@ def model_values(model: nn.Module, shared_weights: list, seed: int, init: Callab
     if weights is not None:
         WeightSource.open(weights).close()  # a missing file or malformed index: said now, not mid-start-up
     aliases = {name: canonical for canonical, names in groups for name in names if name != canonical}
-    return Values(seed=seed, init=init, weights=weights, aliases=aliases)
+    return ValueSource(seed=seed, init=init, weights=weights, aliases=aliases)
 
 
 def load_stage_weights(model: nn.Module, weights: str | os.PathLike,

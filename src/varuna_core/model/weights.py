@@ -405,7 +405,7 @@ def load_into(model: nn.Module, source: WeightSource, *, names: Collection[str] 
 
     The model's tensors must be real already (allocated by :func:`.materialize` or built normally): loading
     writes into them and allocates nothing model-sized, so a stage that materialised only its modules loads
-    only its tensors, from only its shards. Values are converted to each tensor's dtype and device.
+    only its tensors, from only its shards. ValueSource are converted to each tensor's dtype and device.
 
     Args:
         names: parameter/buffer names to load (a tied weight is loaded once, under any of its names). Default:

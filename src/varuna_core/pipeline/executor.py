@@ -46,11 +46,11 @@ from ..ir.schedule import Action, Op, Schedule, generate, validate
 from ..ir.topology import Topology
 from ..model.payload import flatten, unflatten
 from ..model.precision import autocast
-from ..model.stage import StageModule
+from ..model.stage import StageSlice
 from . import p2p
 from .tracing import ActionObserver, ActionTiming
 
-__all__ = ["PipelineRuntime"]
+__all__ = ["PipelineExecutor"]
 
 
 @dataclasses.dataclass
@@ -63,7 +63,7 @@ class _MicroState:
 
 @dataclasses.dataclass
 class _Step:
-    """One run of :meth:`PipelineRuntime.run`: its arguments, this stage's actions, and what it holds."""
+    """One run of :meth:`PipelineExecutor.run`: its arguments, this stage's actions, and what it holds."""
 
     microbatches: list[dict]
     sizes: list[int]
@@ -96,11 +96,11 @@ class _Step:
         return self.rng[0], self.rng[1], self.rng_ids[mb] if self.rng_ids is not None else mb
 
 
-class PipelineRuntime:
+class PipelineExecutor:
     """Runs micro-batches through this rank's stage according to a schedule.
 
     Args:
-        stage: this rank's :class:`StageModule`.
+        stage: this rank's :class:`StageSlice`.
         topology: rank ↔ (stage, replica).
         rank: this process's global rank.
         schedule: schedule name (``varuna``, ``1f1b``, ``gpipe``).
@@ -110,7 +110,7 @@ class PipelineRuntime:
             attached later with :meth:`add_observer` or :meth:`observing`.
     """
 
-    def __init__(self, stage: StageModule, topology: Topology, rank: int, schedule: str, timeout: float,
+    def __init__(self, stage: StageSlice, topology: Topology, rank: int, schedule: str, timeout: float,
                  precision: str = "fp32", observers: Sequence[ActionObserver] = ()) -> None:
         self.stage = stage
         self.topology = topology

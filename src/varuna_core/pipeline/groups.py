@@ -4,7 +4,7 @@
 * :func:`resolve_device` picks (and sets) this rank's device;
 * :func:`build_groups` creates the data-parallel group of every stage and one group per tied weight and replica;
 * :func:`sync_initial_state` starts every replica of a stage and every copy of a tied weight from the same values;
-* :func:`agree_identity` broadcasts rank 0's dropout seed and run id.
+* :func:`agree_seed_and_run` broadcasts rank 0's dropout seed and run id.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch.nn as nn
 from .. import env
 from ..errors import ConfigError
 from ..ir.topology import Topology
-from ..model.stage import StageModule, TieSet
+from ..model.stage import StageSlice, TieSet
 from .config import MASK64
 
 __all__ = ["ensure_process_group", "resolve_device", "Groups", "build_groups", "tie_params",
-           "sync_initial_state", "agree_identity", "broadcast_coalesced"]
+           "sync_initial_state", "agree_seed_and_run", "broadcast_coalesced"]
 
 _RUN_ID_BYTES = 64
 
@@ -151,13 +151,13 @@ def tie_params(module: nn.Module, ties: list[TieSet], stage: int) -> dict[str, n
             for tie in ties if stage in tie.stages}
 
 
-def sync_initial_state(stage_module: StageModule, module: nn.Module, groups: Groups, tied: dict[str, nn.Parameter],
+def sync_initial_state(stage_slice: StageSlice, module: nn.Module, groups: Groups, tied: dict[str, nn.Parameter],
                        topology: Topology, stage: int, replica: int, world_size: int) -> None:
     """Start every replica of a stage, and every copy of a tied weight, from the same values (like DDP)."""
     if world_size == 1:
         return
     if groups.dp is not None:
-        tensors = [p.data for _, p in stage_module.param_names]
+        tensors = [p.data for _, p in stage_slice.param_names]
         tensors += [b for b in module.buffers() if b.device.type != "meta"]
         broadcast_coalesced(tensors, src=topology.rank(stage, 0), group=groups.dp)
     for tie, group in groups.ties:
@@ -165,7 +165,7 @@ def sync_initial_state(stage_module: StageModule, module: nn.Module, groups: Gro
         broadcast_coalesced([tied[tie.canonical].data], src=src, group=group)
 
 
-def agree_identity(seed: int | None, world_size: int) -> tuple[int, str]:
+def agree_seed_and_run(seed: int | None, world_size: int) -> tuple[int, str]:
     """The dropout seed (unsigned 64-bit) and the run id, identical on every rank (rank 0's choice wins).
 
     ``torch.initial_seed()`` of an unseeded process is a random value in ``[0, 2**64)``: it travels as the

@@ -1,7 +1,7 @@
-"""Observers of the executor: what :class:`~varuna_core.pipeline.executor.PipelineRuntime` tells about each action.
+"""Observers of the executor: what :class:`~varuna_core.pipeline.executor.PipelineExecutor` tells about each action.
 
 The executor knows nothing of traces or benchmarks: it calls the observers attached to it
-(:meth:`PipelineRuntime.add_observer`, or :meth:`PipelineRuntime.observing` for a block) once per action with
+(:meth:`PipelineExecutor.add_observer`, or :meth:`PipelineExecutor.observing` for a block) once per action with
 an :class:`ActionTiming`, once per run with its start and end, and (told by the facade's ``step()``) once per
 gradient synchronisation. An observer subclasses
 :class:`ActionObserver` and overrides what it needs. :class:`ChromeTrace` is the one the facade uses for

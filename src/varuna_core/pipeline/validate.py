@@ -16,7 +16,7 @@ import torch.nn as nn
 from ..errors import CutPointError
 from ..ir.partition import Partition
 from ..model.discovery import Structure
-from .executor import PipelineRuntime
+from .executor import PipelineExecutor
 from .microbatch import batch_size_of
 
 __all__ = ["reference_run", "check_slicing"]
@@ -25,10 +25,10 @@ __all__ = ["reference_run", "check_slicing"]
 def reference_run(model: nn.Module, dummy_inputs: Any, batch_fn: Callable[[int], dict],
                   chunk_size: int, values: Any = None) -> tuple[dict, list, torch.Tensor]:
     """The unsliced model's value at each cut and its loss on the dummy inputs (eval mode, no grad). A model
-    built on meta runs with ``values`` (:class:`~varuna_core.model.touch.Values`), made as each op reads them."""
+    built on meta runs with ``values`` (:class:`~varuna_core.model.lazy_values.ValueSource`), made as each op reads them."""
     from ..model.cutpoint import find_cutpoints
     from ..model.discovery import _quiet_run, extract_loss
-    from ..model.touch import on_touch
+    from ..model.lazy_values import on_touch
 
     inputs = dict(dummy_inputs) if isinstance(dummy_inputs, Mapping) else batch_fn(chunk_size)
     at_cuts: list[Any] = []
@@ -45,7 +45,7 @@ def reference_run(model: nn.Module, dummy_inputs: Any, batch_fn: Callable[[int],
     return inputs, at_cuts, loss
 
 
-def check_slicing(runtime: PipelineRuntime, module: nn.Module, structure: Structure, partition: Partition,
+def check_slicing(executor: PipelineExecutor, module: nn.Module, structure: Structure, partition: Partition,
                   stage: int, *, is_last: bool, input_batch_dims: Mapping[str, Any], world_size: int,
                   reference: tuple[dict, list, torch.Tensor]) -> None:
     """Run the sliced pipeline on the reference's inputs and compare each stage's output with the unsliced
@@ -57,7 +57,7 @@ def check_slicing(runtime: PipelineRuntime, module: nn.Module, structure: Struct
     n = batch_size_of(inputs, input_batch_dims)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            runtime.run([inputs], [n], [1.0], train=False, capture=captured)
+            executor.run([inputs], [n], [1.0], train=False, capture=captured)
     finally:
         module.train(training)
     if is_last:

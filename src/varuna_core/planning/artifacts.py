@@ -1,6 +1,6 @@
 """Versioned artifacts exchanged by the verbs, as pydantic models (JSON Schemas in ``schemas/`` are generated
 from them by :mod:`varuna_core.schemas`; a test keeps the two in sync). The bounded readers and the bases they
-share with checkpoint manifests are in :mod:`varuna_core.util.artifacts`.
+share with checkpoint manifests are in :mod:`varuna_core.util.versioned_io`.
 
 Times are in seconds and sizes in bytes throughout.
 
@@ -39,7 +39,7 @@ from pydantic import Field, Strict, field_validator, model_validator
 
 from ..errors import ConfigError, TopologyError
 from ..ir.units import MAX_BYTES
-from ..util.artifacts import (
+from ..util.versioned_io import (
     CheckedModel,
     check_document,
     parse_json,

@@ -1,7 +1,7 @@
 """``varuna profile``: measure each segment's compute and memory per micro-batch size, and the network.
 
 Each segment is measured in isolation: the model is built from its :class:`ModelSpec` and sliced so that the
-segment is a stage of its own (:class:`varuna_core.model.stage.StageModule`), fed a random activation of the
+segment is a stage of its own (:class:`varuna_core.model.stage.StageSlice`), fed a random activation of the
 recorded shape at its incoming cut, and timed for
 
 * ``forward``: a forward without autograd (the ``varuna`` schedule's F),
@@ -44,8 +44,8 @@ from ..model.discovery import Structure, discover, make_batch_fn
 from ..model.payload import TensorSpec, flatten
 from ..model.precision import autocast, resolve_precision
 from ..model.spec import ModelSpec, load_spec
-from ..model.stage import StageModule, find_tie_sets
-from ..model.touch import Values
+from ..model.stage import StageSlice, find_tie_sets
+from ..model.lazy_values import ValueSource
 from ..planning.artifacts import (
     CommCurve,
     Environment,
@@ -138,7 +138,7 @@ def _structure(spec: ModelSpec, precision: str) -> Structure:
     model = spec.make()
     batch_fn, dims = make_batch_fn(spec.batch, None)
     _check_batch(spec.batch, dims, 2)
-    return discover(model, batch_fn, dims, precision=precision, values=Values(seed=0, init=spec.init))
+    return discover(model, batch_fn, dims, precision=precision, values=ValueSource(seed=0, init=spec.init))
 
 
 def _check_batch(batch_fn: Callable[[int], dict], dims: dict, n: int) -> dict:
@@ -187,9 +187,9 @@ class _SegmentBench:
         partition = Partition.from_ranges([(i, i + 1) for i in range(n)], n)
         model = spec.make()
         ties = find_tie_sets(model, structure, partition, list(spec.shared_weights or []))
-        self.stage = StageModule(model, structure, partition, segment, ties, device,
+        self.stage = StageSlice(model, structure, partition, segment, ties, device,
                                  placeholders="real" if spec.cutpoints == "auto" else "meta",
-                                 values=Values(seed=0, init=spec.init))  # used if built on meta
+                                 values=ValueSource(seed=0, init=spec.init))  # used if built on meta
         self.model = model
         self.structure = structure
         self.segment = segment

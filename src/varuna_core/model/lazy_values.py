@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from ..util.heap import release_free_memory
 from .materialize import Init, has_meta, owner_values, value_plan
 
-__all__ = ["Values", "on_touch", "reads_values", "META_PROPERTIES", "META_METHODS"]
+__all__ = ["ValueSource", "on_touch", "reads_values", "META_PROPERTIES", "META_METHODS"]
 
 # Tensor properties and methods that read metadata only: touching them is not a use of the values.
 META_PROPERTIES = frozenset(
@@ -61,7 +61,7 @@ def reads_values(func: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Values:
+class ValueSource:
     """Where a model's ``meta`` tensors get their values: ``materialize(seed=, init=)``, then the pretrained
     tensors of ``weights`` (a path :meth:`~varuna_core.model.weights.WeightSource.open` accepts) where it holds
     them. ``aliases``: slot name -> the name whose value it takes (declared tied weights: the canonical)."""
@@ -73,7 +73,7 @@ class Values:
 
 
 class _OnTouch(TorchFunctionMode):
-    def __init__(self, model: nn.Module, values: Values, device: torch.device, keep: int) -> None:
+    def __init__(self, model: nn.Module, values: ValueSource, device: torch.device, keep: int) -> None:
         super().__init__()
         self.plan = value_plan(model, values.seed, values.init, device, values.aliases)
         self.device = device
@@ -119,13 +119,13 @@ class _OnTouch(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def on_touch(model: nn.Module, values: Values | None, device: Any = "cpu", *, keep: int = 4) -> Iterator[Any]:
+def on_touch(model: nn.Module, values: ValueSource | None, device: Any = "cpu", *, keep: int = 4) -> Iterator[Any]:
     """Run ``model`` (built on meta, wholly or in part) with real values for its meta tensors, made as each op
     reads them (see the module docstring). Yields the mode (``touched_owners`` counts initialisations), or
     ``None`` when the model has no meta tensor (nothing to do) or ``values`` is None.
 
     Args:
-        values: seed, initialiser and pretrained weights (:class:`Values`).
+        values: seed, initialiser and pretrained weights (:class:`ValueSource`).
         device: where the values are made (the device the inputs are on).
         keep: owners whose values are kept between ops (bounds the memory).
     """

@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..model.precision import LossScaler
 from ..model.stage import TieSet
 from .config import loss_weights
-from .executor import PipelineRuntime
+from .executor import PipelineExecutor
 from .grads import GradBuffer, all_reduce_tensor
 from .groups import Groups
 from .microbatch import batch_size_of, microbatch_sizes, split_inputs
@@ -100,7 +100,7 @@ def finish_step(loss_sum: torch.Tensor, grad_buffer: GradBuffer, norm_params: li
     return StepResult(loss, overflow, grad_norm, bool(totals[3] > 0))
 
 
-def evaluate_loss(runtime: PipelineRuntime, inputs: Mapping[str, Any], input_batch_dims: Mapping[str, Any],
+def evaluate_loss(executor: PipelineExecutor, inputs: Mapping[str, Any], input_batch_dims: Mapping[str, Any],
                   batch_size: int | None, *, chunk_size: int, loss_reduction: str, rng: Callable[[], tuple[int, int]],
                   is_last: bool, world_size: int, timeout: float, rank: int) -> float:
     """The loss over every replica's ``inputs``: the mean over all examples, or with ``loss_reduction="sum"`` the
@@ -109,7 +109,7 @@ def evaluate_loss(runtime: PipelineRuntime, inputs: Mapping[str, Any], input_bat
     sizes = microbatch_sizes(n, chunk_size)
     microbatches = split_inputs(inputs, input_batch_dims, sizes, expected=n)
     with torch.no_grad():
-        loss_sum = runtime.run(microbatches, sizes, loss_weights(sizes, n, loss_reduction), train=False, rng=rng())
+        loss_sum = executor.run(microbatches, sizes, loss_weights(sizes, n, loss_reduction), train=False, rng=rng())
     total = loss_sum * n if loss_reduction == "mean" else loss_sum
     pair = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=loss_sum.device)])
     if not is_last:
