@@ -155,3 +155,12 @@ def test_values_skipping_a_cut_are_measured_and_planned(tmp_path) -> None:
     assert boundary.skip_bytes == skipped[cut] * per_tensor[4]
     assert boundary.activation_bytes == boundary.skip_bytes + per_tensor[4]
     assert plan.stages[1].skip_bytes == plan.stages[1].activation_bytes == 0
+
+
+def test_more_cuda_processes_than_gpus_is_refused_before_the_model_is_built(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="2 processes are asked for and this machine has 1 GPU"):
+        profile("tests.specs.sleep:marked", nproc=2, device="cuda")

@@ -113,6 +113,9 @@ def profile(
         raise ConfigError(f"unknown device {device!r}", hint="use cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but CUDA is not available", hint="use --device cpu")
+    if device == "cuda" and nproc > torch.cuda.device_count():
+        raise ConfigError(f"--device cuda puts process i on cuda:i, but {nproc} processes are asked for and this "
+                          f"machine has {torch.cuda.device_count()} GPU(s)", hint="lower --nproc")
     options = dict(microbatch_sizes=sizes, precision=precision, device=device, repeats=repeats, warmup=warmup,
                    memory_limit=memory_limit)
     if nproc == 1:
