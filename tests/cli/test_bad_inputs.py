@@ -493,11 +493,19 @@ def test_env_in_a_subprocess_redacts_the_job_token() -> None:
     (["--preemption-source", "aws", "--preemption-endpoint", "ftp://x"], "--preemption-endpoint: a metadata"),
     (["--preemption-source", "gcp", "--preemption-endpoint", "http://h/path"], "is http://host[:port]"),
     (["--slurm"], "not inside a Slurm job (SLURM_JOB_ID is not set)"),
+    (["--preemption-source", "aws", "--preemption-endpoint", "http://127.0.0.1:0"], "port 0 is not in 1..65535"),
+    (["--preemption-source", "aws", "--preemption-endpoint", "http://127.0.0.1:65536"], "not a number in 1..65535"),
+    (["--preemption-source", "azure", "--preemption-endpoint", "http://root:s3cr3t@169.254.169.254"],
+     "got 'http://***@169.254.169.254': it holds credentials"),
+    (["--preemption-source", "gcp", "--preemption-endpoint", "http://" + "x" * 2000], "the 1,024 the node agents"),
+    (["--preemption-source", "gcp", "--preemption-endpoint", "https://metadata"], "the scheme is 'https'"),
+    (["--preemption-source", "gcp", "--preemption-endpoint", "http://:80"], "names no host"),
 ])
 def test_launch_clouds_and_clusters(capsys, monkeypatch, files, tmp_path, extra, needle) -> None:
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     code, err = _launch(capsys, files, tmp_path, *extra)
     assert_one_error(code, err, needle=needle)
+    assert "s3cr3t" not in err
 
 
 def test_launch_slurm_and_hosts_conflict(capsys, monkeypatch, files, tmp_path) -> None:

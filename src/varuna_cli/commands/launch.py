@@ -346,7 +346,9 @@ def _slurm_run(job, store: Path, resume: bool, run_id: str | None) -> tuple[bool
 
 
 def _spot(source: str | None, endpoint: str | None, interval: float):
-    """The spot watch of ``--preemption-source`` (None without it)."""
+    """The spot watch of ``--preemption-source`` (None without it); the endpoint is checked by the library's
+    check (:func:`varuna_core.launch.spot.check_endpoint`, which :class:`SpotConfig` runs too)."""
+    from varuna_core.launch.options import ENDPOINT_HINT
     from varuna_core.launch.spot import SOURCES, check_endpoint
 
     if source is None:
@@ -359,7 +361,7 @@ def _spot(source: str | None, endpoint: str | None, interval: float):
         try:
             check_endpoint(endpoint)
         except ValueError as exc:
-            raise ConfigError(f"--preemption-endpoint: {exc}") from None
+            raise ConfigError(f"--preemption-endpoint: {exc}", hint=ENDPOINT_HINT) from None
     return SpotConfig(source=source, endpoint=endpoint, interval=interval)
 
 
