@@ -281,6 +281,27 @@ def test_launch_env_files_that_are_not_files(capsys, files, tmp_path, name) -> N
     assert_one_error(code, err, needle=str(files[name]))
 
 
+@pytest.mark.parametrize(("option", "value", "needle"), [
+    ("--code-dir", "MISSING", "--code-dir MISSING does not exist"),
+    ("--code-dir", "train.py", "--code-dir train.py is not a directory"),
+    ("--ssh-identity", "MISSING", "--ssh-identity MISSING does not exist"),
+    ("--ssh-identity", "dir", "--ssh-identity dir is not a file"),
+])
+def test_launch_missing_paths(capsys, files, tmp_path, option, value, needle) -> None:
+    """A place an option names that is missing is named as missing, with a hint (not blamed on SCRIPT, not an
+    SSH failure); checked before anything starts."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 slots=4\n")
+    path = str(tmp_path / "missing" / "x") if value == "MISSING" else str(files[value])
+    run = tmp_path / "run"
+    code, _, err = run_main(capsys, "launch", files["plan.yaml"], "--run-dir", run, "--hosts", hosts,
+                            *([] if option == "--code-dir" else ["--code-dir", files["dir_path"]]),
+                            option, path, "--", "train.py")
+    assert_one_error(code, err, needle=needle.replace(value, path))
+    assert "hint: " in err or value != "MISSING"
+    assert not run.exists()
+
+
 def test_launch_run_dir_that_is_a_file(capsys, files, tmp_path) -> None:
     code, _, err = run_main(capsys, "launch", files["plan.yaml"], "--run-dir", files["train.py"], "--", "train.py")
     assert_one_error(code, err, needle="--run-dir")
@@ -347,6 +368,21 @@ def test_notify_preempt_bad_options(capsys, tmp_path, extra, needle) -> None:
     (tmp_path / "manager.json").write_text(json.dumps({"job": "j", "token": "t", "port": 9}))
     code, _, err = run_main(capsys, "notify-preempt", "node1", "--run-dir", tmp_path, *extra)
     assert_one_error(code, err, needle=needle)
+
+
+@pytest.mark.parametrize("subprocess_run", [False, True])
+def test_notify_preempt_missing_run_dir(capsys, files, tmp_path, subprocess_run) -> None:
+    """As every missing path argument: one line that says it does not exist, a hint, exit 2."""
+    missing = tmp_path / "no-such-run"
+    if subprocess_run:
+        done = _run("notify-preempt", "node1", "--run-dir", missing)
+        code, err = done.returncode, done.stderr
+    else:
+        code, _, err = run_main(capsys, "notify-preempt", "node1", "--run-dir", missing)
+    assert_one_error(code, err, needle=f"--run-dir {missing} does not exist")
+    assert err.splitlines()[1].startswith("hint: give --run-dir of a running `varuna launch`")
+    code, _, err = run_main(capsys, "notify-preempt", "node1", "--run-dir", files["train.py"])
+    assert_one_error(code, err, needle=f"--run-dir {files['train.py']} is not a directory")
 
 
 def test_notify_preempt_bad_host_names(capsys, tmp_path) -> None:

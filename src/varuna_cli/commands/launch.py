@@ -139,15 +139,27 @@ def _check_seconds(values: dict[str, float]) -> None:
             raise ConfigError(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {value}")
 
 
-def _check_places(ssh_user: str | None, python: str | None, dirs: dict[str, Path | None]) -> None:
+def _check_places(ssh_user: str | None, python: str | None, dirs: dict[str, Path | None],
+                  identity: str | None = None) -> None:
+    """The places the options name: directories are directories (``--code-dir`` must exist; the others are
+    made), and ``--ssh-identity``, which ssh reads on this machine, is a file here (ssh would only warn and go
+    on without it, and the job would fail as if the hosts were unreachable)."""
     if ssh_user is not None and not _SSH_USER.fullmatch(ssh_user):
         raise ConfigError(f"--ssh-user {_shown(ssh_user)} is not a user name",
                           hint="letters, digits, '.', '_' and '-', not starting with '-'")
     if python is not None and not python.strip():
         raise ConfigError("--python is empty", hint="give the interpreter's path on the hosts")
     for name, path in dirs.items():
-        if path is not None and path.exists() and not path.is_dir():
+        if path is None:
+            continue
+        if name == "--code-dir" and not os.path.lexists(path):
+            raise ConfigError(f"--code-dir {path} does not exist",
+                              hint="give the directory SCRIPT runs in (the same path on every host)")
+        if path.exists() and not path.is_dir():
             raise ConfigError(f"{name} {path} is not a directory")
+    if identity is not None and not os.path.isfile(os.path.expanduser(identity)):  # ssh expands ~ too
+        what = "is not a file" if os.path.lexists(os.path.expanduser(identity)) else "does not exist"
+        raise ConfigError(f"--ssh-identity {identity} {what}", hint="give the private key ssh should use (ssh -i)")
 
 
 def _check_script(script: list[str], code_dir: str) -> None:
@@ -252,7 +264,8 @@ def launch(
                     "--preempt-margin": preempt_margin, "--grace": grace,
                     "--straggler-threshold": straggler_threshold, "--preemption-interval": preemption_interval})
     spot = _spot(preemption_source, preemption_endpoint, preemption_interval)
-    _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir})
+    _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir},
+                  ssh_identity)
     the_plan = load_plan(plan)
     code = str((code_dir or Path.cwd()).resolve())
     _check_script(script, code)
@@ -411,6 +424,8 @@ def _manager_file(path: Path) -> tuple[str, str, int]:
     from varuna_core.util.fs import read_regular
 
     hint = "give --run-dir of a running `varuna launch`"
+    if not os.path.lexists(path.parent):
+        raise ConfigError(f"--run-dir {path.parent} does not exist", hint=hint)
     if not path.parent.is_dir():
         raise ConfigError(f"--run-dir {path.parent} is not a directory", hint=hint)
     if not os.path.lexists(path):
