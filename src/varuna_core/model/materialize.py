@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import ConfigError
 from ..util import checks
 from ..util.heap import release_free_memory
+from .weights import check_dtype
 
 __all__ = ["materialize", "meta_init", "has_meta", "ValuePlan", "value_plan", "owner_values"]
 
@@ -265,7 +266,8 @@ def owner_values(plan: ValuePlan, owner: nn.Module, source: Any = None) -> dict[
 
 
 def _overwrite(value: torch.Tensor, names: list[str], source: Any) -> None:
-    """Copy ``source``'s tensor under the first of ``names`` it holds into ``value`` (shapes checked)."""
+    """Copy ``source``'s tensor under the first of ``names`` it holds into ``value`` (shape and dtype checked, as
+    :func:`~varuna_core.model.weights.load_into` checks them)."""
     name = next((n for n in names if n in source), None)
     if name is None:
         return
@@ -273,6 +275,7 @@ def _overwrite(value: torch.Tensor, names: list[str], source: Any) -> None:
     if tuple(shape) != tuple(value.shape):
         raise ConfigError(f"{name!r} has shape {list(shape)} in {source.shard_of(name)}, but the model has "
                           f"{list(value.shape)}", hint="is it the right model or config?")
+    check_dtype(source, name, value.dtype, "the model's tensor")
     value.copy_(source.read(name))
 
 
