@@ -440,6 +440,36 @@ def test_profile_options_fail_before_the_model_is_built(capsys, monkeypatch, fil
     assert not marker.exists(), "the model was built before the options were checked"
 
 
+@pytest.mark.parametrize(("attr", "code", "needle"), [
+    ("build_value_error", 1, "the model spec's build() raised ValueError at tests/specs/failing.py:"),
+    ("build_type_error", 1, "the model spec's build() raised TypeError at tests/specs/failing.py:"),
+    ("forward_type_error", 1, "raised TypeError at tests/specs/failing.py:"),
+    ("factory_type_error", 1, "tests.specs.failing:factory_type_error() raised TypeError at tests/specs/failing.py:"),
+    ("factory_with_an_argument", 2, "cannot be called so: missing a required argument: 'size'"),
+    ("batch_without_n", 2, "the model spec's batch(1) cannot be called so"),
+    ("wrong_input_names", 2, "does not take the inputs ['targets', 'tokens']"),
+])
+def test_profile_a_spec_whose_code_fails(capsys, monkeypatch, tmp_path, attr, code, needle) -> None:
+    """The user's code raising is exit 1, saying where in their files; a spec called against its signature
+    (never a TypeError raised inside it) is bad input, exit 2."""
+    monkeypatch.setenv("VARUNA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(ROOT)
+    args = ["profile", f"tests.specs.failing:{attr}", "-o", tmp_path / "p.json", "--microbatch-sizes", "1",
+            "--repeats", "1", "--warmup", "0"]
+    got, _, err = run_main(capsys, *args)
+    assert_one_error(got, err, expected=code, needle=needle)
+    assert "unexpected" not in err and not (tmp_path / "p.json").exists()
+    if code == 1:
+        assert err.splitlines()[1] == ("hint: the error is in that code, not in varuna; set VARUNA_DEBUG=1 for "
+                                       "the whole traceback")
+        monkeypatch.setenv("VARUNA_DEBUG", "1")
+        from varuna_core.errors import UserCodeError
+
+        with pytest.raises(UserCodeError) as info:
+            cli.main([str(a) for a in args])
+        assert info.value.__cause__ is not None  # the user's own traceback, with VARUNA_DEBUG=1
+
+
 # --- varuna env -------------------------------------------------------------------------------------------
 
 def test_env_redacts_secrets(capsys, monkeypatch) -> None:
