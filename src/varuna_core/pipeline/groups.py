@@ -27,6 +27,7 @@ import torch.nn as nn
 from .. import env
 from ..errors import ConfigError
 from ..ir.topology import Topology
+from ..model.devices import check_device, machine_devices
 from ..model.stage import StageModule, TieSet
 from .config import MASK64
 
@@ -93,57 +94,6 @@ def resolve_device(device: Any, local_rank: int) -> torch.device:
     if resolved.type == "cuda" and resolved.index is not None and not isinstance(device, (str, torch.device)):
         torch.cuda.set_device(resolved.index)
     return resolved
-
-
-def machine_devices() -> str:
-    """The devices a rank of this machine can run on, in words: ``cpu`` and ``cuda:0..N-1`` if there are GPUs."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return "cpu" + ("" if not count else ", cuda:0" if count == 1 else f", cuda:0..{count - 1}")
-
-
-def check_device(device: Any, local_rank: int = -1) -> torch.device:
-    """The device ``device`` names, if this machine has it (nothing is set or allocated).
-
-    ``device`` is ``-1`` (CUDA ``local_rank``, default ``LOCAL_RANK``, if CUDA is available, else CPU), a CUDA
-    index, a string such as ``"cpu"`` or ``"cuda:1"``, or a ``torch.device``. Only CPU and CUDA devices can run a
-    stage (gloo and NCCL are the backends); a CUDA device must exist on this machine.
-
-    Raises:
-        ConfigError: anything else, naming the argument and the devices this machine has. Torch's own error for
-            an unknown device type lists every type torch knows, none of which may be here.
-    """
-    hint = f"this machine has {machine_devices()}; pass device='cpu', a CUDA index, or -1 (the local rank's GPU " \
-           "if there is one, else the CPU)"
-    shown = f"device={device!r}" if len(repr(device)) <= 80 else f"device={repr(device)[:77]}..."
-    if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
-        raise ConfigError(f"{shown} is not a device: give an int, a string or a torch.device", hint=hint)
-    if isinstance(device, int):
-        if device < -1:
-            raise ConfigError(f"{shown} is not a device index", hint=hint)
-        if device == -1:
-            if not torch.cuda.is_available():
-                return torch.device("cpu")
-            if local_rank < 0:
-                local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            index = local_rank
-            if index >= torch.cuda.device_count():
-                raise ConfigError(f"{shown} picks the GPU of local rank {index}, but this machine has "
-                                  f"{machine_devices()}", hint="start at most one process per GPU on each host")
-            return torch.device("cuda", index)
-        resolved = torch.device("cuda", device)
-    elif isinstance(device, str):
-        try:
-            resolved = torch.device(device)
-        except (RuntimeError, ValueError):  # torch lists every device type it knows
-            raise ConfigError(f"{shown} is not a device name", hint=hint) from None
-    else:
-        resolved = device
-    if resolved.type == "cpu" and resolved.index in (None, 0):
-        return resolved
-    if resolved.type == "cuda" and torch.cuda.is_available() and (
-            resolved.index is None or resolved.index < torch.cuda.device_count()):
-        return resolved
-    raise ConfigError(f"{shown} is not a device of this machine", hint=hint)
 
 
 @dataclass(eq=False)  # compared (and hashed, in _made) by identity
