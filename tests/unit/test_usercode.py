@@ -115,3 +115,24 @@ def test_a_batch_function_is_called_by_its_signature_not_retried_after_a_type_er
     with pytest.raises(ConfigError, match=r"the batch function cannot be called as fn\(n\) \(its signature is "
                                           r"\(\)\)"):
         make_batch_fn(lambda: {"x": torch.ones(1)}, None)
+
+
+def test_a_decorated_function_is_judged_by_its_wrapper() -> None:
+    """A wrapper may take what the function it wraps does not (a renamed keyword): no refusal from the wrapped
+    signature, and what the call then raises is the user's code failing."""
+    import functools
+
+    def renames(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if "old_name" in kwargs:
+                kwargs["new_name"] = kwargs.pop("old_name")
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    @renames
+    def forward(new_name):
+        return new_name
+
+    assert call_user(forward, old_name=3, what="forward") == 3

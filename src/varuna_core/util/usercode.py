@@ -102,10 +102,16 @@ def user_error(what: str, exc: BaseException, where: tuple[str, int, str] | None
     return error
 
 
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """``fn``'s own signature: a decorator's wrapper (``functools.wraps``) is read as itself, not as the function
+    it wraps, since it may take what the wrapped one does not (a renamed keyword, say)."""
+    return inspect.signature(fn, follow_wrapped=False)
+
+
 def accepts(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool | None:
     """Whether ``fn``'s signature takes these arguments; None when it cannot be read (some built-ins)."""
     try:
-        signature = inspect.signature(fn)
+        signature = _signature(fn)
     except (TypeError, ValueError):
         return None
     try:
@@ -117,7 +123,7 @@ def accepts(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool | None:
 
 def plain_signature(fn: Callable[..., Any]) -> str:
     """``fn``'s signature without annotations, e.g. ``(idx, targets)``: the names are what a message needs."""
-    signature = inspect.signature(fn)
+    signature = _signature(fn)
     return str(signature.replace(parameters=[p.replace(annotation=inspect.Parameter.empty)
                                              for p in signature.parameters.values()],
                                  return_annotation=inspect.Signature.empty))
@@ -130,7 +136,7 @@ def check_call(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = N
     if accepts(fn, *args, **(kwargs or {})) is not False:
         return
     try:
-        inspect.signature(fn).bind(*args, **(kwargs or {}))
+        _signature(fn).bind(*args, **(kwargs or {}))
     except TypeError as exc:
         raise ConfigError(f"{what} cannot be called so: {exc} (its signature is {plain_signature(fn)})",
                           hint=hint) from None
