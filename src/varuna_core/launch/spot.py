@@ -22,9 +22,10 @@ thread and calls back once per announced event. What is read, exactly:
 
 ``base`` defaults to the cloud's metadata address (``http://169.254.169.254``; GCP's
 ``http://metadata.google.internal``) and may be any ``http://host[:port]`` (the tests serve the documented
-responses on 127.0.0.1), checked by :func:`check_endpoint` before anything starts. Whatever the endpoint answers is untrusted: bodies are capped at :data:`MAX_BODY`
-bytes, redirects are not followed, every request has a timeout, and an answer that is not in the documented
-form is no notice (the watcher keeps asking; a VM that is not on that cloud just never gets one).
+responses on 127.0.0.1), checked by :func:`check_endpoint` before anything starts. Whatever the endpoint
+answers is untrusted: bodies are capped at :data:`MAX_BODY` bytes, redirects are not followed, every request
+has a timeout, and an answer that is not in the documented form is no notice (the watcher keeps asking; a VM
+that is not on that cloud just never gets one).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ the index with a bounded read, shard names that are plain file names (a ``weight
 ``/etc/passwd`` must not read it), regular files opened without blocking (a FIFO would hang ``safe_open``),
 symbolic links only where they stay in the directory -- or, in the Hugging Face hub cache layout
 (``models--org--name/snapshots/<rev>/``), in that cache repository (its ``blobs/``), also when a snapshot's file is
-named directly; a link that leads elsewhere is refused, naming it, before its target is opened. A malformed file is one line
-naming it (``safetensors``' own errors are wrapped), never a traceback from a lower library.
+named directly; a link that leads elsewhere is refused, naming it, before its target is opened. A malformed file
+is one line naming it (``safetensors``' own errors are wrapped), never a traceback from a lower library.
 
 Names are those of ``model.named_parameters()`` / ``named_buffers()`` (all names of a tied weight: a Hugging
 Face checkpoint stores ``lm_head.weight`` or only ``transformer.wte.weight``, either is accepted).

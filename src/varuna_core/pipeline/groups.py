@@ -1,8 +1,8 @@
 """The process group, the device, the sub-groups a stage talks in and what every rank must agree on at start-up.
 
 * :func:`ensure_process_group` joins (or creates, from torchrun-style variables) the default process group;
-* :func:`check_device` checks the device asked for before anything is built, :func:`resolve_device` picks (and
-  sets) this rank's device;
+* :func:`resolve_device` checks the device asked for (:func:`~varuna_core.model.devices.check_device`), picks
+  it and sets it as the current one;
 * :func:`build_groups` creates the data-parallel group of every stage and one group per tied weight and replica;
 * :func:`sync_initial_state` starts every replica of a stage and every copy of a tied weight from the same values;
 * :func:`agree_identity` broadcasts rank 0's dropout seed and run id.
@@ -27,11 +27,11 @@ import torch.nn as nn
 from .. import env
 from ..errors import ConfigError
 from ..ir.topology import Topology
-from ..model.devices import check_device, machine_devices
+from ..model.devices import check_device
 from ..model.stage import StageModule, TieSet
 from .config import MASK64
 
-__all__ = ["ensure_process_group", "resolve_device", "check_device", "machine_devices", "Groups", "build_groups", "tie_params",
+__all__ = ["ensure_process_group", "resolve_device", "Groups", "build_groups", "tie_params",
            "sync_initial_state", "agree_identity", "broadcast_coalesced"]
 
 _RUN_ID_BYTES = 64

@@ -372,7 +372,8 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
     total = len(mine) * len(microbatch_sizes)
     done = 0
     for n in microbatch_sizes:
-        inputs = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in _check_batch(spec.inputs, dims, n).items()}
+        inputs = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
+                  for k, v in _check_batch(spec.inputs, dims, n).items()}
         failure: tuple[int, str] | None = None
         for k in mine:
             _, _, gbytes, obytes, _ = statics[k]
