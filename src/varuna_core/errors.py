@@ -17,6 +17,7 @@ __all__ = [
     "ShapeMismatchError",
     "CommTimeoutError",
     "CheckpointError",
+    "UserCodeError",
     "format_error",
     "EXIT_CHECKPOINTED",
     "EXIT_BAD_CHECKPOINT",
@@ -88,3 +89,13 @@ def format_error(exc: VarunaError) -> str:
 
 class CheckpointError(VarunaError):
     """A checkpoint that is missing, incomplete, corrupt, or does not fit the model."""
+
+
+class UserCodeError(VarunaError):
+    """The user's own code (a model spec's function, the model's forward, an optimizer) raised while a command
+    of the toolkit ran it: not bad input, and not a failure of ours. The message says which call raised, where
+    (``file:line`` of the innermost frame in the user's files) and what it said; the original exception is the
+    ``__cause__``. Exit code 1 in the CLI. See :mod:`varuna_core.util.usercode`."""
+
+    exit_code = 1
+    where: tuple[str, int, str] | None = None  # (file, line, function) in the user's code, if known

@@ -89,7 +89,9 @@ class Varuna(nn.Module):
         chunk_size: the micro-batch size.
         fp16: fp16 autocast with dynamic loss scaling (the original's flag; same as ``precision="fp16"``).
         local_rank: local rank for device selection (default: ``LOCAL_RANK`` env).
-        device: ``-1`` (CUDA ``local_rank`` if available, else CPU), a CUDA index, or a ``torch.device``.
+        device: ``-1`` (CUDA ``local_rank`` if available, else CPU), a CUDA index, a name (``"cpu"``,
+            ``"cuda:1"``) or a ``torch.device``; a device this machine does not have is a ``ConfigError`` naming
+            the ones it has, raised before the process group is joined.
         shared_weights: ``[(name_a, name_b)]`` parameter names that hold one tied weight. A parameter object
             used by two stages is detected without being listed.
         from_cache: reuse the structure discovery of an identical model and inputs.
@@ -202,7 +204,9 @@ class Varuna(nn.Module):
     # Set-up (composition: each part lives on its floor)
 
     def _place(self, config: Config, device: Any, local_rank: int) -> None:
-        """This rank's place: process group, topology, batch layout, device."""
+        """This rank's place: device (checked before the process group is joined), process group, topology, batch
+        layout."""
+        self.device = resolve_device(device, local_rank)
         self.world_size, self.rank = ensure_process_group(config.timeout)
         self.topology = parse_topology(config.stage_to_rank_map, self.world_size)
         self.stage, self.replica = self.topology.coords(self.rank)
@@ -212,10 +216,10 @@ class Varuna(nn.Module):
         self.replica_batch_size, self._replica_range = layout.replica_batch_size, layout.replica_range
         self.microbatch_sizes, self._microbatch_ids = layout.microbatch_sizes, layout.microbatch_ids
         self.num_microbatches = len(self.microbatch_sizes)
-        self.device = resolve_device(device, local_rank)
         self.schedule_name = config.schedule
 
-    def _slice(self, model: nn.Module, shared_weights: list, cutpoints: str | None, values: ValueSource | None) -> None:
+    def _slice(self, model: nn.Module, shared_weights: list, cutpoints: str | None,
+               values: ValueSource | None) -> None:
         """This stage's module (allocated and loaded here if built on meta), its tied weights, and the groups that
         keep replicas and tied copies in step."""
         self.weight_groups = weight_groups(model, shared_weights)  # checkpoint names: any layout

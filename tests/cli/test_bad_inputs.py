@@ -328,6 +328,27 @@ def test_launch_env_files_that_are_not_files(capsys, files, tmp_path, name) -> N
     assert_one_error(code, err, needle=str(files[name]))
 
 
+@pytest.mark.parametrize(("option", "value", "needle"), [
+    ("--code-dir", "MISSING", "--code-dir MISSING does not exist"),
+    ("--code-dir", "train.py", "--code-dir train.py is not a directory"),
+    ("--ssh-identity", "MISSING", "--ssh-identity MISSING does not exist"),
+    ("--ssh-identity", "dir", "--ssh-identity dir is not a file"),
+])
+def test_launch_missing_paths(capsys, files, tmp_path, option, value, needle) -> None:
+    """A place an option names that is missing is named as missing, with a hint (not blamed on SCRIPT, not an
+    SSH failure); checked before anything starts."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 slots=4\n")
+    path = str(tmp_path / "missing" / "x") if value == "MISSING" else str(files[value])
+    run = tmp_path / "run"
+    code, _, err = run_main(capsys, "launch", files["plan.yaml"], "--run-dir", run, "--hosts", hosts,
+                            *([] if option == "--code-dir" else ["--code-dir", files["dir_path"]]),
+                            option, path, "--", "train.py")
+    assert_one_error(code, err, needle=needle.replace(value, path))
+    assert "hint: " in err or value != "MISSING"
+    assert not run.exists()
+
+
 def test_launch_run_dir_that_is_a_file(capsys, files, tmp_path) -> None:
     code, _, err = run_main(capsys, "launch", files["plan.yaml"], "--run-dir", files["train.py"], "--", "train.py")
     assert_one_error(code, err, needle="--run-dir")
@@ -396,6 +417,21 @@ def test_notify_preempt_bad_options(capsys, tmp_path, extra, needle) -> None:
     assert_one_error(code, err, needle=needle)
 
 
+@pytest.mark.parametrize("subprocess_run", [False, True])
+def test_notify_preempt_missing_run_dir(capsys, files, tmp_path, subprocess_run) -> None:
+    """As every missing path argument: one line that says it does not exist, a hint, exit 2."""
+    missing = tmp_path / "no-such-run"
+    if subprocess_run:
+        done = _run("notify-preempt", "node1", "--run-dir", missing)
+        code, err = done.returncode, done.stderr
+    else:
+        code, _, err = run_main(capsys, "notify-preempt", "node1", "--run-dir", missing)
+    assert_one_error(code, err, needle=f"--run-dir {missing} does not exist")
+    assert err.splitlines()[1].startswith("hint: give --run-dir of a running `varuna launch`")
+    code, _, err = run_main(capsys, "notify-preempt", "node1", "--run-dir", files["train.py"])
+    assert_one_error(code, err, needle=f"--run-dir {files['train.py']} is not a directory")
+
+
 def test_notify_preempt_bad_host_names(capsys, tmp_path) -> None:
     (tmp_path / "manager.json").write_text(json.dumps({"job": "j", "token": "t", "port": 9}))
     for host in ("", "h" * 300, "a\nb"):
@@ -449,6 +485,36 @@ def test_profile_options_fail_before_the_model_is_built(capsys, monkeypatch, fil
     code, _, err = run_main(capsys, "profile", "tests.specs.sleep:marked", *extra)
     assert_one_error(code, err, needle=needle)
     assert not marker.exists(), "the model was built before the options were checked"
+
+
+@pytest.mark.parametrize(("attr", "code", "needle"), [
+    ("build_value_error", 1, "the model spec's build() raised ValueError at tests/specs/failing.py:"),
+    ("build_type_error", 1, "the model spec's build() raised TypeError at tests/specs/failing.py:"),
+    ("forward_type_error", 1, "raised TypeError at tests/specs/failing.py:"),
+    ("factory_type_error", 1, "tests.specs.failing:factory_type_error() raised TypeError at tests/specs/failing.py:"),
+    ("factory_with_an_argument", 2, "cannot be called so: missing a required argument: 'size'"),
+    ("batch_without_n", 2, "the model spec's batch(1) cannot be called so"),
+    ("wrong_input_names", 2, "does not take the inputs ['targets', 'tokens']"),
+])
+def test_profile_a_spec_whose_code_fails(capsys, monkeypatch, tmp_path, attr, code, needle) -> None:
+    """The user's code raising is exit 1, saying where in their files; a spec called against its signature
+    (never a TypeError raised inside it) is bad input, exit 2."""
+    monkeypatch.setenv("VARUNA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(ROOT)
+    args = ["profile", f"tests.specs.failing:{attr}", "-o", tmp_path / "p.json", "--microbatch-sizes", "1",
+            "--repeats", "1", "--warmup", "0"]
+    got, _, err = run_main(capsys, *args)
+    assert_one_error(got, err, expected=code, needle=needle)
+    assert "unexpected" not in err and not (tmp_path / "p.json").exists()
+    if code == 1:
+        assert err.splitlines()[1] == ("hint: the error is in that code, not in varuna; set VARUNA_DEBUG=1 for "
+                                       "the whole traceback")
+        monkeypatch.setenv("VARUNA_DEBUG", "1")
+        from varuna_core.errors import UserCodeError
+
+        with pytest.raises(UserCodeError) as info:
+            cli.main([str(a) for a in args])
+        assert info.value.__cause__ is not None  # the user's own traceback, with VARUNA_DEBUG=1
 
 
 # --- varuna env -------------------------------------------------------------------------------------------
@@ -540,11 +606,19 @@ def test_env_in_a_subprocess_redacts_the_job_token() -> None:
     (["--preemption-source", "aws", "--preemption-endpoint", "ftp://x"], "--preemption-endpoint: a metadata"),
     (["--preemption-source", "gcp", "--preemption-endpoint", "http://h/path"], "is http://host[:port]"),
     (["--slurm"], "not inside a Slurm job (SLURM_JOB_ID is not set)"),
+    (["--preemption-source", "aws", "--preemption-endpoint", "http://127.0.0.1:0"], "port 0 is not in 1..65535"),
+    (["--preemption-source", "aws", "--preemption-endpoint", "http://127.0.0.1:65536"], "not a number in 1..65535"),
+    (["--preemption-source", "azure", "--preemption-endpoint", "http://root:s3cr3t@169.254.169.254"],
+     "got 'http://***@169.254.169.254': it holds credentials"),
+    (["--preemption-source", "gcp", "--preemption-endpoint", "http://" + "x" * 2000], "the 1,024 the node agents"),
+    (["--preemption-source", "gcp", "--preemption-endpoint", "https://metadata"], "the scheme is 'https'"),
+    (["--preemption-source", "gcp", "--preemption-endpoint", "http://:80"], "names no host"),
 ])
 def test_launch_clouds_and_clusters(capsys, monkeypatch, files, tmp_path, extra, needle) -> None:
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     code, err = _launch(capsys, files, tmp_path, *extra)
     assert_one_error(code, err, needle=needle)
+    assert "s3cr3t" not in err
 
 
 def test_launch_slurm_and_hosts_conflict(capsys, monkeypatch, files, tmp_path) -> None:

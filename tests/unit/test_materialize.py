@@ -295,3 +295,13 @@ def test_model_without_meta_tensors_is_left_unchanged():
     assert materialize(model, seed=SEED) is model  # no initialiser needed: nothing to initialise
     for key, value in tensors(model).items():
         assert value is before[key][0] and torch.equal(value, before[key][1]), key
+
+
+@pytest.mark.parametrize("device", ["tpu", "garbage", 1.5, *(["cuda", "cuda:0", 0] if not torch.cuda.is_available()
+                                                           else ["cuda:7000", 7000])])
+def test_a_device_this_machine_lacks_is_named_before_anything_is_allocated(device):
+    model = build_toy()
+    with pytest.raises(ConfigError, match=r"device=.* is not a device.*this machine has cpu") as e:
+        materialize(model, seed=SEED, device=device)
+    assert "Expected one of" not in str(e.value)
+    assert all(t.is_meta for t in model.parameters())

@@ -62,3 +62,10 @@ def test_bad_construction_is_named() -> None:
         Profiler(ToyLM(), get_batch, pstages_to_profile=[0, 1])
     with pytest.raises(ConfigError, match="contradicts"):
         Profiler(ToyLM(), get_batch, fp16=True, precision="bf16")
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:99", 99])
+def test_a_device_this_machine_lacks_is_named(device) -> None:
+    with pytest.raises(ConfigError, match=r"device=.* (is not a device|picks)") as info:
+        Profiler(ToyLM(), get_batch, device=device)
+    assert "this machine has cpu" in str(info.value)

@@ -155,3 +155,94 @@ def test_values_skipping_a_cut_are_measured_and_planned(tmp_path) -> None:
     assert boundary.skip_bytes == skipped[cut] * per_tensor[4]
     assert boundary.activation_bytes == boundary.skip_bytes + per_tensor[4]
     assert plan.stages[1].skip_bytes == plan.stages[1].activation_bytes == 0
+
+
+def test_more_cuda_processes_than_gpus_is_refused_before_the_model_is_built(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="2 processes are asked for and this machine has 1 GPU"):
+        profile("tests.specs.sleep:marked", nproc=2, device="cuda")
+
+
+# --- the user's own code failing ----------------------------------------------------------------------------
+
+FAILING = ROOT / "tests" / "specs" / "failing.py"
+
+
+def _line(mark: str) -> str:
+    """``tests/specs/failing.py:N`` of the line marked ``# raises: mark``."""
+    for number, text in enumerate(FAILING.read_text().splitlines(), 1):
+        if text.endswith(f"# raises: {mark}"):
+            return f"failing.py:{number}"
+    raise AssertionError(mark)
+
+
+USER_FAILURES = [  # (attribute, what raised, exception, mark of the user's line)
+    ("build_value_error", "the model spec's build()", "ValueError", "build"),
+    ("build_type_error", "the model spec's build()", "TypeError", "deep"),
+    ("batch_key_error", "the model spec's batch(1)", "KeyError", "batch"),
+    ("forward_type_error", "the model's code (dry run", "TypeError", "forward"),
+    ("late", "the model's code (segment 0, micro-batch 4)", "RuntimeError", "late"),
+    ("optimizer_error", "the model spec's optimizer(params)", "ValueError", "optimizer"),
+    ("factory_type_error", "tests.specs.failing:factory_type_error()", "TypeError", "factory"),
+]
+
+
+@pytest.mark.parametrize(("attr", "what", "kind", "mark"), USER_FAILURES, ids=[c[0] for c in USER_FAILURES])
+def test_an_error_in_the_users_code_names_its_place(attr, what, kind, mark) -> None:
+    """Not bad input (a TypeError inside the spec's code is not a call that did not fit its signature), not an
+    unexpected failure of ours: the user's code raised, here, saying this."""
+    from varuna_core.errors import UserCodeError
+
+    with pytest.raises(UserCodeError) as info:
+        profile(f"tests.specs.failing:{attr}", microbatch_sizes=[1, 4], repeats=1, warmup=0)
+    message = info.value.message
+    assert message.startswith(f"{what}") and f" raised {kind} at " in message, message
+    assert f"tests/specs/{_line(mark)}" in message, message
+    assert info.value.exit_code == 1 and "cannot be called" not in message
+    assert info.value.__cause__ is not None and type(info.value.__cause__).__name__ == kind
+
+
+BAD_CALLS = [
+    ("factory_with_an_argument", "cannot be called so: missing a required argument: 'size' (its signature is (size))"),
+    ("batch_without_n", "the model spec's batch(1) cannot be called so: too many positional arguments"),
+    ("build_with_an_argument", "the model spec's build() cannot be called so: missing a required argument"),
+    ("wrong_input_names", "ToyLM.forward(idx, targets) does not take the inputs ['targets', 'tokens']"),
+]
+
+
+@pytest.mark.parametrize(("attr", "needle"), BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_a_spec_called_against_its_signature_is_bad_input(attr, needle) -> None:
+    with pytest.raises(ConfigError) as info:
+        profile(f"tests.specs.failing:{attr}", microbatch_sizes=[1], repeats=1, warmup=0)
+    assert needle in info.value.message and info.value.exit_code == 2
+
+
+@pytest.mark.parametrize(("source", "kind", "line"), [
+    ("import torch\nx = 1\nraise RuntimeError('no GPU here')\n", "RuntimeError", 3),
+    ("import torch\nimport no_such_package_here\n", "ModuleNotFoundError", 2),
+    ("x = 1\ndef f(:\n    pass\n", "SyntaxError", 2),
+])
+def test_a_spec_file_that_fails_to_import_is_the_users_code(tmp_path, source, kind, line) -> None:
+    from varuna_core.errors import UserCodeError
+
+    path = tmp_path / "spec.py"
+    path.write_text(source)
+    with pytest.raises(UserCodeError) as info:
+        load_spec(f"{path}:spec")
+    assert info.value.message.startswith(f"importing {path}:spec raised {kind} at ") and f"spec.py:{line}" in \
+        info.value.message, info.value.message
+
+
+def test_cli_reports_the_users_error_in_a_profiling_process(tmp_path) -> None:
+    """With --nproc 2 the failure happens in a profiling process (after the dry run in this one): reported as
+    the user's code failing, where, exit 1."""
+    out = _cli("profile", "tests.specs.failing:late", "-o", str(tmp_path / "p.json"), "--nproc", "2",
+               "--microbatch-sizes", "1,4", "--repeats", "1", "--warmup", "0", env={"VARUNA_CACHE_DIR": str(tmp_path)})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1, out.stderr
+    assert len(lines) == 2 and lines[0].startswith("error: in profiling process ") and lines[1].startswith("hint:")
+    assert "raised RuntimeError at tests/specs/" + _line("late") + " (in forward): cannot take 4 examples" in lines[0]
+    assert not (tmp_path / "p.json").exists()

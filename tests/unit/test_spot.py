@@ -167,3 +167,70 @@ def test_an_azure_watcher_keeps_to_its_own_vm(server, name, expected) -> None:
     finally:
         watcher.stop(timeout=5)
     assert sorted(n.event for n in got) == expected
+
+
+# --- endpoints checked up front ---------------------------------------------------------------------------
+
+SECRET = "s3cr3t-pw"
+BAD_ENDPOINTS = [
+    ("http://127.0.0.1:0", "port 0 is not in 1..65535"),
+    ("http://127.0.0.1:65536", "the port is not a number in 1..65535"),
+    ("http://127.0.0.1:99999999", "the port is not a number in 1..65535"),
+    ("http://127.0.0.1:-1", "the port is not a number in 1..65535"),
+    (f"http://admin:{SECRET}@169.254.169.254", "holds credentials"),
+    (f"http://{SECRET}@169.254.169.254:80", "holds credentials"),
+    (f"http://admin:{SECRET}/x@169.254.169.254", "holds credentials"),  # a '/' in the password
+    ("http://" + "a" * 1100, "more than the 1,024 the node agents take"),
+    ("ftp://169.254.169.254", "the scheme is 'ftp'"),
+    ("169.254.169.254", "no scheme"),
+    ("http://", "names no host"),
+    ("http://:8080", "names no host"),
+    ("http://meta\ndata", "whitespace or control characters"),  # urllib would drop the newline silently
+    ("http://a b", "whitespace or control characters"),
+    ("http://h#frag", "path, query or fragment"),
+    ("http://h/latest", "path, query or fragment"),
+    ("http://[::1", "http://host[:port]"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "needle"), BAD_ENDPOINTS, ids=[e[1] for e in BAD_ENDPOINTS])
+def test_bad_endpoints_are_refused_without_showing_credentials(endpoint, needle) -> None:
+    from varuna_core.errors import ConfigError
+    from varuna_core.launch.options import LaunchOptions, SpotConfig
+    from varuna_core.launch.spot import check_endpoint
+
+    with pytest.raises(ValueError) as info:
+        check_endpoint(endpoint)
+    assert needle in str(info.value) and SECRET not in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ConfigError) as info:  # a program that fills LaunchOptions gets the same check
+        LaunchOptions(script=["train.py"], run_dir=".", ckpt_dir=".", spot=SpotConfig("aws", endpoint))
+    assert needle in info.value.message and SECRET not in str(info.value)
+
+
+def test_the_endpoint_limit_is_the_agent_protocols() -> None:
+    from varuna_core.launch.protocol import MAX_ENDPOINT, SpotWatch
+    from varuna_core.launch.spot import check_endpoint
+
+    longest = "http://" + "a" * (MAX_ENDPOINT - len("http://"))
+    SpotWatch(source="aws", endpoint=longest)  # the agent takes it (as a string; no host name is that long)
+    with pytest.raises(ValueError) as info:
+        check_endpoint(longest)
+    assert "is not a host name" in str(info.value) and "more than" not in str(info.value)
+    with pytest.raises(ValueError, match=f"more than the {MAX_ENDPOINT:,} the node agents take"):
+        check_endpoint(longest + "a")
+
+
+@pytest.mark.parametrize("endpoint", ["http://169.254.169.254", "http://metadata.google.internal/",
+                                      "http://127.0.0.1:8080", "http://[::1]:80", "http://Node_1.local:1"])
+def test_good_endpoints(endpoint) -> None:
+    from varuna_core.launch.options import SpotConfig
+
+    assert SpotConfig("gcp", endpoint).endpoint == endpoint
+
+
+def test_an_unknown_source_is_refused_when_the_config_is_made() -> None:
+    from varuna_core.errors import ConfigError
+    from varuna_core.launch.options import SpotConfig
+
+    with pytest.raises(ConfigError, match="preemption source 'oracle' is not one of azure, aws, gcp"):
+        SpotConfig("oracle")

@@ -147,6 +147,40 @@ def test_bad_arguments(kwargs, error, match) -> None:
     assert str(info.value)
 
 
+def _devices_here() -> str:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "cpu" + ("" if not count else ", cuda:0" if count == 1 else f", cuda:0..{count - 1}")
+
+
+class _Device:
+    """A device that is not a device."""
+
+
+@pytest.mark.parametrize("device", [
+    "tpu", "garbage", "", "cuda:7000", 7000, -2, True, 1.5, _Device(), torch.device("meta"), torch.device("xpu"),
+    "cpu:3", *(["cuda", "cuda:0", 0, torch.device("cuda")] if not torch.cuda.is_available() else []),
+])
+def test_a_device_this_machine_lacks_is_named_before_anything_starts(monkeypatch, device) -> None:
+    """The argument, the value and the devices this machine has; checked before the process group is joined
+    (torch's own error lists every device type it knows and none of the machine's)."""
+    import varuna_core.varuna as facade
+
+    def joined(*args, **kwargs):
+        raise AssertionError("the process group was joined before the device was checked")
+
+    monkeypatch.setattr(facade, "ensure_process_group", joined)
+    with pytest.raises(ConfigError) as info:
+        _wrap(device=device)
+    message = str(info.value)
+    assert "device=" in message and f"this machine has {_devices_here()}" in message, message
+    assert "\n" not in message and "Expected one of" not in message, message
+
+
+def test_the_cpu_device_is_accepted_in_every_spelling() -> None:
+    for device in ("cpu", "cpu:0", torch.device("cpu")):
+        assert _wrap(device=device).device.type == "cpu"
+
+
 def test_bad_step_inputs() -> None:
     vm = _wrap()
     with pytest.raises(ConfigError, match="input 'idx' has 5 examples"):

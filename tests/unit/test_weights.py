@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -388,3 +389,190 @@ def test_nothing_loadable(tmp_path):
     with pytest.raises(ConfigError) as e:
         WeightSource.open(tmp_path / "m.safetensors").read("nope")
     one_line(e, "'nope'")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# dtypes that cannot be the tensor's, a tensor named twice, links out of a hub cache
+
+
+class WithIds(nn.Module):
+    """A float parameter and an integer buffer (position ids)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("ids", torch.arange(4, dtype=torch.int64))
+
+
+def ids_state(**changed: torch.Tensor) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"fc.weight": torch.randn(4, 4, generator=g), "fc.bias": torch.randn(4, generator=g),
+            "ids": torch.arange(4, dtype=torch.int64)} | changed
+
+
+DTYPE_CASES = [
+    ({"fc.weight": torch.ones(4, 4, dtype=torch.bool)}, "'fc.weight' is bool in w.safetensors, but the parameter "
+                                                        "of WithIds is float32"),
+    ({"fc.weight": torch.ones(4, 4, dtype=torch.int64)}, "'fc.weight' is int64"),
+    ({"fc.bias": torch.ones(4, dtype=torch.uint8)}, "'fc.bias' is uint8"),
+    ({"fc.bias": torch.ones(4, dtype=torch.complex64)}, "'fc.bias' is complex64"),
+    ({"ids": torch.arange(4, dtype=torch.float32)}, "'ids' is float32 in w.safetensors, but the buffer of WithIds "
+                                                    "is int64"),
+    ({"ids": torch.ones(4, dtype=torch.bool)}, "'ids' is bool"),
+]
+
+
+# a model built on meta keeps its buffers real (meta_init() moves parameters only): they load as on a real model
+@pytest.mark.parametrize(("changed", "needle", "on_meta"), [
+    (changed, needle, on_meta) for changed, needle in DTYPE_CASES for on_meta in (False, True)
+    if not (on_meta and "ids" in changed)])
+def test_a_dtype_that_cannot_be_the_tensors_is_refused_before_anything_is_copied(tmp_path, changed, needle,
+                                                                                 on_meta):
+    save_file(ids_state(**changed), str(tmp_path / "w.safetensors"))
+    if on_meta:  # the path of Varuna(weights=...) on a model built on meta: values made, then overwritten
+        from varuna_core.model.materialize import owner_values, value_plan
+
+        with meta_init():
+            model = WithIds()
+        plan = value_plan(model, 0, None, "cpu")
+        with pytest.raises(ConfigError) as e, WeightSource.open(tmp_path / "w.safetensors") as source:
+            for owner in (model, model.fc):
+                owner_values(plan, owner, source)
+        one_line(e, needle.split(" in ")[0], "the model's tensor is")
+        return
+    model = WithIds()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError) as e:
+        load_weights(model, tmp_path / "w.safetensors")
+    one_line(e, needle)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing copied
+
+
+@pytest.mark.parametrize(("changed", "dtype"), [
+    ({"fc.weight": torch.ones(4, 4, dtype=torch.float64)}, torch.float32),
+    ({"fc.weight": torch.ones(4, 4, dtype=torch.bfloat16)}, torch.float32),
+    ({"ids": torch.arange(4, dtype=torch.int32)}, torch.int64),
+    ({"ids": torch.arange(4, dtype=torch.uint8)}, torch.int64),
+])
+def test_conversions_that_keep_the_meaning_are_allowed(tmp_path, changed, dtype):
+    save_file(ids_state(**changed), str(tmp_path / "w.safetensors"))
+    model = WithIds()
+    load_weights(model, tmp_path / "w.safetensors")
+    name = next(iter(changed))
+    assert model.state_dict()[name].dtype == dtype
+    assert torch.equal(model.state_dict()[name], changed[name].to(dtype))
+
+
+def test_castable_rules():
+    assert W.castable(torch.float16, torch.float32) and W.castable(torch.float32, torch.bfloat16)
+    assert W.castable(torch.int8, torch.int16) and W.castable(torch.uint8, torch.int16)
+    for source, target in [(torch.int64, torch.int32), (torch.int8, torch.uint8), (torch.uint8, torch.int8),
+                           (torch.bool, torch.uint8), (torch.uint8, torch.bool), (torch.float32, torch.complex64),
+                           (torch.complex64, torch.float32), (torch.int32, torch.float32)]:
+        assert not W.castable(source, target), (source, target)
+
+
+TWO = {"a.safetensors": {"x": torch.ones(3)}, "b.safetensors": {"x": torch.zeros(3), "y": torch.ones(2)}}
+
+
+def test_an_index_that_names_a_tensor_twice_is_refused(tmp_path):
+    index = '{"weight_map": {"x": "a.safetensors", "y": "b.safetensors", "x": "b.safetensors"}}'
+    directory = sharded(tmp_path / "m", index, TWO)
+    with pytest.raises(ConfigError) as e:
+        WeightSource.open(directory)
+    one_line(e, "names tensor 'x' twice", "'a.safetensors'", "'b.safetensors'")
+    directory = sharded(tmp_path / "n", '{"weight_map": {"x": "a.safetensors"}, "weight_map": {"x": "b.safetensors"}}',
+                        TWO)
+    with pytest.raises(ConfigError) as e:
+        WeightSource.open(directory)
+    one_line(e, "'weight_map' twice")
+
+
+class XY(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.x = nn.Parameter(torch.full((3,), 7.0))
+        self.y = nn.Parameter(torch.full((2,), 7.0))
+
+
+@pytest.mark.parametrize("first", ["x", "y"])
+def test_a_tensor_in_two_shards_is_refused_even_when_the_index_names_it_once(tmp_path, first):
+    """Found as the shards are opened (either one first): b.safetensors holds an 'x' of its own, with other
+    values than the 'x' of a.safetensors, where the index puts it."""
+    directory = sharded(tmp_path / "m", {"weight_map": {"x": "a.safetensors", "y": "b.safetensors"}}, TWO)
+    source = WeightSource.open(directory)
+    with pytest.raises(ConfigError) as e:
+        for name in (first, "y" if first == "x" else "x"):
+            source.read(name)
+    one_line(e, "'x'", "a.safetensors", "b.safetensors")
+    model = XY()
+    with pytest.raises(ConfigError) as e:
+        load_weights(model, directory)  # a full load opens every shard
+    one_line(e, "'x'", "a.safetensors", "b.safetensors")
+    assert torch.equal(model.x, torch.full((3,), 7.0)) and torch.equal(model.y, torch.full((2,), 7.0))
+
+
+def hub_snapshot(tmp_path, name="tiny"):
+    repo = tmp_path / "hub" / f"models--org--{name}"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    return repo, snapshot
+
+
+@pytest.mark.parametrize("layout", ["absolute", "other dir", "blobs is a link", "blob is a link", "index",
+                                    "shard", "other repo"])
+@pytest.mark.parametrize("named", ["directory", "file"])
+def test_hub_cache_links_out_of_the_repository_are_refused_unopened(tmp_path, monkeypatch, layout, named):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    save_file({"x": torch.ones(3)}, str(outside / "evil.safetensors"))
+    repo, snapshot = hub_snapshot(tmp_path)
+    link, target = snapshot / W.SINGLE_NAME, outside / "evil.safetensors"
+    if layout == "absolute":
+        link.symlink_to("/etc/passwd")
+        target = Path("/etc/passwd")
+    elif layout == "other dir":
+        link.symlink_to(target)
+    elif layout == "blobs is a link":
+        (repo / "blobs").rmdir()
+        (repo / "blobs").symlink_to(outside)
+        link.symlink_to("../../blobs/evil.safetensors")
+    elif layout == "blob is a link":
+        (repo / "blobs" / "abc").symlink_to(target)
+        link.symlink_to("../../blobs/abc")
+    elif layout == "index":
+        (outside / "index.json").write_text(json.dumps({"weight_map": {"x": "evil.safetensors"}}))
+        link, target = snapshot / W.INDEX_NAME, outside / "index.json"
+        link.symlink_to(target)
+    elif layout == "shard":
+        (snapshot / W.INDEX_NAME).write_text(json.dumps({"weight_map": {"x": "model-1.safetensors"}}))
+        link = snapshot / "model-1.safetensors"
+        link.symlink_to(target)
+    else:  # another repository of the same cache is still outside this one
+        _, other = hub_snapshot(tmp_path, "other")
+        save_file({"x": torch.ones(3)}, str(other / "real.safetensors"))
+        link.symlink_to(other / "real.safetensors")
+        target = other / "real.safetensors"
+    opened: list[str] = []
+    real_open = os.open
+
+    def spy(path, *args, **kwargs):
+        opened.append(os.path.realpath(path))
+        return real_open(path, *args, **kwargs)
+
+    with pytest.raises(ConfigError) as e, monkeypatch.context() as patch:
+        patch.setattr(os, "open", spy)
+        WeightSource.open(snapshot if named == "directory" or layout == "shard" else link)
+    one_line(e, str(link), "symbolic link", "outside the cache repository", str(repo))
+    assert str(target.resolve()) not in opened, opened
+
+
+def test_hub_cache_links_inside_the_repository_are_followed_when_named_directly(tmp_path):
+    repo, snapshot = hub_snapshot(tmp_path)
+    save_file({"x": torch.ones(3)}, str(repo / "blobs" / "abc123"))
+    (snapshot / W.SINGLE_NAME).symlink_to("../../blobs/abc123")
+    assert torch.equal(WeightSource.open(snapshot / W.SINGLE_NAME).read("x"), torch.ones(3))
+    elsewhere = tmp_path / "mine"
+    elsewhere.symlink_to(snapshot)  # a link of one's own to the snapshot: still the cache's rules
+    assert torch.equal(WeightSource.open(elsewhere).read("x"), torch.ones(3))

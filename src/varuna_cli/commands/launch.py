@@ -139,15 +139,27 @@ def _check_seconds(values: dict[str, float]) -> None:
             raise ConfigError(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {value}")
 
 
-def _check_places(ssh_user: str | None, python: str | None, dirs: dict[str, Path | None]) -> None:
+def _check_places(ssh_user: str | None, python: str | None, dirs: dict[str, Path | None],
+                  identity: str | None = None) -> None:
+    """The places the options name: directories are directories (``--code-dir`` must exist; the others are
+    made), and ``--ssh-identity``, which ssh reads on this machine, is a file here (ssh would only warn and go
+    on without it, and the job would fail as if the hosts were unreachable)."""
     if ssh_user is not None and not _SSH_USER.fullmatch(ssh_user):
         raise ConfigError(f"--ssh-user {_shown(ssh_user)} is not a user name",
                           hint="letters, digits, '.', '_' and '-', not starting with '-'")
     if python is not None and not python.strip():
         raise ConfigError("--python is empty", hint="give the interpreter's path on the hosts")
     for name, path in dirs.items():
-        if path is not None and path.exists() and not path.is_dir():
+        if path is None:
+            continue
+        if name == "--code-dir" and not os.path.lexists(path):
+            raise ConfigError(f"--code-dir {_printable(str(path))} does not exist",
+                              hint="give the directory SCRIPT runs in (the same path on every host)")
+        if path.exists() and not path.is_dir():
             raise ConfigError(f"{name} {path} is not a directory")
+    if identity is not None and not os.path.isfile(os.path.expanduser(identity)):  # ssh expands ~ too
+        what = "is not a file" if os.path.lexists(os.path.expanduser(identity)) else "does not exist"
+        raise ConfigError(f"--ssh-identity {identity} {what}", hint="give the private key ssh should use (ssh -i)")
 
 
 def _check_script(script: list[str], code_dir: str) -> None:
@@ -257,10 +269,8 @@ def launch(
                     "--preempt-margin": preempt_margin, "--grace": grace,
                     "--straggler-threshold": straggler_threshold, "--preemption-interval": preemption_interval})
     spot = _spot(preemption_source, preemption_endpoint, preemption_interval)
-    _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir})
-    if code_dir is not None and hosts is None and not code_dir.is_dir():  # SSH hosts: checked on each host
-        raise ConfigError(f"--code-dir {_printable(str(code_dir))} does not exist",
-                          hint="give the directory SCRIPT runs in (default: the current one)")
+    _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir},
+                  ssh_identity)
     resume = _check_resume(resume, resume_or_start, run_dir, ckpt_dir)
     the_plan = load_plan(plan)
     code = str((code_dir or Path.cwd()).resolve())
@@ -372,7 +382,9 @@ def _check_resume(resume: bool, resume_or_start: bool, run_dir: Path | None, ckp
 
 
 def _spot(source: str | None, endpoint: str | None, interval: float):
-    """The spot watch of ``--preemption-source`` (None without it)."""
+    """The spot watch of ``--preemption-source`` (None without it); the endpoint is checked by the library's
+    check (:func:`varuna_core.launch.spot.check_endpoint`, which :class:`SpotConfig` runs too)."""
+    from varuna_core.launch.options import ENDPOINT_HINT
     from varuna_core.launch.spot import SOURCES, check_endpoint
 
     if source is None:
@@ -385,7 +397,7 @@ def _spot(source: str | None, endpoint: str | None, interval: float):
         try:
             check_endpoint(endpoint)
         except ValueError as exc:
-            raise ConfigError(f"--preemption-endpoint: {exc}") from None
+            raise ConfigError(f"--preemption-endpoint: {exc}", hint=ENDPOINT_HINT) from None
     return SpotConfig(source=source, endpoint=endpoint, interval=interval)
 
 
@@ -435,6 +447,8 @@ def _manager_file(path: Path) -> tuple[str, str, int]:
     from varuna_core.util.fs import read_regular
 
     hint = "give --run-dir of a running `varuna launch`"
+    if not os.path.lexists(path.parent):
+        raise ConfigError(f"--run-dir {path.parent} does not exist", hint=hint)
     if not path.parent.is_dir():
         raise ConfigError(f"--run-dir {path.parent} is not a directory", hint=hint)
     if not os.path.lexists(path):

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from ..errors import ConfigError
 from .hosts import Host
 
 __all__ = ["DEFAULTS", "LaunchOptions", "Runtime", "SSHConfig", "SlurmConfig", "SpotConfig"]
@@ -69,12 +70,34 @@ class SlurmConfig:
 
 @dataclass(frozen=True)
 class SpotConfig:
-    """Which cloud's metadata service each node agent asks for preemption notices (:mod:`.spot`)."""
+    """Which cloud's metadata service each node agent asks for preemption notices (:mod:`.spot`).
+
+    Checked when made, so that a bad source or endpoint fails before anything starts, whoever makes it (the
+    CLI, or a program that fills :class:`LaunchOptions`): see :func:`.spot.check_endpoint`.
+
+    Raises:
+        ConfigError: an unknown source, or an endpoint that is not ``http://host[:port]`` (the message never
+            shows credentials written into the URL).
+    """
 
     source: str
     endpoint: str | None = None
     interval: float = 5.0
     vm_name: str | None = None
+
+    def __post_init__(self) -> None:
+        from .spot import SOURCES, check_endpoint
+
+        if self.source not in SOURCES:
+            raise ConfigError(f"preemption source {str(self.source)[:40]!r} is not one of {', '.join(SOURCES)}")
+        if self.endpoint is not None:
+            try:
+                check_endpoint(self.endpoint)
+            except ValueError as exc:
+                raise ConfigError(f"preemption endpoint: {exc}", hint=ENDPOINT_HINT) from None
+
+
+ENDPOINT_HINT = "e.g. http://169.254.169.254 or http://127.0.0.1:8080; leave it out for the cloud's own address"
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ __all__ = [
     # the node agent's protocol
     "MAX_LINE", "MAX_EVENT", "MAX_SPEC", "WorkerSlot", "LegacyArgs", "SpotWatch", "AgentSpec", "ReadyEvent",
     "StoreEvent", "StartedEvent", "LogEvent", "ExitEvent", "ErrorEvent", "StoppedEvent", "PreemptEvent",
-    "SignalledEvent", "GoneEvent", "AgentEvent", "MAX_NOTICE_SECONDS",
+    "SignalledEvent", "GoneEvent", "AgentEvent", "MAX_NOTICE_SECONDS", "MAX_ENDPOINT",
     "SignalCommand", "StopCommand", "AgentCommand", "parse_spec", "parse_event", "parse_command", "grace_seconds",
     "describe",
     # heartbeat datagrams
@@ -70,6 +70,7 @@ MAX_SPEC = 16 * 2**20  # bytes of the spec line
 MAX_LINE = 64 * 2**10  # bytes of a worker's output line forwarded as one event (longer lines are split)
 MAX_EVENT = 256 * 2**10  # bytes of one line of an agent's output (a worker's line is at most MAX_LINE before JSON)
 MAX_GRACE = 3600.0
+MAX_ENDPOINT = 1024  # characters of a spot watch's metadata endpoint (varuna_core.launch.spot checks it up front)
 MAX_NOTICE_SECONDS = 7 * 86400.0  # a preemption announced further ahead is not a notice
 
 Rank = Annotated[int, Field(ge=0, lt=MAX_RANK)]
@@ -102,7 +103,7 @@ class SpotWatch(_Strict):
     """Ask the cloud's metadata service whether this node's VM goes away (:mod:`varuna_core.launch.spot`)."""
 
     source: Literal["azure", "aws", "gcp"]
-    endpoint: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # default: the cloud's address
+    endpoint: Annotated[str, Field(min_length=1, max_length=MAX_ENDPOINT)] | None = None  # default: the cloud's
     interval: Annotated[float, Field(ge=0.1, le=3600.0, allow_inf_nan=False)] = 5.0
     vm_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # Azure: events must name it
 

@@ -21,10 +21,11 @@ thread and calls back once per announced event. What is read, exactly:
   ``TRUE`` once the VM is being preempted (about 30 s before it stops; no time is given: 0 s), ``FALSE`` before.
 
 ``base`` defaults to the cloud's metadata address (``http://169.254.169.254``; GCP's
-``http://metadata.google.internal``) and may be any ``http://host:port`` (the tests serve the documented
-responses on 127.0.0.1). Whatever the endpoint answers is untrusted: bodies are capped at :data:`MAX_BODY`
-bytes, redirects are not followed, every request has a timeout, and an answer that is not in the documented
-form is no notice (the watcher keeps asking; a VM that is not on that cloud just never gets one).
+``http://metadata.google.internal``) and may be any ``http://host[:port]`` (the tests serve the documented
+responses on 127.0.0.1), checked by :func:`check_endpoint` before anything starts. Whatever the endpoint
+answers is untrusted: bodies are capped at :data:`MAX_BODY` bytes, redirects are not followed, every request
+has a timeout, and an answer that is not in the documented form is no notice (the watcher keeps asking; a VM
+that is not on that cloud just never gets one).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import dataclasses
 import datetime
 import email.utils
 import http.client
+import ipaddress
 import json
 import logging
 import math
@@ -42,7 +44,8 @@ import time
 import urllib.parse
 from typing import Callable
 
-__all__ = ["Notice", "SOURCES", "check", "check_endpoint", "azure_vm_name", "SpotWatcher", "MAX_BODY"]
+__all__ = ["Notice", "SOURCES", "check", "check_endpoint", "shown_endpoint", "azure_vm_name", "SpotWatcher",
+           "MAX_BODY"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ DEFAULT_BASE = {"azure": "http://169.254.169.254", "aws": "http://169.254.169.25
 AZURE_EVICTIONS = frozenset({"Preempt", "Terminate"})
 AWS_ACTIONS = frozenset({"terminate", "stop", "hibernate"})
 _VM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +92,68 @@ def check(source: str, base: str | None = None, *, timeout: float = 2.0, vm_name
 
 
 def check_endpoint(base: str) -> tuple[str, int]:
-    """``(host, port)`` of a metadata endpoint ``http://host[:port]``; ValueError for anything else."""
-    parts = urllib.parse.urlsplit(base)
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/") or parts.query:
-        raise ValueError(f"a metadata endpoint is http://host[:port], got {base[:100]!r}")
-    return parts.hostname, parts.port or 80
+    """``(host, port)`` of a metadata endpoint ``http://host[:port]``; ValueError for anything else.
+
+    Refused: another scheme, no host, a port outside 1..65535 (``:0`` too, which would otherwise mean the
+    default), a path, query or fragment, whitespace or control characters (``urllib`` drops a newline without a
+    word), credentials (``user:password@``: a metadata service needs none, and they would travel in every
+    agent's spec and show in its errors), and more than the agents' protocol carries
+    (:data:`~varuna_core.launch.protocol.MAX_ENDPOINT` characters). The message never shows credentials: see
+    :func:`shown_endpoint`."""
+    from .protocol import MAX_ENDPOINT  # loads pydantic: not at import, the CLI imports this module early
+
+    if not isinstance(base, str):
+        raise ValueError(f"a metadata endpoint is a string http://host[:port], got {type(base).__name__}")
+    shown = shown_endpoint(base)
+    if len(base) > MAX_ENDPOINT:
+        raise _bad_endpoint(shown, f"{len(base):,} characters, more than the {MAX_ENDPOINT:,} the node agents take")
+    if "@" in base:
+        raise _bad_endpoint(shown, "it holds credentials (user:password@), which a metadata service does not take")
+    if any(c.isspace() or not c.isprintable() for c in base):
+        raise _bad_endpoint(shown, "it holds whitespace or control characters")
+    try:
+        parts = urllib.parse.urlsplit(base)
+        port = parts.port
+    except ValueError as exc:  # "Port out of range 0-65535", "Port could not be cast...", bad IPv6 brackets
+        problem = "the port is not a number in 1..65535" if "port" in str(exc).lower() else str(exc)
+        raise _bad_endpoint(shown, problem) from None
+    if parts.scheme != "http":
+        raise _bad_endpoint(shown, f"the scheme is {parts.scheme!r}, not 'http'" if parts.scheme else "no scheme")
+    if not parts.hostname:
+        raise _bad_endpoint(shown, "it names no host")
+    if not _is_host(parts.hostname):
+        raise _bad_endpoint(shown, f"{parts.hostname[:80]!r} is not a host name or address")
+    if port is not None and not 1 <= port <= 65535:
+        raise _bad_endpoint(shown, f"port {port} is not in 1..65535")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or base.endswith(("?", "#")):
+        raise _bad_endpoint(shown, "it has a path, query or fragment")
+    return parts.hostname, port or 80
+
+
+def shown_endpoint(base: str, limit: int = 100) -> str:
+    """``base`` quoted for a message, with whatever stands before an ``@`` (``user:password``) masked as ``***``
+    and cut to ``limit`` characters."""
+    text = str(base)
+    if "@" in text:
+        scheme, sep, rest = text.partition("://")
+        text = f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if sep else f"***@{text.rpartition('@')[2]}"
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+def _bad_endpoint(shown: str, problem: str) -> ValueError:
+    return ValueError(f"a metadata endpoint is http://host[:port], got {shown}: {problem}")
+
+
+def _is_host(name: str) -> bool:
+    """A DNS name or an IPv4/IPv6 address (``urlsplit`` gives IPv6 without its brackets)."""
+    if _HOST_NAME.fullmatch(name):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _request(host: str, port: int, method: str, path: str, headers: dict[str, str],

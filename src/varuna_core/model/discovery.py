@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from ..env import CACHE_DIR
 from ..errors import ConfigError, CutPointError
 from ..util.heap import release_free_memory
+from ..util.usercode import accepts, plain_signature
 from .cutpoint import CutPoint, find_cutpoints
 from .payload import CONST_TYPES, ProbeMismatch, TensorSpec, ValueSpec, spec_from_probes
 from .precision import autocast
@@ -210,10 +211,17 @@ def make_batch_fn(dummy_inputs: Mapping[str, Any] | BatchFn, input_batch_dims: M
 
 
 def _call_batch_fn(fn: BatchFn, n: int) -> dict:
-    try:
+    """``fn(n)``, or ``fn(n, device="cpu")`` for the original's ``get_batch_fn(size, device)`` whose ``device`` is
+    required. Which one is read from the signature, never guessed from a ``TypeError``: one raised inside the
+    function is its own error, not a sign that it wanted other arguments."""
+    if accepts(fn, n) is False:
+        if not accepts(fn, n, device="cpu"):
+            raise ConfigError(f"the batch function cannot be called as fn(n) (its signature is "
+                              f"{plain_signature(fn)})", hint="it takes the number of examples and returns a dict "
+                                                                "of model inputs")
+        batch = fn(n, device="cpu")
+    else:
         batch = fn(n)
-    except TypeError:
-        batch = fn(n, device="cpu")  # the original's get_batch_fn(size, device=None) signature
     if not isinstance(batch, Mapping):
         raise ConfigError(f"the batch function returned {type(batch).__name__}, not a dict of model inputs")
     return dict(batch)
@@ -409,6 +417,7 @@ def discover(
     """
     cuts = _require_cutpoints(model)
     inputs_1, inputs_2 = _call_batch_fn(batch_fn, 1), _call_batch_fn(batch_fn, 2)
+    _check_forward_takes(model, inputs_1)
     key = structure_key(model, inputs_1, inputs_2, input_batch_dims, precision)
     if use_cache:
         cached = _cache_get(key)
@@ -445,6 +454,16 @@ def discover(
     if use_cache:
         _cache_put(structure)
     return structure
+
+
+def _check_forward_takes(model: nn.Module, inputs: dict) -> None:
+    """The model's ``forward`` takes the inputs as keyword arguments: a mismatch is bad input, said from the
+    signature before the forward runs (the ``TypeError`` of the call would look like one the forward raised)."""
+    if accepts(model.forward, **inputs) is False:
+        raise ConfigError(f"{type(model).__name__}.forward{plain_signature(model.forward)} does not take the inputs "
+                          f"{sorted(inputs)} as keyword arguments",
+                          hint="the batch function (or dummy_inputs) must return a dict whose keys are the names of "
+                               "the forward's arguments")
 
 
 def _require_cutpoints(model: nn.Module) -> dict[str, CutPoint]:

@@ -35,6 +35,8 @@ from torch.overrides import TorchFunctionMode
 from ..errors import ConfigError
 from ..util import checks
 from ..util.heap import release_free_memory
+from .devices import check_device
+from .weights import check_dtype
 
 __all__ = ["materialize", "meta_init", "has_meta", "ValuePlan", "value_plan", "owner_values"]
 
@@ -175,12 +177,9 @@ def materialize(model: nn.Module, *, seed: int, init: Init | None = None, device
     seed = checks.integer("seed", seed, low=0, high=_SEED_MAX)
     if init is not None and not callable(init):
         raise ConfigError(f"init must be a callable init(module), got {type(init).__name__} {init!r}")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"device {device!r} is not a torch device") from None
-    if device.type == "meta":
+    if isinstance(device, (str, torch.device)) and str(device).partition(":")[0] == "meta":
         raise ConfigError("materialize(device='meta') would allocate nothing", hint="pass a real device, e.g. 'cpu'")
+    device = check_device(device, stage=False)  # a name torch does not know, or a device this machine lacks
     named = list(model.named_modules())  # one name per module object: the first
     selected = _select(model, modules)
     slots, owner_of = _meta_slots(named)
@@ -265,7 +264,8 @@ def owner_values(plan: ValuePlan, owner: nn.Module, source: Any = None) -> dict[
 
 
 def _overwrite(value: torch.Tensor, names: list[str], source: Any) -> None:
-    """Copy ``source``'s tensor under the first of ``names`` it holds into ``value`` (shapes checked)."""
+    """Copy ``source``'s tensor under the first of ``names`` it holds into ``value`` (shape and dtype checked, as
+    :func:`~varuna_core.model.weights.load_into` checks them)."""
     name = next((n for n in names if n in source), None)
     if name is None:
         return
@@ -273,6 +273,7 @@ def _overwrite(value: torch.Tensor, names: list[str], source: Any) -> None:
     if tuple(shape) != tuple(value.shape):
         raise ConfigError(f"{name!r} has shape {list(shape)} in {source.shard_of(name)}, but the model has "
                           f"{list(value.shape)}", hint="is it the right model or config?")
+    check_dtype(source, name, value.dtype, "the model's tensor")
     value.copy_(source.read(name))
 
 

@@ -2,6 +2,11 @@
 
 A reference is ``package.module:attr`` or ``path/to/file.py:attr``; ``attr`` is a :class:`ModelSpec` or a
 function (without required arguments) returning one.
+
+The spec's functions are the user's code: they are called through :func:`~varuna_core.util.usercode.call_user`,
+so that a call their signature does not take is bad input (a ``ConfigError``, exit 2), while an exception raised
+inside them -- or while the spec's module is imported -- is a :class:`~varuna_core.errors.UserCodeError` (exit 1)
+that names the file and line in the user's code where it happened.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserCodeError
+from ..util.usercode import call_user, check_call, user_error
 
 __all__ = ["ModelSpec", "load_spec"]
 
@@ -55,21 +61,47 @@ class ModelSpec:
             raise ConfigError(f"ModelSpec.cutpoints must be 'auto' or None, got {self.cutpoints!r}")
 
     def make(self) -> Any:
-        """``build()``, with the automatic cut points applied if asked for."""
-        model = self.build()
+        """``build()``, with the automatic cut points applied if asked for.
+
+        Raises:
+            ConfigError: ``build`` takes required arguments.
+            UserCodeError: ``build`` raised.
+        """
+        model = call_user(self.build, what="the model spec's build()")
         if self.cutpoints == "auto":
             from .autocut import apply_auto_cutpoints
 
             apply_auto_cutpoints(model)
         return model
 
+    def inputs(self, n: int) -> Any:
+        """``batch(n)``: the model's inputs for ``n`` examples (what it returns is checked by the caller).
+
+        Raises:
+            ConfigError: ``batch`` does not take one argument.
+            UserCodeError: ``batch`` raised.
+        """
+        return call_user(self.batch, n, what=f"the model spec's batch({n})")
+
+    def make_optimizer(self, params: Any) -> Any:
+        """``optimizer(params)``, or None without an ``optimizer`` (the caller's default applies).
+
+        Raises:
+            ConfigError: ``optimizer`` does not take one argument.
+            UserCodeError: ``optimizer`` raised.
+        """
+        if self.optimizer is None:
+            return None
+        return call_user(self.optimizer, params, what="the model spec's optimizer(params)")
+
 
 def load_spec(reference: str | ModelSpec) -> ModelSpec:
     """Resolve ``reference`` to a :class:`ModelSpec`.
 
     Raises:
-        ConfigError: the module cannot be imported, the attribute is missing, or it is not a ModelSpec (nor a
-            function returning one). The message says which.
+        ConfigError: the module does not exist, the attribute is missing, or it is not a ModelSpec (nor a
+            function without required arguments returning one). The message says which.
+        UserCodeError: importing the module, or calling the function, raised (file and line in the message).
     """
     if isinstance(reference, ModelSpec):
         return reference
@@ -87,10 +119,9 @@ def load_spec(reference: str | ModelSpec) -> ModelSpec:
         raise ConfigError(f"{target!r} has no attribute {attr!r}", hint=f"it defines: {', '.join(public)}")
     value = getattr(module, attr)
     if not isinstance(value, ModelSpec) and callable(value) and not isinstance(value, type):
-        try:
-            value = value()
-        except TypeError as exc:
-            raise ConfigError(f"{reference} is a function but calling it without arguments failed: {exc}") from exc
+        check_call(value, what=f"{reference} (a function, called without arguments)",
+                   hint="name a ModelSpec, or a function without required arguments that returns one")
+        value = call_user(value, what=f"{reference}()")
     if not isinstance(value, ModelSpec):
         raise ConfigError(
             f"{reference} is a {type(value).__name__}, not a ModelSpec",
@@ -116,14 +147,25 @@ def _import(target: str, reference: str):
         try:
             sys.modules[name] = module
             spec.loader.exec_module(module)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the file is the user's: whatever it raises is theirs
             sys.modules.pop(name, None)
-            raise ConfigError(f"cannot import {reference}: {type(exc).__name__}: {exc}") from exc
+            raise _import_error(reference, exc) from exc
         return module
     try:
         return importlib.import_module(target)
-    except Exception as exc:
-        raise ConfigError(
-            f"cannot import {reference}: {type(exc).__name__}: {exc}",
-            hint="check the module path and that it is importable from the current directory (PYTHONPATH)",
-        ) from exc
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (target == exc.name or target.startswith(exc.name + ".")):
+            raise ConfigError(
+                f"cannot import {reference}: there is no module {exc.name!r}",
+                hint="check the module path and that it is importable from the current directory (PYTHONPATH)",
+            ) from exc
+        raise _import_error(reference, exc) from exc  # the module exists; something it imports does not
+    except Exception as exc:  # noqa: BLE001
+        raise _import_error(reference, exc) from exc
+
+
+def _import_error(reference: str, exc: Exception) -> UserCodeError:
+    """The user's module raised while being imported (a ``SyntaxError`` names its own place: compiling it runs
+    none of the user's frames)."""
+    where = (exc.filename, exc.lineno or 0, "<module>") if isinstance(exc, SyntaxError) and exc.filename else None
+    return user_error(f"importing {reference}", exc, where)

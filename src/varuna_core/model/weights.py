@@ -20,8 +20,9 @@ The files are somebody else's (downloaded, shared), so they are read as every lo
 the index with a bounded read, shard names that are plain file names (a ``weight_map`` naming ``../x`` or
 ``/etc/passwd`` must not read it), regular files opened without blocking (a FIFO would hang ``safe_open``),
 symbolic links only where they stay in the directory -- or, in the Hugging Face hub cache layout
-(``models--org--name/snapshots/<rev>/``), point into that repository's ``blobs/``. A malformed file is one line
-naming it (``safetensors``' own errors are wrapped), never a traceback from a lower library.
+(``models--org--name/snapshots/<rev>/``), in that cache repository (its ``blobs/``), also when a snapshot's file is
+named directly; a link that leads elsewhere is refused, naming it, before its target is opened. A malformed file
+is one line naming it (``safetensors``' own errors are wrapped), never a traceback from a lower library.
 
 Names are those of ``model.named_parameters()`` / ``named_buffers()`` (all names of a tied weight: a Hugging
 Face checkpoint stores ``lm_head.weight`` or only ``transformer.wte.weight``, either is accepted).
@@ -45,7 +46,8 @@ from torch import nn
 from ..errors import ConfigError, VarunaError
 from ..util.fs import MiB, describe_mode, open_regular, read_text
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "LoadReport", "WeightSource", "load_into", "load_weights"]
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "LoadReport", "WeightSource", "load_into", "load_weights", "castable",
+           "check_dtype"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -55,10 +57,38 @@ _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
+    "C64": torch.complex64,
     **{k: getattr(torch, v) for k, v in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                                         ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
                                          ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"))
        if hasattr(torch, v)},
 }
+
+
+def castable(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether a stored tensor of dtype ``source`` may be loaded into a model tensor of dtype ``target``.
+
+    Allowed: the same dtype; floating point to floating point of any width (fp32 weights into a bf16 model and
+    back: the normal conversion of pretrained weights, rounding included); complex to complex; an integer to an
+    integer type that holds every value of the source type (``int32`` position ids into an ``int64`` buffer).
+    Refused, because a cast would silently change what the values mean: bool or integer to floating point (a
+    mask or ids where weights belong), floating point to integer or bool (truncated), complex to real (the
+    imaginary part dropped) and back, and an integer to a narrower one (wrapped around).
+    """
+    if source == target:
+        return True
+    if source.is_floating_point and target.is_floating_point:
+        return True
+    if source.is_complex and target.is_complex:
+        return True
+    if source == torch.bool or target == torch.bool or source.is_floating_point or target.is_floating_point \
+            or source.is_complex or target.is_complex:
+        return False
+    try:
+        have, want = torch.iinfo(source), torch.iinfo(target)
+    except TypeError:  # an integer type torch gives no range of: only the same one is safe
+        return False
+    return want.min <= have.min and have.max <= want.max
 
 
 def _short(exc: BaseException) -> str:
@@ -73,21 +103,28 @@ def _short(exc: BaseException) -> str:
 # finding the files
 
 
-def _hub_blobs(directory: Path) -> Path | None:
-    """``.../models--x/blobs`` if ``directory`` is a hub-cache snapshot ``.../models--x/snapshots/<rev>``: its
-    files are links into that ``blobs`` directory, and refusing them would refuse every downloaded model."""
-    parent = directory.parent
-    if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
-        return parent.parent / "blobs"
+def _hub_repo(directory: Path) -> Path | None:
+    """The cache repository ``.../models--org--name`` if ``directory`` (as given, or where it leads) is one of its
+    snapshots ``.../models--org--name/snapshots/<rev>``: its files are links into that repository's ``blobs``,
+    and refusing them would refuse every downloaded model."""
+    for candidate in (directory, Path(os.path.realpath(directory))):
+        parent = candidate.parent
+        if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
+            return parent.parent
     return None
 
 
 def _file_in(directory: Path, name: str, what: str) -> Path:
     """The path of the plain file ``name`` in ``directory``, with a link resolved if it may be followed.
 
+    A link may lead anywhere inside ``directory`` or, for a snapshot of a Hugging Face cache, anywhere inside that
+    cache repository (its ``blobs``); where it ends is found without opening anything, so a link out of there
+    (to ``/etc/passwd``, to another directory, through a ``blobs`` that is itself a link) is refused before its
+    target is opened.
+
     Raises:
-        ConfigError: ``name`` is not a plain file name, is missing, is not a regular file, or is a link out of
-            ``directory`` (and out of a hub cache's ``blobs``).
+        ConfigError: ``name`` is not a plain file name, is missing, is not a regular file, or is a link that
+            leads out of ``directory`` (out of the cache repository, for a snapshot).
     """
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
             or "\0" in name or os.path.isabs(name):
@@ -102,8 +139,13 @@ def _file_in(directory: Path, name: str, what: str) -> Path:
                           hint="is the download complete?") from None
     if stat.S_ISLNK(info.st_mode):
         target = Path(os.path.realpath(path))
-        roots = [directory.resolve()] + ([b.resolve()] if (b := _hub_blobs(directory)) is not None else [])
-        if not any(target.is_relative_to(r) for r in roots):
+        repo = _hub_repo(directory)
+        root = Path(os.path.realpath(repo if repo is not None else directory))
+        if not target.is_relative_to(root):
+            if repo is not None:
+                raise ConfigError(f"{what} {path} is a symbolic link to {target}, outside the cache repository "
+                                  f"{root}", hint="a Hugging Face cache links its snapshots into the repository's "
+                                                  "own blobs/; download the model again")
             raise ConfigError(f"{what} {path} is a symbolic link to {target}, outside {directory}",
                               hint="copy the file into the model directory; a link could point anywhere")
         path = target
@@ -116,25 +158,45 @@ def _file_in(directory: Path, name: str, what: str) -> Path:
     return path
 
 
+class _Object(dict):
+    """A JSON object that remembers the keys it holds more than once (``json`` keeps the last silently):
+    ``repeated`` lists ``(key, first value, later value)``."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__()
+        self.repeated: list[tuple[str, Any, Any]] = []
+        for key, value in pairs:
+            if key in self:
+                self.repeated.append((key, self[key], value))
+            else:
+                self[key] = value
+
+
 def _read_index(path: Path) -> dict[str, str]:
-    """The ``weight_map`` of a Hugging Face index, checked: ``{tensor name: shard file name}``."""
+    """The ``weight_map`` of a Hugging Face index, checked: ``{tensor name: shard file name}``, each name once (a
+    name given twice, in two shards that may hold different values, would load whichever came last)."""
     text = read_text(path, INDEX_LIMIT, what="weights index", error=ConfigError)
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_Object)
     except (json.JSONDecodeError, RecursionError) as exc:
         detail = f"line {exc.lineno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else "nested too deep"
         raise ConfigError(f"weights index {path} is not JSON ({detail})", hint="is the download complete?") from None
     if not isinstance(data, dict):
         raise ConfigError(f"weights index {path} holds a JSON {type(data).__name__}, not an object",
                           hint='expected {"metadata": {...}, "weight_map": {"name": "shard file"}}')
+    if any(key == "weight_map" for key, _, _ in data.repeated):
+        raise ConfigError(f"weights index {path} holds 'weight_map' twice", hint="is it the right file?")
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ConfigError(f"weights index {path} has no (non-empty object) 'weight_map'",
                           hint='expected {"metadata": {...}, "weight_map": {"name": "shard file"}}')
+    for name, first, later in weight_map.repeated:
+        raise ConfigError(f"weights index {path} names tensor {name!r} twice: in {first!r} and in {later!r}",
+                          hint="each tensor must be in one shard; is the index from one model?")
     for name, shard in weight_map.items():
         if not isinstance(shard, str):
             raise ConfigError(f"weights index {path} maps {name!r} to {shard!r}, not a file name")
-    return weight_map
+    return dict(weight_map)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -178,10 +240,13 @@ class WeightSource:
             raise ConfigError(f"weights directory {p} holds neither {SINGLE_NAME} nor {INDEX_NAME}",
                               hint="pass a .safetensors file (e.g. the output of `varuna ckpt merge`) or a "
                                    "Hugging Face model directory saved with safetensors")
-        if not p.exists():
+        if not os.path.lexists(p):
             raise ConfigError(f"weights {p} does not exist")
+        hub = _hub_repo(p.parent) is not None  # a file of a cache snapshot: its link must stay in the cache
         if p.name.endswith(".index.json"):
-            return cls._sharded(p.parent, p)
+            return cls._sharded(p.parent, _file_in(p.parent, p.name, "weights index") if hub else p)
+        if hub:
+            return cls._single(_file_in(p.parent, p.name, "weights file"), p)
         return cls._single(Path(os.path.realpath(p)), p)  # a path the user names may be a link: follow it
 
     @classmethod
@@ -274,10 +339,25 @@ class WeightSource:
                                   hint="is the download complete? is it the right file?") from None
         finally:
             os.close(fd)
+        keys = set(handle.keys())
+        self._check_unique(shard, keys)
         self._handles[shard] = handle
-        self._keys[shard] = set(handle.keys())
+        self._keys[shard] = keys
         self.opened.append(shard)
         return handle
+
+    def _check_unique(self, shard: str, keys: set[str]) -> None:
+        """Refuse a shard that holds a tensor the index puts in another shard: two files, possibly with
+        different values, for one name. Found as shards are opened (a stage opens only its own), so every
+        duplicate between the shards a load reads is refused before it is used."""
+        if not self._indexed:
+            return
+        for name in sorted(keys):
+            other = self._where.get(name)
+            if other is not None and other != shard:
+                raise ConfigError(f"weights {self.origin}: tensor {name!r} is in shard {shard} and in shard "
+                                  f"{other} (where the index puts it)",
+                                  hint="each tensor must be in one shard; are the files from one model?")
 
     def _missing(self, name: str) -> ConfigError:
         close = difflib.get_close_matches(name, self.names(), n=3)
@@ -405,7 +485,9 @@ def load_into(model: nn.Module, source: WeightSource, *, names: Collection[str] 
 
     The model's tensors must be real already (allocated by :func:`.materialize` or built normally): loading
     writes into them and allocates nothing model-sized, so a stage that materialised only its modules loads
-    only its tensors, from only its shards. ValueSource are converted to each tensor's dtype and device.
+    only its tensors, from only its shards. Values are converted to each tensor's dtype and device where the
+    conversion keeps their meaning (:func:`castable`: floating point to floating point of any width, an integer
+    to a wider integer); any other pair of dtypes is refused before anything is copied.
 
     Args:
         names: parameter/buffer names to load (a tied weight is loaded once, under any of its names). Default:
@@ -422,7 +504,8 @@ def load_into(model: nn.Module, source: WeightSource, *, names: Collection[str] 
 
     Raises:
         ConfigError: a selected parameter missing from the source (named, with the closest source names), a
-            shape mismatch (both shapes), an extra source tensor (strict), an unreadable file or tensor.
+            shape mismatch (both shapes), a dtype that cannot be the tensor's (both dtypes), an extra source
+            tensor (strict), an unreadable file or tensor.
     """
     if not isinstance(source, WeightSource):
         raise ConfigError(f"source must be a WeightSource, got {type(source).__name__}",
@@ -445,6 +528,8 @@ def load_into(model: nn.Module, source: WeightSource, *, names: Collection[str] 
             raise ConfigError(f"{name!r} has shape {list(shape)} in {source.shard_of(name)}, but "
                               f"{type(model).__name__} has {list(group.tensor.shape)}",
                               hint="is it the right model or config?")
+        check_dtype(source, name, group.tensor.dtype,
+                    f"the {'parameter' if group.is_param else 'buffer'} of {type(model).__name__}")
         plan.append((name, group))
     with torch.no_grad():
         for name, group in plan:  # one source tensor at a time: mapped, copied, dropped
@@ -453,6 +538,21 @@ def load_into(model: nn.Module, source: WeightSource, *, names: Collection[str] 
             report.tied.extend(f"{other} <- {name}" for other in group.names if other != name)
     report.shards_opened = list(source.opened)
     return report
+
+
+def check_dtype(source: WeightSource, name: str, target: torch.dtype, holder: str) -> None:
+    """Refuse to load ``name`` into a tensor of dtype ``target`` unless :func:`castable` allows it (from the
+    header: no data read). ``holder`` names that tensor in the message, e.g. ``"the parameter of GPT"``."""
+    dtype = source.dtype(name)
+    if not castable(dtype, target):
+        raise ConfigError(f"{name!r} is {_dtype_name(dtype)} in {source.shard_of(name)}, but {holder} is "
+                          f"{_dtype_name(target)}: loading it would change what its values mean",
+                          hint="is it the right model or file? floating point loads into floating point of any "
+                               "width, an integer into an integer type that holds all its values")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _not_in_source(model: nn.Module, source: WeightSource, group: _Group) -> ConfigError:

@@ -1,7 +1,8 @@
 """The process group, the device, the sub-groups a stage talks in and what every rank must agree on at start-up.
 
 * :func:`ensure_process_group` joins (or creates, from torchrun-style variables) the default process group;
-* :func:`resolve_device` picks (and sets) this rank's device;
+* :func:`resolve_device` checks the device asked for (:func:`~varuna_core.model.devices.check_device`), picks
+  it and sets it as the current one;
 * :func:`build_groups` creates the data-parallel group of every stage and one group per tied weight and replica;
 * :func:`sync_initial_state` starts every replica of a stage and every copy of a tied weight from the same values;
 * :func:`agree_seed_and_run` broadcasts rank 0's dropout seed and run id.
@@ -26,6 +27,7 @@ import torch.nn as nn
 from .. import env
 from ..errors import ConfigError
 from ..ir.topology import Topology
+from ..model.devices import check_device
 from ..model.stage import StageSlice, TieSet
 from .config import MASK64
 
@@ -87,18 +89,11 @@ def ensure_process_group(timeout: float) -> tuple[int, int]:
 
 def resolve_device(device: Any, local_rank: int) -> torch.device:
     """``device`` as a ``torch.device``; ``-1``: CUDA ``local_rank`` (default ``LOCAL_RANK``) if available, else
-    CPU. A CUDA device is made the current one."""
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, str):
-        return torch.device(device)
-    if local_rank < 0:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        index = device if device >= 0 else local_rank
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+    CPU. A CUDA device is made the current one. Checked by :func:`check_device` first."""
+    resolved = check_device(device, local_rank)
+    if resolved.type == "cuda" and resolved.index is not None and not isinstance(device, (str, torch.device)):
+        torch.cuda.set_device(resolved.index)
+    return resolved
 
 
 @dataclass(eq=False)  # compared (and hashed, in _made) by identity

@@ -78,8 +78,8 @@ class Profiler:
         self.shared_weights = list(shared_weights or [])
         self.repeats, self.warmup = repeats, warmup
         self.optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None
+        self.device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "-1")))  # checked before joining
         self.world_size, self.rank = ensure_process_group(default_timeout())
-        self.device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "-1")))
         del gpus_per_node, from_cache, add_to_existing  # the original's knobs, nothing to do here
 
     def initialize(self, get_batch: Callable[..., dict], from_cache: bool = True) -> None:  # noqa: ARG002

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, VarunaError
+from ..errors import ConfigError, UserCodeError, VarunaError
 from ..ir.partition import Partition
 from ..model.discovery import Structure, discover, make_batch_fn
 from ..model.payload import TensorSpec, flatten
@@ -57,6 +57,7 @@ from ..planning.artifacts import (
     StopReason,
 )
 from ..util.procs import JobOutcome, run_workers
+from ..util.usercode import user_code
 
 __all__ = ["profile", "profile_in_job", "DEFAULT_MICROBATCH_SIZES", "P2P_SIZES"]
 
@@ -113,6 +114,9 @@ def profile(
         raise ConfigError(f"unknown device {device!r}", hint="use cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but CUDA is not available", hint="use --device cpu")
+    if device == "cuda" and nproc > torch.cuda.device_count():
+        raise ConfigError(f"--device cuda puts process i on cuda:i, but {nproc} processes are asked for and this "
+                          f"machine has {torch.cuda.device_count()} GPU(s)", hint="lower --nproc")
     options = dict(microbatch_sizes=sizes, precision=precision, device=device, repeats=repeats, warmup=warmup,
                    memory_limit=memory_limit)
     if nproc == 1:
@@ -135,10 +139,14 @@ def profile(
 
 
 def _structure(spec: ModelSpec, precision: str) -> Structure:
+    """The model's structure, from a dry run of its forward. Everything the user wrote runs here first (build,
+    batch, init, forward): an exception from it is reported as the user's code failing (see
+    :mod:`varuna_core.util.usercode`), with its place in their files."""
     model = spec.make()
-    batch_fn, dims = make_batch_fn(spec.batch, None)
-    _check_batch(spec.batch, dims, 2)
-    return discover(model, batch_fn, dims, precision=precision, values=ValueSource(seed=0, init=spec.init))
+    batch_fn, dims = make_batch_fn(spec.inputs, None)
+    _check_batch(spec.inputs, dims, 2)
+    with user_code("the model's code (dry run of its forward at 1 and 2 examples)"):
+        return discover(model, batch_fn, dims, precision=precision, values=ValueSource(seed=0, init=spec.init))
 
 
 def _check_batch(batch_fn: Callable[[int], dict], dims: dict, n: int) -> dict:
@@ -187,17 +195,19 @@ class _SegmentBench:
         partition = Partition.from_ranges([(i, i + 1) for i in range(n)], n)
         model = spec.make()
         ties = find_tie_sets(model, structure, partition, list(spec.shared_weights or []))
-        self.stage = StageSlice(model, structure, partition, segment, ties, device,
-                                 placeholders="real" if spec.cutpoints == "auto" else "meta",
-                                 values=ValueSource(seed=0, init=spec.init))  # used if built on meta
+        with user_code(f"the model's code (building segment {segment})"):  # a meta model's init runs here
+            self.stage = StageSlice(model, structure, partition, segment, ties, device,
+                                    placeholders="real" if spec.cutpoints == "auto" else "meta",
+                                    values=ValueSource(seed=0, init=spec.init))  # used if built on meta
         self.model = model
         self.structure = structure
         self.segment = segment
         self.device = device
         self.precision = precision
         self.params = [p for _, p in self.stage.param_names]
-        make_opt = spec.optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
-        self.optimizer = make_opt(self.params) if self.params else None
+        self.optimizer = None
+        if self.params:
+            self.optimizer = spec.make_optimizer(self.params) or torch.optim.AdamW(self.params, lr=1e-3)
         self.generator = torch.Generator().manual_seed(segment)
 
     def incoming(self, n: int) -> tuple[Any, list[torch.Tensor]]:
@@ -353,22 +363,25 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     mine = _segments_of(rank, world, structure.num_segments)
     benches = {k: _SegmentBench(spec, structure, k, dev, precision) for k in mine}
-    statics = {k: _static_sizes(b) for k, b in benches.items()}
+    with user_code("the optimizer's step"):
+        statics = {k: _static_sizes(b) for k, b in benches.items()}
     measures: dict[int, list[SegmentMeasure]] = {k: [] for k in mine}
-    batch_fn, dims = make_batch_fn(spec.batch, None)
+    batch_fn, dims = make_batch_fn(spec.inputs, None)
     done_sizes: list[int] = []
     stopped: StopReason | None = None
     total = len(mine) * len(microbatch_sizes)
     done = 0
     for n in microbatch_sizes:
-        inputs = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in _check_batch(spec.batch, dims, n).items()}
+        inputs = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
+                  for k, v in _check_batch(spec.inputs, dims, n).items()}
         failure: tuple[int, str] | None = None
         for k in mine:
             _, _, gbytes, obytes, _ = statics[k]
             static = statics[k][1] + gbytes + obytes
             try:
-                measures[k].append(_measure_segment(benches[k], inputs, n, repeats=repeats, warmup=warmup,
-                                                    memory_limit=memory_limit, static_bytes=static))
+                with user_code(f"the model's code (segment {k}, micro-batch {n})", keep=(torch.OutOfMemoryError,)):
+                    measures[k].append(_measure_segment(benches[k], inputs, n, repeats=repeats, warmup=warmup,
+                                                        memory_limit=memory_limit, static_bytes=static))
             except _LimitReached as exc:
                 failure = (k, exc.reason)
                 break
@@ -536,9 +549,11 @@ def _raise_worker_error(tmp: Path, outcome: JobOutcome) -> None:
     rank, code = outcome.failed or next((r, c) for r, c in enumerate(outcome.returncodes) if c != 0)
     text = tmp / f"error{rank}.txt"
     detail = text.read_text() if text.exists() else (tmp / f"rank{rank}.log").read_text()[-2000:]
-    err = json.loads(detail) if text.exists() else {"message": detail.strip().splitlines()[-1:] or ["?"]}
+    err = json.loads(detail) if text.exists() else {"message": (detail.strip().splitlines()[-1:] or ["?"])[0]}
     if err.get("config"):
         raise ConfigError(err["message"], hint=err.get("hint"))
+    if err.get("user"):  # the user's code failed in that process: said as it was said there
+        raise UserCodeError(f"in profiling process {rank}, {err['message']}", hint=err.get("hint"))
     raise VarunaError(f"profiling process {rank} failed (exit {code}): {err['message']}", hint=err.get("hint"))
 
 
@@ -592,7 +607,8 @@ def _worker(job_path: str, out_dir: str) -> None:
         dist.destroy_process_group()
     except VarunaError as exc:
         Path(out_dir, f"error{rank}.txt").write_text(json.dumps(
-            {"message": exc.message, "hint": exc.hint, "config": exc.exit_code == 2}))
+            {"message": exc.message, "hint": exc.hint, "config": exc.exit_code == 2,
+             "user": isinstance(exc, UserCodeError)}))
         sys.exit(exc.exit_code)
 
 
