@@ -33,6 +33,7 @@ import itertools
 import os
 import pwd
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -83,6 +84,7 @@ class HostCluster:
     manager_address: str
     mode: str
     tag: str
+    workdir: Path
     _teardown: _Teardown = field(repr=False)
 
     @property
@@ -131,6 +133,36 @@ class HostCluster:
             return False
 
         return [(p.pid, cmd) for p in procs if ours(p.pid) and needle in (cmd := p.cmdline())]
+
+    def crash(self, host: TestHost) -> None:
+        """The machine dies at once: SIGKILL to every process of the host, its sshd included (netns mode only: in
+        loopback mode the hosts share one sshd and the test's processes). Its address stays: SSH to it is then
+        refused, as by a machine whose sshd is not up (yet)."""
+        if host.netns is None:
+            raise RuntimeError("crashing one host needs a network namespace per host (netns mode)")
+        kill_namespace_processes(host.netns)
+        for proc in self.daemons:
+            if proc.poll() is None and _daemon_config(proc).stem == f"sshd-{host.name}":
+                proc.wait(timeout=5)
+
+    def boot(self, host: TestHost, replaced: dict[Path, Path] | None = None) -> None:
+        """Start the sshd of a host that :meth:`crash` killed (the machine is back), and wait until it listens.
+
+        ``replaced`` maps files to the files whose content this host sees in their place (bind-mounted in the
+        host's own mount namespace, which ``ip netns exec`` makes for it): a host whose copy of the code differs
+        from the others', e.g. a deployment that did not finish."""
+        if host.netns is None:
+            raise RuntimeError("restarting one host needs a network namespace per host (netns mode)")
+        config = self.workdir / f"sshd-{host.name}.conf"
+        config.with_suffix(".pid").unlink(missing_ok=True)
+        argv = [SSHD, "-D", "-e", "-f", str(config)]
+        if replaced:
+            mounts = " && ".join(f"mount --bind {shlex.quote(str(new))} {shlex.quote(str(old))}"
+                                 for old, new in replaced.items())
+            argv = ["sh", "-c", f'{mounts} && exec "$@"', "sh", *argv]  # the config stays the last word
+        proc = _spawn(["ip", "netns", "exec", host.netns, *argv], config.with_suffix(".log"))
+        self._teardown.daemons.append(proc)
+        _wait_for_pid_files([proc])
 
     def close(self) -> None:
         """Kill every process of the cluster and remove its namespaces and interfaces (idempotent, never raises).
@@ -204,7 +236,7 @@ def start_cluster(n: int, workdir: Path) -> HostCluster:
             hosts, manager_address = _start_loopback_hosts(n, workdir, teardown)
         cluster = HostCluster(hosts=hosts, user=pwd.getpwuid(os.geteuid()).pw_name, identity=identity,
                               known_hosts=workdir / "known_hosts", manager_address=manager_address, mode=mode,
-                              tag=tag, _teardown=teardown)
+                              tag=tag, workdir=workdir, _teardown=teardown)
         _wait_for_pid_files(teardown.daemons)
         pubkey = host_key.with_suffix(".pub").read_text().split()
         cluster.known_hosts.write_text("".join(
@@ -316,11 +348,16 @@ def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
                                 preexec_fn=lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM))
 
 
+def _daemon_config(proc: subprocess.Popen) -> Path:
+    """The config file of an sshd this module started (the last word of its argv)."""
+    return Path(proc.args[-1])
+
+
 def _wait_for_pid_files(daemons: list[subprocess.Popen]) -> None:
     """sshd writes its pid file once it listens on every address: wait for all of them."""
     deadline = time.monotonic() + _READY_TIMEOUT
     for proc in daemons:
-        config = Path(proc.args[-1])
+        config = _daemon_config(proc)
         while not config.with_suffix(".pid").exists():
             if proc.poll() is not None:
                 log = config.with_suffix(".log").read_text()

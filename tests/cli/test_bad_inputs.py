@@ -271,6 +271,9 @@ def test_launch_bad_plans(capsys, files, tmp_path, plan, needle) -> None:
     ("--preemption-endpoint", "http://127.0.0.1:9", "--preemption-endpoint needs --preemption-source"),
     ("--preemption-interval", "0", "--preemption-interval must be a number in [0.1, 3600]"),
     ("--preemption-interval", "nan", "--preemption-interval"),
+    ("--recheck-max", "0", "--recheck-max must be a number in [1, 3600], got 0"),
+    ("--recheck-max", "nan", "--recheck-max"),
+    ("--recheck-max", "inf", "--recheck-max"),
 ])
 def test_launch_bad_numbers(capsys, files, tmp_path, option, value, needle) -> None:
     code, err = _launch(capsys, files, tmp_path, option, value)

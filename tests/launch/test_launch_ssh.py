@@ -5,13 +5,17 @@ partial start leaving no process behind on any host."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from devtools.launching import Launch, worker_pid
 from devtools.testhosts import start_cluster
 from tests.launch.conftest import ROOT, TRAIN, VARUNA, interrupt_and_expect_nothing_left, job_processes
 
@@ -82,6 +86,145 @@ def test_a_pipeline_across_two_hosts_survives_every_fault_with_the_same_numbers(
         log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
         assert f"===== attempt 1: rank {rank} on root@{host.address}" in log, log[:300]
     assert job_processes(json.loads((tmp_path / "run" / "manager.json").read_text())["job"]) == []
+
+
+@pytest.fixture(scope="module")
+def reference_losses(plan2, tmp_path_factory):
+    """``upto(step)``: step -> loss of the example GPT trained by ``plan2`` on local processes without
+    interruption, at least up to ``step`` (run once for the tests of this file that need it, again if one needs
+    more steps)."""
+    known: dict[int, float] = {}
+
+    def upto(step: int) -> dict[int, float]:
+        if step not in known:
+            where = tmp_path_factory.mktemp("reference") / "run"
+            launch = Launch([str(plan2), "--run-dir", str(where), "--", *TRAIN, "--steps", str(max(step + 1, 50))],
+                            where, timeout=300)
+            try:
+                assert launch.wait() == 0, launch.output()[-3000:]
+            finally:
+                launch.close()
+            known.update(launch.steps())
+        return known
+
+    return upto
+
+
+def _progress(launch: Launch) -> int:
+    return max((r["step"] for r in launch.reports()), default=-1)
+
+
+def _starts(launch: Launch) -> list[dict]:
+    return [e for e in launch.events() if e["event"] == "starting"]
+
+
+def _carry_on(pid: int | None) -> None:
+    """SIGCONT to a worker the test stopped (if it is still there)."""
+    try:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def _lose_a_host_and_take_it_back(cluster, plan2, tmp_path, reference_losses, lose, mend) -> list[dict]:
+    """A `--morph` job pipelined over the two hosts loses the second one (``lose(host)``), which stays in the
+    hosts file: the job goes on training on the first without restarting again and again (before: a new attempt
+    every second or so, each seeing the listed host as "added" and morphing before its first step, none
+    training), checks the lost host again in the background, and grows back onto it once ``mend(host)`` has
+    made it usable. Every loss equals an uninterrupted run's: to the bit on the same layout, within the chaos
+    test's bound on the others (another layout rounds differently, and training amplifies it step after step, so
+    the job trains only a few steps on one host). Returns the launcher's events."""
+    names = [line.split()[0] for line in cluster.hosts_file_lines(1)]
+    hosts = hosts_file(tmp_path / "hosts", cluster.hosts_file_lines(1))
+    launch = Launch([str(plan2), "--run-dir", str(tmp_path / "run"), "--hosts", str(hosts), "--morph",
+                     "--ckpt-every", "5", "--grace", "2", "--recheck-max", "2", *cluster.launcher_args(), "--",
+                     *TRAIN, "--steps", "100000"], tmp_path / "run", timeout=360)
+    paused = None
+    try:
+        launch.wait_for(lambda: _progress(launch) >= 8)
+        assert [s["hosts"] for s in _starts(launch)] == [names]
+        try:
+            lose(cluster.hosts[1])
+            lost_at = _progress(launch)
+            # training goes on without it, or the launcher keeps starting attempts that do not train
+            launch.wait_for(lambda: _progress(launch) >= lost_at + 3 or len(_starts(launch)) > 4)
+            starts = _starts(launch)
+            assert len(starts) <= 3 and starts[-1]["hosts"] == names[:1], [(s["attempt"], s["hosts"]) for s in starts]
+            paused = worker_pid(launch.job(), 0)  # the steps on one host, paused while the test looks
+            assert paused is not None
+            os.kill(paused, signal.SIGSTOP)
+            launch.wait_for(lambda: any(e["event"] == "host_recheck_failed" for e in launch.events()))
+            assert len(_starts(launch)) == len(starts)  # the checks are no attempts
+            out = " ".join(launch.output().split())  # as printed, wrapped at the terminal's width
+            assert out.count(f"leaving out {names[1]}") == 1, out[-3000:]
+            assert "checking it again in 2s" in out and f"{names[1]} still fails its check" in out
+        finally:
+            mend(cluster.hosts[1])
+        launch.wait_for(lambda: any(e["event"] == "host_back" for e in launch.events()))
+        _carry_on(paused)
+        grown_from = len(_starts(launch))
+        launch.wait_for(lambda: len(_starts(launch)) > grown_from and _starts(launch)[-1]["hosts"] == names)
+        grown = _starts(launch)[-1]
+        launch.wait_for(lambda: any(r["attempt"] == grown["attempt"] and r["step"] >= grown["resume"] + 3
+                                    for r in launch.reports()))
+        os.kill(launch.proc.pid, signal.SIGTERM)
+        assert launch.wait() == 143, launch.output()[-3000:]
+    finally:
+        _carry_on(paused)
+        launch.close()
+    events = launch.events()
+    assert len(_starts(launch)) <= 4, [(s["attempt"], s["hosts"]) for s in _starts(launch)]
+    assert [e["host"] for e in events if e["event"] == "host_unreachable"] == [names[1]]
+    assert [e["host"] for e in events if e["event"] == "host_back"] == [names[1]]
+    assert "answers again (added" in next(e["message"] for e in events if e["event"] == "ending" and
+                                          e["attempt"] == grown_from)
+    reports = launch.reports()
+    expected = reference_losses(max(r["step"] for r in reports))
+    same = [(r["step"], r["loss"], expected[r["step"]]) for r in reports if r["attempt"] == 1]
+    assert same and all(a == b for _, a, b in same), same
+    worst = max(abs(r["loss"] - expected[r["step"]]) / abs(expected[r["step"]]) for r in reports)
+    assert worst <= 1e-5, worst
+    assert job_processes(launch.job()) == []
+    return events
+
+
+def test_a_host_that_dies_is_left_out_and_taken_back_once_it_answers(cluster, plan2, tmp_path,
+                                                                    reference_losses) -> None:
+    """The machine dies at once (every process of it killed, sshd included) and stays in the hosts file; SSH to
+    it is refused until it boots again."""
+    if cluster.mode != "netns":
+        pytest.skip("needs a network namespace per test host")
+    events = _lose_a_host_and_take_it_back(cluster, plan2, tmp_path, reference_losses, cluster.crash, cluster.boot)
+    unreachable = next(e for e in events if e["event"] == "host_unreachable")
+    assert "Connection refused" in unreachable["message"], unreachable
+
+
+def test_a_host_whose_agent_cannot_start_is_left_out_until_it_can(cluster, plan2, tmp_path,
+                                                                  reference_losses) -> None:
+    """The machine comes back at once with a broken copy of the launcher's node agent (a deployment cut short):
+    SSH answers and the interpreter imports varuna and torch there, but the agent does not start. It is taken
+    back once it is redeployed."""
+    if cluster.mode != "netns":
+        pytest.skip("needs a network namespace per test host")
+    real = Path(importlib.util.find_spec("varuna_core.launch.agent").origin)
+    broken = tmp_path / "agent.py"
+    text = real.read_text()
+    broken.write_text(text[: len(text) // 2])  # cut off halfway
+
+    def lose(host) -> None:
+        cluster.crash(host)
+        cluster.boot(host, replaced={real: broken})
+
+    def mend(host) -> None:
+        cluster.crash(host)
+        cluster.boot(host)
+
+    events = _lose_a_host_and_take_it_back(cluster, plan2, tmp_path, reference_losses, lose, mend)
+    # left out when its agent failed to start in an attempt (or, had the launcher checked it before it was up
+    # again, when SSH was refused); the checks in the background start an agent there, which fails until mended
+    failures = [e["message"] for e in events if e["event"] in ("host_unreachable", "host_recheck_failed")]
+    assert any("agent" in m and "start" in m for m in failures), failures
 
 
 def test_ctrl_c_stops_every_worker_on_every_host(cluster, plan2, tmp_path, launches) -> None:

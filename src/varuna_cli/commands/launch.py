@@ -16,6 +16,7 @@ import typer
 
 from varuna_core.env import LAUNCHER_SET
 from varuna_core.errors import ConfigError, VarunaError
+from varuna_core.launch.exclusion import RECHECK_FIRST
 from varuna_core.launch.hosts import MAX_SLOTS
 from varuna_core.launch.options import DEFAULTS, LaunchOptions, Runtime, SpotConfig, SSHConfig
 
@@ -27,7 +28,9 @@ HELP = (
     "With --morph the job survives machines coming and going: when the hosts file changes, or `varuna "
     "notify-preempt HOST` says a host goes away, the workers checkpoint and stop, the plan is made again for the "
     "new device count (same global batch) and the job continues from that checkpoint; after a crash it restarts "
-    "from the last complete checkpoint it can load.\n\n"
+    "from the last complete checkpoint it can load. A listed host that does not answer (SSH fails, or its node "
+    "agent does not start) is left out, checked again in the background (--recheck-max), and taken back once it "
+    "answers.\n\n"
     "SIGTERM or SIGUSR1 (a scheduler's warning) makes every worker checkpoint, then the launcher exits with 143. A "
     "checkpoint store that already holds checkpoints is refused unless --resume continues its run.\n\n"
     "Inside a Slurm job (sbatch, salloc) the nodes and devices are the allocation's and the workers start with "
@@ -119,6 +122,7 @@ _COUNTS = {"--gpus-per-node": (1, MAX_SLOTS), "--ckpt-every": (0, 10**9), "--ckp
 _NUMBERS = {"--heartbeat-timeout": (1.0, 86400.0, False), "--morph-timeout": (1.0, 86400.0, False),
             "--preemption-interval": (0.1, 3600.0, False),
             "--preempt-margin": (0.0, 86400.0, False), "--grace": (0.0, 3600.0, False),
+            "--recheck-max": (1.0, 3600.0, False),
             "--straggler-threshold": (0.0, 100.0, True)}
 _SSH_USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]{0,63}")
 
@@ -228,6 +232,9 @@ PreemptMargin = Annotated[float, typer.Option(
     "--preempt-margin", help="Morph this many seconds before a notified preemption.")]
 Grace = Annotated[float, typer.Option(
     "--grace", help="Seconds workers get to exit after SIGTERM when the job stops, before SIGKILL.")]
+RecheckMax = Annotated[float, typer.Option(
+    "--recheck-max", help=f"With --morph, a host that does not answer is left out and checked again after "
+    f"{RECHECK_FIRST:g} s, then after twice as long each time: at most this many seconds apart.")]
 StragglerThreshold = Annotated[float, typer.Option(
     "--straggler-threshold", help="Compute time over the median that makes a straggler (0.3 = 30%).")]
 Slurm = Annotated[Optional[bool], typer.Option(
@@ -256,6 +263,7 @@ def launch(
     heartbeat_timeout: HeartbeatTimeout = DEFAULTS["heartbeat_timeout"],
     morph_timeout: MorphTimeout = DEFAULTS["morph_timeout"], preempt_margin: PreemptMargin = DEFAULTS["preempt_margin"],
     grace: Grace = DEFAULTS["grace"], straggler_threshold: StragglerThreshold = DEFAULTS["straggler_threshold"],
+    recheck_max: RecheckMax = DEFAULTS["recheck_max"],
     slurm: Slurm = None, preemption_source: PreemptionSource = None, preemption_endpoint: PreemptionEndpoint = None,
     preemption_interval: PreemptionInterval = SpotConfig.interval,
 ) -> None:
@@ -267,7 +275,8 @@ def launch(
                    "--steps": steps, "--max-restarts": max_restarts, "--ssh-port": ssh_port})
     _check_seconds({"--heartbeat-timeout": heartbeat_timeout, "--morph-timeout": morph_timeout,
                     "--preempt-margin": preempt_margin, "--grace": grace,
-                    "--straggler-threshold": straggler_threshold, "--preemption-interval": preemption_interval})
+                    "--straggler-threshold": straggler_threshold, "--preemption-interval": preemption_interval,
+                    "--recheck-max": recheck_max})
     spot = _spot(preemption_source, preemption_endpoint, preemption_interval)
     _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir},
                   ssh_identity)
@@ -302,7 +311,7 @@ def launch(
         ckpt_every=ckpt_every, ckpt_keep=ckpt_keep,
         ckpt_tempdir=ckpt_tempdir, total_steps=steps, max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout,
         morph_timeout=morph_timeout, preempt_margin=preempt_margin, grace=grace,
-        straggler_threshold=straggler_threshold)
+        straggler_threshold=straggler_threshold, recheck_max=recheck_max)
     run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
     reporter.event(f"run directory {run}")

@@ -52,7 +52,7 @@ from .protocol import (
 from .ssh import AgentHandle
 from .stragglers import Straggler, StragglerDetector
 
-__all__ = ["LaunchError", "Node", "place", "JobFiles", "Outcome", "Attempt", "Status", "Reporter",
+__all__ = ["LaunchError", "AgentStartError", "Node", "place", "JobFiles", "Outcome", "Attempt", "Status", "Reporter",
            "worker_argv"]
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,15 @@ log = logging.getLogger(__name__)
 
 class LaunchError(VarunaError):
     """The job could not be started or kept running (exit code 1)."""
+
+
+class AgentStartError(LaunchError):
+    """The node agent on ``host`` did not come up (the host is down, SSH failed, the agent exited or stayed
+    silent): with ``--morph`` the job leaves that host out rather than starting on it again at once."""
+
+    def __init__(self, message: str, host: Host, *, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.host = host
 
 
 @dataclass(frozen=True)
@@ -209,6 +218,7 @@ class Outcome:
     step: int | None = None  # the last step the workers completed
     refused: bool = False  # crash: the checkpoint to resume from was refused by the workers
     suspects: list[str] | None = None  # crash: the hosts that may be down (None: any of them)
+    unstarted: Host | None = None  # crash: the host whose agent did not start (the job leaves it out)
 
 
 class Attempt:
@@ -320,13 +330,14 @@ class Attempt:
                         return event
                     continue
                 if isinstance(event, (GoneEvent, ErrorEvent)) and node == agent.node:
-                    detail = getattr(event, "message", "") or "; ".join(agent.stderr[-3:]) or \
+                    detail = getattr(event, "message", "") or agent.last_words() or \
                         f"exit code {getattr(event, 'code', None)}"
-                    raise LaunchError(f"the agent on {agent.host.name} failed to start: {detail}",
-                                      hint="run `varuna launch` with the same hosts file to see the pre-flight check")
+                    raise AgentStartError(f"the agent on {agent.host.name} failed to start: {detail}", agent.host,
+                                          hint="run `varuna launch` with the same hosts file to see the pre-flight "
+                                               "check")
                 held.append((node, event))
-            raise LaunchError(f"the agent on {agent.host.name} did not report {kind!r} within {timeout:g}s",
-                              hint="; ".join(agent.stderr[-3:]) or None)
+            raise AgentStartError(f"the agent on {agent.host.name} did not report {kind!r} within {timeout:g}s",
+                                  agent.host, hint="; ".join(agent.stderr[-3:]) or None)
         finally:
             for item in held:
                 self.events.put(item)

@@ -11,7 +11,13 @@ Between attempts it
   checkpoint of this run, with up to ``max_restarts`` consecutive attempts that make no progress — progress is
   a new complete checkpoint, not training steps, so a job whose every save fails gives up — waiting
   ``backoff``, 2×``backoff``, ... seconds in between, and without hosts that no longer answer. A checkpoint the
-  workers refuse to load (corrupt, incomplete) is set aside and the previous one is used.
+  workers refuse to load (corrupt, incomplete) is set aside and the previous one is used;
+* **leaves out** a host that does not answer (its check fails, or its node agent does not start), although it
+  is still listed, and checks it again in the background with a growing back-off
+  (:mod:`varuna_core.launch.exclusion`): the job trains on the other hosts meanwhile, and grows onto the host
+  (a morph) once it answers. A host left out is not a change of the hosts, and leaving one out, or checking it
+  again, is not a restart. When no host is left, the job waits for one as when the hosts left cannot hold the
+  model, and fails (exit 1) after ``start_timeout``.
 
 Without ``--morph`` the first crash ends the job (exit 1) with the rank, host and log that failed.
 
@@ -36,6 +42,7 @@ import dataclasses
 import json
 import math
 import os
+import queue
 import secrets
 import signal
 import threading
@@ -47,16 +54,18 @@ from ..checkpoint.layout import check_run_id, describe_runs, latest, list_runs, 
 from ..errors import ConfigError, VarunaError
 from ..planning.artifacts import Plan, load_plan, save_plan
 from ..util.fs import atomic_write
-from .attempt import Attempt, JobFiles, LaunchError, Outcome, Reporter, Status, place
+from .attempt import AgentStartError, Attempt, JobFiles, LaunchError, Outcome, Reporter, Status, place
+from .exclusion import RECHECK_FIRST, Exclusions
 from .heartbeat import Listener
 from .hosts import Host, HostsWatcher
 from .netinfo import route_to
 from .options import LaunchOptions
-from .ssh import check_hosts
+from .ssh import HostProblem, check_hosts, probe_agents
 
 __all__ = ["Manager", "replan", "choose_run", "EXIT_TERMINATED"]
 
 _WAIT_POLL = 1.0
+FRESH_CHECK = 30.0  # seconds for which a host's passed background check stands in for the check of a morph
 EXIT_TERMINATED = 143  # 128 + SIGTERM: the launcher stopped the job on SIGTERM (after checkpointing it)
 
 
@@ -209,6 +218,11 @@ class Manager:
         self.stop_why = "SIGTERM"  # what asked the job to stop (also SIGUSR1, a preemption notice)
         self.warned = False  # the stop came from the scheduler's warning signal (SIGUSR1): requeue under Slurm
         self.refused: dict[int, str] = {}  # steps that cannot be loaded, and why
+        self.exclusions = Exclusions(RECHECK_FIRST, opts.recheck_max)  # hosts left out: they did not answer
+        self._checked: queue.Queue = queue.Queue()  # (host, problem or None) from the background checks
+        self._passed: dict[str, float] = {}  # hosts whose background check passed, and when (monotonic)
+        self._closing = threading.Event()  # the job ends: background checks give up
+        self._checking: list[threading.Thread] = []  # the background checks under way
         self._write_manager_file()
 
     def _write_manager_file(self) -> None:
@@ -260,7 +274,11 @@ class Manager:
                     return 130
                 if outcome.kind == "terminated":
                     return self._terminated(outcome.message)
-                if outcome.kind == "crash":
+                if outcome.kind == "crash" and outcome.unstarted is not None:  # (only with --morph)
+                    # not a restart: the job goes on at once without that host, which is checked again later
+                    self._leave_out(outcome.unstarted, outcome.message, at_start=True)
+                    hosts = self._reachable(outcome.hosts or self._wanted(), suspects=[])
+                elif outcome.kind == "crash":
                     if not opts.morph:
                         raise LaunchError(outcome.message, hint="--morph restarts a job from its last complete "
                                           "checkpoint after a crash")
@@ -282,13 +300,14 @@ class Manager:
                     self.reporter.event(f"crash: {outcome.message}; restarting in {delay:.0f}s "
                                         f"(restart {restarts} of at most {opts.max_restarts})")
                     self._sleep(delay)
-                    hosts = self._reachable(outcome.hosts or self.desired, suspects=outcome.suspects)
+                    hosts = self._reachable(outcome.hosts or self._wanted(), suspects=outcome.suspects)
                 else:  # morph / checkpointed
                     self.status.morphs += 1
                     hosts = self._reachable(outcome.hosts or self.hosts, only_new=True)
                 resume = self.latest()
                 self._reconfigure(hosts)
         finally:
+            self._end_checks()
             for sig, handler in (previous or {}).items():
                 signal.signal(sig, handler)
             self.listener.close()
@@ -361,12 +380,18 @@ class Manager:
         try:
             try:
                 attempt.start()
+            except AgentStartError as exc:
+                if not self.opts.morph:
+                    raise
+                # a local job has no other host to go on with: a plain crash, restarted
+                return Outcome("crash", exc.message, step=resume, unstarted=None if self.local else exc.host)
             except LaunchError as exc:
                 if not self.opts.morph:
                     raise
                 return Outcome("crash", exc.message, step=resume)
             except KeyboardInterrupt:
                 return Outcome("interrupted", "interrupted while starting")
+            self.exclusions.started(n.host.name for n in nodes)
             self.files.event("started", attempt=number)
             if self.sigterms:
                 return Outcome("terminated", f"on {self.stop_why}, before the attempt started")
@@ -403,9 +428,13 @@ class Manager:
                 reasons.append("the hosts file changed")
                 self.desired = polled
                 self.preempted.clear()  # a new hosts file is the new truth
+                self.exclusions.listed(polled)
         self._take_notices()
+        back = self._recheck()
+        if back:
+            reasons.append(f"{', '.join(back)} answer{'s' if len(back) == 1 else ''} again")
         leaving = self._leaving()
-        effective = [h for h in self.desired if h.name not in leaving]
+        effective = self._wanted()
         if effective == current:
             return None
         if leaving & {h.name for h in current}:
@@ -429,6 +458,12 @@ class Manager:
             self.files.event("preempt_notice", host=match.name, seconds=seconds, source=notice.get("source"))
             self.reporter.event(f"preemption notice: {match.name} goes away in {seconds:.0f}s")
 
+    def _wanted(self) -> list[Host]:
+        """The hosts the job should run on: the listed ones, less those whose preemption is due and those left
+        out (they do not answer)."""
+        leaving = self._leaving()
+        return [h for h in self.desired if h.name not in leaving and h.name not in self.exclusions]
+
     def _leaving(self) -> set[str]:
         """The hosts whose preemption is due (within ``--preempt-margin`` seconds)."""
         now = time.monotonic()
@@ -444,18 +479,105 @@ class Manager:
             self.stop_why = f"the preemption notice for {', '.join(leaving)} (without --morph the job cannot move)"
 
     def _reachable(self, hosts: list[Host], only_new: bool = False, suspects: list[str] | None = None) -> list[Host]:
-        """``hosts`` minus those that fail the pre-flight check: all of them, only those not in the current set
-        (``only_new``), or only the ``suspects`` (hosts named by a crash; the others answered just now)."""
+        """``hosts`` less those left out and those that fail the pre-flight check (left out from now on): all of
+        them are checked, only those not in the current set (``only_new``), or only the ``suspects`` (hosts named
+        by a crash; the others answered just now). A host whose background check passed moments ago is not checked
+        again. (A host whose agent then does not start is left out by the attempt.)"""
+        hosts = [h for h in hosts if h.name not in self.exclusions]
         if self.local or self.opts.slurm is not None:  # Slurm's nodes are the allocation's: srun reaches them
             return hosts
-        to_check = [h for h in hosts if (not only_new or h not in self.hosts)
+        now = time.monotonic()
+        fresh = {name for name, when in self._passed.items() if now - when < FRESH_CHECK}
+        self._passed.clear()
+        to_check = [h for h in hosts if (not only_new or h not in self.hosts) and h.name not in fresh
                     and (suspects is None or h.name in suspects or h not in self.hosts)]
-        problems = check_hosts(to_check, self.opts.ssh, self.opts.runtime) if to_check else []
+        problems = self._check(to_check) if to_check else []
         for p in problems:
-            self.reporter.event(f"leaving out {p.host.name}: {p.message}")
-            self.files.event("host_unreachable", host=p.host.name, message=p.message)
-        bad = {p.host for p in problems}
-        return [h for h in hosts if h not in bad]
+            self._leave_out(p.host, p.message)
+        bad = {p.host.name for p in problems}
+        return [h for h in hosts if h.name not in bad]
+
+    def _check(self, hosts: list[Host], agents: bool = False) -> list[HostProblem]:
+        """The problems of ``hosts``, in their order: over SSH the pre-flight check (SSH, the interpreter, the code
+        directory); with ``agents``, for the hosts that pass it and for Slurm's nodes, also a node agent started
+        without workers (before the job grows onto a host left out: can its agent start there now?)."""
+        problems = check_hosts(hosts, self.opts.ssh, self.opts.runtime) if self.opts.ssh is not None else []
+        failed = {p.host.name for p in problems}
+        rest = [h for h in hosts if h.name not in failed]
+        if agents and rest and not self._closing.is_set():
+            problems += probe_agents(rest, self.opts.runtime, self.opts.slurm or self.opts.ssh, self.job,
+                                     cancel=self._closing)
+        order = {h.name: i for i, h in enumerate(hosts)}
+        return sorted(problems, key=lambda p: order[p.host.name])
+
+    def _leave_out(self, host: Host, reason: str, at_start: bool = False) -> None:
+        """Leave ``host`` out of the job until a check in the background finds it answering (reported once); see
+        :meth:`Exclusions.leave_out` for ``at_start``."""
+        record = self.exclusions.leave_out(host, reason, at_start=at_start)
+        if record.held:
+            until = "until the hosts file changes" if self.watcher is not None else "in this job"
+            self.reporter.event(f"leaving out {host.name}: {reason}; its check passed but its agent does not start: "
+                                f"it is not checked again {until}")
+            self.files.event("host_unreachable", host=host.name, message=reason, retry_in=None)
+            return
+        delay = self.exclusions.delay(record.failures)
+        self.reporter.event(f"leaving out {host.name}: {reason}; checking it again in {delay:.0f}s")
+        self.files.event("host_unreachable", host=host.name, message=reason, retry_in=round(delay, 1))
+
+    def _recheck(self) -> list[str]:
+        """Start the checks of the hosts left out that are due, and take the results of those that finished (each
+        reported: still failing, with the wait until the next check, or back). Returns the hosts that answer
+        again."""
+        due = self.exclusions.due()
+        if due:
+            self._start_check(due)
+        back = []
+        while True:
+            try:
+                host, problem = self._checked.get_nowait()
+            except queue.Empty:
+                break
+            if host.name not in self.exclusions:  # no longer listed
+                continue
+            if problem is None:
+                record = self.exclusions.answered(host)
+                self._passed[host.name] = time.monotonic()
+                back.append(host.name)
+                out_for = self.exclusions.clock() - record.since
+                self.files.event("host_back", host=host.name, seconds=round(out_for, 1), failures=record.failures)
+                self.reporter.event(f"{host.name} answers again after {out_for:.0f}s left out: taking it back")
+            else:
+                record = self.exclusions.failed(host, problem)
+                delay = self.exclusions.delay(record.failures)
+                self.files.event("host_recheck_failed", host=host.name, message=problem, failures=record.failures,
+                                 retry_in=round(delay, 1))
+                self.reporter.event(f"{host.name} still fails its check ({problem}); checking it again in "
+                                    f"{delay:.0f}s")
+        return back
+
+    def _start_check(self, hosts: list[Host]) -> None:
+        """Check ``hosts`` in a thread of its own (training goes on); :meth:`_recheck` takes the results."""
+        self._checking = [t for t in self._checking if t.is_alive()]
+        thread = threading.Thread(target=self._check_in_background, args=(hosts,), name="recheck", daemon=True)
+        self._checking.append(thread)
+        thread.start()
+
+    def _end_checks(self, wait: float = 6.0) -> None:
+        """Give up the background checks under way: the node agents they started are stopped (no process of the
+        job is left behind); a pre-flight check that still runs is left to end by itself (it carries nothing of
+        the job, and starts no agent once the job has ended)."""
+        self._closing.set()
+        deadline = time.monotonic() + wait
+        for thread in self._checking:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _check_in_background(self, hosts: list[Host]) -> None:
+        try:
+            problems = {p.host.name: p.message for p in self._check(hosts, agents=True)}
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run is a failed check, not a dead launcher
+            problems = {h.name: f"the check did not run: {exc}" for h in hosts}
+        for host in hosts:
+            self._checked.put((host, problems.get(host.name)))
 
     def _reconfigure(self, hosts: list[Host]) -> None:
         """Adopt ``hosts``; plan again if their capacity differs; wait (bounded) while nothing fits."""
@@ -467,7 +589,9 @@ class Manager:
                     plan, why = self.plan, None
                 else:
                     if capacity == 0:
-                        raise ConfigError("no host is left")
+                        raise ConfigError("no host is left" + (f" (left out, as they do not answer: "
+                                                                f"{self.exclusions.describe()})"
+                                                                if len(self.exclusions) else ""))
                     t0 = time.time()
                     plan, why = replan(self.plan, capacity, max(1, min(h.slots for h in hosts)),
                                        keep_microbatch=not self.opts.morph_any_microbatch)

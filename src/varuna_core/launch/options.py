@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import ConfigError
+from .exclusion import RECHECK_MAX
 from .hosts import Host
 
 __all__ = ["DEFAULTS", "LaunchOptions", "Runtime", "SSHConfig", "SlurmConfig", "SpotConfig"]
@@ -144,6 +145,7 @@ class LaunchOptions:
     preempt_margin: float = 30.0
     grace: float = 10.0
     straggler_threshold: float = 0.3
+    recheck_max: float = RECHECK_MAX  # the longest wait between two checks of a host left out (launch.exclusion)
     run_id: str | None = None  # the run to resume (--resume) or to start under; default: found or new
 
 

@@ -21,9 +21,18 @@ from dataclasses import dataclass
 from ..env import JOB_ID
 from .hosts import Host
 from .options import Runtime, SlurmConfig, SSHConfig
-from .protocol import MAX_EVENT, AgentSpec, GoneEvent, SignalCommand, StopCommand, parse_event
+from .protocol import (
+    MAX_EVENT,
+    AgentSpec,
+    ErrorEvent,
+    GoneEvent,
+    ReadyEvent,
+    SignalCommand,
+    StopCommand,
+    parse_event,
+)
 
-__all__ = ["AgentHandle", "check_hosts", "HostProblem", "parse_event", "MAX_EVENT"]
+__all__ = ["AgentHandle", "check_hosts", "probe_agents", "HostProblem", "parse_event", "MAX_EVENT"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,45 @@ def check_hosts(hosts: list[Host], ssh: SSHConfig, runtime: Runtime, timeout: fl
         if done.returncode == 255:
             detail = f"unreachable over SSH: {detail}"
         return HostProblem(host, detail)
+
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts)))) as pool:
+        return [p for p in pool.map(one, hosts) if p is not None]
+
+
+def probe_agents(hosts: list[Host], runtime: Runtime, remote: SSHConfig | SlurmConfig | None, job: str,
+                 timeout: float = 60, cancel: threading.Event | None = None) -> list[HostProblem]:
+    """Start a node agent without workers on every host at once, the way an attempt starts one (same command,
+    over SSH or as a Slurm job step), and wait for it to report ``ready``; then let it go. What
+    :func:`check_hosts` cannot see (the agent's own modules, its temporary directory, srun's answer on a node)
+    fails here. Returns the problems, one per failing host, in host order. ``cancel`` set: give up at once."""
+
+    def one(host: Host) -> HostProblem | None:
+        events: queue.Queue = queue.Queue()
+        spec = AgentSpec(job=job, node=0, host=host.name, store=False, master_addr=host.address, master_port=1,
+                         world=1, workers=[], argv=["true"], grace=0.0)
+        try:
+            agent = AgentHandle(0, host, spec, events, runtime, remote)
+        except OSError as exc:
+            return HostProblem(host, f"its node agent did not start: {exc.strerror or exc}")
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not (cancel is not None and cancel.is_set()):
+                try:
+                    _, event = events.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if isinstance(event, ReadyEvent):
+                    return None
+                if isinstance(event, (GoneEvent, ErrorEvent)):
+                    detail = getattr(event, "message", "") or agent.last_words() or f"exit code {event.code}"
+                    if isinstance(event, GoneEvent) and event.code == 255 and not isinstance(remote, SlurmConfig):
+                        detail = f"unreachable over SSH: {detail}"
+                    return HostProblem(host, f"its node agent did not start: {detail}")
+            return HostProblem(host, f"its node agent did not report ready within {timeout:g}s")
+        finally:
+            agent.close()
+            if not agent.wait(5):
+                agent.kill()
 
     with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts)))) as pool:
         return [p for p in pool.map(one, hosts) if p is not None]
@@ -95,7 +143,8 @@ class AgentHandle:
         self.ready = None  # the agent's ReadyEvent, once it came
         self.send(spec)
         threading.Thread(target=self._read, name=f"agent{node}", daemon=True).start()
-        threading.Thread(target=self._read_stderr, name=f"agent{node}-err", daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, name=f"agent{node}-err", daemon=True)
+        self._stderr_reader.start()
 
     def send(self, message: AgentSpec | SignalCommand | StopCommand) -> bool:
         """Write one message to the agent as a JSON line; False if it is gone."""
@@ -124,6 +173,12 @@ class AgentHandle:
             if line:
                 self.stderr.append(line)
                 del self.stderr[:-20]
+
+    def last_words(self, wait: float = 1.0) -> str:
+        """The last line the agent (or ssh, or srun) printed on stderr, once its stderr is read to the end (at most
+        ``wait`` seconds): after a traceback, the exception."""
+        self._stderr_reader.join(timeout=wait)
+        return next((line.strip() for line in reversed(self.stderr) if line.strip()), "")
 
     def close(self) -> None:
         """Close the agent's stdin: it stops its workers (if any are left) and exits."""
