@@ -242,7 +242,7 @@ def test_a_partial_start_is_rolled_back(cluster, plan4, tmp_path) -> None:
     from varuna_core.launch.attempt import LaunchError
     from varuna_core.launch.hosts import Host
     from varuna_core.launch.manager import Manager
-    from varuna_core.launch.options import LaunchOptions, Runtime, SSHConfig
+    from varuna_core.launch.options import LaunchOptions, HostRuntime, SSHConfig
     from varuna_core.planning.artifacts import load_plan
 
     good = cluster.hosts[0]
@@ -252,7 +252,7 @@ def test_a_partial_start_is_rolled_back(cluster, plan4, tmp_path) -> None:
                     options=tuple(v for f, v in zip(opts[::2], opts[1::2]) if f == "-o"))
     run = tmp_path / "run"
     run.mkdir()
-    options = LaunchOptions(script=TRAIN, run_dir=run, ckpt_dir=run / "ckpt", runtime=Runtime(code_dir=str(ROOT)),
+    options = LaunchOptions(script=TRAIN, run_dir=run, ckpt_dir=run / "ckpt", runtime=HostRuntime(code_dir=str(ROOT)),
                             ssh=ssh)
     events = []
 

@@ -145,12 +145,12 @@ def test_a_node_left_out_is_checked_by_starting_an_agent_as_a_job_step(allocatio
     started with srun inside the allocation, reports ready on a node of it; a node srun cannot reach is named with
     srun's reason, and nothing of the check is left running."""
     from varuna_core.launch.hosts import Host
-    from varuna_core.launch.options import Runtime, SlurmConfig
+    from varuna_core.launch.options import HostRuntime, SlurmConfig
     from varuna_core.launch.ssh import probe_agents
 
     monkeypatch.setenv("SLURM_CONF", allocation["SLURM_CONF"])
     good, bad = Host(allocation["SLURM_JOB_NODELIST"], 2), Host("nosuchnode", 2)
-    problems = probe_agents([good, bad], Runtime(code_dir=str(ROOT)), SlurmConfig(allocation["SLURM_JOB_ID"]),
+    problems = probe_agents([good, bad], HostRuntime(code_dir=str(ROOT)), SlurmConfig(allocation["SLURM_JOB_ID"]),
                             job="probe-test", timeout=60)
     assert [p.host for p in problems] == [bad], problems
     assert "its node agent did not start" in problems[0].message, problems

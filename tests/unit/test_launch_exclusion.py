@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.profiles import make_profile
-from varuna_core.launch.attempt import LaunchError, Outcome
+from varuna_core.launch.attempt import Ending, LaunchError, Outcome
 from varuna_core.launch.exclusion import Exclusions
 from varuna_core.launch.hosts import Host
 from varuna_core.launch.manager import Manager
@@ -134,8 +134,8 @@ class Job:
             self.clock.now += 1
             change = self.manager._changes()
             if change is not None:
-                return Outcome("morph", change[1], hosts=change[0])
-        return Outcome("done", "every worker finished")
+                return Outcome(Ending.MORPH, change[1], hosts=change[0])
+        return Outcome(Ending.DONE, "every worker finished")
 
     def events(self, name: str) -> list[dict]:
         lines = (self.manager.opts.run_dir / "events.jsonl").read_text().splitlines()
@@ -149,10 +149,10 @@ def test_a_host_lost_for_good_is_checked_with_a_back_off_not_an_attempt_each_tim
     def script(job: Job, n: int) -> Outcome:
         if n == 1:
             job.down.add(B.name)
-            return Outcome("crash", f"lost the agent on {B.name} (host down or SSH dropped)", suspects=[B.name])
+            return Outcome(Ending.CRASH, f"lost the agent on {B.name} (host down or SSH dropped)", suspects=[B.name])
         if n == 2:  # trains on A alone while B stays down for 100 s, then B answers
             return job.train(300, at={100: lambda: job.down.discard(B.name)})
-        return Outcome("done", "every worker finished")
+        return Outcome(Ending.DONE, "every worker finished")
 
     job = Job(tmp_path, [A, B], script)
     assert job.manager.run() == 0
@@ -175,7 +175,7 @@ def test_a_host_whose_agent_does_not_start_is_left_out_without_a_restart(tmp_pat
 
     def script(job: Job, n: int) -> Outcome:
         if n in (1, 3):
-            return Outcome("crash", f"the agent on {B.name} failed to start: SyntaxError", unstarted=B)
+            return Outcome(Ending.CRASH, f"the agent on {B.name} failed to start: SyntaxError", unstarted=B)
         if n == 2:
             return job.train(20)  # its check (with a node agent) passes at 5 s: taken back
         return job.train(600)
@@ -196,10 +196,10 @@ def test_a_failed_slurm_node_is_left_out_and_checked_by_starting_an_agent(tmp_pa
     def script(job: Job, n: int) -> Outcome:
         if n == 1:
             job.down.add(B.name)
-            return Outcome("crash", f"the agent on {B.name} did not report 'ready' within 60s", unstarted=B)
+            return Outcome(Ending.CRASH, f"the agent on {B.name} did not report 'ready' within 60s", unstarted=B)
         if n == 2:
             return job.train(300, at={30: lambda: job.down.discard(B.name)})
-        return Outcome("done", "every worker finished")
+        return Outcome(Ending.DONE, "every worker finished")
 
     job = Job(tmp_path, [A, B], script, slurm=True, hosts_file=False)
     assert job.manager.run() == 0
@@ -219,11 +219,11 @@ def test_a_host_named_in_a_preemption_notice_is_not_taken_back_by_a_restart(tmp_
             return job.train(5, at={2: lambda: job.manager.listener.add_notice(B.address, 0.0, "gcp")})
         if n == 2:
             outcome = job.train(50)
-            assert outcome.kind == "done"  # polled 50 times: no change
-            return Outcome("crash", f"rank 0 on {A.name} exited with code 1", suspects=[])
+            assert outcome.kind is Ending.DONE  # polled 50 times: no change
+            return Outcome(Ending.CRASH, f"rank 0 on {A.name} exited with code 1", suspects=[])
         if n == 3:
             return job.train(50)
-        return Outcome("done", "every worker finished")
+        return Outcome(Ending.DONE, "every worker finished")
 
     job = Job(tmp_path, [A, B], script)
     assert job.manager.run() == 0
@@ -238,7 +238,7 @@ def test_a_job_whose_every_host_is_left_out_fails(tmp_path) -> None:
 
     def script(job: Job, n: int) -> Outcome:
         job.down.update({A.name, B.name})
-        return Outcome("crash", "lost every agent", suspects=None)
+        return Outcome(Ending.CRASH, "lost every agent", suspects=None)
 
     job = Job(tmp_path, [A, B], script, start_timeout=1.5)
     with pytest.raises(LaunchError, match=r"no usable configuration on the hosts left: no host is left \(left out, "

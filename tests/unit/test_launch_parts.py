@@ -13,7 +13,7 @@ from varuna_core.launch.attempt import JobFiles, place, worker_argv
 from varuna_core.launch.heartbeat import Listener, send_notice
 from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts
 from varuna_core.launch.manager import replan
-from varuna_core.launch.options import Runtime, SSHConfig
+from varuna_core.launch.options import HostRuntime, SSHConfig
 from varuna_core.launch.protocol import decode, encode
 from varuna_core.launch.stragglers import StragglerDetector
 from varuna_core.planning.planner import PlanRequest, make_plan, plan_for
@@ -63,7 +63,7 @@ def test_place_fills_hosts_in_order_and_names_the_shortfall() -> None:
 def test_worker_argv_and_ssh_command_quote_everything() -> None:
     assert worker_argv(["train.py", "--x", "a b"], "/py") == ["/py", "train.py", "--x", "a b"]
     assert worker_argv(["./run.sh"], "/py") == ["./run.sh"]
-    runtime = Runtime(python="/opt/my env/python", code_dir="/srv/code dir")
+    runtime = HostRuntime(python="/opt/my env/python", code_dir="/srv/code dir")
     command = runtime.command("-m", "varuna_core.launch.agent", env={"VARUNA_JOB_ID": "abc"})
     assert command == "cd '/srv/code dir' && VARUNA_JOB_ID=abc exec '/opt/my env/python' -m varuna_core.launch.agent"
     argv = SSHConfig(user="bob", port=2200, identity="/k", options=("ConnectTimeout=3",)).argv(

@@ -18,7 +18,7 @@ from varuna_core.env import LAUNCHER_SET
 from varuna_core.errors import ConfigError, VarunaError
 from varuna_core.launch.exclusion import RECHECK_FIRST
 from varuna_core.launch.hosts import MAX_SLOTS
-from varuna_core.launch.options import DEFAULTS, LaunchOptions, Runtime, SpotConfig, SSHConfig
+from varuna_core.launch.options import DEFAULTS, LaunchOptions, HostRuntime, SpotConfig, SSHConfig
 
 HELP = (
     "Run SCRIPT on every device of PLAN: local processes, or the hosts of --hosts over SSH.\n\n"
@@ -298,7 +298,7 @@ def launch(
     else:
         host_list = _hosts(hosts, slots, the_plan.pp * the_plan.dp, gpus_per_node)
     choose_run(store, resume, run_id, or_start=resume_or_start)  # another run's store: refused before anything starts
-    runtime = Runtime(python=python or sys.executable, code_dir=code)
+    runtime = HostRuntime(python=python or sys.executable, code_dir=code)
     ssh = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ())) \
         if host_list is not None and job is None else None
     reporter = reporter or _reporter()

@@ -22,6 +22,7 @@ import os
 import queue
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -52,7 +53,8 @@ from .protocol import (
 from .ssh import AgentHandle
 from .stragglers import Straggler, StragglerDetector
 
-__all__ = ["LaunchError", "AgentStartError", "Node", "place", "JobFiles", "Outcome", "Attempt", "Status", "Reporter",
+__all__ = ["Ending", "LaunchError", "AgentStartError", "Node", "place", "JobFiles", "Outcome", "Attempt", "Status",
+           "Reporter",
            "worker_argv"]
 
 log = logging.getLogger(__name__)
@@ -207,12 +209,22 @@ class Reporter(Protocol):
     def status(self, status: Status) -> None: ...
 
 
+class Ending(str, Enum):
+    """How an attempt ended (a ``str``: the ``ending`` event of ``events.jsonl`` records its value)."""
+
+    DONE = "done"  # every worker finished
+    CRASH = "crash"  # a worker or an agent failed: restart from the last checkpoint
+    MORPH = "morph"  # the workers checkpointed for a change of hosts: continue on Outcome.hosts
+    CHECKPOINTED = "checkpointed"  # the workers checkpointed and stopped when asked from outside (SIGUSR1)
+    TERMINATED = "terminated"  # the launcher got SIGTERM (or SIGUSR1): checkpoint, then stop
+    INTERRUPTED = "interrupted"  # Ctrl-C: stop at once
+
+
 @dataclass
 class Outcome:
-    """How an attempt ended. ``kind``: ``done``, ``crash``, ``morph``, ``checkpointed``, ``terminated`` (the
-    launcher got SIGTERM), ``interrupted``."""
+    """How an attempt ended, and what the manager needs to go on."""
 
-    kind: str
+    kind: Ending
     message: str = ""
     hosts: list[Host] | None = None  # morph: the hosts to continue on
     step: int | None = None  # the last step the workers completed
@@ -363,18 +375,18 @@ class Attempt:
                 silent = self._silent()
                 if silent:
                     why, host = silent
-                    return Outcome("crash", why, hosts=request.hosts if request else None, suspects=[host])
+                    return Outcome(Ending.CRASH, why, hosts=request.hosts if request else None, suspects=[host])
                 urgency, why = terminating()
                 if not urgency and self.signalled:
                     urgency, why = 1, self.signalled
                 if urgency >= 2:
-                    return Outcome("terminated", f"on {why} again, without waiting for the checkpoint")
-                if request is None or (urgency and request.kind != "terminated"):
+                    return Outcome(Ending.TERMINATED, f"on {why} again, without waiting for the checkpoint")
+                if request is None or (urgency and request.kind is not Ending.TERMINATED):
                     new, reason = None, why
                     if urgency:
-                        new = Outcome("terminated", f"on {why}, after an on-demand checkpoint")
+                        new = Outcome(Ending.TERMINATED, f"on {why}, after an on-demand checkpoint")
                     elif (change := changes()) is not None:
-                        new, reason = Outcome("morph", change[1], hosts=change[0]), change[1]
+                        new, reason = Outcome(Ending.MORPH, change[1], hosts=change[0]), change[1]
                     if new is not None:
                         first, request = request is None, new
                         if first:
@@ -387,7 +399,7 @@ class Attempt:
                                    f"within {self.opts.morph_timeout:g}s: continuing from the last complete "
                                    f"checkpoint", hosts=request.hosts)
         except KeyboardInterrupt:
-            return Outcome("interrupted", "interrupted")
+            return Outcome(Ending.INTERRUPTED, "interrupted")
 
     def _ask_to_checkpoint(self, why: str) -> bool:
         """SIGUSR1 to every worker; False (nothing sent) if some rank has not reported yet, i.e. has not installed
@@ -491,7 +503,7 @@ class Attempt:
         lost = [self.agents[n].host.name for n in self.gone
                 if any(r not in self.exits for r, _ in self.nodes[n].ranks)]
         if lost:
-            return Outcome("crash", f"lost the agent on {', '.join(lost)} (host down or SSH dropped)", hosts=hosts,
+            return Outcome(Ending.CRASH, f"lost the agent on {', '.join(lost)} (host down or SSH dropped)", hosts=hosts,
                            suspects=lost)
         bad = {r: c for r, c in self.exits.items() if c not in (0, EXIT_CHECKPOINTED)}
         beats = self.listener.snapshot()
@@ -510,7 +522,7 @@ class Attempt:
             step = max(b.step for b in beats.values())
             if request is not None:
                 return Outcome(request.kind, f"{request.message}; {late}", hosts=request.hosts, step=step)
-            return Outcome("checkpointed", f"the workers checkpointed and stopped (SIGUSR1 from outside the "
+            return Outcome(Ending.CHECKPOINTED, f"the workers checkpointed and stopped (SIGUSR1 from outside the "
                            f"launcher); {late}", step=step)
         if bad:
             first = next(iter(bad))  # exits are recorded in the order they happened
@@ -520,20 +532,20 @@ class Attempt:
                 what = f"rank {first} on {self.rank_host[first]} could not load checkpoint step_{self.resume}"
                 if first in self.errors:
                     what += f": {self.errors[first]}"
-            return Outcome("crash", f"{what} (log: {self.files.rank_log(first)})", hosts=hosts, refused=refused,
+            return Outcome(Ending.CRASH, f"{what} (log: {self.files.rank_log(first)})", hosts=hosts, refused=refused,
                            suspects=[])  # its agent reported the exit: the host is up
         if len(self.exits) < self.world:
             return None
         codes = set(self.exits.values())
         step = max((b.step for b in self.listener.snapshot().values()), default=None)
         if codes == {0}:
-            return Outcome("done", "every worker finished", step=step)
+            return Outcome(Ending.DONE, "every worker finished", step=step)
         if request is not None:
             return Outcome(request.kind, request.message, hosts=request.hosts, step=step)
         if codes == {EXIT_CHECKPOINTED}:
-            return Outcome("checkpointed", "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)",
+            return Outcome(Ending.CHECKPOINTED, "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)",
                            step=step)
-        return Outcome("crash", "some workers finished while others stopped to checkpoint", step=step, suspects=[])
+        return Outcome(Ending.CRASH, "some workers finished while others stopped to checkpoint", step=step, suspects=[])
 
     # ------------------------------------------------------------------------------------------------------
     # Stop

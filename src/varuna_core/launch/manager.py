@@ -54,7 +54,7 @@ from ..checkpoint.layout import check_run_id, describe_runs, latest, list_runs, 
 from ..errors import ConfigError, VarunaError
 from ..planning.artifacts import Plan, load_plan, save_plan
 from ..util.fs import atomic_write
-from .attempt import AgentStartError, Attempt, JobFiles, LaunchError, Outcome, Reporter, Status, place
+from .attempt import AgentStartError, Attempt, Ending, JobFiles, LaunchError, Outcome, Reporter, Status, place
 from .exclusion import RECHECK_FIRST, Exclusions
 from .heartbeat import Listener
 from .hosts import Host, HostsWatcher
@@ -267,18 +267,18 @@ class Manager:
                     return self._terminated(f"on {self.stop_why}, between attempts")
                 number += 1
                 outcome = self._attempt(number, resume, budget.count)
-                if outcome.kind == "done":
+                if outcome.kind is Ending.DONE:
                     self.reporter.event(f"done: {outcome.message}")
                     return 0
-                if outcome.kind == "interrupted":
+                if outcome.kind is Ending.INTERRUPTED:
                     return 130
-                if outcome.kind == "terminated":
+                if outcome.kind is Ending.TERMINATED:
                     return self._terminated(outcome.message)
-                if outcome.kind == "crash" and outcome.unstarted is not None:  # (only with --morph)
+                if outcome.kind is Ending.CRASH and outcome.unstarted is not None:  # (only with --morph)
                     # not a restart: the job goes on at once without that host, which is checked again later
                     self._leave_out(outcome.unstarted, outcome.message, at_start=True)
                     hosts = self._reachable(outcome.hosts or self._wanted(), suspects=[])
-                elif outcome.kind == "crash":
+                elif outcome.kind is Ending.CRASH:
                     if not opts.morph:
                         raise LaunchError(outcome.message, hint="--morph restarts a job from its last complete "
                                           "checkpoint after a crash")
@@ -384,22 +384,22 @@ class Manager:
                 if not self.opts.morph:
                     raise
                 # a local job has no other host to go on with: a plain crash, restarted
-                return Outcome("crash", exc.message, step=resume, unstarted=None if self.local else exc.host)
+                return Outcome(Ending.CRASH, exc.message, step=resume, unstarted=None if self.local else exc.host)
             except LaunchError as exc:
                 if not self.opts.morph:
                     raise
-                return Outcome("crash", exc.message, step=resume)
+                return Outcome(Ending.CRASH, exc.message, step=resume)
             except KeyboardInterrupt:
-                return Outcome("interrupted", "interrupted while starting")
+                return Outcome(Ending.INTERRUPTED, "interrupted while starting")
             self.exclusions.started(n.host.name for n in nodes)
             self.files.event("started", attempt=number)
             if self.sigterms:
-                return Outcome("terminated", f"on {self.stop_why}, before the attempt started")
+                return Outcome(Ending.TERMINATED, f"on {self.stop_why}, before the attempt started")
             outcome = attempt.run(lambda: self._changes(), lambda: (self.sigterms, self.stop_why))
             if attempt.scheduler_signal == "SIGUSR1":
                 self.warned = True
             self.status.state = "stopping"
-            self.files.event("ending", attempt=number, kind=outcome.kind, message=outcome.message,
+            self.files.event("ending", attempt=number, kind=outcome.kind.value, message=outcome.message,
                              step=outcome.step)
             return outcome
         finally:

@@ -1,6 +1,6 @@
 """What ``varuna launch`` is asked to do, as plain data: :class:`LaunchOptions` and the parts of it that say how
 to reach the hosts (:class:`SSHConfig`, or :class:`SlurmConfig` inside a Slurm allocation), where the code runs on
-them (:class:`Runtime`) and which cloud to ask for spot notices (:class:`SpotConfig`).
+them (:class:`HostRuntime`) and which cloud to ask for spot notices (:class:`SpotConfig`).
 
 The field defaults of these dataclasses are the launcher's defaults: the CLI's options read theirs from here
 (:data:`DEFAULTS`), so a default is written once. No torch and no pydantic here: the CLI imports this module when
@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from .exclusion import RECHECK_MAX
 from .hosts import Host
 
-__all__ = ["DEFAULTS", "LaunchOptions", "Runtime", "SSHConfig", "SlurmConfig", "SpotConfig"]
+__all__ = ["DEFAULTS", "LaunchOptions", "HostRuntime", "SSHConfig", "SlurmConfig", "SpotConfig"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ ENDPOINT_HINT = "e.g. http://169.254.169.254 or http://127.0.0.1:8080; leave it 
 
 
 @dataclass(frozen=True)
-class Runtime:
+class HostRuntime:
     """Where the job's code runs on every host: the Python interpreter and the working directory."""
 
     python: str = sys.executable
@@ -123,7 +123,7 @@ class LaunchOptions:
     script: list[str]
     run_dir: Path
     ckpt_dir: Path
-    runtime: Runtime = field(default_factory=Runtime)
+    runtime: HostRuntime = field(default_factory=HostRuntime)
     ssh: SSHConfig | None = None  # None: local processes (or Slurm job steps)
     slurm: SlurmConfig | None = None  # inside a Slurm allocation: agents by srun, scheduler signals
     spot: SpotConfig | None = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..env import JOB_ID
 from .hosts import Host
-from .options import Runtime, SlurmConfig, SSHConfig
+from .options import HostRuntime, SlurmConfig, SSHConfig
 from .protocol import (
     MAX_EVENT,
     AgentSpec,
@@ -45,7 +45,7 @@ _CHECK = ("import sys, varuna_core, torch; "
           "print('varuna-ok', sys.version.split()[0], torch.__version__, varuna_core.__version__)")
 
 
-def check_hosts(hosts: list[Host], ssh: SSHConfig, runtime: Runtime, timeout: float = 60) -> list[HostProblem]:
+def check_hosts(hosts: list[Host], ssh: SSHConfig, runtime: HostRuntime, timeout: float = 60) -> list[HostProblem]:
     """Check every host at once: SSH reaches it, the code directory exists, the interpreter imports varuna and
     torch. Returns the problems (empty: all good), one per failing host, in host order."""
 
@@ -69,7 +69,7 @@ def check_hosts(hosts: list[Host], ssh: SSHConfig, runtime: Runtime, timeout: fl
         return [p for p in pool.map(one, hosts) if p is not None]
 
 
-def probe_agents(hosts: list[Host], runtime: Runtime, remote: SSHConfig | SlurmConfig | None, job: str,
+def probe_agents(hosts: list[Host], runtime: HostRuntime, remote: SSHConfig | SlurmConfig | None, job: str,
                  timeout: float = 60, cancel: threading.Event | None = None) -> list[HostProblem]:
     """Start a node agent without workers on every host at once, the way an attempt starts one (same command,
     over SSH or as a Slurm job step), and wait for it to report ``ready``; then let it go. What
@@ -127,7 +127,7 @@ class AgentHandle:
     ``(node, event)``. An agent whose output ends (it exited, or SSH lost the host) yields a
     :class:`~varuna_core.launch.protocol.GoneEvent`."""
 
-    def __init__(self, node: int, host: Host, spec: AgentSpec, events: queue.Queue, runtime: Runtime,
+    def __init__(self, node: int, host: Host, spec: AgentSpec, events: queue.Queue, runtime: HostRuntime,
                  remote: SSHConfig | SlurmConfig | None) -> None:
         self.node, self.host = node, host
         # the job id marks every process of the job (the agent's and, through the spec, the workers')
