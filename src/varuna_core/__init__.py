@@ -3,7 +3,8 @@
 Public names are imported lazily so that planning code and the CLI start without importing torch.
 
 The package is a house of floors; a module imports only from its own floor or lower ones
-(``tests/unit/test_layers.py`` enforces it):
+(``tests/unit/test_layers.py`` enforces it; README.md's "Project layout" maps every module, and its "How a step
+runs" follows one training step through them):
 
 * L0 ``errors``, ``env``, ``util/``, ``ir/`` — error hierarchy, every ``VARUNA_*`` name, helpers, the torch-free
   schedule IR (schedules, in-flight counts, topology, partitions, units);

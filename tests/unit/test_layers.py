@@ -1,4 +1,5 @@
-"""The house rules of ``varuna_core`` (its package docstring draws the floors), checked on the source.
+"""The house rules of ``varuna_core`` (README.md's "Project layout" and the package docstring draw the floors),
+checked on the source.
 
 Every ``import`` counts, at module level or inside a function: a lazy import still ties two modules together,
 it only hides the tie from tools. The checker is tested on small synthetic trees first, so that a rule that
