@@ -110,7 +110,7 @@ def _check_counts(gpus: int, batch_size: int, gpus_per_node: int | None, top: in
 
 def _schedules(text: str | None) -> tuple[str, ...]:
     """The schedules of ``--schedule``, each known, each once."""
-    from varuna_core.ir.schedule import SCHEDULE_NAMES
+    from varuna_core.ir.schedule import SCHEDULE_NAMES, check_schedule
 
     if text is None:
         return SCHEDULE_NAMES
@@ -119,8 +119,7 @@ def _schedules(text: str | None) -> tuple[str, ...]:
     if not names:
         raise ConfigError("--schedule names no schedule", hint=hint)
     for name in names:
-        if name not in SCHEDULE_NAMES:
-            raise ConfigError(f"unknown schedule {name[:40]!r}", hint=hint)
+        check_schedule(name)
     return names
 
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from .. import env
 from ..errors import ConfigError, TopologyError
 from ..ir.partition import Partition, balance, coerce_partition
-from ..ir.schedule import SCHEDULE_NAMES
+from ..ir.schedule import check_schedule
 from ..ir.topology import Topology
 from ..model.discovery import Structure
 from ..model.precision import resolve_precision
@@ -73,8 +73,7 @@ def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_si
     if loaded is not None:
         stage_to_rank_map, chunk_size, schedule, partition = _apply_plan(
             loaded, stage_to_rank_map, batch_size, chunk_size, schedule, partition)
-    if schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {', '.join(SCHEDULE_NAMES)}")
+    check_schedule(schedule)
     return Config(
         stage_to_rank_map=stage_to_rank_map, batch_size=int(batch_size), chunk_size=int(chunk_size),
         schedule=schedule, partition=partition, precision=resolved_precision, plan=loaded,

@@ -42,7 +42,7 @@ import torch
 
 from ..errors import ConfigError
 from ..ir.inflight import inflight, posted_receives, unwaited_sends
-from ..ir.schedule import Action, Op, Schedule, generate, validate
+from ..ir.schedule import Action, Op, Schedule, check_schedule, generate, validate
 from ..ir.topology import Topology
 from ..model.payload import flatten, unflatten
 from ..model.precision import autocast
@@ -139,7 +139,7 @@ class PipelineExecutor:
         self.compute_time = 0.0  # seconds of the last run() spent in this rank's own work (not waiting for peers)
         self._waited = 0.0  # seconds of this run spent waiting for peers' messages
         self._computed = 0.0  # seconds of the current action spent in forward/backward
-        generate(schedule, self.num_stages, 1)  # unknown names fail at construction, not at the first step
+        check_schedule(schedule)  # an unknown name fails at construction, not at the first step
 
     def add_observer(self, observer: ActionObserver) -> ActionObserver:
         """Tell ``observer`` about every action and run from now on; returns it."""

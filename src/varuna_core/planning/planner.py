@@ -29,7 +29,7 @@ from typing import Sequence
 from ..errors import ConfigError, VarunaError
 from ..ir.inflight import receive_windows
 from ..ir.partition import Partition
-from ..ir.schedule import SCHEDULE_NAMES, recompute_stages
+from ..ir.schedule import SCHEDULE_NAMES, check_schedule, recompute_stages
 from ..ir.topology import Topology
 from .artifacts import MAX_MICROBATCHES, Candidate, CommCurve, Plan, Prediction, Profile, SegmentMeasure, StagePlan
 from .memory import stage_bytes
@@ -475,8 +475,7 @@ def _check_request(req: PlanRequest) -> None:
     if req.batch_size < 1:
         raise ConfigError(f"--batch-size must be ≥ 1, got {req.batch_size}")
     for name in req.schedules:
-        if name not in SCHEDULE_NAMES:
-            raise ConfigError(f"unknown schedule {name!r}", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
+        check_schedule(name)
     per_node = req.gpus_per_node or req.gpus
     if per_node < 1:
         raise ConfigError(f"--gpus-per-node must be ≥ 1, got {per_node}")
@@ -564,8 +563,7 @@ def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch
         raise ConfigError(f"pp={pp} × dp={dp} needs {pp * dp} devices, more than --gpus {req.gpus}")
     if pp > profile.num_segments:
         raise ConfigError(f"pp={pp} exceeds the profile's {profile.num_segments} segments")
-    if schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
+    check_schedule(schedule)
     assumptions: set[str] = set()
     tables = _Tables(profile)
     result, need = _prepare(tables, req, pp, dp, microbatch_size, schedule)
@@ -589,8 +587,7 @@ def layout_plan(*, pp: int, dp: int, microbatch_size: int, batch_size: int, gpus
     """
     from pydantic import ValidationError
 
-    if schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
+    check_schedule(schedule)
     replica = -(-batch_size // max(dp, 1))
     try:
         return Plan(
