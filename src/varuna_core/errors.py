@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "VarunaError",
     "ConfigError",
+    "FieldError",
     "TopologyError",
     "PartitionError",
     "ScheduleError",
@@ -53,6 +54,29 @@ class ConfigError(VarunaError):
     """Bad user input: arguments, sizes, files. Exit code 2 in the CLI."""
 
     exit_code = 2
+
+
+class FieldError(ConfigError):
+    """A bad value of one named field (an argument, an option, a request's attribute): ``field`` names it and
+    ``problem`` says what is wrong with the value, so that a front end can name the field its own way (the CLI
+    names the option that sets it) without reading the message.
+
+    Args:
+        field: the field's name, e.g. ``"gpus"``.
+        problem: the rest of the message, e.g. ``"must be in 1..65536, got 0"``.
+    """
+
+    def __init__(self, field: str, problem: str, *, hint: str | None = None) -> None:
+        super().__init__(f"{field} {problem}", hint=hint)
+        self.field = field
+        self.problem = problem
+
+    def renamed(self, name: str) -> FieldError:
+        """The same error about the same value, with the field called ``name``."""
+        return type(self)(name, self.problem, hint=self.hint)
+
+    def __reduce__(self):
+        return type(self), (self.field, self.problem), {"hint": self.hint}
 
 
 class TopologyError(ConfigError):

@@ -278,12 +278,13 @@ def test_recompute_stages_of_an_unknown_schedule() -> None:
 @pytest.mark.parametrize("name", ["zb", "", "VARUNA", None, 3, ["varuna"], "x" * 500])
 def test_one_check_of_a_schedule_name_refuses_the_same_everywhere(name) -> None:
     """The argument, the request, the plan and the executor all say what check_schedule says."""
-    from varuna_core.planning.planner import layout_plan
+    from varuna_core.planning.planner import PlanRequest, layout_plan
 
     with pytest.raises(ConfigError) as expected:
         check_schedule(name)
     assert len(expected.value.message) < 80 and all(n in expected.value.hint for n in SCHEDULE_NAMES)
     for refuse in (lambda: generate(name, 2, 2), lambda: recompute_stages(name, 2),
+                   lambda: PlanRequest(gpus=2, batch_size=8, schedules=(name,)),
                    lambda: layout_plan(pp=1, dp=1, microbatch_size=1, batch_size=1, gpus=1, gpus_per_node=1,
                                        schedule=name)):
         with pytest.raises(ConfigError) as info:
