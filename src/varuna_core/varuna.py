@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.nn as nn
 
+from .env import WorkerEnv
 from .errors import ConfigError
 from .ir.partition import Partition
 from .model.discovery import Structure, discover, make_batch_fn
@@ -160,10 +161,13 @@ class Varuna(nn.Module):
     ) -> None:
         super().__init__()
         install_excepthook()
+        told = WorkerEnv.from_environ()  # what varuna launch told this worker: read once, handed to who needs it
+        self._job_token = told.job_token  # signs a background checkpoint's reports between ranks
         config = resolve_config(
             model, stage_to_rank_map, batch_size, chunk_size, fp16=fp16, schedule=schedule, partition=partition,
-            timeout=timeout, bucket_mb=bucket_mb, precision=precision, seed=seed, plan=plan, trace=trace,
-            trace_step=trace_step, cutpoints=cutpoints, loss_reduction=loss_reduction)
+            timeout=timeout, bucket_mb=bucket_mb, precision=precision, seed=seed,
+            plan=plan if plan is not None else told.plan, trace=trace, trace_step=trace_step, cutpoints=cutpoints,
+            loss_reduction=loss_reduction)
         if config.cutpoints == "auto":
             from .model.autocut import apply_auto_cutpoints
 
@@ -171,7 +175,7 @@ class Varuna(nn.Module):
         self.loss_reduction, self.precision, self.plan = config.loss_reduction, config.precision, config.plan
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
-        self.seed, self.run_id = agree_seed_and_run(config.seed, self.world_size)
+        self.seed, self.run_id = agree_seed_and_run(config.seed, self.world_size, told.run_id)
         shared = list(shared_weights or [])
         values = value_source(model, shared, self.seed, init, weights)
         batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
@@ -193,7 +197,7 @@ class Varuna(nn.Module):
             check_slicing(self.executor, self.module, self.structure, self.partition, self.stage,
                           is_last=self.stage_slice.is_last, input_batch_dims=self.input_batch_dims,
                           world_size=self.world_size, reference=reference)
-        self._supervise()
+        self._supervise(told)
         log.info(
             "rank %d: stage %d/%d (segments %s), replica %d/%d, %d micro-batches of ≤%d, schedule %s, %.1f MB params",
             self.rank, self.stage, self.pp, self.partition.to_string(), self.replica, self.dp,
@@ -247,13 +251,13 @@ class Varuna(nn.Module):
         self.total_steps: int | None = None  # optional: lets `varuna launch` show an ETA
         self._evaluations = 0
 
-    def _supervise(self) -> None:
+    def _supervise(self, told: WorkerEnv) -> None:
         """Under `varuna launch`: heartbeats, resume, periodic and on-demand checkpoints (see worker/)."""
         self.supervision = Supervision(
             self.rank, stage=self.stage, replica=self.replica, samples=self.batch_size,
             save=lambda directory, **options: self.checkpoint(directory, **options),
             load=lambda directory, step: self.load_checkpoint(directory, iteration=step),
-            progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps))
+            progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told)
         self.supervision.ready()
 
     # ------------------------------------------------------------------------------------------------------
@@ -366,7 +370,7 @@ class Varuna(nn.Module):
             precision=self.precision, batch_size=self.batch_size,
             plan=self.plan.model_dump(mode="json") if self.plan is not None else None,
             iteration=self.iteration, seed=self.seed, run_id=self.run_id,
-            loss_scaler=self.scaler.state_dict() if self.scaler is not None else None)
+            loss_scaler=self.scaler.state_dict() if self.scaler is not None else None, job_token=self._job_token)
 
     def get_loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 in fp32 and bf16)."""

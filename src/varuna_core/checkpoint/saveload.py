@@ -62,7 +62,6 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from .. import env
 from ..errors import CheckpointError, ConfigError, VarunaError
 from ..util.checks import integer
 from ..util.fs import atomic_write
@@ -248,7 +247,7 @@ def save(state: CheckpointState, store: str | os.PathLike, *, step: int | None =
         return None
     job = _Background(rank=state.rank, world=state.world_size, local=staging, final=final, step=step, run=state.run_id,
                       manifest=_manifest(state, step, []), kv=_kv_store(state), keep=keep, entries=files,
-                      timeout=state.timeout, save=_saves, token=env.text(env.JOB_TOKEN))
+                      timeout=state.timeout, save=_saves, token=state.job_token)
     global _executor
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="varuna-ckpt")

@@ -168,8 +168,6 @@ def _check_arguments(batch_size, chunk_size, timeout, bucket_mb, trace_step, see
 
 def _load_plan(plan: Any):
     if plan is None:
-        plan = env.text(env.PLAN)
-    if plan is None:
         return None
     from ..planning.artifacts import load_plan
 
