@@ -63,6 +63,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from ..errors import CheckpointError, ConfigError, VarunaError
+from ..model.rng import MASK64
 from ..util.checks import integer
 from ..util.fs import atomic_write
 from .io import copy_file
@@ -90,7 +91,6 @@ log = logging.getLogger(__name__)
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _NEW_PREFIX = ".varuna-new-"  # a step directory being created (see _prepare)
 _OLD_PREFIX = ".varuna-old-"  # a step directory being deleted (see _delete)
-_MASK64 = (1 << 64) - 1
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _state_lock = threading.Lock()
 _writing: set[Path] = set()  # step directories this process is writing (never cleaned up under its feet)
@@ -791,7 +791,7 @@ class _Targets:
         if state.loss_scaler is not None and manifest.loss_scaler:
             state.loss_scaler = dict(manifest.loss_scaler)
         state.iteration = manifest.iteration
-        state.seed = manifest.seed & _MASK64
+        state.seed = manifest.seed & MASK64
         if manifest.run_id:
             state.run_id = manifest.run_id
         state.restored = True

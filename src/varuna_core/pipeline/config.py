@@ -22,16 +22,15 @@ from ..ir.schedule import check_schedule
 from ..ir.topology import Topology
 from ..model.discovery import Structure
 from ..model.precision import resolve_precision
+from ..model.rng import MASK64
 from ..util.checks import integer, real
 from .microbatch import batch_size_of, microbatch_sizes
 from .p2p import default_timeout
 
 __all__ = ["Config", "resolve_config", "parse_topology", "BatchLayout", "batch_layout", "check_structure",
-           "choose_partition", "loss_weights", "replica_share", "MASK64"]
+           "choose_partition", "loss_weights", "replica_share"]
 
 log = logging.getLogger(__name__)
-
-MASK64 = (1 << 64) - 1
 
 
 @dataclass

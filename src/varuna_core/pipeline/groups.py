@@ -28,8 +28,8 @@ from .. import env
 from ..errors import ConfigError
 from ..ir.topology import Topology
 from ..model.devices import check_device
+from ..model.rng import MASK64
 from ..model.stage import StageSlice, TieSet
-from .config import MASK64
 
 __all__ = ["ensure_process_group", "resolve_device", "Groups", "build_groups", "tie_params",
            "sync_initial_state", "agree_seed_and_run", "broadcast_coalesced"]
