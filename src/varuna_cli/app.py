@@ -29,9 +29,16 @@ from varuna_core.env import DEBUG, debug
 from varuna_core.errors import VarunaError
 
 try:  # recent typer releases carry their own copy of click
-    from typer._click.exceptions import ClickException, UsageError
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click.exceptions import ClickException, UsageError
+
+    try:
+        from click.exceptions import NoArgsIsHelpError
+    except ImportError:  # click before 8.2 shows the help without raising
+
+        class NoArgsIsHelpError(UsageError):
+            """Never raised by this click."""
 
 __all__ = ["app", "main", "version"]
 
@@ -113,7 +120,7 @@ def _fail(message: str, hint: str | None, code: int) -> None:
 def _report(err: BaseException) -> None:
     """Exit with the one-line report of ``err`` and its exit code."""
     if isinstance(err, UsageError):  # a mistake on the command line: what is wrong, and where the help is
-        if type(err).__name__ == "NoArgsIsHelpError":  # `varuna` alone: the help was printed
+        if isinstance(err, NoArgsIsHelpError):  # `varuna` alone: the help was printed
             sys.exit(err.exit_code)
         command = (err.ctx.command_path if err.ctx is not None else "varuna").replace("plan-show", "plan show")
         _fail(err.format_message(), f"see `{command} --help`", 2)

@@ -24,6 +24,7 @@ import contextlib
 import difflib
 import hashlib
 import math
+import sys
 import threading
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
@@ -416,9 +417,10 @@ def _ancestors(name: str) -> list[str]:
 
 
 def _is_hf(module: nn.Module) -> bool:
-    """A Hugging Face ``PreTrainedModel``, recognised without importing transformers."""
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-               for c in type(module).__mro__)
+    """A Hugging Face ``PreTrainedModel``, recognised by its class without importing transformers: the module
+    that defines the class is loaded whenever such a model exists."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
 def _initialiser(model: nn.Module, all_modules: dict[str, nn.Module], name: str, module: nn.Module,
