@@ -19,6 +19,7 @@ __all__ = [
     "CommTimeoutError",
     "CheckpointError",
     "UserCodeError",
+    "InternalError",
     "format_error",
     "EXIT_CHECKPOINTED",
     "EXIT_BAD_CHECKPOINT",
@@ -76,7 +77,7 @@ class FieldError(ConfigError):
         return type(self)(name, self.problem, hint=self.hint)
 
     def __reduce__(self):
-        return type(self), (self.field, self.problem), {"hint": self.hint}
+        return type(self), (self.field, self.problem), self.__dict__
 
 
 class TopologyError(ConfigError):
@@ -123,3 +124,20 @@ class UserCodeError(VarunaError):
 
     exit_code = 1
     where: tuple[str, int, str] | None = None  # (file, line, function) in the user's code, if known
+
+
+class InternalError(VarunaError):
+    """An invariant of the toolkit that no input can break did not hold: a defect of the toolkit, not bad input
+    (exit code 1, never 2). The message says what was found and says that it is ours; the hint asks for a
+    report with what is needed to reproduce it."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(f"internal error (a defect of varuna, not of your input): {message}",
+                         hint=hint or "please report it with this message, the command or script that ran, and the "
+                                      "output of `varuna env`")
+        self.detail = message
+
+    def __reduce__(self):
+        return type(self), (self.detail,), self.__dict__

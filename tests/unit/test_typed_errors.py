@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tests import models
 from tests.stage_chain import pipelined
-from varuna_core.errors import CommTimeoutError, CutPointError
+from varuna_core.errors import CommTimeoutError, ConfigError, CutPointError, InternalError
 from varuna_core.pipeline import p2p
 
 
@@ -89,3 +89,47 @@ def test_an_error_that_only_says_meta_is_left_as_it_is(where) -> None:
     """Before, any error whose text held "meta" ("metadata") became a CutPointError blaming a skipped value."""
     with pytest.raises(ValueError, match="metadata"):
         pipelined(_make(failing=where), [(0, 1), (1, 5)], models.batch(4), shared=models.SHARED)
+
+
+# --- an invariant of ours is not the user's bad input ----------------------------------------------------------
+
+
+def _bare_executor():
+    from varuna_core.pipeline.executor import PipelineExecutor
+
+    executor = object.__new__(PipelineExecutor)  # only what the checks read
+    executor.rank, executor.stage_index, executor.replica, executor.num_stages = 1, 1, 0, 2
+    executor.schedule_name = "1f1b"
+    executor._schedules = {}
+    return executor
+
+
+def test_a_backward_without_a_forward_is_our_defect_not_bad_input() -> None:
+    from varuna_core.ir.schedule import Action, Op
+    from varuna_core.pipeline.executor import _MicroState
+
+    with pytest.raises(InternalError) as info:
+        _bare_executor()._backward(None, _MicroState(), None, Action(1, Op.B, 3))
+    assert info.value.exit_code == 1 and not isinstance(info.value, ConfigError)
+    assert "1B3" in info.value.message and "defect of varuna" in info.value.message
+    assert "report" in info.value.hint
+
+
+def test_a_generated_schedule_that_does_not_validate_is_our_defect(monkeypatch) -> None:
+    from varuna_core.ir.schedule import Schedule, generate
+    from varuna_core.pipeline import executor as module
+
+    def broken(name, stages, microbatches):  # the last backward of stage 0 is missing
+        good = generate(name, stages, microbatches)
+        return Schedule(name, stages, microbatches, (good.actions[0][:-1], *good.actions[1:]))
+
+    monkeypatch.setattr(module, "generate", broken)
+    with pytest.raises(InternalError, match="the generated 1f1b schedule of 2 stages and 4 micro-batches"):
+        _bare_executor().schedule_for(4)
+
+
+def test_an_internal_error_survives_pickling() -> None:
+    import pickle
+
+    error = pickle.loads(pickle.dumps(InternalError("x went wrong")))
+    assert error.message.count("internal error") == 1 and error.message.endswith("x went wrong") and error.hint

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import InternalError, ScheduleError
 from ..ir.inflight import inflight, posted_receives, unwaited_sends
 from ..ir.schedule import Action, Op, Schedule, check_schedule, generate, validate
 from ..ir.topology import Topology
@@ -165,7 +165,11 @@ class PipelineExecutor:
         sched = self._schedules.get(key)
         if sched is None:
             sched = generate(self.schedule_name, self.num_stages, num_microbatches)
-            validate(sched)
+            try:
+                validate(sched)
+            except ScheduleError as exc:  # a generated schedule: our defect, whatever the sizes
+                raise InternalError(f"the generated {self.schedule_name} schedule of {self.num_stages} stages and "
+                                    f"{num_microbatches} micro-batches is invalid: {exc.message}") from exc
             self._schedules[key] = sched
             self._caps[num_microbatches] = inflight(sched)[self.stage_index][0]
             self._windows[num_microbatches] = posted_receives(sched)[self.stage_index]
@@ -427,7 +431,8 @@ class PipelineExecutor:
 
     def _backward(self, step: _Step, st: _MicroState, pending: p2p.Pending | None, action: Action) -> None:
         if st.outputs is None:
-            raise ConfigError(f"schedule error: {action} has no forward graph (missing F or R before it)")
+            raise InternalError(f"{self._who()} reached {action}, which has no forward graph (no F or R of micro-batch "
+                                f"{action.mb} ran before it on this stage)")
         if pending is None:  # last stage: outputs = [weighted loss]
             roots, grads = [o for o in st.outputs if o.requires_grad], None
         else:
