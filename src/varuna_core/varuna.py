@@ -25,6 +25,7 @@ import torch.nn as nn
 from .env import WorkerEnv
 from .errors import ConfigError
 from .ir.partition import Partition
+from .ir.topology import Topology
 from .model.discovery import Structure, discover, make_batch_fn
 from .model.precision import LossScaler
 from .model.stage import StageSlice, TieSet, find_tie_sets, weight_groups
@@ -36,7 +37,6 @@ from .pipeline.config import (
     check_structure,
     choose_partition,
     loss_weights,
-    parse_topology,
     replica_share,
     resolve_config,
 )
@@ -212,7 +212,7 @@ class Varuna(nn.Module):
         layout."""
         self.device = resolve_device(device, local_rank)
         self.world_size, self.rank = ensure_process_group(config.timeout)
-        self.topology = parse_topology(config.stage_to_rank_map, self.world_size)
+        self.topology = Topology.parse(config.stage_to_rank_map, self.world_size)
         self.stage, self.replica = self.topology.coords(self.rank)
         self.pp, self.dp = self.topology.pp, self.topology.dp
         self.batch_size, self.chunk_size = config.batch_size, config.chunk_size
