@@ -27,6 +27,7 @@ from varuna_cli.commands import plan as plan_command
 from varuna_cli.commands import profile as profile_command
 from varuna_core.env import DEBUG, debug
 from varuna_core.errors import VarunaError
+from varuna_core.util.text import one_line
 
 try:  # recent typer releases carry their own copy of click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
@@ -96,24 +97,15 @@ def _debug() -> bool:
 MAX_LINE = 2000  # characters of one error or hint line
 
 
-def _one_line(text: str) -> str:
-    """``text`` as one printable line: line breaks become spaces, other control characters escapes, and a very
-    long text is cut."""
-    from varuna_core.util.text import printable
-
-    flat = printable(" ".join(part.strip() for part in str(text).splitlines() if part.strip()))
-    return flat if len(flat) <= MAX_LINE else flat[: MAX_LINE - 3] + "..."
-
-
 def _say(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
 def _fail(message: str, hint: str | None, code: int) -> None:
-    _say(f"error: {_one_line(message)}")
+    _say(f"error: {one_line(message, MAX_LINE)}")
     if hint:
-        _say(f"hint: {_one_line(hint)}")
+        _say(f"hint: {one_line(hint, MAX_LINE)}")
     sys.exit(code)
 
 

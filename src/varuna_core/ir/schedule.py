@@ -18,6 +18,7 @@ import re
 from typing import Callable, Literal, NamedTuple, get_args
 
 from varuna_core.errors import ConfigError, ScheduleError
+from varuna_core.util.text import short_repr
 
 __all__ = ["Op", "Action", "Schedule", "ScheduleName", "SCHEDULE_NAMES", "check_schedule", "generate",
            "recompute_stages", "validate"]
@@ -191,9 +192,7 @@ def check_schedule(name: object) -> ScheduleName:
         ConfigError: any other value (bad input: an argument, an option or a file said it).
     """
     if not isinstance(name, str) or name not in SCHEDULE_NAMES:
-        shown = repr(name)
-        shown = shown if len(shown) <= 40 else shown[:37] + "..."
-        raise ConfigError(f"unknown schedule {shown}", hint=f"choose one of {', '.join(SCHEDULE_NAMES)}")
+        raise ConfigError(f"unknown schedule {short_repr(name, 40)}", hint=f"choose one of {', '.join(SCHEDULE_NAMES)}")
     return name
 
 
