@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import textwrap
 
@@ -216,3 +217,23 @@ def test_cutpoints_in_nested_modules_dicts_and_tuples_are_named_by_their_path() 
     outer.registered = CutPoint()
     outer.again = [outer.registered]  # a registered one listed again keeps its registered name
     assert list(find_cutpoints(outer)) == ["registered", "pair.0", "inner.marks.a", "inner.marks.b"]
+
+
+def test_a_value_is_assembled_from_its_tensors_by_its_spec() -> None:
+    """One way back from a value's tensors to the value (the executor, the profiler and placeholders each had
+    their own); constants are Const leaves, written as before in the structure cache."""
+    from varuna_core.model.payload import Const, ValueSpec, spec_from_probes
+
+    def value(n):
+        return {"h": torch.zeros(n, 3), "flag": True, "rest": (None, torch.ones(2, n, dtype=torch.long), "x")}
+
+    spec = spec_from_probes(value(1), value(2))
+    assert [leaf for leaf in spec.leaves if isinstance(leaf, Const)] == [Const(True), Const(None), Const("x")]
+    tensors = [torch.full((4, 3), 7.0), torch.full((2, 4), 5, dtype=torch.long)]
+    got = spec.assemble(tensors)
+    assert got["flag"] is True and got["rest"][0] is None and got["rest"][2] == "x"
+    assert got["h"] is tensors[0] and got["rest"][1] is tensors[1]
+    assert ValueSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    assert {"const": True} in spec.to_json()["leaves"]
+    meta = spec.placeholder(4)
+    assert meta["h"].is_meta and list(meta["h"].shape) == [4, 3] and meta["flag"] is True

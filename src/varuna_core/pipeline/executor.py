@@ -44,7 +44,7 @@ from ..errors import InternalError, ScheduleError
 from ..ir.inflight import inflight, posted_receives, unwaited_sends
 from ..ir.schedule import Action, Op, Schedule, check_schedule, generate, validate
 from ..ir.topology import Topology
-from ..model.payload import flatten, unflatten
+from ..model.payload import flatten
 from ..model.precision import autocast
 from ..model.stage import StageSlice
 from . import p2p
@@ -413,10 +413,7 @@ class PipelineExecutor:
             for t in incoming:
                 if t.is_floating_point():
                     t.requires_grad_(grad)
-            leaves, it = [], iter(incoming)
-            for leaf in self._in.leaves:
-                leaves.append(next(it) if not isinstance(leaf, dict) else leaf["const"])
-            value = unflatten(leaves, self._in.treespec)
+            value = self._in.assemble(incoming)
         with torch.set_grad_enabled(grad), autocast(self.precision, self.device):
             return self.stage.forward(inputs, value, n, rng=rng)
 

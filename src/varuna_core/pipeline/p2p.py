@@ -168,7 +168,7 @@ def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cu
                     problem = f"a {type(leaf).__name__} stands where a tensor was recorded"
                 elif tuple(leaf.shape) != want.shape_for(n) or not _dtype_ok(leaf.dtype, want):
                     problem = f"it is {list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
-            elif isinstance(leaf, torch.Tensor) or leaf != want["const"]:
+            elif isinstance(leaf, torch.Tensor) or leaf != want.value:
                 problem = f"a constant changed to {leaf!r}"
             if problem:
                 break

@@ -209,17 +209,8 @@ class _SegmentBench:
         spec = self.stage.incoming_spec
         if spec is None:
             return None, []
-        leaves, tensors = [], []
-        for leaf in spec.leaves:
-            if isinstance(leaf, TensorSpec):
-                t = _random_like(leaf, n, self.device, self.generator)
-                tensors.append(t)
-                leaves.append(t)
-            else:
-                leaves.append(leaf["const"])
-        from ..model.payload import unflatten
-
-        return unflatten(leaves, spec.treespec), tensors
+        tensors = [_random_like(leaf, n, self.device, self.generator) for _, leaf in spec.tensor_leaves]
+        return spec.assemble(tensors), tensors
 
     def run(self, inputs: dict, n: int, incoming: tuple[Any, list[torch.Tensor]], *, grad: bool,
             saved: list[int] | None = None):
