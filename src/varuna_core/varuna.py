@@ -176,8 +176,8 @@ class Varuna(nn.Module):
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
         self.seed, self.run_id = agree_seed_and_run(config.seed, self.world_size, told.run_id)
-        shared = list(shared_weights or [])
-        values = value_source(model, shared, self.seed, init, weights)
+        self.weight_groups = weight_groups(model, list(shared_weights or []))  # ties; checkpoint names: any layout
+        values = value_source(model, self.weight_groups, self.seed, init, weights)
         batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
         self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache,
                                              precision=self.precision, values=values)
@@ -187,7 +187,7 @@ class Varuna(nn.Module):
         if validate is None:
             validate = config.cutpoints == "auto"
         reference = reference_run(model, dummy_inputs, batch_fn, self.chunk_size, values) if validate else None
-        self._slice(model, shared, config.cutpoints, values)
+        self._slice(model, config.cutpoints, values)
         release_free_memory()  # the other stages' tensors of a model built for real, the validation's run
         schedule = config.schedule
         self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, schedule, self.timeout,
@@ -222,12 +222,10 @@ class Varuna(nn.Module):
         self.num_microbatches = len(self.microbatch_sizes)
         self.schedule_name = config.schedule
 
-    def _slice(self, model: nn.Module, shared_weights: list, cutpoints: str | None,
-               values: ValueSource | None) -> None:
+    def _slice(self, model: nn.Module, cutpoints: str | None, values: ValueSource | None) -> None:
         """This stage's module (allocated and loaded here if built on meta), its tied weights, and the groups that
         keep replicas and tied copies in step."""
-        self.weight_groups = weight_groups(model, shared_weights)  # checkpoint names: any layout
-        self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, shared_weights)
+        self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, self.weight_groups)
         self.stage_slice = StageSlice(model, self.structure, self.partition, self.stage, self.ties, self.device,
                                         placeholders="real" if cutpoints == "auto" else "meta", values=values)
         if values is not None and values.weights is not None:

@@ -146,17 +146,17 @@ def test_cache_key_follows_the_source_code(tmp_path) -> None:
 
 def test_shared_weights_names_are_checked() -> None:
     from varuna_core.ir.partition import balance
-    from varuna_core.model.stage import find_tie_sets
+    from varuna_core.model.stage import find_tie_sets, weight_groups
 
     model = ToyLM()
     s = _discover(model, use_cache=False)
     part = balance([1.0] * s.num_segments, 2)
-    ties = find_tie_sets(model, s, part, SHARED)
+    ties = find_tie_sets(model, s, part, weight_groups(model, SHARED))
     assert len(ties) == 1 and set(ties[0].names) == {"emb.weight", "head.weight"} and ties[0].stages == (0, 1)
-    auto = find_tie_sets(model, s, part, None)  # the same object used by two stages is found without declaring it
+    auto = find_tie_sets(model, s, part, weight_groups(model, None))  # one object used by two stages: found
     assert [t.stages for t in auto] == [(0, 1)]
     with pytest.raises(ConfigError, match="not a parameter of the model"):
-        find_tie_sets(model, s, part, [("emb.weight", "lm_head.weight")])
+        weight_groups(model, [("emb.weight", "lm_head.weight")])
 
 
 def test_a_cut_carrying_an_object_is_named() -> None:

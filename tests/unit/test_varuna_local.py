@@ -149,6 +149,25 @@ def test_bad_arguments(kwargs, error, match) -> None:
     assert str(info.value)
 
 
+def test_weight_groups_are_found_once_per_varuna(monkeypatch) -> None:
+    """They were computed three times (values, the facade, the tie sets), in two representations."""
+    import varuna_core.model.stage as stage_module
+    import varuna_core.model.values as values_module
+    import varuna_core.varuna as varuna_module
+
+    calls = []
+    real = stage_module.weight_groups
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    for module in (stage_module, values_module, varuna_module):
+        monkeypatch.setattr(module, "weight_groups", counted, raising=False)
+    vm = _wrap()
+    assert len(calls) == 1 and [c for c, _ in vm.weight_groups] == ["emb.weight"]
+
+
 def test_the_config_holds_checked_values_of_real_types() -> None:
     """Config's fields were Any (stage_to_rank_map, plan, ...): what the facade took from it had no type."""
     import dataclasses

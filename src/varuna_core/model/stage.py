@@ -117,12 +117,13 @@ def weight_groups(model: nn.Module, shared_weights: list[tuple[str, str]] | None
 
 
 def find_tie_sets(
-    model: nn.Module, structure: Structure, partition: Partition, shared_weights: list[tuple[str, str]] | None
+    model: nn.Module, structure: Structure, partition: Partition, groups: list[tuple[str, tuple[str, ...]]]
 ) -> list[TieSet]:
-    """The weights whose copies the pipeline must keep equal: those of :func:`weight_groups` and single
-    parameters held by more than one stage, or a weight held by more than one parameter object."""
+    """The weights whose copies the pipeline must keep equal: those of ``groups`` (the model's
+    :func:`weight_groups`, computed once by the caller) and single parameters held by more than one stage, or a
+    weight held by more than one parameter object."""
     slot_objects = dict(model.named_parameters(remove_duplicate=False))
-    groups = weight_groups(model, shared_weights)
+    groups = list(groups)
     grouped = {name for _, names in groups for name in names}
     # a weight under one name is tied too when segments of several stages read it (root code such as
     # ``h + self.pos`` computed again where a carried skip is read; see [Note: skip routing])

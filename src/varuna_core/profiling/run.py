@@ -44,7 +44,7 @@ from ..model.discovery import Structure, discover, make_batch_fn
 from ..model.payload import TensorSpec, flatten
 from ..model.precision import autocast
 from ..model.spec import ModelSpec, load_spec
-from ..model.stage import StageSlice, find_tie_sets
+from ..model.stage import StageSlice, find_tie_sets, weight_groups
 from ..model.lazy_values import ValueSource
 from ..planning.artifacts import (
     CommCurve,
@@ -189,7 +189,7 @@ class _SegmentBench:
         n = structure.num_segments
         partition = Partition.from_ranges([(i, i + 1) for i in range(n)], n)
         model = spec.make()
-        ties = find_tie_sets(model, structure, partition, list(spec.shared_weights or []))
+        ties = find_tie_sets(model, structure, partition, weight_groups(model, list(spec.shared_weights or [])))
         with user_code(f"the model's code (building segment {segment})"):  # a meta model's init runs here
             self.stage = StageSlice(model, structure, partition, segment, ties, device,
                                     placeholders="real" if spec.cutpoints == "auto" else "meta",
