@@ -61,6 +61,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+from devtools.cpu import Load, wait_idle  # noqa: E402
 from varuna_core import CutPoint  # noqa: E402
 
 MB = 1e6
@@ -506,51 +507,6 @@ def worker(job_path: str, out_dir: str) -> None:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def busy_cpu_s() -> float | None:
-    """CPU seconds the whole machine has spent busy since boot (all cores, from /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process and of its finished (waited-for) children."""
-    import resource
-
-    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
-
-
-class Load:
-    """Cores that other processes kept busy while a phase ran: machine busy CPU minus ours, over wall time."""
-
-    def __init__(self) -> None:
-        self.busy, self.own, self.t = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-
-    def other_cores(self) -> float | None:
-        busy = busy_cpu_s()
-        if busy is None or self.busy is None:
-            return None
-        wall = time.perf_counter() - self.t
-        return max(0.0, ((busy - self.busy) - (own_cpu_s() - self.own)) / wall) if wall > 0 else None
-
-
-def wait_idle(limit_s: float, threshold: float = 0.2) -> float:
-    """Wait (up to ``limit_s``) until other processes keep fewer than ``threshold`` cores busy over 2 s."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < limit_s:
-        probe = Load()
-        time.sleep(2.0)
-        other = probe.other_cores()
-        if other is None or other < threshold:
-            break
-    return time.perf_counter() - start
 
 
 def launch(job: dict, world: int, tmp: Path, timeout: float) -> dict:

@@ -67,6 +67,7 @@ if str(ROOT) not in sys.path:  # for devtools.testhosts
     sys.path.insert(0, str(ROOT))
 GPT_DIR = ROOT / "examples" / "gpt"
 
+from devtools.cpu import Load  # noqa: E402
 from devtools.testhosts import kill_namespace_processes  # noqa: E402
 from varuna_core.util.procs import JobOutcome, run_workers  # noqa: E402
 
@@ -640,25 +641,6 @@ class SlowNetwork:
 # Launcher
 
 
-def busy_cpu_s() -> float | None:
-    """CPU seconds the whole machine has spent busy since boot (all cores, from /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this launcher and its finished (waited-for) children."""
-    import resource
-
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def loadavg() -> float | None:
     """1-minute load average (other work on the machine distorts the timings)."""
     try:
@@ -679,7 +661,7 @@ def run_pair(spec: dict, workdir: Path, tag: str, timeout: float,
     Returns the ranks' results (or None and an error), and the average number of cores other processes on the
     machine kept busy meanwhile (machine-wide busy CPU time minus this launcher's and its workers').
     """
-    busy0, own0, wall0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
+    load = Load()
     spec_path = workdir / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec))
     outs = [workdir / f"{tag}.rank{rank}.json" for rank in range(WORLD)]
@@ -694,10 +676,7 @@ def run_pair(spec: dict, workdir: Path, tag: str, timeout: float,
     # rank 0 hosts the store (no agent store): on a slow network the workers cannot reach this namespace
     outcome = run_workers(argv, WORLD, log_dir=workdir, log_name=f"{tag}.rank{{rank}}.log", timeout=timeout,
                           env=env, cwd=ROOT, agent_store=False, die_with_parent=True, poll=0.05)
-    busy1, own1, wall1 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
-    others = None
-    if busy0 is not None and busy1 is not None:
-        others = max(0.0, ((busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9))
+    others = load.other_cores()
     error = _pair_error(outcome, outs)
     if error is not None:
         for rank in range(WORLD):

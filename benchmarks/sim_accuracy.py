@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from devtools import cpu  # noqa: E402
 from devtools.models import SleepModel  # noqa: E402
 from varuna_core import ModelSpec  # noqa: E402
 from varuna_core.pipeline.tracing import ActionObserver, ActionTiming  # noqa: E402
@@ -150,49 +151,17 @@ GPT_QUICK = [
 ]
 
 
-def busy_cpu_s() -> float | None:
-    """CPU seconds the whole machine has spent busy since boot (all cores, from /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
 WAITED = [0.0]  # seconds spent in wait_idle
 
 
 def wait_idle(limit_s: float, threshold: float = 0.15) -> float:
-    """Wait (up to ``limit_s``) until the machine's busy cores, over 2-second windows, fall below ``threshold``
-    (this launcher is idle meanwhile); returns the seconds waited."""
+    """Wait (up to ``limit_s``) until other processes keep fewer than ``threshold`` cores busy over 2-second
+    windows (:func:`devtools.cpu.wait_idle`); the seconds waited are added up in ``WAITED``."""
     start = time.perf_counter()
     try:
-        return _wait_idle(start, limit_s, threshold)
+        return cpu.wait_idle(limit_s, threshold)
     finally:
         WAITED[0] += time.perf_counter() - start
-
-
-def _wait_idle(start: float, limit_s: float, threshold: float) -> float:
-    while time.perf_counter() - start < limit_s:
-        b0, t0 = busy_cpu_s(), time.perf_counter()
-        if b0 is None:
-            break
-        time.sleep(2.0)
-        if (busy_cpu_s() - b0) / (time.perf_counter() - t0) < threshold:
-            break
-    return time.perf_counter() - start
-
-
-def own_cpu_s(children: bool = False) -> float:
-    """CPU seconds of this process (all its threads), and of its waited-for children if ``children``."""
-    import resource
-
-    usage = [resource.getrusage(resource.RUSAGE_SELF)]
-    if children:
-        usage.append(resource.getrusage(resource.RUSAGE_CHILDREN))
-    return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
 def log(msg: str) -> None:
@@ -292,7 +261,7 @@ def _timed_steps(vm, opt, inputs: dict, job: dict, probe: _PhaseProbe) -> tuple[
     rows, actions = [], []
     for i in range(job["warmup"] + job["steps"]):
         if i == job["warmup"]:  # machine load over the timed steps
-            busy0, cpu0, wall0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
+            busy0, cpu0, wall0 = cpu.busy_cpu_s(), cpu.own_cpu_s(children=False), time.perf_counter()
         timed_step = i >= job["warmup"]
         probe.actions = actions if timed_step else None
         dist.barrier()
@@ -306,7 +275,7 @@ def _timed_steps(vm, opt, inputs: dict, job: dict, probe: _PhaseProbe) -> tuple[
         if timed_step:
             rows.append([t1 - t0, probe.marks["pipeline"] - t0, probe.marks["sync"] - t0, t_step - t0])
     probe.actions = None
-    busy1, cpu1, wall1 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
+    busy1, cpu1, wall1 = cpu.busy_cpu_s(), cpu.own_cpu_s(children=False), time.perf_counter()
     return rows, actions, {"busy_s": None if busy0 is None or busy1 is None else busy1 - busy0,
                            "cpu_s": cpu1 - cpu0, "wall_s": wall1 - wall0}
 
@@ -422,12 +391,9 @@ def measure_model(name: str, ref: str, configs: list[Config], sizes: list[int], 
     if args.wait_idle:
         wait_idle(args.wait_idle)
     log(f"[{name}] profiling {ref.rsplit('/', 1)[-1]} (nproc=2, micro-batch sizes {sizes}, {repeats} repeats) ...")
-    busy0, own0, t0 = busy_cpu_s(), own_cpu_s(children=True), time.perf_counter()
+    load, t0 = cpu.Load(), time.perf_counter()
     prof = profile(ref, microbatch_sizes=sizes, nproc=2, repeats=repeats, warmup=3)
-    busy1, own1, profile_s = busy_cpu_s(), own_cpu_s(children=True), time.perf_counter() - t0
-    profile_others = None
-    if busy0 is not None and busy1 is not None:
-        profile_others = max(0.0, ((busy1 - busy0) - (own1 - own0)) / profile_s)
+    profile_s, profile_others = time.perf_counter() - t0, load.other_cores()
     save_artifact(prof, tmp / f"{name}-profile.json")
     log(f"[{name}] profiled in {profile_s:.1f}s (other processes: {profile_others or 0:.2f} cores)")
     rows = []

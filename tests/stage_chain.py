@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 from varuna_core.ir.partition import Partition
 from varuna_core.model.discovery import discover, extract_loss, make_batch_fn
-from varuna_core.model.stage import StageSlice, find_tie_sets
+from varuna_core.model.stage import StageSlice, find_tie_sets, weight_groups
 
 
 def reference(make_model: Callable[[], nn.Module], inputs: dict) -> tuple[float, dict[str, torch.Tensor]]:
@@ -35,8 +35,8 @@ def pipelined(make_model: Callable[[], nn.Module], ranges: list[tuple[int, int]]
     value = None
     for s in range(partition.num_stages):
         model = make_model()
-        stage = StageSlice(model, structure, partition, s, find_tie_sets(model, structure, partition, shared),
-                            torch.device("cpu"), placeholders=placeholders)
+        ties = find_tie_sets(model, structure, partition, weight_groups(model, shared))
+        stage = StageSlice(model, structure, partition, s, ties, torch.device("cpu"), placeholders=placeholders)
         received = None
         if value is not None:
             received = pytree.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point())

@@ -27,11 +27,19 @@ from varuna_cli.commands import plan as plan_command
 from varuna_cli.commands import profile as profile_command
 from varuna_core.env import DEBUG, debug
 from varuna_core.errors import VarunaError
+from varuna_core.util.text import one_line
 
 try:  # recent typer releases carry their own copy of click
-    from typer._click.exceptions import ClickException, UsageError
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click.exceptions import ClickException, UsageError
+
+    try:
+        from click.exceptions import NoArgsIsHelpError
+    except ImportError:  # click before 8.2 shows the help without raising
+
+        class NoArgsIsHelpError(UsageError):
+            """Never raised by this click."""
 
 __all__ = ["app", "main", "version"]
 
@@ -89,31 +97,22 @@ def _debug() -> bool:
 MAX_LINE = 2000  # characters of one error or hint line
 
 
-def _one_line(text: str) -> str:
-    """``text`` as one printable line: line breaks become spaces, other control characters escapes, and a very
-    long text is cut."""
-    from varuna_core.util.text import printable
-
-    flat = printable(" ".join(part.strip() for part in str(text).splitlines() if part.strip()))
-    return flat if len(flat) <= MAX_LINE else flat[: MAX_LINE - 3] + "..."
-
-
 def _say(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
 def _fail(message: str, hint: str | None, code: int) -> None:
-    _say(f"error: {_one_line(message)}")
+    _say(f"error: {one_line(message, MAX_LINE)}")
     if hint:
-        _say(f"hint: {_one_line(hint)}")
+        _say(f"hint: {one_line(hint, MAX_LINE)}")
     sys.exit(code)
 
 
 def _report(err: BaseException) -> None:
     """Exit with the one-line report of ``err`` and its exit code."""
     if isinstance(err, UsageError):  # a mistake on the command line: what is wrong, and where the help is
-        if type(err).__name__ == "NoArgsIsHelpError":  # `varuna` alone: the help was printed
+        if isinstance(err, NoArgsIsHelpError):  # `varuna` alone: the help was printed
             sys.exit(err.exit_code)
         command = (err.ctx.command_path if err.ctx is not None else "varuna").replace("plan-show", "plan show")
         _fail(err.format_message(), f"see `{command} --help`", 2)

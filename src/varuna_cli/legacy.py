@@ -193,11 +193,12 @@ def _machines(path: Path, gpus_per_node: int):
 
 def _check_numbers(ns: argparse.Namespace) -> None:
     from varuna_core.launch.hosts import MAX_SLOTS
+    from varuna_core.util.checks import integer
 
     for name, value, high in (("--gpus_per_node", ns.gpus_per_node, MAX_SLOTS), ("--nstages", ns.nstages, 10**6),
                               ("--batch_size", ns.batch_size, 10**9), ("--chunk_size", ns.chunk_size, 10**9)):
-        if value is not None and not 1 <= value <= high:
-            raise ConfigError(f"{name} must be in 1..{high}, got {value}")
+        if value is not None:
+            integer(name, value, low=1, high=high)
     if ns.batch_size is None:
         raise ConfigError("--batch_size is required: the global batch of all replicas",
                           hint="the original's --batch-size spelling works too")

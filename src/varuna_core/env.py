@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from .errors import ConfigError
 from .util.checks import env_integer
 
 __all__ = ["DEBUG", "TIMEOUT", "TRACE", "PLAN", "RUN_ID", "NO_NATIVE", "CACHE_DIR", "TORCHRUN", "WorkerEnv",
@@ -70,6 +71,10 @@ class WorkerEnv:
     Every field is optional: a script started by hand (or by torchrun) sees an empty ``WorkerEnv`` and runs
     without supervision. ``name`` metadata is the variable's name; :data:`LAUNCHER_SET` says which launch
     option sets it, for the env file's error messages.
+
+    The worker reads it once (``Varuna(...)`` calls :meth:`from_environ`) and hands the values to whoever needs
+    them (supervision, heartbeats, the run id, checkpoints, the plan): one parsing, and one answer to a malformed
+    value, a :class:`~varuna_core.errors.ConfigError` naming the variable.
     """
 
     plan: str | None = None  # VARUNA_PLAN: the plan file the agent wrote beside the worker
@@ -103,7 +108,8 @@ class WorkerEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
-        """Read and check the variables (a malformed number is a ConfigError naming the variable)."""
+        """Read and check the variables (a malformed number or manager address is a ConfigError naming the
+        variable). Names are read as they are set (``exact``): ``"run\n"`` is a mistake to report, not a name."""
         environ = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for f in fields(cls):
@@ -111,11 +117,30 @@ class WorkerEnv:
             if f.name in _INTEGERS:
                 values[f.name] = env_integer(name, environ.get(name), low=_INTEGERS[f.name])
             else:
-                values[f.name] = text(name, environ)
-        return cls(**values)
+                values[f.name] = (exact if f.name in _EXACT else text)(name, environ)
+        told = cls(**values)
+        told.manager_address  # noqa: B018 - checked now, not when the first heartbeat is due
+        return told
+
+    @property
+    def manager_address(self) -> tuple[str, int] | None:
+        """``manager`` as ``(host, port)`` (an IPv6 host may be in brackets); None when unset.
+
+        Raises:
+            ConfigError: it is not ``host:port`` with a port in 1..65535.
+        """
+        if self.manager is None:
+            return None
+        host, _, port = self.manager.rpartition(":")
+        host = host.strip("[]")
+        if not host or not port.strip().isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"{MANAGER}={self.manager[:80]!r} is not host:port with a port in 1..65535",
+                              hint="it is set by varuna launch; unset it to run without the launcher")
+        return host, int(port)
 
 
 _INTEGERS = {"resume_step": 0, "ckpt_every": 0, "ckpt_keep": 1, "total_steps": 0, "attempt": 0}
+_EXACT = {"run_id"}
 
 # Variables the launcher sets for every worker, and the `varuna launch` option that sets each (None: no option;
 # every worker gets its own value). An env file may not set them.

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "VarunaError",
     "ConfigError",
+    "FieldError",
     "TopologyError",
     "PartitionError",
     "ScheduleError",
@@ -18,6 +19,7 @@ __all__ = [
     "CommTimeoutError",
     "CheckpointError",
     "UserCodeError",
+    "InternalError",
     "format_error",
     "EXIT_CHECKPOINTED",
     "EXIT_BAD_CHECKPOINT",
@@ -53,6 +55,29 @@ class ConfigError(VarunaError):
     """Bad user input: arguments, sizes, files. Exit code 2 in the CLI."""
 
     exit_code = 2
+
+
+class FieldError(ConfigError):
+    """A bad value of one named field (an argument, an option, a request's attribute): ``field`` names it and
+    ``problem`` says what is wrong with the value, so that a front end can name the field its own way (the CLI
+    names the option that sets it) without reading the message.
+
+    Args:
+        field: the field's name, e.g. ``"gpus"``.
+        problem: the rest of the message, e.g. ``"must be in 1..65536, got 0"``.
+    """
+
+    def __init__(self, field: str, problem: str, *, hint: str | None = None) -> None:
+        super().__init__(f"{field} {problem}", hint=hint)
+        self.field = field
+        self.problem = problem
+
+    def renamed(self, name: str) -> FieldError:
+        """The same error about the same value, with the field called ``name``."""
+        return type(self)(name, self.problem, hint=self.hint)
+
+    def __reduce__(self):
+        return type(self), (self.field, self.problem), self.__dict__
 
 
 class TopologyError(ConfigError):
@@ -99,3 +124,20 @@ class UserCodeError(VarunaError):
 
     exit_code = 1
     where: tuple[str, int, str] | None = None  # (file, line, function) in the user's code, if known
+
+
+class InternalError(VarunaError):
+    """An invariant of the toolkit that no input can break did not hold: a defect of the toolkit, not bad input
+    (exit code 1, never 2). The message says what was found and says that it is ours; the hint asks for a
+    report with what is needed to reproduce it."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(f"internal error (a defect of varuna, not of your input): {message}",
+                         hint=hint or "please report it with this message, the command or script that ran, and the "
+                                      "output of `varuna env`")
+        self.detail = message
+
+    def __reduce__(self):
+        return type(self), (self.detail,), self.__dict__

@@ -22,8 +22,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.nn as nn
 
+from .env import WorkerEnv
 from .errors import ConfigError
 from .ir.partition import Partition
+from .ir.topology import Topology
 from .model.discovery import Structure, discover, make_batch_fn
 from .model.precision import LossScaler
 from .model.stage import StageSlice, TieSet, find_tie_sets, weight_groups
@@ -35,7 +37,6 @@ from .pipeline.config import (
     check_structure,
     choose_partition,
     loss_weights,
-    parse_topology,
     replica_share,
     resolve_config,
 )
@@ -160,10 +161,13 @@ class Varuna(nn.Module):
     ) -> None:
         super().__init__()
         install_excepthook()
+        told = WorkerEnv.from_environ()  # what varuna launch told this worker: read once, handed to who needs it
+        self._job_token = told.job_token  # signs a background checkpoint's reports between ranks
         config = resolve_config(
             model, stage_to_rank_map, batch_size, chunk_size, fp16=fp16, schedule=schedule, partition=partition,
-            timeout=timeout, bucket_mb=bucket_mb, precision=precision, seed=seed, plan=plan, trace=trace,
-            trace_step=trace_step, cutpoints=cutpoints, loss_reduction=loss_reduction)
+            timeout=timeout, bucket_mb=bucket_mb, precision=precision, seed=seed,
+            plan=plan if plan is not None else told.plan, trace=trace, trace_step=trace_step, cutpoints=cutpoints,
+            loss_reduction=loss_reduction)
         if config.cutpoints == "auto":
             from .model.autocut import apply_auto_cutpoints
 
@@ -171,9 +175,9 @@ class Varuna(nn.Module):
         self.loss_reduction, self.precision, self.plan = config.loss_reduction, config.precision, config.plan
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
-        self.seed, self.run_id = agree_seed_and_run(config.seed, self.world_size)
-        shared = list(shared_weights or [])
-        values = value_source(model, shared, self.seed, init, weights)
+        self.seed, self.run_id = agree_seed_and_run(config.seed, self.world_size, told.run_id)
+        self.weight_groups = weight_groups(model, list(shared_weights or []))  # ties; checkpoint names: any layout
+        values = value_source(model, self.weight_groups, self.seed, init, weights)
         batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
         self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache,
                                              precision=self.precision, values=values)
@@ -183,7 +187,7 @@ class Varuna(nn.Module):
         if validate is None:
             validate = config.cutpoints == "auto"
         reference = reference_run(model, dummy_inputs, batch_fn, self.chunk_size, values) if validate else None
-        self._slice(model, shared, config.cutpoints, values)
+        self._slice(model, config.cutpoints, values)
         release_free_memory()  # the other stages' tensors of a model built for real, the validation's run
         schedule = config.schedule
         self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, schedule, self.timeout,
@@ -193,7 +197,7 @@ class Varuna(nn.Module):
             check_slicing(self.executor, self.module, self.structure, self.partition, self.stage,
                           is_last=self.stage_slice.is_last, input_batch_dims=self.input_batch_dims,
                           world_size=self.world_size, reference=reference)
-        self._supervise()
+        self._supervise(told)
         log.info(
             "rank %d: stage %d/%d (segments %s), replica %d/%d, %d micro-batches of ≤%d, schedule %s, %.1f MB params",
             self.rank, self.stage, self.pp, self.partition.to_string(), self.replica, self.dp,
@@ -208,7 +212,7 @@ class Varuna(nn.Module):
         layout."""
         self.device = resolve_device(device, local_rank)
         self.world_size, self.rank = ensure_process_group(config.timeout)
-        self.topology = parse_topology(config.stage_to_rank_map, self.world_size)
+        self.topology = Topology.parse(config.stage_to_rank_map, self.world_size)
         self.stage, self.replica = self.topology.coords(self.rank)
         self.pp, self.dp = self.topology.pp, self.topology.dp
         self.batch_size, self.chunk_size = config.batch_size, config.chunk_size
@@ -218,12 +222,10 @@ class Varuna(nn.Module):
         self.num_microbatches = len(self.microbatch_sizes)
         self.schedule_name = config.schedule
 
-    def _slice(self, model: nn.Module, shared_weights: list, cutpoints: str | None,
-               values: ValueSource | None) -> None:
+    def _slice(self, model: nn.Module, cutpoints: str | None, values: ValueSource | None) -> None:
         """This stage's module (allocated and loaded here if built on meta), its tied weights, and the groups that
         keep replicas and tied copies in step."""
-        self.weight_groups = weight_groups(model, shared_weights)  # checkpoint names: any layout
-        self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, shared_weights)
+        self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, self.weight_groups)
         self.stage_slice = StageSlice(model, self.structure, self.partition, self.stage, self.ties, self.device,
                                         placeholders="real" if cutpoints == "auto" else "meta", values=values)
         if values is not None and values.weights is not None:
@@ -247,13 +249,13 @@ class Varuna(nn.Module):
         self.total_steps: int | None = None  # optional: lets `varuna launch` show an ETA
         self._evaluations = 0
 
-    def _supervise(self) -> None:
+    def _supervise(self, told: WorkerEnv) -> None:
         """Under `varuna launch`: heartbeats, resume, periodic and on-demand checkpoints (see worker/)."""
         self.supervision = Supervision(
             self.rank, stage=self.stage, replica=self.replica, samples=self.batch_size,
             save=lambda directory, **options: self.checkpoint(directory, **options),
             load=lambda directory, step: self.load_checkpoint(directory, iteration=step),
-            progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps))
+            progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told)
         self.supervision.ready()
 
     # ------------------------------------------------------------------------------------------------------
@@ -366,7 +368,7 @@ class Varuna(nn.Module):
             precision=self.precision, batch_size=self.batch_size,
             plan=self.plan.model_dump(mode="json") if self.plan is not None else None,
             iteration=self.iteration, seed=self.seed, run_id=self.run_id,
-            loss_scaler=self.scaler.state_dict() if self.scaler is not None else None)
+            loss_scaler=self.scaler.state_dict() if self.scaler is not None else None, job_token=self._job_token)
 
     def get_loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 in fp32 and bf16)."""

@@ -41,9 +41,9 @@ def test_memory_capacity_excludes_what_does_not_fit(folder) -> None:
 
 
 @pytest.mark.parametrize(("args", "match"), [
-    ((0, 1, 8), "num_gpus must be a positive integer"),
-    ((2, 1.5, 8), "gpus_per_vm must be a positive integer"),
-    ((2, 1, True), "batch_size must be a positive integer"),
+    ((0, 1, 8), "num_gpus must be in 1..65536, got 0"),
+    ((2, 1.5, 8), "gpus_per_vm must be an integer, got 1.5"),
+    ((2, 1, True), "batch_size must be an integer, got True"),
 ])
 def test_bad_arguments_are_named(folder, args, match) -> None:
     with pytest.raises(ConfigError, match=match):

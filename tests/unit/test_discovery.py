@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import textwrap
 
@@ -145,17 +146,17 @@ def test_cache_key_follows_the_source_code(tmp_path) -> None:
 
 def test_shared_weights_names_are_checked() -> None:
     from varuna_core.ir.partition import balance
-    from varuna_core.model.stage import find_tie_sets
+    from varuna_core.model.stage import find_tie_sets, weight_groups
 
     model = ToyLM()
     s = _discover(model, use_cache=False)
     part = balance([1.0] * s.num_segments, 2)
-    ties = find_tie_sets(model, s, part, SHARED)
+    ties = find_tie_sets(model, s, part, weight_groups(model, SHARED))
     assert len(ties) == 1 and set(ties[0].names) == {"emb.weight", "head.weight"} and ties[0].stages == (0, 1)
-    auto = find_tie_sets(model, s, part, None)  # the same object used by two stages is found without declaring it
+    auto = find_tie_sets(model, s, part, weight_groups(model, None))  # one object used by two stages: found
     assert [t.stages for t in auto] == [(0, 1)]
     with pytest.raises(ConfigError, match="not a parameter of the model"):
-        find_tie_sets(model, s, part, [("emb.weight", "lm_head.weight")])
+        weight_groups(model, [("emb.weight", "lm_head.weight")])
 
 
 def test_a_cut_carrying_an_object_is_named() -> None:
@@ -216,3 +217,23 @@ def test_cutpoints_in_nested_modules_dicts_and_tuples_are_named_by_their_path() 
     outer.registered = CutPoint()
     outer.again = [outer.registered]  # a registered one listed again keeps its registered name
     assert list(find_cutpoints(outer)) == ["registered", "pair.0", "inner.marks.a", "inner.marks.b"]
+
+
+def test_a_value_is_assembled_from_its_tensors_by_its_spec() -> None:
+    """One way back from a value's tensors to the value (the executor, the profiler and placeholders each had
+    their own); constants are Const leaves, written as before in the structure cache."""
+    from varuna_core.model.payload import Const, ValueSpec, spec_from_probes
+
+    def value(n):
+        return {"h": torch.zeros(n, 3), "flag": True, "rest": (None, torch.ones(2, n, dtype=torch.long), "x")}
+
+    spec = spec_from_probes(value(1), value(2))
+    assert [leaf for leaf in spec.leaves if isinstance(leaf, Const)] == [Const(True), Const(None), Const("x")]
+    tensors = [torch.full((4, 3), 7.0), torch.full((2, 4), 5, dtype=torch.long)]
+    got = spec.assemble(tensors)
+    assert got["flag"] is True and got["rest"][0] is None and got["rest"][2] == "x"
+    assert got["h"] is tensors[0] and got["rest"][1] is tensors[1]
+    assert ValueSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    assert {"const": True} in spec.to_json()["leaves"]
+    meta = spec.placeholder(4)
+    assert meta["h"].is_meta and list(meta["h"].shape) == [4, 3] and meta["flag"] is True

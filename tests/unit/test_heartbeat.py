@@ -3,6 +3,7 @@ attempts' beats are dropped, notices are queued once and acknowledged every time
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import hmac
@@ -14,6 +15,7 @@ import time
 
 import pytest
 
+from varuna_core.env import WorkerEnv
 from varuna_core.launch import heartbeat
 from varuna_core.launch.heartbeat import Listener, send_notice
 from varuna_core.launch.protocol import decode
@@ -293,7 +295,7 @@ def test_the_freshness_window_is_a_parameter(udp) -> None:
         listener.close()
 
 
-def test_beats_of_another_attempt_are_dropped(listener, udp, monkeypatch) -> None:
+def test_beats_of_another_attempt_are_dropped(listener, udp) -> None:
     deliver(udp, listener, signed_beat(rank=0, attempt=1))
     assert wait_for(lambda: 0 in listener.snapshot())  # no attempt started: any counts
     listener.reset(attempt=2)
@@ -304,16 +306,10 @@ def test_beats_of_another_attempt_are_dropped(listener, udp, monkeypatch) -> Non
     assert wait_for(lambda: 1 in listener.snapshot())
     assert set(listener.snapshot()) == {1}
 
-    monkeypatch.setenv("VARUNA_MANAGER", f"127.0.0.1:{listener.port}")
-    monkeypatch.setenv("VARUNA_JOB_ID", JOB)
-    monkeypatch.setenv("VARUNA_JOB_TOKEN", TOKEN)
-    monkeypatch.setenv("VARUNA_HOST", "worker")
-    monkeypatch.setenv("VARUNA_ATTEMPT", "2")
-    current = Beacon.from_env(4)
-    monkeypatch.setenv("VARUNA_ATTEMPT", "1")
-    late = Beacon.from_env(5)
-    monkeypatch.delenv("VARUNA_ATTEMPT")
-    unnumbered = Beacon.from_env(6)
+    told = WorkerEnv(manager=f"127.0.0.1:{listener.port}", job_id=JOB, job_token=TOKEN, host="worker")
+    current = Beacon.launched(dataclasses.replace(told, attempt=2), 4)
+    late = Beacon.launched(dataclasses.replace(told, attempt=1), 5)
+    unnumbered = Beacon.launched(told, 6)
     assert (current.attempt, late.attempt, unnumbered.attempt) == (2, 1, 0)
     for beacon in (current, late, unnumbered):
         beacon.flush()

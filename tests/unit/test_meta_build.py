@@ -15,7 +15,7 @@ from varuna_core.errors import ConfigError
 from varuna_core.ir.partition import Partition
 from varuna_core.model import materialize as materialize_module
 from varuna_core.model.discovery import discover, make_batch_fn
-from varuna_core.model.stage import StageSlice, find_tie_sets
+from varuna_core.model.stage import StageSlice, find_tie_sets, weight_groups
 from varuna_core.model.lazy_values import ValueSource, on_touch
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]')")
@@ -122,7 +122,7 @@ def test_a_stage_allocates_only_its_modules_with_the_reference_values(stage, mon
     model = toy_on_meta()
     structure = _structure(model)
     partition = Partition.from_ranges([(0, 1), (1, 3), (3, 4), (4, 5)], structure.num_segments)
-    ties = find_tie_sets(model, structure, partition, SHARED)
+    ties = find_tie_sets(model, structure, partition, weight_groups(model, SHARED))
     monkeypatch.setattr(materialize_module, "_init_owner", record)
     sm = StageSlice(model, structure, partition, stage, ties, torch.device("cpu"), values=ValueSource(3, init_toy))
     held = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
@@ -140,8 +140,8 @@ def test_a_stage_of_a_meta_model_without_values_is_an_error() -> None:
     structure = _structure(model)
     partition = Partition.from_ranges([(0, 3), (3, 5)], structure.num_segments)
     with pytest.raises(ConfigError, match="on the meta device.*no values"):
-        StageSlice(model, structure, partition, 1, find_tie_sets(model, structure, partition, SHARED),
-                    torch.device("cpu"))
+        StageSlice(model, structure, partition, 1,
+                   find_tie_sets(model, structure, partition, weight_groups(model, SHARED)), torch.device("cpu"))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -254,3 +254,22 @@ def test_planner_calls_agree_with_and_without_the_extension(monkeypatch, no_nati
         ref = simulate_python(generate(name, p, m), costs, max_concurrent_sends=2, opportunistic=True)
         assert simulate_generated(name, p, m, costs, max_concurrent_sends=2) == ref
         assert inflight_counts(name, p, m) == inflight(generate(name, p, m))
+
+
+def test_every_simulator_defaults_to_what_the_runtime_does() -> None:
+    """simulate() applied the opportunistic forward by default and simulate_python() did not: the reference and
+    the planner's simulator disagreed on the same call."""
+    import inspect
+
+    from varuna_core.planning.simulate import OPPORTUNISTIC, simulate, simulate_generated
+
+    costs = [StageCosts(1.0, 1.0, 2.0, 0.1, 0.1), StageCosts(1.0, 1.0, 2.0, 0.1, 0.1),
+             StageCosts(3.0, 3.0, 6.0, 0.1, 0.1), StageCosts(4.0, 0.0, 8.0, 0.1, 0.1)]
+    schedule = generate("varuna", 4, 10)  # a schedule whose forwards move (test_opportunistic_swap_happens...)
+    reference = simulate_python(schedule, costs, timeline=True)
+    assert reference == simulate(schedule, costs, timeline=True, backend="python")
+    assert reference == simulate_python(schedule, costs, timeline=True, opportunistic=OPPORTUNISTIC)
+    assert reference == simulate(schedule, costs, timeline=True, backend="native")
+    assert simulate_generated("varuna", 4, 10, costs).step_time == reference.step_time
+    for function in (simulate, simulate_generated, simulate_python):
+        assert inspect.signature(function).parameters["opportunistic"].default is OPPORTUNISTIC is True

@@ -8,9 +8,18 @@ import sys
 
 import pytest
 
-from varuna_core.errors import ScheduleError
+from varuna_core.errors import ConfigError, ScheduleError
 from varuna_core.ir.inflight import inflight, inflight_named
-from varuna_core.ir.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate, recompute_stages, validate
+from varuna_core.ir.schedule import (
+    SCHEDULE_NAMES,
+    Action,
+    Op,
+    Schedule,
+    check_schedule,
+    generate,
+    recompute_stages,
+    validate,
+)
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parents[1] / "golden" / "schedules"
 GOLDEN_CASES = [("varuna", 4, 10), ("varuna", 2, 5), ("varuna", 1, 3), ("1f1b", 4, 8), ("1f1b", 3, 2), ("gpipe", 3, 4)]
@@ -113,7 +122,7 @@ def test_varuna_large_m_is_not_truncated() -> None:
 
 
 def test_generate_errors() -> None:
-    with pytest.raises(ScheduleError) as info:
+    with pytest.raises(ConfigError) as info:  # a name is what the user gave: bad input, exit code 2
         generate("zero-bubble", 2, 2)
     assert "zero-bubble" in str(info.value) and all(n in info.value.hint for n in SCHEDULE_NAMES)
     for stages, mbs in ((0, 4), (4, 0), (-1, 1)):
@@ -262,5 +271,23 @@ def test_recompute_stages_and_inflight_by_name_match_the_generated_schedule(name
 
 
 def test_recompute_stages_of_an_unknown_schedule() -> None:
-    with pytest.raises(ScheduleError, match="unknown schedule 'zb'"):
+    with pytest.raises(ConfigError, match="unknown schedule 'zb'"):
         recompute_stages("zb", 2)
+
+
+@pytest.mark.parametrize("name", ["zb", "", "VARUNA", None, 3, ["varuna"], "x" * 500])
+def test_one_check_of_a_schedule_name_refuses_the_same_everywhere(name) -> None:
+    """The argument, the request, the plan and the executor all say what check_schedule says."""
+    from varuna_core.planning.planner import PlanRequest, layout_plan
+
+    with pytest.raises(ConfigError) as expected:
+        check_schedule(name)
+    assert len(expected.value.message) < 80 and all(n in expected.value.hint for n in SCHEDULE_NAMES)
+    for refuse in (lambda: generate(name, 2, 2), lambda: recompute_stages(name, 2),
+                   lambda: PlanRequest(gpus=2, batch_size=8, schedules=(name,)),
+                   lambda: layout_plan(pp=1, dp=1, microbatch_size=1, batch_size=1, gpus=1, gpus_per_node=1,
+                                       schedule=name)):
+        with pytest.raises(ConfigError) as info:
+            refuse()
+        assert (info.value.message, info.value.hint) == (expected.value.message, expected.value.hint)
+    assert all(check_schedule(n) == n for n in SCHEDULE_NAMES)

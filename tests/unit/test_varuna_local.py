@@ -132,6 +132,8 @@ def test_replica_slice_and_names() -> None:
         ({"stage_map": "0;1"}, TopologyError, "WORLD_SIZE"),
         ({"stage_map": "0,1"}, TopologyError, "WORLD_SIZE"),
         ({"stage_map": "zero"}, TopologyError, "zero"),
+        ({"stage_map": None}, TopologyError, "stage_to_rank_map must be a string like '0,2;1,3', got None"),
+        ({"stage_map": [0]}, TopologyError, "got \\[0\\]"),
         ({"chunk_size": 9}, ConfigError, "does not fit this replica's batch of 8"),
         ({"chunk_size": 0}, ConfigError, "chunk_size"),
         ({"schedule": "zigzag"}, ConfigError, "unknown schedule"),
@@ -145,6 +147,34 @@ def test_bad_arguments(kwargs, error, match) -> None:
     with pytest.raises(error, match=match) as info:
         _wrap(stage_map, **kwargs)
     assert str(info.value)
+
+
+def test_weight_groups_are_found_once_per_varuna(monkeypatch) -> None:
+    """They were computed three times (values, the facade, the tie sets), in two representations."""
+    import varuna_core.model.stage as stage_module
+    import varuna_core.model.values as values_module
+    import varuna_core.varuna as varuna_module
+
+    calls = []
+    real = stage_module.weight_groups
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    for module in (stage_module, values_module, varuna_module):
+        monkeypatch.setattr(module, "weight_groups", counted, raising=False)
+    vm = _wrap()
+    assert len(calls) == 1 and [c for c, _ in vm.weight_groups] == ["emb.weight"]
+
+
+def test_the_config_holds_checked_values_of_real_types() -> None:
+    """Config's fields were Any (stage_to_rank_map, plan, ...): what the facade took from it had no type."""
+    import dataclasses
+
+    from varuna_core.pipeline.config import Config
+
+    assert not [f.name for f in dataclasses.fields(Config) if "Any" in str(f.type)]
 
 
 def _devices_here() -> str:

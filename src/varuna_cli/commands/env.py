@@ -19,6 +19,7 @@ def env(
     CREDENTIAL, ...) are shown as <redacted>.
     """
     from varuna_core.util.envinfo import collect  # imports torch: keep it out of `varuna --help`
+    from varuna_core.util.text import printable  # a value may hold a newline or a terminal escape
 
     info = collect()
     if as_json:
@@ -27,12 +28,4 @@ def env(
     typer.echo(HEADER + "\n", err=True)
     width = max(len(key) for key in info)
     for key, value in info.items():
-        typer.echo(f"- {key + ':':<{width + 1}} {_one_line(value)}")
-
-
-def _one_line(text: str) -> str:
-    """``text`` with control characters escaped: an environment variable's value may hold a newline or a
-    terminal escape, which would break the one-line-per-fact block (or the terminal)."""
-    from varuna_core.util.text import printable
-
-    return printable(text)
+        typer.echo(f"- {key + ':':<{width + 1}} {printable(value)}")

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from varuna_cli.flags import named_as_options
 from varuna_core.errors import ConfigError
 
-MAX_TOP = 100
+OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--gpus-per-node",
+           "gpu_memory": "--gpu-memory", "schedules": "--schedule", "headroom": "--headroom", "top": "--top"}
 
 
 def plan(
@@ -48,21 +49,16 @@ def plan(
     from varuna_core.util.text import printable
 
     gpus, gpus_per_node = _devices(gpus, gpus_per_node, slurm)
-    _check_counts(gpus, batch_size, gpus_per_node, top)
-    if not (math.isfinite(headroom) and 0 <= headroom < 1):
-        raise ConfigError(f"--headroom must be a fraction in [0, 1), got {headroom}")
-    names = _schedules(schedule)
     memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
-    if memory is not None and memory < 1:
-        raise ConfigError(f"--gpu-memory must be at least 1 byte, got {gpu_memory!r}", hint="e.g. --gpu-memory 80GiB")
+    with named_as_options(OPTIONS):  # the request checks its numbers and names; the errors name our options
+        req = PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=gpus_per_node, gpu_memory=memory,
+                          schedules=_schedules(schedule), top=top, headroom=headroom)
     check_writable(output, "plan")
     prof = load_profile(profile)
-    _check_microbatches(prof.microbatch_sizes, gpus, batch_size)
-    req = PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=gpus_per_node, gpu_memory=memory,
-                      schedules=names, top=top, headroom=headroom)
     started = time.perf_counter()
     try:
-        result = make_plan(prof, req)
+        with named_as_options(OPTIONS):
+            result = make_plan(prof, req)
     except ValidationError as exc:
         raise ConfigError(f"the best configuration for {profile} cannot be written as a plan: {first_problem(exc)}",
                           hint="use more devices, a smaller --batch-size, or profile larger micro-batch sizes"
@@ -98,43 +94,13 @@ def _devices(gpus: int | None, gpus_per_node: int | None, slurm: bool) -> tuple[
     return found.total, min(found.slots)
 
 
-def _check_counts(gpus: int, batch_size: int, gpus_per_node: int | None, top: int) -> None:
-    from varuna_core.planning.artifacts import MAX_DEVICES
-
-    for name, value, low, high in (("--gpus", gpus, 1, MAX_DEVICES), ("--gpus-per-node", gpus_per_node, 1, MAX_DEVICES),
-                                   ("--batch-size", batch_size, 1, None), ("--top", top, 0, MAX_TOP)):
-        if value is not None and (value < low or (high is not None and value > high)):
-            bound = f"in {low}..{high}" if high is not None else f"≥ {low}"
-            raise ConfigError(f"{name} must be {bound}, got {value}")
-
-
 def _schedules(text: str | None) -> tuple[str, ...]:
-    """The schedules of ``--schedule``, each known, each once."""
+    """The schedule names ``--schedule`` lists, comma-separated (the request checks them)."""
     from varuna_core.ir.schedule import SCHEDULE_NAMES
 
     if text is None:
         return SCHEDULE_NAMES
-    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
-    hint = f"choose from {', '.join(SCHEDULE_NAMES)}, comma-separated"
-    if not names:
-        raise ConfigError("--schedule names no schedule", hint=hint)
-    for name in names:
-        if name not in SCHEDULE_NAMES:
-            raise ConfigError(f"unknown schedule {name[:40]!r}", hint=hint)
-    return names
-
-
-def _check_microbatches(sizes: list[int], gpus: int, batch_size: int) -> None:
-    """Refuse a batch that no configuration splits into at most MAX_MICROBATCHES micro-batches per replica
-    (the most replicas, the largest profiled micro-batch), before the search spends minutes simulating it."""
-    from varuna_core.planning.artifacts import MAX_MICROBATCHES
-
-    replicas = min(gpus, batch_size)
-    fewest = math.ceil(math.ceil(batch_size / replicas) / max(sizes))
-    if fewest > MAX_MICROBATCHES:
-        raise ConfigError(f"--batch-size {batch_size} over at most {replicas} replicas in micro-batches of at most "
-                          f"{max(sizes)} makes {fewest:,} micro-batches per replica; a plan holds at most "
-                          f"{MAX_MICROBATCHES:,}", hint="use more devices, or profile larger micro-batch sizes")
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def _table(result) -> None:
@@ -206,8 +172,9 @@ def show(
     from varuna_core.planning.artifacts import load_plan
     from varuna_core.util.versioned_io import check_writable
 
-    if max_steps < 0:
-        raise ConfigError(f"--max-steps must be ≥ 0, got {max_steps}")
+    from varuna_core.util.checks import integer
+
+    integer("--max-steps", max_steps, low=0)
     if measured and not png:
         raise ConfigError("--measured needs --png FILE to draw into")
     if png:

@@ -7,22 +7,24 @@ from typing import Annotated, Optional
 
 import typer
 
+from varuna_cli.flags import named_as_options
 from varuna_core.errors import ConfigError
 
-MAX_SIZES = 64  # micro-batch sizes in one sweep
-MAX_NPROC = 64
-MAX_REPEATS = 10_000
+OPTIONS = {"microbatch_sizes": "--microbatch-sizes", "nproc": "--nproc", "precision": "--precision",
+           "device": "--device", "repeats": "--repeats", "warmup": "--warmup", "memory_limit": "--memory-limit"}
 
 
 def _sizes(microbatch_sizes: Optional[str], max_microbatch: Optional[int]) -> list[int] | None:
-    """The micro-batch sizes to measure (None: the default), each in 1..MAX_MICROBATCH_SIZE."""
+    """The micro-batch sizes to measure (None: the default) as ``--microbatch-sizes`` or ``--max-microbatch``
+    give them; the options check their range."""
     from varuna_core.planning.artifacts import MAX_MICROBATCH_SIZE
+    from varuna_core.profiling.options import MAX_SIZES
+    from varuna_core.util.checks import integer
 
     if microbatch_sizes is not None and max_microbatch is not None:
         raise ConfigError("give either --microbatch-sizes or --max-microbatch, not both")
     if max_microbatch is not None:
-        if not 1 <= max_microbatch <= MAX_MICROBATCH_SIZE:
-            raise ConfigError(f"--max-microbatch must be in 1..{MAX_MICROBATCH_SIZE:,}, got {max_microbatch}")
+        integer("--max-microbatch", max_microbatch, low=1, high=MAX_MICROBATCH_SIZE)
         sizes, n = [], 1
         while n < max_microbatch:
             sizes.append(n)
@@ -35,18 +37,7 @@ def _sizes(microbatch_sizes: Optional[str], max_microbatch: Optional[int]) -> li
     if not words or len(words) > MAX_SIZES or not all(w.isascii() and w.isdigit() and len(w) <= 9 for w in words):
         raise ConfigError(f"--microbatch-sizes must be 1 to {MAX_SIZES} positive integers separated by commas, got "
                           f"{microbatch_sizes[:80]!r}", hint=hint)
-    sizes = sorted({int(w) for w in words})
-    if not 1 <= sizes[0] <= sizes[-1] <= MAX_MICROBATCH_SIZE:
-        raise ConfigError(f"--microbatch-sizes must be in 1..{MAX_MICROBATCH_SIZE:,}, got {microbatch_sizes[:80]!r}",
-                          hint=hint)
-    return sizes
-
-
-def _check_counts(nproc: int, repeats: int, warmup: int) -> None:
-    for name, value, low, high in (("--nproc", nproc, 1, MAX_NPROC), ("--repeats", repeats, 1, MAX_REPEATS),
-                                   ("--warmup", warmup, 0, MAX_REPEATS)):
-        if not low <= value <= high:
-            raise ConfigError(f"{name} must be in {low}..{high}, got {value}")
+    return [int(w) for w in words]
 
 
 def profile(
@@ -74,14 +65,16 @@ def profile(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from varuna_core.ir.units import parse_bytes
-    from varuna_core.profiling.run import profile as run_profile
+    from varuna_core.profiling.options import DEFAULT_MICROBATCH_SIZES, ProfileOptions
+    from varuna_core.profiling.run import profile_with
     from varuna_core.util.versioned_io import check_writable, save_artifact
 
     sizes = _sizes(microbatch_sizes, max_microbatch)
-    _check_counts(nproc, repeats, warmup)
     limit = parse_bytes(memory_limit) if memory_limit is not None else None
-    if limit is not None and limit < 1:
-        raise ConfigError(f"--memory-limit must be at least 1 byte, got {memory_limit!r}", hint="e.g. 16GiB")
+    with named_as_options(OPTIONS):  # the options check their numbers; the errors name ours
+        options = ProfileOptions(microbatch_sizes=tuple(sizes or DEFAULT_MICROBATCH_SIZES), nproc=nproc,
+                                 precision=precision, device=device, repeats=repeats, warmup=warmup,
+                                 memory_limit=limit)
     check_writable(output, "output")
     err = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -91,8 +84,7 @@ def profile(
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
 
-        result = run_profile(spec, microbatch_sizes=sizes, nproc=nproc, precision=precision, device=device,
-                             repeats=repeats, warmup=warmup, memory_limit=limit, progress=progress)
+        result = profile_with(spec, options, progress=progress)
     save_artifact(result, output)
     if as_json:
         typer.echo(result.model_dump_json(indent=2))

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, ConfigError
 from ..util.fs import read_regular
+from ..util.text import short_repr
 
 if TYPE_CHECKING:  # pragma: no cover
     from .manifest import Manifest
@@ -66,9 +67,7 @@ def check_run_id(run: str, source: str = "run id") -> str:
     """``run`` if it is a valid run id (1-64 of ``A-Z a-z 0-9 . _ -``, nothing around them: no line break, no
     path separator), else a ConfigError naming ``source`` and quoting the value (escaped, shortened)."""
     if not isinstance(run, str) or not _RUN_RE.fullmatch(run):
-        shown = repr(run)
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        raise ConfigError(f"{source} {shown} is not a valid run id",
+        raise ConfigError(f"{source} {short_repr(run)} is not a valid run id",
                           hint="1 to 64 letters, digits, '.', '_' or '-'")
     return run
 

@@ -62,8 +62,8 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from .. import env
 from ..errors import CheckpointError, ConfigError, VarunaError
+from ..model.rng import MASK64
 from ..util.checks import integer
 from ..util.fs import atomic_write
 from .io import copy_file
@@ -91,7 +91,6 @@ log = logging.getLogger(__name__)
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _NEW_PREFIX = ".varuna-new-"  # a step directory being created (see _prepare)
 _OLD_PREFIX = ".varuna-old-"  # a step directory being deleted (see _delete)
-_MASK64 = (1 << 64) - 1
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 _state_lock = threading.Lock()
 _writing: set[Path] = set()  # step directories this process is writing (never cleaned up under its feet)
@@ -248,7 +247,7 @@ def save(state: CheckpointState, store: str | os.PathLike, *, step: int | None =
         return None
     job = _Background(rank=state.rank, world=state.world_size, local=staging, final=final, step=step, run=state.run_id,
                       manifest=_manifest(state, step, []), kv=_kv_store(state), keep=keep, entries=files,
-                      timeout=state.timeout, save=_saves, token=env.text(env.JOB_TOKEN))
+                      timeout=state.timeout, save=_saves, token=state.job_token)
     global _executor
     if _executor is None:
         _executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="varuna-ckpt")
@@ -792,7 +791,7 @@ class _Targets:
         if state.loss_scaler is not None and manifest.loss_scaler:
             state.loss_scaler = dict(manifest.loss_scaler)
         state.iteration = manifest.iteration
-        state.seed = manifest.seed & _MASK64
+        state.seed = manifest.seed & MASK64
         if manifest.run_id:
             state.run_id = manifest.run_id
         state.restored = True

@@ -15,6 +15,7 @@ Two kinds of fields:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,8 @@ class CheckpointState:
         run_id: the run this state belongs to; a load adopts the checkpoint's.
         loss_scaler: the loss scaler's ``state_dict()`` (None without loss scaling); a load replaces it by the
             checkpoint's when the checkpoint has one.
+        job_token: the job's secret under ``varuna launch`` (:class:`~varuna_core.env.WorkerEnv`), which signs a
+            background save's reports between ranks; None otherwise.
         restored: set by a load once the live tensors hold the checkpoint's.
     """
 
@@ -78,6 +81,7 @@ class CheckpointState:
     seed: int
     run_id: str
     loss_scaler: dict[str, Any] | None = None
+    job_token: str | None = dataclasses.field(default=None, repr=False)  # a secret: never in a repr or a log
     restored: bool = False
 
     @property

@@ -83,7 +83,8 @@ def inflight_named(name: str, num_stages: int, num_mb: int) -> list[tuple[int, i
     """``inflight(generate(name, num_stages, num_mb))``, without building the schedule when a closed form is known.
 
     Raises:
-        ScheduleError: unknown ``name`` or a size below 1.
+        ConfigError: unknown ``name``.
+        ScheduleError: a size below 1.
     """
     closed = _CLOSED_FORMS.get(name)
     if closed is None or num_stages < 1 or num_mb < 1:

@@ -15,10 +15,11 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Union
 
 from varuna_core.errors import PartitionError
 
-__all__ = ["Partition", "balance", "coerce_partition"]
+__all__ = ["Partition", "PartitionSpec", "balance", "coerce_partition"]
 
 _FORMAT_HINT = "write inclusive segment ranges per stage, e.g. '0-2,3-4,5-7' for 8 segments on 3 stages"
 
@@ -230,7 +231,11 @@ def _parse_string(text: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def coerce_partition(value: object, *, num_segments: int, num_stages: int) -> Partition:
+PartitionSpec = Union[Partition, str, Sequence[tuple[int, int]], Sequence[int]]
+"""A partition as a user gives it (see :func:`coerce_partition`), before the model's segments are known."""
+
+
+def coerce_partition(value: PartitionSpec | object, *, num_segments: int, num_stages: int) -> Partition:
     """Turn a user-supplied partition into a :class:`Partition` for this model and pipeline.
 
     Accepted forms: a :class:`Partition`; a string of inclusive ranges ``"0-2,3-4,5-7"`` (a lone ``"5"`` means

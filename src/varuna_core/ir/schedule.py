@@ -15,13 +15,16 @@ import collections
 import dataclasses
 import enum
 import re
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple, get_args
 
-from varuna_core.errors import ScheduleError
+from varuna_core.errors import ConfigError, ScheduleError
+from varuna_core.util.text import short_repr
 
-__all__ = ["Op", "Action", "Schedule", "SCHEDULE_NAMES", "generate", "recompute_stages", "validate"]
+__all__ = ["Op", "Action", "Schedule", "ScheduleName", "SCHEDULE_NAMES", "check_schedule", "generate",
+           "recompute_stages", "validate"]
 
-SCHEDULE_NAMES = ("varuna", "1f1b", "gpipe")
+ScheduleName = Literal["varuna", "1f1b", "gpipe"]
+SCHEDULE_NAMES: tuple[ScheduleName, ...] = get_args(ScheduleName)
 
 _ACTION_RE = re.compile(r"^(\d+)([FRB])(\d+)$")
 _HEADER_RE = re.compile(r"^#\s*(.*?)\s+stages=(\d+)\s+microbatches=(\d+)\s*$")
@@ -181,11 +184,24 @@ class Schedule:
 # generators
 
 
+def check_schedule(name: object) -> ScheduleName:
+    """``name`` if it names a schedule. The one check of a schedule name: arguments, requests, plans and the
+    executor all call it, so every refusal says the same and lists the same names.
+
+    Raises:
+        ConfigError: any other value (bad input: an argument, an option or a file said it).
+    """
+    if not isinstance(name, str) or name not in SCHEDULE_NAMES:
+        raise ConfigError(f"unknown schedule {short_repr(name, 40)}", hint=f"choose one of {', '.join(SCHEDULE_NAMES)}")
+    return name
+
+
 def generate(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     """Build the named schedule.
 
     Raises:
-        ScheduleError: unknown ``name`` or a size below 1.
+        ConfigError: unknown ``name`` (see :func:`check_schedule`).
+        ScheduleError: a size below 1.
     """
     generator = _generator(name)
     if not isinstance(num_stages, int) or not isinstance(num_microbatches, int):
@@ -203,16 +219,14 @@ def recompute_stages(name: str, num_stages: int) -> tuple[bool, ...]:
     every micro-batch count, and equal to ``generate(name, num_stages, M).recompute_stages``.
 
     Raises:
-        ScheduleError: unknown ``name``.
+        ConfigError: unknown ``name`` (see :func:`check_schedule`).
     """
     generator = _generator(name)
     return tuple(generator.recomputes(s, num_stages) for s in range(num_stages))
 
 
 def _generator(name: str) -> _Generator:
-    if name not in _GENERATORS:
-        raise ScheduleError(f"unknown schedule {name!r}", hint=f"choose one of {', '.join(SCHEDULE_NAMES)}")
-    return _GENERATORS[name]
+    return _GENERATORS[check_schedule(name)]
 
 
 def _gpipe(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]:

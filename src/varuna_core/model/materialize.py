@@ -24,6 +24,7 @@ import contextlib
 import difflib
 import hashlib
 import math
+import sys
 import threading
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
@@ -36,6 +37,7 @@ from ..errors import ConfigError
 from ..util import checks
 from ..util.heap import release_free_memory
 from .devices import check_device
+from .rng import MASK64
 from .weights import check_dtype
 
 __all__ = ["materialize", "meta_init", "has_meta", "ValuePlan", "value_plan", "owner_values"]
@@ -43,7 +45,6 @@ __all__ = ["materialize", "meta_init", "has_meta", "ValuePlan", "value_plan", "o
 Init = Callable[[nn.Module], Any]
 Selection = Callable[[str], bool] | Collection[str] | None
 
-_SEED_MAX = (1 << 64) - 1
 _Slot = tuple[nn.Module, str, str]  # (module, "_parameters" | "_buffers", key)
 
 
@@ -174,7 +175,7 @@ def materialize(model: nn.Module, *, seed: int, init: Init | None = None, device
         ConfigError: a bad ``seed``/``init``/``device``, an unknown name in ``modules``, or a tensor that no
             initialiser wrote (named, with how to fix it).
     """
-    seed = checks.integer("seed", seed, low=0, high=_SEED_MAX)
+    seed = checks.integer("seed", seed, low=0, high=MASK64)
     if init is not None and not callable(init):
         raise ConfigError(f"init must be a callable init(module), got {type(init).__name__} {init!r}")
     if isinstance(device, (str, torch.device)) and str(device).partition(":")[0] == "meta":
@@ -243,7 +244,7 @@ class ValuePlan:
 def value_plan(model: nn.Module, seed: int, init: Init | None, device: Any,
                aliases: dict[str, str] | None = None) -> ValuePlan:
     """A :class:`ValuePlan` for ``model`` (arguments checked as :func:`materialize` checks them)."""
-    seed = checks.integer("seed", seed, low=0, high=_SEED_MAX)
+    seed = checks.integer("seed", seed, low=0, high=MASK64)
     if init is not None and not callable(init):
         raise ConfigError(f"init must be a callable init(module), got {type(init).__name__} {init!r}")
     return ValuePlan(model, seed, init, torch.device(device), aliases)
@@ -416,9 +417,10 @@ def _ancestors(name: str) -> list[str]:
 
 
 def _is_hf(module: nn.Module) -> bool:
-    """A Hugging Face ``PreTrainedModel``, recognised without importing transformers."""
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-               for c in type(module).__mro__)
+    """A Hugging Face ``PreTrainedModel``, recognised by its class without importing transformers: the module
+    that defines the class is loaded whenever such a model exists."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
 def _initialiser(model: nn.Module, all_modules: dict[str, nn.Module], name: str, module: nn.Module,

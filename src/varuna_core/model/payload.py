@@ -4,13 +4,15 @@ A value such as ``x`` or ``(hidden, mask)`` or ``{"h": h, "ids": ids}`` is flatt
 *leaves* and a *treespec*. Each tensor leaf is described by a :class:`TensorSpec` holding its shape at one
 example and the dims that grow with the number of examples (found by probing at 1 and 2 examples, so ``[b, t,
 h]``, ``[s, b, h]`` and flattened ``[b*t, h]`` layouts all work). Non-tensor leaves (``None``, ints, strings)
-are kept as constants. Specs are plain data so that discovery results can be cached as JSON.
+are kept as constants (:class:`Const`). Specs are plain data so that discovery results can be cached as JSON.
+:meth:`ValueSpec.assemble` is the one way back from a value's tensors to the value.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ import torch.utils._pytree as pytree
 
 __all__ = [
     "TensorSpec",
+    "Const",
     "ValueSpec",
     "flatten",
     "unflatten",
@@ -68,45 +71,53 @@ class TensorSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class ValueSpec:
-    """A pytree of tensors and constants: its treespec (JSON) and one entry per leaf.
+class Const:
+    """A leaf of a value that is not a tensor (``None``, a bool, a number, a string): it crosses as itself.
+    Written ``{"const": value}`` in JSON."""
 
-    Each leaf is a :class:`TensorSpec` or a JSON-able constant wrapped as ``{"const": value}``.
-    """
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueSpec:
+    """A pytree of tensors and constants: its treespec (JSON) and one entry per leaf, a :class:`TensorSpec` or a
+    :class:`Const`."""
 
     treespec: str
-    leaves: tuple[TensorSpec | dict, ...]
+    leaves: tuple[TensorSpec | Const, ...]
 
     @property
     def tensor_leaves(self) -> list[tuple[int, TensorSpec]]:
         return [(i, leaf) for i, leaf in enumerate(self.leaves) if isinstance(leaf, TensorSpec)]
 
     def describe(self, n: int) -> str:
-        parts = [leaf.describe(n) if isinstance(leaf, TensorSpec) else repr(leaf["const"]) for leaf in self.leaves]
+        parts = [leaf.describe(n) if isinstance(leaf, TensorSpec) else repr(leaf.value) for leaf in self.leaves]
         return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+
+    def assemble(self, tensors: Iterable[torch.Tensor]) -> Any:
+        """The value: ``tensors`` (one per tensor leaf, in order) where the tensors go, the constants where
+        theirs do."""
+        it = iter(tensors)
+        return unflatten([next(it) if isinstance(leaf, TensorSpec) else leaf.value for leaf in self.leaves],
+                         self.treespec)
 
     def placeholder(self, n: int, device: torch.device | str = "meta") -> Any:
         """A value of this structure for ``n`` examples whose tensors live on ``device``: no data on ``meta``;
         elsewhere NaN (floats) or zeros, so that a value computed from it is recognisably garbage."""
-        meta = torch.device(device).type == "meta"
-        leaves = [
-            (torch.empty if meta else _garbage)(leaf.shape_for(n), dtype=leaf.torch_dtype, device=device)
-            if isinstance(leaf, TensorSpec)
-            else leaf["const"]
-            for leaf in self.leaves
-        ]
-        return unflatten(leaves, self.treespec)
+        make = torch.empty if torch.device(device).type == "meta" else _garbage
+        return self.assemble(make(leaf.shape_for(n), dtype=leaf.torch_dtype, device=device)
+                             for _, leaf in self.tensor_leaves)
 
     def to_json(self) -> dict:
         return {
             "treespec": self.treespec,
-            "leaves": [dataclasses.asdict(x) if isinstance(x, TensorSpec) else x for x in self.leaves],
+            "leaves": [dataclasses.asdict(x) if isinstance(x, TensorSpec) else {"const": x.value} for x in self.leaves],
         }
 
     @classmethod
     def from_json(cls, data: dict) -> "ValueSpec":
         leaves = tuple(
-            TensorSpec(tuple(x["shape"]), tuple(x["batch_dims"]), x["dtype"]) if "shape" in x else dict(x)
+            TensorSpec(tuple(x["shape"]), tuple(x["batch_dims"]), x["dtype"]) if "shape" in x else Const(x["const"])
             for x in data["leaves"]
         )
         return cls(data["treespec"], leaves)
@@ -152,7 +163,7 @@ def spec_from_probes(value_1: Any, value_2: Any) -> ValueSpec:
         raise ProbeMismatch(f"value of type {type(value_1).__name__} cannot be described: {exc}") from exc
     if spec_1 != spec_2 or len(leaves_1) != len(leaves_2):
         raise ProbeMismatch("the structure differs between 1 and 2 examples")
-    out: list[TensorSpec | dict] = []
+    out: list[TensorSpec | Const] = []
     for a, b in zip(leaves_1, leaves_2):
         if isinstance(a, torch.Tensor):
             if not isinstance(b, torch.Tensor) or a.dim() != b.dim() or a.dtype != b.dtype:
@@ -167,7 +178,7 @@ def spec_from_probes(value_1: Any, value_2: Any) -> ValueSpec:
                     )
             out.append(TensorSpec(tuple(a.shape), tuple(batch_dims), str(a.dtype)))
         elif isinstance(a, CONST_TYPES) and a == b:
-            out.append({"const": a})
+            out.append(Const(a))
         else:
             raise ProbeMismatch(f"leaf of type {type(a).__name__} is neither a tensor nor a constant")
     return ValueSpec(spec_1, tuple(out))

@@ -16,24 +16,24 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["segment_seed", "preserve_rng", "seed_segment"]
+__all__ = ["segment_seed", "preserve_rng", "seed_segment", "MASK64"]
 
-_MASK = (1 << 64) - 1
+MASK64 = (1 << 64) - 1  # seeds are unsigned 64-bit: every seed of the toolkit is taken modulo 2**64 with it
 
 
 def _mix(x: int) -> int:
     """splitmix64 finaliser: decorrelates nearby keys."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
     return x ^ (x >> 31)
 
 
 def segment_seed(seed: int, step: int, mb: int, segment: int) -> int:
     """A 63-bit seed from the key (negative steps are allowed, e.g. for evaluation passes)."""
-    h = _mix(seed & _MASK)
+    h = _mix(seed & MASK64)
     for part in (step, mb, segment):
-        h = _mix(h ^ (part & _MASK))
+        h = _mix(h ^ (part & MASK64))
     return h >> 1
 
 

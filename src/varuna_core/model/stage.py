@@ -16,6 +16,12 @@
   its cut), the stages in between pass it on, and the stage that reads it puts it where its placeholder
   would be. Any other value that skips a cut makes a placeholder meet a real tensor, which torch refuses;
   that error is turned into one that names the cut. Nothing silently computes on garbage.
+
+[Note: meta failures] Whether torch refused an op *because* one of its tensors was on meta is a fact about the
+op's arguments, not about the error's text. Before the incoming cut :class:`_PlaceholderWins` sees every op and
+records a failing one that had a tensor on meta. After the cut no mode runs (it would cost every op of the
+stage); a forward that fails there is run once more under :class:`_MetaOperands`, which records the same fact,
+and only on that failure path.
 """
 
 from __future__ import annotations
@@ -111,12 +117,13 @@ def weight_groups(model: nn.Module, shared_weights: list[tuple[str, str]] | None
 
 
 def find_tie_sets(
-    model: nn.Module, structure: Structure, partition: Partition, shared_weights: list[tuple[str, str]] | None
+    model: nn.Module, structure: Structure, partition: Partition, groups: list[tuple[str, tuple[str, ...]]]
 ) -> list[TieSet]:
-    """The weights whose copies the pipeline must keep equal: those of :func:`weight_groups` and single
-    parameters held by more than one stage, or a weight held by more than one parameter object."""
+    """The weights whose copies the pipeline must keep equal: those of ``groups`` (the model's
+    :func:`weight_groups`, computed once by the caller) and single parameters held by more than one stage, or a
+    weight held by more than one parameter object."""
     slot_objects = dict(model.named_parameters(remove_duplicate=False))
-    groups = weight_groups(model, shared_weights)
+    groups = list(groups)
     grouped = {name for _, names in groups for name in names}
     # a weight under one name is tied too when segments of several stages read it (root code such as
     # ``h + self.pos`` computed again where a carried skip is read; see [Note: skip routing])
@@ -142,6 +149,7 @@ class _Context:
         self.counters: dict[tuple[str, int], int] = {}  # stood-in module calls per (module, segment)
         self.produced: dict[tuple[str, int], int] = {}  # module calls per (module, segment) whose outputs skip
         self.carried: dict[int, torch.Tensor] = {}  # skipped tensors at hand, by index in structure.skips
+        self.carried_in: dict[int, torch.Tensor] = {}  # of carried: those received with the incoming value
         self.rng: tuple[int, int, int] | None = None  # (seed, step, micro-batch) for per-segment seeding
 
 
@@ -492,9 +500,11 @@ class StageSlice:
         ctx.counters.clear()
         ctx.produced.clear()
         ctx.carried.clear()
+        ctx.carried_in = {}
         if self._in_skips:
             incoming, carried = split_crossing(incoming, len(self._in_skips))
-            ctx.carried.update(zip(self._in_skips, carried))
+            ctx.carried_in = dict(zip(self._in_skips, carried))
+            ctx.carried.update(ctx.carried_in)
         ctx.incoming = incoming
         ctx.rng = rng
         if rng is None:
@@ -522,7 +532,7 @@ class StageSlice:
         except CutPointError:
             raise
         except Exception as exc:
-            if not self.is_first and "meta" in str(exc):
+            if not self.is_first and self._failed_on_meta(exc, inputs):
                 where = "after" if ctx.incoming_seen else "before"
                 raise CutPointError(
                     f"on stage {self.stage}, code {where} CutPoint {self.incoming_cut!r} mixes a value computed on "
@@ -553,6 +563,39 @@ class StageSlice:
             )
         return loss
 
+    def _failed_on_meta(self, exc: Exception, inputs: dict) -> bool:
+        """Whether the op that raised ``exc`` had a tensor on meta ([Note: meta failures]). Out of memory is
+        never that, and is not worth a second run."""
+        if isinstance(exc, torch.OutOfMemoryError):
+            return False
+        if not self._ctx.incoming_seen:
+            return _raised_by(exc, self._pre_cut.meta_failure)
+        return self._replay_fails_on_meta(inputs)
+
+    def _replay_fails_on_meta(self, inputs: dict) -> bool:
+        """Run the failed forward again from the same state under :class:`_MetaOperands`: whether it fails, and
+        because an op had a tensor on meta. Without a graph, seeded as the first run was (:meth:`forward`
+        restores the live random stream when it seeds)."""
+        ctx = self._ctx
+        ctx.segment, ctx.incoming_seen = 0, False
+        ctx.counters.clear()
+        ctx.produced.clear()
+        ctx.carried.clear()
+        ctx.carried.update(ctx.carried_in)
+        watch = _MetaOperands()
+        try:
+            if self._in_skips:
+                self._seed()
+            with torch.no_grad(), watch, self._pre_cut:
+                self.model(**inputs)
+        except _StageExit:
+            return False
+        except Exception as again:  # noqa: BLE001 - what failed, and whether the watch saw a meta operand fail
+            return _raised_by(again, watch.meta_failure)
+        finally:
+            ctx.incoming_seen = True
+        return False
+
     def parameter_bytes(self) -> int:
         """Bytes of the parameters this stage holds (tied copies counted once)."""
         return sum(p.numel() * p.element_size() for _, p in self.param_names)
@@ -572,9 +615,11 @@ class _PlaceholderWins(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self._active = False
+        self.meta_failure: BaseException | None = None  # the last error of an op with a tensor on meta
 
     def __enter__(self):
         self._active = True
+        self.meta_failure = None
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -584,6 +629,7 @@ class _PlaceholderWins(TorchFunctionMode):
         return None
 
     def leave(self) -> None:
+        self.meta_failure = None  # the cut was reached: an op that failed before it was handled
         self.__exit__(None, None, None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -593,7 +639,41 @@ class _PlaceholderWins(TorchFunctionMode):
         if any(meta) and not all(m for m, t in zip(meta, leaves) if isinstance(t, torch.Tensor)):
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t if t.is_meta else torch.empty_like(t, device="meta"), (args, kwargs))
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:  # a placeholder's .item(), bool() or copy to a real tensor: [Note: meta failures]
+            if any(meta):
+                self.meta_failure = exc
+            raise
+
+
+class _MetaOperands(TorchFunctionMode):
+    """Sees every op and records the last error of one that had a tensor argument on meta ([Note: meta
+    failures]); it changes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meta_failure: BaseException | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            if _has_meta(args, kwargs):
+                self.meta_failure = exc
+            raise
+
+
+def _raised_by(exc: BaseException, cause: BaseException | None) -> bool:
+    """Whether ``exc`` is ``cause``, or was raised while handling it (user code may wrap torch's error)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if exc is cause:
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _has_meta(args: Any, kwargs: Any) -> bool:

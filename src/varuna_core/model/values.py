@@ -19,7 +19,6 @@ from torch import nn
 
 from ..errors import ConfigError
 from .materialize import has_meta
-from .stage import weight_groups
 from .lazy_values import ValueSource
 from .weights import WeightSource, load_weights
 
@@ -28,14 +27,14 @@ __all__ = ["value_source", "load_stage_weights"]
 log = logging.getLogger(__name__)
 
 
-def value_source(model: nn.Module, shared_weights: list, seed: int, init: Callable[[nn.Module], Any] | None,
-                 weights: str | os.PathLike | None) -> ValueSource | None:
+def value_source(model: nn.Module, groups: list[tuple[str, tuple[str, ...]]], seed: int,
+                 init: Callable[[nn.Module], Any] | None, weights: str | os.PathLike | None) -> ValueSource | None:
     """The :class:`~varuna_core.model.lazy_values.ValueSource` of a model built on meta, else None (after loading
-    ``weights`` into the whole real model, if given). A bad ``init`` or ``weights`` fails here, before any
+    ``weights`` into the whole real model, if given). ``groups``: the model's
+    :func:`~varuna_core.model.stage.weight_groups`. A bad ``init`` or ``weights`` fails here, before any
     collective work."""
     if init is not None and not callable(init):
         raise ConfigError(f"init must be a callable init(module), got {type(init).__name__} {init!r}")
-    groups = weight_groups(model, shared_weights)
     if not has_meta(model):
         if init is not None:
             log.warning("init= is ignored: the model holds no tensor on the meta device (it is initialised already)")

@@ -10,48 +10,53 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from .. import env
 from ..errors import ConfigError, TopologyError
-from ..ir.partition import Partition, balance, coerce_partition
-from ..ir.schedule import SCHEDULE_NAMES
+from ..ir.partition import Partition, PartitionSpec, balance, coerce_partition
+from ..ir.schedule import ScheduleName, check_schedule
 from ..ir.topology import Topology
 from ..model.discovery import Structure
 from ..model.precision import resolve_precision
+from ..model.rng import MASK64
 from ..util.checks import integer, real
 from .microbatch import batch_size_of, microbatch_sizes
 from .p2p import default_timeout
 
-__all__ = ["Config", "resolve_config", "parse_topology", "BatchLayout", "batch_layout", "check_structure",
-           "choose_partition", "loss_weights", "replica_share", "MASK64"]
+if TYPE_CHECKING:  # pragma: no cover
+    from ..planning.artifacts import Plan
+
+__all__ = ["Config", "resolve_config", "BatchLayout", "batch_layout", "check_structure",
+           "choose_partition", "loss_weights", "replica_share"]
 
 log = logging.getLogger(__name__)
-
-MASK64 = (1 << 64) - 1
 
 
 @dataclass
 class Config:
-    """The arguments of ``Varuna(...)`` after checks, defaults and the plan."""
+    """The arguments of ``Varuna(...)`` after checks, defaults and the plan.
 
-    stage_to_rank_map: Any
+    ``partition`` is still as the user gave it (any :data:`~varuna_core.ir.partition.PartitionSpec`): it is
+    checked against the model's segments once discovery has found them (:func:`choose_partition`)."""
+
+    stage_to_rank_map: str
     batch_size: int
     chunk_size: int
-    schedule: str
-    partition: Partition | Sequence | str | None
+    schedule: ScheduleName
+    partition: PartitionSpec | None
     precision: str
-    plan: Any
+    plan: Plan | None
     timeout: float
     bucket_mb: float
     seed: int | None
     trace_dir: str | os.PathLike | None
     trace_step: int
-    cutpoints: str | None
-    loss_reduction: str
+    cutpoints: Literal["auto"] | None
+    loss_reduction: Literal["mean", "sum"]
 
 
 def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_size: Any, *, fp16: bool,
@@ -73,21 +78,15 @@ def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_si
     if loaded is not None:
         stage_to_rank_map, chunk_size, schedule, partition = _apply_plan(
             loaded, stage_to_rank_map, batch_size, chunk_size, schedule, partition)
-    if schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose one of {', '.join(SCHEDULE_NAMES)}")
+    if not isinstance(stage_to_rank_map, str):
+        raise TopologyError(f"stage_to_rank_map must be a string like '0,2;1,3', got {stage_to_rank_map!r}")
     return Config(
         stage_to_rank_map=stage_to_rank_map, batch_size=int(batch_size), chunk_size=int(chunk_size),
-        schedule=schedule, partition=partition, precision=resolved_precision, plan=loaded,
+        schedule=check_schedule(schedule), partition=partition, precision=resolved_precision, plan=loaded,
         timeout=float(timeout) if timeout is not None else default_timeout(), bucket_mb=bucket_mb, seed=seed,
         trace_dir=trace if trace is not None else env.text(env.TRACE), trace_step=trace_step, cutpoints=cutpoints,
         loss_reduction=loss_reduction,
     )
-
-
-def parse_topology(stage_to_rank_map: Any, world_size: int) -> Topology:
-    if not isinstance(stage_to_rank_map, str):
-        raise TopologyError(f"stage_to_rank_map must be a string like '0,2;1,3', got {stage_to_rank_map!r}")
-    return Topology.parse(stage_to_rank_map, world_size)
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,7 @@ def loss_weights(sizes: Sequence[int], total: int, loss_reduction: str) -> list[
     return [n / total for n in sizes] if loss_reduction == "mean" else [1.0] * len(sizes)
 
 
-def check_structure(structure: Structure, plan: Any, pp: int) -> None:
+def check_structure(structure: Structure, plan: Plan | None, pp: int) -> None:
     """The discovered model fits the plan and the number of stages."""
     nseg = structure.num_segments
     if plan is not None and not plan.by_hand:
@@ -143,7 +142,7 @@ def check_structure(structure: Structure, plan: Any, pp: int) -> None:
         )
 
 
-def choose_partition(partition: Any, model: nn.Module, structure: Structure, pp: int) -> Partition:
+def choose_partition(partition: PartitionSpec | None, model: nn.Module, structure: Structure, pp: int) -> Partition:
     """The given partition, checked; by default the one balancing parameter bytes."""
     if partition is not None:
         return coerce_partition(partition, num_segments=structure.num_segments, num_stages=pp)
@@ -167,9 +166,7 @@ def _check_arguments(batch_size, chunk_size, timeout, bucket_mb, trace_step, see
     return batch_size, chunk_size, timeout, bucket_mb, trace_step, seed
 
 
-def _load_plan(plan: Any):
-    if plan is None:
-        plan = env.text(env.PLAN)
+def _load_plan(plan: Plan | str | os.PathLike | None) -> Plan | None:
     if plan is None:
         return None
     from ..planning.artifacts import load_plan

@@ -40,11 +40,11 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import InternalError, ScheduleError
 from ..ir.inflight import inflight, posted_receives, unwaited_sends
-from ..ir.schedule import Action, Op, Schedule, generate, validate
+from ..ir.schedule import Action, Op, Schedule, check_schedule, generate, validate
 from ..ir.topology import Topology
-from ..model.payload import flatten, unflatten
+from ..model.payload import flatten
 from ..model.precision import autocast
 from ..model.stage import StageSlice
 from . import p2p
@@ -139,7 +139,7 @@ class PipelineExecutor:
         self.compute_time = 0.0  # seconds of the last run() spent in this rank's own work (not waiting for peers)
         self._waited = 0.0  # seconds of this run spent waiting for peers' messages
         self._computed = 0.0  # seconds of the current action spent in forward/backward
-        generate(schedule, self.num_stages, 1)  # unknown names fail at construction, not at the first step
+        check_schedule(schedule)  # an unknown name fails at construction, not at the first step
 
     def add_observer(self, observer: ActionObserver) -> ActionObserver:
         """Tell ``observer`` about every action and run from now on; returns it."""
@@ -165,7 +165,11 @@ class PipelineExecutor:
         sched = self._schedules.get(key)
         if sched is None:
             sched = generate(self.schedule_name, self.num_stages, num_microbatches)
-            validate(sched)
+            try:
+                validate(sched)
+            except ScheduleError as exc:  # a generated schedule: our defect, whatever the sizes
+                raise InternalError(f"the generated {self.schedule_name} schedule of {self.num_stages} stages and "
+                                    f"{num_microbatches} micro-batches is invalid: {exc.message}") from exc
             self._schedules[key] = sched
             self._caps[num_microbatches] = inflight(sched)[self.stage_index][0]
             self._windows[num_microbatches] = posted_receives(sched)[self.stage_index]
@@ -409,10 +413,7 @@ class PipelineExecutor:
             for t in incoming:
                 if t.is_floating_point():
                     t.requires_grad_(grad)
-            leaves, it = [], iter(incoming)
-            for leaf in self._in.leaves:
-                leaves.append(next(it) if not isinstance(leaf, dict) else leaf["const"])
-            value = unflatten(leaves, self._in.treespec)
+            value = self._in.assemble(incoming)
         with torch.set_grad_enabled(grad), autocast(self.precision, self.device):
             return self.stage.forward(inputs, value, n, rng=rng)
 
@@ -427,7 +428,8 @@ class PipelineExecutor:
 
     def _backward(self, step: _Step, st: _MicroState, pending: p2p.Pending | None, action: Action) -> None:
         if st.outputs is None:
-            raise ConfigError(f"schedule error: {action} has no forward graph (missing F or R before it)")
+            raise InternalError(f"{self._who()} reached {action}, which has no forward graph (no F or R of micro-batch "
+                                f"{action.mb} ran before it on this stage)")
         if pending is None:  # last stage: outputs = [weighted loss]
             roots, grads = [o for o in st.outputs if o.requires_grad], None
         else:

@@ -28,8 +28,8 @@ from .. import env
 from ..errors import ConfigError
 from ..ir.topology import Topology
 from ..model.devices import check_device
+from ..model.rng import MASK64
 from ..model.stage import StageSlice, TieSet
-from .config import MASK64
 
 __all__ = ["ensure_process_group", "resolve_device", "Groups", "build_groups", "tie_params",
            "sync_initial_state", "agree_seed_and_run", "broadcast_coalesced"]
@@ -160,16 +160,16 @@ def sync_initial_state(stage_slice: StageSlice, module: nn.Module, groups: Group
         broadcast_coalesced([tied[tie.canonical].data], src=src, group=group)
 
 
-def agree_seed_and_run(seed: int | None, world_size: int) -> tuple[int, str]:
+def agree_seed_and_run(seed: int | None, world_size: int, run_id: str | None = None) -> tuple[int, str]:
     """The dropout seed (unsigned 64-bit) and the run id, identical on every rank (rank 0's choice wins).
 
     ``torch.initial_seed()`` of an unseeded process is a random value in ``[0, 2**64)``: it travels as the
-    int64 with the same bits. The run id is ``VARUNA_RUN_ID`` (set by ``varuna launch``) or a fresh one."""
+    int64 with the same bits. The run id is ``run_id`` (``VARUNA_RUN_ID``, set by ``varuna launch``: see
+    :class:`~varuna_core.env.WorkerEnv`) or a fresh one."""
     from ..checkpoint.layout import check_run_id, new_run_id
 
     value = (int(seed) if seed is not None else torch.initial_seed()) & MASK64
-    env_run = env.exact(env.RUN_ID)
-    run = check_run_id(env_run, env.RUN_ID) if env_run else new_run_id()
+    run = check_run_id(run_id, env.RUN_ID) if run_id else new_run_id()
     if world_size > 1:
         packed = torch.zeros(2 + _RUN_ID_BYTES, dtype=torch.int64)
         packed[0] = value - 2**64 if value >= 2**63 else value

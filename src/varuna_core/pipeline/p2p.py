@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
 ACTIVATION = 0
 GRADIENT = 1
 _MAX_LEAVES = 256
+_DEADLINE_REACHED = 0.99  # of the timeout: a wait that failed this late timed out (the backends round to ms)
 
 
 def default_timeout() -> float:
@@ -77,20 +79,27 @@ def send(tensors: list[torch.Tensor], *, dst: int, mb: int, kind: int, group) ->
 def wait_all(works: list[Any], *, timeout: float, describe: Callable[[], str], peer: int | None) -> None:
     """Wait for every work handle, each within ``timeout`` seconds.
 
+    A wait that fails once its deadline has passed timed out; one that fails sooner lost its connection (the
+    peer died or closed it). Told apart by the clock, not by the error's text: gloo raises a plain
+    ``RuntimeError`` for both, NCCL a ``torch.distributed.DistBackendError`` for both, and neither message is
+    an interface.
+
     Raises:
         CommTimeoutError: naming what waited (``describe()``), the peer, and the rank that failed first.
     """
     delta = datetime.timedelta(seconds=timeout)
     for work in works:
+        started = time.monotonic()
         try:
             work.wait(delta)
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # torch.distributed.DistError is one
+            timed_out = time.monotonic() - started >= timeout * _DEADLINE_REACHED
             text = str(exc)
             root = _report_failure(peer)
             blame = ""
             if root is not None and root != peer:
                 blame = f"; rank {root} failed first"
-            if "imed out" in text or "imeout" in text:
+            if timed_out:
                 raise CommTimeoutError(
                     f"{describe()}: no progress within {timeout:g}s{blame}",
                     hint=f"check the log of rank {root if root is not None else peer}; set VARUNA_TIMEOUT "
@@ -159,7 +168,7 @@ def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cu
                     problem = f"a {type(leaf).__name__} stands where a tensor was recorded"
                 elif tuple(leaf.shape) != want.shape_for(n) or not _dtype_ok(leaf.dtype, want):
                     problem = f"it is {list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
-            elif isinstance(leaf, torch.Tensor) or leaf != want["const"]:
+            elif isinstance(leaf, torch.Tensor) or leaf != want.value:
                 problem = f"a constant changed to {leaf!r}"
             if problem:
                 break

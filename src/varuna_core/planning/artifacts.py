@@ -280,11 +280,12 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def _schedule_name(value: str) -> str:
-    from ..ir.schedule import SCHEDULE_NAMES
+    from ..ir.schedule import check_schedule
 
-    if value not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown schedule {short_repr(value)}; the schedules are {', '.join(SCHEDULE_NAMES)}")
-    return value
+    try:
+        return check_schedule(value)
+    except ConfigError as exc:  # pydantic reports a ValueError as the field's problem
+        raise ValueError(f"{exc.message}; {exc.hint}") from None
 
 
 class StagePlan(CheckedModel):

@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 
 from ..errors import ConfigError
-from .artifacts import Profile, load_profile
+from ..util.checks import integer
+from .artifacts import MAX_DEVICES, Profile, load_profile
 from .planner import PlanInfeasible, PlanRequest, plan_for
 
 __all__ = ["AutoConfig"]
@@ -51,13 +52,11 @@ class AutoConfig:
     def __init__(self, num_gpus: int, gpus_per_vm: int, batch_size: int, profile_folder: str | os.PathLike,
                  gpu_memory_capacity: int | None = None, verbose: bool = True,
                  autofill_missing_compute: bool = False) -> None:
-        for name, value in (("num_gpus", num_gpus), ("gpus_per_vm", gpus_per_vm), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"AutoConfig {name} must be a positive integer, got {value!r}")
-        if gpu_memory_capacity is not None and (isinstance(gpu_memory_capacity, bool)
-                                                or not isinstance(gpu_memory_capacity, int) or gpu_memory_capacity < 1):
-            raise ConfigError(f"AutoConfig gpu_memory_capacity must be a positive number of bytes or None, got "
-                              f"{gpu_memory_capacity!r}")
+        num_gpus = integer("num_gpus", num_gpus, low=1, high=MAX_DEVICES)
+        gpus_per_vm = integer("gpus_per_vm", gpus_per_vm, low=1, high=MAX_DEVICES)
+        batch_size = integer("batch_size", batch_size, low=1)
+        if gpu_memory_capacity is not None:
+            gpu_memory_capacity = integer("gpu_memory_capacity", gpu_memory_capacity, low=1)
         self.num_gpus, self.gpus_per_vm, self.batch_size = num_gpus, gpus_per_vm, batch_size
         self.gpu_memory_capacity = gpu_memory_capacity
         self.verbose = verbose

@@ -26,16 +26,33 @@ import datetime
 import math
 from typing import Sequence
 
-from ..errors import ConfigError, VarunaError
+from ..errors import ConfigError, FieldError, VarunaError
 from ..ir.inflight import receive_windows
 from ..ir.partition import Partition
-from ..ir.schedule import SCHEDULE_NAMES, recompute_stages
+from ..ir.schedule import SCHEDULE_NAMES, ScheduleName, check_schedule, recompute_stages
 from ..ir.topology import Topology
-from .artifacts import MAX_MICROBATCHES, Candidate, CommCurve, Plan, Prediction, Profile, SegmentMeasure, StagePlan
+from ..ir.units import MAX_BYTES
+from ..util.checks import integer, real
+from .artifacts import (
+    MAX_DEVICES,
+    MAX_MICROBATCH_SIZE,
+    MAX_MICROBATCHES,
+    Candidate,
+    CommCurve,
+    Plan,
+    Prediction,
+    Profile,
+    SegmentMeasure,
+    StagePlan,
+)
 from .memory import stage_bytes
 from .simulate import StageCosts, inflight_counts, simulate_generated
 
-__all__ = ["PlanRequest", "make_plan", "plan_for", "layout_plan", "partition_under_memory", "PlanInfeasible"]
+__all__ = ["PlanRequest", "make_plan", "plan_for", "layout_plan", "partition_under_memory", "PlanInfeasible",
+           "MAX_TOP", "MAX_CONCURRENT_SENDS"]
+
+MAX_TOP = 100  # alternatives a plan keeps
+MAX_CONCURRENT_SENDS = 1024
 
 
 class PlanInfeasible(VarunaError):
@@ -44,14 +61,17 @@ class PlanInfeasible(VarunaError):
 
 @dataclasses.dataclass(frozen=True)
 class PlanRequest:
-    """What to plan for.
+    """What to plan for. It checks itself when made (every field in its range, every schedule known), so that
+    every way of planning (``varuna plan``, a morph, ``AutoConfig``, a script) refuses the same requests with the
+    same words; a refusal is a :class:`~varuna_core.errors.FieldError` naming the field (the CLI names the option
+    that sets it instead). Sequences are kept as tuples, numbers as ``int``/``float``.
 
     Attributes:
         gpus: devices available.
         batch_size: global batch (fixed; the micro-batch count follows from it).
         gpus_per_node: devices per node (placement: a replica's stages on consecutive ranks).
         gpu_memory: bytes per device, or ``None`` for no limit.
-        schedules: schedules to consider.
+        schedules: schedules to consider (each once, in the order given).
         headroom: fraction of memory kept free (allocator fragmentation, CUDA context).
         max_concurrent_sends: the runtime's in-flight messages per stage and direction.
         top: alternatives to keep.
@@ -63,11 +83,47 @@ class PlanRequest:
     batch_size: int
     gpus_per_node: int | None = None
     gpu_memory: int | None = None
-    schedules: tuple[str, ...] = SCHEDULE_NAMES
+    schedules: tuple[ScheduleName, ...] = SCHEDULE_NAMES
     headroom: float = 0.1
     max_concurrent_sends: int = 4
     top: int = 5
     microbatch_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        def put(name: str, value) -> None:
+            object.__setattr__(self, name, value)
+
+        put("gpus", integer("gpus", self.gpus, low=1, high=MAX_DEVICES))
+        put("batch_size", integer("batch_size", self.batch_size, low=1))
+        if self.gpus_per_node is not None:
+            put("gpus_per_node", integer("gpus_per_node", self.gpus_per_node, low=1, high=MAX_DEVICES))
+        if self.gpu_memory is not None:  # two checks: "must be ≥ 1" says more than a range of 19 digits
+            put("gpu_memory", integer("gpu_memory", integer("gpu_memory", self.gpu_memory, low=1), high=MAX_BYTES))
+        put("schedules", self._names(self.schedules))
+        put("headroom", real("headroom", self.headroom, low=0, high=1, high_open=True))
+        put("max_concurrent_sends", integer("max_concurrent_sends", self.max_concurrent_sends, low=1,
+                                            high=MAX_CONCURRENT_SENDS))
+        put("top", integer("top", self.top, low=0, high=MAX_TOP))
+        if self.microbatch_sizes is not None:
+            sizes = tuple(integer("microbatch_sizes", n, low=1, high=MAX_MICROBATCH_SIZE)
+                          for n in _sequence("microbatch_sizes", self.microbatch_sizes))
+            if not sizes:
+                raise FieldError("microbatch_sizes", "names no size", hint="leave it out to use the profiled ones")
+            put("microbatch_sizes", sizes)
+
+    @staticmethod
+    def _names(schedules) -> tuple[ScheduleName, ...]:
+        names = tuple(dict.fromkeys(check_schedule(name) for name in _sequence("schedules", schedules)))
+        if not names:
+            raise FieldError("schedules", "names no schedule", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
+        return names
+
+
+def _sequence(name: str, value) -> tuple:
+    """``value`` as a tuple, if it is a list or tuple (a string is a sequence of characters, not of names)."""
+    if not isinstance(value, (list, tuple)):
+        raise FieldError(name, f"must be a list or tuple, got {type(value).__name__} {value!r:.80}")
+    return tuple(value)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -453,7 +509,7 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
         ConfigError: bad request (sizes, unknown schedule, batch smaller than the data-parallel width).
         PlanInfeasible: nothing fits in ``gpu_memory``; names the smallest memory that would, and with what.
     """
-    _check_request(req)
+    _check_microbatches(profile, req)
     assumptions = _assumptions(profile, req)
     tables = _Tables(profile)
     prepared, smallest, clamped = _prepare_all(tables, profile, req)
@@ -469,17 +525,16 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     return _to_plan(profile, req, best, scored[1: 1 + req.top], assumptions)
 
 
-def _check_request(req: PlanRequest) -> None:
-    if req.gpus < 1:
-        raise ConfigError(f"--gpus must be ≥ 1, got {req.gpus}")
-    if req.batch_size < 1:
-        raise ConfigError(f"--batch-size must be ≥ 1, got {req.batch_size}")
-    for name in req.schedules:
-        if name not in SCHEDULE_NAMES:
-            raise ConfigError(f"unknown schedule {name!r}", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
-    per_node = req.gpus_per_node or req.gpus
-    if per_node < 1:
-        raise ConfigError(f"--gpus-per-node must be ≥ 1, got {per_node}")
+def _check_microbatches(profile: Profile, req: PlanRequest) -> None:
+    """Refuse a batch that no configuration splits into at most MAX_MICROBATCHES micro-batches per replica (the
+    most replicas, the largest micro-batch size), before the search spends minutes simulating it."""
+    replicas = min(req.gpus, req.batch_size)
+    largest = max(req.microbatch_sizes or profile.microbatch_sizes)
+    fewest = math.ceil(math.ceil(req.batch_size / replicas) / largest)
+    if fewest > MAX_MICROBATCHES:
+        raise FieldError("batch_size", f"{req.batch_size} over at most {replicas} replicas in micro-batches of at "
+                         f"most {largest} makes {fewest:,} micro-batches per replica; a plan holds at most "
+                         f"{MAX_MICROBATCHES:,}", hint="use more devices, or profile larger micro-batch sizes")
 
 
 def _assumptions(profile: Profile, req: PlanRequest) -> set[str]:
@@ -561,11 +616,10 @@ def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch
         PlanInfeasible: it does not fit ``req.gpu_memory``.
     """
     if pp * dp > req.gpus:
-        raise ConfigError(f"pp={pp} × dp={dp} needs {pp * dp} devices, more than --gpus {req.gpus}")
+        raise ConfigError(f"pp={pp} × dp={dp} needs {pp * dp} devices, more than the request's {req.gpus}")
     if pp > profile.num_segments:
         raise ConfigError(f"pp={pp} exceeds the profile's {profile.num_segments} segments")
-    if schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
+    check_schedule(schedule)
     assumptions: set[str] = set()
     tables = _Tables(profile)
     result, need = _prepare(tables, req, pp, dp, microbatch_size, schedule)
@@ -589,8 +643,7 @@ def layout_plan(*, pp: int, dp: int, microbatch_size: int, batch_size: int, gpus
     """
     from pydantic import ValidationError
 
-    if schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"unknown schedule {schedule!r}", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
+    check_schedule(schedule)
     replica = -(-batch_size // max(dp, 1))
     try:
         return Plan(

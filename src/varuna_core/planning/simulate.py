@@ -15,7 +15,10 @@ The simulator executes the *same* action lists the runtime executes (:mod:`varun
   has finished that.
 
 Events are processed in time order (ties: lower stage first), which makes the opportunistic rule decidable: by
-the time a stage is free at ``t``, everything that started before ``t`` has been simulated.
+the time a stage is free at ``t``, everything that started before ``t`` has been simulated. Every entry point
+(:func:`simulate`, :func:`simulate_generated` and the reference :func:`simulate_python`) applies the rule unless
+told not to (:data:`OPPORTUNISTIC`): by default a simulation is of what the runtime does. The C++ functions take
+it as an argument without a default.
 
 This module is the reference; ``varuna_core._native`` implements the same algorithm in C++ for the planner's
 search and is tested against it. :func:`native_module` is the one place that chooses between the two (the C++ one
@@ -36,7 +39,9 @@ from ..ir.inflight import inflight, inflight_named
 from ..ir.schedule import Action, Op, Schedule, generate
 
 __all__ = ["StageCosts", "SimResult", "native_module", "require_native", "simulate", "simulate_generated",
-           "inflight_counts", "simulate_python"]
+           "inflight_counts", "simulate_python", "OPPORTUNISTIC"]
+
+OPPORTUNISTIC = True  # the simulators' default: apply the runtime's [Note: opportunistic forward], as it does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +154,7 @@ def simulate(
     costs: Sequence[StageCosts],
     *,
     max_concurrent_sends: int = 4,
-    opportunistic: bool = True,
+    opportunistic: bool = OPPORTUNISTIC,
     timeline: bool = False,
     backend: str = "auto",
 ) -> SimResult:
@@ -172,7 +177,7 @@ def simulate(
 
 
 def simulate_generated(name: str, num_stages: int, num_mb: int, costs: Sequence[StageCosts], *,
-                       max_concurrent_sends: int = 4, opportunistic: bool = True) -> SimResult:
+                       max_concurrent_sends: int = 4, opportunistic: bool = OPPORTUNISTIC) -> SimResult:
     """:func:`simulate` of ``generate(name, num_stages, num_mb)`` (no timeline): the planner's inner call, which
     the native module answers without building the schedule in Python."""
     native = native_module()
@@ -211,7 +216,7 @@ def _result(step: float, pipe: float, busy: Sequence[float], line) -> SimResult:
 
 
 def simulate_python(schedule: Schedule, costs: Sequence[StageCosts], *, max_concurrent_sends: int = 4,
-                    opportunistic: bool = False, timeline: bool = False) -> SimResult:
+                    opportunistic: bool = OPPORTUNISTIC, timeline: bool = False) -> SimResult:
     """The reference implementation (see :func:`simulate`)."""
     return _EventSim(schedule, costs, max_concurrent_sends, opportunistic, timeline).run()
 

@@ -42,9 +42,9 @@ from ..errors import ConfigError, UserCodeError, VarunaError
 from ..ir.partition import Partition
 from ..model.discovery import Structure, discover, make_batch_fn
 from ..model.payload import TensorSpec, flatten
-from ..model.precision import autocast, resolve_precision
+from ..model.precision import autocast
 from ..model.spec import ModelSpec, load_spec
-from ..model.stage import StageSlice, find_tie_sets
+from ..model.stage import StageSlice, find_tie_sets, weight_groups
 from ..model.lazy_values import ValueSource
 from ..planning.artifacts import (
     CommCurve,
@@ -58,12 +58,12 @@ from ..planning.artifacts import (
 )
 from ..util.procs import JobOutcome, run_workers
 from ..util.usercode import user_code
+from .options import DEFAULT_MICROBATCH_SIZES, ProfileOptions
 
-__all__ = ["profile", "profile_in_job", "DEFAULT_MICROBATCH_SIZES", "P2P_SIZES"]
+__all__ = ["profile", "profile_with", "profile_in_job", "ProfileOptions", "DEFAULT_MICROBATCH_SIZES", "P2P_SIZES"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MICROBATCH_SIZES = (1, 2, 4, 8)
 P2P_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)  # 1 KiB .. 16 MiB
 Progress = Callable[[int, int, str], None]
 
@@ -87,42 +87,37 @@ def profile(
     progress: Progress | None = None,
     timeout: float = 600.0,
 ) -> Profile:
-    """Measure ``spec`` and return its :class:`Profile`.
+    """Measure ``spec`` and return its :class:`Profile`: :func:`profile_with` of these
+    :class:`~varuna_core.profiling.options.ProfileOptions` (their fields say what each argument means;
+    ``microbatch_sizes=None`` measures the default sizes).
 
     Args:
         spec: a :class:`ModelSpec` or a reference ``module:attr`` / ``file.py:attr`` (required for ``nproc > 1``).
-        microbatch_sizes: sizes to measure, increasing (default 1, 2, 4, 8).
-        nproc: local processes to spread the segments over; with 2 or more the network is measured too.
-        precision: ``fp32``, ``bf16`` or ``fp16`` (autocast, as in training).
-        device: ``cpu`` or ``cuda`` (process ``i`` uses ``cuda:i``).
-        repeats: timed repetitions per measurement (the median is kept).
-        warmup: untimed repetitions before them.
-        memory_limit: bytes a segment may use (parameters, gradients, optimizer state, saved activations);
-            the first micro-batch size that exceeds it on any segment ends the sweep.
         progress: called with ``(done, total, what)`` as measurements complete.
-        timeout: seconds the whole multi-process measurement may take.
     """
-    sizes = sorted(set(microbatch_sizes or DEFAULT_MICROBATCH_SIZES))
-    if not sizes or sizes[0] < 1:
-        raise ConfigError(f"micro-batch sizes must be positive integers, got {microbatch_sizes}")
-    if nproc < 1:
-        raise ConfigError(f"--nproc must be ≥ 1, got {nproc}")
-    if repeats < 1 or warmup < 0:
-        raise ConfigError(f"repeats must be ≥ 1 and warm-up ≥ 0, got {repeats} and {warmup}")
-    precision = resolve_precision(precision, False)
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"unknown device {device!r}", hint="use cpu or cuda")
+    options = ProfileOptions(microbatch_sizes=tuple(microbatch_sizes or DEFAULT_MICROBATCH_SIZES), nproc=nproc,
+                             precision=precision, device=device, repeats=repeats, warmup=warmup,
+                             memory_limit=memory_limit, timeout=timeout)
+    return profile_with(spec, options, progress=progress)
+
+
+def profile_with(spec: ModelSpec | str, options: ProfileOptions, *, progress: Progress | None = None) -> Profile:
+    """Measure ``spec`` as ``options`` say and return its :class:`Profile` (see :func:`profile`).
+
+    Raises:
+        ConfigError: the devices asked for are not on this machine, or the spec cannot be loaded.
+    """
+    nproc, device, precision = options.nproc, options.device, options.precision
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but CUDA is not available", hint="use --device cpu")
+        raise ConfigError("device cuda asked for, but CUDA is not available", hint="use cpu")
     if device == "cuda" and nproc > torch.cuda.device_count():
-        raise ConfigError(f"--device cuda puts process i on cuda:i, but {nproc} processes are asked for and this "
-                          f"machine has {torch.cuda.device_count()} GPU(s)", hint="lower --nproc")
-    options = dict(microbatch_sizes=sizes, precision=precision, device=device, repeats=repeats, warmup=warmup,
-                   memory_limit=memory_limit)
+        raise ConfigError(f"device cuda puts process i on cuda:i, but {nproc} processes are asked for and this "
+                          f"machine has {torch.cuda.device_count()} GPU(s)", hint="use fewer processes")
+    measuring = options.measuring()
     if nproc == 1:
         model_spec = load_spec(spec)
         structure = _structure(model_spec, precision)
-        return _measure(model_spec, structure, rank=0, world=1, progress=progress, **options)
+        return _measure(model_spec, structure, rank=0, world=1, progress=progress, **measuring)
     if not isinstance(spec, str):
         raise ConfigError("profiling with several processes needs the spec as a reference ('module:attr')",
                           hint="pass the string the spec is importable by, or use nproc=1")
@@ -131,7 +126,7 @@ def profile(
     if nproc > structure.num_segments:
         log.info("%d processes for %d segments: the extra processes only take part in the network measurement",
                  nproc, structure.num_segments)
-    return _spawn(spec, nproc, options, progress, timeout)
+    return _spawn(spec, nproc, measuring, progress, options.timeout)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -194,7 +189,7 @@ class _SegmentBench:
         n = structure.num_segments
         partition = Partition.from_ranges([(i, i + 1) for i in range(n)], n)
         model = spec.make()
-        ties = find_tie_sets(model, structure, partition, list(spec.shared_weights or []))
+        ties = find_tie_sets(model, structure, partition, weight_groups(model, list(spec.shared_weights or [])))
         with user_code(f"the model's code (building segment {segment})"):  # a meta model's init runs here
             self.stage = StageSlice(model, structure, partition, segment, ties, device,
                                     placeholders="real" if spec.cutpoints == "auto" else "meta",
@@ -214,17 +209,8 @@ class _SegmentBench:
         spec = self.stage.incoming_spec
         if spec is None:
             return None, []
-        leaves, tensors = [], []
-        for leaf in spec.leaves:
-            if isinstance(leaf, TensorSpec):
-                t = _random_like(leaf, n, self.device, self.generator)
-                tensors.append(t)
-                leaves.append(t)
-            else:
-                leaves.append(leaf["const"])
-        from ..model.payload import unflatten
-
-        return unflatten(leaves, spec.treespec), tensors
+        tensors = [_random_like(leaf, n, self.device, self.generator) for _, leaf in spec.tensor_leaves]
+        return spec.assemble(tensors), tensors
 
     def run(self, inputs: dict, n: int, incoming: tuple[Any, list[torch.Tensor]], *, grad: bool,
             saved: list[int] | None = None):
@@ -401,7 +387,7 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
     if not done_sizes and stopped is not None:
         raise ConfigError(
             f"micro-batch size {stopped.microbatch_size} already exceeds the memory of segment {stopped.segment}: "
-            f"{stopped.reason}", hint="raise --memory-limit, use smaller micro-batches, or add CutPoints")
+            f"{stopped.reason}", hint="raise the memory limit, use smaller micro-batches, or add CutPoints")
     segments = [
         SegmentProfile(index=k, input_cut=structure.cut_names[k - 1] if k > 0 else None,
                        output_cut=structure.cut_names[k] if k < len(structure.cut_names) else None,

@@ -3,7 +3,9 @@
 Why not ``int(x)`` / ``float(x)``: they accept ``2.7`` (truncated to 2), ``True`` (1), ``"nan"`` and
 ``float("inf")``, and comparisons such as ``x < 1`` are false for NaN, so a bound check written that way lets
 NaN through. Every check here names the argument, shows the value and raises
-:class:`~varuna_core.errors.ConfigError`.
+:class:`~varuna_core.errors.FieldError` (a :class:`~varuna_core.errors.ConfigError` that says which field, so that
+the CLI can name the option that sets it). A range with both ends is said whole (``must be in 1..64``), an
+integer exactly (``2**64 - 1`` is not shown as ``1.84467e+19``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 import operator
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, FieldError
 
 __all__ = ["integer", "real", "env_integer", "env_real"]
 
@@ -21,25 +23,28 @@ def integer(name: str, value: Any, *, low: int | None = None, high: int | None =
     """``value`` as an ``int`` (ints and integer-like objects such as numpy integers; not bools, floats or
     strings), within ``[low, high]``."""
     if isinstance(value, bool) or isinstance(value, float):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
+        raise FieldError(name, f"must be an integer, got {value!r}")
     try:
         number = operator.index(value)
     except TypeError:
-        raise ConfigError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+        raise FieldError(name, f"must be an integer, got {type(value).__name__} {value!r}") from None
     _bounds(name, number, low, high)
     return number
 
 
 def real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-         low_open: bool = False) -> float:
-    """``value`` as a finite ``float`` within ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+         low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` as a finite ``float`` within ``[low, high]`` (``(low, ...`` with ``low_open``, ``..., high)``
+    with ``high_open``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-        raise ConfigError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise FieldError(name, f"must be a number, got {type(value).__name__} {value!r}")
     number = float(value)
     if not math.isfinite(number):
-        raise ConfigError(f"{name} must be a finite number, got {number}")
+        raise FieldError(name, f"must be a finite number, got {number}")
     if low_open and low is not None and number <= low:
-        raise ConfigError(f"{name} must be greater than {low:g}, got {number:g}")
+        raise FieldError(name, f"must be greater than {low:g}, got {number:g}")
+    if high_open and high is not None and number >= high:
+        raise FieldError(name, f"must be less than {high:g}, got {number:g}")
     _bounds(name, number, low, high)
     return number
 
@@ -68,7 +73,15 @@ def env_real(name: str, text: str | None, *, low: float | None = None, high: flo
 
 
 def _bounds(name: str, number: float, low: float | None, high: float | None) -> None:
+    if (low is None or number >= low) and (high is None or number <= high):
+        return
+    if isinstance(number, int) and low is not None and high is not None:
+        raise FieldError(name, f"must be in {low}..{high}, got {number}")
     if low is not None and number < low:
-        raise ConfigError(f"{name} must be ≥ {low:g}, got {number:g}")
-    if high is not None and number > high:
-        raise ConfigError(f"{name} must be ≤ {high:g}, got {number:g}")
+        raise FieldError(name, f"must be ≥ {_shown(low)}, got {_shown(number)}")
+    raise FieldError(name, f"must be ≤ {_shown(high)}, got {_shown(number)}")
+
+
+def _shown(number: float) -> str:
+    """An integer as it is (``:g`` rounds 2**64 - 1 to 1.84467e+19), anything else in ``:g``."""
+    return str(number) if isinstance(number, int) else f"{number:g}"

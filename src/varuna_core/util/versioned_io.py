@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import ConfigError
 from .fs import atomic_write, read_text
+from .text import short_repr
 
 __all__ = [
     "ArtifactModel", "CheckedModel", "check_document", "check_writable", "first_problem", "parse_json", "parse_yaml",
@@ -84,12 +85,6 @@ def schema_text(model: type[BaseModel]) -> str:
 
 # ----------------------------------------------------------------------------------------------------------
 # Reading
-
-
-def short_repr(value: Any, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters: a message quotes what it found, never a whole file."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def first_problem(exc: ValidationError) -> str:

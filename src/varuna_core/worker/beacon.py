@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 import socket
 import threading
 from typing import Any
 
-from .. import env
+from ..env import WorkerEnv
 from ..launch.protocol import (
     MAX_DATAGRAM,
     MAX_KEY,
@@ -120,21 +119,17 @@ class Beacon:
             self._send()
 
     @classmethod
-    def from_env(cls, rank: int) -> Beacon | None:
-        """A beacon if this process runs under ``varuna launch`` (``VARUNA_MANAGER``, ``VARUNA_JOB_ID``,
-        ``VARUNA_JOB_TOKEN`` set), else None. Its beats name the attempt ``VARUNA_ATTEMPT`` (0 if unset)."""
-        where, job, token = (os.environ.get(k) for k in (env.MANAGER, env.JOB_ID, env.JOB_TOKEN))
-        if not (where and job and token):
+    def launched(cls, told: WorkerEnv, rank: int) -> Beacon | None:
+        """A beacon if the launcher said where its manager listens (``told.manager``, ``job_id`` and
+        ``job_token`` set: the worker runs under ``varuna launch``), else None. Its beats name the attempt
+        ``told.attempt`` (0 if unset) and the host ``told.host`` (this machine's name if unset). ``told`` is checked
+        already (:meth:`WorkerEnv.from_environ`); a socket that cannot be made only costs the heartbeats."""
+        address = told.manager_address
+        if address is None or not (told.job_id and told.job_token):
             return None
         try:
-            attempt = int(os.environ.get(env.ATTEMPT) or 0)
-        except ValueError:
-            log.warning("heartbeats disabled: %s=%r is not an integer", env.ATTEMPT, os.environ[env.ATTEMPT])
-            return None
-        host, _, port = where.rpartition(":")
-        try:
-            return cls((host.strip("[]"), int(port)), job, token, rank,
-                       os.environ.get(env.HOST, socket.gethostname()), attempt=attempt)
-        except (ValueError, OSError) as exc:
-            log.warning("heartbeats disabled: %s=%s: %s", env.MANAGER, where, exc)
+            return cls(address, told.job_id, told.job_token, rank, told.host or socket.gethostname(),
+                       attempt=told.attempt or 0)
+        except OSError as exc:
+            log.warning("heartbeats disabled: cannot send to the manager at %s: %s", told.manager, exc)
             return None

@@ -73,6 +73,7 @@ class Supervision:
 
     Args:
         rank, stage, replica: this worker's place (reported in heartbeats).
+        told: what the launcher told this worker (read once by the facade; default: read from the environment).
         samples: examples per step (the global batch).
         save: ``save(directory, tempdir=..., background=..., keep=...)`` writes a checkpoint of the current step
             (collective) and returns the ``Future`` of a background write, or anything else.
@@ -82,12 +83,12 @@ class Supervision:
 
     def __init__(self, rank: int, *, stage: int = 0, replica: int = 0, samples: int | None = None,
                  save: Callable[..., Any], load: Callable[[str, int], int],
-                 progress: Callable[[], Progress | tuple]) -> None:
+                 progress: Callable[[], Progress | tuple], told: WorkerEnv | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load = save, load
         self._progress = progress
         self.started = _process_start()
-        told = WorkerEnv.from_environ()
+        told = WorkerEnv.from_environ() if told is None else told
         self.ckpt_dir = told.ckpt_dir
         self.resume_step = told.resume_step
         self.every = told.ckpt_every or 0
@@ -106,7 +107,7 @@ class Supervision:
         self.last_saved: int | None = None
         self._pending = None  # the Future of a background checkpoint in flight
         self._last_step_start: float | None = None
-        self.beacon = Beacon.from_env(rank)
+        self.beacon = Beacon.launched(told, rank)
         self.user_handler: Callable[..., Any] | None = None  # the script's own SIGUSR1 handler, adopted
         self._main_thread = threading.current_thread() is threading.main_thread()
         if self.ckpt_dir is not None and not self._main_thread:
