@@ -52,12 +52,26 @@ def interrupt_and_expect_nothing_left(launch: Launch, processes: int) -> None:
     130 and no process of the job is left on any host."""
     job = launch.job()
     assert len(job_processes(job)) == processes, job_processes(job)
+    before = _signal_state(launch.proc.pid)
     os.kill(launch.proc.pid, signal.SIGINT)
-    assert launch.wait() == 130, launch.output()[-2000:]
+    try:
+        code = launch.wait()
+    except Exception as exc:  # say how the launcher stood towards SIGINT, then and now
+        raise AssertionError(f"{exc}\nlauncher before SIGINT: {before}\nafter: {_signal_state(launch.proc.pid)}")
+    assert code == 130, launch.output()[-2000:]
     deadline = time.monotonic() + 5  # the launcher waited for its agents; the kernel may still be reaping
     while job_processes(job) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert job_processes(job) == []
+
+
+def _signal_state(pid: int) -> str:
+    """The signal lines of ``/proc/PID/status`` (blocked, ignored, caught, pending masks)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError as exc:
+        return str(exc)
+    return "; ".join(line for line in lines if line.startswith(("Sig", "ShdPnd")))
 
 
 def run_reference(plan: Path, steps: int, tmp_path: Path, launches) -> dict[int, float]:
