@@ -64,11 +64,12 @@ class FieldError(ConfigError):
 
     Args:
         field: the field's name, e.g. ``"gpus"``.
-        problem: the rest of the message, e.g. ``"must be in 1..65536, got 0"``.
+        problem: the rest of the message, e.g. ``"must be in 1..65536, got 0"`` (or ``": why"``, which follows
+            the field without a space).
     """
 
     def __init__(self, field: str, problem: str, *, hint: str | None = None) -> None:
-        super().__init__(f"{field} {problem}", hint=hint)
+        super().__init__(f"{field}{'' if problem.startswith(':') else ' '}{problem}", hint=hint)
         self.field = field
         self.problem = problem
 

@@ -98,9 +98,9 @@ PLAN_CASES = [
     (["--batch-size", "-3"], "--batch-size must be ≥ 1, got -3"),
     (["--batch-size", "1000000000000"], "micro-batches per replica; a plan holds at most 100,000"),
     (["--gpus-per-node", "0"], "--gpus-per-node must be in"),
-    (["--headroom", "nan"], "--headroom must be a finite number, got nan"),
-    (["--headroom", "1"], "--headroom must be less than 1, got 1"),
-    (["--headroom", "-0.5"], "--headroom must be ≥ 0, got -0.5"),
+    (["--headroom", "nan"], "--headroom must be a number in [0, 1), got nan"),
+    (["--headroom", "1"], "--headroom must be a number in [0, 1), got 1"),
+    (["--headroom", "-0.5"], "--headroom must be a number in [0, 1), got -0.5"),
     (["--top", "-1"], "--top must be in 0..100, got -1"),
     (["--gpu-memory", "abc"], "cannot read 'abc' as a size"),
     (["--gpu-memory", "-5GiB"], "cannot read '-5GiB' as a size"),
@@ -270,7 +270,7 @@ def test_launch_bad_plans(capsys, files, tmp_path, plan, needle) -> None:
     ("--heartbeat-timeout", "soon", "Invalid value for '--heartbeat-timeout'"),
     ("--preemption-source", "ibm", "--preemption-source 'ibm' is not one of azure, aws, gcp"),
     ("--preemption-endpoint", "http://127.0.0.1:9", "--preemption-endpoint needs --preemption-source"),
-    ("--preemption-interval", "0", "--preemption-interval must be a number in [0.1, 3600]"),
+    ("--preemption-interval", "0", "--preemption-interval needs --preemption-source"),
     ("--preemption-interval", "nan", "--preemption-interval"),
     ("--recheck-max", "0", "--recheck-max must be a number in [1, 3600], got 0"),
     ("--recheck-max", "nan", "--recheck-max"),
@@ -617,6 +617,8 @@ def test_env_in_a_subprocess_redacts_the_job_token() -> None:
     (["--preemption-source", "gcp", "--preemption-endpoint", "http://" + "x" * 2000], "the 1,024 the node agents"),
     (["--preemption-source", "gcp", "--preemption-endpoint", "https://metadata"], "the scheme is 'https'"),
     (["--preemption-source", "gcp", "--preemption-endpoint", "http://:80"], "names no host"),
+    (["--preemption-source", "gcp", "--preemption-interval", "0"], "--preemption-interval must be a number in [0.1, 3600]"),
+    (["--preemption-source", "aws", "--preemption-interval", "nan"], "--preemption-interval must be a number in"),
 ])
 def test_launch_clouds_and_clusters(capsys, monkeypatch, files, tmp_path, extra, needle) -> None:
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)

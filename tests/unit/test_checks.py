@@ -17,8 +17,8 @@ from varuna_core.util.checks import integer, real
     (lambda: integer("batch_size", -3, low=1), "batch_size must be ≥ 1, got -3"),
     (lambda: integer("seed", 2**64, high=2**64 - 1), "seed must be ≤ 18446744073709551615, got 18446744073709551616"),
     (lambda: integer("n", 2.0), "n must be an integer, got 2.0"),
-    (lambda: real("headroom", 1.0, low=0, high=1, high_open=True), "headroom must be less than 1, got 1"),
-    (lambda: real("headroom", float("nan"), low=0, high=1, high_open=True), "headroom must be a finite number"),
+    (lambda: real("headroom", 1.0, low=0, high=1, high_open=True), "headroom must be a number in [0, 1), got 1"),
+    (lambda: real("headroom", float("nan"), low=0, high=1, high_open=True), "headroom must be a number in [0, 1), got nan"),
     (lambda: real("timeout", 0, low=0, low_open=True), "timeout must be greater than 0, got 0"),
 ])
 def test_a_refusal_names_the_field_and_shows_the_value_exactly(call, message) -> None:
@@ -43,7 +43,7 @@ def test_a_field_error_is_renamed_by_its_field_not_its_text() -> None:
     ({"batch_size": 0}, "batch_size must be ≥ 1, got 0"),
     ({"gpus_per_node": 0}, "gpus_per_node must be in 1..65536, got 0"),
     ({"gpu_memory": 0}, "gpu_memory must be ≥ 1, got 0"),
-    ({"headroom": 1.0}, "headroom must be less than 1, got 1"),
+    ({"headroom": 1.0}, "headroom must be a number in [0, 1), got 1"),
     ({"top": -1}, "top must be in 0..100, got -1"),
     ({"max_concurrent_sends": 0}, "max_concurrent_sends must be in 1..1024, got 0"),
     ({"microbatch_sizes": (0,)}, "microbatch_sizes must be in 1..1048576, got 0"),

@@ -25,10 +25,12 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("VARUNA_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _close(measured: float, expected: float) -> bool:
-    """A sleep is never shorter than asked (so a swapped forward/backward or a wrong unit fails the lower bound),
-    but a loaded machine wakes the process late: the upper bound leaves room for that."""
-    return 0.95 * expected <= measured <= 1.5 * expected + 0.002
+def _close(stat, expected: float) -> bool:
+    """A sleep is never shorter than asked, so the fastest repeat (``p10`` of 3) is not below it: a swapped
+    forward/backward, another segment's time or a wrong unit fails that bound. A loaded machine wakes a process
+    late, and may do so on any repeat: the upper bound is on the fastest repeat, which one on-time wake-up keeps
+    near the truth (it would catch a time attributed to the wrong segment, e.g. 20 ms measured for 10)."""
+    return 0.95 * expected <= stat.p10 and stat.p10 <= 1.5 * expected + 0.005 and stat.median >= 0.95 * expected
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -40,9 +42,9 @@ def test_sleep_model_times_and_sizes(nproc) -> None:
         assert seg.param_bytes == (h * h + h) * 4 and seg.grad_bytes == seg.param_bytes
         assert seg.optimizer_bytes == 2 * seg.param_bytes + 2 * 4  # AdamW: exp_avg, exp_avg_sq, 2 scalar steps
         for m in seg.measures:
-            assert _close(m.forward.median, fwd), (seg.index, m.forward)
-            assert _close(m.recompute.median, fwd), (seg.index, m.recompute)
-            assert _close(m.backward.median, bwd), (seg.index, m.backward)
+            assert _close(m.forward, fwd), (seg.index, m.forward)
+            assert _close(m.recompute, fwd), (seg.index, m.recompute)
+            assert _close(m.backward, bwd), (seg.index, m.backward)
             assert m.output_bytes == (0 if seg.index == 2 else m.microbatch_size * h * 4)
     if nproc == 2:
         ops = sorted((c.op, c.group_size) for c in result.comm)

@@ -232,5 +232,5 @@ def test_an_unknown_source_is_refused_when_the_config_is_made() -> None:
     from varuna_core.errors import ConfigError
     from varuna_core.launch.options import SpotConfig
 
-    with pytest.raises(ConfigError, match="preemption source 'oracle' is not one of azure, aws, gcp"):
+    with pytest.raises(ConfigError, match="source 'oracle' is not one of azure, aws, gcp"):
         SpotConfig("oracle")

@@ -18,7 +18,10 @@ from varuna_core.env import LAUNCHER_SET
 from varuna_core.errors import ConfigError, VarunaError
 from varuna_core.launch.exclusion import RECHECK_FIRST
 from varuna_core.launch.hosts import MAX_SLOTS
-from varuna_core.launch.options import DEFAULTS, LaunchOptions, HostRuntime, SpotConfig, SSHConfig
+from varuna_core.launch.options import DEFAULTS, HostRuntime, LaunchOptions, SpotConfig, SSHConfig, check_numbers
+from varuna_core.util.checks import integer
+
+from varuna_cli.flags import named_as_options
 
 HELP = (
     "Run SCRIPT on every device of PLAN: local processes, or the hosts of --hosts over SSH.\n\n"
@@ -114,43 +117,20 @@ def _shown(value: object, limit: int = 120) -> str:
     return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
-# The range of each integer option; a value beyond is a typo, not a wish.
-_COUNTS = {"--gpus-per-node": (1, MAX_SLOTS), "--ckpt-every": (0, 10**9), "--ckpt-keep": (1, 10**6),
-           "--steps": (1, 10**12), "--max-restarts": (0, 10**4), "--ssh-port": (1, 65535)}
-# The range of each number option (the lower bound is excluded where the third item says so). Timeouts are
-# bounded because waits far longer than a day are refused by the OS calls that implement them.
-_NUMBERS = {"--heartbeat-timeout": (1.0, 86400.0, False), "--morph-timeout": (1.0, 86400.0, False),
-            "--preemption-interval": (0.1, 3600.0, False),
-            "--preempt-margin": (0.0, 86400.0, False), "--grace": (0.0, 3600.0, False),
-            "--recheck-max": (1.0, 3600.0, False),
-            "--straggler-threshold": (0.0, 100.0, True)}
-_SSH_USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]{0,63}")
+# The option that sets each field the library checks (a FieldError names the field; the message names the option).
+OPTION_OF = {"ckpt_every": "--ckpt-every", "ckpt_keep": "--ckpt-keep", "total_steps": "--steps",
+             "max_restarts": "--max-restarts", "heartbeat_timeout": "--heartbeat-timeout",
+             "morph_timeout": "--morph-timeout", "preempt_margin": "--preempt-margin", "grace": "--grace",
+             "straggler_threshold": "--straggler-threshold", "recheck_max": "--recheck-max",
+             "gpus_per_node": "--gpus-per-node", "user": "--ssh-user", "port": "--ssh-port",
+             "source": "--preemption-source", "endpoint": "--preemption-endpoint", "interval": "--preemption-interval",
+             "resume_or_start": "--resume-or-start"}
 
 
-def _check_counts(values: dict[str, int | None]) -> None:
-    for name, value in values.items():
-        low, high = _COUNTS[name]
-        if value is not None and not low <= value <= high:
-            raise ConfigError(f"{name} must be in {low}..{high}, got {value}")
-
-
-def _check_seconds(values: dict[str, float]) -> None:
-    """Finite numbers in range: NaN compares false with everything, so a plain ``value < low`` lets it in."""
-    for name, value in values.items():
-        low, high, open_low = _NUMBERS[name]
-        if not (math.isfinite(value) and (low < value if open_low else low <= value) and value <= high):
-            bracket = "(" if open_low else "["
-            raise ConfigError(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {value}")
-
-
-def _check_places(ssh_user: str | None, python: str | None, dirs: dict[str, Path | None],
-                  identity: str | None = None) -> None:
+def _check_places(python: str | None, dirs: dict[str, Path | None], identity: str | None = None) -> None:
     """The places the options name: directories are directories (``--code-dir`` must exist; the others are
     made), and ``--ssh-identity``, which ssh reads on this machine, is a file here (ssh would only warn and go
     on without it, and the job would fail as if the hosts were unreachable)."""
-    if ssh_user is not None and not _SSH_USER.fullmatch(ssh_user):
-        raise ConfigError(f"--ssh-user {_shown(ssh_user)} is not a user name",
-                          hint="letters, digits, '.', '_' and '-', not starting with '-'")
     if python is not None and not python.strip():
         raise ConfigError("--python is empty", hint="give the interpreter's path on the hosts")
     for name, path in dirs.items():
@@ -271,14 +251,16 @@ def launch(
     from varuna_core.planning.artifacts import load_plan
 
     script = list(script or [])
-    _check_counts({"--gpus-per-node": gpus_per_node, "--ckpt-every": ckpt_every, "--ckpt-keep": ckpt_keep,
-                   "--steps": steps, "--max-restarts": max_restarts, "--ssh-port": ssh_port})
-    _check_seconds({"--heartbeat-timeout": heartbeat_timeout, "--morph-timeout": morph_timeout,
-                    "--preempt-margin": preempt_margin, "--grace": grace,
-                    "--straggler-threshold": straggler_threshold, "--preemption-interval": preemption_interval,
-                    "--recheck-max": recheck_max})
-    spot = _spot(preemption_source, preemption_endpoint, preemption_interval)
-    _check_places(ssh_user, python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir},
+    with named_as_options(OPTION_OF):  # the library's rules, before anything slow; named as the options
+        check_numbers({"ckpt_every": ckpt_every, "ckpt_keep": ckpt_keep, "total_steps": steps,
+                       "max_restarts": max_restarts, "heartbeat_timeout": heartbeat_timeout,
+                       "morph_timeout": morph_timeout, "preempt_margin": preempt_margin, "grace": grace,
+                       "straggler_threshold": straggler_threshold, "recheck_max": recheck_max})
+        if gpus_per_node is not None:
+            integer("gpus_per_node", gpus_per_node, low=1, high=MAX_SLOTS)
+        ssh = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ()))
+        spot = _spot(preemption_source, preemption_endpoint, preemption_interval)
+    _check_places(python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir},
                   ssh_identity)
     resume = _check_resume(resume, resume_or_start, run_dir, ckpt_dir)
     the_plan = load_plan(plan)
@@ -299,19 +281,18 @@ def launch(
         host_list = _hosts(hosts, slots, the_plan.pp * the_plan.dp, gpus_per_node)
     choose_run(store, resume, run_id, or_start=resume_or_start)  # another run's store: refused before anything starts
     runtime = HostRuntime(python=python or sys.executable, code_dir=code)
-    ssh = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ())) \
-        if host_list is not None and job is None else None
+    ssh = ssh if host_list is not None and job is None else None
     reporter = reporter or _reporter()
     _preflight(reporter, host_list if job is None else None, ssh, runtime)
-    opts = LaunchOptions(
-        script=script, run_dir=run, ckpt_dir=store, runtime=runtime, ssh=ssh, run_id=run_id,
-        slurm=job.config() if job is not None else None, spot=spot,
-        env=env, legacy_args=legacy_args, morph=morph, morph_any_microbatch=morph_any_microbatch, resume=resume,
-        resume_or_start=resume_or_start,
-        ckpt_every=ckpt_every, ckpt_keep=ckpt_keep,
-        ckpt_tempdir=ckpt_tempdir, total_steps=steps, max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout,
-        morph_timeout=morph_timeout, preempt_margin=preempt_margin, grace=grace,
-        straggler_threshold=straggler_threshold, recheck_max=recheck_max)
+    with named_as_options(OPTION_OF):
+        opts = LaunchOptions(
+            script=script, run_dir=run, ckpt_dir=store, runtime=runtime, ssh=ssh, run_id=run_id,
+            slurm=job.config() if job is not None else None, spot=spot, env=env, legacy_args=legacy_args,
+            morph=morph, morph_any_microbatch=morph_any_microbatch, resume=resume, resume_or_start=resume_or_start,
+            ckpt_every=ckpt_every, ckpt_keep=ckpt_keep, ckpt_tempdir=ckpt_tempdir, total_steps=steps,
+            max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout, morph_timeout=morph_timeout,
+            preempt_margin=preempt_margin, grace=grace, straggler_threshold=straggler_threshold,
+            recheck_max=recheck_max)
     run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
     reporter.event(f"run directory {run}")
@@ -390,23 +371,16 @@ def _check_resume(resume: bool, resume_or_start: bool, run_dir: Path | None, ckp
     return resume
 
 
-def _spot(source: str | None, endpoint: str | None, interval: float):
-    """The spot watch of ``--preemption-source`` (None without it); the endpoint is checked by the library's
-    check (:func:`varuna_core.launch.spot.check_endpoint`, which :class:`SpotConfig` runs too)."""
-    from varuna_core.launch.options import ENDPOINT_HINT
-    from varuna_core.launch.spot import SOURCES, check_endpoint
+def _spot(source: str | None, endpoint: str | None, interval: float) -> SpotConfig | None:
+    """The spot watch of ``--preemption-source`` (None without it), checked by :class:`SpotConfig` itself."""
+    from varuna_core.launch.spot import SOURCES
 
     if source is None:
-        if endpoint is not None:
-            raise ConfigError("--preemption-endpoint needs --preemption-source", hint=f"one of {', '.join(SOURCES)}")
+        for option, given in (("--preemption-endpoint", endpoint is not None),
+                              ("--preemption-interval", interval != SpotConfig.interval)):
+            if given:
+                raise ConfigError(f"{option} needs --preemption-source", hint=f"one of {', '.join(SOURCES)}")
         return None
-    if source not in SOURCES:
-        raise ConfigError(f"--preemption-source {_shown(source)} is not one of {', '.join(SOURCES)}")
-    if endpoint is not None:
-        try:
-            check_endpoint(endpoint)
-        except ValueError as exc:
-            raise ConfigError(f"--preemption-endpoint: {exc}", hint=ENDPOINT_HINT) from None
     return SpotConfig(source=source, endpoint=endpoint, interval=interval)
 
 

@@ -10,6 +10,7 @@ it starts.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from collections.abc import Mapping
@@ -18,11 +19,16 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, FieldError
+from ..util.checks import integer, real
+from ..util.text import short_repr
 from .exclusion import RECHECK_MAX
 from .hosts import Host
 
-__all__ = ["DEFAULTS", "LaunchOptions", "HostRuntime", "SSHConfig", "SlurmConfig", "SpotConfig"]
+__all__ = ["DEFAULTS", "LIMITS", "LaunchOptions", "HostRuntime", "SSHConfig", "SlurmConfig", "SpotConfig",
+           "check_numbers"]
+
+_SSH_USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,15 @@ class SSHConfig:
     identity: str | None = None
     options: tuple[str, ...] = ()
     connect_timeout: int = 10
+
+    def __post_init__(self) -> None:
+        """A user name that ssh cannot read as an option, a port, a bounded connect timeout (FieldError)."""
+        if self.user is not None and not _SSH_USER.fullmatch(self.user):
+            raise FieldError("user", f"{short_repr(self.user)} is not a user name",
+                             hint="letters, digits, '.', '_' and '-', not starting with '-'")
+        if self.port is not None:
+            integer("port", self.port, low=1, high=65535)
+        integer("connect_timeout", self.connect_timeout, low=1, high=3600)
 
     def argv(self, host: Host, command: str) -> list[str]:
         argv = ["ssh"]
@@ -90,12 +105,13 @@ class SpotConfig:
         from .spot import SOURCES, check_endpoint
 
         if self.source not in SOURCES:
-            raise ConfigError(f"preemption source {str(self.source)[:40]!r} is not one of {', '.join(SOURCES)}")
+            raise FieldError("source", f"{short_repr(self.source, 40)} is not one of {', '.join(SOURCES)}")
         if self.endpoint is not None:
             try:
                 check_endpoint(self.endpoint)
             except ValueError as exc:
-                raise ConfigError(f"preemption endpoint: {exc}", hint=ENDPOINT_HINT) from None
+                raise FieldError("endpoint", f": {exc}", hint=ENDPOINT_HINT) from None
+        real("interval", self.interval, low=0.1, high=3600.0)
 
 
 ENDPOINT_HINT = "e.g. http://169.254.169.254 or http://127.0.0.1:8080; leave it out for the cloud's own address"
@@ -116,9 +132,37 @@ class HostRuntime:
             shlex.quote(w) for w in words)
 
 
+# The range of every number LaunchOptions holds, by field: ``(low, high, low_open)``, integers where both ends are.
+# A value beyond is a typo, not a wish; waits are bounded because the OS calls that implement them refuse waits
+# far longer than a day.
+LIMITS: Mapping[str, tuple[float, float, bool]] = MappingProxyType({
+    "ckpt_every": (0, 10**9, False), "ckpt_keep": (1, 10**6, False), "total_steps": (1, 10**12, False),
+    "max_restarts": (0, 10**4, False), "backoff": (0.0, 3600.0, False),
+    "heartbeat_timeout": (1.0, 86400.0, False), "start_timeout": (1.0, 86400.0, False),
+    "morph_timeout": (1.0, 86400.0, False), "preempt_margin": (0.0, 86400.0, False), "grace": (0.0, 3600.0, False),
+    "straggler_threshold": (0.0, 100.0, True), "recheck_max": (1.0, 3600.0, False),
+})
+_OPTIONAL = frozenset({"ckpt_keep", "total_steps"})  # None: keep every checkpoint, train until the script ends
+
+
+def check_numbers(values: Mapping[str, Any]) -> None:
+    """Each of ``values`` (a field of :class:`LaunchOptions` -> its value) within :data:`LIMITS`, or a
+    :class:`~varuna_core.errors.FieldError` naming the field. :class:`LaunchOptions` runs it when made; the CLI
+    runs it first, before anything slow (its message then names the option that sets the field)."""
+    for name, value in values.items():
+        if value is None and name in _OPTIONAL:
+            continue
+        low, high, low_open = LIMITS[name]
+        if isinstance(low, int) and isinstance(high, int):
+            integer(name, value, low=low, high=high)
+        else:
+            real(name, value, low=low, high=high, low_open=low_open)
+
+
 @dataclass
 class LaunchOptions:
-    """Everything ``varuna launch`` was asked to do (see its ``--help`` for each)."""
+    """Everything ``varuna launch`` was asked to do (see its ``--help`` for each). Checks its numbers when made
+    (:data:`LIMITS`), so a program that fills it is refused what the CLI refuses."""
 
     script: list[str]
     run_dir: Path
@@ -147,6 +191,11 @@ class LaunchOptions:
     straggler_threshold: float = 0.3
     recheck_max: float = RECHECK_MAX  # the longest wait between two checks of a host left out (launch.exclusion)
     run_id: str | None = None  # the run to resume (--resume) or to start under; default: found or new
+
+    def __post_init__(self) -> None:
+        check_numbers({name: getattr(self, name) for name in LIMITS})
+        if self.resume_or_start and not self.resume:
+            raise FieldError("resume_or_start", "needs resume", hint="it says what a resume that finds nothing does")
 
 
 # Every plain field default of LaunchOptions, by field name: what the CLI's options default to.

@@ -35,18 +35,24 @@ def integer(name: str, value: Any, *, low: int | None = None, high: int | None =
 def real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
          low_open: bool = False, high_open: bool = False) -> float:
     """``value`` as a finite ``float`` within ``[low, high]`` (``(low, ...`` with ``low_open``, ``..., high)``
-    with ``high_open``)."""
+    with ``high_open``). With both ends given, a refusal says the whole interval (``must be a number in
+    (0, 100], got nan``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
         raise FieldError(name, f"must be a number, got {type(value).__name__} {value!r}")
     number = float(value)
+    inside = (math.isfinite(number)
+              and (low is None or (number > low if low_open else number >= low))
+              and (high is None or (number < high if high_open else number <= high)))
+    if inside:
+        return number
+    if low is not None and high is not None:
+        interval = f"{'(' if low_open else '['}{_shown(low)}, {_shown(high)}{')' if high_open else ']'}"
+        raise FieldError(name, f"must be a number in {interval}, got {number:g}")
     if not math.isfinite(number):
         raise FieldError(name, f"must be a finite number, got {number}")
-    if low_open and low is not None and number <= low:
-        raise FieldError(name, f"must be greater than {low:g}, got {number:g}")
-    if high_open and high is not None and number >= high:
-        raise FieldError(name, f"must be less than {high:g}, got {number:g}")
-    _bounds(name, number, low, high)
-    return number
+    if low is not None and (number <= low if low_open else number < low):
+        raise FieldError(name, f"must be {'greater than' if low_open else '≥'} {_shown(low)}, got {number:g}")
+    raise FieldError(name, f"must be {'less than' if high_open else '≤'} {_shown(high)}, got {number:g}")
 
 
 def env_integer(name: str, text: str | None, *, low: int | None = None, high: int | None = None) -> int | None:
