@@ -29,6 +29,15 @@ class LaunchFailed(AssertionError):
     """The launcher exited or ran out of time while a caller waited for something (carries its output)."""
 
 
+def _as_in_a_terminal() -> None:
+    """In the launcher's process, before it starts: SIGINT and SIGQUIT as a command typed in a terminal has them.
+    A suite started as a background job of a script (``bash .ci/run &``) inherits them ignored, as POSIX shells
+    do for asynchronous commands, and so would every launcher it starts: a Ctrl-C test would then fail for a
+    reason that is not the launcher's."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 class Launch:
     """``varuna launch ARGS`` running in the background, in its own session (so that all of it can be killed).
 
@@ -40,7 +49,7 @@ class Launch:
         self.deadline = time.monotonic() + timeout
         self.log = open(self.run_dir.parent / f"{self.run_dir.name}.launcher.log", "w")
         self.proc = subprocess.Popen([str(VARUNA), "launch", *args], cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_as_in_a_terminal,
                                      env=dict(os.environ, OMP_NUM_THREADS="1", VARUNA_TIMEOUT="60", **(env or {})))
 
     def output(self) -> str:
