@@ -106,10 +106,12 @@ def test_ctrl_c_stops_every_worker_and_exits_130(plan2, tmp_path, launches) -> N
 
 
 def test_a_slow_rank_is_reported_as_a_straggler(plan4, tmp_path, launches) -> None:
+    """Rank 1 computes several times as long as its replica; the others, 4 workers sharing 2 cores (or 1), may
+    differ from theirs by 2x on a loaded machine (seen: 2.3x), so a straggler here is one 5x its peer."""
     env_file = tmp_path / "job.env"
     env_file.write_text("SLOW_RANK=1\n")
-    launch = launches([str(plan4), "--env-file", str(env_file), "--", "tests/launch/slow_worker.py",
-                       *TRAIN[1:], "--steps", "25"], tmp_path / "run", timeout=180)
+    launch = launches([str(plan4), "--env-file", str(env_file), "--straggler-threshold", "4", "--",
+                       "tests/launch/slow_worker.py", *TRAIN[1:], "--steps", "15"], tmp_path / "run", timeout=180)
     assert launch.wait() == 0, launch.output()[-3000:]
     slow = (tmp_path / "run" / "slow_machines").read_text().splitlines()
     assert len(slow) == 1 and slow[0].startswith("127.0.0.1 rank=1 stage=1 "), slow

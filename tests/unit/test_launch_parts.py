@@ -205,3 +205,18 @@ def test_a_reused_run_directory_numbers_attempts_on(tmp_path, text, before) -> N
         assert files.attempts_before == before
     finally:
         files.close()
+
+
+def test_workers_on_every_host_get_the_launchers_kernel_and_communication_settings() -> None:
+    """A worker started over SSH gets its sshd's environment, not the launcher's: the variables that choose torch's
+    kernels (and so its rounding) and its communication are forwarded, what is per host is not."""
+    from varuna_core.launch.options import forwarded_environ
+
+    environ = {"ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1", "NCCL_DEBUG": "INFO", "MKL_CBWR": "COMPATIBLE",
+               "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+               "CUDA_VISIBLE_DEVICES": "0", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
+               "TORCH_HOME": "/home/me/.torch", "NCCL_DEBUG_FILE": "/tmp/nccl.%h", "HOME": "/home/me",
+               "PATH": "/usr/bin", "VARUNA_JOB_TOKEN": "secret", "SSH_AUTH_SOCK": "/tmp/x"}
+    assert forwarded_environ(environ) == {
+        "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1", "NCCL_DEBUG": "INFO", "MKL_CBWR": "COMPATIBLE",
+        "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}

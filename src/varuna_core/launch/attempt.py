@@ -33,7 +33,7 @@ from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, ConfigError, Varuna
 from ..planning.artifacts import Plan
 from .heartbeat import Beat, Listener
 from .hosts import Host
-from .options import LaunchOptions
+from .options import LaunchOptions, forwarded_environ
 from .protocol import (
     AgentSpec,
     ErrorEvent,
@@ -289,7 +289,8 @@ class Attempt:
             master_port=master_port, world=self.world,
             workers=[WorkerSlot(rank=r, local_rank=lr) for r, lr in node.ranks],
             argv=worker_argv(self.opts.script, self.opts.runtime.python), cwd=self.opts.runtime.code_dir,
-            env={**self.opts.env, **told.to_environ()}, plan=self.plan.model_dump(mode="json"),
+            env={**forwarded_environ(os.environ), **self.opts.env, **told.to_environ()},
+            plan=self.plan.model_dump(mode="json"),
             grace=self.opts.grace, legacy_args=legacy, scheduler_signals=self.opts.slurm is not None,
             spot=SpotWatch(source=spot.source, endpoint=spot.endpoint, interval=spot.interval, vm_name=spot.vm_name)
             if (spot := self.opts.spot) is not None else None)

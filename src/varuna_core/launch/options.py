@@ -26,7 +26,7 @@ from .exclusion import RECHECK_MAX
 from .hosts import Host
 
 __all__ = ["DEFAULTS", "LIMITS", "LaunchOptions", "HostRuntime", "SSHConfig", "SlurmConfig", "SpotConfig",
-           "check_numbers"]
+           "check_numbers", "FORWARDED", "forwarded_environ"]
 
 _SSH_USER = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]{0,63}")
 
@@ -130,6 +130,25 @@ class HostRuntime:
         assignments = "".join(f"{k}={shlex.quote(v)} " for k, v in (env or {}).items())
         return f"cd {shlex.quote(self.code_dir)} && {assignments}exec {shlex.quote(self.python)} " + " ".join(
             shlex.quote(w) for w in words)
+
+
+# Variables of the launcher's environment that every worker gets, on every host: those that choose the kernels (and
+# so the rounding) and the communication of torch's CPU and GPU code. A local worker inherits the launcher's
+# environment; one started over SSH gets its sshd's, so without this a job spread over hosts would compute with
+# other kernels on some of them (ONEDNN_MAX_CPU_ISA=AVX2 set for the job would hold only on the launcher's host).
+# Not forwarded: what is decided per host (the GPUs it shows, the interface towards the master, which the node
+# agent picks; paths: *_HOME, *_DIR, *_PATH, *_FILE). An --env-file line wins over a forwarded value.
+FORWARDED = ("ONEDNN_", "DNNL_", "MKL_", "OMP_", "KMP_", "GOMP_", "OPENBLAS_", "ATEN_", "TORCH_", "PYTORCH_",
+             "CUBLAS_", "CUDNN_", "NCCL_", "GLOO_", "NVIDIA_TF32_")
+_PER_HOST = ("CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "GLOO_DEVICE_TRANSPORT")
+_PATHS = ("_HOME", "_DIR", "_PATH", "_FILE")
+
+
+def forwarded_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` (the launcher's) that every worker gets: see :data:`FORWARDED`."""
+    return {name: value for name, value in environ.items()
+            if name.startswith(FORWARDED) and name not in _PER_HOST and not name.endswith(_PATHS)
+            and "\0" not in value}
 
 
 # The range of every number LaunchOptions holds, by field: ``(low, high, low_open)``, integers where both ends are.
