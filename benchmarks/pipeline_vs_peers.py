@@ -210,8 +210,8 @@ def worker(spec_path: str, out_path: str) -> None:
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(GPT_DIR))
-    from data import CharDataset  # noqa: E402
-    from model import GPT, GPTConfig  # noqa: E402
+    from data import CharDataset
+    from model import GPT, GPTConfig
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _init_process_group(spec["contender"], rank, world, float(spec["timeout"]))
@@ -320,7 +320,7 @@ def _peer_parts(cfg):
 def _setup_ours(job: _Job):
     """(step, params, param names) of ours: Varuna with the contender's schedule and the same split."""
     import torch
-    from model import SHARED_WEIGHTS  # noqa: E402
+    from model import SHARED_WEIGHTS
 
     from varuna_core import Varuna
 

@@ -4,7 +4,7 @@ gradients go back the same way. For checking slicing (skips, stand-ins, ties) wi
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=args, prog_name="varuna", standalone_mode=False)
     except SystemExit:
         raise
-    except BaseException as err:  # noqa: BLE001 - the last line of defence: one line, not a traceback
+    except BaseException as err:  # the last line of defence: one line, not a traceback
         if _debug() and not isinstance(err, UsageError):
             raise
         _report(err)

@@ -67,7 +67,7 @@ LAUNCH_OPTIONS = {
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose mistakes are the toolkit's one-line errors (exit 2), not a usage dump."""
 
-    def error(self, message: str):  # noqa: D102 - argparse's hook
+    def error(self, message: str):  # argparse's hook
         raise ConfigError(f"run_varuna: {message}", hint="see `python -m varuna.run_varuna --help`")
 
 
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(done.exit_code)
     except SystemExit:
         raise
-    except BaseException as err:  # noqa: BLE001 - one line, not a traceback (VARUNA_DEBUG=1 shows it)
+    except BaseException as err:  # one line, not a traceback (VARUNA_DEBUG=1 shows it)
         if debug():
             raise
         _report(err)

@@ -145,7 +145,7 @@ _EXACT = {"run_id"}
 # Variables the launcher sets for every worker, and the `varuna launch` option that sets each (None: no option;
 # every worker gets its own value). An env file may not set them.
 LAUNCHER_SET: dict[str, str | None] = {
-    **{name: None for name in TORCHRUN},
+    **dict.fromkeys(TORCHRUN),
     **{WorkerEnv.variable(f.name): None for f in fields(WorkerEnv)},
     PLAN: "the PLAN argument", "VARUNA_CKPT_DIR": "--ckpt-dir", "VARUNA_RUN_DIR": "--run-dir",
     "VARUNA_RESUME_STEP": "--resume", "VARUNA_CKPT_EVERY": "--ckpt-every", "VARUNA_CKPT_KEEP": "--ckpt-keep",

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -27,9 +28,9 @@ from .errors import ConfigError
 from .ir.partition import Partition
 from .ir.topology import Topology
 from .model.discovery import Structure, discover, make_batch_fn
+from .model.lazy_values import ValueSource
 from .model.precision import LossScaler
 from .model.stage import StageSlice, TieSet, find_tie_sets, weight_groups
-from .model.lazy_values import ValueSource
 from .model.values import load_stage_weights, value_source
 from .pipeline.config import (
     Config,
@@ -396,7 +397,7 @@ class Varuna(nn.Module):
         dim (unbatched inputs are passed whole)."""
         return replica_share(inputs, self.input_batch_dims, self.batch_size, self.replica_range)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - views are kept, values zeroed
+    def zero_grad(self, set_to_none: bool = True) -> None:  # views are kept, values zeroed
         self.grad_buffer.zero()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

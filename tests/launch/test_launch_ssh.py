@@ -242,7 +242,7 @@ def test_a_partial_start_is_rolled_back(cluster, plan4, tmp_path) -> None:
     from varuna_core.launch.attempt import LaunchError
     from varuna_core.launch.hosts import Host
     from varuna_core.launch.manager import Manager
-    from varuna_core.launch.options import LaunchOptions, HostRuntime, SSHConfig
+    from varuna_core.launch.options import HostRuntime, LaunchOptions, SSHConfig
     from varuna_core.planning.artifacts import load_plan
 
     good = cluster.hosts[0]

@@ -205,7 +205,7 @@ def drain(sock: socket.socket, wait: float = 0.3) -> list[tuple[bytes, dict]]:
         while True:
             data, _ = sock.recvfrom(65536)
             out.append((data, decode(data, JOB, TOKEN)))
-    except socket.timeout:
+    except TimeoutError:
         return out
     finally:
         sock.settimeout(5)

@@ -15,8 +15,8 @@ from varuna_core.errors import ConfigError
 from varuna_core.ir.partition import Partition
 from varuna_core.model import materialize as materialize_module
 from varuna_core.model.discovery import discover, make_batch_fn
-from varuna_core.model.stage import StageSlice, find_tie_sets, weight_groups
 from varuna_core.model.lazy_values import ValueSource, on_touch
+from varuna_core.model.stage import StageSlice, find_tie_sets, weight_groups
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]')")
 

@@ -13,7 +13,7 @@ import torch
 import varuna_core
 from varuna_core.errors import ConfigError, CutPointError, UserCodeError
 from varuna_core.model.discovery import make_batch_fn
-from varuna_core.util.usercode import call_user, user_code
+from varuna_core.util.usercode import call_user
 
 
 def _here(fn) -> str:

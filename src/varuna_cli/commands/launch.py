@@ -10,7 +10,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -18,7 +18,7 @@ from varuna_core.env import LAUNCHER_SET
 from varuna_core.errors import ConfigError, VarunaError
 from varuna_core.launch.exclusion import RECHECK_FIRST
 from varuna_core.launch.hosts import MAX_SLOTS
-from varuna_core.launch.options import DEFAULTS, LaunchOptions, HostRuntime, SpotConfig, SSHConfig
+from varuna_core.launch.options import DEFAULTS, HostRuntime, LaunchOptions, SpotConfig, SSHConfig
 
 HELP = (
     "Run SCRIPT on every device of PLAN: local processes, or the hosts of --hosts over SSH.\n\n"
@@ -181,18 +181,18 @@ def _check_script(script: list[str], code_dir: str) -> None:
 
 # The options of `varuna launch`. A default that the launcher also has is read from LaunchOptions, its one source.
 PlanFile = Annotated[Path, typer.Argument(metavar="PLAN", help="The plan from `varuna plan`.")]
-Script = Annotated[Optional[list[str]], typer.Argument(
+Script = Annotated[list[str] | None, typer.Argument(
     metavar="-- SCRIPT ARGS", help="The training script and its arguments (after --).", show_default=False)]
-Hosts = Annotated[Optional[Path], typer.Option("--hosts", help="Hosts file: one '\\[user@]host\\[:port] \\[slots=N]' "
+Hosts = Annotated[Path | None, typer.Option("--hosts", help="Hosts file: one '\\[user@]host\\[:port] \\[slots=N]' "
                                                 "per line; without it, local processes.")]
-GpusPerNode = Annotated[Optional[int], typer.Option(
+GpusPerNode = Annotated[int | None, typer.Option(
     "--gpus-per-node", help="Workers per host without slots=N (default: the plan's).")]
-CodeDir = Annotated[Optional[Path], typer.Option(
+CodeDir = Annotated[Path | None, typer.Option(
     "--code-dir", help="Directory SCRIPT runs in on every host (default: the current one).")]
-EnvFile = Annotated[Optional[Path], typer.Option("--env-file", help="KEY=VALUE lines set for every worker.")]
-CkptDir = Annotated[Optional[Path], typer.Option(
+EnvFile = Annotated[Path | None, typer.Option("--env-file", help="KEY=VALUE lines set for every worker.")]
+CkptDir = Annotated[Path | None, typer.Option(
     "--ckpt-dir", help="Checkpoint store shared by all hosts (default: RUN_DIR/checkpoints).")]
-RunDir = Annotated[Optional[Path], typer.Option(
+RunDir = Annotated[Path | None, typer.Option(
     "--run-dir", help="Logs, events and metrics (default: runs/launch-<time>).")]
 Morph = Annotated[bool, typer.Option("--morph", help="Follow host changes and preemptions; restart after crashes.")]
 MorphAnyMicrobatch = Annotated[bool, typer.Option(
@@ -205,23 +205,23 @@ Resume = Annotated[bool, typer.Option("--resume", help="Continue the run whose c
 ResumeOrStart = Annotated[bool, typer.Option(
     "--resume-or-start", help="As --resume, but start the run of --run-id from scratch when the store holds "
     "nothing of it, beside other runs' checkpoints.")]
-RunId = Annotated[Optional[str], typer.Option(
+RunId = Annotated[str | None, typer.Option(
     "--run-id", help="The run to continue with --resume when the store holds several, or the id of a new run "
     "(default: found, or made).")]
 LegacyArgs = Annotated[bool, typer.Option(
     "--legacy-args", help="Also pass the original's --rank --local_rank --stage_to_rank_map --chunk_size "
     "--batch-size.")]
 CkptEvery = Annotated[int, typer.Option("--ckpt-every", help="Checkpoint every N steps (0: only on demand).")]
-CkptKeep = Annotated[Optional[int], typer.Option("--ckpt-keep", help="Keep the newest K checkpoints.")]
-CkptTempdir = Annotated[Optional[str], typer.Option(
+CkptKeep = Annotated[int | None, typer.Option("--ckpt-keep", help="Keep the newest K checkpoints.")]
+CkptTempdir = Annotated[str | None, typer.Option(
     "--ckpt-tempdir", help="Fast local directory for background periodic checkpoints.")]
-Steps = Annotated[Optional[int], typer.Option("--steps", help="Total steps, for the ETA (if the script does not set "
+Steps = Annotated[int | None, typer.Option("--steps", help="Total steps, for the ETA (if the script does not set "
                                               "model.total_steps).")]
-Python = Annotated[Optional[str], typer.Option("--python", help="Interpreter on the hosts (default: this one).")]
-SshUser = Annotated[Optional[str], typer.Option("--ssh-user", help="SSH user (a host's user@ wins).")]
-SshPort = Annotated[Optional[int], typer.Option("--ssh-port", help="SSH port (a host's :port wins).")]
-SshIdentity = Annotated[Optional[str], typer.Option("--ssh-identity", help="SSH private key.")]
-SshOption = Annotated[Optional[list[str]], typer.Option(
+Python = Annotated[str | None, typer.Option("--python", help="Interpreter on the hosts (default: this one).")]
+SshUser = Annotated[str | None, typer.Option("--ssh-user", help="SSH user (a host's user@ wins).")]
+SshPort = Annotated[int | None, typer.Option("--ssh-port", help="SSH port (a host's :port wins).")]
+SshIdentity = Annotated[str | None, typer.Option("--ssh-identity", help="SSH private key.")]
+SshOption = Annotated[list[str] | None, typer.Option(
     "--ssh-option", help="Extra ssh -o option, e.g. StrictHostKeyChecking=accept-new (repeatable).")]
 MaxRestarts = Annotated[int, typer.Option("--max-restarts", help="Restarts without a new checkpoint before giving up "
                                           "(--morph).")]
@@ -237,13 +237,13 @@ RecheckMax = Annotated[float, typer.Option(
     f"{RECHECK_FIRST:g} s, then after twice as long each time: at most this many seconds apart.")]
 StragglerThreshold = Annotated[float, typer.Option(
     "--straggler-threshold", help="Compute time over the median that makes a straggler (0.3 = 30%).")]
-Slurm = Annotated[Optional[bool], typer.Option(
+Slurm = Annotated[bool | None, typer.Option(
     "--slurm/--no-slurm", help="Run on the nodes of the Slurm allocation, agents started by srun (default: when "
     "SLURM_JOB_ID is set and --hosts is not given).", show_default=False)]
-PreemptionSource = Annotated[Optional[str], typer.Option(
+PreemptionSource = Annotated[str | None, typer.Option(
     "--preemption-source", help="Ask each node's cloud metadata service for spot eviction notices: azure, aws or "
     "gcp.")]
-PreemptionEndpoint = Annotated[Optional[str], typer.Option(
+PreemptionEndpoint = Annotated[str | None, typer.Option(
     "--preemption-endpoint", help="The metadata service as http://host\\[:port] (default: the cloud's own).")]
 PreemptionInterval = Annotated[float, typer.Option(
     "--preemption-interval", help="Seconds between two questions to the metadata service.")]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,13 +16,13 @@ OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--g
 
 def plan(
     profile: Annotated[Path, typer.Argument(help="A profile from `varuna profile`.")],
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices available.")] = None,
+    gpus: Annotated[int | None, typer.Option("--gpus", help="Devices available.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Global batch (kept fixed).")] = ...,
-    gpus_per_node: Annotated[Optional[int], typer.Option(
+    gpus_per_node: Annotated[int | None, typer.Option(
         "--gpus-per-node", help="Devices per node (default: all on one node).")] = None,
-    gpu_memory: Annotated[Optional[str], typer.Option(
+    gpu_memory: Annotated[str | None, typer.Option(
         "--gpu-memory", help="Memory per device, e.g. 80GiB (default: unlimited).")] = None,
-    schedule: Annotated[Optional[str], typer.Option(
+    schedule: Annotated[str | None, typer.Option(
         "--schedule", help="Schedules to consider, comma-separated (default: varuna,1f1b,gpipe).")] = None,
     top: Annotated[int, typer.Option("--top", help="Alternatives to show and keep in the plan.")] = 5,
     headroom: Annotated[float, typer.Option("--headroom", help="Fraction of memory kept free.")] = 0.1,
@@ -45,8 +45,8 @@ def plan(
     from varuna_core.ir.units import parse_bytes
     from varuna_core.planning.artifacts import load_profile, save_plan
     from varuna_core.planning.planner import PlanRequest, make_plan
-    from varuna_core.util.versioned_io import check_writable, first_problem
     from varuna_core.util.text import printable
+    from varuna_core.util.versioned_io import check_writable, first_problem
 
     gpus, gpus_per_node = _devices(gpus, gpus_per_node, slurm)
     memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
@@ -161,8 +161,8 @@ def _why(result) -> str:
 
 def show(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan from `varuna plan`.")],
-    png: Annotated[Optional[Path], typer.Option("--png", help="Draw the simulated timeline to this PNG.")] = None,
-    measured: Annotated[Optional[Path], typer.Option(
+    png: Annotated[Path | None, typer.Option("--png", help="Draw the simulated timeline to this PNG.")] = None,
+    measured: Annotated[Path | None, typer.Option(
         "--measured", help="A Chrome trace recorded by the runtime (Varuna(trace=...)): drawn beside the "
         "simulation (needs --png).")] = None,
     max_steps: Annotated[int, typer.Option("--max-steps", help="Rows of the grid to print (0: all).")] = 60,
@@ -170,9 +170,8 @@ def show(
     """Print a plan's schedule as a step × stage grid; optionally draw the simulated timeline."""
     from varuna_core.ir.schedule import generate
     from varuna_core.planning.artifacts import load_plan
-    from varuna_core.util.versioned_io import check_writable
-
     from varuna_core.util.checks import integer
+    from varuna_core.util.versioned_io import check_writable
 
     integer("--max-steps", max_steps, low=0)
     if measured and not png:

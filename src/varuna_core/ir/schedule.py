@@ -15,7 +15,8 @@ import collections
 import dataclasses
 import enum
 import re
-from typing import Callable, Literal, NamedTuple, get_args
+from collections.abc import Callable
+from typing import Literal, NamedTuple, get_args
 
 from varuna_core.errors import ConfigError, ScheduleError
 from varuna_core.util.text import short_repr

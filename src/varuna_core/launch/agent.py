@@ -285,7 +285,7 @@ def sigterm_handler(agent: Agent, grace: float):
     two bytecodes, possibly inside :func:`emit` holding its (non-reentrant) lock; stopping inline would then wait
     for that lock forever. So the handler only starts a thread that stops."""
 
-    def on_term(signum, frame) -> None:  # noqa: ARG001
+    def on_term(signum, frame) -> None:
         threading.Thread(target=lambda: (agent.stop(grace), _finish(agent)), name="sigterm", daemon=True).start()
 
     return on_term
@@ -296,7 +296,7 @@ def signalled_handler(agent: Agent):
     scheduler): pass SIGUSR1 on to the workers and, under a scheduler, tell the launcher. In a thread, for the
     reason given at :func:`sigterm_handler`."""
 
-    def on_signal(signum, frame) -> None:  # noqa: ARG001
+    def on_signal(signum, frame) -> None:
         name = signal.Signals(signum).name
 
         def act() -> None:

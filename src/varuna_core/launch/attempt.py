@@ -21,10 +21,11 @@ import logging
 import os
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from pydantic import ValidationError
 

@@ -116,7 +116,7 @@ class Listener:
         while not self._closed.is_set():
             try:
                 data, sender = self._sock.recvfrom(MAX_DATAGRAM + 1)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as exc:
                 if self._closed.is_set():

@@ -337,7 +337,7 @@ class Manager:
         if threading.current_thread() is not threading.main_thread():
             return None
 
-        def on_signal(signum, frame) -> None:  # noqa: ARG001 - only a counter: the loop acts on it
+        def on_signal(signum, frame) -> None:  # only a counter: the loop acts on it
             self.sigterms += 1
             self.stop_why = signal.Signals(signum).name
             self.warned = self.warned or signum == signal.SIGUSR1

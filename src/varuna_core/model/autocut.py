@@ -67,9 +67,8 @@ def block_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if name.endswith(AUTO_ATTRIBUTE) or any(name.startswith(f"{outer}.") if outer else True
                                                 for outer, _ in found):
             continue
-        if primary is not None and module is primary[1]:
-            found.append((name, module))
-        elif _is_stack(module) and sum(p.numel() for p in module.parameters()) >= MIN_STACK_SHARE * total:
+        is_primary = primary is not None and module is primary[1]
+        if is_primary or (_is_stack(module) and sum(p.numel() for p in module.parameters()) >= MIN_STACK_SHARE * total):
             found.append((name, module))
     if primary is not None and all(m is not primary[1] for _, m in found):  # nested in a Sequential stack
         found = [(n, m) for n, m in found if not primary[0].startswith(f"{n}.")] + [primary]
@@ -108,7 +107,7 @@ def apply_auto_cutpoints(model: nn.Module) -> list[str]:
         CutPointError: the model already has CutPoints of its own, or no stack of at least two blocks.
     """
     if isinstance(getattr(model, AUTO_ATTRIBUTE, None), nn.ModuleList):
-        return list(getattr(model, "_varuna_auto_blocks"))
+        return list(model._varuna_auto_blocks)
     own = [n for n, m in model.named_modules() if isinstance(m, CutPoint)]
     if own:
         raise CutPointError(f"{type(model).__name__} already has CutPoints ({own[0]}, ...): cutpoints='auto' would "

@@ -13,7 +13,8 @@ inactive cutpoint costs one attribute lookup.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.nn as nn
 
@@ -35,7 +36,7 @@ class CutPoint(nn.Module):
         object.__setattr__(self, "_hook", None)
         object.__setattr__(self, "_cut_name", "")
 
-    def forward(self, value: Any) -> Any:  # noqa: D401 - identity unless a hook is installed
+    def forward(self, value: Any) -> Any:  # identity unless a hook is installed
         hook = self._hook
         if hook is None:
             return value

@@ -27,8 +27,9 @@ import inspect
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -39,10 +40,10 @@ from ..errors import ConfigError, CutPointError
 from ..util.heap import release_free_memory
 from ..util.usercode import accepts, plain_signature
 from .cutpoint import CutPoint, find_cutpoints
+from .lazy_values import ValueSource, on_touch, reads_values
 from .payload import CONST_TYPES, ProbeMismatch, TensorSpec, ValueSpec, spec_from_probes
 from .precision import autocast
 from .skips import CUT, Provenance, Skip, crossing_spec
-from .lazy_values import ValueSource, on_touch, reads_values
 
 __all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "extract_loss"]
 
@@ -117,7 +118,7 @@ class Structure:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "Structure":
+    def from_json(cls, data: dict) -> Structure:
         if data.get("format") != FORMAT_VERSION:
             raise ValueError("unknown structure format")
         return cls(
@@ -233,7 +234,7 @@ def extract_loss(output: Any) -> torch.Tensor | None:
         return output
     if isinstance(output, Mapping) and "loss" in output:
         return output["loss"]
-    if hasattr(output, "loss") and isinstance(getattr(output, "loss"), torch.Tensor):
+    if hasattr(output, "loss") and isinstance(output.loss, torch.Tensor):
         return output.loss
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
@@ -247,7 +248,7 @@ def extract_loss(output: Any) -> torch.Tensor | None:
 class _UseMode(TorchFunctionMode):
     """Records, per parameter/buffer object, the segments in which a torch op reads it."""
 
-    def __init__(self, recorder: "_Recorder", tracked: dict[int, Any]) -> None:
+    def __init__(self, recorder: _Recorder, tracked: dict[int, Any]) -> None:
         super().__init__()
         self.recorder = recorder
         self.tracked = tracked

@@ -115,7 +115,7 @@ class ValueSpec:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "ValueSpec":
+    def from_json(cls, data: dict) -> ValueSpec:
         leaves = tuple(
             TensorSpec(tuple(x["shape"]), tuple(x["batch_dims"]), x["dtype"]) if "shape" in x else Const(x["const"])
             for x in data["leaves"]

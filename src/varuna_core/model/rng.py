@@ -12,7 +12,7 @@ user code outside the pipeline sees the random stream it would have seen without
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -83,7 +83,7 @@ class Skip:
                 dataclasses.asdict(self.spec)]
 
     @classmethod
-    def from_json(cls, data: list) -> "Skip":
+    def from_json(cls, data: list) -> Skip:
         source, name, call, leaf, produced, reads, spec = data
         return cls(source, name, call, leaf, produced, tuple(reads),
                    TensorSpec(tuple(spec["shape"]), tuple(spec["batch_dims"]), spec["dtype"]))

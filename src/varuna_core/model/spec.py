@@ -15,8 +15,9 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..errors import ConfigError, UserCodeError
 from ..util.usercode import call_user, check_call, user_error
@@ -147,7 +148,7 @@ def _import(target: str, reference: str):
         try:
             sys.modules[name] = module
             spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the file is the user's: whatever it raises is theirs
+        except Exception as exc:  # the file is the user's: whatever it raises is theirs
             sys.modules.pop(name, None)
             raise _import_error(reference, exc) from exc
         return module
@@ -160,7 +161,7 @@ def _import(target: str, reference: str):
                 hint="check the module path and that it is importable from the current directory (PYTHONPATH)",
             ) from exc
         raise _import_error(reference, exc) from exc  # the module exists; something it imports does not
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise _import_error(reference, exc) from exc
 
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -40,10 +41,10 @@ from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
 from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
+from .lazy_values import ValueSource
 from .materialize import materialize
 from .rng import preserve_rng, seed_segment, segment_seed
 from .skips import CUT, Skip, join_crossing, split_crossing
-from .lazy_values import ValueSource
 
 __all__ = ["TieSet", "find_tie_sets", "StageSlice"]
 

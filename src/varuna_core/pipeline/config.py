@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn as nn
@@ -19,7 +20,6 @@ from .. import env
 from ..errors import ConfigError, TopologyError
 from ..ir.partition import Partition, PartitionSpec, balance, coerce_partition
 from ..ir.schedule import ScheduleName, check_schedule
-from ..ir.topology import Topology
 from ..model.discovery import Structure
 from ..model.precision import resolve_precision
 from ..model.rng import MASK64

@@ -12,7 +12,7 @@ averaged only in its fp16 path and never copied the reduced fp32 buffer back.)
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401 - before any process group exists: see _release_before_exit
+import torch._dynamo  # before any process group exists: see _release_before_exit
 import torch.distributed as dist
 import torch.nn as nn
 

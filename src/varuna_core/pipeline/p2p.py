@@ -12,7 +12,8 @@ import dataclasses
 import datetime
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

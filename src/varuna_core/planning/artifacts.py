@@ -39,6 +39,7 @@ from pydantic import Field, Strict, field_validator, model_validator
 
 from ..errors import ConfigError, TopologyError
 from ..ir.units import MAX_BYTES
+from ..util.fs import MiB
 from ..util.versioned_io import (
     CheckedModel,
     check_document,
@@ -50,7 +51,6 @@ from ..util.versioned_io import (
     validate,
     write_output,
 )
-from ..util.fs import MiB
 
 __all__ = [
     "Stat", "SegmentMeasure", "SegmentProfile", "LinearFit", "CommCurve", "Environment", "StopReason", "Profile",

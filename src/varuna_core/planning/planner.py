@@ -24,7 +24,7 @@ import bisect
 import dataclasses
 import datetime
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ConfigError, FieldError, VarunaError
 from ..ir.inflight import receive_windows

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Sequence
 
 from ..env import NO_NATIVE, flag
 from ..errors import VarunaError

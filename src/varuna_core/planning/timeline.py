@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from ..errors import ConfigError
 from ..ir.schedule import generate

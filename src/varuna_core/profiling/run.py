@@ -32,8 +32,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,11 +42,11 @@ import torch.distributed as dist
 from ..errors import ConfigError, UserCodeError, VarunaError
 from ..ir.partition import Partition
 from ..model.discovery import Structure, discover, make_batch_fn
+from ..model.lazy_values import ValueSource
 from ..model.payload import TensorSpec, flatten
 from ..model.precision import autocast
 from ..model.spec import ModelSpec, load_spec
 from ..model.stage import StageSlice, find_tie_sets, weight_groups
-from ..model.lazy_values import ValueSource
 from ..planning.artifacts import (
     CommCurve,
     Environment,

@@ -36,7 +36,7 @@ def real(name: str, value: Any, *, low: float | None = None, high: float | None 
          low_open: bool = False, high_open: bool = False) -> float:
     """``value`` as a finite ``float`` within ``[low, high]`` (``(low, ...`` with ``low_open``, ``..., high)``
     with ``high_open``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+    if isinstance(value, bool) or (not isinstance(value, (int, float)) and not hasattr(value, "__float__")):
         raise FieldError(name, f"must be a number, got {type(value).__name__} {value!r}")
     number = float(value)
     if not math.isfinite(number):

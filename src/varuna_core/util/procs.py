@@ -124,7 +124,7 @@ def run_workers(
             procs.append(subprocess.Popen(
                 command, cwd=cwd, env=penv, stdout=out if stdout_to_log else subprocess.DEVNULL,
                 stderr=subprocess.STDOUT if stdout_to_log else out,
-                preexec_fn=_die_with_parent if die_with_parent else None))  # noqa: PLW1509 - opt-in
+                preexec_fn=_die_with_parent if die_with_parent else None))  # opt-in (not thread-safe)
         outcome = _watch(procs, timeout, stop_on_failure, poll, on_poll, store)
     finally:
         killed = _kill_running(procs)

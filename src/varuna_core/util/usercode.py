@@ -29,9 +29,10 @@ import site
 import sys
 import sysconfig
 import types
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..errors import ConfigError, UserCodeError, VarunaError
 
@@ -155,7 +156,7 @@ def call_user(fn: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -> A
         return fn(*args, **kwargs)
     except VarunaError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the user's code may raise anything: reported as theirs
+    except Exception as exc:  # the user's code may raise anything: reported as theirs
         raise user_error(what, exc) from exc
 
 
@@ -168,7 +169,7 @@ def user_code(what: str, *, keep: tuple[type[BaseException], ...] = ()) -> Itera
         yield
     except VarunaError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         if isinstance(exc, keep):
             raise
         where = user_frame(exc.__traceback__)

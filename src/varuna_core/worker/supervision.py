@@ -31,7 +31,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError
@@ -116,7 +117,7 @@ class Supervision:
         if told.on_sigterm == "checkpoint" and self._main_thread:
             signal.signal(signal.SIGTERM, self._on_term)
 
-    def _on_term(self, signum, frame) -> None:  # noqa: ARG002
+    def _on_term(self, signum, frame) -> None:
         """The first SIGTERM asks for a checkpoint; the next one ends the process as SIGTERM does by default."""
         if self._terms:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -125,7 +126,7 @@ class Supervision:
         self._terms += 1
         self.requested = True
 
-    def _on_usr1(self, signum, frame) -> None:  # noqa: ARG002
+    def _on_usr1(self, signum, frame) -> None:
         self.requested = True
 
     def _adopt_handler(self) -> None:
