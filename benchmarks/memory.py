@@ -531,7 +531,7 @@ def _setup_deepspeed(job: Job):
     engine, *_ = deepspeed.initialize(model=module, optimizer=job.make_optimizer(params), config=config)
 
     def step(batch: dict) -> float:
-        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs))
+        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs), strict=True)
         return float(engine.train_batch(iter(micro)))
 
     return step, sum(p.numel() for p in params)

@@ -77,7 +77,8 @@ def phases(evs: list[dict], attempt: int) -> dict:
         "load": t_resumed - t_ready,
         "first step": first["t"] - t_resumed,
     }
-    return {"reason": changed["reason"], "from": f"pp={at('starting', attempt)['pp']} dp={at('starting', attempt)['dp']}",
+    before = at("starting", attempt)
+    return {"reason": changed["reason"], "from": f"pp={before['pp']} dp={before['dp']}",
             "to": f"pp={starting['pp']} dp={starting['dp']}", "resume_step": starting["resume"],
             "split_s": split, "total_s": first["t"] - changed["t"]}
 

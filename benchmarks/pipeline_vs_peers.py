@@ -385,7 +385,7 @@ def _setup_deepspeed(job: _Job):
     def step(batch: dict) -> float | None:
         # train_batch pulls M (inputs, targets) micro-batches, runs the 1F1B schedule, the optimizer step and
         # zero_grad, and returns the mean loss on every stage.
-        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs))
+        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs), strict=True)
         return float(engine.train_batch(iter(micro)))
 
     return step, params, param_names
@@ -599,7 +599,7 @@ class SlowNetwork:
             a, b = self.namespaces
             self._must("cannot create a veth pair", ["ip", "link", "add", "name", IFNAME, "netns", a, "type", "veth",
                                                      "peer", "name", IFNAME, "netns", b])
-            for ns, address in zip(self.namespaces, self.addresses):
+            for ns, address in zip(self.namespaces, self.addresses, strict=True):
                 self._must("cannot configure the link", ["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", IFNAME])
                 self._must("cannot configure the link", ["ip", "-n", ns, "link", "set", IFNAME, "up"])
                 self._must("cannot configure the link", ["ip", "-n", ns, "link", "set", "lo", "up"])
@@ -1046,9 +1046,9 @@ def print_report(report: dict) -> None:
 
 def _plain_table(headers: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     for r in rows:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
 
 
 if __name__ == "__main__":

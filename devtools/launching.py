@@ -18,8 +18,8 @@ from pathlib import Path
 
 from devtools.procs import Proc, live_processes
 
-__all__ = ["ROOT", "VARUNA", "Launch", "LaunchFailed", "profile_example_gpt", "make_plan", "read_reports", "read_steps", "read_events", "job_processes",
-           "worker_pid", "agent_pids", "process_environ", "listening_addresses"]
+__all__ = ["ROOT", "VARUNA", "Launch", "LaunchFailed", "profile_example_gpt", "make_plan", "read_reports", "read_steps",
+           "read_events", "job_processes", "worker_pid", "agent_pids", "process_environ", "listening_addresses"]
 
 ROOT = Path(__file__).resolve().parents[1]
 VARUNA = Path(sys.executable).parent / "varuna"

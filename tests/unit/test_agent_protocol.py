@@ -87,8 +87,8 @@ def test_the_launchers_spec_and_commands_survive_the_wire() -> None:
     ({"workers": [{"rank": 5, "local_rank": 0}]}, "below world"),
     ({"workers": [{"rank": 0, "local_rank": 0}, {"rank": 0, "local_rank": 1}]}, "same rank"),
     ({"master_port": None}, "master_port"), ({"spot": {"source": "ibm"}}, "spot.source"),
-    ({"spot": {"source": "aws", "interval": 0}}, "interval"), ({"scheduler_signals": 1}, "scheduler_signals"), ({"legacy_args": {"stage_to_rank_map": "0;", "chunk_size": 0,
-                                                              "batch_size": 1}}, "chunk_size"),
+    ({"spot": {"source": "aws", "interval": 0}}, "interval"), ({"scheduler_signals": 1}, "scheduler_signals"),
+    ({"legacy_args": {"stage_to_rank_map": "0;", "chunk_size": 0, "batch_size": 1}}, "chunk_size"),
 ])
 def test_a_wrong_spec_is_refused_in_one_line(change, needle) -> None:
     with pytest.raises(ValueError) as info:

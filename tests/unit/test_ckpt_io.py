@@ -56,7 +56,7 @@ def test_round_trip_and_hash(tmp_path, where, small_disk) -> None:
         offsets, size, sha = write(path, data)
         raw = path.read_bytes()
         assert size == len(raw) and sha == hashlib.sha256(raw).hexdigest()
-        for off, a in zip(offsets, data):
+        for off, a in zip(offsets, data, strict=True):
             assert raw[off:off + a.nbytes] == a.tobytes()
         # read back whole (hashing) and in parts, into fresh arrays of both alignments
         for whole in (True, False):

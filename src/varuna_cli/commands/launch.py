@@ -432,8 +432,10 @@ MAX_NOTICE_SECONDS = 7 * 86400.0  # as varuna_core.launch.protocol's (not import
 def notify_preempt(
     host: Annotated[str, typer.Argument(help="The host that goes away, as written in the hosts file.")],
     seconds: Annotated[float, typer.Option("--in", help="Seconds until it goes away.")] = 0.0,
-    run_dir: Annotated[Path, typer.Option("--run-dir", help="The job's run directory (holds manager.json).")] = Path("."),
-    address: Annotated[str, typer.Option("--address", help="The manager's address, if not this machine.")] = "127.0.0.1",
+    run_dir: Annotated[Path, typer.Option(
+        "--run-dir", help="The job's run directory (holds manager.json).")] = Path("."),
+    address: Annotated[str, typer.Option(
+        "--address", help="The manager's address, if not this machine.")] = "127.0.0.1",
 ) -> None:
     """Tell a running `varuna launch --morph` that HOST will be preempted: the job checkpoints and continues
     without it. Authenticated with the job's token from RUN_DIR/manager.json."""

@@ -50,7 +50,8 @@ def profile(
         "--max-microbatch", help="Measure 1, 2, 4, ... up to N instead.")] = None,
     nproc: Annotated[int, typer.Option("--nproc", help="Local processes to spread the segments over; ≥2 also "
                                        "measures the network.")] = 1,
-    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16 (autocast, as in training).")] = "fp32",
+    precision: Annotated[str, typer.Option(
+        "--precision", help="fp32, bf16 or fp16 (autocast, as in training).")] = "fp32",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     repeats: Annotated[int, typer.Option("--repeats", help="Timed repetitions per measurement (median kept).")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed repetitions before them.")] = 2,

@@ -707,7 +707,7 @@ def _optimizer_groups(state: CheckpointState, directory: Path, info: dict) -> li
                               f"parameter groups; this run's has {len(state.optimizer.param_groups)}",
                               hint="load_checkpoint(..., load_optimizer=False) loads the model alone")
     out = []
-    for group, values in zip(state.optimizer.param_groups, groups):
+    for group, values in zip(state.optimizer.param_groups, groups, strict=True):
         if not isinstance(values, dict):
             raise CheckpointError(f"{directory}/{MANIFEST_FILE}: an optimizer group is not an object")
         updates = {}
@@ -732,7 +732,7 @@ def _same_kind(current: Any, value: Any) -> bool:
         return isinstance(value, str)
     if isinstance(current, (list, tuple)):
         return isinstance(value, list) and len(value) == len(current) and all(
-            _same_kind(c, v) for c, v in zip(current, value))
+            _same_kind(c, v) for c, v in zip(current, value, strict=True))
     return False
 
 
@@ -780,7 +780,7 @@ class _Targets:
         if self.optim is not None:
             for _, p in self.params:
                 state.optimizer.state[p] = dict(self.optim.get(id(p), {}))
-            for group, updates in zip(state.optimizer.param_groups, groups):
+            for group, updates in zip(state.optimizer.param_groups, groups, strict=True):
                 group.update(updates)
         for key in self.rng_keys:
             if key.startswith("rng_cuda/"):

@@ -188,7 +188,7 @@ def _bytes_view(tensor: torch.Tensor):
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
     """The box ``[offsets, offsets + lengths)`` of ``tensor`` (a view)."""
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
         if start != 0 or length != tensor.size(dim):
             tensor = tensor.narrow(dim, start, length)
     return tensor
@@ -408,7 +408,7 @@ class _Index:
             if len(offsets) != len(size) or len(sizes) != len(size):
                 raise _invalid(self.path, f"{where}: offsets {offsets} and sizes {sizes} do not have the "
                                           f"{len(size)} dimension(s) of the tensor")
-            if any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+            if any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
                 raise _invalid(self.path, f"{where}: the box at {offsets} of size {sizes} reaches outside the "
                                           f"tensor's size {size}")
             chunk_volume = _product(sizes)
@@ -508,10 +508,12 @@ def _data_file_size(directory: Path, name: str) -> int:
 def _check(path: Path, size: int, sha256: str, want: tuple[int, str]) -> None:
     if size != want[0]:
         raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: size {size} != "
-                              f"{want[0]} in the manifest", hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
+                              f"{want[0]} in the manifest",
+                              hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
     if sha256 != want[1]:
         raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: sha256 mismatch "
-                              f"(file changed or corrupt)", hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
+                              f"(file changed or corrupt)",
+                              hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------------------

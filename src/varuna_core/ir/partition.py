@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from fractions import Fraction
@@ -254,7 +255,7 @@ def coerce_partition(value: PartitionSpec | object, *, num_segments: int, num_st
             raise PartitionError(f"segment counts {list(value)} contain a stage with fewer than 1 segment",
                                  hint="every stage needs at least one segment")
         stops = [sum(value[: i + 1]) for i in range(len(value))]
-        partition = Partition(tuple(zip([0] + stops[:-1], stops)))
+        partition = Partition(tuple(itertools.pairwise([0] + stops)))
     elif isinstance(value, Sequence) and value and all(
         isinstance(v, Sequence) and not isinstance(v, str) and len(v) == 2 for v in value
     ):

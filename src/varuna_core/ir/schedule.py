@@ -337,7 +337,7 @@ def _simulate(schedule: Schedule) -> _SimResult:
     done: set[Action] = set()
     pos = [0] * len(acts)
     rows: list[list[Action | None]] = []
-    while any(p < len(stage) for p, stage in zip(pos, acts)):
+    while any(p < len(stage) for p, stage in zip(pos, acts, strict=True)):
         row: list[Action | None] = [None] * len(acts)
         for s, stage in enumerate(acts):
             if pos[s] < len(stage):
@@ -362,7 +362,7 @@ def _render(schedule: Schedule, sim: _SimResult) -> str:
     if sim.stuck:
         stuck_row = [
             f"{stage[p].op.value}{stage[p].mb}" if p < len(stage) else "-"
-            for p, stage in zip(sim.positions, schedule.actions)
+            for p, stage in zip(sim.positions, schedule.actions, strict=True)
         ]
     width = max([3] + [len(c) + 1 for row in cells + ([stuck_row] if stuck_row else []) for c in row])
     label = max(5, len(str(len(cells))))

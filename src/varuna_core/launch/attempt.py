@@ -544,8 +544,8 @@ class Attempt:
         if request is not None:
             return Outcome(request.kind, request.message, hosts=request.hosts, step=step)
         if codes == {EXIT_CHECKPOINTED}:
-            return Outcome(Ending.CHECKPOINTED, "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)",
-                           step=step)
+            return Outcome(Ending.CHECKPOINTED,
+                           "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)", step=step)
         return Outcome(Ending.CRASH, "some workers finished while others stopped to checkpoint", step=step, suspects=[])
 
     # ------------------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class Allocation:
         return sum(self.slots)
 
     def hosts(self) -> list[Host]:
-        return [Host(name, slots) for name, slots in zip(self.nodes, self.slots)]
+        return [Host(name, slots) for name, slots in zip(self.nodes, self.slots, strict=True)]
 
     def run_id(self) -> str:
         """The id of the run this job's checkpoints belong to: named after the job, so that a requeued job (same
@@ -77,7 +77,7 @@ class Allocation:
         return SlurmConfig(job_id=self.job_id, cluster=self.cluster, restarts=self.restarts)
 
     def describe(self) -> str:
-        nodes = ", ".join(f"{n}×{s}" for n, s in zip(self.nodes[:8], self.slots[:8]))
+        nodes = ", ".join(f"{n}×{s}" for n, s in zip(self.nodes[:8], self.slots[:8], strict=True))
         more = f" and {len(self.nodes) - 8} more" if len(self.nodes) > 8 else ""
         return f"Slurm job {self.job_id}: {len(self.nodes)} node(s), {self.total} {self.devices} ({nodes}{more})"
 

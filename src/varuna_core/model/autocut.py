@@ -143,19 +143,20 @@ def _crossing(cut: CutPoint, state: _LoopState):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         previous, state.previous = state.previous, leaves
         carries = previous is not None and len(previous) == len(leaves) and any(
-            isinstance(x, torch.Tensor) and x is not y for x, y in zip(leaves, previous))
+            isinstance(x, torch.Tensor) and x is not y for x, y in zip(leaves, previous, strict=True))
         if not carries and not state.strict:
             return None  # not a chain of blocks: no cut here (discovery lists the cut as never called)
         if previous is None or len(previous) != len(leaves):
             raise CutPointError(f"cutpoints='auto': block {type(module).__name__} is called with other arguments "
                                 f"than the block before it", hint="insert CutPoint() calls by hand")
-        carried = [i for i, (x, y) in enumerate(zip(leaves, previous)) if isinstance(x, torch.Tensor) and x is not y]
+        carried = [i for i, (x, y) in enumerate(zip(leaves, previous, strict=True))
+                   if isinstance(x, torch.Tensor) and x is not y]
         if not carried:
             raise CutPointError(f"cutpoints='auto': block {type(module).__name__} receives nothing from the block "
                                 f"before it", hint="insert CutPoint() calls by hand")
         out = cut([leaves[i] for i in carried])
         if out is not None:
-            for i, value in zip(carried, out):
+            for i, value in zip(carried, out, strict=True):
                 leaves[i] = value
         new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
         return tuple(new_args), new_kwargs

@@ -188,7 +188,8 @@ def make_batch_fn(dummy_inputs: Mapping[str, Any] | BatchFn, input_batch_dims: M
     dims = {name: (0 if isinstance(v, torch.Tensor) and v.dim() > 0 else None) for name, v in sample.items()}
     for name, dim in (input_batch_dims or {}).items():
         if name not in sample:
-            raise ConfigError(f"input_batch_dims names {name!r}, which is not an input", hint=f"inputs: {sorted(sample)}")
+            raise ConfigError(f"input_batch_dims names {name!r}, which is not an input",
+                              hint=f"inputs: {sorted(sample)}")
         dims[name] = dim
     sizes = {name: sample[name].shape[d] for name, d in dims.items() if d is not None}
     if len(set(sizes.values())) > 1:
@@ -408,7 +409,8 @@ def discover(
 
     ``precision`` runs the dry run under the same autocast as training, so the dtypes recorded at the cuts
     are those the stages will exchange. A model built on ``meta`` runs with the values ``values`` gives its
-    tensors, made as each op reads them (:func:`~varuna_core.model.lazy_values.on_touch`): never the whole model at once.
+    tensors, made as each op reads them (:func:`~varuna_core.model.lazy_values.on_touch`): never the whole model
+    at once.
 
     Raises:
         CutPointError: no cutpoints; a cutpoint called twice; a cut value with no batched tensor (tensors
@@ -510,7 +512,7 @@ def _check_cut_order(cuts: dict[str, CutPoint], rec_1: _Recorder, rec_2: _Record
 def _cut_specs(rec_1: _Recorder, rec_2: _Recorder) -> tuple[ValueSpec, ...]:
     """What crosses each cut, from its values at 1 and 2 examples; at least one tensor must be batched."""
     cut_specs = []
-    for name, v1, v2 in zip(rec_1.cut_order, rec_1.cut_values, rec_2.cut_values):
+    for name, v1, v2 in zip(rec_1.cut_order, rec_1.cut_values, rec_2.cut_values, strict=True):
         opaque = _first_opaque(v1)
         if opaque is not None:
             raise CutPointError(f"CutPoint {name!r} carries a {opaque.type_name}, which cannot cross a cut: "

@@ -113,7 +113,8 @@ def load_spec(reference: str | ModelSpec) -> ModelSpec:
         )
     target, _, attr = reference.rpartition(":")
     if not target or not attr:
-        raise ConfigError(f"model spec {reference!r} lacks a module or an attribute", hint="e.g. examples/gpt/spec.py:spec")
+        raise ConfigError(f"model spec {reference!r} lacks a module or an attribute",
+                          hint="e.g. examples/gpt/spec.py:spec")
     module = _import(target, reference)
     if not hasattr(module, attr):
         public = sorted(n for n in vars(module) if not n.startswith("_"))[:10]

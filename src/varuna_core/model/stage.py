@@ -504,7 +504,7 @@ class StageSlice:
         ctx.carried_in = {}
         if self._in_skips:
             incoming, carried = split_crossing(incoming, len(self._in_skips))
-            ctx.carried_in = dict(zip(self._in_skips, carried))
+            ctx.carried_in = dict(zip(self._in_skips, carried, strict=True))
             ctx.carried.update(ctx.carried_in)
         ctx.incoming = incoming
         ctx.rng = rng
@@ -552,7 +552,8 @@ class StageSlice:
                 hint="every CutPoint must be called on every forward",
             )
         if not self.is_first and not ctx.incoming_seen:
-            raise CutPointError(f"stage {self.stage}'s forward never reached its incoming CutPoint {self.incoming_cut!r}")
+            raise CutPointError(
+                f"stage {self.stage}'s forward never reached its incoming CutPoint {self.incoming_cut!r}")
         loss = extract_loss(output)
         if loss is None or loss.numel() != 1:
             raise ConfigError("the model's forward must return the loss as a scalar tensor")
@@ -637,7 +638,7 @@ class _PlaceholderWins(TorchFunctionMode):
         kwargs = kwargs or {}
         leaves = pytree.tree_leaves((args, kwargs))
         meta = [isinstance(t, torch.Tensor) and t.is_meta for t in leaves]
-        if any(meta) and not all(m for m, t in zip(meta, leaves) if isinstance(t, torch.Tensor)):
+        if any(meta) and not all(m for m, t in zip(meta, leaves, strict=True) if isinstance(t, torch.Tensor)):
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t if t.is_meta else torch.empty_like(t, device="meta"), (args, kwargs))
         try:

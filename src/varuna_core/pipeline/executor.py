@@ -439,7 +439,8 @@ class PipelineExecutor:
                          f"{action.mb} from rank {pending.peer} (stage {self.stage_index + 1})")
             self._waited += time.perf_counter() - started
             floats = [o for o in st.outputs if o.is_floating_point()]
-            pairs = [(o, g if g.dtype == o.dtype else g.to(o.dtype)) for o, g in zip(floats, pending.tensors)
+            pairs = [(o, g if g.dtype == o.dtype else g.to(o.dtype))
+                     for o, g in zip(floats, pending.tensors, strict=True)
                      if o.requires_grad]
             roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
         if roots:

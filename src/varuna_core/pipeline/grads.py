@@ -61,7 +61,7 @@ class GradBuffer:
         """Make every ``param.grad`` a view of the flat buffer, keeping any gradient already accumulated."""
         if not self.allocated:
             self._allocate()
-        for p, view in zip(self.params, self.views):
+        for p, view in zip(self.params, self.views, strict=True):
             grad = p.grad
             if grad is None:
                 view.zero_()
@@ -77,7 +77,7 @@ class GradBuffer:
             return
         for flat in self.flats:
             flat.zero_()
-        for p, view in zip(self.params, self.views):
+        for p, view in zip(self.params, self.views, strict=True):
             p.grad = view
 
     def all_reduce(self, group, *, timeout: float, describe: Callable[[], str], peer: int | None = None) -> None:

@@ -189,5 +189,5 @@ def broadcast_coalesced(tensors: list[torch.Tensor], *, src: int, group) -> None
     for group_tensors in by_kind.values():
         flat = torch._utils._flatten_dense_tensors(group_tensors)
         dist.broadcast(flat, src=src, group=group)
-        for t, synced in zip(group_tensors, torch._utils._unflatten_dense_tensors(flat, group_tensors)):
+        for t, synced in zip(group_tensors, torch._utils._unflatten_dense_tensors(flat, group_tensors), strict=True):
             t.copy_(synced)

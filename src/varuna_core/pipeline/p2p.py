@@ -22,7 +22,8 @@ from ..errors import CommTimeoutError, ShapeMismatchError
 from ..model.payload import TensorSpec, ValueSpec
 
 __all__ = [
-    "ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post_recv", "send", "wait_all", "check_value", "wire_leaves",
+    "ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post_recv", "send", "wait_all", "check_value",
+    "wire_leaves",
 ]
 
 ACTIVATION = 0
@@ -149,7 +150,8 @@ def _dtype_ok(dtype: torch.dtype, want: TensorSpec) -> bool:
 def wire_leaves(leaves: list[torch.Tensor], spec: ValueSpec) -> list[torch.Tensor]:
     """The tensors to send for a value's tensor leaves: detached, in the recorded dtype."""
     wants = [leaf for _, leaf in spec.tensor_leaves]
-    return [t.detach() if str(t.dtype) == w.dtype else t.detach().to(w.torch_dtype) for t, w in zip(leaves, wants)]
+    return [t.detach() if str(t.dtype) == w.dtype else t.detach().to(w.torch_dtype)
+            for t, w in zip(leaves, wants, strict=True)]
 
 
 def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cut: str, stage: int) -> None:
@@ -163,7 +165,7 @@ def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cu
     if treespec != spec.treespec or len(leaves) != len(spec.leaves):
         problem = "its structure differs"
     else:
-        for leaf, want in zip(leaves, spec.leaves):
+        for leaf, want in zip(leaves, spec.leaves, strict=True):
             if isinstance(want, TensorSpec):
                 if not isinstance(leaf, torch.Tensor):
                     problem = f"a {type(leaf).__name__} stands where a tensor was recorded"

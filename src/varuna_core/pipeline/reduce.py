@@ -52,8 +52,9 @@ class GradSync:
             all_reduce_tensor(self.tied[tie.canonical].grad, group, timeout=self.timeout,
                               describe=lambda: f"rank {self.rank} summing gradients of tied weight {tie.canonical!r}")
         if self.groups.dp is not None:
-            self.grad_buffer.all_reduce(self.groups.dp, timeout=self.timeout,
-                                        describe=lambda: f"rank {self.rank} (stage {self.stage}) data-parallel all-reduce")
+            self.grad_buffer.all_reduce(
+                self.groups.dp, timeout=self.timeout,
+                describe=lambda: f"rank {self.rank} (stage {self.stage}) data-parallel all-reduce")
 
 
 def norm_params(grad_buffer: GradBuffer, ties: list[TieSet], tied: dict[str, nn.Parameter],

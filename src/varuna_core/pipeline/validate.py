@@ -26,7 +26,8 @@ __all__ = ["reference_run", "check_slicing"]
 def reference_run(model: nn.Module, dummy_inputs: Any, batch_fn: Callable[[int], dict],
                   chunk_size: int, values: Any = None) -> tuple[dict, list, torch.Tensor]:
     """The unsliced model's value at each cut and its loss on the dummy inputs (eval mode, no grad). A model
-    built on meta runs with ``values`` (:class:`~varuna_core.model.lazy_values.ValueSource`), made as each op reads them."""
+    built on meta runs with ``values`` (:class:`~varuna_core.model.lazy_values.ValueSource`), made as each op
+    reads them."""
     from ..model.cutpoint import find_cutpoints
     from ..model.discovery import _quiet_run, extract_loss
     from ..model.lazy_values import on_touch
@@ -72,7 +73,7 @@ def check_slicing(executor: PipelineExecutor, module: nn.Module, structure: Stru
         carried = len(structure.skips_across(index))
         got = got[:len(got) - carried] if carried and len(got) == len(want) + carried else got
     ok = len(got) == len(want) and all(
-        torch.allclose(g.to(w.device).float(), w.float(), rtol=1e-4, atol=1e-5) for g, w in zip(got, want)
+        torch.allclose(g.to(w.device).float(), w.float(), rtol=1e-4, atol=1e-5) for g, w in zip(got, want, strict=True)
     )
     flag = torch.tensor([index if not ok else 10**9], dtype=torch.int64)
     if world_size > 1:

@@ -30,6 +30,7 @@ and the planner rely on, and refuses the rest with one line naming the file and 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -213,7 +214,7 @@ def _check_segments(p: Profile) -> None:
 def _check_measures(p: Profile) -> None:
     """Every segment measured at exactly the listed (increasing) sizes, and some time measured at all."""
     sizes = p.microbatch_sizes
-    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+    if any(b <= a for a, b in itertools.pairwise(sizes)):
         raise ValueError(f"microbatch_sizes {short_repr(sizes)} is not strictly increasing")
     for seg in p.segments:
         got = [m.microbatch_size for m in seg.measures]

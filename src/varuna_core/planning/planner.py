@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import datetime
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -149,7 +150,7 @@ def _interp(measures: Sequence[SegmentMeasure], n: float, get) -> float:
     if len(points) == 1:
         size, value = points[0]
         return value * n / size
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
         if n <= x1:
             break
     if n < points[0][0]:
@@ -476,7 +477,7 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
     step = sim.step_time + tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
     c.step, c.pipeline, c.busy, c.bubble = step, sim.pipeline_time, list(sim.busy), sim.bubble_fraction
-    c.allreduce = max(x.allreduce - o for x, o in zip(c.costs, c.optimizer))
+    c.allreduce = max(x.allreduce - o for x, o in zip(c.costs, c.optimizer, strict=True))
     return c
 
 
@@ -678,7 +679,7 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
                   skip_bytes=round(segs[b - 1].skip_bytes) if b < len(segs) else 0,
                   allreduce=c.allreduce - best.optimizer[s], optimizer=best.optimizer[s],
                   busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0])
-        for s, ((a, b), c) in enumerate(zip(best.partition.ranges, best.costs))
+        for s, ((a, b), c) in enumerate(zip(best.partition.ranges, best.costs, strict=True))
     ]
 
     def candidate(c: _Scored, reason: str) -> Candidate:

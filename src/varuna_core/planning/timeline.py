@@ -88,7 +88,7 @@ def draw_timelines(panels: Iterable[tuple[str, list[tuple[int, str, int, float, 
     panels = list(panels)
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.5 + 0.45 * stages * len(panels) + 0.6 * len(panels)),
                              sharex=True, squeeze=False)
-    for ax, (title, line) in zip(axes[:, 0], panels):
+    for ax, (title, line) in zip(axes[:, 0], panels, strict=True):
         for stage, op, mb, start, end in line:
             ax.barh(stage, (end - start) * 1e3, left=start * 1e3, color=_COLORS[op], edgecolor="white", height=0.8)
             if (end - start) * 1e3 > 0:

@@ -263,7 +263,8 @@ class _SegmentBench:
         return sum(t.numel() * t.element_size() for t in flatten(out)[0] if isinstance(t, torch.Tensor))
 
     def skip_bytes(self, out: Any) -> int:
-        """Of :meth:`output_bytes`, the skipped tensors (they follow the cut's value, see :mod:`varuna_core.model.skips`)."""
+        """Of :meth:`output_bytes`, the skipped tensors (they follow the cut's value, see
+        :mod:`varuna_core.model.skips`)."""
         count = 0 if self.stage.is_last else len(self.structure.skips_across(self.segment))
         if not count:
             return 0
@@ -434,17 +435,17 @@ def fit_linear(sizes: list[int], times: list[float]) -> LinearFit:
     much as large ones), latency clamped at ≥ 0; returns the fit with its RMS relative error."""
     w = [1.0 / (y * y) if y > 0 else 0.0 for y in times]
     sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, sizes))
-    sy = sum(wi * y for wi, y in zip(w, times))
-    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times))
+    sx = sum(wi * x for wi, x in zip(w, sizes, strict=True))
+    sy = sum(wi * y for wi, y in zip(w, times, strict=True))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes, strict=True))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times, strict=True))
     det = sw * sxx - sx * sx
     slope = (sw * sxy - sx * sy) / det if det else 0.0
     latency = (sy - slope * sx) / sw if sw else 0.0
     if latency < 0:  # refit through the origin
         latency, slope = 0.0, sxy / sxx if sxx else 0.0
     slope = max(slope, 1e-15)
-    rel = [((latency + slope * x) - y) / y for x, y in zip(sizes, times) if y > 0]
+    rel = [((latency + slope * x) - y) / y for x, y in zip(sizes, times, strict=True) if y > 0]
     err = (sum(r * r for r in rel) / len(rel)) ** 0.5 if rel else 0.0
     return LinearFit(latency=latency, bandwidth=1.0 / slope, rel_error=err)
 

@@ -34,8 +34,9 @@ MiB = 2**20
 
 def describe_mode(mode: int) -> str:
     """What kind of file ``mode`` (``st_mode``) is, in words."""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
         if test(mode):
             return name
     return "not a regular file"
@@ -105,7 +106,8 @@ def read_regular(path: str | os.PathLike, limit: int, *, what: str = "file", fol
     return b"".join(chunks)
 
 
-def read_text(path: str | os.PathLike, limit: int, *, what: str = "file", error: type[VarunaError] = ConfigError) -> str:
+def read_text(path: str | os.PathLike, limit: int, *, what: str = "file",
+              error: type[VarunaError] = ConfigError) -> str:
     """The UTF-8 text (a byte-order mark allowed) of the regular file ``path`` of at most ``limit`` bytes; a byte
     that is not UTF-8 is an ``error`` naming its line."""
     data = read_regular(path, limit, what=what, error=error)
