@@ -115,10 +115,11 @@ def main() -> int:
         ssh = cluster.launcher_args()
         run = work / "run"
         total_steps = 3 * args.warm + 30
-        launcher = subprocess.Popen(
-            [str(VARUNA), "launch", str(work / "plan.yaml"), "--hosts", str(hosts), "--morph", *ssh,
-             "--run-dir", str(run), "--", "examples/gpt/train.py", "--batch-size", "32", "--steps",
-             str(total_steps)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(work / "launcher.log", "w"))
+        with open(work / "launcher.log", "w") as launcher_log:  # the launcher writes to its own copy
+            launcher = subprocess.Popen(
+                [str(VARUNA), "launch", str(work / "plan.yaml"), "--hosts", str(hosts), "--morph", *ssh,
+                 "--run-dir", str(run), "--", "examples/gpt/train.py", "--batch-size", "32", "--steps",
+                 str(total_steps)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=launcher_log)
 
         def wait(cond, what: str, timeout: float = 300) -> None:
             end = time.monotonic() + timeout
