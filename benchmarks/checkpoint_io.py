@@ -792,7 +792,8 @@ def print_report(rep: dict) -> None:
     print(f"   background overhead <= {TARGET_OVERHEAD:.0%} beyond the local write:  "
           f"{ok[v['background']]} ({ov}{waited})")
     e = rep["elapsed_s"]
-    print(f"\nelapsed: {'waiting for an idle machine %.0f s, ' % e['waited_idle'] if e['waited_idle'] else ''}"
+    idle = f"waiting for an idle machine {e['waited_idle']:.0f} s, " if e["waited_idle"] else ""
+    print(f"\nelapsed: {idle}"
           f"disk {e['disk']:.0f} s, workers {e['workers']:.0f} s, total {e['total']:.0f} s")
 
 

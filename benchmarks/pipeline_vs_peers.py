@@ -890,15 +890,15 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
                   "barrier); median/p10/p90 over measured steps; best round by median; peak RSS = VmHWM per rank, "
                   "max over rounds",
         "notes": [
-            "torch contenders: lm_head has its own weight (initialised to a copy of wte), because torch "
-            "pipelining has no cross-stage tied weights; same compute. Ours keeps the tie and all-reduces "
-            "its gradient between the stages every step (and all-reduces the loss so every rank returns it).",
-            "DeepSpeed: PipelineModule over [embeddings, blocks..., ln_f, head] with the same untied head; "
-            "engine.train_batch() = its 1F1B schedule + optimizer step; fp32, no ZeRO; it broadcasts the loss "
-            "to every stage.",
-            "step-1 losses should match (same initial values); later losses differ for torch and DeepSpeed "
-            "because the untied head and embedding get different updates, but torch's and DeepSpeed's agree "
-            "with each other (the same untied model and updates).",
+            ("torch contenders: lm_head has its own weight (initialised to a copy of wte), because torch "
+             "pipelining has no cross-stage tied weights; same compute. Ours keeps the tie and all-reduces "
+             "its gradient between the stages every step (and all-reduces the loss so every rank returns it)."),
+            ("DeepSpeed: PipelineModule over [embeddings, blocks..., ln_f, head] with the same untied head; "
+             "engine.train_batch() = its 1F1B schedule + optimizer step; fp32, no ZeRO; it broadcasts the loss "
+             "to every stage."),
+            ("step-1 losses should match (same initial values); later losses differ for torch and DeepSpeed "
+             "because the untied head and embedding get different updates, but torch's and DeepSpeed's agree "
+             "with each other (the same untied model and updates)."),
         ],
         "same_split": same_split,
         "stage_params": split,
@@ -961,9 +961,9 @@ def _report_header(report: dict) -> list[str]:
         f"block_size {cfg['block_size']}, {cfg['total_params'] or 0:,} params (tied), torch {cfg['torch']}"
         + (f", DeepSpeed {cfg['deepspeed']}" if cfg["deepspeed"] else ""),
         f"network: {cfg['network']}",
-        f"pipeline: {cfg['stages']} stages x 1 replica, gloo, 1 thread/process; {cfg['microbatches']} micro-batches "
-        f"of {cfg['microbatch_size']} (batch {cfg['batch_size']}); SGD lr {cfg['lr']}; "
-        f"{cfg['warmup']} warm-up + {cfg['steps']} measured steps, {cfg['rounds']} round(s)",
+        (f"pipeline: {cfg['stages']} stages x 1 replica, gloo, 1 thread/process; {cfg['microbatches']} micro-batches "
+         f"of {cfg['microbatch_size']} (batch {cfg['batch_size']}); SGD lr {cfg['lr']}; "
+         f"{cfg['warmup']} warm-up + {cfg['steps']} measured steps, {cfg['rounds']} round(s)"),
         f"split: {cfg['split']}",
         f"timing: {report['method']}",
     ]

@@ -38,7 +38,7 @@ class Launch:
     def __init__(self, args: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.deadline = time.monotonic() + timeout
-        self.log = open(self.run_dir.parent / f"{self.run_dir.name}.launcher.log", "w")
+        self.log = open(self.run_dir.parent / f"{self.run_dir.name}.launcher.log", "w")  # noqa: SIM115 - see close()
         self.proc = subprocess.Popen([str(VARUNA), "launch", *args], cwd=ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env=dict(os.environ, OMP_NUM_THREADS="1", VARUNA_TIMEOUT="60", **(env or {})))

@@ -139,7 +139,7 @@ def test_corruption_and_truncation_are_refused_by_name(tmp_path) -> None:
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp: truncated"):
         _load(tmp_path / "c", target, expected)
     (tmp_path / "c" / METADATA_FILE).write_text("{}")
-    with pytest.raises(CheckpointError, match="dcp_metadata.json"):
+    with pytest.raises(CheckpointError, match=r"dcp_metadata\.json"):
         _load(tmp_path / "c", target, expected)
 
 

@@ -171,7 +171,7 @@ def test_a_cut_carrying_an_object_is_named() -> None:
             x, _ = self.cuts[0]((x, Note()))
             return self.head(self.ln_f(x)).sum()
 
-    with pytest.raises(CutPointError, match="CutPoint 'cuts.0' carries a Note, which cannot cross a cut") as info:
+    with pytest.raises(CutPointError, match=r"CutPoint 'cuts\.0' carries a Note, which cannot cross a cut") as info:
         _discover(ObjectCut(n_layer=1), use_cache=False)
     assert info.value.hint
 

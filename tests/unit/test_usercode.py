@@ -96,7 +96,7 @@ def test_our_own_errors_pass_unchanged() -> None:
             raise CutPointError("skip across a cut")
 
         OURS["run"](raises_ours)
-    with pytest.raises(UserCodeError, match="the model's code raised TypeError at .*test_usercode.py"):
+    with pytest.raises(UserCodeError, match=r"the model's code raised TypeError at .*test_usercode\.py"):
         OURS["run"](type_error_inside, 2)
 
 

@@ -115,8 +115,7 @@ def _summary(result, output: Path) -> None:
     for seg in result.segments:
         cells = [str(seg.index), printable(seg.output_cut or "(loss)"), format_bytes(seg.param_bytes),
                  format_bytes(seg.optimizer_bytes)]
-        for m in seg.measures:
-            cells.append(f"{m.forward.median * 1e3:.2f} / {m.backward.median * 1e3:.2f}")
+        cells.extend(f"{m.forward.median * 1e3:.2f} / {m.backward.median * 1e3:.2f}" for m in seg.measures)
         last = seg.measures[-1]
         cells.append(f"{format_bytes(last.output_bytes)} / {format_bytes(last.saved_bytes)}")
         table.add_row(*map(Text, cells))

@@ -237,7 +237,7 @@ def scatter_file(fd: int, pieces: list[tuple[int, np.ndarray]], digest: Sha256 |
     first = 0
 
     def target(i: int) -> memoryview:
-        start, length, into = segments[i]
+        _, length, into = segments[i]
         if into is None:
             slot[i] = free.pop(0)
             return buffers[slot[i]][:length]
@@ -342,8 +342,8 @@ def _segments(size: int, order: list[tuple[int, np.ndarray]], whole: bool) -> li
     out_segments: list[tuple[int, int, memoryview | None]] = []
 
     def bounce(lo: int, hi: int) -> None:
-        for b in range(lo, hi, READ_BLOCK):
-            out_segments.append((b, -(-(min(hi, b + READ_BLOCK) - b) // _ALIGN) * _ALIGN, None))
+        out_segments.extend((b, -(-(min(hi, b + READ_BLOCK) - b) // _ALIGN) * _ALIGN, None)
+                            for b in range(lo, hi, READ_BLOCK))
 
     for lo, hi in spans:
         cursor = lo

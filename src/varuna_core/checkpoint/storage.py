@@ -627,7 +627,7 @@ class RawReader(StorageReader):
         for stored, reqs in staged:
             for req in reqs:
                 planner.resolve_tensor(req).detach().copy_(_narrow(stored, req.storage_offsets, req.lengths))
-        for loc, reqs in chunks:
+        for _, reqs in chunks:
             for req in reqs:
                 planner.commit_tensor(req, planner.resolve_tensor(req).detach())
 

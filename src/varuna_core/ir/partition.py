@@ -16,7 +16,6 @@ import itertools
 import math
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Union
 
 from varuna_core.errors import PartitionError
 
@@ -232,7 +231,7 @@ def _parse_string(text: str) -> list[tuple[int, int]]:
     return ranges
 
 
-PartitionSpec = Union[Partition, str, Sequence[tuple[int, int]], Sequence[int]]
+PartitionSpec = Partition | str | Sequence[tuple[int, int]] | Sequence[int]
 """A partition as a user gives it (see :func:`coerce_partition`), before the model's segments are known."""
 
 

@@ -144,8 +144,8 @@ class JobFiles:
         (self.run_dir / "plans").mkdir(exist_ok=True)
         self._logs: dict[int, object] = {}
         self.attempts_before = _attempts_in(self.run_dir / "events.jsonl")
-        self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115 - see close()
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - see close()
 
     def rank_log(self, rank: int) -> Path:
         return self.run_dir / "logs" / f"rank{rank}.log"
@@ -153,7 +153,7 @@ class JobFiles:
     def log_line(self, rank: int, line: str) -> None:
         f = self._logs.get(rank)
         if f is None:
-            f = self._logs[rank] = open(self.rank_log(rank), "a", buffering=1)
+            f = self._logs[rank] = open(self.rank_log(rank), "a", buffering=1)  # noqa: SIM115 - see close()
         f.write(line + "\n")
 
     def event(self, name: str, **fields) -> None:

@@ -164,8 +164,8 @@ def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True
         stage_to_rank_map=Topology.clustered(plan.pp, dp).to_string(),
         nodes=[list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)],
         alternatives=[],
-        assumptions=[*plan.assumptions, f"re-planned without a profile for {devices} devices: same pipeline, "
-                     f"dp {plan.dp} -> {dp}; the predictions are the original plan's"])))  # checked: may not fit
+        assumptions=[*plan.assumptions, (f"re-planned without a profile for {devices} devices: same pipeline, "
+                      f"dp {plan.dp} -> {dp}; the predictions are the original plan's")])))  # checked: may not fit
     return new, f"no profile to plan from: pp={plan.pp} kept, dp {plan.dp} -> {dp}"
 
 

@@ -85,8 +85,8 @@ class GradBuffer:
         works = []
         for flat in self.flats:
             step = max(1, self.bucket_bytes // flat.element_size())
-            for start in range(0, flat.numel(), step):
-                works.append(dist.all_reduce(flat[start : start + step], group=group, async_op=True))
+            works.extend(dist.all_reduce(flat[start : start + step], group=group, async_op=True)
+                         for start in range(0, flat.numel(), step))
         wait_all(works, timeout=timeout, describe=describe, peer=peer)
 
 

@@ -137,7 +137,7 @@ def _report_failure(peer: int | None) -> int | None:
                 return root
             root = nxt
         return root if root is not None and root >= 0 else peer
-    except Exception:  # the store is best effort: never mask the original failure
+    except Exception:  # noqa: BLE001 - the store is best effort: never mask the original failure
         return peer
 
 

@@ -50,7 +50,8 @@ class GradSync:
     def __call__(self) -> None:
         for tie, group in self.groups.ties:
             all_reduce_tensor(self.tied[tie.canonical].grad, group, timeout=self.timeout,
-                              describe=lambda: f"rank {self.rank} summing gradients of tied weight {tie.canonical!r}")
+                              describe=lambda: f"rank {self.rank} summing gradients of tied weight "
+                              f"{tie.canonical!r}")  # noqa: B023 - called (on a failure) before the next tie
         if self.groups.dp is not None:
             self.grad_buffer.all_reduce(
                 self.groups.dp, timeout=self.timeout,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import datetime
-import itertools
 import math
 from collections.abc import Sequence
 
@@ -150,11 +149,9 @@ def _interp(measures: Sequence[SegmentMeasure], n: float, get) -> float:
     if len(points) == 1:
         size, value = points[0]
         return value * n / size
-    for (x0, y0), (x1, y1) in itertools.pairwise(points):
-        if n <= x1:
-            break
-    if n < points[0][0]:
-        (x0, y0), (x1, y1) = points[0], points[1]
+    # the two sizes around n: the first pair whose upper size is >= n; the last pair beyond the largest size
+    upper = min(max(bisect.bisect_left([x for x, _ in points], n), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[upper - 1], points[upper]
     return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
 
 
@@ -653,8 +650,8 @@ def layout_plan(*, pp: int, dp: int, microbatch_size: int, batch_size: int, gpus
             num_microbatches=-(-replica // max(microbatch_size, 1)), schedule=schedule, partition=None,
             stage_to_rank_map=Topology.clustered(pp, dp).to_string(), nodes=_nodes(pp * dp, gpus_per_node),
             schedules=[schedule], prediction=None,
-            assumptions=["layout given by hand: no profile, so no partition (Varuna(...) balances parameter bytes) "
-                         "and no prediction", *([note] if note else [])],
+            assumptions=[("layout given by hand: no profile, so no partition (Varuna(...) balances parameter bytes) "
+                          "and no prediction"), *([note] if note else [])],
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     except ValidationError as exc:
         error = exc.errors()[0]

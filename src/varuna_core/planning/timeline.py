@@ -107,8 +107,8 @@ def draw_timelines(panels: Iterable[tuple[str, list[tuple[int, str, int, float, 
 def draw_plan(plan: Plan, png: str | Path, *, measured: str | Path | None = None) -> None:
     """The plan's simulated step, and the measured one beside it when a trace is given."""
     sim = simulated_timeline(plan)
-    panels = [(f"simulated: {plan.schedule}, pp={plan.pp}, {plan.num_microbatches} micro-batches, "
-               f"{(max(e for *_, e in sim)) * 1e3:.1f} ms", sim)]
+    panels = [((f"simulated: {plan.schedule}, pp={plan.pp}, {plan.num_microbatches} micro-batches, "
+                f"{(max(e for *_, e in sim)) * 1e3:.1f} ms"), sim)]
     if measured is not None:
         got = load_trace(measured)
         panels.append((f"measured: {(max(e for *_, e in got)) * 1e3:.1f} ms", got))

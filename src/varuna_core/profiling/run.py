@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import json
 import logging
@@ -297,17 +298,17 @@ def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int
         timed = i >= warmup
         incoming = bench.incoming(n)
         with torch.no_grad():
-            t_f, out = _time(lambda: bench.run(inputs, n, incoming, grad=False), device)
+            t_f, out = _time(functools.partial(bench.run, inputs, n, incoming, grad=False), device)
         incoming = bench.incoming(n)
         counter = [0]
-        t_r, out = _time(lambda: bench.run(inputs, n, incoming, grad=True, saved=counter), device)
+        t_r, out = _time(functools.partial(bench.run, inputs, n, incoming, grad=True, saved=counter), device)
         saved = counter
         if memory_limit is not None and static_bytes + saved[0] > memory_limit:
             raise _LimitReached(
                 f"segment {bench.segment} needs {static_bytes + saved[0]:,} bytes at micro-batch {n} "
                 f"(limit {memory_limit:,})")
         roots, grads = bench.output_grads(out)
-        t_b, _ = _time(lambda: bench.backward(roots, grads), device)
+        t_b, _ = _time(functools.partial(bench.backward, roots, grads), device)
         if timed:
             forward.append(t_f)
             recompute.append(t_r)
@@ -354,7 +355,7 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
     with user_code("the optimizer's step"):
         statics = {k: _static_sizes(b) for k, b in benches.items()}
     measures: dict[int, list[SegmentMeasure]] = {k: [] for k in mine}
-    batch_fn, dims = make_batch_fn(spec.inputs, None)
+    _, dims = make_batch_fn(spec.inputs, None)
     done_sizes: list[int] = []
     stopped: StopReason | None = None
     total = len(mine) * len(microbatch_sizes)

@@ -22,7 +22,7 @@ __all__ = ["integer", "real", "env_integer", "env_real"]
 def integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an ``int`` (ints and integer-like objects such as numpy integers; not bools, floats or
     strings), within ``[low, high]``."""
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, (bool, float)):
         raise FieldError(name, f"must be an integer, got {value!r}")
     try:
         number = operator.index(value)
