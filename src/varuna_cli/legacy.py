@@ -171,7 +171,7 @@ def _at_depth(profile, request, pp: int):
             except VarunaError as exc:
                 why = exc.message
                 continue
-            if best is None or plan.prediction.step_time < best.prediction.step_time:
+            if best is None or plan.predicted().step_time < best.predicted().step_time:
                 best = plan
     if best is None:
         raise ConfigError(f"no plan with --nstages {pp} on {request.gpus} devices: {why}",

@@ -96,7 +96,7 @@ class Partition:
         Raises:
             PartitionError: ranges not contiguous from 0, an empty stage, or segments left uncovered/overrun.
         """
-        partition = cls(tuple(tuple(r) for r in ranges))
+        partition = cls(tuple(ranges))  # __post_init__ checks and normalises each pair
         if partition.num_segments != num_segments:
             raise PartitionError(
                 f"partition {partition.to_string()!r} covers {partition.num_segments} segments, "
@@ -235,10 +235,11 @@ PartitionSpec = Partition | str | Sequence[tuple[int, int]] | Sequence[int]
 """A partition as a user gives it (see :func:`coerce_partition`), before the model's segments are known."""
 
 
-def coerce_partition(value: PartitionSpec | object, *, num_segments: int, num_stages: int) -> Partition:
+def coerce_partition(value: object, *, num_segments: int, num_stages: int) -> Partition:
     """Turn a user-supplied partition into a :class:`Partition` for this model and pipeline.
 
-    Accepted forms: a :class:`Partition`; a string of inclusive ranges ``"0-2,3-4,5-7"`` (a lone ``"5"`` means
+    ``value`` is meant to be a :data:`PartitionSpec`; anything else is refused. Accepted forms: a
+    :class:`Partition`; a string of inclusive ranges ``"0-2,3-4,5-7"`` (a lone ``"5"`` means
     ``"5-5"``); a sequence of half-open ``(start, stop)`` pairs; a sequence of per-stage segment counts
     ``[3, 2, 3]``.
 

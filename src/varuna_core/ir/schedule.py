@@ -260,7 +260,8 @@ def _varuna(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]:
     """
     last = num_stages - 1
     names = ("bw", "bi", "rc", "fwd")  # priority order
-    queues = [{q: collections.deque() for q in names} for _ in range(num_stages)]
+    queues: list[dict[str, collections.deque[int]]] = [{q: collections.deque() for q in names}
+                                                        for _ in range(num_stages)]
     queues[0]["fwd"].extend(range(num_mb))
     out: list[list[Action]] = [[] for _ in range(num_stages)]
     while True:
@@ -346,9 +347,9 @@ def _simulate(schedule: Schedule) -> _SimResult:
                     row[s] = action
         if all(a is None for a in row):
             return _SimResult(rows, pos, stuck=True)
-        for s, action in enumerate(row):
-            if action is not None:
-                done.add(action)
+        for s, taken in enumerate(row):
+            if taken is not None:
+                done.add(taken)
                 pos[s] += 1
         rows.append(row)
     return _SimResult(rows, pos, stuck=False)

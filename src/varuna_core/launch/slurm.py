@@ -161,10 +161,11 @@ def _gpus(environ: Mapping[str, str]) -> tuple[int, str] | None:
     per_node = environ.get("SLURM_GPUS_PER_NODE", "").strip()
     if per_node:
         items = [_GPU_ITEM.fullmatch(item.strip()) for item in per_node.split(",")]
-        if len(items) > MAX_SLOTS or None in items:
+        matched = [item for item in items if item is not None]
+        if len(items) > MAX_SLOTS or len(matched) < len(items):
             raise ConfigError(f"SLURM_GPUS_PER_NODE {short_repr(per_node)} is not a GPU count like 4, a100:4 or "
                               f"volta:3,kepler:1", hint=hint)
-        total = sum(int(item.group(1)) for item in items)
+        total = sum(int(item.group(1)) for item in matched)
         return (total, "SLURM_GPUS_PER_NODE") if total else None
     on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
     if on_node:
@@ -231,7 +232,8 @@ def expand_hostnames(nodelist: str, *, scontrol: str = "scontrol", name: str = "
 def nodelist_size(nodelist: str) -> int | None:
     """How many names a Slurm node list (``gpu[01-04,07],login1``, ``rack[1-2]n[1-8]``) expands to, counted
     from its ranges without expanding them; None for a form this does not read (``scontrol`` then decides)."""
-    total, item, depth = 0, [], 0
+    total, depth = 0, 0
+    item: list[str] = []
     for char in nodelist + ",":
         depth += (char == "[") - (char == "]")
         if depth not in (0, 1):

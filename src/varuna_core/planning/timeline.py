@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, TypeGuard
 
 from ..errors import ConfigError
 from ..ir.schedule import generate
@@ -66,14 +67,18 @@ def load_trace(path: str | Path, replica: int = 0) -> list[tuple[int, str, int, 
     return sorted(((s, op, mb, (a - t0) / 1e6, (b - t0) / 1e6) for s, op, mb, a, b in out), key=lambda x: (x[0], x[3]))
 
 
-def _action(path: Path, event: dict) -> tuple[int, str, int, float, float]:
+def _action(path: Path, event: dict[str, Any]) -> tuple[int, str, int, float, float]:
     """``(stage, op, mb, start µs, end µs)`` of one trace event named like ``2F0``."""
     name, ts, dur = event.get("name"), event.get("ts"), event.get("dur")
     match = _ACTION.match(name) if isinstance(name, str) else None
-    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (ts, dur))
-    if match is None or not numbers or dur < 0:
+    if match is None or not _finite(ts) or not _finite(dur) or dur < 0:
         raise ConfigError(f"{path}: {str(event)[:120]} is not an action event (name like '2F0', finite ts and dur)")
     return int(match.group(1)), match.group(2), int(match.group(3)), float(ts), float(ts) + float(dur)
+
+
+def _finite(x: object) -> TypeGuard[float]:
+    """A finite int or float (a bool is no number here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def draw_timelines(panels: Iterable[tuple[str, list[tuple[int, str, int, float, float]]]], png: str | Path,

@@ -23,7 +23,7 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -35,6 +35,8 @@ __all__ = [
     "ArtifactModel", "CheckedModel", "check_document", "check_writable", "first_problem", "parse_json", "parse_yaml",
     "read_artifact", "save_artifact", "schema_text", "short_repr", "unique_keys", "validate", "write_output",
 ]
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class ArtifactModel(BaseModel):
@@ -142,7 +144,7 @@ def check_document(data: Any, path: str | Path, what: str, remake: str) -> dict:
     return data
 
 
-def validate(model: type[BaseModel], data: dict, path: str | Path, what: str, hint: str) -> Any:
+def validate(model: type[ModelT], data: dict[str, Any], path: str | Path, what: str, hint: str) -> ModelT:
     """``model`` validated from ``data``, or a one-line ConfigError naming the first wrong field."""
     try:
         return model.model_validate(data)
