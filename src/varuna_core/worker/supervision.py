@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any, NamedTuple
 
 from ..env import WorkerEnv
@@ -99,8 +100,9 @@ class Supervision:
         self.total_steps = told.total_steps
         if told.on_sigterm not in (None, "checkpoint"):
             raise ConfigError(f"VARUNA_ON_SIGTERM is {told.on_sigterm!r}", hint="it is 'checkpoint' or unset")
-        if (self.resume_step is not None or self.every) and not self.ckpt_dir:
-            raise ConfigError("VARUNA_RESUME_STEP or VARUNA_CKPT_EVERY is set but VARUNA_CKPT_DIR is not",
+        if (self.resume_step is not None or self.every or told.on_sigterm) and not self.ckpt_dir:
+            raise ConfigError("VARUNA_RESUME_STEP, VARUNA_CKPT_EVERY or VARUNA_ON_SIGTERM is set but VARUNA_CKPT_DIR "
+                              "is not",
                               hint="set VARUNA_CKPT_DIR to the checkpoint store (varuna launch does)")
         self.requested = False
         self._terms = 0  # SIGTERMs received (VARUNA_ON_SIGTERM=checkpoint)
@@ -118,7 +120,7 @@ class Supervision:
         if told.on_sigterm == "checkpoint" and self._main_thread:
             signal.signal(signal.SIGTERM, self._on_term)
 
-    def _on_term(self, signum, frame) -> None:
+    def _on_term(self, signum: int, frame: FrameType | None) -> None:
         """The first SIGTERM asks for a checkpoint; the next one ends the process as SIGTERM does by default."""
         if self._terms:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -127,7 +129,7 @@ class Supervision:
         self._terms += 1
         self.requested = True
 
-    def _on_usr1(self, signum, frame) -> None:
+    def _on_usr1(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True
 
     def _adopt_handler(self) -> None:
@@ -160,7 +162,7 @@ class Supervision:
 
     def resume(self) -> None:
         """Load ``VARUNA_RESUME_STEP`` (once), now that the optimizer is set."""
-        if self.resume_step is None or self.resumed:
+        if self.resume_step is None or self.resumed or self.ckpt_dir is None:  # no store: refused when made
             return
         self.resumed = True
         try:
@@ -229,8 +231,10 @@ class Supervision:
             self._pending.result()
             self._pending = None
         log.info("rank %d: running the script's SIGUSR1 handler at step %d", self.rank, self._now().iteration)
+        handler = self.user_handler
+        assert handler is not None  # called only when the script has one
         try:
-            self.user_handler(signal.SIGUSR1, None)
+            handler(signal.SIGUSR1, None)
         except SystemExit:  # every rank is leaving at this step: leave the process group together, as below
             self._leave()
             raise
