@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 from .errors import ConfigError
 from .util.checks import env_integer
@@ -111,7 +112,7 @@ class WorkerEnv:
         """Read and check the variables (a malformed number or manager address is a ConfigError naming the
         variable). Names are read as they are set (``exact``): ``"run\n"`` is a mistake to report, not a name."""
         environ = os.environ if environ is None else environ
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # the fields' values, of their several types
         for f in fields(cls):
             name = cls.variable(f.name)
             if f.name in _INTEGERS:

@@ -297,16 +297,16 @@ class Varuna(nn.Module):
                                     expected=self.replica_batch_size)
         weights = loss_weights(self.microbatch_sizes, self.batch_size, self.loss_reduction)
         self.grad_buffer.attach()
-        tracing = self.trace_dir is not None and self.iteration == self.trace_step
-        tracer = self.executor.add_observer(self._chrome_trace()) if tracing else None
+        trace_dir = self.trace_dir if self.iteration == self.trace_step else None
+        tracer = self.executor.add_observer(self._chrome_trace()) if trace_dir is not None else None
         loss_sum = self.executor.run(
             microbatches, self.microbatch_sizes, weights, train=True, rng=(self.seed, self.iteration),
             rng_ids=self._microbatch_ids,
             loss_scale=self.scaler.scale if self.scaler is not None else None,
         )
-        if tracer is not None:
+        if tracer is not None and trace_dir is not None:
             self.executor.remove_observer(tracer)
-            tracer.write(os.path.join(self.trace_dir, f"trace_rank{self.rank}.json"))
+            tracer.write(os.path.join(trace_dir, f"trace_rank{self.rank}.json"))
         synced = time.perf_counter()
         self._grad_sync()
         for observer in self.executor.observers:

@@ -480,6 +480,7 @@ def _manager_file(path: Path) -> tuple[str, str, int]:
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise ConfigError(f"manager file {path}: port must be an integer in 1..65535, got {_shown(port)}",
                           hint=hint)
+    assert isinstance(job, str) and isinstance(token, str)  # checked above
     return job, token, port
 
 

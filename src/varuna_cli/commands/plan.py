@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
 from varuna_cli.flags import named_as_options
 from varuna_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
+
+    from varuna_core.ir.schedule import ScheduleName
 
 OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--gpus-per-node",
            "gpu_memory": "--gpu-memory", "schedules": "--schedule", "headroom": "--headroom", "top": "--top"}
@@ -17,7 +22,8 @@ OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--g
 def plan(
     profile: Annotated[Path, typer.Argument(help="A profile from `varuna profile`.")],
     gpus: Annotated[int | None, typer.Option("--gpus", help="Devices available.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Global batch (kept fixed).")] = ...,
+    *,  # typer passes every option by name: a required option may follow those with defaults
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Global batch (kept fixed).")],
     gpus_per_node: Annotated[int | None, typer.Option(
         "--gpus-per-node", help="Devices per node (default: all on one node).")] = None,
     gpu_memory: Annotated[str | None, typer.Option(
@@ -94,13 +100,13 @@ def _devices(gpus: int | None, gpus_per_node: int | None, slurm: bool) -> tuple[
     return found.total, min(found.slots)
 
 
-def _schedules(text: str | None) -> tuple[str, ...]:
-    """The schedule names ``--schedule`` lists, comma-separated (the request checks them)."""
+def _schedules(text: str | None) -> tuple[ScheduleName, ...]:
+    """The schedule names ``--schedule`` lists, comma-separated (the request checks them, after its numbers)."""
     from varuna_core.ir.schedule import SCHEDULE_NAMES
 
     if text is None:
         return SCHEDULE_NAMES
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+    return cast("tuple[ScheduleName, ...]", tuple(x.strip() for x in text.split(",") if x.strip()))
 
 
 def _table(result) -> None:
@@ -117,8 +123,10 @@ def _table(result) -> None:
     p = result.prediction
     table = Table(title=Text(f"{printable(result.model)}: {result.gpus} devices, global batch {result.batch_size}"),
                   title_justify="left")
-    for col, just in (("", "left"), ("pp×dp", "right"), ("mb×M", "right"), ("schedule", "left"),
-                      ("step ms", "right"), ("samples/s", "right"), ("bubble", "right"), ("memory", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("", "left"), ("pp×dp", "right"), ("mb×M", "right"), ("schedule", "left"), ("step ms", "right"),
+        ("samples/s", "right"), ("bubble", "right"), ("memory", "right"))
+    for col, just in columns:
         table.add_column(col, justify=just, no_wrap=True)
     table.add_row(*map(Text, ("plan", f"{result.pp}×{result.dp}", f"{result.microbatch_size}×{result.num_microbatches}",
                               result.schedule, f"{p.step_time * 1e3:.4g}", f"{p.samples_per_second:.4g}",

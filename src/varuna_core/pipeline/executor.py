@@ -36,7 +36,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,6 +51,8 @@ from . import p2p
 from .tracing import ActionObserver, ActionTiming
 
 __all__ = ["PipelineExecutor"]
+
+ObserverT = TypeVar("ObserverT", bound=ActionObserver)
 
 
 @dataclasses.dataclass
@@ -141,7 +143,7 @@ class PipelineExecutor:
         self._computed = 0.0  # seconds of the current action spent in forward/backward
         check_schedule(schedule)  # an unknown name fails at construction, not at the first step
 
-    def add_observer(self, observer: ActionObserver) -> ActionObserver:
+    def add_observer(self, observer: ObserverT) -> ObserverT:
         """Tell ``observer`` about every action and run from now on; returns it."""
         self.observers.append(observer)
         return observer

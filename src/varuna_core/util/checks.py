@@ -79,6 +79,7 @@ def _bounds(name: str, number: float, low: float | None, high: float | None) -> 
         raise FieldError(name, f"must be in {low}..{high}, got {number}")
     if low is not None and number < low:
         raise FieldError(name, f"must be ≥ {_shown(low)}, got {_shown(number)}")
+    assert high is not None  # within low, so above high
     raise FieldError(name, f"must be ≤ {_shown(high)}, got {_shown(number)}")
 
 

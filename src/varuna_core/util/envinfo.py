@@ -80,7 +80,7 @@ def _torch_facts() -> dict[str, str]:
         import torch
     except ImportError as exc:
         return {"torch": f"{_UNKNOWN} ({exc})"}
-    facts = {"torch": torch.__version__}
+    facts: dict[str, str] = {"torch": torch.__version__}
     if getattr(torch.version, "cuda", None):
         facts["torch_build"] = f"CUDA {torch.version.cuda}"
     elif getattr(torch.version, "hip", None):

@@ -55,9 +55,9 @@ def _library_roots() -> tuple[str, ...]:
         roots.update(site.getsitepackages())
     with contextlib.suppress(AttributeError):
         roots.add(site.getusersitepackages())
-    torch = sys.modules.get("torch")
-    if torch is not None and getattr(torch, "__file__", None):
-        roots.add(str(Path(torch.__file__).resolve().parent))
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if torch_file:
+        roots.add(str(Path(torch_file).resolve().parent))
     return tuple(os.path.realpath(r) + os.sep for r in roots)
 
 
