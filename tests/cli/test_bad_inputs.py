@@ -521,6 +521,16 @@ def test_profile_a_spec_whose_code_fails(capsys, monkeypatch, tmp_path, attr, co
         assert info.value.__cause__ is not None  # the user's own traceback, with VARUNA_DEBUG=1
 
 
+@pytest.mark.parametrize(("name", "needle"), [
+    ("missing.py", "does not exist"),
+    ("spec.txt", "spec.txt is not a Python file"),  # once an AttributeError from importlib
+])
+def test_profile_a_spec_file_that_cannot_be_imported(capsys, tmp_path, name, needle) -> None:
+    (tmp_path / "spec.txt").write_text("spec = None\n")
+    code, _, err = run_main(capsys, "profile", f"{tmp_path / name}:spec", "-o", tmp_path / "p.json")
+    assert_one_error(code, err, needle=needle)
+
+
 # --- varuna env -------------------------------------------------------------------------------------------
 
 def test_env_redacts_secrets(capsys, monkeypatch) -> None:

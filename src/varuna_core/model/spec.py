@@ -17,6 +17,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from ..errors import ConfigError, UserCodeError
@@ -134,7 +135,7 @@ def load_spec(reference: str | ModelSpec) -> ModelSpec:
     return value
 
 
-def _import(target: str, reference: str):
+def _import(target: str, reference: str) -> ModuleType:
     if target.endswith(".py") or "/" in target or target.startswith("."):
         path = Path(target).expanduser().resolve()
         if not path.is_file():
@@ -143,6 +144,9 @@ def _import(target: str, reference: str):
         if name in sys.modules:
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:  # a file importlib has no loader for (by its suffix)
+            raise ConfigError(f"cannot import {reference}: {target} is not a Python file",
+                              hint="name a .py file, or a module on the import path (e.g. examples/gpt/spec.py:spec)")
         module = importlib.util.module_from_spec(spec)
         if str(path.parent) not in sys.path:  # so the file can import its neighbours, now and later
             sys.path.insert(0, str(path.parent))
