@@ -31,6 +31,9 @@ class CutPoint(nn.Module):
     carry gradients back; integer/bool tensors (ids, masks) cross without.
     """
 
+    _hook: CutHook | None  # plain attributes, not submodules: set with object.__setattr__
+    _cut_name: str
+
     def __init__(self) -> None:
         super().__init__()
         object.__setattr__(self, "_hook", None)

@@ -212,7 +212,7 @@ def make_batch_fn(dummy_inputs: Mapping[str, Any] | BatchFn, input_batch_dims: M
     return batch_fn, dims
 
 
-def _call_batch_fn(fn: BatchFn, n: int) -> dict:
+def _call_batch_fn(fn: Callable[..., object], n: int) -> dict[str, Any]:
     """``fn(n)``, or ``fn(n, device="cpu")`` for the original's ``get_batch_fn(size, device)`` whose ``device`` is
     required. Which one is read from the signature, never guessed from a ``TypeError``: one raised inside the
     function is its own error, not a sign that it wanted other arguments."""
@@ -589,7 +589,8 @@ def _has_meta_tensors(slots: list[tuple[str, torch.Tensor, bool]]) -> bool:
 
 def _slots(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     """Every (name, tensor, is_parameter) slot, shared objects listed under each of their names."""
-    out = [(n, p, True) for n, p in model.named_parameters(remove_duplicate=False)]
+    out: list[tuple[str, torch.Tensor, bool]] = [
+        (n, p, True) for n, p in model.named_parameters(remove_duplicate=False)]
     out += [(n, b, False) for n, b in model.named_buffers(remove_duplicate=False) if b is not None]
     return out
 

@@ -247,7 +247,7 @@ class StageSlice:
         slot_objects = dict(model.named_parameters(remove_duplicate=False))
         # One object per tie set on this stage, valued as the canonical slot.
         canonical_obj = {tie.canonical: slot_objects[tie.canonical] for tie in self.ties}
-        moved: dict[int, nn.Parameter] = {}
+        moved: dict[tuple[int, str], nn.Parameter] = {}  # (source, device type) -> its copy there
         for module_name, module in modules.items():
             for pname, param in list(module._parameters.items()):
                 if param is None:
@@ -280,7 +280,7 @@ class StageSlice:
 
     def _materialize(self, names: set[str]) -> None:
         """Give real values to the tensors of ``names`` that are on meta (their modules', on ``device``)."""
-        tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        tensors: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         tensors.update(self.model.named_buffers(remove_duplicate=False))
         on_meta = sorted(n for n in names if n in tensors and tensors[n].is_meta)
         if not on_meta:
@@ -453,7 +453,7 @@ class StageSlice:
 
     def _incoming_hook(self, cut: CutPoint, value: Any) -> Any:
         ctx = self._ctx
-        self._pre_cut.leave()
+        self._placeholders().leave()
         ctx.segment += 1
         ctx.incoming_seen = True
         self._seed()
@@ -565,13 +565,18 @@ class StageSlice:
             )
         return loss
 
+    def _placeholders(self) -> _PlaceholderWins:
+        """The watch before the incoming cut, which every stage but the first has."""
+        assert isinstance(self._pre_cut, _PlaceholderWins)
+        return self._pre_cut
+
     def _failed_on_meta(self, exc: Exception, inputs: dict) -> bool:
         """Whether the op that raised ``exc`` had a tensor on meta ([Note: meta failures]). Out of memory is
         never that, and is not worth a second run."""
         if isinstance(exc, torch.OutOfMemoryError):
             return False
         if not self._ctx.incoming_seen:
-            return _raised_by(exc, self._pre_cut.meta_failure)
+            return _raised_by(exc, self._placeholders().meta_failure)
         return self._replay_fails_on_meta(inputs)
 
     def _replay_fails_on_meta(self, inputs: dict) -> bool:
@@ -667,7 +672,7 @@ class _MetaOperands(TorchFunctionMode):
             raise
 
 
-def _raised_by(exc: BaseException, cause: BaseException | None) -> bool:
+def _raised_by(exc: BaseException | None, cause: BaseException | None) -> bool:
     """Whether ``exc`` is ``cause``, or was raised while handling it (user code may wrap torch's error)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
