@@ -13,6 +13,7 @@ averaged only in its fp16 path and never copied the reduced fp32 buffer back.)
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,7 @@ class GradBuffer:
 
     def all_reduce(self, group, *, timeout: float, describe: Callable[[], str], peer: int | None = None) -> None:
         """Sum the gradients over ``group`` in buckets of ``bucket_bytes``, all posted before any wait."""
-        works = []
+        works: list[Any] = []  # torch.distributed's work handles
         for flat in self.flats:
             step = max(1, self.bucket_bytes // flat.element_size())
             works.extend(dist.all_reduce(flat[start : start + step], group=group, async_op=True)

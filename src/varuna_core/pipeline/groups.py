@@ -130,11 +130,11 @@ def build_groups(topology: Topology, ties: list[TieSet], stage: int, replica: in
         if len(tie.stages) < 2:
             continue
         for r in range(topology.dp):
-            ranks = tuple(topology.rank(s, r) for s in tie.stages)
-            if ranks not in made:
-                made[ranks] = dist.new_group(list(ranks), timeout=delta)
+            tie_ranks = tuple(topology.rank(s, r) for s in tie.stages)
+            if tie_ranks not in made:
+                made[tie_ranks] = dist.new_group(list(tie_ranks), timeout=delta)
             if r == replica and stage in tie.stages:
-                groups.ties.append((tie, made[ranks]))
+                groups.ties.append((tie, made[tie_ranks]))
     return groups
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import CutPointError
+from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
 from ..model.discovery import Structure
 from .executor import PipelineExecutor
@@ -28,19 +28,26 @@ def reference_run(model: nn.Module, dummy_inputs: Any, batch_fn: Callable[[int],
     """The unsliced model's value at each cut and its loss on the dummy inputs (eval mode, no grad). A model
     built on meta runs with ``values`` (:class:`~varuna_core.model.lazy_values.ValueSource`), made as each op
     reads them."""
-    from ..model.cutpoint import find_cutpoints
+    from ..model.cutpoint import CutPoint, find_cutpoints
     from ..model.discovery import _quiet_run, extract_loss
     from ..model.lazy_values import on_touch
 
     inputs = dict(dummy_inputs) if isinstance(dummy_inputs, Mapping) else batch_fn(chunk_size)
     at_cuts: list[Any] = []
     cuts = find_cutpoints(model)
+
+    def record(cut: CutPoint, value: Any) -> Any:
+        at_cuts.append(torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value))
+        return value
+
     for cut in cuts.values():
-        cut.set_hook(lambda c, v: (at_cuts.append(torch.utils._pytree.tree_map(
-            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, v)), v)[1])
+        cut.set_hook(record)
     try:
         with _quiet_run(model), on_touch(model, values):
-            loss = extract_loss(model(**inputs)).detach().clone()
+            output = extract_loss(model(**inputs))
+            if output is None:  # discovery refused such a model already
+                raise ConfigError("the model's forward must return the loss as a scalar tensor")
+            loss = output.detach().clone()
     finally:
         for cut in cuts.values():
             cut.set_hook(None)

@@ -119,7 +119,7 @@ def profile_with(spec: ModelSpec | str, options: ProfileOptions, *, progress: Pr
     if nproc == 1:
         model_spec = load_spec(spec)
         structure = _structure(model_spec, precision)
-        return _measure(model_spec, structure, rank=0, world=1, progress=progress, **measuring)
+        return _measure_alone(model_spec, structure, progress=progress, **measuring)
     if not isinstance(spec, str):
         raise ConfigError("profiling with several processes needs the spec as a reference ('module:attr')",
                           hint="pass the string the spec is importable by, or use nproc=1")
@@ -221,7 +221,7 @@ class _SegmentBench:
         for t in tensors:
             if t.is_floating_point():
                 t.requires_grad_(grad)
-        hooks = contextlib.nullcontext()
+        hooks: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if saved is not None:
             seen: set[tuple[int, int]] = set()
             static = self.static_storages()
@@ -347,9 +347,10 @@ def _static_sizes(bench: _SegmentBench, repeats: int = 5) -> tuple[int, int, int
 
 def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, microbatch_sizes: list[int],
              precision: str, device: str, repeats: int, warmup: int, memory_limit: int | None,
-             progress: Progress | None, group=None) -> Profile | tuple:
-    """Measure this process's segments; with ``world > 1`` returns ``(segments, sizes, stopped)``."""
-    dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+             progress: Progress | None,
+             group: Any = None) -> tuple[list[SegmentProfile], list[int], StopReason | None]:
+    """Measure this process's segments: ``(segments, the sizes measured, why it stopped before the largest)``."""
+    dev = _device(device, rank)
     mine = _segments_of(rank, world, structure.num_segments)
     benches = {k: _SegmentBench(spec, structure, k, dev, precision) for k in mine}
     with user_code("the optimizer's step"):
@@ -400,9 +401,19 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
                        if k < len(structure.cut_names) else [])
         for k in mine
     ]
-    if world > 1:
-        return segments, done_sizes, stopped
-    return _assemble(spec, structure, segments, done_sizes, stopped, [], nproc=1, precision=precision, device=dev)
+    return segments, done_sizes, stopped
+
+
+def _measure_alone(spec: ModelSpec, structure: Structure, *, progress: Progress | None, **options: Any) -> Profile:
+    """The profile of every segment, measured in this one process (``options``: :func:`_measure`'s)."""
+    segments, sizes, stopped = _measure(spec, structure, rank=0, world=1, progress=progress, **options)
+    return _assemble(spec, structure, segments, sizes, stopped, [], nproc=1, precision=options["precision"],
+                     device=_device(options["device"], 0))
+
+
+def _device(device: str, rank: int) -> torch.device:
+    """Where process ``rank`` measures: its own GPU for ``cuda``."""
+    return torch.device(device, rank) if device == "cuda" else torch.device("cpu")
 
 
 def _agree_failure(failure, world: int, device: torch.device, group) -> tuple[int, str] | None:
@@ -559,9 +570,9 @@ def profile_in_job(spec: ModelSpec, options: dict, progress: Progress | None = N
     if rank == 0 and on_total is not None:
         on_total(structure.num_segments * len(options["microbatch_sizes"]))
     if world == 1:
-        return _measure(spec, structure, rank=0, world=1, progress=progress, **options)
+        return _measure_alone(spec, structure, progress=progress, **options)
     segments, sizes, stopped = _measure(spec, structure, rank=rank, world=world, progress=progress, **options)
-    dev = torch.device(options["device"], rank) if options["device"] == "cuda" else torch.device("cpu")
+    dev = _device(options["device"], rank)
     hosts: list = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     link = "inter" if len(set(hosts)) > 1 else "intra"
@@ -589,8 +600,14 @@ def _worker(job_path: str, out_dir: str) -> None:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
         store = dist.distributed_c10d._get_default_store()
         spec = load_spec(job["spec"])
-        step = lambda done, total, what: store.add(f"done/{rank}", 1)  # noqa: E731
-        result = profile_in_job(spec, options, progress=step, on_total=lambda total: store.add("total", total))
+
+        def step(done: int, total: int, what: str) -> None:
+            store.add(f"done/{rank}", 1)
+
+        def on_total(total: int) -> None:
+            store.add("total", total)
+
+        result = profile_in_job(spec, options, progress=step, on_total=on_total)
         if result is not None:
             (Path(out_dir) / "profile.json").write_text(result.model_dump_json())
         dist.destroy_process_group()
