@@ -42,7 +42,7 @@ def describe_mode(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: str | os.PathLike, *, what: str = "file", follow: bool = True, extra_flags: int = 0,
+def open_regular(path: str | os.PathLike[str], *, what: str = "file", follow: bool = True, extra_flags: int = 0,
                  error: type[VarunaError] = ConfigError) -> int:
     """A read-only descriptor of the regular file ``path`` (``O_NONBLOCK`` is cleared again once it is known to
     be one). ``follow=False`` refuses a symbolic link as the last component.
@@ -76,7 +76,7 @@ def open_regular(path: str | os.PathLike, *, what: str = "file", follow: bool = 
     return fd
 
 
-def read_regular(path: str | os.PathLike, limit: int, *, what: str = "file", follow: bool = True,
+def read_regular(path: str | os.PathLike[str], limit: int, *, what: str = "file", follow: bool = True,
                  error: type[VarunaError] = ConfigError) -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` of them (see :func:`open_regular`).
 
@@ -106,7 +106,7 @@ def read_regular(path: str | os.PathLike, limit: int, *, what: str = "file", fol
     return b"".join(chunks)
 
 
-def read_text(path: str | os.PathLike, limit: int, *, what: str = "file",
+def read_text(path: str | os.PathLike[str], limit: int, *, what: str = "file",
               error: type[VarunaError] = ConfigError) -> str:
     """The UTF-8 text (a byte-order mark allowed) of the regular file ``path`` of at most ``limit`` bytes; a byte
     that is not UTF-8 is an ``error`` naming its line."""
@@ -119,7 +119,7 @@ def read_text(path: str | os.PathLike, limit: int, *, what: str = "file",
                     hint="is it the right file?") from None
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str, *, mode: int = 0o644, durable: bool = False) -> None:
+def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644, durable: bool = False) -> None:
     """Replace ``path`` with ``data`` atomically: written to a new file of a random name beside it (``O_EXCL``,
     created with mode 0600 and given ``mode`` once written), fsynced with ``durable``, then renamed over
     ``path``. A crash leaves the old content or the new one; the temporary file never outlives a failure."""

@@ -130,7 +130,7 @@ def plain_signature(fn: Callable[..., Any]) -> str:
                                  return_annotation=inspect.Signature.empty))
 
 
-def check_call(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *, what: str,
+def check_call(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *, what: str,
                hint: str = "see ModelSpec's documentation for the arguments each function gets") -> None:
     """Refuse a call of ``fn`` that its signature does not take (bad input: a :class:`ConfigError`). A function
     whose signature cannot be read is let through: the call itself will tell."""

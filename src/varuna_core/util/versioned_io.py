@@ -115,7 +115,7 @@ def read_artifact(path: str | Path, limit: int, what: str, hint: str) -> str:
     return read_text(path, limit, what=what)
 
 
-def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """``object_pairs_hook`` for :func:`json.loads` that refuses a key given twice (JSON allows it; the last
     would silently win)."""
     out = {}
@@ -135,7 +135,7 @@ def parse_json(text: str, path: str | Path, what: str) -> Any:
         raise ConfigError(f"{path} is not a valid {what}: not JSON: {exc}") from None
 
 
-def check_document(data: Any, path: str | Path, what: str, remake: str) -> dict:
+def check_document(data: Any, path: str | Path, what: str, remake: str) -> dict[str, Any]:
     """``data`` as the mapping of fields an artifact is, of format version 1."""
     if not isinstance(data, dict):
         found = "is empty" if data is None else f"holds {short_repr(data, 40)}, not a mapping of fields"
@@ -178,7 +178,8 @@ def _yaml_loader() -> type[yaml.SafeLoader]:
                         raise ConstructorError(None, None, f"key {key.value!r} appears twice in one mapping",
                                                key.start_mark)
                     seen.add(key.value)
-            return super().construct_mapping(node, deep)
+            mapping: dict[Any, Any] = super().construct_mapping(node, deep)
+            return mapping
 
     return UniqueKeySafeLoader
 

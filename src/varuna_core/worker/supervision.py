@@ -86,7 +86,7 @@ class Supervision:
 
     def __init__(self, rank: int, *, stage: int = 0, replica: int = 0, samples: int | None = None,
                  save: Callable[..., Any], load: Callable[[str, int], int],
-                 progress: Callable[[], Progress | tuple], told: WorkerEnv | None = None) -> None:
+                 progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load = save, load
         self._progress = progress
