@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo bench bench-memory bench-sim bench-ckpt bench-morph bench-chaos clean distclean
+.PHONY: help setup lint test demo bench bench-memory bench-sim bench-ckpt bench-morph bench-chaos clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -37,7 +37,12 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.hpp src/*/*
 	$(PIP) install -e ".[dev,hf]"
 	@touch $@
 
-test: setup ## run the test suite (PYTEST_ARGS="-k env" to select, TEST_WORKERS=0 to run it serially)
+# ruff over every Python file, mypy over src/ (both configured in pyproject.toml; mypy keeps its cache in .mypy_cache)
+lint: setup ## ruff and mypy, with zero findings (`make test` runs it first)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: setup lint ## lint, then run the test suite (PYTEST_ARGS="-k env" to select, TEST_WORKERS=0 to run it serially)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The whole workflow on the example char-level GPT, in runs/demo (about 2 minutes on 2 CPU cores): profile it
@@ -98,7 +103,7 @@ bench-chaos: setup ## inject crashes, lost hosts, hangs, preemptions and a corru
 	OMP_NUM_THREADS=1 $(PY) benchmarks/chaos.py $(BENCH_ARGS)
 
 clean: ## remove caches and build output (keeps the venv; forces `setup` to re-run)
-	rm -rf build dist runs .pytest_cache src/*.egg-info $(STAMP)
+	rm -rf build dist runs .pytest_cache .mypy_cache .ruff_cache src/*.egg-info $(STAMP)
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean ## also remove the venv

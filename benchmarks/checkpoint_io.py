@@ -584,8 +584,9 @@ def _bootstrap_overhead(base: list[float], copying: list[float], rounds: int = 2
 
     rng = random.Random(0)
     draws = sorted(
-        (statistics.median(rng.choices(copying, k=len(copying))) - (m := statistics.median(rng.choices(base, k=len(base)))))
-        / m for _ in range(rounds))
+        (statistics.median(rng.choices(copying, k=len(copying)))
+         - (m := statistics.median(rng.choices(base, k=len(base))))) / m
+        for _ in range(rounds))
     return [draws[int(0.025 * rounds)], draws[int(0.975 * rounds) - 1]]
 
 
@@ -632,8 +633,8 @@ def build_report(args, disk: dict, mount: dict, job: dict, ranks: list[dict], el
     base = [max(b["base_s"][i] for b in bgs) for i in range(n)]
     timed = [max(b["timed_s"][i] for b in bgs) for i in range(n)]
     flying = [any(b["in_flight"][i] for b in bgs) for i in range(n)]
-    copying = [t for t, f in zip(timed, flying) if f]
-    quiet = [t for t, f in zip(timed, flying) if not f]
+    copying = [t for t, f in zip(timed, flying, strict=True) if f]
+    quiet = [t for t, f in zip(timed, flying, strict=True) if not f]
     calls = []
     for c in range(len(bgs[0]["calls"])):
         per_rank = [b["calls"][c] for b in bgs]
@@ -721,8 +722,8 @@ def print_report(rep: dict) -> None:
         print(f"   the same write into the pages the first file just freed is {d['rewrite_Bps'] / d['write_Bps']:.1f}x "
               f"faster: writing into never-touched memory is bound by first-touch page faults (a VM that returns free "
               f"memory to its host), not by the disk")
-    print(f"   reference for the verdicts (the fastest figure above but the hot read): write {_mbps(d['ref_write_Bps'])}, "
-          f"read {_mbps(d['ref_read_Bps'])}")
+    print(f"   reference for the verdicts (the fastest figure above but the hot read): "
+          f"write {_mbps(d['ref_write_Bps'])}, read {_mbps(d['ref_read_Bps'])}")
     md = c["model"]
     print(f"\n2. checkpoint of {md['blocks']} x Linear({md['width']}, {md['width']}) = "
           f"{md['param_bytes'] / MB:,.0f} MB fp32 parameters + AdamW state {md['optim_bytes'] / MB:,.0f} MB, "
@@ -773,11 +774,11 @@ def print_report(rep: dict) -> None:
             print(f"   CPU the copy threads used: {', '.join(f'{c:.2f}' for c in b['copy_cpu_s_by_rank'])} s in all "
                   f"(rank 0/1/..) = {b['copy_cpu_vs_steps']:.1%} of one core over the steps they overlapped")
     print(f"   waits for the previous checkpoint (and the last one at the end): {b['waits_s']:.2f} s in total")
-    print("   inside the calls and the copy threads (rank " + "/".join(str(i) for i in range(len(b['thread_parts_by_rank'])))
-          + f"): {_parts(b['thread_parts_by_rank'])}")
+    ranks = "/".join(str(i) for i in range(len(b["thread_parts_by_rank"])))
+    print(f"   inside the calls and the copy threads (rank {ranks}): {_parts(b['thread_parts_by_rank'])}")
     print(f"   step times without (ms): {' '.join(f'{t * 1e3:.0f}' for t in b['base_step_s'])}")
     print("   step times with    (ms): "
-          + " ".join(f"{t * 1e3:.0f}{'*' if f else ''}" for t, f in zip(b["ckpt_step_s"], b["in_flight"]))
+          + " ".join(f"{t * 1e3:.0f}{'*' if f else ''}" for t, f in zip(b["ckpt_step_s"], b["in_flight"], strict=True))
           + "   (* = a copy was in flight when the step started)")
     v = rep["verdicts"]
     print("\nverdicts (targets from the issue):")
@@ -788,9 +789,11 @@ def print_report(rep: dict) -> None:
     ov = "n/a" if b["overhead"] is None else f"{b['overhead']:+.1%}"
     waited = (f"; training also waited {b['waits_s']:.2f} s for copies still running at the next checkpoint"
               if b["waits_s"] > 0.01 else "")
-    print(f"   background overhead <= {TARGET_OVERHEAD:.0%} beyond the local write:  {ok[v['background']]} ({ov}{waited})")
+    print(f"   background overhead <= {TARGET_OVERHEAD:.0%} beyond the local write:  "
+          f"{ok[v['background']]} ({ov}{waited})")
     e = rep["elapsed_s"]
-    print(f"\nelapsed: {'waiting for an idle machine %.0f s, ' % e['waited_idle'] if e['waited_idle'] else ''}"
+    idle = f"waiting for an idle machine {e['waited_idle']:.0f} s, " if e["waited_idle"] else ""
+    print(f"\nelapsed: {idle}"
           f"disk {e['disk']:.0f} s, workers {e['workers']:.0f} s, total {e['total']:.0f} s")
 
 

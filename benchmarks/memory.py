@@ -60,7 +60,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the sibling benchmark whose launch and DeepSpeed helpers this one reuses
     sys.path.insert(0, str(HERE))
 
-from pipeline_vs_peers import (
+from pipeline_vs_peers import (  # noqa: E402 - found through the sys.path entry above
     DS_INSTALL,
     GPT_DIR,
     ROOT,
@@ -69,7 +69,7 @@ from pipeline_vs_peers import (
     pip_command,
 )
 
-from varuna_core.util.procs import run_workers
+from varuna_core.util.procs import run_workers  # noqa: E402
 
 PP = 4
 DEEPSPEED = "deepspeed"
@@ -531,7 +531,7 @@ def _setup_deepspeed(job: Job):
     engine, *_ = deepspeed.initialize(model=module, optimizer=job.make_optimizer(params), config=config)
 
     def step(batch: dict) -> float:
-        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs))
+        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs), strict=True)
         return float(engine.train_batch(iter(micro)))
 
     return step, sum(p.numel() for p in params)

@@ -504,8 +504,7 @@ def main() -> int:
         tmp = Path(args.keep) if args.keep else Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)
         prof = _profile(args, sizes, tmp)
-        for cfg in configs(args.quick, sizes):
-            rows.append(measure(cfg, prof, args, tmp))
+        rows.extend(measure(cfg, prof, args, tmp) for cfg in configs(args.quick, sizes))
     meta = {"cpus": os.cpu_count(), "torch": torch.__version__, "device": args.device,
             "size": dataclasses.asdict(args.size), "batch_size": args.batch_size, "microbatch_sizes": list(sizes),
             "warmup": args.warmup, "steps": args.steps, "malloc": args.malloc, "quick": args.quick,

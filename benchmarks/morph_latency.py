@@ -77,7 +77,8 @@ def phases(evs: list[dict], attempt: int) -> dict:
         "load": t_resumed - t_ready,
         "first step": first["t"] - t_resumed,
     }
-    return {"reason": changed["reason"], "from": f"pp={at('starting', attempt)['pp']} dp={at('starting', attempt)['dp']}",
+    before = at("starting", attempt)
+    return {"reason": changed["reason"], "from": f"pp={before['pp']} dp={before['dp']}",
             "to": f"pp={starting['pp']} dp={starting['dp']}", "resume_step": starting["resume"],
             "split_s": split, "total_s": first["t"] - changed["t"]}
 
@@ -114,10 +115,11 @@ def main() -> int:
         ssh = cluster.launcher_args()
         run = work / "run"
         total_steps = 3 * args.warm + 30
-        launcher = subprocess.Popen(
-            [str(VARUNA), "launch", str(work / "plan.yaml"), "--hosts", str(hosts), "--morph", *ssh,
-             "--run-dir", str(run), "--", "examples/gpt/train.py", "--batch-size", "32", "--steps",
-             str(total_steps)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(work / "launcher.log", "w"))
+        with open(work / "launcher.log", "w") as launcher_log:  # the launcher writes to its own copy
+            launcher = subprocess.Popen(
+                [str(VARUNA), "launch", str(work / "plan.yaml"), "--hosts", str(hosts), "--morph", *ssh,
+                 "--run-dir", str(run), "--", "examples/gpt/train.py", "--batch-size", "32", "--steps",
+                 str(total_steps)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=launcher_log)
 
         def wait(cond, what: str, timeout: float = 300) -> None:
             end = time.monotonic() + timeout

@@ -210,8 +210,8 @@ def worker(spec_path: str, out_path: str) -> None:
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(GPT_DIR))
-    from data import CharDataset  # noqa: E402
-    from model import GPT, GPTConfig  # noqa: E402
+    from data import CharDataset
+    from model import GPT, GPTConfig
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _init_process_group(spec["contender"], rank, world, float(spec["timeout"]))
@@ -320,7 +320,7 @@ def _peer_parts(cfg):
 def _setup_ours(job: _Job):
     """(step, params, param names) of ours: Varuna with the contender's schedule and the same split."""
     import torch
-    from model import SHARED_WEIGHTS  # noqa: E402
+    from model import SHARED_WEIGHTS
 
     from varuna_core import Varuna
 
@@ -385,7 +385,7 @@ def _setup_deepspeed(job: _Job):
     def step(batch: dict) -> float | None:
         # train_batch pulls M (inputs, targets) micro-batches, runs the 1F1B schedule, the optimizer step and
         # zero_grad, and returns the mean loss on every stage.
-        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs))
+        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs), strict=True)
         return float(engine.train_batch(iter(micro)))
 
     return step, params, param_names
@@ -599,7 +599,7 @@ class SlowNetwork:
             a, b = self.namespaces
             self._must("cannot create a veth pair", ["ip", "link", "add", "name", IFNAME, "netns", a, "type", "veth",
                                                      "peer", "name", IFNAME, "netns", b])
-            for ns, address in zip(self.namespaces, self.addresses):
+            for ns, address in zip(self.namespaces, self.addresses, strict=True):
                 self._must("cannot configure the link", ["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", IFNAME])
                 self._must("cannot configure the link", ["ip", "-n", ns, "link", "set", IFNAME, "up"])
                 self._must("cannot configure the link", ["ip", "-n", ns, "link", "set", "lo", "up"])
@@ -890,15 +890,15 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
                   "barrier); median/p10/p90 over measured steps; best round by median; peak RSS = VmHWM per rank, "
                   "max over rounds",
         "notes": [
-            "torch contenders: lm_head has its own weight (initialised to a copy of wte), because torch "
-            "pipelining has no cross-stage tied weights; same compute. Ours keeps the tie and all-reduces "
-            "its gradient between the stages every step (and all-reduces the loss so every rank returns it).",
-            "DeepSpeed: PipelineModule over [embeddings, blocks..., ln_f, head] with the same untied head; "
-            "engine.train_batch() = its 1F1B schedule + optimizer step; fp32, no ZeRO; it broadcasts the loss "
-            "to every stage.",
-            "step-1 losses should match (same initial values); later losses differ for torch and DeepSpeed "
-            "because the untied head and embedding get different updates, but torch's and DeepSpeed's agree "
-            "with each other (the same untied model and updates).",
+            ("torch contenders: lm_head has its own weight (initialised to a copy of wte), because torch "
+             "pipelining has no cross-stage tied weights; same compute. Ours keeps the tie and all-reduces "
+             "its gradient between the stages every step (and all-reduces the loss so every rank returns it)."),
+            ("DeepSpeed: PipelineModule over [embeddings, blocks..., ln_f, head] with the same untied head; "
+             "engine.train_batch() = its 1F1B schedule + optimizer step; fp32, no ZeRO; it broadcasts the loss "
+             "to every stage."),
+            ("step-1 losses should match (same initial values); later losses differ for torch and DeepSpeed "
+             "because the untied head and embedding get different updates, but torch's and DeepSpeed's agree "
+             "with each other (the same untied model and updates)."),
         ],
         "same_split": same_split,
         "stage_params": split,
@@ -961,9 +961,9 @@ def _report_header(report: dict) -> list[str]:
         f"block_size {cfg['block_size']}, {cfg['total_params'] or 0:,} params (tied), torch {cfg['torch']}"
         + (f", DeepSpeed {cfg['deepspeed']}" if cfg["deepspeed"] else ""),
         f"network: {cfg['network']}",
-        f"pipeline: {cfg['stages']} stages x 1 replica, gloo, 1 thread/process; {cfg['microbatches']} micro-batches "
-        f"of {cfg['microbatch_size']} (batch {cfg['batch_size']}); SGD lr {cfg['lr']}; "
-        f"{cfg['warmup']} warm-up + {cfg['steps']} measured steps, {cfg['rounds']} round(s)",
+        (f"pipeline: {cfg['stages']} stages x 1 replica, gloo, 1 thread/process; {cfg['microbatches']} micro-batches "
+         f"of {cfg['microbatch_size']} (batch {cfg['batch_size']}); SGD lr {cfg['lr']}; "
+         f"{cfg['warmup']} warm-up + {cfg['steps']} measured steps, {cfg['rounds']} round(s)"),
         f"split: {cfg['split']}",
         f"timing: {report['method']}",
     ]
@@ -1046,9 +1046,9 @@ def print_report(report: dict) -> None:
 
 def _plain_table(headers: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     for r in rows:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
 
 
 if __name__ == "__main__":

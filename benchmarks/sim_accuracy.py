@@ -375,7 +375,7 @@ def resimulate(plan, stages: list[dict], *, overhead: bool) -> float:
     for st in sorted((x for x in stages if x["replica"] == 0), key=lambda x: x["stage"]):
         p = plan.stages[st["stage"]]
         extra = st["overhead_per_action_s"] if overhead else 0.0
-        pick = lambda measured, predicted: (measured if measured is not None else predicted) + extra  # noqa: E731
+        pick = lambda measured, predicted: (measured if measured is not None else predicted) + extra  # noqa: E731, B023 - used in this iteration
         costs.append(StageCosts(pick(st["mean_F_s"], p.forward), pick(st["mean_R_s"], p.recompute),
                                 pick(st["mean_B_s"], p.backward), p.send_activation, p.send_gradient, 0.0))
     return simulate(generate(plan.schedule, plan.pp, plan.num_microbatches), costs).pipeline_time
@@ -430,7 +430,7 @@ def measure_model(name: str, ref: str, configs: list[Config], sizes: list[int], 
             pred_busy = sum(x["predicted_busy_s"] for x in first)
             try:
                 resim, resim_ovh = resimulate(plan, stages, overhead=False), resimulate(plan, stages, overhead=True)
-            except Exception as exc:  # a diagnostic only: never lose the run for it
+            except Exception as exc:  # noqa: BLE001 - a diagnostic only: never lose the run for it
                 log(f"[{name}] re-simulation failed: {type(exc).__name__}: {exc}")
                 resim = resim_ovh = None
             row.update(measured_s=measured, error=None, rel_error=(row["predicted_s"] - measured) / measured,

@@ -128,7 +128,7 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     problems: list[str] = []
     try:
         for fault in faults:
-            launch.wait_for(lambda: _progress(launch) >= fault.step, timeout=timeout)
+            launch.wait_for(lambda: _progress(launch) >= fault.step, timeout=timeout)  # noqa: B023 - waited for here
             say(f"step {_progress(launch)}: {fault.kind} (target {fault.target})")
             before = _trained_attempts(launch)
             fault.detail = _inject(fault, launch, cluster, hosts, lines, run_dir / "checkpoints")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from devtools.procs import Proc, live_processes
 
-__all__ = ["ROOT", "VARUNA", "Launch", "LaunchFailed", "profile_example_gpt", "make_plan", "read_reports", "read_steps", "read_events", "job_processes",
-           "worker_pid", "agent_pids", "process_environ", "listening_addresses"]
+__all__ = ["ROOT", "VARUNA", "Launch", "LaunchFailed", "profile_example_gpt", "make_plan", "read_reports", "read_steps",
+           "read_events", "job_processes", "worker_pid", "agent_pids", "process_environ", "listening_addresses"]
 
 ROOT = Path(__file__).resolve().parents[1]
 VARUNA = Path(sys.executable).parent / "varuna"
@@ -47,7 +47,7 @@ class Launch:
     def __init__(self, args: list[str], run_dir: Path, timeout: float, env: dict[str, str] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.deadline = time.monotonic() + timeout
-        self.log = open(self.run_dir.parent / f"{self.run_dir.name}.launcher.log", "w")
+        self.log = open(self.run_dir.parent / f"{self.run_dir.name}.launcher.log", "w")  # noqa: SIM115 - see close()
         self.proc = subprocess.Popen([str(VARUNA), "launch", *args], cwd=ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_as_in_a_terminal,
                                      env=dict(os.environ, OMP_NUM_THREADS="1", VARUNA_TIMEOUT="60", **(env or {})))

@@ -101,7 +101,7 @@ class HostCluster:
         """The ``varuna launch`` flags that reach these hosts: their key and known_hosts."""
         args = ["--ssh-identity", str(self.identity)]
         opts = self.ssh_options()
-        for flag, value in zip(opts[::2], opts[1::2]):
+        for flag, value in zip(opts[::2], opts[1::2], strict=True):
             if flag == "-o":
                 args += ["--ssh-option", value]
         return args
@@ -372,7 +372,7 @@ def _check_logins(cluster: HostCluster) -> None:
     procs = [subprocess.Popen(cluster._ssh_argv(h, "true"), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for h in cluster.hosts]
     failures = []
-    for host, proc in zip(cluster.hosts, procs):
+    for host, proc in zip(cluster.hosts, procs, strict=True):
         try:
             _, err = proc.communicate(timeout=_READY_TIMEOUT)
         except subprocess.TimeoutExpired:

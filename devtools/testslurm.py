@@ -122,11 +122,11 @@ def start_slurm(workdir: Path) -> SlurmCluster:
         for sub in ("state", "spool", "log"):
             (workdir / sub).mkdir(exist_ok=True)
         cluster.conf.write_text(_config(workdir, node, _free_port(), _free_port()))
-        log = open(workdir / "log" / "daemons.out", "ab")
-        for argv in (["slurmctld", "-D", "-i", "-f", str(cluster.conf)],
-                     ["slurmd", "-D", "-N", node, "-f", str(cluster.conf)]):
-            cluster.daemons.append(subprocess.Popen(argv, env=cluster.env, stdin=subprocess.DEVNULL, stdout=log,
-                                                    stderr=subprocess.STDOUT, start_new_session=True))
+        with open(workdir / "log" / "daemons.out", "ab") as log:  # the daemons write to their own copies
+            for argv in (["slurmctld", "-D", "-i", "-f", str(cluster.conf)],
+                         ["slurmd", "-D", "-N", node, "-f", str(cluster.conf)]):
+                cluster.daemons.append(subprocess.Popen(argv, env=cluster.env, stdin=subprocess.DEVNULL, stdout=log,
+                                                        stderr=subprocess.STDOUT, start_new_session=True))
         _wait_idle(cluster)
     except BaseException:
         cluster.close()

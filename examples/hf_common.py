@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpt"))  # the character data of the example GPT
 
-from data import CharDataset  # noqa: E402
+from data import CharDataset
 
-from varuna_core import ModelSpec, Varuna  # noqa: E402
+from varuna_core import ModelSpec, Varuna
 
 __all__ = ["CharDataset", "main", "model_spec"]
 

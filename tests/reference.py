@@ -27,8 +27,8 @@ the collective's own order would have to be mirrored; such tests state their tol
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn

@@ -4,7 +4,7 @@ gradients go back the same way. For checking slicing (skips, stand-ins, ties) wi
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -51,7 +51,7 @@ def pipelined(make_model: Callable[[], nn.Module], ranges: list[tuple[int, int]]
     for s in range(len(stages) - 2, -1, -1):
         sent = [t for t in pytree.tree_leaves(outs[s]) if isinstance(t, torch.Tensor)]
         got = [t for t in pytree.tree_leaves(ins[s + 1]) if isinstance(t, torch.Tensor)]
-        pairs = [(o, g.grad if g.grad is not None else torch.zeros_like(g)) for o, g in zip(sent, got)
+        pairs = [(o, g.grad if g.grad is not None else torch.zeros_like(g)) for o, g in zip(sent, got, strict=True)
                  if o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     grads: dict[str, torch.Tensor] = {}

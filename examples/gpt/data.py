@@ -35,7 +35,7 @@ class CharDataset:
         self.splits = {"train": data[:n_train], "val": data[n_train:]}
 
     @classmethod
-    def load(cls, path: str | Path = DEFAULT_TEXT) -> "CharDataset":
+    def load(cls, path: str | Path = DEFAULT_TEXT) -> CharDataset:
         return cls(Path(path).read_text(encoding="utf-8"))
 
     def encode(self, s: str) -> list[int]:

@@ -163,7 +163,7 @@ class GPT(nn.Module):
 
     def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> final hidden states [B, T, C], passing every CutPoint once."""
-        B, T = idx.shape
+        _, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, dtype=torch.long, device=idx.device)  # [T]

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from data import CharDataset  # noqa: E402
-from model import GPT, GPTConfig, generate  # noqa: E402
+from data import CharDataset
+from model import GPT, GPTConfig, generate
 
 
 def main() -> None:

@@ -9,10 +9,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from data import CharDataset  # noqa: E402
-from model import GPT, SHARED_WEIGHTS, GPTConfig  # noqa: E402
+from data import CharDataset
+from model import GPT, SHARED_WEIGHTS, GPTConfig
 
-from varuna_core import ModelSpec, meta_init  # noqa: E402
+from varuna_core import ModelSpec, meta_init
 
 BLOCK_SIZE = 64
 _data = CharDataset.load()

@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # model.py and data.py sit next to this script
 
-from data import CharDataset  # noqa: E402
-from model import GPT, SHARED_WEIGHTS, GPTConfig  # noqa: E402
+from data import CharDataset
+from model import GPT, SHARED_WEIGHTS, GPTConfig
 
-from varuna_core import Varuna, meta_init  # noqa: E402
+from varuna_core import Varuna, meta_init
 
 
 def parse_args() -> argparse.Namespace:

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import SHARED_WEIGHTS, SampleModel, Text  # noqa: E402
+from model import SHARED_WEIGHTS, SampleModel, Text
 
-from varuna import Profiler  # noqa: E402
+from varuna import Profiler
 
 
 def parse_args():

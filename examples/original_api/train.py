@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import SHARED_WEIGHTS, SampleModel, Text  # noqa: E402
+from model import SHARED_WEIGHTS, SampleModel, Text
 
-from varuna import Varuna, get_this_rank_config_varuna, get_varuna_config  # noqa: E402
+from varuna import Varuna, get_this_rank_config_varuna, get_varuna_config
 
 
 def parse_args():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from importlib import metadata
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -29,17 +29,20 @@ from varuna_core.env import DEBUG, debug
 from varuna_core.errors import VarunaError
 from varuna_core.util.text import one_line
 
-try:  # recent typer releases carry their own copy of click
+if TYPE_CHECKING:  # checked against the typer installed, which carries its own copy of click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
-except ImportError:  # pragma: no cover - older typer uses click itself
-    from click.exceptions import ClickException, UsageError
+else:
+    try:  # recent typer releases carry their own copy of click
+        from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+    except ImportError:  # pragma: no cover - older typer uses click itself
+        from click.exceptions import ClickException, UsageError
 
-    try:
-        from click.exceptions import NoArgsIsHelpError
-    except ImportError:  # click before 8.2 shows the help without raising
+        try:
+            from click.exceptions import NoArgsIsHelpError
+        except ImportError:  # click before 8.2 shows the help without raising
 
-        class NoArgsIsHelpError(UsageError):
-            """Never raised by this click."""
+            class NoArgsIsHelpError(UsageError):
+                """Never raised by this click."""
 
 __all__ = ["app", "main", "version"]
 
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=args, prog_name="varuna", standalone_mode=False)
     except SystemExit:
         raise
-    except BaseException as err:  # noqa: BLE001 - the last line of defence: one line, not a traceback
+    except BaseException as err:  # the last line of defence: one line, not a traceback
         if _debug() and not isinstance(err, UsageError):
             raise
         _report(err)

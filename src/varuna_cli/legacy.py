@@ -67,7 +67,7 @@ LAUNCH_OPTIONS = {
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose mistakes are the toolkit's one-line errors (exit 2), not a usage dump."""
 
-    def error(self, message: str):  # noqa: D102 - argparse's hook
+    def error(self, message: str):  # argparse's hook
         raise ConfigError(f"run_varuna: {message}", hint="see `python -m varuna.run_varuna --help`")
 
 
@@ -117,8 +117,8 @@ def make_plan_for(nstages: int | None, chunk_size: int | None, batch_size: int, 
 
     if profile_path is not None:
         return _planned(nstages, chunk_size, batch_size, devices, per_node, profile_path)
-    missing = [name for name, value in (("--nstages", nstages), ("--chunk_size", chunk_size)) if value is None]
-    if missing:
+    if nstages is None or chunk_size is None:
+        missing = [name for name, value in (("--nstages", nstages), ("--chunk_size", chunk_size)) if value is None]
         raise ConfigError(f"{' and '.join(missing)} not given, and no profile to plan from",
                           hint="give --nstages and --chunk_size, or --profile_folder DIR holding a profile.json "
                                "(`varuna profile`, or the Profiler class)")
@@ -137,6 +137,7 @@ def _planned(nstages, chunk_size, batch_size, devices, per_node, profile_path: P
     """A plan from the profile: searched, or at ``nstages`` stages; the batch then rounded to the replicas."""
     import dataclasses
 
+    from varuna_core.ir.schedule import check_schedule
     from varuna_core.planning.artifacts import load_profile
     from varuna_core.planning.planner import PlanRequest, make_plan
 
@@ -147,7 +148,7 @@ def _planned(nstages, chunk_size, batch_size, devices, per_node, profile_path: P
     if plan.batch_size % plan.dp:  # each worker gets --batch-size = batch // dp: keep the plan equal to that
         batch = plan.batch_size // plan.dp * plan.dp
         plan = _at_depth(profile, dataclasses.replace(request, batch_size=batch, microbatch_sizes=(
-            plan.microbatch_size,), schedules=(plan.schedule,)), plan.pp)
+            plan.microbatch_size,), schedules=(check_schedule(plan.schedule),)), plan.pp)
         plan.assumptions.append(f"global batch {batch_size} rounded down to {batch}, a multiple of the {plan.dp} "
                                 f"replicas (as the original launcher did)")
     plan.profile_path = str(profile_path.resolve())
@@ -171,7 +172,7 @@ def _at_depth(profile, request, pp: int):
             except VarunaError as exc:
                 why = exc.message
                 continue
-            if best is None or plan.prediction.step_time < best.prediction.step_time:
+            if best is None or plan.predicted().step_time < best.predicted().step_time:
                 best = plan
     if best is None:
         raise ConfigError(f"no plan with --nstages {pp} on {request.gpus} devices: {why}",
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(done.exit_code)
     except SystemExit:
         raise
-    except BaseException as err:  # noqa: BLE001 - one line, not a traceback (VARUNA_DEBUG=1 shows it)
+    except BaseException as err:  # one line, not a traceback (VARUNA_DEBUG=1 shows it)
         if debug():
             raise
         _report(err)

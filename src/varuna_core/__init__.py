@@ -22,10 +22,11 @@ import importlib
 from typing import Any
 
 try:
+    from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as _version
 
     __version__ = _version("varuna")
-except Exception:  # pragma: no cover - running from a source tree without installation
+except PackageNotFoundError:  # pragma: no cover - running from a source tree without installation
     __version__ = "0.0.0"
 
 _EXPORTS = {
@@ -48,7 +49,7 @@ _EXPORTS = {
     "WeightSource": "model.weights",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = ["__version__", *_EXPORTS]  # noqa: PLE0604 - _EXPORTS' keys are strings
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 from .errors import ConfigError
 from .util.checks import env_integer
@@ -111,7 +112,7 @@ class WorkerEnv:
         """Read and check the variables (a malformed number or manager address is a ConfigError naming the
         variable). Names are read as they are set (``exact``): ``"run\n"`` is a mistake to report, not a name."""
         environ = os.environ if environ is None else environ
-        values: dict[str, object] = {}
+        values: dict[str, Any] = {}  # the fields' values, of their several types
         for f in fields(cls):
             name = cls.variable(f.name)
             if f.name in _INTEGERS:
@@ -145,7 +146,7 @@ _EXACT = {"run_id"}
 # Variables the launcher sets for every worker, and the `varuna launch` option that sets each (None: no option;
 # every worker gets its own value). An env file may not set them.
 LAUNCHER_SET: dict[str, str | None] = {
-    **{name: None for name in TORCHRUN},
+    **dict.fromkeys(TORCHRUN),
     **{WorkerEnv.variable(f.name): None for f in fields(WorkerEnv)},
     PLAN: "the PLAN argument", "VARUNA_CKPT_DIR": "--ckpt-dir", "VARUNA_RUN_DIR": "--run-dir",
     "VARUNA_RESUME_STEP": "--resume", "VARUNA_CKPT_EVERY": "--ckpt-every", "VARUNA_CKPT_KEEP": "--ckpt-keep",

@@ -77,7 +77,7 @@ class FieldError(ConfigError):
         """The same error about the same value, with the field called ``name``."""
         return type(self)(name, self.problem, hint=self.hint)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[FieldError], tuple[str, str], dict[str, object]]:
         return type(self), (self.field, self.problem), self.__dict__
 
 
@@ -140,5 +140,5 @@ class InternalError(VarunaError):
                                       "output of `varuna env`")
         self.detail = message
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[InternalError], tuple[str], dict[str, object]]:
         return type(self), (self.detail,), self.__dict__

@@ -39,4 +39,4 @@ if __name__ == "__main__":  # python -m varuna_core.schemas [DIR]: regenerate sc
     import sys
 
     for p in write_schemas(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[2] / "schemas"):
-        print(p)
+        print(p)  # noqa: T201 - a command-line entry point

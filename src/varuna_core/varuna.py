@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -27,9 +28,9 @@ from .errors import ConfigError
 from .ir.partition import Partition
 from .ir.topology import Topology
 from .model.discovery import Structure, discover, make_batch_fn
+from .model.lazy_values import ValueSource
 from .model.precision import LossScaler
 from .model.stage import StageSlice, TieSet, find_tie_sets, weight_groups
-from .model.lazy_values import ValueSource
 from .model.values import load_stage_weights, value_source
 from .pipeline.config import (
     Config,
@@ -296,16 +297,16 @@ class Varuna(nn.Module):
                                     expected=self.replica_batch_size)
         weights = loss_weights(self.microbatch_sizes, self.batch_size, self.loss_reduction)
         self.grad_buffer.attach()
-        tracing = self.trace_dir is not None and self.iteration == self.trace_step
-        tracer = self.executor.add_observer(self._chrome_trace()) if tracing else None
+        trace_dir = self.trace_dir if self.iteration == self.trace_step else None
+        tracer = self.executor.add_observer(self._chrome_trace()) if trace_dir is not None else None
         loss_sum = self.executor.run(
             microbatches, self.microbatch_sizes, weights, train=True, rng=(self.seed, self.iteration),
             rng_ids=self._microbatch_ids,
             loss_scale=self.scaler.scale if self.scaler is not None else None,
         )
-        if tracer is not None:
+        if tracer is not None and trace_dir is not None:
             self.executor.remove_observer(tracer)
-            tracer.write(os.path.join(self.trace_dir, f"trace_rank{self.rank}.json"))
+            tracer.write(os.path.join(trace_dir, f"trace_rank{self.rank}.json"))
         synced = time.perf_counter()
         self._grad_sync()
         for observer in self.executor.observers:
@@ -396,7 +397,7 @@ class Varuna(nn.Module):
         dim (unbatched inputs are passed whole)."""
         return replica_share(inputs, self.input_batch_dims, self.batch_size, self.replica_range)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - views are kept, values zeroed
+    def zero_grad(self, set_to_none: bool = True) -> None:  # views are kept, values zeroed
         self.grad_buffer.zero()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

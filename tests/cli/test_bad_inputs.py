@@ -117,7 +117,7 @@ PLAN_CASES = [
 @pytest.mark.parametrize(("extra", "needle"), PLAN_CASES, ids=[" ".join(c[0]) for c in PLAN_CASES])
 def test_plan_options(capsys, files, extra, needle) -> None:
     out_path = files["dir_path"] / "out.yaml"
-    code, out, err = run_main(capsys, "plan", files["profile.json"], "--gpus", "4", "--batch-size", "16",
+    code, _, err = run_main(capsys, "plan", files["profile.json"], "--gpus", "4", "--batch-size", "16",
                               "-o", out_path, *extra)  # the last value of an option given twice wins
     assert_one_error(code, err, needle=needle)
     assert not out_path.exists()
@@ -192,8 +192,8 @@ BAD_PLANS = [
     ("uncovered.yaml", "partition ends at segment 3"),
     ("manymb.yaml", "num_microbatches: Input should be less than or equal to 100000"),
     ("nanstep.yaml", "prediction.step_time: Input should be a finite number"),
-    ("lastskip.yaml", "stages[1] is the last stage, which sends nothing to a next one, but has activation_bytes 0, "
-                      "skip_bytes 4096"),
+    ("lastskip.yaml", ("stages[1] is the last stage, which sends nothing to a next one, but has activation_bytes 0, "
+                       "skip_bytes 4096")),
     ("bigskip.yaml", "stages[0]: skip_bytes 20001 is more than activation_bytes 20000"),
     ("bomb.yaml", "anchors and aliases"),
     ("deep.yaml", "nested more than 32 levels deep"),
@@ -224,7 +224,7 @@ def test_plan_show_options(capsys, files, extra, needle) -> None:
     d = files["dir_path"]
     extra = [{"missing/t.png": str(d / "missing" / "t.png"), "PNG": str(d / "t.png"),
               "FIFO": str(files["fifo"])}.get(w, w) for w in extra]
-    code, out, err = run_main(capsys, "plan", "show", files["plan.yaml"], *extra)
+    code, _, err = run_main(capsys, "plan", "show", files["plan.yaml"], *extra)
     assert_one_error(code, err, needle=needle)
 
 
@@ -405,7 +405,7 @@ def test_notify_preempt_bad_manager_files(capsys, tmp_path, content, needle) -> 
         os.mkfifo(path)
     elif content is not None:
         path.write_bytes(content)
-    code, out, err = run_main(capsys, "notify-preempt", "node1", "--run-dir", tmp_path)
+    code, _, err = run_main(capsys, "notify-preempt", "node1", "--run-dir", tmp_path)
     assert_one_error(code, err, needle=needle)
 
 
@@ -521,6 +521,16 @@ def test_profile_a_spec_whose_code_fails(capsys, monkeypatch, tmp_path, attr, co
         assert info.value.__cause__ is not None  # the user's own traceback, with VARUNA_DEBUG=1
 
 
+@pytest.mark.parametrize(("name", "needle"), [
+    ("missing.py", "does not exist"),
+    ("spec.txt", "spec.txt is not a Python file"),  # once an AttributeError from importlib
+])
+def test_profile_a_spec_file_that_cannot_be_imported(capsys, tmp_path, name, needle) -> None:
+    (tmp_path / "spec.txt").write_text("spec = None\n")
+    code, _, err = run_main(capsys, "profile", f"{tmp_path / name}:spec", "-o", tmp_path / "p.json")
+    assert_one_error(code, err, needle=needle)
+
+
 # --- varuna env -------------------------------------------------------------------------------------------
 
 def test_env_redacts_secrets(capsys, monkeypatch) -> None:
@@ -617,7 +627,8 @@ def test_env_in_a_subprocess_redacts_the_job_token() -> None:
     (["--preemption-source", "gcp", "--preemption-endpoint", "http://" + "x" * 2000], "the 1,024 the node agents"),
     (["--preemption-source", "gcp", "--preemption-endpoint", "https://metadata"], "the scheme is 'https'"),
     (["--preemption-source", "gcp", "--preemption-endpoint", "http://:80"], "names no host"),
-    (["--preemption-source", "gcp", "--preemption-interval", "0"], "--preemption-interval must be a number in [0.1, 3600]"),
+    (["--preemption-source", "gcp", "--preemption-interval", "0"],
+     "--preemption-interval must be a number in [0.1, 3600]"),
     (["--preemption-source", "aws", "--preemption-interval", "nan"], "--preemption-interval must be a number in"),
 ])
 def test_launch_clouds_and_clusters(capsys, monkeypatch, files, tmp_path, extra, needle) -> None:
@@ -636,7 +647,7 @@ def test_launch_slurm_and_hosts_conflict(capsys, monkeypatch, files, tmp_path) -
 
 
 def test_plan_needs_a_device_count(capsys, files) -> None:
-    code, out, err = run_main(capsys, "plan", files["profile.json"], "--batch-size", "16", "-o",
+    code, _, err = run_main(capsys, "plan", files["profile.json"], "--batch-size", "16", "-o",
                               files["dir_path"] / "none.yaml")
     assert_one_error(code, err, needle="--gpus is required")
 
@@ -705,12 +716,12 @@ def test_launch_resume_and_run_id_mistakes(capsys, files, tmp_path, case) -> Non
     for i, run in enumerate(["alpha", "beta"]):
         _step(store, 10 + i, run)
     args, needle = {
-        "no store": (["--resume"], "--resume needs the checkpoint store of the run to continue, but neither "
-                                   "--ckpt-dir nor --run-dir is given"),
+        "no store": (["--resume"], ("--resume needs the checkpoint store of the run to continue, but neither "
+                                    "--ckpt-dir nor --run-dir is given")),
         "or-start no store": (["--resume-or-start", "--run-id", "x"], "--resume-or-start needs the checkpoint store"),
         "typo": (["--resume", "--run-id", "alpah", "--ckpt-dir", str(store)],
-                 f"--resume: checkpoint store {store} holds nothing of run alpah, but checkpoints of run(s) 'alpha', "
-                 f"'beta'"),
+                 (f"--resume: checkpoint store {store} holds nothing of run alpah, but checkpoints of run(s) 'alpha', "
+                  f"'beta'")),
         "newline": (["--resume", "--run-id", "alpha\n", "--ckpt-dir", str(store)],
                     "--run-id 'alpha\\n' is not a valid run id"),
         "escape": (["--run-id", "\x1b[2J" * 100, "--ckpt-dir", str(tmp_path / "new")], "is not a valid run id"),

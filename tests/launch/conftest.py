@@ -57,7 +57,8 @@ def interrupt_and_expect_nothing_left(launch: Launch, processes: int) -> None:
     try:
         code = launch.wait()
     except Exception as exc:  # say how the launcher stood towards SIGINT, then and now
-        raise AssertionError(f"{exc}\nlauncher before SIGINT: {before}\nafter: {_signal_state(launch.proc.pid)}")
+        raise AssertionError(
+            f"{exc}\nlauncher before SIGINT: {before}\nafter: {_signal_state(launch.proc.pid)}") from exc
     assert code == 130, launch.output()[-2000:]
     deadline = time.monotonic() + 5  # the launcher waited for its agents; the kernel may still be reaping
     while job_processes(job) and time.monotonic() < deadline:

@@ -29,7 +29,7 @@ def losses(output: str) -> list[float]:
 
 def close(got: list[float], want: list[float]) -> bool:
     assert len(got) == len(want) == 8, (got, want)
-    return max(abs(a - b) for a, b in zip(got, want)) <= 1.5e-4
+    return max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1.5e-4
 
 
 def alone(example: str, tmp_path) -> list[float]:

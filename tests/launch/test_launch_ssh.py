@@ -242,14 +242,14 @@ def test_a_partial_start_is_rolled_back(cluster, plan4, tmp_path) -> None:
     from varuna_core.launch.attempt import LaunchError
     from varuna_core.launch.hosts import Host
     from varuna_core.launch.manager import Manager
-    from varuna_core.launch.options import LaunchOptions, HostRuntime, SSHConfig
+    from varuna_core.launch.options import HostRuntime, LaunchOptions, SSHConfig
     from varuna_core.planning.artifacts import load_plan
 
     good = cluster.hosts[0]
     hosts = [Host(good.address, 2, user=cluster.user, port=good.port), Host(good.address, 2, user=cluster.user, port=1)]
     opts = cluster.ssh_options()
     ssh = SSHConfig(identity=str(cluster.identity),
-                    options=tuple(v for f, v in zip(opts[::2], opts[1::2]) if f == "-o"))
+                    options=tuple(v for f, v in zip(opts[::2], opts[1::2], strict=True) if f == "-o"))
     run = tmp_path / "run"
     run.mkdir()
     options = LaunchOptions(script=TRAIN, run_dir=run, ckpt_dir=run / "ckpt", runtime=HostRuntime(code_dir=str(ROOT)),

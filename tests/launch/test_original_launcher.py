@@ -51,7 +51,7 @@ def losses_in(text: str) -> list[float]:
 
 def assert_equal_to_one_process(got: list[float], global_batch: int) -> None:
     want = one_process_losses(global_batch)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
     assert worst < 1e-5, (got, want)
 
 

@@ -29,7 +29,7 @@ def test_two_hosts_over_ssh(tmp_path) -> None:
         assert cluster.hosts_file_lines(2)[0] == f"{cluster.user}@{h0.address}:{h0.port} slots=2"
         with socket.create_server((cluster.manager_address, 0)) as manager:
             manager_port = manager.getsockname()[1]
-            for host, other in zip(cluster.hosts, reversed(cluster.hosts)):
+            for host, other in zip(cluster.hosts, reversed(cluster.hosts), strict=True):
                 if cluster.mode == "netns":
                     addrs = cluster.run(host, "ip -o -4 addr show")
                     assert addrs.returncode == 0, addrs.stderr

@@ -42,8 +42,9 @@ pytestmark = pytest.mark.timeout(120)
     b"Welcome to Ubuntu 22.04 LTS", b'{"event": "error", "message": {"nested": 1}}',
     b'{"event": "gone", "code": 0}',  # the launcher's own event: an agent cannot claim its host is gone
     b'{"event": "preempt", "source": "aws", "seconds": -1}', b'{"event": "preempt", "source": "aws"}',
-    b'{"event": "preempt", "source": "aws", "seconds": 1e300}', b'{"event": "preempt", "source": "aws", '
-    b'"seconds": "5"}', b'{"event": "preempt", "source": "' + b"x" * 100 + b'", "seconds": 5}',
+    b'{"event": "preempt", "source": "aws", "seconds": 1e300}',
+    b'{"event": "preempt", "source": "aws", "seconds": "5"}',
+    b'{"event": "preempt", "source": "' + b"x" * 100 + b'", "seconds": 5}',
     b'{"event": "signalled", "signal": "SIGKILL"}', b'{"event": "signalled"}',
     b'{"event": "log", "rank": 0, "line": "' + b"x" * (MAX_LINE + 1) + b'"}',
 ])
@@ -87,8 +88,8 @@ def test_the_launchers_spec_and_commands_survive_the_wire() -> None:
     ({"workers": [{"rank": 5, "local_rank": 0}]}, "below world"),
     ({"workers": [{"rank": 0, "local_rank": 0}, {"rank": 0, "local_rank": 1}]}, "same rank"),
     ({"master_port": None}, "master_port"), ({"spot": {"source": "ibm"}}, "spot.source"),
-    ({"spot": {"source": "aws", "interval": 0}}, "interval"), ({"scheduler_signals": 1}, "scheduler_signals"), ({"legacy_args": {"stage_to_rank_map": "0;", "chunk_size": 0,
-                                                              "batch_size": 1}}, "chunk_size"),
+    ({"spot": {"source": "aws", "interval": 0}}, "interval"), ({"scheduler_signals": 1}, "scheduler_signals"),
+    ({"legacy_args": {"stage_to_rank_map": "0;", "chunk_size": 0, "batch_size": 1}}, "chunk_size"),
 ])
 def test_a_wrong_spec_is_refused_in_one_line(change, needle) -> None:
     with pytest.raises(ValueError) as info:
@@ -220,10 +221,10 @@ def test_sigterm_at_any_moment_stops_the_agent() -> None:
         assert out.strip().splitlines()[-1] == b'{"event":"stopped"}'
 
 
-_SLEEPER = [sys.executable, "-c", "import signal, sys, time\n"
-            "signal.signal(signal.SIGUSR1, lambda *a: print('usr1', flush=True))\n"
-            "signal.signal(signal.SIGTERM, lambda *a: print('term', flush=True))\n"
-            "print('up', flush=True)\ntime.sleep(60)"]
+_SLEEPER = [sys.executable, "-c", ("import signal, sys, time\n"
+             "signal.signal(signal.SIGUSR1, lambda *a: print('usr1', flush=True))\n"
+             "signal.signal(signal.SIGTERM, lambda *a: print('term', flush=True))\n"
+             "print('up', flush=True)\ntime.sleep(60)")]
 
 
 def _until(proc: subprocess.Popen, predicate, timeout: float = 20) -> dict:

@@ -28,7 +28,8 @@ def test_every_depth_is_scored_and_the_fastest_is_chosen(folder) -> None:
 
 
 def test_the_profile_file_itself_may_be_given(folder) -> None:
-    assert AutoConfig(2, 2, 8, folder / "profile.json", verbose=False).get_min() == AutoConfig(2, 2, 8, folder).get_min()
+    from_file = AutoConfig(2, 2, 8, folder / "profile.json", verbose=False).get_min()
+    assert from_file == AutoConfig(2, 2, 8, folder).get_min()
 
 
 def test_memory_capacity_excludes_what_does_not_fit(folder) -> None:

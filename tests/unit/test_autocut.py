@@ -77,7 +77,7 @@ def test_models_auto_cannot_cut_are_refused(model, message) -> None:
 def test_bad_values_are_refused() -> None:
     with pytest.raises(ConfigError, match="cutpoints must be 'auto' or None"):
         Varuna(Plain(), "0", inputs(), batch_size=2, chunk_size=1, cutpoints="yes")
-    with pytest.raises(ConfigError, match="ModelSpec.cutpoints"):
+    with pytest.raises(ConfigError, match=r"ModelSpec\.cutpoints"):
         ModelSpec(build=Plain, batch=inputs, cutpoints="all")
     spec = ModelSpec(build=Plain, batch=inputs, cutpoints="auto")
     assert any(isinstance(m, CutPoint) for m in spec.make().modules())

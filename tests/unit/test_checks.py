@@ -18,7 +18,8 @@ from varuna_core.util.checks import integer, real
     (lambda: integer("seed", 2**64, high=2**64 - 1), "seed must be ≤ 18446744073709551615, got 18446744073709551616"),
     (lambda: integer("n", 2.0), "n must be an integer, got 2.0"),
     (lambda: real("headroom", 1.0, low=0, high=1, high_open=True), "headroom must be a number in [0, 1), got 1"),
-    (lambda: real("headroom", float("nan"), low=0, high=1, high_open=True), "headroom must be a number in [0, 1), got nan"),
+    (lambda: real("headroom", float("nan"), low=0, high=1, high_open=True),
+     "headroom must be a number in [0, 1), got nan"),
     (lambda: real("timeout", 0, low=0, low_open=True), "timeout must be greater than 0, got 0"),
 ])
 def test_a_refusal_names_the_field_and_shows_the_value_exactly(call, message) -> None:

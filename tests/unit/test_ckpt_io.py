@@ -56,7 +56,7 @@ def test_round_trip_and_hash(tmp_path, where, small_disk) -> None:
         offsets, size, sha = write(path, data)
         raw = path.read_bytes()
         assert size == len(raw) and sha == hashlib.sha256(raw).hexdigest()
-        for off, a in zip(offsets, data):
+        for off, a in zip(offsets, data, strict=True):
             assert raw[off:off + a.nbytes] == a.tobytes()
         # read back whole (hashing) and in parts, into fresh arrays of both alignments
         for whole in (True, False):
@@ -139,7 +139,7 @@ def test_corruption_and_truncation_are_refused_by_name(tmp_path) -> None:
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp: truncated"):
         _load(tmp_path / "c", target, expected)
     (tmp_path / "c" / METADATA_FILE).write_text("{}")
-    with pytest.raises(CheckpointError, match="dcp_metadata.json"):
+    with pytest.raises(CheckpointError, match=r"dcp_metadata\.json"):
         _load(tmp_path / "c", target, expected)
 
 

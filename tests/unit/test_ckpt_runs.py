@@ -258,7 +258,7 @@ def test_another_optimizer_needs_load_optimizer_false(tmp_path) -> None:
         sgd.load_checkpoint(store)
     assert "load_optimizer=False" in info.value.hint and _same(_state(sgd), before)
     assert sgd.load_checkpoint(store, load_optimizer=False) == 2
-    for (name, p), (_, q) in zip(sgd.named_parameters(), adam.named_parameters()):
+    for (name, p), (_, q) in zip(sgd.named_parameters(), adam.named_parameters(), strict=True):
         assert torch.equal(p, q), name
 
 

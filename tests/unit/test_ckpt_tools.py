@@ -344,9 +344,9 @@ def test_merge_loads_into_the_unpartitioned_model(store, tmp_path, capsys):
 
 
 def test_merge_refuses_an_incomplete_checkpoint(store, tmp_path, capsys):
-    model, _, directory = write_checkpoint(store, 6, complete=False)
+    _, _, directory = write_checkpoint(store, 6, complete=False)
     out = tmp_path / "model.safetensors"
-    with pytest.raises(ConfigError, match="refusing to merge .*step_6: incomplete"):
+    with pytest.raises(ConfigError, match=r"refusing to merge .*step_6: incomplete"):
         ckpt_tools.merge(directory, out)
     assert not out.exists()
     code, _, err = run(capsys, "ckpt", "merge", str(directory), "-o", str(out))

@@ -101,7 +101,8 @@ def test_forward_must_return_a_scalar_loss() -> None:
 
 def test_dummy_inputs_disagreeing_on_batch() -> None:
     with pytest.raises(ConfigError, match="disagree on the number of examples"):
-        make_batch_fn({"idx": torch.zeros(3, 6, dtype=torch.long), "targets": torch.zeros(2, 6, dtype=torch.long)}, None)
+        make_batch_fn({"idx": torch.zeros(3, 6, dtype=torch.long), "targets": torch.zeros(2, 6, dtype=torch.long)},
+                      None)
 
 
 def test_cache_hits_for_the_same_model_and_misses_for_a_changed_one() -> None:
@@ -113,7 +114,8 @@ def test_cache_hits_for_the_same_model_and_misses_for_a_changed_one() -> None:
     model = ToyLM(n_layer=4)
     model.blocks[0].drop.p = 0.3  # a scalar attribute changed: re-discovered
     assert _discover(model).key != first.key
-    assert _discover(ToyLM(n_layer=4), batch(3) | {"idx": batch(3)["idx"][:, :5], "targets": batch(3)["targets"][:, :5]}).key != first.key
+    shorter = {"idx": batch(3)["idx"][:, :5], "targets": batch(3)["targets"][:, :5]}
+    assert _discover(ToyLM(n_layer=4), batch(3) | shorter).key != first.key
 
 
 def test_cache_key_follows_the_source_code(tmp_path) -> None:
@@ -169,7 +171,7 @@ def test_a_cut_carrying_an_object_is_named() -> None:
             x, _ = self.cuts[0]((x, Note()))
             return self.head(self.ln_f(x)).sum()
 
-    with pytest.raises(CutPointError, match="CutPoint 'cuts.0' carries a Note, which cannot cross a cut") as info:
+    with pytest.raises(CutPointError, match=r"CutPoint 'cuts\.0' carries a Note, which cannot cross a cut") as info:
         _discover(ObjectCut(n_layer=1), use_cache=False)
     assert info.value.hint
 

@@ -94,6 +94,6 @@ def test_materialised_values_are_unchanged_by_the_skipped_meta_writes() -> None:
         two = Net()
     materialize(one, seed=7, init=init)
     materialize(two, seed=7, init=init)
-    for (name, x), (_, y) in zip(one.named_parameters(), two.named_parameters()):
+    for (name, x), (_, y) in zip(one.named_parameters(), two.named_parameters(), strict=True):
         assert torch.equal(x, y), name
     assert float(one.a.weight.detach().std()) > 0.3  # the parent's initialiser wrote the real weight

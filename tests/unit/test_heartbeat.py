@@ -158,7 +158,8 @@ def test_a_flood_of_junk_is_counted_and_keeps_nothing(listener, udp) -> None:
         for _ in range(20):
             deliver(udp, listener, os.urandom(1 + secrets.randbelow(2000)))
             deliver(udp, listener, signed_beat(ts=time.time() - 3600))
-        assert wait_for(lambda: listener.rejected == len(JUNK) + 40 * batch), listener.stats()
+        want = len(JUNK) + 40 * batch
+        assert wait_for(lambda: listener.rejected == want), listener.stats()  # noqa: B023 - waited for here
     assert listener.stats()["stale"] == 200
     assert_still_listening(udp, listener)
     assert listener.take_steps() == {0: (2.5, 0.1)} and listener._notice_ids == {}
@@ -205,7 +206,7 @@ def drain(sock: socket.socket, wait: float = 0.3) -> list[tuple[bytes, dict]]:
         while True:
             data, _ = sock.recvfrom(65536)
             out.append((data, decode(data, JOB, TOKEN)))
-    except socket.timeout:
+    except TimeoutError:
         return out
     finally:
         sock.settimeout(5)

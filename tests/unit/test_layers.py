@@ -260,7 +260,8 @@ def test_checker_knows_l0_neighbours_and_type_checking_blocks(tmp_path) -> None:
         "errors.py": "",
     })
     problems = floor_violations(imports) + torch_violations(imports)
-    assert problems == ["varuna_core.util.fs may import only ['env', 'errors', 'util'], imports varuna_core.ir.topology"]
+    assert problems == [
+        "varuna_core.util.fs may import only ['env', 'errors', 'util'], imports varuna_core.ir.topology"]
 
 
 # ----------------------------------------------------------------------------------------------------------

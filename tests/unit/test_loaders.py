@@ -76,8 +76,8 @@ PLAN_MUTATIONS = [
     ({"batch_size": 1}, "dp = 2 replicas for a global batch of 1"),
     ({"microbatch_size": 100}, "microbatch_size 100 is larger than a replica's batch of 8"),
     ({"num_microbatches": 50_000_000}, f"num_microbatches: Input should be less than or equal to {MAX_MICROBATCHES}"),
-    ({"num_microbatches": 5}, "num_microbatches is 5, but batch_size 16 over dp = 2 replicas in micro-batches of 2 "
-                              "makes 4"),
+    ({"num_microbatches": 5}, ("num_microbatches is 5, but batch_size 16 over dp = 2 replicas in micro-batches of 2 "
+                               "makes 4")),
     ({"stage_to_rank_map": "0,1;;2"}, "stage_to_rank_map: stage 1 of stage-to-rank map '0,1;;2' is empty"),
     ({"stage_to_rank_map": "0,1,2,3"}, "stage_to_rank_map has 1 stages × 4 replicas, but the plan has pp = 2, dp = 2"),
     ({"stage_to_rank_map": "0,x;1,3"}, "non-integer rank 'x'"),
@@ -121,12 +121,12 @@ def test_plan_with_bad_fields(tmp_path, plan_data, update, needle) -> None:
     (("alternatives",), [{"pp": 0}], "alternatives.0"),
     # fields of one stage that contradict each other or the stage's place in the pipeline
     (("stages", 0, "skip_bytes"), 30_000, "stages[0]: skip_bytes 30000 is more than activation_bytes 20000"),
-    (("stages", 1, "skip_bytes"), 8, "stages[1] is the last stage, which sends nothing to a next one, but has "
-                                     "activation_bytes 0, skip_bytes 8"),
+    (("stages", 1, "skip_bytes"), 8, ("stages[1] is the last stage, which sends nothing to a next one, but has "
+                                      "activation_bytes 0, skip_bytes 8")),
     (("stages", 1, "activation_bytes"), 20_000, "stages[1] is the last stage"),
     (("stages", 1, "send_activation"), 0.5, "send_activation 0.5 (all must be 0)"),
-    (("stages", 0, "send_gradient"), 0.5, "stages[0] is the first stage, which sends no gradient to a previous one, "
-                                          "but has send_gradient 0.5"),
+    (("stages", 0, "send_gradient"), 0.5, ("stages[0] is the first stage, which sends no gradient to a previous one, "
+                                           "but has send_gradient 0.5")),
     (("stages", 0, "held_microbatches"), 9, "stages[0]: held_microbatches 9 is more than the num_microbatches 4"),
     (("alternatives",), [{"pp": 4, "dp": 2, "microbatch_size": 1, "num_microbatches": 2, "schedule": "gpipe",
                           "step_time": 1.0, "samples_per_second": 16.0, "bubble_fraction": 0.5,
@@ -328,10 +328,10 @@ PROFILE_MUTATIONS = [
     (lambda d: _comm(d, 1, fit={"latency": 0.0, "bandwidth": 0.0, "rel_error": 0.0}), "comm.1.fit.bandwidth"),
     (lambda d: {**d, "schema_version": 3}, "profile format version 3"),
     # fields that contradict each other
-    (lambda d: _measure(d, 0, 1, skip_bytes=10**6), "segments[0].measures[1] (micro-batch 2): skip_bytes 1000000 is "
-                                                    "more than output_bytes 20000"),
-    (lambda d: _measure(d, 2, 0, skip_bytes=8), "segments[2].measures[0] (micro-batch 1): output_bytes 0 and "
-                                                "skip_bytes 8 on the last segment, which ends at the loss"),
+    (lambda d: _measure(d, 0, 1, skip_bytes=10**6), ("segments[0].measures[1] (micro-batch 2): skip_bytes 1000000 is "
+                                                     "more than output_bytes 20000")),
+    (lambda d: _measure(d, 2, 0, skip_bytes=8), ("segments[2].measures[0] (micro-batch 1): output_bytes 0 and "
+                                                 "skip_bytes 8 on the last segment, which ends at the loss")),
     (lambda d: _measure(d, 2, 3, output_bytes=64), "output_bytes 64 and skip_bytes 0 on the last segment"),
     (lambda d: _segment(d, 2, skips=["h: from segment 1"]), "segments[2] is the last segment but lists 1 skips"),
     (lambda d: _measure(d, 1, 0, forward={"median": 2.0, "p10": 1.0, "p90": 1.5, "repeats": 3}),

@@ -241,7 +241,7 @@ def test_no_initialiser_is_an_error_naming_the_tensor():
 
 
 def test_partial_initialiser_is_an_error():
-    with pytest.raises(ConfigError, match="fc1.bias"):
+    with pytest.raises(ConfigError, match=r"fc1\.bias"):
         materialize(build_toy(), seed=SEED,
                     init=lambda m: nn.init.normal_(m.weight) if isinstance(m, nn.Linear) else toy_init(m))
 

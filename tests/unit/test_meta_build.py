@@ -15,8 +15,8 @@ from varuna_core.errors import ConfigError
 from varuna_core.ir.partition import Partition
 from varuna_core.model import materialize as materialize_module
 from varuna_core.model.discovery import discover, make_batch_fn
-from varuna_core.model.stage import StageSlice, find_tie_sets, weight_groups
 from varuna_core.model.lazy_values import ValueSource, on_touch
+from varuna_core.model.stage import StageSlice, find_tie_sets, weight_groups
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]')")
 
@@ -95,9 +95,9 @@ def test_on_touch_refuses_weights_of_the_wrong_shape(tmp_path) -> None:
     path = tmp_path / "bad.safetensors"
     save_file({"pos": torch.zeros(5, 16)}, str(path))
     model = toy_on_meta()
-    with pytest.raises(ConfigError, match=r"'pos' has shape \[5, 16\].*has \[6, 16\]"):
-        with torch.no_grad(), on_touch(model, ValueSource(seed=0, init=init_toy, weights=path)):
-            model(**batch(2))
+    with (pytest.raises(ConfigError, match=r"'pos' has shape \[5, 16\].*has \[6, 16\]"), torch.no_grad(),
+          on_touch(model, ValueSource(seed=0, init=init_toy, weights=path))):
+        model(**batch(2))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def test_a_stage_of_a_meta_model_without_values_is_an_error() -> None:
     model = toy_on_meta()
     structure = _structure(model)
     partition = Partition.from_ranges([(0, 3), (3, 5)], structure.num_segments)
-    with pytest.raises(ConfigError, match="on the meta device.*no values"):
+    with pytest.raises(ConfigError, match=r"on the meta device.*no values"):
         StageSlice(model, structure, partition, 1,
                    find_tie_sets(model, structure, partition, weight_groups(model, SHARED)), torch.device("cpu"))
 
@@ -183,7 +183,7 @@ def test_bad_init_or_weights_fail_before_start_up(kwargs, match) -> None:
 def test_meta_device_build_without_buffer_values_names_the_buffer() -> None:
     model = toy_on_meta()
     model._buffers["logit_scale"] = model.logit_scale.to("meta")  # what torch.device("meta") does to a buffer
-    with pytest.raises(ConfigError, match="logit_scale.*meta_init"):
+    with pytest.raises(ConfigError, match=r"logit_scale.*meta_init"):
         Varuna(model, "0", batch(2), batch_size=8, chunk_size=4, shared_weights=SHARED, seed=1, init=init_toy)
 
 
@@ -191,6 +191,6 @@ def test_weights_missing_a_parameter_name_it(tmp_path) -> None:
     path = tmp_path / "w.safetensors"
     state = {k: v.contiguous() for k, v in toy_materialised().state_dict().items() if k not in ("head.weight", "pos")}
     save_file(state, str(path))
-    with pytest.raises(ConfigError, match="'pos'.*not in weights"):
+    with pytest.raises(ConfigError, match=r"'pos'.*not in weights"):
         Varuna(toy_on_meta(), "0", batch(2), batch_size=8, chunk_size=4, shared_weights=SHARED, seed=1,
                init=init_toy, weights=path)

@@ -35,8 +35,8 @@ def _assert_same(schedule: Schedule, costs: list[StageCosts], max_sends: int, op
     ref = simulate_python(schedule, costs, max_concurrent_sends=max_sends, opportunistic=opportunistic,
                           timeline=True)
     step, pipe, busy, line = _native_sim(schedule, costs, max_sends, opportunistic)
-    where = f"{schedule.name} p={schedule.num_stages} m={schedule.num_microbatches} sends={max_sends} " \
-            f"opportunistic={opportunistic}"
+    where = (f"{schedule.name} p={schedule.num_stages} m={schedule.num_microbatches} sends={max_sends} "
+             f"opportunistic={opportunistic}")
     assert step == pytest.approx(ref.step_time, rel=1e-12, abs=0.0), where
     assert pipe == pytest.approx(ref.pipeline_time, rel=1e-12, abs=0.0), where
     assert busy == pytest.approx(list(ref.busy), rel=1e-12, abs=0.0), where
@@ -235,7 +235,7 @@ def test_balanced_bubble_closed_form(name: str, p: int, m: int) -> None:
         result = simulate(generate(name, p, m), costs, backend=backend)
         assert result.bubble_fraction == pytest.approx(expected, rel=1e-12, abs=1e-15), backend
         assert result.pipeline_time == pytest.approx(3.0 * (m + p - 1), rel=1e-12)
-    step, pipe, busy = native.simulate_generated(name, p, m, [c.as_tuple() for c in costs], 4, False)
+    _, pipe, busy = native.simulate_generated(name, p, m, [c.as_tuple() for c in costs], 4, False)
     assert 1.0 - sum(busy) / (p * pipe) == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 

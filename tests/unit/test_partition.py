@@ -15,7 +15,7 @@ from varuna_core.ir.partition import Partition, balance, coerce_partition
 def _all_partitions(n: int, stages: int):
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
-        yield tuple(zip(bounds[:-1], bounds[1:]))
+        yield tuple(itertools.pairwise(bounds))
 
 
 def _key(weights, ranges):

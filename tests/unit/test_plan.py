@@ -77,7 +77,7 @@ def _brute(segs, pp, recompute, counts, limit, num_mb):
     best = None
     for cuts in itertools.combinations(range(1, n), pp - 1):
         bounds = (0, *cuts, n)
-        ranges = list(zip(bounds, bounds[1:]))
+        ranges = list(itertools.pairwise(bounds))
         if limit is not None and any(
                 _direct_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1], recvs=_windows(counts)[s],
                                num_mb=num_mb, recompute=recompute[s]) > limit

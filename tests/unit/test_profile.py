@@ -38,7 +38,7 @@ def test_sleep_model_times_and_sizes(nproc) -> None:
     result = profile("tests.specs.sleep:spec", microbatch_sizes=[1, 4], nproc=nproc, repeats=3, warmup=1)
     assert result.num_segments == 3 and result.microbatch_sizes == [1, 4]
     h = sleep.HIDDEN
-    for seg, (fwd, bwd) in zip(result.segments, sleep.TIMES):
+    for seg, (fwd, bwd) in zip(result.segments, sleep.TIMES, strict=True):
         assert seg.param_bytes == (h * h + h) * 4 and seg.grad_bytes == seg.param_bytes
         assert seg.optimizer_bytes == 2 * seg.param_bytes + 2 * 4  # AdamW: exp_avg, exp_avg_sq, 2 scalar steps
         for m in seg.measures:

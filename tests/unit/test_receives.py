@@ -177,7 +177,7 @@ def test_the_memory_model_charges_the_runtimes_windows(name: str) -> None:
             counts = inflight_counts(name, num_stages, num_mb)
             windows = receive_windows([held for held, _ in counts])
             assert windows == posted_receives(generate(name, num_stages, num_mb))
-            for s, (act, grad) in enumerate(windows):
+            for act, grad in windows:
                 got = stage_bytes(static=0, saved=0, input_bytes=3.0, output_bytes=5.0, held=0, graphs=0,
                                   act_recvs=act, grad_recvs=grad, headroom=0.0)
                 assert got == 3.0 * 2 * act + 5.0 * 2 * grad  # posted receives + unwaited sends, per direction

@@ -253,7 +253,7 @@ def test_resume_with_nothing_to_continue_is_refused(tmp_path, monkeypatch, launc
 
 def test_a_missing_code_dir_is_refused_before_anything_starts(tmp_path, machines, launched) -> None:
     """It was found only when the first agent failed to `cd` into it (exit 1)."""
-    with pytest.raises(ConfigError, match="--code_dir .*/missing is not a directory"):
+    with pytest.raises(ConfigError, match=r"--code_dir .*/missing is not a directory"):
         run(tmp_path, "--machine_list", machines("127.0.0.1 slots=2"), "--batch_size", "8", "--nstages", "1",
             "--chunk_size", "2", "--code_dir", str(tmp_path / "missing"))
     assert not launched

@@ -221,7 +221,7 @@ def test_deadlock_backward_before_forward() -> None:
     assert "stage 1 is blocked at 1B0, waiting for 1F0" in msg
     assert "stage 0 is blocked at 0B0, waiting for 1B0" in msg
     assert "step | 0" in msg and "<-- stuck" in msg
-    stuck = [ln for ln in msg.splitlines() if "<-- stuck" in ln][0]
+    stuck = next(ln for ln in msg.splitlines() if "<-- stuck" in ln)
     assert stuck.split()[:4] == ["stuck", "|", "B0", "B0"]
     assert "<-- stuck" in schedule.grid()
 

@@ -51,7 +51,7 @@ def test_the_allocations_nodes_and_tasks(tmp_path) -> None:
     assert job.hosts() == [Host("gpu01", 2), Host("gpu02", 2), Host("gpu03", 1)]
     assert (job.total, job.devices, job.restarts) == (5, "tasks", 2)
     assert (tmp_path / "calls").read_text() == "-- show hostnames gpu[01-03]\n"  # no option after --
-    assert "Slurm job 4242: 3 node(s), 5 tasks (gpu01×2, gpu02×2, gpu03×1)" == job.describe()
+    assert job.describe() == "Slurm job 4242: 3 node(s), 5 tasks (gpu01×2, gpu02×2, gpu03×1)"
     assert job.config() == SlurmConfig(job_id="4242", cluster="lab", restarts=2)
 
 

@@ -96,7 +96,8 @@ def _redirect(handler) -> None:
     b"[" * 100_000,  # nested past the parser's recursion
     b"\xff\xfe not utf-8",
     b"null", b"[]", b'{"Events": {"a": 1}}', b'{"Events": [1, "x", null, {"EventType": ["Preempt"]}]}',
-    json.dumps({"Events": [{"EventId": "E", "EventType": "Preempt", "Resources": [], "NotBefore": "not a date"}]}).encode(),
+    json.dumps({"Events": [{"EventId": "E", "EventType": "Preempt", "Resources": [],
+                            "NotBefore": "not a date"}]}).encode(),
     json.dumps({"Events": [{"EventId": 7, "EventType": "Preempt", "NotBefore": ""}]}).encode(),
     _trickle, _redirect,
 ], ids=["huge", "nested", "binary", "null", "list", "events-dict", "bad-entries", "bad-date", "bad-id", "trickle",

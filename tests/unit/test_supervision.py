@@ -91,11 +91,15 @@ def test_a_refused_resume_tells_the_launcher_to_fall_back(launched) -> None:
     assert refused.value.exit_code == 76
 
 
-def test_checkpoint_requests_need_a_store(monkeypatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("VARUNA_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("VARUNA_CKPT_EVERY", "5")
+@pytest.mark.parametrize(("name", "value"), [
+    ("VARUNA_CKPT_EVERY", "5"), ("VARUNA_RESUME_STEP", "3"),
+    ("VARUNA_ON_SIGTERM", "checkpoint"),  # a SIGTERM would checkpoint into no store
+])
+def test_checkpoint_requests_need_a_store(monkeypatch, name, value) -> None:
+    for old in list(os.environ):
+        if old.startswith("VARUNA_"):
+            monkeypatch.delenv(old)
+    monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match="VARUNA_CKPT_DIR"):
         Trainer().supervision()
 

@@ -98,7 +98,7 @@ def test_lookup_errors() -> None:
 def test_constructor_and_clustered_errors() -> None:
     with pytest.raises(TopologyError, match="no stages"):
         Topology(())
-    with pytest.raises(TopologyError, match="stage 0 .* has no ranks"):
+    with pytest.raises(TopologyError, match=r"stage 0 .* has no ranks"):
         Topology(((),))
     with pytest.raises(TopologyError, match="not an integer rank"):
         Topology((("0",),))

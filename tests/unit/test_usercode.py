@@ -13,7 +13,7 @@ import torch
 import varuna_core
 from varuna_core.errors import ConfigError, CutPointError, UserCodeError
 from varuna_core.model.discovery import make_batch_fn
-from varuna_core.util.usercode import call_user, user_code
+from varuna_core.util.usercode import call_user
 
 
 def _here(fn) -> str:
@@ -96,7 +96,7 @@ def test_our_own_errors_pass_unchanged() -> None:
             raise CutPointError("skip across a cut")
 
         OURS["run"](raises_ours)
-    with pytest.raises(UserCodeError, match="the model's code raised TypeError at .*test_usercode.py"):
+    with pytest.raises(UserCodeError, match=r"the model's code raised TypeError at .*test_usercode\.py"):
         OURS["run"](type_error_inside, 2)
 
 

@@ -411,13 +411,13 @@ def ids_state(**changed: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 DTYPE_CASES = [
-    ({"fc.weight": torch.ones(4, 4, dtype=torch.bool)}, "'fc.weight' is bool in w.safetensors, but the parameter "
-                                                        "of WithIds is float32"),
+    ({"fc.weight": torch.ones(4, 4, dtype=torch.bool)}, ("'fc.weight' is bool in w.safetensors, but the parameter "
+                                                         "of WithIds is float32")),
     ({"fc.weight": torch.ones(4, 4, dtype=torch.int64)}, "'fc.weight' is int64"),
     ({"fc.bias": torch.ones(4, dtype=torch.uint8)}, "'fc.bias' is uint8"),
     ({"fc.bias": torch.ones(4, dtype=torch.complex64)}, "'fc.bias' is complex64"),
-    ({"ids": torch.arange(4, dtype=torch.float32)}, "'ids' is float32 in w.safetensors, but the buffer of WithIds "
-                                                    "is int64"),
+    ({"ids": torch.arange(4, dtype=torch.float32)}, ("'ids' is float32 in w.safetensors, but the buffer of WithIds "
+                                                     "is int64")),
     ({"ids": torch.ones(4, dtype=torch.bool)}, "'ids' is bool"),
 ]
 

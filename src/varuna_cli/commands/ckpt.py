@@ -12,9 +12,12 @@ manifest never reaches the terminal). Plain lines (``verify``) pass through ``pr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 app = typer.Typer(
     name="ckpt",
@@ -61,9 +64,9 @@ def list_(
     newest: dict[str | None, int] = {  # run -> its latest complete step
         run: found.step for run in runs([e for e in entries if e.complete])
         if (found := latest(entries, of_runs={run})) is not None}
-    latest = next(iter(newest.values())) if len(newest) == 1 else None
+    only_run_latest = next(iter(newest.values())) if len(newest) == 1 else None
     if as_json:
-        doc = {"store": str(store), "latest_complete": latest,
+        doc = {"store": str(store), "latest_complete": only_run_latest,
                "latest_by_run": {run or "": step for run, step in newest.items()},
                "checkpoints": [i.model_dump(mode="json") for i in infos]}
         typer.echo(json.dumps(doc, indent=2))
@@ -77,8 +80,10 @@ def list_(
     if len(models) == 1:
         title += f" of {_plain(models[0])}"
     table = Table(title=title, title_justify="left")
-    for col, just in (("step", "right"), ("status", "left"), ("run", "left"), ("size", "right"),
-                      ("pp×dp", "right"), ("rank map", "left"), ("plan", "left"), ("created", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("step", "right"), ("status", "left"), ("run", "left"), ("size", "right"), ("pp×dp", "right"),
+        ("rank map", "left"), ("plan", "left"), ("created", "left"))
+    for col, just in columns:
         table.add_column(col, justify=just, no_wrap=col != "rank map", overflow="fold")
     if len(models) > 1:
         table.add_column("model", overflow="fold")
@@ -145,7 +150,9 @@ def inspect(
         out.print(table)
 
     tensors = Table(title="tensors", title_justify="left")
-    for col, just in (("key", "left"), ("shape", "left"), ("dtype", "left"), ("bytes", "right")):
+    tensor_columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("key", "left"), ("shape", "left"), ("dtype", "left"), ("bytes", "right"))
+    for col, just in tensor_columns:
         tensors.add_column(col, justify=just, overflow="fold")
     shown = rep.tensors if max_keys <= 0 else rep.tensors[:max_keys]
     for t in shown:

@@ -10,18 +10,17 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
+from varuna_cli.flags import named_as_options
 from varuna_core.env import LAUNCHER_SET
 from varuna_core.errors import ConfigError, VarunaError
 from varuna_core.launch.exclusion import RECHECK_FIRST
 from varuna_core.launch.hosts import MAX_SLOTS
 from varuna_core.launch.options import DEFAULTS, HostRuntime, LaunchOptions, SpotConfig, SSHConfig, check_numbers
 from varuna_core.util.checks import integer
-
-from varuna_cli.flags import named_as_options
 
 HELP = (
     "Run SCRIPT on every device of PLAN: local processes, or the hosts of --hosts over SSH.\n\n"
@@ -161,18 +160,18 @@ def _check_script(script: list[str], code_dir: str) -> None:
 
 # The options of `varuna launch`. A default that the launcher also has is read from LaunchOptions, its one source.
 PlanFile = Annotated[Path, typer.Argument(metavar="PLAN", help="The plan from `varuna plan`.")]
-Script = Annotated[Optional[list[str]], typer.Argument(
+Script = Annotated[list[str] | None, typer.Argument(
     metavar="-- SCRIPT ARGS", help="The training script and its arguments (after --).", show_default=False)]
-Hosts = Annotated[Optional[Path], typer.Option("--hosts", help="Hosts file: one '\\[user@]host\\[:port] \\[slots=N]' "
+Hosts = Annotated[Path | None, typer.Option("--hosts", help="Hosts file: one '\\[user@]host\\[:port] \\[slots=N]' "
                                                 "per line; without it, local processes.")]
-GpusPerNode = Annotated[Optional[int], typer.Option(
+GpusPerNode = Annotated[int | None, typer.Option(
     "--gpus-per-node", help="Workers per host without slots=N (default: the plan's).")]
-CodeDir = Annotated[Optional[Path], typer.Option(
+CodeDir = Annotated[Path | None, typer.Option(
     "--code-dir", help="Directory SCRIPT runs in on every host (default: the current one).")]
-EnvFile = Annotated[Optional[Path], typer.Option("--env-file", help="KEY=VALUE lines set for every worker.")]
-CkptDir = Annotated[Optional[Path], typer.Option(
+EnvFile = Annotated[Path | None, typer.Option("--env-file", help="KEY=VALUE lines set for every worker.")]
+CkptDir = Annotated[Path | None, typer.Option(
     "--ckpt-dir", help="Checkpoint store shared by all hosts (default: RUN_DIR/checkpoints).")]
-RunDir = Annotated[Optional[Path], typer.Option(
+RunDir = Annotated[Path | None, typer.Option(
     "--run-dir", help="Logs, events and metrics (default: runs/launch-<time>).")]
 Morph = Annotated[bool, typer.Option("--morph", help="Follow host changes and preemptions; restart after crashes.")]
 MorphAnyMicrobatch = Annotated[bool, typer.Option(
@@ -185,23 +184,23 @@ Resume = Annotated[bool, typer.Option("--resume", help="Continue the run whose c
 ResumeOrStart = Annotated[bool, typer.Option(
     "--resume-or-start", help="As --resume, but start the run of --run-id from scratch when the store holds "
     "nothing of it, beside other runs' checkpoints.")]
-RunId = Annotated[Optional[str], typer.Option(
+RunId = Annotated[str | None, typer.Option(
     "--run-id", help="The run to continue with --resume when the store holds several, or the id of a new run "
     "(default: found, or made).")]
 LegacyArgs = Annotated[bool, typer.Option(
     "--legacy-args", help="Also pass the original's --rank --local_rank --stage_to_rank_map --chunk_size "
     "--batch-size.")]
 CkptEvery = Annotated[int, typer.Option("--ckpt-every", help="Checkpoint every N steps (0: only on demand).")]
-CkptKeep = Annotated[Optional[int], typer.Option("--ckpt-keep", help="Keep the newest K checkpoints.")]
-CkptTempdir = Annotated[Optional[str], typer.Option(
+CkptKeep = Annotated[int | None, typer.Option("--ckpt-keep", help="Keep the newest K checkpoints.")]
+CkptTempdir = Annotated[str | None, typer.Option(
     "--ckpt-tempdir", help="Fast local directory for background periodic checkpoints.")]
-Steps = Annotated[Optional[int], typer.Option("--steps", help="Total steps, for the ETA (if the script does not set "
+Steps = Annotated[int | None, typer.Option("--steps", help="Total steps, for the ETA (if the script does not set "
                                               "model.total_steps).")]
-Python = Annotated[Optional[str], typer.Option("--python", help="Interpreter on the hosts (default: this one).")]
-SshUser = Annotated[Optional[str], typer.Option("--ssh-user", help="SSH user (a host's user@ wins).")]
-SshPort = Annotated[Optional[int], typer.Option("--ssh-port", help="SSH port (a host's :port wins).")]
-SshIdentity = Annotated[Optional[str], typer.Option("--ssh-identity", help="SSH private key.")]
-SshOption = Annotated[Optional[list[str]], typer.Option(
+Python = Annotated[str | None, typer.Option("--python", help="Interpreter on the hosts (default: this one).")]
+SshUser = Annotated[str | None, typer.Option("--ssh-user", help="SSH user (a host's user@ wins).")]
+SshPort = Annotated[int | None, typer.Option("--ssh-port", help="SSH port (a host's :port wins).")]
+SshIdentity = Annotated[str | None, typer.Option("--ssh-identity", help="SSH private key.")]
+SshOption = Annotated[list[str] | None, typer.Option(
     "--ssh-option", help="Extra ssh -o option, e.g. StrictHostKeyChecking=accept-new (repeatable).")]
 MaxRestarts = Annotated[int, typer.Option("--max-restarts", help="Restarts without a new checkpoint before giving up "
                                           "(--morph).")]
@@ -217,13 +216,13 @@ RecheckMax = Annotated[float, typer.Option(
     f"{RECHECK_FIRST:g} s, then after twice as long each time: at most this many seconds apart.")]
 StragglerThreshold = Annotated[float, typer.Option(
     "--straggler-threshold", help="Compute time over the median that makes a straggler (0.3 = 30%).")]
-Slurm = Annotated[Optional[bool], typer.Option(
+Slurm = Annotated[bool | None, typer.Option(
     "--slurm/--no-slurm", help="Run on the nodes of the Slurm allocation, agents started by srun (default: when "
     "SLURM_JOB_ID is set and --hosts is not given).", show_default=False)]
-PreemptionSource = Annotated[Optional[str], typer.Option(
+PreemptionSource = Annotated[str | None, typer.Option(
     "--preemption-source", help="Ask each node's cloud metadata service for spot eviction notices: azure, aws or "
     "gcp.")]
-PreemptionEndpoint = Annotated[Optional[str], typer.Option(
+PreemptionEndpoint = Annotated[str | None, typer.Option(
     "--preemption-endpoint", help="The metadata service as http://host\\[:port] (default: the cloud's own).")]
 PreemptionInterval = Annotated[float, typer.Option(
     "--preemption-interval", help="Seconds between two questions to the metadata service.")]
@@ -258,7 +257,7 @@ def launch(
                        "straggler_threshold": straggler_threshold, "recheck_max": recheck_max})
         if gpus_per_node is not None:
             integer("gpus_per_node", gpus_per_node, low=1, high=MAX_SLOTS)
-        ssh = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ()))
+        ssh_config = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ()))
         spot = _spot(preemption_source, preemption_endpoint, preemption_interval)
     _check_places(python, {"--run-dir": run_dir, "--ckpt-dir": ckpt_dir, "--code-dir": code_dir},
                   ssh_identity)
@@ -281,7 +280,7 @@ def launch(
         host_list = _hosts(hosts, slots, the_plan.pp * the_plan.dp, gpus_per_node)
     choose_run(store, resume, run_id, or_start=resume_or_start)  # another run's store: refused before anything starts
     runtime = HostRuntime(python=python or sys.executable, code_dir=code)
-    ssh = ssh if host_list is not None and job is None else None
+    ssh = ssh_config if host_list is not None and job is None else None
     reporter = reporter or _reporter()
     _preflight(reporter, host_list if job is None else None, ssh, runtime)
     with named_as_options(OPTION_OF):
@@ -406,8 +405,10 @@ MAX_NOTICE_SECONDS = 7 * 86400.0  # as varuna_core.launch.protocol's (not import
 def notify_preempt(
     host: Annotated[str, typer.Argument(help="The host that goes away, as written in the hosts file.")],
     seconds: Annotated[float, typer.Option("--in", help="Seconds until it goes away.")] = 0.0,
-    run_dir: Annotated[Path, typer.Option("--run-dir", help="The job's run directory (holds manager.json).")] = Path("."),
-    address: Annotated[str, typer.Option("--address", help="The manager's address, if not this machine.")] = "127.0.0.1",
+    run_dir: Annotated[Path, typer.Option(
+        "--run-dir", help="The job's run directory (holds manager.json).")] = Path("."),
+    address: Annotated[str, typer.Option(
+        "--address", help="The manager's address, if not this machine.")] = "127.0.0.1",
 ) -> None:
     """Tell a running `varuna launch --morph` that HOST will be preempted: the job checkpoints and continues
     without it. Authenticated with the job's token from RUN_DIR/manager.json."""
@@ -452,6 +453,7 @@ def _manager_file(path: Path) -> tuple[str, str, int]:
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise ConfigError(f"manager file {path}: port must be an integer in 1..65535, got {_shown(port)}",
                           hint=hint)
+    assert isinstance(job, str) and isinstance(token, str)  # checked above
     return job, token, port
 
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
 from varuna_cli.flags import named_as_options
 from varuna_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
+
+    from varuna_core.ir.schedule import ScheduleName
 
 OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--gpus-per-node",
            "gpu_memory": "--gpu-memory", "schedules": "--schedule", "headroom": "--headroom", "top": "--top"}
@@ -16,13 +21,14 @@ OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--g
 
 def plan(
     profile: Annotated[Path, typer.Argument(help="A profile from `varuna profile`.")],
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Devices available.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Global batch (kept fixed).")] = ...,
-    gpus_per_node: Annotated[Optional[int], typer.Option(
+    gpus: Annotated[int | None, typer.Option("--gpus", help="Devices available.")] = None,
+    *,  # typer passes every option by name: a required option may follow those with defaults
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Global batch (kept fixed).")],
+    gpus_per_node: Annotated[int | None, typer.Option(
         "--gpus-per-node", help="Devices per node (default: all on one node).")] = None,
-    gpu_memory: Annotated[Optional[str], typer.Option(
+    gpu_memory: Annotated[str | None, typer.Option(
         "--gpu-memory", help="Memory per device, e.g. 80GiB (default: unlimited).")] = None,
-    schedule: Annotated[Optional[str], typer.Option(
+    schedule: Annotated[str | None, typer.Option(
         "--schedule", help="Schedules to consider, comma-separated (default: varuna,1f1b,gpipe).")] = None,
     top: Annotated[int, typer.Option("--top", help="Alternatives to show and keep in the plan.")] = 5,
     headroom: Annotated[float, typer.Option("--headroom", help="Fraction of memory kept free.")] = 0.1,
@@ -45,8 +51,8 @@ def plan(
     from varuna_core.ir.units import parse_bytes
     from varuna_core.planning.artifacts import load_profile, save_plan
     from varuna_core.planning.planner import PlanRequest, make_plan
-    from varuna_core.util.versioned_io import check_writable, first_problem
     from varuna_core.util.text import printable
+    from varuna_core.util.versioned_io import check_writable, first_problem
 
     gpus, gpus_per_node = _devices(gpus, gpus_per_node, slurm)
     memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
@@ -94,13 +100,13 @@ def _devices(gpus: int | None, gpus_per_node: int | None, slurm: bool) -> tuple[
     return found.total, min(found.slots)
 
 
-def _schedules(text: str | None) -> tuple[str, ...]:
-    """The schedule names ``--schedule`` lists, comma-separated (the request checks them)."""
+def _schedules(text: str | None) -> tuple[ScheduleName, ...]:
+    """The schedule names ``--schedule`` lists, comma-separated (the request checks them, after its numbers)."""
     from varuna_core.ir.schedule import SCHEDULE_NAMES
 
     if text is None:
         return SCHEDULE_NAMES
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+    return cast("tuple[ScheduleName, ...]", tuple(x.strip() for x in text.split(",") if x.strip()))
 
 
 def _table(result) -> None:
@@ -117,8 +123,10 @@ def _table(result) -> None:
     p = result.prediction
     table = Table(title=Text(f"{printable(result.model)}: {result.gpus} devices, global batch {result.batch_size}"),
                   title_justify="left")
-    for col, just in (("", "left"), ("pp×dp", "right"), ("mb×M", "right"), ("schedule", "left"),
-                      ("step ms", "right"), ("samples/s", "right"), ("bubble", "right"), ("memory", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("", "left"), ("pp×dp", "right"), ("mb×M", "right"), ("schedule", "left"), ("step ms", "right"),
+        ("samples/s", "right"), ("bubble", "right"), ("memory", "right"))
+    for col, just in columns:
         table.add_column(col, justify=just, no_wrap=True)
     table.add_row(*map(Text, ("plan", f"{result.pp}×{result.dp}", f"{result.microbatch_size}×{result.num_microbatches}",
                               result.schedule, f"{p.step_time * 1e3:.4g}", f"{p.samples_per_second:.4g}",
@@ -161,8 +169,8 @@ def _why(result) -> str:
 
 def show(
     plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="A plan from `varuna plan`.")],
-    png: Annotated[Optional[Path], typer.Option("--png", help="Draw the simulated timeline to this PNG.")] = None,
-    measured: Annotated[Optional[Path], typer.Option(
+    png: Annotated[Path | None, typer.Option("--png", help="Draw the simulated timeline to this PNG.")] = None,
+    measured: Annotated[Path | None, typer.Option(
         "--measured", help="A Chrome trace recorded by the runtime (Varuna(trace=...)): drawn beside the "
         "simulation (needs --png).")] = None,
     max_steps: Annotated[int, typer.Option("--max-steps", help="Rows of the grid to print (0: all).")] = 60,
@@ -170,9 +178,8 @@ def show(
     """Print a plan's schedule as a step × stage grid; optionally draw the simulated timeline."""
     from varuna_core.ir.schedule import generate
     from varuna_core.planning.artifacts import load_plan
-    from varuna_core.util.versioned_io import check_writable
-
     from varuna_core.util.checks import integer
+    from varuna_core.util.versioned_io import check_writable
 
     integer("--max-steps", max_steps, low=0)
     if measured and not png:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,7 +14,7 @@ OPTIONS = {"microbatch_sizes": "--microbatch-sizes", "nproc": "--nproc", "precis
            "device": "--device", "repeats": "--repeats", "warmup": "--warmup", "memory_limit": "--memory-limit"}
 
 
-def _sizes(microbatch_sizes: Optional[str], max_microbatch: Optional[int]) -> list[int] | None:
+def _sizes(microbatch_sizes: str | None, max_microbatch: int | None) -> list[int] | None:
     """The micro-batch sizes to measure (None: the default) as ``--microbatch-sizes`` or ``--max-microbatch``
     give them; the options check their range."""
     from varuna_core.planning.artifacts import MAX_MICROBATCH_SIZE
@@ -44,17 +44,18 @@ def profile(
     spec: Annotated[str, typer.Argument(help="The model: 'package.module:attr' or 'path/file.py:attr' (a ModelSpec).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the profile (JSON).")] = Path(
         "profile.json"),
-    microbatch_sizes: Annotated[Optional[str], typer.Option(
+    microbatch_sizes: Annotated[str | None, typer.Option(
         "--microbatch-sizes", help="Micro-batch sizes to measure, e.g. 1,2,4,8 (default 1,2,4,8).")] = None,
-    max_microbatch: Annotated[Optional[int], typer.Option(
+    max_microbatch: Annotated[int | None, typer.Option(
         "--max-microbatch", help="Measure 1, 2, 4, ... up to N instead.")] = None,
     nproc: Annotated[int, typer.Option("--nproc", help="Local processes to spread the segments over; ≥2 also "
                                        "measures the network.")] = 1,
-    precision: Annotated[str, typer.Option("--precision", help="fp32, bf16 or fp16 (autocast, as in training).")] = "fp32",
+    precision: Annotated[str, typer.Option(
+        "--precision", help="fp32, bf16 or fp16 (autocast, as in training).")] = "fp32",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     repeats: Annotated[int, typer.Option("--repeats", help="Timed repetitions per measurement (median kept).")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed repetitions before them.")] = 2,
-    memory_limit: Annotated[Optional[str], typer.Option(
+    memory_limit: Annotated[str | None, typer.Option(
         "--memory-limit", help="Bytes a segment may use, e.g. 16GiB; the first micro-batch size over it ends the "
         "sweep (recorded, not an error).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
@@ -114,8 +115,7 @@ def _summary(result, output: Path) -> None:
     for seg in result.segments:
         cells = [str(seg.index), printable(seg.output_cut or "(loss)"), format_bytes(seg.param_bytes),
                  format_bytes(seg.optimizer_bytes)]
-        for m in seg.measures:
-            cells.append(f"{m.forward.median * 1e3:.2f} / {m.backward.median * 1e3:.2f}")
+        cells.extend(f"{m.forward.median * 1e3:.2f} / {m.backward.median * 1e3:.2f}" for m in seg.measures)
         last = seg.measures[-1]
         cells.append(f"{format_bytes(last.output_bytes)} / {format_bytes(last.saved_bytes)}")
         table.add_row(*map(Text, cells))

@@ -115,7 +115,7 @@ class FileSink:
         return self.offset
 
     def write(self, data: np.ndarray) -> None:
-        view = memoryview(data).cast("B")
+        view = data.data.cast("B")  # ndarray.data: the array's memoryview
         if not self.direct:
             self._write_buffered(view)
             return
@@ -237,7 +237,7 @@ def scatter_file(fd: int, pieces: list[tuple[int, np.ndarray]], digest: Sha256 |
     first = 0
 
     def target(i: int) -> memoryview:
-        start, length, into = segments[i]
+        _, length, into = segments[i]
         if into is None:
             slot[i] = free.pop(0)
             return buffers[slot[i]][:length]
@@ -271,7 +271,7 @@ def scatter_file(fd: int, pieces: list[tuple[int, np.ndarray]], digest: Sha256 |
                         break
                     a, b = max(off, start), min(off + out.nbytes, end)
                     if a < b:
-                        memoryview(out)[a - off:b - off] = data[a - start:b - start]
+                        out.data[a - off:b - off] = data[a - start:b - start]
             if n < length:
                 break  # the end of the file
         for future in reads.values():
@@ -342,8 +342,8 @@ def _segments(size: int, order: list[tuple[int, np.ndarray]], whole: bool) -> li
     out_segments: list[tuple[int, int, memoryview | None]] = []
 
     def bounce(lo: int, hi: int) -> None:
-        for b in range(lo, hi, READ_BLOCK):
-            out_segments.append((b, -(-(min(hi, b + READ_BLOCK) - b) // _ALIGN) * _ALIGN, None))
+        out_segments.extend((b, -(-(min(hi, b + READ_BLOCK) - b) // _ALIGN) * _ALIGN, None)
+                            for b in range(lo, hi, READ_BLOCK))
 
     for lo, hi in spans:
         cursor = lo
@@ -355,7 +355,7 @@ def _segments(size: int, order: list[tuple[int, np.ndarray]], whole: bool) -> li
             if b - a < ALIGNED_MIN or (address(out) + (a - off)) % _ALIGN or a < cursor:
                 continue
             bounce(cursor, a)
-            view = memoryview(out)
+            view = out.data
             for s in range(a, b, READ_BLOCK):
                 e = min(s + READ_BLOCK, b)
                 out_segments.append((s, e - s, view[s - off:e - off]))

@@ -343,7 +343,7 @@ class _Background:
     manifest: Manifest
     kv: Any
     keep: int | None
-    entries: list[dict]
+    entries: list[dict[str, Any]]
     timeout: float
     save: int
     token: str | None
@@ -368,7 +368,7 @@ def _copy_and_complete(job: _Background) -> int:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
         pass
-    failure = None
+    failure: str | None = None
     try:
         for entry in job.entries:  # O_DIRECT on both sides: the device copies, this thread barely runs
             size = copy_file(job.local / entry["path"], job.final / entry["path"], durable=True)
@@ -379,6 +379,7 @@ def _copy_and_complete(job: _Background) -> int:
         failure = f"rank {job.rank}: {_reason(exc)}"
     finally:
         _discard(job.local)
+    gathered: list[list[dict[str, Any]] | str]  # per rank, its file entries or why it failed
     if job.kv is None:
         gathered = [job.entries]
     else:
@@ -398,12 +399,13 @@ def _copy_and_complete(job: _Background) -> int:
             _remove_own(job.final)
         raise CheckpointError(f"checkpoint {job.final} failed: {failure}",
                               hint="what it wrote was removed; the previous complete checkpoint is still the latest")
-    job.manifest.files = _entries(gathered, job.final)
+    reports = [g for g in gathered if not isinstance(g, str)]  # every rank's files: no rank failed
+    job.manifest.files = _entries(reports, job.final)
     _complete(job.final, job.manifest, job.run, job.keep)
     return job.step
 
 
-def _await_ranks(job: _Background) -> list:
+def _await_ranks(job: _Background) -> list[list[dict[str, Any]] | str]:
     """Rank 0: every rank's report (its file entries, or why it failed, as a string)."""
     deadline = time.monotonic() + job.timeout
     while (done := int(job.kv.add(_kv_key(job, "done"), 0))) < job.world:
@@ -412,7 +414,7 @@ def _await_ranks(job: _Background) -> list:
                                   f"their files within {job.timeout:g}s", hint="a rank died or its copy is stuck; "
                                   "the previous complete checkpoint is still the latest")
         time.sleep(0.05)
-    out: list = []
+    out: list[list[dict[str, Any]] | str] = []
     for rank in range(job.world):
         record = _verified(job, rank, job.kv.get(_kv_key(job, f"rank{rank}")))
         out.append(record["error"] if record.get("error") else record["files"])
@@ -453,7 +455,7 @@ def _verified(job: _Background, rank: int, raw: bytes) -> dict:
     return body
 
 
-def _entries(gathered: list[list[dict]], final: Path) -> list[FileEntry]:
+def _entries(gathered: list[list[dict[str, Any]]], final: Path) -> list[FileEntry]:
     """The manifest's file list from every rank's report: rank ``r`` may only report ``__r_0.distcp`` (rank 0
     also the index), with a sha256, and each file must be on disk with the reported size."""
     out = []
@@ -526,10 +528,10 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _gather(state: CheckpointState, files: list[dict]) -> list[list[dict]]:
+def _gather(state: CheckpointState, files: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     if state.world_size == 1:
         return [files]
-    out: list = [None] * state.world_size
+    out: list[Any] = [None] * state.world_size
     dist.all_gather_object(out, files)
     return out
 
@@ -631,7 +633,9 @@ def _choose(state: CheckpointState, store: Path, iteration: int | str, check_com
         raise CheckpointError(f"{store} holds checkpoints of {len(groups)} runs ({describe_runs(entries)}): which "
                               f"one to resume is ambiguous", hint="name the run (load_checkpoint(..., run=ID), or "
                               "VARUNA_RUN_ID) or the step (iteration=N)")
-    return latest(entries, complete=check_complete).step  # of the one run there is
+    found = latest(entries, complete=check_complete)
+    assert found is not None  # the entries hold checkpoints of one run
+    return found.step
 
 
 def _manifest_of(directory: Path, step: int) -> Manifest:
@@ -679,7 +683,7 @@ def _check_fits(state: CheckpointState, directory: Path, manifest: Manifest, met
         _check_scaler(directory, manifest.loss_scaler)
     if not load_optimizer or state.optimizer is None or not manifest.optimizer:
         return []
-    return _optimizer_groups(state, directory, manifest.optimizer)
+    return _optimizer_groups(state.optimizer, directory, manifest.optimizer)
 
 
 def _names(keys: list[str]) -> str:
@@ -693,21 +697,21 @@ def _check_scaler(directory: Path, saved: dict) -> None:
         raise CheckpointError(f"{directory}/{MANIFEST_FILE}: invalid loss scaler state {saved!r}")
 
 
-def _optimizer_groups(state: CheckpointState, directory: Path, info: dict) -> list[dict]:
+def _optimizer_groups(optimizer: torch.optim.Optimizer, directory: Path, info: dict[str, Any]) -> list[dict[str, Any]]:
     """The saved hyper-parameters of each optimizer group, checked against this run's optimizer: same class,
     same groups, each value of the type the optimizer holds."""
     saved_class = info.get("class")
-    if saved_class != type(state.optimizer).__name__:
+    if saved_class != type(optimizer).__name__:
         raise CheckpointError(f"{directory} holds the state of a {saved_class} optimizer; this run's is "
-                              f"{type(state.optimizer).__name__}", hint="load_checkpoint(..., load_optimizer=False) "
+                              f"{type(optimizer).__name__}", hint="load_checkpoint(..., load_optimizer=False) "
                               "loads the model and leaves the optimizer as it is")
     groups = info.get("param_groups")
-    if not isinstance(groups, list) or len(groups) != len(state.optimizer.param_groups):
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
         raise CheckpointError(f"{directory}: the optimizer had {len(groups) if isinstance(groups, list) else '?'} "
-                              f"parameter groups; this run's has {len(state.optimizer.param_groups)}",
+                              f"parameter groups; this run's has {len(optimizer.param_groups)}",
                               hint="load_checkpoint(..., load_optimizer=False) loads the model alone")
     out = []
-    for group, values in zip(state.optimizer.param_groups, groups):
+    for group, values in zip(optimizer.param_groups, groups, strict=True):
         if not isinstance(values, dict):
             raise CheckpointError(f"{directory}/{MANIFEST_FILE}: an optimizer group is not an object")
         updates = {}
@@ -732,7 +736,7 @@ def _same_kind(current: Any, value: Any) -> bool:
         return isinstance(value, str)
     if isinstance(current, (list, tuple)):
         return isinstance(value, list) and len(value) == len(current) and all(
-            _same_kind(c, v) for c, v in zip(current, value))
+            _same_kind(c, v) for c, v in zip(current, value, strict=True))
     return False
 
 
@@ -750,11 +754,13 @@ class _Targets:
     def build(cls, state: CheckpointState, metadata: dict, manifest: Manifest, load_optimizer: bool) -> _Targets:
         target: dict[str, torch.Tensor] = {}
         params, buffers = _keys(state), _buffers(state)
-        optim = {} if load_optimizer and state.optimizer is not None else None
+        optim: dict[int, dict[str, torch.Tensor]] | None = {} if load_optimizer and state.optimizer is not None \
+            else None
         for key, p in params:
             target[f"model/{key}"] = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
             if optim is not None:
-                prefix, slots = f"optim/{key}/", {}
+                prefix = f"optim/{key}/"
+                slots: dict[str, torch.Tensor] = {}
                 for name, meta in metadata.items():
                     if name.startswith(prefix):
                         tensor = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype, device=p.device)
@@ -777,10 +783,10 @@ class _Targets:
                 p.copy_(self.target[f"model/{key}"])
             for name, b in self.buffers.items():
                 b.copy_(self.target[f"buffer/{name}"])
-        if self.optim is not None:
+        if self.optim is not None and state.optimizer is not None:  # optim: built for this run's optimizer
             for _, p in self.params:
                 state.optimizer.state[p] = dict(self.optim.get(id(p), {}))
-            for group, updates in zip(state.optimizer.param_groups, groups):
+            for group, updates in zip(state.optimizer.param_groups, groups, strict=True):
                 group.update(updates)
         for key in self.rng_keys:
             if key.startswith("rng_cuda/"):

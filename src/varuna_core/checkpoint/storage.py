@@ -37,11 +37,12 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -188,7 +189,7 @@ def _bytes_view(tensor: torch.Tensor):
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
     """The box ``[offsets, offsets + lengths)`` of ``tensor`` (a view)."""
-    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
         if start != 0 or length != tensor.size(dim):
             tensor = tensor.narrow(dim, start, length)
     return tensor
@@ -364,7 +365,8 @@ def _show(value: object) -> str:
     if isinstance(value, (str, int, float, bool)) or value is None:
         text = repr(value[:80] if isinstance(value, str) else value)
         return text if len(text) <= 80 else text[:77] + "..."
-    return {dict: "an object", list: "a list"}.get(type(value), type(value).__name__)
+    names: dict[type, str] = {dict: "an object", list: "a list"}
+    return names.get(type(value), type(value).__name__)
 
 
 class _Index:
@@ -383,7 +385,7 @@ class _Index:
         save_id = doc.get("save_id", "")
         if not isinstance(save_id, str):
             raise _invalid(self.path, f"save_id: expected a string, got {_show(save_id)}")
-        state: dict[str, TensorStorageMetadata] = {}
+        state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}  # Metadata's type; tensors only
         storage: dict[MetadataIndex, Location] = {}
         for fqn, entry in self._get(doc, "tensors", "tensors", dict).items():
             state[fqn] = self._tensor(fqn, entry, storage)
@@ -408,7 +410,7 @@ class _Index:
             if len(offsets) != len(size) or len(sizes) != len(size):
                 raise _invalid(self.path, f"{where}: offsets {offsets} and sizes {sizes} do not have the "
                                           f"{len(size)} dimension(s) of the tensor")
-            if any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+            if any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
                 raise _invalid(self.path, f"{where}: the box at {offsets} of size {sizes} reaches outside the "
                                           f"tensor's size {size}")
             chunk_volume = _product(sizes)
@@ -421,7 +423,7 @@ class _Index:
                                       f"{_product(size):,}")
         return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(size), chunks=chunks)
 
-    def _location(self, chunk: dict, where: str, nbytes: int) -> Location:
+    def _location(self, chunk: dict[str, Any], where: str, nbytes: int) -> Location:
         name = self._get(chunk, "file", f"{where}.file", str)
         if not DATA_FILE.fullmatch(name):
             raise _invalid(self.path, f"{where}.file: {_show(name)} is not a checkpoint data file (__<rank>_<i>.distcp "
@@ -454,8 +456,8 @@ class _Index:
                                           f"({size} bytes; the index needs {end})",
                                           hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
 
-    def _get(self, doc: object, key: str | None, field: str, kind: type):
-        """``doc[key]`` (``doc`` itself with key None), which must be a ``kind``."""
+    def _get(self, doc: Any, key: str | None, field: str, kind: type[_T]) -> _T:
+        """``doc[key]`` (``doc`` itself with key None), which must be a ``kind`` (``doc``: parsed JSON)."""
         if key is not None:
             if key not in doc:
                 raise _invalid(self.path, f"{field}: missing")
@@ -464,10 +466,10 @@ class _Index:
             raise _invalid(self.path, f"{field}: expected {_KINDS[kind]}, got {_show(doc)}")
         return doc
 
-    def _int(self, doc: dict, key: str, field: str) -> int:
+    def _int(self, doc: dict[str, Any], key: str, field: str) -> int:
         return self._count(self._get(doc, key, field, object), field)
 
-    def _ints(self, doc: dict, key: str, field: str) -> list[int]:
+    def _ints(self, doc: dict[str, Any], key: str, field: str) -> list[int]:
         return [self._count(v, f"{field}[{i}]") for i, v in enumerate(self._get(doc, key, field, list))]
 
     def _count(self, value: object, field: str) -> int:
@@ -476,7 +478,8 @@ class _Index:
         return value
 
 
-_KINDS = {dict: "an object", list: "a list", str: "a string", object: "a value"}
+_KINDS: dict[type, str] = {dict: "an object", list: "a list", str: "a string", object: "a value"}
+_T = TypeVar("_T")
 
 
 def _product(values: list[int]) -> int:
@@ -508,10 +511,12 @@ def _data_file_size(directory: Path, name: str) -> int:
 def _check(path: Path, size: int, sha256: str, want: tuple[int, str]) -> None:
     if size != want[0]:
         raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: size {size} != "
-                              f"{want[0]} in the manifest", hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
+                              f"{want[0]} in the manifest",
+                              hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
     if sha256 != want[1]:
         raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: sha256 mismatch "
-                              f"(file changed or corrupt)", hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
+                              f"(file changed or corrupt)",
+                              hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -605,7 +610,7 @@ class RawReader(StorageReader):
             for loc, reqs in chunks:
                 direct = self._direct_target(loc, reqs, planner)
                 if direct is None:
-                    meta = self.metadata.state_dict_metadata[reqs[0].storage_index.fqn]
+                    meta = self.tensor_meta(reqs[0].storage_index.fqn)
                     stored = torch.empty(tuple(self._chunk_meta(meta, reqs[0].storage_index).sizes),
                                          dtype=meta.properties.dtype)
                     staged.append((stored, reqs))
@@ -616,7 +621,7 @@ class RawReader(StorageReader):
                                           f"for a chunk of {data.nbytes}", hint="the checkpoint index is corrupt")
                 pieces.append((loc.offset, data))
             scatter_file(fd, pieces, digest)
-            if digest is not None:
+            if digest is not None and self.expected is not None:  # check: a file the manifest lists
                 _check(path, size, digest.hexdigest(), self.expected[name])
         finally:
             os.close(fd)
@@ -625,7 +630,7 @@ class RawReader(StorageReader):
         for stored, reqs in staged:
             for req in reqs:
                 planner.resolve_tensor(req).detach().copy_(_narrow(stored, req.storage_offsets, req.lengths))
-        for loc, reqs in chunks:
+        for _, reqs in chunks:
             for req in reqs:
                 planner.commit_tensor(req, planner.resolve_tensor(req).detach())
 
@@ -635,13 +640,21 @@ class RawReader(StorageReader):
         if len(reqs) != 1:
             return None
         req = reqs[0]
-        meta = self.metadata.state_dict_metadata[req.storage_index.fqn]
+        meta = self.tensor_meta(req.storage_index.fqn)
         sizes = tuple(self._chunk_meta(meta, req.storage_index).sizes)
         dest = planner.resolve_tensor(req).detach()
         whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == sizes
         if whole and dest.is_contiguous() and dest.dtype == meta.properties.dtype and dest.device.type == "cpu":
             return dest
         return None
+
+    def tensor_meta(self, fqn: str) -> TensorStorageMetadata:
+        """The stored tensor ``fqn`` (of the metadata ``read_data`` runs with)."""
+        assert self.metadata is not None
+        meta = self.metadata.state_dict_metadata[fqn]
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint entry {fqn!r} is not a tensor")
+        return meta
 
     @staticmethod
     def _chunk_meta(meta: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata:

@@ -364,11 +364,12 @@ def _load(directory: Path, keys: Iterable[str], listed: set[str] | None) -> dict
     if not keys:
         return {}
     reader = RawReader(directory, listed=listed)
-    metas = reader.read_metadata().state_dict_metadata
-    missing = [k for k in keys if k not in metas]
+    index = reader.read_metadata().state_dict_metadata
+    missing = [k for k in keys if k not in index]
     if missing:
         raise CheckpointError(f"{directory}: {missing[0]} is no longer in the tensor index (changed meanwhile?)")
-    target = {k: torch.zeros(tuple(metas[k].size), dtype=metas[k].properties.dtype) for k in keys}
+    metas = {k: reader.tensor_meta(k) for k in keys}
+    target = {k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) for k, m in metas.items()}
     dcp_load(target, reader, no_dist=True)
     return target
 
@@ -471,10 +472,11 @@ def _by_stage(tensors: list[TensorInfo], where: dict[str, set[str]],
         for rel in where.get(t.key, ()):
             match = _DIST_RE.fullmatch(Path(rel).name)
             owners.add(stage_of_rank.get(int(match.group(1))) if match else None)
-        if len(owners) != 1 or None in owners:
+        stage = owners.pop() if len(owners) == 1 else None
+        if stage is None:
             return None, (f"bytes per stage not shown: {t.key} is not in exactly one stage's files; the manifest's "
                           "partition is in segments, which do not name parameters: bytes per top-level module instead")
-        group = stages[owners.pop()]
+        group = stages[stage]
         group.tensors += 1
         setattr(group, t.kind, getattr(group, t.kind) + t.bytes)
     note = None

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Union
 
 from varuna_core.errors import PartitionError
 
@@ -96,7 +96,7 @@ class Partition:
         Raises:
             PartitionError: ranges not contiguous from 0, an empty stage, or segments left uncovered/overrun.
         """
-        partition = cls(tuple(tuple(r) for r in ranges))
+        partition = cls(tuple(ranges))  # __post_init__ checks and normalises each pair
         if partition.num_segments != num_segments:
             raise PartitionError(
                 f"partition {partition.to_string()!r} covers {partition.num_segments} segments, "
@@ -231,14 +231,15 @@ def _parse_string(text: str) -> list[tuple[int, int]]:
     return ranges
 
 
-PartitionSpec = Union[Partition, str, Sequence[tuple[int, int]], Sequence[int]]
+PartitionSpec = Partition | str | Sequence[tuple[int, int]] | Sequence[int]
 """A partition as a user gives it (see :func:`coerce_partition`), before the model's segments are known."""
 
 
-def coerce_partition(value: PartitionSpec | object, *, num_segments: int, num_stages: int) -> Partition:
+def coerce_partition(value: object, *, num_segments: int, num_stages: int) -> Partition:
     """Turn a user-supplied partition into a :class:`Partition` for this model and pipeline.
 
-    Accepted forms: a :class:`Partition`; a string of inclusive ranges ``"0-2,3-4,5-7"`` (a lone ``"5"`` means
+    ``value`` is meant to be a :data:`PartitionSpec`; anything else is refused. Accepted forms: a
+    :class:`Partition`; a string of inclusive ranges ``"0-2,3-4,5-7"`` (a lone ``"5"`` means
     ``"5-5"``); a sequence of half-open ``(start, stop)`` pairs; a sequence of per-stage segment counts
     ``[3, 2, 3]``.
 
@@ -254,7 +255,7 @@ def coerce_partition(value: PartitionSpec | object, *, num_segments: int, num_st
             raise PartitionError(f"segment counts {list(value)} contain a stage with fewer than 1 segment",
                                  hint="every stage needs at least one segment")
         stops = [sum(value[: i + 1]) for i in range(len(value))]
-        partition = Partition(tuple(zip([0] + stops[:-1], stops)))
+        partition = Partition(tuple(itertools.pairwise([0] + stops)))
     elif isinstance(value, Sequence) and value and all(
         isinstance(v, Sequence) and not isinstance(v, str) and len(v) == 2 for v in value
     ):

@@ -15,7 +15,8 @@ import collections
 import dataclasses
 import enum
 import re
-from typing import Callable, Literal, NamedTuple, get_args
+from collections.abc import Callable
+from typing import Literal, NamedTuple, get_args
 
 from varuna_core.errors import ConfigError, ScheduleError
 from varuna_core.util.text import short_repr
@@ -259,7 +260,8 @@ def _varuna(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]:
     """
     last = num_stages - 1
     names = ("bw", "bi", "rc", "fwd")  # priority order
-    queues = [{q: collections.deque() for q in names} for _ in range(num_stages)]
+    queues: list[dict[str, collections.deque[int]]] = [{q: collections.deque() for q in names}
+                                                        for _ in range(num_stages)]
     queues[0]["fwd"].extend(range(num_mb))
     out: list[list[Action]] = [[] for _ in range(num_stages)]
     while True:
@@ -336,7 +338,7 @@ def _simulate(schedule: Schedule) -> _SimResult:
     done: set[Action] = set()
     pos = [0] * len(acts)
     rows: list[list[Action | None]] = []
-    while any(p < len(stage) for p, stage in zip(pos, acts)):
+    while any(p < len(stage) for p, stage in zip(pos, acts, strict=True)):
         row: list[Action | None] = [None] * len(acts)
         for s, stage in enumerate(acts):
             if pos[s] < len(stage):
@@ -345,9 +347,9 @@ def _simulate(schedule: Schedule) -> _SimResult:
                     row[s] = action
         if all(a is None for a in row):
             return _SimResult(rows, pos, stuck=True)
-        for s, action in enumerate(row):
-            if action is not None:
-                done.add(action)
+        for s, taken in enumerate(row):
+            if taken is not None:
+                done.add(taken)
                 pos[s] += 1
         rows.append(row)
     return _SimResult(rows, pos, stuck=False)
@@ -361,7 +363,7 @@ def _render(schedule: Schedule, sim: _SimResult) -> str:
     if sim.stuck:
         stuck_row = [
             f"{stage[p].op.value}{stage[p].mb}" if p < len(stage) else "-"
-            for p, stage in zip(sim.positions, schedule.actions)
+            for p, stage in zip(sim.positions, schedule.actions, strict=True)
         ]
     width = max([3] + [len(c) + 1 for row in cells + ([stuck_row] if stuck_row else []) for c in row])
     label = max(5, len(str(len(cells))))

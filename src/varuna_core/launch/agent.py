@@ -34,7 +34,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel
 
 from ..env import HOST, PLAN
 from .protocol import (
@@ -58,6 +63,14 @@ from .protocol import (
     parse_spec,
 )
 
+if TYPE_CHECKING:
+    import socket
+
+    import torch.distributed as dist
+
+    from .protocol import SpotWatch
+    from .spot import Notice, SpotWatcher
+
 __all__ = ["main", "worker_env", "MAX_LINE"]
 
 _PR_SET_PDEATHSIG = 1
@@ -65,7 +78,7 @@ IDLE_EXIT = 600.0  # seconds an agent whose workers have all exited waits for th
 _out_lock = threading.Lock()
 
 
-def emit(event) -> None:
+def emit(event: BaseModel) -> None:
     """Write one event (a model of :mod:`~varuna_core.launch.protocol`) as a JSON line."""
     line = event.model_dump_json()
     with _out_lock:
@@ -78,7 +91,7 @@ def _error(message: str) -> None:
 
 
 def worker_env(spec: AgentSpec, worker: WorkerSlot, master_port: int, interface: str | None,
-               plan_path: str | None) -> dict:
+               plan_path: str | None) -> dict[str, str]:
     """The environment of one worker: the launcher's, the spec's, and the torchrun-style variables."""
     env = dict(os.environ)
     env.update(spec.env)
@@ -112,12 +125,12 @@ def _die_with_parent() -> None:
 class Agent:
     def __init__(self, spec: AgentSpec) -> None:
         self.spec = spec
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.store = None
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.store: dist.TCPStore | None = None
         self.tmp = Path(tempfile.mkdtemp(prefix=f"varuna-agent-{spec.job[:8]}-"))
         self.stopping = threading.Event()
         self.pumps: list[threading.Thread] = []
-        self.spot = None  # the SpotWatcher, if the spec asks for one
+        self.spot: SpotWatcher | None = None  # if the spec asks for one
 
     def start(self) -> None:
         from .netinfo import route_to
@@ -125,17 +138,19 @@ class Agent:
         spec = self.spec
         interface, address = route_to(spec.master_addr)
         emit(ReadyEvent(pid=os.getpid(), interface=interface, address=address))
-        port = spec.master_port
         if spec.store:
-            port = self._start_store(port)
+            port = self._start_store(spec.master_port)
             emit(StoreEvent(port=port))
+        else:
+            assert spec.master_port is not None  # the spec's own check: only the store's host may lack it
+            port = spec.master_port
         plan_path = None
         if spec.plan is not None:
             plan_path = str(self.tmp / "plan.json")
             Path(plan_path).write_text(json.dumps(spec.plan))
         # every worker is forked before any thread exists here, so preexec_fn is safe
         for worker in spec.workers:
-            env = worker_env(spec, worker, int(port), interface, plan_path)
+            env = worker_env(spec, worker, port, interface, plan_path)
             try:
                 proc = subprocess.Popen(self._argv(worker), cwd=spec.cwd or None, env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -153,11 +168,11 @@ class Agent:
         if spec.spot is not None:
             self._watch_spot(spec.spot)
 
-    def _watch_spot(self, watch) -> None:
+    def _watch_spot(self, watch: SpotWatch) -> None:
         """Report the cloud's notices for this VM as ``preempt`` events (the launcher checkpoints and morphs)."""
         from .spot import SpotWatcher
 
-        def report(notice) -> None:
+        def report(notice: Notice) -> None:
             emit(PreemptEvent(source=notice.source, seconds=min(notice.seconds, MAX_NOTICE_SECONDS),
                               detail=notice.detail[:1024]))
 
@@ -174,10 +189,10 @@ class Agent:
         import torch.distributed as dist
 
         self.listen = _store_socket(self.spec.master_addr, int(port or 0))
-        self.store = dist.TCPStore(self.spec.master_addr, self.listen.getsockname()[1], len(self.spec.workers),
-                                   is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=600),
-                                   master_listen_fd=self.listen.fileno())
-        return self.store.port
+        self.store = store = dist.TCPStore(
+            self.spec.master_addr, self.listen.getsockname()[1], len(self.spec.workers), is_master=True,
+            wait_for_workers=False, timeout=datetime.timedelta(seconds=600), master_listen_fd=self.listen.fileno())
+        return store.port
 
     def _argv(self, worker: WorkerSlot) -> list[str]:
         argv = list(self.spec.argv)
@@ -188,12 +203,14 @@ class Agent:
                      f"--batch-size={legacy.batch_size}"]
         return argv
 
-    def _pump(self, rank: int, proc: subprocess.Popen) -> None:
+    def _pump(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         """Forward the worker's output line by line (a line longer than :data:`MAX_LINE` bytes in pieces of that
         size, so that output without newlines cannot grow memory), then its exit code (after the last line)."""
-        for raw in iter(lambda: proc.stdout.readline(MAX_LINE), b""):
+        stdout = proc.stdout
+        assert stdout is not None  # a pipe
+        for raw in iter(lambda: stdout.readline(MAX_LINE), b""):
             emit(LogEvent(rank=rank, line=raw.decode(errors="replace").rstrip("\n")))
-        proc.stdout.close()
+        stdout.close()
         emit(ExitEvent(rank=rank, code=proc.wait()))
 
     def signal(self, name: str) -> None:
@@ -245,7 +262,7 @@ def _killpg(pid: int, sig: int) -> None:
         pass
 
 
-def _store_socket(address: str, port: int):
+def _store_socket(address: str, port: int) -> socket.socket:
     """A listening TCP socket for the job's store on ``address`` only (a local job's store on the loopback is
     then unreachable from the network; torch's own server would listen on every interface). Falls back to every
     interface when ``address`` is not one of this machine's (e.g. behind NAT)."""
@@ -280,24 +297,32 @@ def _read_spec() -> AgentSpec | None:
         os._exit(2)
 
 
-def sigterm_handler(agent: Agent, grace: float):
+SignalHandler = Callable[[int, FrameType | None], None]
+
+
+def sigterm_handler(agent: Agent, grace: float) -> SignalHandler:
     """The agent's SIGTERM handler: stop the workers and leave. Python runs a handler in the main thread between
     two bytecodes, possibly inside :func:`emit` holding its (non-reentrant) lock; stopping inline would then wait
     for that lock forever. So the handler only starts a thread that stops."""
 
-    def on_term(signum, frame) -> None:  # noqa: ARG001
-        threading.Thread(target=lambda: (agent.stop(grace), _finish(agent)), name="sigterm", daemon=True).start()
+    def stop() -> None:
+        agent.stop(grace)
+        _finish(agent)
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        threading.Thread(target=stop, name="sigterm", daemon=True).start()
 
     return on_term
 
 
-def signalled_handler(agent: Agent):
+def signalled_handler(agent: Agent) -> SignalHandler:
     """The handler of a signal that asks for a checkpoint rather than a stop (SIGUSR1; SIGTERM under a
     scheduler): pass SIGUSR1 on to the workers and, under a scheduler, tell the launcher. In a thread, for the
     reason given at :func:`sigterm_handler`."""
 
-    def on_signal(signum, frame) -> None:  # noqa: ARG001
-        name = signal.Signals(signum).name
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        # installed for SIGUSR1, and for SIGTERM under a scheduler
+        name: Literal["SIGTERM", "SIGUSR1"] = "SIGTERM" if signum == signal.SIGTERM else "SIGUSR1"
 
         def act() -> None:
             agent.signal("SIGUSR1")

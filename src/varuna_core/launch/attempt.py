@@ -21,10 +21,11 @@ import logging
 import os
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Literal, Protocol, TextIO, overload
 
 from pydantic import ValidationError
 
@@ -35,6 +36,7 @@ from .heartbeat import Beat, Listener
 from .hosts import Host
 from .options import LaunchOptions, forwarded_environ
 from .protocol import (
+    AgentEvent,
     AgentSpec,
     ErrorEvent,
     ExitEvent,
@@ -47,10 +49,11 @@ from .protocol import (
     SignalledEvent,
     SpotWatch,
     StopCommand,
+    StoreEvent,
     WorkerSlot,
     describe,
 )
-from .ssh import AgentHandle
+from .ssh import AgentEvents, AgentHandle
 from .stragglers import Straggler, StragglerDetector
 
 __all__ = ["Ending", "LaunchError", "AgentStartError", "Node", "place", "JobFiles", "Outcome", "Attempt", "Status",
@@ -94,7 +97,8 @@ def place(world: int, hosts: list[Host]) -> list[Node]:
         detail = ", ".join(f"{h.name}: {h.slots}" for h in hosts)
         raise ConfigError(f"the plan needs {world} devices (pp × dp); the hosts provide {capacity} ({detail})",
                           hint="add hosts or slots, or plan for fewer devices (`varuna plan --gpus N`)")
-    nodes, rank = [], 0
+    nodes: list[Node] = []
+    rank = 0
     for host in hosts:
         if rank == world:
             break
@@ -141,10 +145,10 @@ class JobFiles:
         self.run_dir = Path(run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "plans").mkdir(exist_ok=True)
-        self._logs: dict[int, object] = {}
+        self._logs: dict[int, TextIO] = {}
         self.attempts_before = _attempts_in(self.run_dir / "events.jsonl")
-        self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115 - see close()
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - see close()
 
     def rank_log(self, rank: int) -> Path:
         return self.run_dir / "logs" / f"rank{rank}.log"
@@ -152,13 +156,13 @@ class JobFiles:
     def log_line(self, rank: int, line: str) -> None:
         f = self._logs.get(rank)
         if f is None:
-            f = self._logs[rank] = open(self.rank_log(rank), "a", buffering=1)
+            f = self._logs[rank] = open(self.rank_log(rank), "a", buffering=1)  # noqa: SIM115 - see close()
         f.write(line + "\n")
 
-    def event(self, name: str, **fields) -> None:
+    def event(self, name: str, **fields: object) -> None:
         self._events.write(json.dumps({"t": time.time(), "event": name, **fields}) + "\n")
 
-    def metric(self, **fields) -> None:
+    def metric(self, **fields: object) -> None:
         self._metrics.write(json.dumps(fields) + "\n")
 
     def slow(self, s: Straggler) -> None:
@@ -243,7 +247,7 @@ class Attempt:
         self.opts, self.files, self.listener, self.reporter, self.status = opts, files, listener, reporter, status
         self.job, self.token, self.manager_address, self.run_id = job, token, manager_address, run_id
         self.world = plan.pp * plan.dp
-        self.events: queue.Queue = queue.Queue()  # (node, event of launch.protocol)
+        self.events: AgentEvents = queue.Queue()
         self.agents: list[AgentHandle] = []
         self.exits: dict[int, int] = {}
         self.errors: dict[int, str] = {}  # rank -> the last "error: ..." line it printed
@@ -292,7 +296,8 @@ class Attempt:
             env={**forwarded_environ(os.environ), **self.opts.env, **told.to_environ()},
             plan=self.plan.model_dump(mode="json"),
             grace=self.opts.grace, legacy_args=legacy, scheduler_signals=self.opts.slurm is not None,
-            spot=SpotWatch(source=spot.source, endpoint=spot.endpoint, interval=spot.interval, vm_name=spot.vm_name)
+            spot=SpotWatch(source=spot.source,  # type: ignore[arg-type]  # SpotConfig checked it against SOURCES
+                           endpoint=spot.endpoint, interval=spot.interval, vm_name=spot.vm_name)
             if (spot := self.opts.spot) is not None else None)
 
     def start(self) -> None:
@@ -323,12 +328,18 @@ class Attempt:
         self.agents.append(agent)
         return agent
 
-    def _await(self, agent: AgentHandle, kind: str, timeout: float):
+    @overload
+    def _await(self, agent: AgentHandle, kind: Literal["store"], timeout: float) -> StoreEvent: ...
+
+    @overload
+    def _await(self, agent: AgentHandle, kind: Literal["ready"], timeout: float) -> ReadyEvent: ...
+
+    def _await(self, agent: AgentHandle, kind: str, timeout: float) -> AgentEvent | GoneEvent:
         """Wait for ``agent``'s event ``kind``; other events are put back for :meth:`run`."""
         if kind == "ready" and agent.ready is not None:
             return agent.ready
         deadline = time.monotonic() + timeout
-        held = []
+        held: list[tuple[int, AgentEvent | GoneEvent]] = []
         try:
             while time.monotonic() < deadline:
                 try:
@@ -395,7 +406,8 @@ class Attempt:
                             if not self._ask_to_checkpoint(reason):
                                 return Outcome(new.kind, new.message + " (before the first step: nothing to "
                                                "checkpoint)", hosts=new.hosts, step=self.resume)
-                if asked_at is not None and time.monotonic() - asked_at > self.opts.morph_timeout:
+                if request is not None and asked_at is not None and \
+                        time.monotonic() - asked_at > self.opts.morph_timeout:
                     return Outcome(request.kind, f"{request.message}; the on-demand checkpoint did not finish "
                                    f"within {self.opts.morph_timeout:g}s: continuing from the last complete "
                                    f"checkpoint", hosts=request.hosts)
@@ -427,19 +439,19 @@ class Attempt:
             except queue.Empty:
                 return
 
-    def _handle(self, node: int, event) -> None:
+    def _handle(self, node: int, event: AgentEvent | GoneEvent) -> None:
         rank = getattr(event, "rank", None)
         if rank is not None and rank not in self.node_ranks[node]:
             self.reporter.event(f"agent on {self.agents[node].host.name} reported rank {rank}, which it "
                                 f"does not run: ignored")
             return
         if isinstance(event, LogEvent):
-            self.files.log_line(rank, event.line)
+            self.files.log_line(event.rank, event.line)
             said = event.line.split("] ", 1)[-1] if event.line.startswith("[rank ") else event.line
             if said.startswith("error: "):
-                self.errors[rank] = said[len("error: "):][:500]
+                self.errors[event.rank] = said[len("error: "):][:500]
         elif isinstance(event, ExitEvent):
-            self.exits[rank] = event.code
+            self.exits[event.rank] = event.code
         elif isinstance(event, GoneEvent):
             self.gone.add(node)
         elif isinstance(event, ReadyEvent):
@@ -520,7 +532,7 @@ class Attempt:
                     f"{beats[r].step} (log: {self.files.rank_log(r)})")
             self.reporter.event(f"{late}: counted as a stop, not a crash")
             self.files.event("late_exit", attempt=self.number, rank=r, code=code, step=beats[r].step)
-            step = max(b.step for b in beats.values())
+            step: int | None = max(b.step for b in beats.values())
             if request is not None:
                 return Outcome(request.kind, f"{request.message}; {late}", hosts=request.hosts, step=step)
             return Outcome(Ending.CHECKPOINTED, f"the workers checkpointed and stopped (SIGUSR1 from outside the "
@@ -544,8 +556,8 @@ class Attempt:
         if request is not None:
             return Outcome(request.kind, request.message, hosts=request.hosts, step=step)
         if codes == {EXIT_CHECKPOINTED}:
-            return Outcome(Ending.CHECKPOINTED, "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)",
-                           step=step)
+            return Outcome(Ending.CHECKPOINTED,
+                           "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)", step=step)
         return Outcome(Ending.CRASH, "some workers finished while others stopped to checkpoint", step=step, suspects=[])
 
     # ------------------------------------------------------------------------------------------------------

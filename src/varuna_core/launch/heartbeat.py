@@ -60,7 +60,7 @@ class Beat:
     host: str
     step: int
     received: float
-    fields: dict = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
@@ -77,7 +77,7 @@ class Listener:
                  max_skew: float = DEFAULT_MAX_SKEW, attempt: int | None = None) -> None:
         self.job, self.token, self.bind, self.max_skew, self.attempt = job, token, bind, max_skew, attempt
         self.beats: dict[int, Beat] = {}
-        self.notices: list[dict] = []
+        self.notices: list[dict[str, Any]] = []
         self.steps: dict[int, tuple[float, float | None]] = {}  # step -> (loss, step time)
         self._counts = dict.fromkeys(("beats", "notices", "notice_repeats", "recv_errors", *_DROPS), 0)
         self._senders: OrderedDict[str, int] = OrderedDict()  # sender -> last sequence number, least recent first
@@ -116,7 +116,7 @@ class Listener:
         while not self._closed.is_set():
             try:
                 data, sender = self._sock.recvfrom(MAX_DATAGRAM + 1)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as exc:
                 if self._closed.is_set():
@@ -169,7 +169,7 @@ class Listener:
             return self._notice(body, now, sender)
         return self._beat(body)
 
-    def _beat(self, body: dict) -> str | None:
+    def _beat(self, body: dict[str, Any]) -> str | None:
         with self._lock:
             last = self._senders.get(body["sender"])
             if last is not None and body["seq"] <= last:
@@ -191,7 +191,7 @@ class Listener:
             self._counts["beats"] += 1
         return None
 
-    def _notice(self, body: dict, now: float, sender: Any) -> str | None:
+    def _notice(self, body: dict[str, Any], now: float, sender: Any) -> str | None:
         with self._lock:
             self._notice_ids = {i: until for i, until in self._notice_ids.items() if until >= now}
             until = body["ts"] + self.max_skew  # a later copy (a retry) keeps the id longer
@@ -219,7 +219,7 @@ class Listener:
             del self.notices[:-_MAX_PENDING_NOTICES]
             self._counts["notices"] += 1
 
-    def take_notices(self) -> list[dict]:
+    def take_notices(self) -> list[dict[str, Any]]:
         with self._lock:
             out, self.notices = self.notices, []
         return out
@@ -257,7 +257,7 @@ class Listener:
         self._sock.close()
 
 
-def send_notice(address: tuple[str, int], job: str, token: str, body: dict, *, tries: int = 5,
+def send_notice(address: tuple[str, int], job: str, token: str, body: dict[str, Any], *, tries: int = 5,
                 timeout: float = 1.0) -> bool:
     """Send a ``preempt`` notice and wait for the manager's ``ack``; True once acknowledged.
 

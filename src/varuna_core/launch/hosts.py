@@ -64,7 +64,7 @@ def parse_hosts(text: str, default_slots: int, source: str = "hosts file") -> li
             line number and repeats the line.
     """
     hosts: list[Host] = []
-    seen: dict[tuple, int] = {}
+    seen: dict[tuple[str, int | None], int] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -79,7 +79,7 @@ def parse_hosts(text: str, default_slots: int, source: str = "hosts file") -> li
                 slots = int(given["n"])
             else:
                 problem = problem or f"unknown field {_shown(extra)} (only slots=N with 1 <= N <= {MAX_SLOTS})"
-        if problem:
+        if problem or match is None:  # no match is always a problem
             raise ConfigError(f"{source} line {number}: {problem}: {_shown(raw.strip())}",
                               hint="each line is [user@]host[:port] [slots=N]; # starts a comment")
         host = Host(address=match.group("host").strip("[]"), slots=slots, user=match.group("user"),
@@ -98,7 +98,7 @@ def _shown(text: str, limit: int = 120) -> str:
     return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
 
 
-def _problem(word: str, match: re.Match | None) -> str | None:
+def _problem(word: str, match: re.Match[str] | None) -> str | None:
     """What is wrong with the ``[user@]host[:port]`` of a line, if anything."""
     if match is None:
         if word.startswith("-") or "@-" in word:
@@ -113,7 +113,7 @@ def _read_text(path: Path) -> str:
     return read_text(path, MAX_HOSTS_BYTES, what="hosts file")
 
 
-def read_hosts(path: str | os.PathLike, default_slots: int) -> list[Host]:
+def read_hosts(path: str | os.PathLike[str], default_slots: int) -> list[Host]:
     """:func:`parse_hosts` of a file; an unreadable, oversized, non-UTF-8 or empty file is a
     :class:`ConfigError` too."""
     p = Path(path)
@@ -126,7 +126,7 @@ def read_hosts(path: str | os.PathLike, default_slots: int) -> list[Host]:
 class HostsWatcher:
     """Notices changes of a hosts file by content (not only mtime: editors may keep it)."""
 
-    def __init__(self, path: str | os.PathLike, default_slots: int) -> None:
+    def __init__(self, path: str | os.PathLike[str], default_slots: int) -> None:
         self.path = Path(path)
         self.default_slots = default_slots
         self._digest = self._read_digest()
@@ -164,4 +164,4 @@ def is_loopback(address: str) -> bool:
         infos = socket.getaddrinfo(address, None)
     except OSError:
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)

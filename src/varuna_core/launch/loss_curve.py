@@ -32,8 +32,8 @@ def draw_loss_curve(metrics: str | Path, out: str | Path, title: str = "") -> bo
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     for attempt in sorted(set(attempts)):
-        xs = [s for s, a in zip(steps, attempts) if a == attempt]
-        ys = [v for v, a in zip(losses, attempts) if a == attempt]
+        xs = [s for s, a in zip(steps, attempts, strict=True) if a == attempt]
+        ys = [v for v, a in zip(losses, attempts, strict=True) if a == attempt]
         ax.plot(xs, ys, linewidth=1.2, label=f"attempt {attempt}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (global batch)")

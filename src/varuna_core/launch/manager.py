@@ -48,7 +48,10 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from ..checkpoint.layout import check_run_id, describe_runs, latest, list_runs, new_run_id, runs, scan
 from ..errors import ConfigError, VarunaError
@@ -63,6 +66,9 @@ from .options import LaunchOptions
 from .ssh import HostProblem, check_hosts, probe_agents
 
 __all__ = ["Manager", "replan", "choose_run", "EXIT_TERMINATED"]
+
+# a signal handler as signal.signal returns it: a function, SIG_DFL or SIG_IGN, or None (not set from Python)
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 _WAIT_POLL = 1.0
 FRESH_CHECK = 30.0  # seconds for which a host's passed background check stands in for the check of a morph
@@ -128,6 +134,7 @@ def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True
     Raises:
         ConfigError / PlanInfeasible: nothing fits the devices.
     """
+    from ..ir.schedule import check_schedule
     from ..planning.planner import PlanInfeasible, PlanRequest, make_plan
 
     profile_path = plan.profile_path
@@ -136,7 +143,8 @@ def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True
 
         profile = load_profile(profile_path)
         request = PlanRequest(gpus=devices, batch_size=plan.batch_size, gpus_per_node=min(per_node, devices),
-                              gpu_memory=plan.memory_limit, schedules=tuple(plan.schedules), headroom=plan.headroom)
+                              gpu_memory=plan.memory_limit,
+                              schedules=tuple(map(check_schedule, plan.schedules)), headroom=plan.headroom)
         note = ""
         if keep_microbatch:
             try:
@@ -164,8 +172,8 @@ def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True
         stage_to_rank_map=Topology.clustered(plan.pp, dp).to_string(),
         nodes=[list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)],
         alternatives=[],
-        assumptions=[*plan.assumptions, f"re-planned without a profile for {devices} devices: same pipeline, "
-                     f"dp {plan.dp} -> {dp}; the predictions are the original plan's"])))  # checked: may not fit
+        assumptions=[*plan.assumptions, (f"re-planned without a profile for {devices} devices: same pipeline, "
+                      f"dp {plan.dp} -> {dp}; the predictions are the original plan's")])))  # checked: may not fit
     return new, f"no profile to plan from: pp={plan.pp} kept, dp {plan.dp} -> {dp}"
 
 
@@ -219,7 +227,7 @@ class Manager:
         self.warned = False  # the stop came from the scheduler's warning signal (SIGUSR1): requeue under Slurm
         self.refused: dict[int, str] = {}  # steps that cannot be loaded, and why
         self.exclusions = Exclusions(RECHECK_FIRST, opts.recheck_max)  # hosts left out: they did not answer
-        self._checked: queue.Queue = queue.Queue()  # (host, problem or None) from the background checks
+        self._checked: queue.Queue[tuple[Host, str | None]] = queue.Queue()  # (host, problem) of the background checks
         self._passed: dict[str, float] = {}  # hosts whose background check passed, and when (monotonic)
         self._closing = threading.Event()  # the job ends: background checks give up
         self._checking: list[threading.Thread] = []  # the background checks under way
@@ -331,13 +339,13 @@ class Manager:
                             + (f"step_{last}" if last is not None else "none") + f" {then}")
         return EXIT_TERMINATED
 
-    def _handle_sigterm(self):
+    def _handle_sigterm(self) -> dict[signal.Signals, _Handler] | None:
         """Count SIGTERMs and SIGUSR1s (see the module docstring); returns the previous handlers (None: not the
         main thread)."""
         if threading.current_thread() is not threading.main_thread():
             return None
 
-        def on_signal(signum, frame) -> None:  # noqa: ARG001 - only a counter: the loop acts on it
+        def on_signal(signum: int, frame: FrameType | None) -> None:  # only a counter: the loop acts on it
             self.sigterms += 1
             self.stop_why = signal.Signals(signum).name
             self.warned = self.warned or signum == signal.SIGUSR1

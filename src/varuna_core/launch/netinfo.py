@@ -25,7 +25,7 @@ def route_to(address: str) -> tuple[str | None, str | None]:
     """
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(address, None)[0]
-        ip = sockaddr[0]
+        ip = str(sockaddr[0])  # an address string for the IP families
         own = interface_of(ip)
         if own is not None:
             return own, ip

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ..errors import ConfigError, FieldError
+from ..errors import FieldError
 from ..util.checks import integer, real
 from ..util.text import short_repr
 from .exclusion import RECHECK_MAX

@@ -217,7 +217,7 @@ class GoneEvent(_Event):
 
 AgentEvent = Annotated[ReadyEvent | StoreEvent | StartedEvent | LogEvent | ExitEvent | ErrorEvent | StoppedEvent
                        | PreemptEvent | SignalledEvent, Field(discriminator="event")]
-_EVENTS: TypeAdapter = TypeAdapter(AgentEvent)
+_EVENTS: TypeAdapter[AgentEvent] = TypeAdapter(AgentEvent)
 
 
 def grace_seconds(value: Any, default: float) -> float:
@@ -261,7 +261,7 @@ class StopCommand(_Command):
 
 
 AgentCommand = Annotated[SignalCommand | StopCommand, Field(discriminator="cmd")]
-_COMMANDS: TypeAdapter = TypeAdapter(AgentCommand)
+_COMMANDS: TypeAdapter[AgentCommand] = TypeAdapter(AgentCommand)
 
 
 def describe(exc: ValidationError, limit: int = 3) -> str:
@@ -330,10 +330,10 @@ def _real(value: Any) -> float:
         raise BadField(value)
     if isinstance(value, int) and abs(value) > MAX_INT:
         raise BadField(value)
-    value = float(value)
-    if not math.isfinite(value):
-        raise BadField(value)
-    return value
+    number = float(value)
+    if not math.isfinite(number):
+        raise BadField(number)
+    return number
 
 
 def _text(value: Any, limit: int = MAX_TEXT) -> str:
@@ -379,10 +379,10 @@ def _records(value: Any) -> list[tuple[int, float, float | None]]:
 
 
 def _seconds(value: Any) -> float:
-    value = _real(value)
-    if value < 0:
-        raise BadField(value)
-    return value
+    number = _real(value)
+    if number < 0:
+        raise BadField(number)
+    return number
 
 
 _COMMON_FIELDS: dict[str, Callable[[Any], Any]] = {"job": _text, "kind": _text, "ts": _real}
@@ -410,7 +410,8 @@ def check_beat_field(key: str, value: Any) -> Any:
     return BEAT_FIELDS.get(key, _scalar)(value)
 
 
-def _validate(body: dict, fields: dict[str, Callable[[Any], Any]], required: tuple[str, ...]) -> dict[str, Any]:
+def _validate(body: dict[str, Any], fields: dict[str, Callable[[Any], Any]],
+              required: tuple[str, ...]) -> dict[str, Any]:
     """``body`` with every known field checked (and normalised); raises :class:`BadField` at the first wrong one."""
     out = {}
     for key, value in body.items():
@@ -422,12 +423,12 @@ def _validate(body: dict, fields: dict[str, Callable[[Any], Any]], required: tup
     return out
 
 
-def check_beat(body: dict) -> dict[str, Any]:
+def check_beat(body: dict[str, Any]) -> dict[str, Any]:
     """A ``beat`` payload, every field checked and normalised; raises :class:`BadField`."""
     return _validate(body, BEAT_FIELDS, _BEAT_REQUIRED)
 
 
-def check_notice(body: dict) -> dict[str, Any]:
+def check_notice(body: dict[str, Any]) -> dict[str, Any]:
     """A ``preempt`` payload, every field checked and normalised; raises :class:`BadField`."""
     return _validate(body, NOTICE_FIELDS, _NOTICE_REQUIRED)
 

@@ -64,7 +64,7 @@ class Allocation:
         return sum(self.slots)
 
     def hosts(self) -> list[Host]:
-        return [Host(name, slots) for name, slots in zip(self.nodes, self.slots)]
+        return [Host(name, slots) for name, slots in zip(self.nodes, self.slots, strict=True)]
 
     def run_id(self) -> str:
         """The id of the run this job's checkpoints belong to: named after the job, so that a requeued job (same
@@ -77,7 +77,7 @@ class Allocation:
         return SlurmConfig(job_id=self.job_id, cluster=self.cluster, restarts=self.restarts)
 
     def describe(self) -> str:
-        nodes = ", ".join(f"{n}×{s}" for n, s in zip(self.nodes[:8], self.slots[:8]))
+        nodes = ", ".join(f"{n}×{s}" for n, s in zip(self.nodes[:8], self.slots[:8], strict=True))
         more = f" and {len(self.nodes) - 8} more" if len(self.nodes) > 8 else ""
         return f"Slurm job {self.job_id}: {len(self.nodes)} node(s), {self.total} {self.devices} ({nodes}{more})"
 
@@ -161,10 +161,11 @@ def _gpus(environ: Mapping[str, str]) -> tuple[int, str] | None:
     per_node = environ.get("SLURM_GPUS_PER_NODE", "").strip()
     if per_node:
         items = [_GPU_ITEM.fullmatch(item.strip()) for item in per_node.split(",")]
-        if len(items) > MAX_SLOTS or None in items:
+        matched = [item for item in items if item is not None]
+        if len(items) > MAX_SLOTS or len(matched) < len(items):
             raise ConfigError(f"SLURM_GPUS_PER_NODE {short_repr(per_node)} is not a GPU count like 4, a100:4 or "
                               f"volta:3,kepler:1", hint=hint)
-        total = sum(int(item.group(1)) for item in items)
+        total = sum(int(item.group(1)) for item in matched)
         return (total, "SLURM_GPUS_PER_NODE") if total else None
     on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
     if on_node:
@@ -231,7 +232,8 @@ def expand_hostnames(nodelist: str, *, scontrol: str = "scontrol", name: str = "
 def nodelist_size(nodelist: str) -> int | None:
     """How many names a Slurm node list (``gpu[01-04,07],login1``, ``rack[1-2]n[1-8]``) expands to, counted
     from its ranges without expanding them; None for a form this does not read (``scontrol`` then decides)."""
-    total, item, depth = 0, [], 0
+    total, depth = 0, 0
+    item: list[str] = []
     for char in nodelist + ",":
         depth += (char == "[") - (char == "]")
         if depth not in (0, 1):

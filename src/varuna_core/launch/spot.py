@@ -42,7 +42,7 @@ import re
 import threading
 import time
 import urllib.parse
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["Notice", "SOURCES", "check", "check_endpoint", "shown_endpoint", "azure_vm_name", "SpotWatcher",
            "MAX_BODY"]
@@ -285,7 +285,7 @@ class SpotWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"spot-{source}", daemon=True)
 
-    def start(self) -> "SpotWatcher":
+    def start(self) -> SpotWatcher:
         self._thread.start()
         return self
 
@@ -302,6 +302,6 @@ class SpotWatcher:
                 self.seen.add(notice.event)
                 try:
                     self.on_notice(notice)
-                except Exception:  # noqa: BLE001 - a failing callback must not end the watch
+                except Exception:  # a failing callback must not end the watch
                     log.exception("spot notice callback failed")
             self._stop.wait(self.interval)

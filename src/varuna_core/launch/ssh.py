@@ -15,14 +15,17 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import IO, TypeAlias
 
 from ..env import JOB_ID
 from .hosts import Host
 from .options import HostRuntime, SlurmConfig, SSHConfig
 from .protocol import (
     MAX_EVENT,
+    AgentEvent,
     AgentSpec,
     ErrorEvent,
     GoneEvent,
@@ -32,7 +35,10 @@ from .protocol import (
     parse_event,
 )
 
-__all__ = ["AgentHandle", "check_hosts", "probe_agents", "HostProblem", "parse_event", "MAX_EVENT"]
+__all__ = ["AgentHandle", "AgentEvents", "check_hosts", "probe_agents", "HostProblem", "parse_event", "MAX_EVENT"]
+
+# what the agents of a job report, on one queue: (node, event)
+AgentEvents: TypeAlias = "queue.Queue[tuple[int, AgentEvent | GoneEvent]]"
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,7 @@ def probe_agents(hosts: list[Host], runtime: HostRuntime, remote: SSHConfig | Sl
     fails here. Returns the problems, one per failing host, in host order. ``cancel`` set: give up at once."""
 
     def one(host: Host) -> HostProblem | None:
-        events: queue.Queue = queue.Queue()
+        events: AgentEvents = queue.Queue()
         spec = AgentSpec(job=job, node=0, host=host.name, store=False, master_addr=host.address, master_port=1,
                          world=1, workers=[], argv=["true"], grace=0.0)
         try:
@@ -93,9 +99,12 @@ def probe_agents(hosts: list[Host], runtime: HostRuntime, remote: SSHConfig | Sl
                     continue
                 if isinstance(event, ReadyEvent):
                     return None
-                if isinstance(event, (GoneEvent, ErrorEvent)):
-                    detail = getattr(event, "message", "") or agent.last_words() or f"exit code {event.code}"
-                    if isinstance(event, GoneEvent) and event.code == 255 and not isinstance(remote, SlurmConfig):
+                if isinstance(event, ErrorEvent):
+                    detail = event.message or agent.last_words() or "it reported an error without a message"
+                    return HostProblem(host, f"its node agent did not start: {detail}")
+                if isinstance(event, GoneEvent):
+                    detail = agent.last_words() or f"exit code {event.code}"
+                    if event.code == 255 and not isinstance(remote, SlurmConfig):
                         detail = f"unreachable over SSH: {detail}"
                     return HostProblem(host, f"its node agent did not start: {detail}")
             return HostProblem(host, f"its node agent did not report ready within {timeout:g}s")
@@ -108,7 +117,7 @@ def probe_agents(hosts: list[Host], runtime: HostRuntime, remote: SSHConfig | Sl
         return [p for p in pool.map(one, hosts) if p is not None]
 
 
-def _lines(stream, limit: int = MAX_EVENT):
+def _lines(stream: IO[bytes], limit: int = MAX_EVENT) -> Iterator[bytes]:
     """The lines of a binary stream, each at most ``limit`` bytes: the rest of a longer line is dropped."""
     while True:
         line = stream.readline(limit)
@@ -127,7 +136,7 @@ class AgentHandle:
     ``(node, event)``. An agent whose output ends (it exited, or SSH lost the host) yields a
     :class:`~varuna_core.launch.protocol.GoneEvent`."""
 
-    def __init__(self, node: int, host: Host, spec: AgentSpec, events: queue.Queue, runtime: HostRuntime,
+    def __init__(self, node: int, host: Host, spec: AgentSpec, events: AgentEvents, runtime: HostRuntime,
                  remote: SSHConfig | SlurmConfig | None) -> None:
         self.node, self.host = node, host
         # the job id marks every process of the job (the agent's and, through the spec, the workers')
@@ -136,11 +145,14 @@ class AgentHandle:
         # a session of its own: a ^C in the launcher's terminal reaches the launcher only, which stops the job
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True)
+        stdin, stdout, stderr = self.proc.stdin, self.proc.stdout, self.proc.stderr
+        assert stdin is not None and stdout is not None and stderr is not None  # all three are pipes
+        self._stdin, self._stdout, self._stderr = stdin, stdout, stderr
         self.srun = isinstance(remote, SlurmConfig)
         self._events = events
         self._lock = threading.Lock()
         self.stderr: list[str] = []
-        self.ready = None  # the agent's ReadyEvent, once it came
+        self.ready: ReadyEvent | None = None  # the agent's ReadyEvent, once it came
         self.send(spec)
         threading.Thread(target=self._read, name=f"agent{node}", daemon=True).start()
         self._stderr_reader = threading.Thread(target=self._read_stderr, name=f"agent{node}-err", daemon=True)
@@ -151,14 +163,14 @@ class AgentHandle:
         line = message.model_dump_json() + "\n"
         with self._lock:
             try:
-                self.proc.stdin.write(line.encode())
-                self.proc.stdin.flush()
+                self._stdin.write(line.encode())
+                self._stdin.flush()
                 return True
             except (BrokenPipeError, OSError, ValueError):
                 return False
 
     def _read(self) -> None:
-        for raw in _lines(self.proc.stdout):
+        for raw in _lines(self._stdout):
             event = parse_event(raw)
             if event is None:  # not ours (a shell's banner, a warning, a stray "42"): kept for diagnosis
                 self.stderr.append(raw[:300].decode(errors="replace").rstrip())
@@ -168,7 +180,7 @@ class AgentHandle:
         self._events.put((self.node, GoneEvent(code=self.proc.wait())))
 
     def _read_stderr(self) -> None:
-        for raw in _lines(self.proc.stderr, 4096):
+        for raw in _lines(self._stderr, 4096):
             line = raw.decode(errors="replace").rstrip()
             if line:
                 self.stderr.append(line)
@@ -184,7 +196,7 @@ class AgentHandle:
         """Close the agent's stdin: it stops its workers (if any are left) and exits."""
         with self._lock:
             try:
-                self.proc.stdin.close()
+                self._stdin.close()
             except OSError:
                 pass
 

@@ -24,7 +24,7 @@ sees one object used in two segments.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,9 @@ __all__ = ["apply_auto_cutpoints", "block_stacks", "longest_module_list", "AUTO_
 log = logging.getLogger(__name__)
 
 AUTO_ATTRIBUTE = "_varuna_auto_cuts"
+_AUTO_BLOCKS = "_varuna_auto_blocks"  # the names of the blocks a cut precedes
+
+Stack = nn.ModuleList | nn.Sequential
 
 
 def longest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -54,7 +57,7 @@ def longest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 MIN_STACK_SHARE = 0.1  # of the model's parameters: smaller lists (heads, adapters) are not block stacks
 
 
-def block_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def block_stacks(model: nn.Module) -> list[tuple[str, Stack]]:
     """The model's stacks of blocks, in registration order: the longest ``nn.ModuleList`` (see
     :func:`longest_module_list`), and every other ``nn.ModuleList`` of at least 2 entries or ``nn.Sequential``
     of at least 2 children of one class (each holding parameters) that holds at least
@@ -62,13 +65,13 @@ def block_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     and a decoder's layers; a vision model's stages)."""
     total = sum(p.numel() for p in model.parameters()) or 1
     primary = longest_module_list(model)
-    found: list[tuple[str, nn.Module]] = []
+    found: list[tuple[str, Stack]] = []
     for name, module in model.named_modules():
         if name.endswith(AUTO_ATTRIBUTE) or any(name.startswith(f"{outer}.") if outer else True
                                                 for outer, _ in found):
             continue
         if primary is not None and module is primary[1]:
-            found.append((name, module))
+            found.append((name, primary[1]))
         elif _is_stack(module) and sum(p.numel() for p in module.parameters()) >= MIN_STACK_SHARE * total:
             found.append((name, module))
     if primary is not None and all(m is not primary[1] for _, m in found):  # nested in a Sequential stack
@@ -76,7 +79,7 @@ def block_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _is_stack(module: nn.Module) -> bool:
+def _is_stack(module: nn.Module) -> TypeGuard[Stack]:
     if isinstance(module, nn.ModuleList):
         children = list(module)
     elif type(module) is nn.Sequential:
@@ -108,7 +111,7 @@ def apply_auto_cutpoints(model: nn.Module) -> list[str]:
         CutPointError: the model already has CutPoints of its own, or no stack of at least two blocks.
     """
     if isinstance(getattr(model, AUTO_ATTRIBUTE, None), nn.ModuleList):
-        return list(getattr(model, "_varuna_auto_blocks"))
+        return list(getattr(model, _AUTO_BLOCKS))
     own = [n for n, m in model.named_modules() if isinstance(m, CutPoint)]
     if own:
         raise CutPointError(f"{type(model).__name__} already has CutPoints ({own[0]}, ...): cutpoints='auto' would "
@@ -119,9 +122,10 @@ def apply_auto_cutpoints(model: nn.Module) -> list[str]:
                             f"repeated blocks) of at least 2 blocks in {type(model).__name__}",
                             hint="insert CutPoint() calls between the model's blocks by hand")
     main = max((blocks for _, blocks in stacks), key=lambda b: sum(p.numel() for p in b.parameters()))
-    cuts = nn.ModuleList(CutPoint() for _, blocks in stacks for _ in range(len(blocks) - 1))
-    model.add_module(AUTO_ATTRIBUTE, cuts)
-    names, next_cut = [], iter(cuts)
+    cut_points = [CutPoint() for _, blocks in stacks for _ in range(len(blocks) - 1)]
+    model.add_module(AUTO_ATTRIBUTE, nn.ModuleList(cut_points))
+    names: list[str] = []
+    next_cut = iter(cut_points)
     for name, blocks in stacks:
         state = _LoopState(strict=blocks is main)
 
@@ -133,8 +137,8 @@ def apply_auto_cutpoints(model: nn.Module) -> list[str]:
             block.register_forward_pre_hook(_crossing(next(next_cut), state), with_kwargs=True)
         prefix = f"{name}." if name else ""
         names += [f"{prefix}{i}" for i in range(1, len(blocks))]
-    object.__setattr__(model, "_varuna_auto_blocks", tuple(names))
-    log.info("cutpoints='auto': %d cuts in front of the blocks of %s", len(cuts),
+    object.__setattr__(model, _AUTO_BLOCKS, tuple(names))
+    log.info("cutpoints='auto': %d cuts in front of the blocks of %s", len(cut_points),
              ", ".join(f"{name or 'the model'} ({len(blocks)} blocks)" for name, blocks in stacks))
     return names
 
@@ -144,19 +148,23 @@ def _crossing(cut: CutPoint, state: _LoopState):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         previous, state.previous = state.previous, leaves
         carries = previous is not None and len(previous) == len(leaves) and any(
-            isinstance(x, torch.Tensor) and x is not y for x, y in zip(leaves, previous))
+            isinstance(x, torch.Tensor) and x is not y for x, y in zip(leaves, previous, strict=True))
         if not carries and not state.strict:
             return None  # not a chain of blocks: no cut here (discovery lists the cut as never called)
         if previous is None or len(previous) != len(leaves):
             raise CutPointError(f"cutpoints='auto': block {type(module).__name__} is called with other arguments "
                                 f"than the block before it", hint="insert CutPoint() calls by hand")
-        carried = [i for i, (x, y) in enumerate(zip(leaves, previous)) if isinstance(x, torch.Tensor) and x is not y]
+        carried = [i for i, (x, y) in enumerate(zip(leaves, previous, strict=True))
+                   if isinstance(x, torch.Tensor) and x is not y]
         if not carried:
             raise CutPointError(f"cutpoints='auto': block {type(module).__name__} receives nothing from the block "
                                 f"before it", hint="insert CutPoint() calls by hand")
         out = cut([leaves[i] for i in carried])
         if out is not None:
-            for i, value in zip(carried, out):
+            # a stage's incoming cut returns the value discovery recorded crossing it, which may hold fewer
+            # tensors than the arguments that changed since the previous block here (T5's position bias, which
+            # the stage computes itself): those first ones are replaced, the rest stay this stage's own
+            for i, value in zip(carried, out, strict=False):
                 leaves[i] = value
         new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
         return tuple(new_args), new_kwargs

@@ -13,7 +13,8 @@ inactive cutpoint costs one attribute lookup.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.nn as nn
 
@@ -30,12 +31,15 @@ class CutPoint(nn.Module):
     carry gradients back; integer/bool tensors (ids, masks) cross without.
     """
 
+    _hook: CutHook | None  # plain attributes, not submodules: set with object.__setattr__
+    _cut_name: str
+
     def __init__(self) -> None:
         super().__init__()
         object.__setattr__(self, "_hook", None)
         object.__setattr__(self, "_cut_name", "")
 
-    def forward(self, value: Any) -> Any:  # noqa: D401 - identity unless a hook is installed
+    def forward(self, value: Any) -> Any:  # identity unless a hook is installed
         hook = self._hook
         if hook is None:
             return value

@@ -36,8 +36,8 @@ def check_device(device: Any, local_rank: int = -1, *, stage: bool = True) -> to
         ConfigError: anything else, naming the argument and the devices this machine has. Torch's own error for
             an unknown device type lists every type torch knows, none of which may be here.
     """
-    hint = f"this machine has {machine_devices()}; pass device='cpu', a CUDA index, or -1 (the local rank's GPU " \
-           "if there is one, else the CPU)"
+    hint = (f"this machine has {machine_devices()}; pass device='cpu', a CUDA index, or -1 (the local rank's GPU "
+            "if there is one, else the CPU)")
     shown = f"device={device!r}" if len(repr(device)) <= 80 else f"device={repr(device)[:77]}..."
     if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
         raise ConfigError(f"{shown} is not a device: give an int, a string or a torch.device", hint=hint)

@@ -27,8 +27,9 @@ import inspect
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -39,10 +40,10 @@ from ..errors import ConfigError, CutPointError
 from ..util.heap import release_free_memory
 from ..util.usercode import accepts, plain_signature
 from .cutpoint import CutPoint, find_cutpoints
+from .lazy_values import ValueSource, on_touch, reads_values
 from .payload import CONST_TYPES, ProbeMismatch, TensorSpec, ValueSpec, spec_from_probes
 from .precision import autocast
 from .skips import CUT, Provenance, Skip, crossing_spec
-from .lazy_values import ValueSource, on_touch, reads_values
 
 __all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "extract_loss"]
 
@@ -117,7 +118,7 @@ class Structure:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "Structure":
+    def from_json(cls, data: dict) -> Structure:
         if data.get("format") != FORMAT_VERSION:
             raise ValueError("unknown structure format")
         return cls(
@@ -187,7 +188,8 @@ def make_batch_fn(dummy_inputs: Mapping[str, Any] | BatchFn, input_batch_dims: M
     dims = {name: (0 if isinstance(v, torch.Tensor) and v.dim() > 0 else None) for name, v in sample.items()}
     for name, dim in (input_batch_dims or {}).items():
         if name not in sample:
-            raise ConfigError(f"input_batch_dims names {name!r}, which is not an input", hint=f"inputs: {sorted(sample)}")
+            raise ConfigError(f"input_batch_dims names {name!r}, which is not an input",
+                              hint=f"inputs: {sorted(sample)}")
         dims[name] = dim
     sizes = {name: sample[name].shape[d] for name, d in dims.items() if d is not None}
     if len(set(sizes.values())) > 1:
@@ -210,7 +212,7 @@ def make_batch_fn(dummy_inputs: Mapping[str, Any] | BatchFn, input_batch_dims: M
     return batch_fn, dims
 
 
-def _call_batch_fn(fn: BatchFn, n: int) -> dict:
+def _call_batch_fn(fn: Callable[..., object], n: int) -> dict[str, Any]:
     """``fn(n)``, or ``fn(n, device="cpu")`` for the original's ``get_batch_fn(size, device)`` whose ``device`` is
     required. Which one is read from the signature, never guessed from a ``TypeError``: one raised inside the
     function is its own error, not a sign that it wanted other arguments."""
@@ -233,7 +235,7 @@ def extract_loss(output: Any) -> torch.Tensor | None:
         return output
     if isinstance(output, Mapping) and "loss" in output:
         return output["loss"]
-    if hasattr(output, "loss") and isinstance(getattr(output, "loss"), torch.Tensor):
+    if hasattr(output, "loss") and isinstance(output.loss, torch.Tensor):
         return output.loss
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
@@ -247,7 +249,7 @@ def extract_loss(output: Any) -> torch.Tensor | None:
 class _UseMode(TorchFunctionMode):
     """Records, per parameter/buffer object, the segments in which a torch op reads it."""
 
-    def __init__(self, recorder: "_Recorder", tracked: dict[int, Any]) -> None:
+    def __init__(self, recorder: _Recorder, tracked: dict[int, Any]) -> None:
         super().__init__()
         self.recorder = recorder
         self.tracked = tracked
@@ -407,7 +409,8 @@ def discover(
 
     ``precision`` runs the dry run under the same autocast as training, so the dtypes recorded at the cuts
     are those the stages will exchange. A model built on ``meta`` runs with the values ``values`` gives its
-    tensors, made as each op reads them (:func:`~varuna_core.model.lazy_values.on_touch`): never the whole model at once.
+    tensors, made as each op reads them (:func:`~varuna_core.model.lazy_values.on_touch`): never the whole model
+    at once.
 
     Raises:
         CutPointError: no cutpoints; a cutpoint called twice; a cut value with no batched tensor (tensors
@@ -509,7 +512,7 @@ def _check_cut_order(cuts: dict[str, CutPoint], rec_1: _Recorder, rec_2: _Record
 def _cut_specs(rec_1: _Recorder, rec_2: _Recorder) -> tuple[ValueSpec, ...]:
     """What crosses each cut, from its values at 1 and 2 examples; at least one tensor must be batched."""
     cut_specs = []
-    for name, v1, v2 in zip(rec_1.cut_order, rec_1.cut_values, rec_2.cut_values):
+    for name, v1, v2 in zip(rec_1.cut_order, rec_1.cut_values, rec_2.cut_values, strict=True):
         opaque = _first_opaque(v1)
         if opaque is not None:
             raise CutPointError(f"CutPoint {name!r} carries a {opaque.type_name}, which cannot cross a cut: "
@@ -586,7 +589,8 @@ def _has_meta_tensors(slots: list[tuple[str, torch.Tensor, bool]]) -> bool:
 
 def _slots(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     """Every (name, tensor, is_parameter) slot, shared objects listed under each of their names."""
-    out = [(n, p, True) for n, p in model.named_parameters(remove_duplicate=False)]
+    out: list[tuple[str, torch.Tensor, bool]] = [
+        (n, p, True) for n, p in model.named_parameters(remove_duplicate=False)]
     out += [(n, b, False) for n, b in model.named_buffers(remove_duplicate=False) if b is not None]
     return out
 

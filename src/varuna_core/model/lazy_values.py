@@ -22,7 +22,8 @@ import contextlib
 import dataclasses
 import os
 from collections import OrderedDict
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree

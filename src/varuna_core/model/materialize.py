@@ -83,10 +83,10 @@ def meta_init() -> Iterator[None]:
             _saved_register = nn.Module.register_parameter
             original = _saved_register
 
-            def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-                original(module, name, param)
+            def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+                original(self, name, param)
                 if param is not None and param.device.type != "meta":
-                    module._parameters[name] = _as_meta(param)
+                    self._parameters[name] = _as_meta(param)
 
             nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
         _patch_depth += 1

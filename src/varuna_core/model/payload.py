@@ -115,7 +115,7 @@ class ValueSpec:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "ValueSpec":
+    def from_json(cls, data: dict) -> ValueSpec:
         leaves = tuple(
             TensorSpec(tuple(x["shape"]), tuple(x["batch_dims"]), x["dtype"]) if "shape" in x else Const(x["const"])
             for x in data["leaves"]
@@ -164,12 +164,12 @@ def spec_from_probes(value_1: Any, value_2: Any) -> ValueSpec:
     if spec_1 != spec_2 or len(leaves_1) != len(leaves_2):
         raise ProbeMismatch("the structure differs between 1 and 2 examples")
     out: list[TensorSpec | Const] = []
-    for a, b in zip(leaves_1, leaves_2):
+    for a, b in zip(leaves_1, leaves_2, strict=True):
         if isinstance(a, torch.Tensor):
             if not isinstance(b, torch.Tensor) or a.dim() != b.dim() or a.dtype != b.dtype:
                 raise ProbeMismatch("a tensor changes rank or dtype between 1 and 2 examples")
             batch_dims = []
-            for d, (s1, s2) in enumerate(zip(a.shape, b.shape)):
+            for d, (s1, s2) in enumerate(zip(a.shape, b.shape, strict=True)):
                 if s2 == 2 * s1 and s1 > 0:
                     batch_dims.append(d)
                 elif s1 != s2:

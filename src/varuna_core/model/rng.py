@@ -5,14 +5,15 @@
 the global batch. Dropout masks therefore do not depend on the schedule, on the partition (segments, not
 stages, are the key, so a 2-stage run draws the same masks as a 1-stage run), on the data-parallel width (a
 micro-batch of replica 1 is the same examples, hence the same masks, as in a 1-replica run with the same
-micro-batch size; a morph keeps that size), or on whether the forward is a recompute. Around every forward the live generator state is saved and restored, so
-user code outside the pipeline sees the random stream it would have seen without it.
+micro-batch size; a morph keeps that size), or on whether the forward is a recompute. Around every forward the
+live generator state is saved and restored, so user code outside the pipeline sees the random stream it would
+have seen without it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -74,7 +74,8 @@ class Skip:
         return any(first <= q < stop for q in self.reads)
 
     def describe(self) -> str:
-        what = f"output {self.leaf} of {self.name!r}" if self.source == MODULE else f"value {self.leaf} at {self.name!r}"
+        what = (f"output {self.leaf} of {self.name!r}" if self.source == MODULE
+                else f"value {self.leaf} at {self.name!r}")
         per = "per example" if self.spec.batch_dims else "for any number of examples"
         return f"{what} ({self.spec.describe(1)} {per})"
 
@@ -83,7 +84,7 @@ class Skip:
                 dataclasses.asdict(self.spec)]
 
     @classmethod
-    def from_json(cls, data: list) -> "Skip":
+    def from_json(cls, data: list) -> Skip:
         source, name, call, leaf, produced, reads, spec = data
         return cls(source, name, call, leaf, produced, tuple(reads),
                    TensorSpec(tuple(spec["shape"]), tuple(spec["batch_dims"]), spec["dtype"]))

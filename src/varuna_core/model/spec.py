@@ -15,8 +15,10 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from types import ModuleType
+from typing import Any
 
 from ..errors import ConfigError, UserCodeError
 from ..util.usercode import call_user, check_call, user_error
@@ -112,7 +114,8 @@ def load_spec(reference: str | ModelSpec) -> ModelSpec:
         )
     target, _, attr = reference.rpartition(":")
     if not target or not attr:
-        raise ConfigError(f"model spec {reference!r} lacks a module or an attribute", hint="e.g. examples/gpt/spec.py:spec")
+        raise ConfigError(f"model spec {reference!r} lacks a module or an attribute",
+                          hint="e.g. examples/gpt/spec.py:spec")
     module = _import(target, reference)
     if not hasattr(module, attr):
         public = sorted(n for n in vars(module) if not n.startswith("_"))[:10]
@@ -132,7 +135,7 @@ def load_spec(reference: str | ModelSpec) -> ModelSpec:
     return value
 
 
-def _import(target: str, reference: str):
+def _import(target: str, reference: str) -> ModuleType:
     if target.endswith(".py") or "/" in target or target.startswith("."):
         path = Path(target).expanduser().resolve()
         if not path.is_file():
@@ -141,13 +144,16 @@ def _import(target: str, reference: str):
         if name in sys.modules:
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:  # a file importlib has no loader for (by its suffix)
+            raise ConfigError(f"cannot import {reference}: {target} is not a Python file",
+                              hint="name a .py file, or a module on the import path (e.g. examples/gpt/spec.py:spec)")
         module = importlib.util.module_from_spec(spec)
         if str(path.parent) not in sys.path:  # so the file can import its neighbours, now and later
             sys.path.insert(0, str(path.parent))
         try:
             sys.modules[name] = module
             spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - the file is the user's: whatever it raises is theirs
+        except Exception as exc:  # the file is the user's: whatever it raises is theirs
             sys.modules.pop(name, None)
             raise _import_error(reference, exc) from exc
         return module
@@ -160,7 +166,7 @@ def _import(target: str, reference: str):
                 hint="check the module path and that it is importable from the current directory (PYTHONPATH)",
             ) from exc
         raise _import_error(reference, exc) from exc  # the module exists; something it imports does not
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise _import_error(reference, exc) from exc
 
 

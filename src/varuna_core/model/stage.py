@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -40,10 +41,10 @@ from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
 from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
+from .lazy_values import ValueSource
 from .materialize import materialize
 from .rng import preserve_rng, seed_segment, segment_seed
 from .skips import CUT, Skip, join_crossing, split_crossing
-from .lazy_values import ValueSource
 
 __all__ = ["TieSet", "find_tie_sets", "StageSlice"]
 
@@ -246,7 +247,7 @@ class StageSlice:
         slot_objects = dict(model.named_parameters(remove_duplicate=False))
         # One object per tie set on this stage, valued as the canonical slot.
         canonical_obj = {tie.canonical: slot_objects[tie.canonical] for tie in self.ties}
-        moved: dict[int, nn.Parameter] = {}
+        moved: dict[tuple[int, str], nn.Parameter] = {}  # (source, device type) -> its copy there
         for module_name, module in modules.items():
             for pname, param in list(module._parameters.items()):
                 if param is None:
@@ -279,7 +280,7 @@ class StageSlice:
 
     def _materialize(self, names: set[str]) -> None:
         """Give real values to the tensors of ``names`` that are on meta (their modules', on ``device``)."""
-        tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        tensors: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         tensors.update(self.model.named_buffers(remove_duplicate=False))
         on_meta = sorted(n for n in names if n in tensors and tensors[n].is_meta)
         if not on_meta:
@@ -452,7 +453,7 @@ class StageSlice:
 
     def _incoming_hook(self, cut: CutPoint, value: Any) -> Any:
         ctx = self._ctx
-        self._pre_cut.leave()
+        self._placeholders().leave()
         ctx.segment += 1
         ctx.incoming_seen = True
         self._seed()
@@ -503,7 +504,7 @@ class StageSlice:
         ctx.carried_in = {}
         if self._in_skips:
             incoming, carried = split_crossing(incoming, len(self._in_skips))
-            ctx.carried_in = dict(zip(self._in_skips, carried))
+            ctx.carried_in = dict(zip(self._in_skips, carried, strict=True))
             ctx.carried.update(ctx.carried_in)
         ctx.incoming = incoming
         ctx.rng = rng
@@ -551,7 +552,8 @@ class StageSlice:
                 hint="every CutPoint must be called on every forward",
             )
         if not self.is_first and not ctx.incoming_seen:
-            raise CutPointError(f"stage {self.stage}'s forward never reached its incoming CutPoint {self.incoming_cut!r}")
+            raise CutPointError(
+                f"stage {self.stage}'s forward never reached its incoming CutPoint {self.incoming_cut!r}")
         loss = extract_loss(output)
         if loss is None or loss.numel() != 1:
             raise ConfigError("the model's forward must return the loss as a scalar tensor")
@@ -563,13 +565,18 @@ class StageSlice:
             )
         return loss
 
+    def _placeholders(self) -> _PlaceholderWins:
+        """The watch before the incoming cut, which every stage but the first has."""
+        assert isinstance(self._pre_cut, _PlaceholderWins)
+        return self._pre_cut
+
     def _failed_on_meta(self, exc: Exception, inputs: dict) -> bool:
         """Whether the op that raised ``exc`` had a tensor on meta ([Note: meta failures]). Out of memory is
         never that, and is not worth a second run."""
         if isinstance(exc, torch.OutOfMemoryError):
             return False
         if not self._ctx.incoming_seen:
-            return _raised_by(exc, self._pre_cut.meta_failure)
+            return _raised_by(exc, self._placeholders().meta_failure)
         return self._replay_fails_on_meta(inputs)
 
     def _replay_fails_on_meta(self, inputs: dict) -> bool:
@@ -636,7 +643,7 @@ class _PlaceholderWins(TorchFunctionMode):
         kwargs = kwargs or {}
         leaves = pytree.tree_leaves((args, kwargs))
         meta = [isinstance(t, torch.Tensor) and t.is_meta for t in leaves]
-        if any(meta) and not all(m for m, t in zip(meta, leaves) if isinstance(t, torch.Tensor)):
+        if any(meta) and not all(m for m, t in zip(meta, leaves, strict=True) if isinstance(t, torch.Tensor)):
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t if t.is_meta else torch.empty_like(t, device="meta"), (args, kwargs))
         try:
@@ -665,7 +672,7 @@ class _MetaOperands(TorchFunctionMode):
             raise
 
 
-def _raised_by(exc: BaseException, cause: BaseException | None) -> bool:
+def _raised_by(exc: BaseException | None, cause: BaseException | None) -> bool:
     """Whether ``exc`` is ``cause``, or was raised while handling it (user code may wrap torch's error)."""
     seen = set()
     while exc is not None and id(exc) not in seen:

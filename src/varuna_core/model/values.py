@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
 from ..errors import ConfigError
-from .materialize import has_meta
 from .lazy_values import ValueSource
+from .materialize import has_meta
 from .weights import WeightSource, load_weights
 
 __all__ = ["value_source", "load_stage_weights"]

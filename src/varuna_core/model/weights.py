@@ -38,13 +38,16 @@ import stat
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError, VarunaError
 from ..util.fs import MiB, describe_mode, open_regular, read_text
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is new in Python 3.11
 
 __all__ = ["INDEX_NAME", "SINGLE_NAME", "LoadReport", "WeightSource", "load_into", "load_weights", "castable",
            "check_dtype"]
@@ -181,13 +184,13 @@ def _read_index(path: Path) -> dict[str, str]:
     except (json.JSONDecodeError, RecursionError) as exc:
         detail = f"line {exc.lineno}: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else "nested too deep"
         raise ConfigError(f"weights index {path} is not JSON ({detail})", hint="is the download complete?") from None
-    if not isinstance(data, dict):
+    if not isinstance(data, _Object):
         raise ConfigError(f"weights index {path} holds a JSON {type(data).__name__}, not an object",
                           hint='expected {"metadata": {...}, "weight_map": {"name": "shard file"}}')
     if any(key == "weight_map" for key, _, _ in data.repeated):
         raise ConfigError(f"weights index {path} holds 'weight_map' twice", hint="is it the right file?")
     weight_map = data.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
+    if not isinstance(weight_map, _Object) or not weight_map:
         raise ConfigError(f"weights index {path} has no (non-empty object) 'weight_map'",
                           hint='expected {"metadata": {...}, "weight_map": {"name": "shard file"}}')
     for name, first, later in weight_map.repeated:
@@ -410,7 +413,7 @@ def _groups(model: nn.Module) -> dict[int, _Group]:
     in ``named_modules`` order."""
     groups: dict[int, _Group] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
-        skip = getattr(module, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
         for kind in ("_parameters", "_buffers"):
             for key, t in getattr(module, kind).items():
                 if t is None or (kind == "_buffers" and key in skip):

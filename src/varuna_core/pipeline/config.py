@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn as nn
@@ -19,7 +20,6 @@ from .. import env
 from ..errors import ConfigError, TopologyError
 from ..ir.partition import Partition, PartitionSpec, balance, coerce_partition
 from ..ir.schedule import ScheduleName, check_schedule
-from ..ir.topology import Topology
 from ..model.discovery import Structure
 from ..model.precision import resolve_precision
 from ..model.rng import MASK64
@@ -65,12 +65,8 @@ def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_si
     """Check every argument that needs no process group or model structure; apply the plan."""
     batch_size, chunk_size, timeout, bucket_mb, trace_step, seed = _check_arguments(
         batch_size, chunk_size, timeout, bucket_mb, trace_step, seed, plan)
-    if loss_reduction not in ("mean", "sum"):
-        raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if cutpoints not in (None, "auto"):
-        raise ConfigError(f"cutpoints must be 'auto' or None, got {cutpoints!r}",
-                          hint="'auto' cuts in front of every block of the model's block stacks "
-                               "(nn.ModuleList, nn.Sequential of repeated blocks)")
+    reduction = _loss_reduction(loss_reduction)
+    cuts = _cutpoints(cutpoints)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     resolved_precision = resolve_precision(precision, fp16)
@@ -84,9 +80,27 @@ def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_si
         stage_to_rank_map=stage_to_rank_map, batch_size=int(batch_size), chunk_size=int(chunk_size),
         schedule=check_schedule(schedule), partition=partition, precision=resolved_precision, plan=loaded,
         timeout=float(timeout) if timeout is not None else default_timeout(), bucket_mb=bucket_mb, seed=seed,
-        trace_dir=trace if trace is not None else env.text(env.TRACE), trace_step=trace_step, cutpoints=cutpoints,
-        loss_reduction=loss_reduction,
+        trace_dir=trace if trace is not None else env.text(env.TRACE), trace_step=trace_step, cutpoints=cuts,
+        loss_reduction=reduction,
     )
+
+
+def _loss_reduction(value: object) -> Literal["mean", "sum"]:
+    if value == "mean":
+        return "mean"
+    if value == "sum":
+        return "sum"
+    raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {value!r}")
+
+
+def _cutpoints(value: object) -> Literal["auto"] | None:
+    if value is None:
+        return None
+    if value == "auto":
+        return "auto"
+    raise ConfigError(f"cutpoints must be 'auto' or None, got {value!r}",
+                      hint="'auto' cuts in front of every block of the model's block stacks "
+                           "(nn.ModuleList, nn.Sequential of repeated blocks)")
 
 
 @dataclass(frozen=True)
@@ -166,12 +180,12 @@ def _check_arguments(batch_size, chunk_size, timeout, bucket_mb, trace_step, see
     return batch_size, chunk_size, timeout, bucket_mb, trace_step, seed
 
 
-def _load_plan(plan: Plan | str | os.PathLike | None) -> Plan | None:
+def _load_plan(plan: Plan | str | os.PathLike[str] | None) -> Plan | None:
     if plan is None:
         return None
-    from ..planning.artifacts import load_plan
+    from ..planning.artifacts import Plan, load_plan  # Plan at run time, for isinstance
 
-    return load_plan(plan)
+    return load_plan(plan if isinstance(plan, Plan) else os.fspath(plan))
 
 
 def _apply_plan(plan, stage_to_rank_map, batch_size, chunk_size, schedule, partition):
@@ -212,7 +226,7 @@ def replica_share(inputs: Mapping[str, Any], input_batch_dims: Mapping[str, int 
         raise ConfigError(f"replica_slice() takes the global batch of {batch_size} examples, got {have}")
     start, stop = replica_range
     return {
-        name: value.narrow(input_batch_dims[name], start, stop - start)
-        if input_batch_dims.get(name) is not None and isinstance(value, torch.Tensor) else value
+        name: value.narrow(dim, start, stop - start)
+        if (dim := input_batch_dims.get(name)) is not None and isinstance(value, torch.Tensor) else value
         for name, value in inputs.items()
     }

@@ -36,7 +36,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,13 +44,15 @@ from ..errors import InternalError, ScheduleError
 from ..ir.inflight import inflight, posted_receives, unwaited_sends
 from ..ir.schedule import Action, Op, Schedule, check_schedule, generate, validate
 from ..ir.topology import Topology
-from ..model.payload import flatten
+from ..model.payload import ValueSpec, flatten
 from ..model.precision import autocast
 from ..model.stage import StageSlice
 from . import p2p
 from .tracing import ActionObserver, ActionTiming
 
 __all__ = ["PipelineExecutor"]
+
+ObserverT = TypeVar("ObserverT", bound=ActionObserver)
 
 
 @dataclasses.dataclass
@@ -141,7 +143,7 @@ class PipelineExecutor:
         self._computed = 0.0  # seconds of the current action spent in forward/backward
         check_schedule(schedule)  # an unknown name fails at construction, not at the first step
 
-    def add_observer(self, observer: ActionObserver) -> ActionObserver:
+    def add_observer(self, observer: ObserverT) -> ObserverT:
         """Tell ``observer`` about every action and run from now on; returns it."""
         self.observers.append(observer)
         return observer
@@ -256,10 +258,12 @@ class PipelineExecutor:
         mb = step.order[kind][k]
         n = step.sizes[mb]
         if kind == p2p.ACTIVATION:
+            assert self.prev_rank is not None  # activations come to every stage but the first
             step.acts[mb] = p2p.post_recv(self._in_tensor_specs, n, src=self.prev_rank, mb=mb, kind=kind,
                                           device=self.device, group=None, what="activation")
             pending = len(step.acts)
         else:
+            assert self.next_rank is not None  # gradients come to every stage but the last
             step.grads[mb] = p2p.post_recv(self._float_out_specs, n, src=self.next_rank, mb=mb, kind=kind,
                                            device=self.device, group=None, what="gradient")
             pending = len(step.grads)
@@ -319,6 +323,7 @@ class PipelineExecutor:
                 self._wait_sends(queue.pop(0))
             self._waited += time.perf_counter() - started
         dst = self.next_rank if kind == p2p.ACTIVATION else self.prev_rank
+        assert dst is not None  # activations go forward from every stage but the last, gradients back
         queue.append(p2p.send(tensors, dst=dst, mb=mb, kind=kind, group=None))
         step.kept[kind] = max(step.kept[kind], len(queue))
 
@@ -358,7 +363,7 @@ class PipelineExecutor:
             leaves = self._check_out(out, step.sizes[mb])
             if step.capture is not None:
                 step.capture.append([t.detach() for t in leaves])
-            self._send(step, p2p.wire_leaves(leaves, self._out), p2p.ACTIVATION, mb)
+            self._send(step, p2p.wire_leaves(leaves, self._outgoing()), p2p.ACTIVATION, mb)
             st.outputs = leaves if keep_graph else None
         if not keep_graph and not step.recompute:
             st.incoming = None
@@ -413,6 +418,7 @@ class PipelineExecutor:
             for t in incoming:
                 if t.is_floating_point():
                     t.requires_grad_(grad)
+            assert self._in is not None  # a stage that receives has an incoming value
             value = self._in.assemble(incoming)
         with torch.set_grad_enabled(grad), autocast(self.precision, self.device):
             return self.stage.forward(inputs, value, n, rng=rng)
@@ -423,8 +429,15 @@ class PipelineExecutor:
 
     def _check_out(self, out: Any, n: int) -> list[torch.Tensor]:
         leaves, treespec = flatten(out)
-        p2p.check_value(leaves, treespec, self._out, n, cut=self.stage.outgoing_cut, stage=self.stage_index)
+        cut = self.stage.outgoing_cut
+        assert cut is not None  # every stage but the last has one
+        p2p.check_value(leaves, treespec, self._outgoing(), n, cut=cut, stage=self.stage_index)
         return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+    def _outgoing(self) -> ValueSpec:
+        """What this stage sends (every stage but the last sends a value)."""
+        assert self._out is not None
+        return self._out
 
     def _backward(self, step: _Step, st: _MicroState, pending: p2p.Pending | None, action: Action) -> None:
         if st.outputs is None:
@@ -439,12 +452,14 @@ class PipelineExecutor:
                          f"{action.mb} from rank {pending.peer} (stage {self.stage_index + 1})")
             self._waited += time.perf_counter() - started
             floats = [o for o in st.outputs if o.is_floating_point()]
-            pairs = [(o, g if g.dtype == o.dtype else g.to(o.dtype)) for o, g in zip(floats, pending.tensors)
+            pairs = [(o, g if g.dtype == o.dtype else g.to(o.dtype))
+                     for o, g in zip(floats, pending.tensors, strict=True)
                      if o.requires_grad]
             roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
         if roots:
             torch.autograd.backward(roots, grads)
         if self.prev_rank is not None:
+            assert st.incoming is not None  # received from the previous stage
             back = [
                 (t.grad if t.grad is not None else torch.zeros_like(t))
                 for t in st.incoming if t.is_floating_point()

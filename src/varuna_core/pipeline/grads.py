@@ -12,7 +12,8 @@ averaged only in its fp16 path and never copied the reduced fp32 buffer back.)
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ class GradBuffer:
         """Make every ``param.grad`` a view of the flat buffer, keeping any gradient already accumulated."""
         if not self.allocated:
             self._allocate()
-        for p, view in zip(self.params, self.views):
+        for p, view in zip(self.params, self.views, strict=True):
             grad = p.grad
             if grad is None:
                 view.zero_()
@@ -77,16 +78,16 @@ class GradBuffer:
             return
         for flat in self.flats:
             flat.zero_()
-        for p, view in zip(self.params, self.views):
+        for p, view in zip(self.params, self.views, strict=True):
             p.grad = view
 
     def all_reduce(self, group, *, timeout: float, describe: Callable[[], str], peer: int | None = None) -> None:
         """Sum the gradients over ``group`` in buckets of ``bucket_bytes``, all posted before any wait."""
-        works = []
+        works: list[Any] = []  # torch.distributed's work handles
         for flat in self.flats:
             step = max(1, self.bucket_bytes // flat.element_size())
-            for start in range(0, flat.numel(), step):
-                works.append(dist.all_reduce(flat[start : start + step], group=group, async_op=True))
+            works.extend(dist.all_reduce(flat[start : start + step], group=group, async_op=True)
+                         for start in range(0, flat.numel(), step))
         wait_all(works, timeout=timeout, describe=describe, peer=peer)
 
 

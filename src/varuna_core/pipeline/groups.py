@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401 - before any process group exists: see _release_before_exit
+import torch._dynamo  # before any process group exists: see _release_before_exit
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -130,11 +130,11 @@ def build_groups(topology: Topology, ties: list[TieSet], stage: int, replica: in
         if len(tie.stages) < 2:
             continue
         for r in range(topology.dp):
-            ranks = tuple(topology.rank(s, r) for s in tie.stages)
-            if ranks not in made:
-                made[ranks] = dist.new_group(list(ranks), timeout=delta)
+            tie_ranks = tuple(topology.rank(s, r) for s in tie.stages)
+            if tie_ranks not in made:
+                made[tie_ranks] = dist.new_group(list(tie_ranks), timeout=delta)
             if r == replica and stage in tie.stages:
-                groups.ties.append((tie, made[ranks]))
+                groups.ties.append((tie, made[tie_ranks]))
     return groups
 
 
@@ -189,5 +189,5 @@ def broadcast_coalesced(tensors: list[torch.Tensor], *, src: int, group) -> None
     for group_tensors in by_kind.values():
         flat = torch._utils._flatten_dense_tensors(group_tensors)
         dist.broadcast(flat, src=src, group=group)
-        for t, synced in zip(group_tensors, torch._utils._unflatten_dense_tensors(flat, group_tensors)):
+        for t, synced in zip(group_tensors, torch._utils._unflatten_dense_tensors(flat, group_tensors), strict=True):
             t.copy_(synced)

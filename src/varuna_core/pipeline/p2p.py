@@ -12,7 +12,8 @@ import dataclasses
 import datetime
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,8 @@ from ..errors import CommTimeoutError, ShapeMismatchError
 from ..model.payload import TensorSpec, ValueSpec
 
 __all__ = [
-    "ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post_recv", "send", "wait_all", "check_value", "wire_leaves",
+    "ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post_recv", "send", "wait_all", "check_value",
+    "wire_leaves",
 ]
 
 ACTIVATION = 0
@@ -135,7 +137,7 @@ def _report_failure(peer: int | None) -> int | None:
                 return root
             root = nxt
         return root if root is not None and root >= 0 else peer
-    except Exception:  # the store is best effort: never mask the original failure
+    except Exception:  # noqa: BLE001 - the store is best effort: never mask the original failure
         return peer
 
 
@@ -148,7 +150,8 @@ def _dtype_ok(dtype: torch.dtype, want: TensorSpec) -> bool:
 def wire_leaves(leaves: list[torch.Tensor], spec: ValueSpec) -> list[torch.Tensor]:
     """The tensors to send for a value's tensor leaves: detached, in the recorded dtype."""
     wants = [leaf for _, leaf in spec.tensor_leaves]
-    return [t.detach() if str(t.dtype) == w.dtype else t.detach().to(w.torch_dtype) for t, w in zip(leaves, wants)]
+    return [t.detach() if str(t.dtype) == w.dtype else t.detach().to(w.torch_dtype)
+            for t, w in zip(leaves, wants, strict=True)]
 
 
 def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cut: str, stage: int) -> None:
@@ -162,7 +165,7 @@ def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cu
     if treespec != spec.treespec or len(leaves) != len(spec.leaves):
         problem = "its structure differs"
     else:
-        for leaf, want in zip(leaves, spec.leaves):
+        for leaf, want in zip(leaves, spec.leaves, strict=True):
             if isinstance(want, TensorSpec):
                 if not isinstance(leaf, torch.Tensor):
                     problem = f"a {type(leaf).__name__} stands where a tensor was recorded"

@@ -6,8 +6,9 @@ replicas.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -48,11 +49,13 @@ class GradSync:
 
     def __call__(self) -> None:
         for tie, group in self.groups.ties:
-            all_reduce_tensor(self.tied[tie.canonical].grad, group, timeout=self.timeout,
-                              describe=lambda: f"rank {self.rank} summing gradients of tied weight {tie.canonical!r}")
+            all_reduce_tensor(_attached_grads([self.tied[tie.canonical]])[0], group, timeout=self.timeout,
+                              describe=lambda: f"rank {self.rank} summing gradients of tied weight "
+                              f"{tie.canonical!r}")  # noqa: B023 - called (on a failure) before the next tie
         if self.groups.dp is not None:
-            self.grad_buffer.all_reduce(self.groups.dp, timeout=self.timeout,
-                                        describe=lambda: f"rank {self.rank} (stage {self.stage}) data-parallel all-reduce")
+            self.grad_buffer.all_reduce(
+                self.groups.dp, timeout=self.timeout,
+                describe=lambda: f"rank {self.rank} (stage {self.stage}) data-parallel all-reduce")
 
 
 def norm_params(grad_buffer: GradBuffer, ties: list[TieSet], tied: dict[str, nn.Parameter],
@@ -61,6 +64,14 @@ def norm_params(grad_buffer: GradBuffer, ties: list[TieSet], tied: dict[str, nn.
     stage's copy."""
     skip = {id(tied[t.canonical]) for t in ties if stage in t.stages[1:]}
     return [p for p in grad_buffer.params if id(p) not in skip]
+
+
+def _attached_grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients of ``params``: views of the gradient buffer, attached before the step (never None)."""
+    grads = [p.grad for p in params]
+    if any(g is None for g in grads):
+        raise RuntimeError("a parameter of the gradient buffer has no gradient attached")
+    return [g for g in grads if g is not None]
 
 
 def global_sum(value: torch.Tensor, *, world_size: int, timeout: float, rank: int) -> torch.Tensor:
@@ -77,9 +88,9 @@ def finish_step(loss_sum: torch.Tensor, grad_buffer: GradBuffer, norm_params: li
                 clip_grad_max_norm: float | None, reduce: Callable[[torch.Tensor], torch.Tensor]) -> StepResult:
     """Unscale (fp16), all-reduce loss / squared norm / overflow / flag with ``reduce``, update the loss scale, and
     zero (overflow) or clip the gradients."""
-    grads = [p.grad for p in grad_buffer.params]
+    grads = _attached_grads(grad_buffer.params)
     found_inf = scaler.unscale_(grads) if scaler is not None and grads else None
-    norm_grads = [p.grad for p in norm_params]
+    norm_grads = _attached_grads(norm_params)
     sq_norm = (torch.stack(torch._foreach_norm(norm_grads)).double().pow(2).sum() if norm_grads
                else torch.zeros((), dtype=torch.float64, device=device))
     zero = torch.zeros((), dtype=torch.float64, device=loss_sum.device)

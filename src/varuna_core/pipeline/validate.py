@@ -7,13 +7,14 @@ names, on every rank, the first cut where they differ.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..errors import CutPointError
+from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
 from ..model.discovery import Structure
 from .executor import PipelineExecutor
@@ -25,20 +26,28 @@ __all__ = ["reference_run", "check_slicing"]
 def reference_run(model: nn.Module, dummy_inputs: Any, batch_fn: Callable[[int], dict],
                   chunk_size: int, values: Any = None) -> tuple[dict, list, torch.Tensor]:
     """The unsliced model's value at each cut and its loss on the dummy inputs (eval mode, no grad). A model
-    built on meta runs with ``values`` (:class:`~varuna_core.model.lazy_values.ValueSource`), made as each op reads them."""
-    from ..model.cutpoint import find_cutpoints
+    built on meta runs with ``values`` (:class:`~varuna_core.model.lazy_values.ValueSource`), made as each op
+    reads them."""
+    from ..model.cutpoint import CutPoint, find_cutpoints
     from ..model.discovery import _quiet_run, extract_loss
     from ..model.lazy_values import on_touch
 
     inputs = dict(dummy_inputs) if isinstance(dummy_inputs, Mapping) else batch_fn(chunk_size)
     at_cuts: list[Any] = []
     cuts = find_cutpoints(model)
+
+    def record(cut: CutPoint, value: Any) -> Any:
+        at_cuts.append(torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value))
+        return value
+
     for cut in cuts.values():
-        cut.set_hook(lambda c, v: (at_cuts.append(torch.utils._pytree.tree_map(
-            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, v)), v)[1])
+        cut.set_hook(record)
     try:
         with _quiet_run(model), on_touch(model, values):
-            loss = extract_loss(model(**inputs)).detach().clone()
+            output = extract_loss(model(**inputs))
+            if output is None:  # discovery refused such a model already
+                raise ConfigError("the model's forward must return the loss as a scalar tensor")
+            loss = output.detach().clone()
     finally:
         for cut in cuts.values():
             cut.set_hook(None)
@@ -71,7 +80,7 @@ def check_slicing(executor: PipelineExecutor, module: nn.Module, structure: Stru
         carried = len(structure.skips_across(index))
         got = got[:len(got) - carried] if carried and len(got) == len(want) + carried else got
     ok = len(got) == len(want) and all(
-        torch.allclose(g.to(w.device).float(), w.float(), rtol=1e-4, atol=1e-5) for g, w in zip(got, want)
+        torch.allclose(g.to(w.device).float(), w.float(), rtol=1e-4, atol=1e-5) for g, w in zip(got, want, strict=True)
     )
     flag = torch.tensor([index if not ok else 10**9], dtype=torch.int64)
     if world_size > 1:

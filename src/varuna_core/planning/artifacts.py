@@ -30,6 +30,7 @@ and the planner rely on, and refuses the rest with one line naming the file and 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -39,6 +40,7 @@ from pydantic import Field, Strict, field_validator, model_validator
 
 from ..errors import ConfigError, TopologyError
 from ..ir.units import MAX_BYTES
+from ..util.fs import MiB
 from ..util.versioned_io import (
     CheckedModel,
     check_document,
@@ -50,7 +52,6 @@ from ..util.versioned_io import (
     validate,
     write_output,
 )
-from ..util.fs import MiB
 
 __all__ = [
     "Stat", "SegmentMeasure", "SegmentProfile", "LinearFit", "CommCurve", "Environment", "StopReason", "Profile",
@@ -213,7 +214,7 @@ def _check_segments(p: Profile) -> None:
 def _check_measures(p: Profile) -> None:
     """Every segment measured at exactly the listed (increasing) sizes, and some time measured at all."""
     sizes = p.microbatch_sizes
-    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+    if any(b <= a for a, b in itertools.pairwise(sizes)):
         raise ValueError(f"microbatch_sizes {short_repr(sizes)} is not strictly increasing")
     for seg in p.segments:
         got = [m.microbatch_size for m in seg.measures]
@@ -395,10 +396,20 @@ class Plan(CheckedModel):
         """A layout given by hand (``pp``, ``dp``, micro-batch): no profile, partition or prediction."""
         return self.partition is None
 
+    def predicted(self) -> Prediction:
+        """The simulated step of a plan made from a profile (every plan but a layout given by hand)."""
+        if self.prediction is None:
+            raise ConfigError("the plan is a layout given by hand: it has no predicted step",
+                              hint="make the plan from a profile with `varuna plan PROFILE`")
+        return self.prediction
+
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
         _check_sizes(self)
-        _check_layout_only(self) if self.by_hand else _check_partition(self)
+        if self.partition is None:  # by_hand
+            _check_layout_only(self)
+        else:
+            _check_partition(self, self.partition)
         _check_stages(self)
         _check_search(self)
         _check_map(self)
@@ -425,15 +436,15 @@ def _check_sizes(p: Plan) -> None:
                          f"replicas in micro-batches of {p.microbatch_size} makes {expected}")
 
 
-def _check_partition(p: Plan) -> None:
+def _check_partition(p: Plan, partition: list[tuple[int, int]]) -> None:
     """``pp`` contiguous non-empty ranges covering the segments, and one stage entry for each."""
     for name in ("num_segments", "profile_hash", "prediction"):
         if getattr(p, name) is None:
             raise ValueError(f"{name} is null, but a plan with a partition is made from a profile and sets it")
-    if len(p.partition) != p.pp:
-        raise ValueError(f"partition has {len(p.partition)} ranges for pp = {p.pp} stages")
+    if len(partition) != p.pp:
+        raise ValueError(f"partition has {len(partition)} ranges for pp = {p.pp} stages")
     start = 0
-    for s, (a, b) in enumerate(p.partition):
+    for s, (a, b) in enumerate(partition):
         if a != start or b <= a:
             raise ValueError(f"partition[{s}] is [{a}, {b}), but stage {s} must start at segment {start} and hold "
                              f"at least one segment")
@@ -443,9 +454,9 @@ def _check_partition(p: Plan) -> None:
     if len(p.stages) != p.pp:
         raise ValueError(f"stages lists {len(p.stages)} entries for pp = {p.pp} stages")
     for s, stage in enumerate(p.stages):
-        if stage.stage != s or tuple(stage.segments) != tuple(p.partition[s]):
+        if stage.stage != s or tuple(stage.segments) != tuple(partition[s]):
             raise ValueError(f"stages[{s}] is stage {stage.stage} over segments {list(stage.segments)}, but "
-                             f"partition[{s}] is {list(p.partition[s])}")
+                             f"partition[{s}] is {list(partition[s])}")
 
 
 def _check_stages(p: Plan) -> None:

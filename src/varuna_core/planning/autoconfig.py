@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..util.checks import integer
-from .artifacts import MAX_DEVICES, Profile, load_profile
+from .artifacts import MAX_DEVICES, Plan, Profile, load_profile
 from .planner import PlanInfeasible, PlanRequest, plan_for
 
 __all__ = ["AutoConfig"]
@@ -49,7 +49,7 @@ class AutoConfig:
         ConfigError: a bad argument, a missing or malformed profile, or no depth that fits.
     """
 
-    def __init__(self, num_gpus: int, gpus_per_vm: int, batch_size: int, profile_folder: str | os.PathLike,
+    def __init__(self, num_gpus: int, gpus_per_vm: int, batch_size: int, profile_folder: str | os.PathLike[str],
                  gpu_memory_capacity: int | None = None, verbose: bool = True,
                  autofill_missing_compute: bool = False) -> None:
         num_gpus = integer("num_gpus", num_gpus, low=1, high=MAX_DEVICES)
@@ -63,7 +63,7 @@ class AutoConfig:
         self.profile = _load(profile_folder)
         self.batch_times: dict[int, float] = {}
         self.micro_batch: dict[int, int] = {}
-        self.plans: dict = {}
+        self.plans: dict[int, Plan] = {}
         self._search()
 
     def _search(self) -> None:
@@ -79,16 +79,16 @@ class AutoConfig:
                     plan = plan_for(self.profile, request, pp=pp, dp=dp, microbatch_size=mbs, schedule="varuna")
                 except PlanInfeasible:
                     continue
-                if best is None or plan.prediction.step_time < best.prediction.step_time:
+                if best is None or plan.predicted().step_time < best.predicted().step_time:
                     best = plan
             if best is None:
                 continue
             self.plans[pp] = best
-            self.batch_times[pp] = best.prediction.step_time
+            self.batch_times[pp] = best.predicted().step_time
             self.micro_batch[pp] = best.microbatch_size
             if self.verbose:
                 log.info("pp=%d dp=%d micro-batch %d: %.4f s per batch", pp, dp, best.microbatch_size,
-                         best.prediction.step_time)
+                         best.predicted().step_time)
         if not self.batch_times:
             limit = f"{self.gpu_memory_capacity} bytes per device" if self.gpu_memory_capacity else "the batch"
             raise ConfigError(f"no pipeline depth from 1 to {min(self.num_gpus, self.profile.num_segments)} fits "
@@ -102,7 +102,7 @@ class AutoConfig:
         return pp, self.micro_batch[pp], self.batch_times[pp]
 
 
-def _load(folder: str | os.PathLike) -> Profile:
+def _load(folder: str | os.PathLike[str]) -> Profile:
     path = Path(folder)
     if path.is_dir():
         path = path / PROFILE_FILE

@@ -24,7 +24,8 @@ import bisect
 import dataclasses
 import datetime
 import math
-from typing import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from ..errors import ConfigError, FieldError, VarunaError
 from ..ir.inflight import receive_windows
@@ -90,7 +91,7 @@ class PlanRequest:
     microbatch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        def put(name: str, value) -> None:
+        def put(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
         put("gpus", integer("gpus", self.gpus, low=1, high=MAX_DEVICES))
@@ -112,14 +113,14 @@ class PlanRequest:
             put("microbatch_sizes", sizes)
 
     @staticmethod
-    def _names(schedules) -> tuple[ScheduleName, ...]:
+    def _names(schedules: object) -> tuple[ScheduleName, ...]:
         names = tuple(dict.fromkeys(check_schedule(name) for name in _sequence("schedules", schedules)))
         if not names:
             raise FieldError("schedules", "names no schedule", hint=f"choose from {', '.join(SCHEDULE_NAMES)}")
         return names
 
 
-def _sequence(name: str, value) -> tuple:
+def _sequence(name: str, value: object) -> tuple[object, ...]:
     """``value`` as a tuple, if it is a list or tuple (a string is a sequence of characters, not of names)."""
     if not isinstance(value, (list, tuple)):
         raise FieldError(name, f"must be a list or tuple, got {type(value).__name__} {value!r:.80}")
@@ -143,17 +144,15 @@ class _Seg:
     skip_bytes: float = 0.0  # of output_bytes: tensors skipping over the cut
 
 
-def _interp(measures: Sequence[SegmentMeasure], n: float, get) -> float:
+def _interp(measures: Sequence[SegmentMeasure], n: float, get: Callable[[SegmentMeasure], float]) -> float:
     """Value at ``n`` examples, linear between (or beyond) the two nearest profiled sizes."""
     points = sorted((m.microbatch_size, get(m)) for m in measures)
     if len(points) == 1:
         size, value = points[0]
         return value * n / size
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if n <= x1:
-            break
-    if n < points[0][0]:
-        (x0, y0), (x1, y1) = points[0], points[1]
+    # the two sizes around n: the first pair whose upper size is >= n; the last pair beyond the largest size
+    upper = min(max(bisect.bisect_left([x for x, _ in points], n), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[upper - 1], points[upper]
     return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
 
 
@@ -261,7 +260,7 @@ def partition_under_memory(
             a = b
         return ranges if a == n else None
 
-    def bottleneck(ranges) -> float:
+    def bottleneck(ranges: list[tuple[int, int]]) -> float:
         return max(pre.cost(a, b, recompute_stages[s]) for s, (a, b) in enumerate(ranges))
 
     any_rec = any(recompute_stages)
@@ -360,7 +359,7 @@ class _Tables:
         self.profile = profile
         self._segs: dict[float, list[_Seg]] = {}
         self._prefix: dict[float, _Prefix] = {}
-        self._free: dict[tuple, Partition | None] = {}
+        self._free: dict[tuple[int, int, tuple[bool, ...]], Partition | None] = {}
         self._p2p: dict[tuple[float, bool], float] = {}
         self._allreduce: dict[tuple[float, int, bool], float] = {}
 
@@ -386,7 +385,7 @@ class _Tables:
             self._allreduce[key] = _allreduce_time(self.profile, nbytes, d, inter)
         return self._allreduce[key]
 
-    def partition(self, pp: int, mbs: int, recompute: list[bool], counts, num_mb: int,
+    def partition(self, pp: int, mbs: int, recompute: list[bool], counts: Sequence[tuple[int, int]], num_mb: int,
                   req: PlanRequest) -> Partition | None:
         """The time-optimal partition ignoring memory is shared by every schedule with the same recompute
         pattern; only when it does not fit is the memory-constrained search run for this schedule."""
@@ -433,6 +432,7 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
         pre = tables.prefix(mbs)
         free = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts,
                                       limit=None, headroom=req.headroom, num_mb=num_mb, prefix=pre)
+        assert free is not None  # without a memory limit, pp <= segments always has a partition
         windows = receive_windows([held for held, _ in counts])
         need = max(int(pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute,
                                         num_mb=num_mb, headroom=req.headroom))
@@ -476,7 +476,7 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
     step = sim.step_time + tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
     c.step, c.pipeline, c.busy, c.bubble = step, sim.pipeline_time, list(sim.busy), sim.bubble_fraction
-    c.allreduce = max(x.allreduce - o for x, o in zip(c.costs, c.optimizer))
+    c.allreduce = max(x.allreduce - o for x, o in zip(c.costs, c.optimizer, strict=True))
     return c
 
 
@@ -493,7 +493,7 @@ def _reason(c: _Scored, best: _Scored) -> str:
         "all-reduce": c.allreduce - best.allreduce,
         "compute": max(c.busy) - max(best.busy),
     }
-    what = max(parts, key=parts.get)
+    what = max(parts, key=lambda part: parts[part])
     detail = {
         "bubble": f"bubble {c.bubble:.0%} vs {best.bubble:.0%}",
         "all-reduce": f"all-reduce {c.allreduce * 1e3:.3g} vs {best.allreduce * 1e3:.3g} ms",
@@ -593,8 +593,8 @@ def _score_best(prepared: list[_Scored], tables: _Tables, req: PlanRequest) -> l
     return scored
 
 
-def _raise_nothing_fits(profile: Profile, req: PlanRequest, smallest: tuple[int, str] | None) -> None:
-    if smallest is not None:
+def _raise_nothing_fits(profile: Profile, req: PlanRequest, smallest: tuple[int, str] | None) -> NoReturn:
+    if smallest is not None and req.gpu_memory is not None:  # a smallest need is only known under a limit
         from ..ir.units import format_bytes
 
         raise PlanInfeasible(
@@ -652,8 +652,8 @@ def layout_plan(*, pp: int, dp: int, microbatch_size: int, batch_size: int, gpus
             num_microbatches=-(-replica // max(microbatch_size, 1)), schedule=schedule, partition=None,
             stage_to_rank_map=Topology.clustered(pp, dp).to_string(), nodes=_nodes(pp * dp, gpus_per_node),
             schedules=[schedule], prediction=None,
-            assumptions=["layout given by hand: no profile, so no partition (Varuna(...) balances parameter bytes) "
-                         "and no prediction", *([note] if note else [])],
+            assumptions=[("layout given by hand: no profile, so no partition (Varuna(...) balances parameter bytes) "
+                          "and no prediction"), *([note] if note else [])],
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     except ValidationError as exc:
         error = exc.errors()[0]
@@ -678,7 +678,7 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
                   skip_bytes=round(segs[b - 1].skip_bytes) if b < len(segs) else 0,
                   allreduce=c.allreduce - best.optimizer[s], optimizer=best.optimizer[s],
                   busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0])
-        for s, ((a, b), c) in enumerate(zip(best.partition.ranges, best.costs))
+        for s, ((a, b), c) in enumerate(zip(best.partition.ranges, best.costs, strict=True))
     ]
 
     def candidate(c: _Scored, reason: str) -> Candidate:

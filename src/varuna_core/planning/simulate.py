@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from types import ModuleType
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from ..env import NO_NATIVE, flag
 from ..errors import VarunaError
@@ -78,7 +78,9 @@ class StageCosts:
 
     def as_tuple(self) -> tuple[float, ...]:
         """The 11 numbers in the order the native simulator takes them (``None`` → the full-size value)."""
-        pick = lambda x, full: full if x is None else x  # noqa: E731
+        def pick(x: float | None, full: float) -> float:
+            return full if x is None else x
+
         return (self.forward, self.recompute, self.backward, self.send_activation, self.send_gradient,
                 self.allreduce, pick(self.forward_last, self.forward), pick(self.recompute_last, self.recompute),
                 pick(self.backward_last, self.backward), pick(self.send_activation_last, self.send_activation),
@@ -113,24 +115,46 @@ class SimResult:
 # The native/Python switch
 
 
-_native_cache: list[ModuleType | None] = []
+ActionRows = Sequence[Sequence[tuple[int, int]]]  # per stage, (op code, mb) pairs
+TimelineRows = list[tuple[int, int, int, float, float]]  # (stage, op code, mb, start, end)
 
 
-def native_module() -> ModuleType | None:
+class NativeSimulator(Protocol):
+    """The functions of ``varuna_core._native`` (typed in ``_native.pyi``), which the module itself satisfies."""
+
+    def generate(self, name: str, p: int, m: int) -> list[list[tuple[int, int]]]: ...
+
+    def simulate_actions(self, actions: ActionRows, m: int, costs: Sequence[Sequence[float]], max_sends: int,
+                         opportunistic: bool, timeline: bool) -> tuple[float, float, list[float], TimelineRows | None]:
+        ...
+
+    def simulate_generated(self, name: str, p: int, m: int, costs: Sequence[Sequence[float]], max_sends: int,
+                           opportunistic: bool) -> tuple[float, float, list[float]]: ...
+
+    def inflight(self, name: str, p: int, m: int) -> list[tuple[int, int]]: ...
+
+
+_native_cache: list[NativeSimulator | None] = []
+
+
+def native_module() -> NativeSimulator | None:
     """The C++ simulator ``varuna_core._native``, or ``None`` when it is not built or ``VARUNA_NO_NATIVE=1`` asks
     for the pure-Python reference (e.g. to compare the two). Every native-or-Python choice follows this."""
     if flag(NO_NATIVE):
         return None
     if not _native_cache:
+        found: NativeSimulator | None
         try:
             from .. import _native
+
+            found = _native
         except ImportError:
-            _native = None  # type: ignore[assignment]
-        _native_cache.append(_native)
+            found = None
+        _native_cache.append(found)
     return _native_cache[0]
 
 
-def require_native() -> ModuleType:
+def require_native() -> NativeSimulator:
     native = native_module()
     if native is None:
         raise VarunaError("the native extension varuna_core._native is not available",
@@ -138,7 +162,7 @@ def require_native() -> ModuleType:
     return native
 
 
-def _backend(backend: str) -> ModuleType | None:
+def _backend(backend: str) -> NativeSimulator | None:
     """The native module to use for ``backend`` (``None``: the Python reference)."""
     if backend == "python":
         return None
@@ -202,7 +226,9 @@ _OP_CODE = {Op.F: 0, Op.R: 1, Op.B: 2}
 _OP_NAME = ("F", "R", "B")
 
 
-def _result(step: float, pipe: float, busy: Sequence[float], line) -> SimResult:
+def _result(step: float, pipe: float, busy: Sequence[float],
+            line: Sequence[tuple[int, int | str, int, float, float]] | None) -> SimResult:
+    """The result of either simulator: the native one codes ops as numbers, the Python one names them."""
     p = len(busy)
     bubble = 1.0 - sum(busy) / (p * pipe) if pipe > 0 else 0.0
     timeline = None

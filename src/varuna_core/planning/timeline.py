@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+from typing import Any, TypeGuard
 
 from ..errors import ConfigError
 from ..ir.schedule import generate
@@ -66,14 +67,18 @@ def load_trace(path: str | Path, replica: int = 0) -> list[tuple[int, str, int, 
     return sorted(((s, op, mb, (a - t0) / 1e6, (b - t0) / 1e6) for s, op, mb, a, b in out), key=lambda x: (x[0], x[3]))
 
 
-def _action(path: Path, event: dict) -> tuple[int, str, int, float, float]:
+def _action(path: Path, event: dict[str, Any]) -> tuple[int, str, int, float, float]:
     """``(stage, op, mb, start µs, end µs)`` of one trace event named like ``2F0``."""
     name, ts, dur = event.get("name"), event.get("ts"), event.get("dur")
     match = _ACTION.match(name) if isinstance(name, str) else None
-    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (ts, dur))
-    if match is None or not numbers or dur < 0:
+    if match is None or not _finite(ts) or not _finite(dur) or dur < 0:
         raise ConfigError(f"{path}: {str(event)[:120]} is not an action event (name like '2F0', finite ts and dur)")
     return int(match.group(1)), match.group(2), int(match.group(3)), float(ts), float(ts) + float(dur)
+
+
+def _finite(x: object) -> TypeGuard[float]:
+    """A finite int or float (a bool is no number here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def draw_timelines(panels: Iterable[tuple[str, list[tuple[int, str, int, float, float]]]], png: str | Path,
@@ -88,7 +93,7 @@ def draw_timelines(panels: Iterable[tuple[str, list[tuple[int, str, int, float, 
     panels = list(panels)
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 0.5 + 0.45 * stages * len(panels) + 0.6 * len(panels)),
                              sharex=True, squeeze=False)
-    for ax, (title, line) in zip(axes[:, 0], panels):
+    for ax, (title, line) in zip(axes[:, 0], panels, strict=True):
         for stage, op, mb, start, end in line:
             ax.barh(stage, (end - start) * 1e3, left=start * 1e3, color=_COLORS[op], edgecolor="white", height=0.8)
             if (end - start) * 1e3 > 0:
@@ -107,8 +112,8 @@ def draw_timelines(panels: Iterable[tuple[str, list[tuple[int, str, int, float, 
 def draw_plan(plan: Plan, png: str | Path, *, measured: str | Path | None = None) -> None:
     """The plan's simulated step, and the measured one beside it when a trace is given."""
     sim = simulated_timeline(plan)
-    panels = [(f"simulated: {plan.schedule}, pp={plan.pp}, {plan.num_microbatches} micro-batches, "
-               f"{(max(e for *_, e in sim)) * 1e3:.1f} ms", sim)]
+    panels = [((f"simulated: {plan.schedule}, pp={plan.pp}, {plan.num_microbatches} micro-batches, "
+                f"{(max(e for *_, e in sim)) * 1e3:.1f} ms"), sim)]
     if measured is not None:
         got = load_trace(measured)
         panels.append((f"measured: {(max(e for *_, e in got)) * 1e3:.1f} ms", got))

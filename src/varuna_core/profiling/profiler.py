@@ -13,8 +13,9 @@ import copy
 import inspect
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -82,12 +83,12 @@ class Profiler:
         self.world_size, self.rank = ensure_process_group(default_timeout())
         del gpus_per_node, from_cache, add_to_existing  # the original's knobs, nothing to do here
 
-    def initialize(self, get_batch: Callable[..., dict], from_cache: bool = True) -> None:  # noqa: ARG002
+    def initialize(self, get_batch: Callable[..., dict], from_cache: bool = True) -> None:
         """The older form's second step: the input function."""
         self.get_batch = get_batch
 
-    def set_optimizer(self, optimizer: torch.optim.Optimizer, init_loss_scale: float = 2**20,  # noqa: ARG002
-                      min_loss_scale: float = 1.0) -> None:  # noqa: ARG002
+    def set_optimizer(self, optimizer: torch.optim.Optimizer, init_loss_scale: float = 2**20,
+                      min_loss_scale: float = 1.0) -> None:
         """The optimizer whose state and step time are measured: one of the same class and hyperparameters is
         made per segment (default AdamW)."""
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import json
 import logging
@@ -32,8 +33,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,11 +43,11 @@ import torch.distributed as dist
 from ..errors import ConfigError, UserCodeError, VarunaError
 from ..ir.partition import Partition
 from ..model.discovery import Structure, discover, make_batch_fn
+from ..model.lazy_values import ValueSource
 from ..model.payload import TensorSpec, flatten
 from ..model.precision import autocast
 from ..model.spec import ModelSpec, load_spec
 from ..model.stage import StageSlice, find_tie_sets, weight_groups
-from ..model.lazy_values import ValueSource
 from ..planning.artifacts import (
     CommCurve,
     Environment,
@@ -117,7 +119,7 @@ def profile_with(spec: ModelSpec | str, options: ProfileOptions, *, progress: Pr
     if nproc == 1:
         model_spec = load_spec(spec)
         structure = _structure(model_spec, precision)
-        return _measure(model_spec, structure, rank=0, world=1, progress=progress, **measuring)
+        return _measure_alone(model_spec, structure, progress=progress, **measuring)
     if not isinstance(spec, str):
         raise ConfigError("profiling with several processes needs the spec as a reference ('module:attr')",
                           hint="pass the string the spec is importable by, or use nproc=1")
@@ -219,7 +221,7 @@ class _SegmentBench:
         for t in tensors:
             if t.is_floating_point():
                 t.requires_grad_(grad)
-        hooks = contextlib.nullcontext()
+        hooks: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if saved is not None:
             seen: set[tuple[int, int]] = set()
             static = self.static_storages()
@@ -262,7 +264,8 @@ class _SegmentBench:
         return sum(t.numel() * t.element_size() for t in flatten(out)[0] if isinstance(t, torch.Tensor))
 
     def skip_bytes(self, out: Any) -> int:
-        """Of :meth:`output_bytes`, the skipped tensors (they follow the cut's value, see :mod:`varuna_core.model.skips`)."""
+        """Of :meth:`output_bytes`, the skipped tensors (they follow the cut's value, see
+        :mod:`varuna_core.model.skips`)."""
         count = 0 if self.stage.is_last else len(self.structure.skips_across(self.segment))
         if not count:
             return 0
@@ -295,17 +298,17 @@ def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int
         timed = i >= warmup
         incoming = bench.incoming(n)
         with torch.no_grad():
-            t_f, out = _time(lambda: bench.run(inputs, n, incoming, grad=False), device)
+            t_f, out = _time(functools.partial(bench.run, inputs, n, incoming, grad=False), device)
         incoming = bench.incoming(n)
         counter = [0]
-        t_r, out = _time(lambda: bench.run(inputs, n, incoming, grad=True, saved=counter), device)
+        t_r, out = _time(functools.partial(bench.run, inputs, n, incoming, grad=True, saved=counter), device)
         saved = counter
         if memory_limit is not None and static_bytes + saved[0] > memory_limit:
             raise _LimitReached(
                 f"segment {bench.segment} needs {static_bytes + saved[0]:,} bytes at micro-batch {n} "
                 f"(limit {memory_limit:,})")
         roots, grads = bench.output_grads(out)
-        t_b, _ = _time(lambda: bench.backward(roots, grads), device)
+        t_b, _ = _time(functools.partial(bench.backward, roots, grads), device)
         if timed:
             forward.append(t_f)
             recompute.append(t_r)
@@ -344,15 +347,16 @@ def _static_sizes(bench: _SegmentBench, repeats: int = 5) -> tuple[int, int, int
 
 def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, microbatch_sizes: list[int],
              precision: str, device: str, repeats: int, warmup: int, memory_limit: int | None,
-             progress: Progress | None, group=None) -> Profile | tuple:
-    """Measure this process's segments; with ``world > 1`` returns ``(segments, sizes, stopped)``."""
-    dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+             progress: Progress | None,
+             group: Any = None) -> tuple[list[SegmentProfile], list[int], StopReason | None]:
+    """Measure this process's segments: ``(segments, the sizes measured, why it stopped before the largest)``."""
+    dev = _device(device, rank)
     mine = _segments_of(rank, world, structure.num_segments)
     benches = {k: _SegmentBench(spec, structure, k, dev, precision) for k in mine}
     with user_code("the optimizer's step"):
         statics = {k: _static_sizes(b) for k, b in benches.items()}
     measures: dict[int, list[SegmentMeasure]] = {k: [] for k in mine}
-    batch_fn, dims = make_batch_fn(spec.inputs, None)
+    _, dims = make_batch_fn(spec.inputs, None)
     done_sizes: list[int] = []
     stopped: StopReason | None = None
     total = len(mine) * len(microbatch_sizes)
@@ -397,9 +401,19 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
                        if k < len(structure.cut_names) else [])
         for k in mine
     ]
-    if world > 1:
-        return segments, done_sizes, stopped
-    return _assemble(spec, structure, segments, done_sizes, stopped, [], nproc=1, precision=precision, device=dev)
+    return segments, done_sizes, stopped
+
+
+def _measure_alone(spec: ModelSpec, structure: Structure, *, progress: Progress | None, **options: Any) -> Profile:
+    """The profile of every segment, measured in this one process (``options``: :func:`_measure`'s)."""
+    segments, sizes, stopped = _measure(spec, structure, rank=0, world=1, progress=progress, **options)
+    return _assemble(spec, structure, segments, sizes, stopped, [], nproc=1, precision=options["precision"],
+                     device=_device(options["device"], 0))
+
+
+def _device(device: str, rank: int) -> torch.device:
+    """Where process ``rank`` measures: its own GPU for ``cuda``."""
+    return torch.device(device, rank) if device == "cuda" else torch.device("cpu")
 
 
 def _agree_failure(failure, world: int, device: torch.device, group) -> tuple[int, str] | None:
@@ -433,17 +447,17 @@ def fit_linear(sizes: list[int], times: list[float]) -> LinearFit:
     much as large ones), latency clamped at ≥ 0; returns the fit with its RMS relative error."""
     w = [1.0 / (y * y) if y > 0 else 0.0 for y in times]
     sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, sizes))
-    sy = sum(wi * y for wi, y in zip(w, times))
-    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times))
+    sx = sum(wi * x for wi, x in zip(w, sizes, strict=True))
+    sy = sum(wi * y for wi, y in zip(w, times, strict=True))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes, strict=True))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times, strict=True))
     det = sw * sxx - sx * sx
     slope = (sw * sxy - sx * sy) / det if det else 0.0
     latency = (sy - slope * sx) / sw if sw else 0.0
     if latency < 0:  # refit through the origin
         latency, slope = 0.0, sxy / sxx if sxx else 0.0
     slope = max(slope, 1e-15)
-    rel = [((latency + slope * x) - y) / y for x, y in zip(sizes, times) if y > 0]
+    rel = [((latency + slope * x) - y) / y for x, y in zip(sizes, times, strict=True) if y > 0]
     err = (sum(r * r for r in rel) / len(rel)) ** 0.5 if rel else 0.0
     return LinearFit(latency=latency, bandwidth=1.0 / slope, rel_error=err)
 
@@ -556,9 +570,9 @@ def profile_in_job(spec: ModelSpec, options: dict, progress: Progress | None = N
     if rank == 0 and on_total is not None:
         on_total(structure.num_segments * len(options["microbatch_sizes"]))
     if world == 1:
-        return _measure(spec, structure, rank=0, world=1, progress=progress, **options)
+        return _measure_alone(spec, structure, progress=progress, **options)
     segments, sizes, stopped = _measure(spec, structure, rank=rank, world=world, progress=progress, **options)
-    dev = torch.device(options["device"], rank) if options["device"] == "cuda" else torch.device("cpu")
+    dev = _device(options["device"], rank)
     hosts: list = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     link = "inter" if len(set(hosts)) > 1 else "intra"
@@ -586,8 +600,14 @@ def _worker(job_path: str, out_dir: str) -> None:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
         store = dist.distributed_c10d._get_default_store()
         spec = load_spec(job["spec"])
-        step = lambda done, total, what: store.add(f"done/{rank}", 1)  # noqa: E731
-        result = profile_in_job(spec, options, progress=step, on_total=lambda total: store.add("total", total))
+
+        def step(done: int, total: int, what: str) -> None:
+            store.add(f"done/{rank}", 1)
+
+        def on_total(total: int) -> None:
+            store.add("total", total)
+
+        result = profile_in_job(spec, options, progress=step, on_total=on_total)
         if result is not None:
             (Path(out_dir) / "profile.json").write_text(result.model_dump_json())
         dist.destroy_process_group()

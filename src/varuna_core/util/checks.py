@@ -22,7 +22,7 @@ __all__ = ["integer", "real", "env_integer", "env_real"]
 def integer(name: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
     """``value`` as an ``int`` (ints and integer-like objects such as numpy integers; not bools, floats or
     strings), within ``[low, high]``."""
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, (bool, float)):
         raise FieldError(name, f"must be an integer, got {value!r}")
     try:
         number = operator.index(value)
@@ -37,7 +37,7 @@ def real(name: str, value: Any, *, low: float | None = None, high: float | None 
     """``value`` as a finite ``float`` within ``[low, high]`` (``(low, ...`` with ``low_open``, ``..., high)``
     with ``high_open``). With both ends given, a refusal says the whole interval (``must be a number in
     (0, 100], got nan``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+    if isinstance(value, bool) or (not isinstance(value, (int, float)) and not hasattr(value, "__float__")):
         raise FieldError(name, f"must be a number, got {type(value).__name__} {value!r}")
     number = float(value)
     inside = (math.isfinite(number)
@@ -52,6 +52,7 @@ def real(name: str, value: Any, *, low: float | None = None, high: float | None 
         raise FieldError(name, f"must be a finite number, got {number}")
     if low is not None and (number <= low if low_open else number < low):
         raise FieldError(name, f"must be {'greater than' if low_open else '≥'} {_shown(low)}, got {number:g}")
+    assert high is not None  # inside otherwise
     raise FieldError(name, f"must be {'less than' if high_open else '≤'} {_shown(high)}, got {number:g}")
 
 
@@ -85,6 +86,7 @@ def _bounds(name: str, number: float, low: float | None, high: float | None) -> 
         raise FieldError(name, f"must be in {low}..{high}, got {number}")
     if low is not None and number < low:
         raise FieldError(name, f"must be ≥ {_shown(low)}, got {_shown(number)}")
+    assert high is not None  # within low, so above high
     raise FieldError(name, f"must be ≤ {_shown(high)}, got {_shown(number)}")
 
 

@@ -80,7 +80,7 @@ def _torch_facts() -> dict[str, str]:
         import torch
     except ImportError as exc:
         return {"torch": f"{_UNKNOWN} ({exc})"}
-    facts = {"torch": torch.__version__}
+    facts: dict[str, str] = {"torch": torch.__version__}
     if getattr(torch.version, "cuda", None):
         facts["torch_build"] = f"CUDA {torch.version.cuda}"
     elif getattr(torch.version, "hip", None):
@@ -89,7 +89,7 @@ def _torch_facts() -> dict[str, str]:
         facts["torch_build"] = "CPU"
     try:
         available = torch.cuda.is_available()
-    except Exception as exc:  # a broken driver must not break the bug report
+    except Exception as exc:  # noqa: BLE001 - a broken driver must not break the bug report
         available = False
         facts["cuda_error"] = f"{type(exc).__name__}: {exc}"
     facts["cuda_available"] = "yes" if available else "no"

@@ -34,14 +34,15 @@ MiB = 2**20
 
 def describe_mode(mode: int) -> str:
     """What kind of file ``mode`` (``st_mode``) is, in words."""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
         if test(mode):
             return name
     return "not a regular file"
 
 
-def open_regular(path: str | os.PathLike, *, what: str = "file", follow: bool = True, extra_flags: int = 0,
+def open_regular(path: str | os.PathLike[str], *, what: str = "file", follow: bool = True, extra_flags: int = 0,
                  error: type[VarunaError] = ConfigError) -> int:
     """A read-only descriptor of the regular file ``path`` (``O_NONBLOCK`` is cleared again once it is known to
     be one). ``follow=False`` refuses a symbolic link as the last component.
@@ -75,7 +76,7 @@ def open_regular(path: str | os.PathLike, *, what: str = "file", follow: bool = 
     return fd
 
 
-def read_regular(path: str | os.PathLike, limit: int, *, what: str = "file", follow: bool = True,
+def read_regular(path: str | os.PathLike[str], limit: int, *, what: str = "file", follow: bool = True,
                  error: type[VarunaError] = ConfigError) -> bytes:
     """The bytes of the regular file ``path``, at most ``limit`` of them (see :func:`open_regular`).
 
@@ -105,7 +106,8 @@ def read_regular(path: str | os.PathLike, limit: int, *, what: str = "file", fol
     return b"".join(chunks)
 
 
-def read_text(path: str | os.PathLike, limit: int, *, what: str = "file", error: type[VarunaError] = ConfigError) -> str:
+def read_text(path: str | os.PathLike[str], limit: int, *, what: str = "file",
+              error: type[VarunaError] = ConfigError) -> str:
     """The UTF-8 text (a byte-order mark allowed) of the regular file ``path`` of at most ``limit`` bytes; a byte
     that is not UTF-8 is an ``error`` naming its line."""
     data = read_regular(path, limit, what=what, error=error)
@@ -117,7 +119,7 @@ def read_text(path: str | os.PathLike, limit: int, *, what: str = "file", error:
                     hint="is it the right file?") from None
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str, *, mode: int = 0o644, durable: bool = False) -> None:
+def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644, durable: bool = False) -> None:
     """Replace ``path`` with ``data`` atomically: written to a new file of a random name beside it (``O_EXCL``,
     created with mode 0600 and given ``mode`` once written), fsynced with ``durable``, then renamed over
     ``path``. A crash leaves the old content or the new one; the temporary file never outlives a failure."""

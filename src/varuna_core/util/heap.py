@@ -14,12 +14,13 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+from collections.abc import Callable
 
 __all__ = ["release_free_memory"]
 
 
 @functools.cache
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         trim = libc.malloc_trim

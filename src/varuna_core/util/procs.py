@@ -16,9 +16,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..env import TORCHRUN
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["JobOutcome", "free_port", "run_local_workers", "run_workers", "torchrun_env"]
 
@@ -31,7 +34,8 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind((LOCALHOST, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def torchrun_env(rank: int, world: int, port: int, *, agent_store: bool = True) -> dict[str, str]:
@@ -112,7 +116,7 @@ def run_workers(
     """
     port = free_port()
     store = _host_store(port, world) if agent_store else None
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[bytes]] = []
     logs = []
     try:
         for rank in range(world):
@@ -124,7 +128,7 @@ def run_workers(
             procs.append(subprocess.Popen(
                 command, cwd=cwd, env=penv, stdout=out if stdout_to_log else subprocess.DEVNULL,
                 stderr=subprocess.STDOUT if stdout_to_log else out,
-                preexec_fn=_die_with_parent if die_with_parent else None))  # noqa: PLW1509 - opt-in
+                preexec_fn=_die_with_parent if die_with_parent else None))  # opt-in (not thread-safe)
         outcome = _watch(procs, timeout, stop_on_failure, poll, on_poll, store)
     finally:
         killed = _kill_running(procs)
@@ -136,7 +140,7 @@ def run_workers(
     return outcome
 
 
-def run_local_workers(argv: list[str], world: int, *, log_dir: Path, timeout: float, env: dict | None = None,
+def run_local_workers(argv: list[str], world: int, *, log_dir: Path, timeout: float, env: dict[str, str] | None = None,
                       cwd: str | Path | None = None) -> str | None:
     """Run ``argv`` as ``world`` local ranks (see :func:`run_workers`); all are killed as soon as one fails.
 
@@ -146,13 +150,13 @@ def run_local_workers(argv: list[str], world: int, *, log_dir: Path, timeout: fl
     return run_workers(argv, world, log_dir=log_dir, timeout=timeout, env=env, cwd=cwd).first_error()
 
 
-def _host_store(port: int, world: int):
+def _host_store(port: int, world: int) -> dist.TCPStore:
     import torch.distributed as dist
 
     return dist.TCPStore(LOCALHOST, port, world, is_master=True, wait_for_workers=False)
 
 
-def _watch(procs: list[subprocess.Popen], timeout: float, stop_on_failure: bool, poll: float,
+def _watch(procs: list[subprocess.Popen[bytes]], timeout: float, stop_on_failure: bool, poll: float,
            on_poll: Callable[[Any], None] | None, store: Any) -> JobOutcome:
     """Wait until every process ended, the deadline passed, or (``stop_on_failure``) one exited non-zero."""
     deadline = time.monotonic() + timeout
@@ -173,7 +177,7 @@ def _watch(procs: list[subprocess.Popen], timeout: float, stop_on_failure: bool,
         time.sleep(poll)
 
 
-def _kill_running(procs: list[subprocess.Popen]) -> list[int]:
+def _kill_running(procs: list[subprocess.Popen[bytes]]) -> list[int]:
     """Kill and reap every process still running; their ranks."""
     killed = []
     for rank, proc in enumerate(procs):

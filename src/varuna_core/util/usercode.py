@@ -29,9 +29,10 @@ import site
 import sys
 import sysconfig
 import types
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..errors import ConfigError, UserCodeError, VarunaError
 
@@ -54,9 +55,9 @@ def _library_roots() -> tuple[str, ...]:
         roots.update(site.getsitepackages())
     with contextlib.suppress(AttributeError):
         roots.add(site.getusersitepackages())
-    torch = sys.modules.get("torch")
-    if torch is not None and getattr(torch, "__file__", None):
-        roots.add(str(Path(torch.__file__).resolve().parent))
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if torch_file:
+        roots.add(str(Path(torch_file).resolve().parent))
     return tuple(os.path.realpath(r) + os.sep for r in roots)
 
 
@@ -129,7 +130,7 @@ def plain_signature(fn: Callable[..., Any]) -> str:
                                  return_annotation=inspect.Signature.empty))
 
 
-def check_call(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, *, what: str,
+def check_call(fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, *, what: str,
                hint: str = "see ModelSpec's documentation for the arguments each function gets") -> None:
     """Refuse a call of ``fn`` that its signature does not take (bad input: a :class:`ConfigError`). A function
     whose signature cannot be read is let through: the call itself will tell."""
@@ -155,7 +156,7 @@ def call_user(fn: Callable[..., Any], *args: Any, what: str, **kwargs: Any) -> A
         return fn(*args, **kwargs)
     except VarunaError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the user's code may raise anything: reported as theirs
+    except Exception as exc:  # the user's code may raise anything: reported as theirs
         raise user_error(what, exc) from exc
 
 
@@ -168,7 +169,7 @@ def user_code(what: str, *, keep: tuple[type[BaseException], ...] = ()) -> Itera
         yield
     except VarunaError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         if isinstance(exc, keep):
             raise
         where = user_frame(exc.__traceback__)

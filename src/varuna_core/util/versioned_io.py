@@ -23,7 +23,7 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -31,10 +31,15 @@ from ..errors import ConfigError
 from .fs import atomic_write, read_text
 from .text import short_repr
 
+if TYPE_CHECKING:
+    import yaml  # imported when a YAML file is read
+
 __all__ = [
     "ArtifactModel", "CheckedModel", "check_document", "check_writable", "first_problem", "parse_json", "parse_yaml",
     "read_artifact", "save_artifact", "schema_text", "short_repr", "unique_keys", "validate", "write_output",
 ]
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class ArtifactModel(BaseModel):
@@ -110,7 +115,7 @@ def read_artifact(path: str | Path, limit: int, what: str, hint: str) -> str:
     return read_text(path, limit, what=what)
 
 
-def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """``object_pairs_hook`` for :func:`json.loads` that refuses a key given twice (JSON allows it; the last
     would silently win)."""
     out = {}
@@ -130,7 +135,7 @@ def parse_json(text: str, path: str | Path, what: str) -> Any:
         raise ConfigError(f"{path} is not a valid {what}: not JSON: {exc}") from None
 
 
-def check_document(data: Any, path: str | Path, what: str, remake: str) -> dict:
+def check_document(data: Any, path: str | Path, what: str, remake: str) -> dict[str, Any]:
     """``data`` as the mapping of fields an artifact is, of format version 1."""
     if not isinstance(data, dict):
         found = "is empty" if data is None else f"holds {short_repr(data, 40)}, not a mapping of fields"
@@ -142,7 +147,7 @@ def check_document(data: Any, path: str | Path, what: str, remake: str) -> dict:
     return data
 
 
-def validate(model: type[BaseModel], data: dict, path: str | Path, what: str, hint: str) -> Any:
+def validate(model: type[ModelT], data: dict[str, Any], path: str | Path, what: str, hint: str) -> ModelT:
     """``model`` validated from ``data``, or a one-line ConfigError naming the first wrong field."""
     try:
         return model.model_validate(data)
@@ -157,14 +162,15 @@ def validate(model: type[BaseModel], data: dict, path: str | Path, what: str, hi
 
 
 @functools.cache
-def _yaml_loader() -> type:
+def _yaml_loader() -> type[yaml.SafeLoader]:
     """The safe YAML loader: libyaml's where it is installed (the pure-Python one is ten times slower),
     refusing duplicate keys. Built on first use: yaml is imported only when a YAML file is read."""
     import yaml
     from yaml.constructor import ConstructorError
 
-    class UniqueKeySafeLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-        def construct_mapping(self, node, deep=False):
+    # libyaml's loader where it is installed: a base chosen at run time
+    class UniqueKeySafeLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
             seen = set()
             for key, _ in node.value:
                 if isinstance(key, yaml.ScalarNode):
@@ -172,31 +178,38 @@ def _yaml_loader() -> type:
                         raise ConstructorError(None, None, f"key {key.value!r} appears twice in one mapping",
                                                key.start_mark)
                     seen.add(key.value)
-            return super().construct_mapping(node, deep)
+            mapping: dict[Any, Any] = super().construct_mapping(node, deep)
+            return mapping
 
     return UniqueKeySafeLoader
 
 
-def _check_events(text: str, loader: type, what: str, max_events: int, max_nesting: int) -> None:
+def _check_events(text: str, loader: type[yaml.SafeLoader], what: str, max_events: int, max_nesting: int) -> None:
     """Read the YAML event stream once, lazily, before building anything: refuse anchors and aliases, nesting
     deeper than ``max_nesting`` and more than ``max_events`` nodes, each as soon as it is seen. (libyaml's
     composer recurses on the C stack: a deeply nested file must never reach it.)"""
     import yaml
-    from yaml.composer import ComposerError
 
     depth = 0
     for count, event in enumerate(yaml.parse(text, Loader=loader)):
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise ComposerError(None, None, f"anchors and aliases (&name, *name) are not allowed in a {what}",
-                                event.start_mark)
+            raise _refused(f"anchors and aliases (&name, *name) are not allowed in a {what}", event)
         if count >= max_events:
-            raise ComposerError(None, None, f"more than {max_events:,} values", event.start_mark)
+            raise _refused(f"more than {max_events:,} values", event)
         if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
             depth += 1
             if depth > max_nesting:
-                raise ComposerError(None, None, f"nested more than {max_nesting} levels deep", event.start_mark)
+                raise _refused(f"nested more than {max_nesting} levels deep", event)
         elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
             depth -= 1
+
+
+def _refused(problem: str, event: yaml.Event) -> yaml.MarkedYAMLError:
+    """The error of a document refused at ``event``, marked where the event starts."""
+    from yaml.composer import ComposerError
+
+    # libyaml's events carry its own Mark class, which the stubs do not take for one
+    return ComposerError(None, None, problem, event.start_mark)  # type: ignore[arg-type]
 
 
 def parse_yaml(text: str, path: str | Path, what: str, *, max_events: int, max_nesting: int) -> Any:

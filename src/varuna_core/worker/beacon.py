@@ -44,7 +44,7 @@ class Beacon:
         self.sender = secrets.token_hex(8)
         self._seq = 0
         self._state: dict[str, Any] = {"rank": rank, "host": host, "step": 0}
-        self._steps: list[list] = []  # [step, loss, step time] of every step since the last datagram
+        self._steps: list[list[Any]] = []  # [step, loss, step time] of every step since the last datagram
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # one datagram at a time, in the order of their sequence numbers
         self._warned: set[str] = set()
@@ -70,7 +70,7 @@ class Beacon:
             self._warned.add(what)
             log.warning("heartbeat: %s", what)
 
-    def _clean(self, state: dict[str, Any], records: list[list]) -> dict[str, Any]:
+    def _clean(self, state: dict[str, Any], records: list[list[Any]]) -> dict[str, Any]:
         body: dict[str, Any] = {}
         for key, value in state.items():
             try:

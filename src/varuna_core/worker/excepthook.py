@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import TracebackType
 
 from ..env import debug
 from ..errors import VarunaError, format_error
@@ -22,7 +23,7 @@ def install_excepthook() -> None:
     if getattr(previous, "_varuna", False):
         return
 
-    def hook(kind, value, tb):
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if isinstance(value, VarunaError) and not debug():
             rank = os.environ.get("RANK")
             prefix = f"[rank {rank}] " if rank is not None else ""

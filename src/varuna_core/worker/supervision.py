@@ -31,7 +31,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any, NamedTuple
 
 from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError
@@ -53,8 +56,8 @@ class ResumeRefused(CheckpointError):
 def _process_start() -> float | None:
     """Wall-clock time this process started (Linux ``/proc``), for the launcher's start-up timings."""
     try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
         return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
@@ -83,7 +86,7 @@ class Supervision:
 
     def __init__(self, rank: int, *, stage: int = 0, replica: int = 0, samples: int | None = None,
                  save: Callable[..., Any], load: Callable[[str, int], int],
-                 progress: Callable[[], Progress | tuple], told: WorkerEnv | None = None) -> None:
+                 progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load = save, load
         self._progress = progress
@@ -97,8 +100,9 @@ class Supervision:
         self.total_steps = told.total_steps
         if told.on_sigterm not in (None, "checkpoint"):
             raise ConfigError(f"VARUNA_ON_SIGTERM is {told.on_sigterm!r}", hint="it is 'checkpoint' or unset")
-        if (self.resume_step is not None or self.every) and not self.ckpt_dir:
-            raise ConfigError("VARUNA_RESUME_STEP or VARUNA_CKPT_EVERY is set but VARUNA_CKPT_DIR is not",
+        if (self.resume_step is not None or self.every or told.on_sigterm) and not self.ckpt_dir:
+            raise ConfigError("VARUNA_RESUME_STEP, VARUNA_CKPT_EVERY or VARUNA_ON_SIGTERM is set but VARUNA_CKPT_DIR "
+                              "is not",
                               hint="set VARUNA_CKPT_DIR to the checkpoint store (varuna launch does)")
         self.requested = False
         self._terms = 0  # SIGTERMs received (VARUNA_ON_SIGTERM=checkpoint)
@@ -116,7 +120,7 @@ class Supervision:
         if told.on_sigterm == "checkpoint" and self._main_thread:
             signal.signal(signal.SIGTERM, self._on_term)
 
-    def _on_term(self, signum, frame) -> None:  # noqa: ARG002
+    def _on_term(self, signum: int, frame: FrameType | None) -> None:
         """The first SIGTERM asks for a checkpoint; the next one ends the process as SIGTERM does by default."""
         if self._terms:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -125,7 +129,7 @@ class Supervision:
         self._terms += 1
         self.requested = True
 
-    def _on_usr1(self, signum, frame) -> None:  # noqa: ARG002
+    def _on_usr1(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True
 
     def _adopt_handler(self) -> None:
@@ -158,7 +162,7 @@ class Supervision:
 
     def resume(self) -> None:
         """Load ``VARUNA_RESUME_STEP`` (once), now that the optimizer is set."""
-        if self.resume_step is None or self.resumed:
+        if self.resume_step is None or self.resumed or self.ckpt_dir is None:  # no store: refused when made
             return
         self.resumed = True
         try:
@@ -227,8 +231,10 @@ class Supervision:
             self._pending.result()
             self._pending = None
         log.info("rank %d: running the script's SIGUSR1 handler at step %d", self.rank, self._now().iteration)
+        handler = self.user_handler
+        assert handler is not None  # called only when the script has one
         try:
-            self.user_handler(signal.SIGUSR1, None)
+            handler(signal.SIGUSR1, None)
         except SystemExit:  # every rank is leaving at this step: leave the process group together, as below
             self._leave()
             raise

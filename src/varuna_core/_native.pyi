@@ -1,0 +1,17 @@
+"""Types of the C++ extension built from csrc/ (the functions are bound in csrc/bindings.cpp).
+
+An action is ``(op, mb)`` with op coded F=0, R=1, B=2; a cost row is ``StageCosts.as_tuple()``; a timeline entry
+is ``(stage, op, mb, start, end)``.
+"""
+
+from collections.abc import Sequence
+
+def generate(name: str, p: int, m: int) -> list[list[tuple[int, int]]]: ...
+def simulate_actions(
+    actions: Sequence[Sequence[tuple[int, int]]], m: int, costs: Sequence[Sequence[float]], max_sends: int,
+    opportunistic: bool, timeline: bool,
+) -> tuple[float, float, list[float], list[tuple[int, int, int, float, float]] | None]: ...
+def simulate_generated(
+    name: str, p: int, m: int, costs: Sequence[Sequence[float]], max_sends: int, opportunistic: bool,
+) -> tuple[float, float, list[float]]: ...
+def inflight(name: str, p: int, m: int) -> list[tuple[int, int]]: ...
