@@ -318,6 +318,9 @@ class BadField(ValueError):
     """A field of the wrong type or out of range."""
 
 
+# The field checks of heartbeat datagrams. Not util.checks: these read JSON's types off the wire (an int is an int,
+# not anything operator.index takes), run for every datagram, and raise the cheap BadField that the listener
+# counts as a rejection; no message is ever shown to a user.
 def _count(value: Any, limit: int = MAX_INT) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
         raise BadField(value)
