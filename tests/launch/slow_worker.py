@@ -1,5 +1,9 @@
-"""examples/gpt/train.py with one slow rank (a worker on a slow machine): rank ``SLOW_RANK`` spends 30 ms more
-in every transformer block's forward (several times its whole compute)."""
+"""examples/gpt/train.py with one slow rank (a worker on a slow machine): after every transformer block's forward,
+rank ``SLOW_RANK`` sleeps ``SLOWER`` times what the block took, so its compute is a multiple of its peer's whatever
+the machine's speed or load (a fixed delay is many times the compute on an idle machine and a fraction of it on
+one loaded core). The blocks' forwards are about half of a stage's compute (with the recompute; backward,
+embedding and head are the rest): 20 makes the rank 10x to 17x its peer (seen), and 4x its peer even when load
+slows the peer 2.5x."""
 
 import os
 import runpy
@@ -12,12 +16,16 @@ sys.path.insert(0, str(EXAMPLE))
 
 import model  # noqa: E402
 
+SLOWER = 20
+
 if os.environ.get("RANK") == os.environ.get("SLOW_RANK"):
     forward = model.Block.forward
 
     def slow_forward(self, *args, **kwargs):
-        time.sleep(0.03)
-        return forward(self, *args, **kwargs)
+        started = time.perf_counter()
+        out = forward(self, *args, **kwargs)
+        time.sleep(SLOWER * (time.perf_counter() - started))
+        return out
 
     model.Block.forward = slow_forward
 
