@@ -47,6 +47,7 @@ from .pipeline.groups import (
     agree_seed_and_run,
     build_groups,
     ensure_process_group,
+    intended_world,
     resolve_device,
     sync_initial_state,
     tie_params,
@@ -212,8 +213,9 @@ class Varuna(nn.Module):
         """This rank's place: device (checked before the process group is joined), process group, topology, batch
         layout."""
         self.device = resolve_device(device, local_rank)
+        world_size, _ = intended_world()
+        self.topology = Topology.parse(config.stage_to_rank_map, world_size)  # before joining: see intended_world
         self.world_size, self.rank = ensure_process_group(config.timeout)
-        self.topology = Topology.parse(config.stage_to_rank_map, self.world_size)
         self.stage, self.replica = self.topology.coords(self.rank)
         self.pp, self.dp = self.topology.pp, self.topology.dp
         self.batch_size, self.chunk_size = config.batch_size, config.chunk_size

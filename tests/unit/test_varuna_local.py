@@ -206,6 +206,39 @@ def test_a_device_this_machine_lacks_is_named_before_anything_starts(monkeypatch
     assert "\n" not in message and "Expected one of" not in message, message
 
 
+def test_a_map_for_another_world_is_refused_before_the_process_group_is_joined(monkeypatch) -> None:
+    """Every rank names the map (a rank that raised after joining would leave a peer still connecting with only
+    "connection closed by peer" to report)."""
+    import varuna_core.varuna as facade
+
+    def joined(*args, **kwargs):
+        raise AssertionError("the process group was joined before the map was checked")
+
+    monkeypatch.setattr(facade, "ensure_process_group", joined)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(TopologyError, match="3 ranks, but WORLD_SIZE=2"):
+        _wrap("0;1;2")
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR, MASTER_PORT not set"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK=2 is outside"),
+    ({"WORLD_SIZE": "2", "RANK": "-1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK=-1 is outside"),
+    ({"WORLD_SIZE": "2", "RANK": "x", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK='x' is not"),
+])
+def test_torchrun_variables_that_cannot_describe_a_world_are_named(monkeypatch, env, message) -> None:
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        _wrap()
+
+
 def test_the_cpu_device_is_accepted_in_every_spelling() -> None:
     for device in ("cpu", "cpu:0", torch.device("cpu")):
         assert _wrap(device=device).device.type == "cpu"

@@ -1,5 +1,6 @@
 """The process group, the device, the sub-groups a stage talks in and what every rank must agree on at start-up.
 
+* :func:`intended_world` reads the world size and rank without joining (so bad input is refused on every rank);
 * :func:`ensure_process_group` joins (or creates, from torchrun-style variables) the default process group;
 * :func:`resolve_device` checks the device asked for (:func:`~varuna_core.model.devices.check_device`), picks
   it and sets it as the current one;
@@ -31,7 +32,7 @@ from ..model.devices import check_device
 from ..model.rng import MASK64
 from ..model.stage import StageSlice, TieSet
 
-__all__ = ["ensure_process_group", "resolve_device", "Groups", "build_groups", "tie_params",
+__all__ = ["intended_world", "ensure_process_group", "resolve_device", "Groups", "build_groups", "tie_params",
            "sync_initial_state", "agree_seed_and_run", "broadcast_coalesced"]
 
 _RUN_ID_BYTES = 64
@@ -64,26 +65,58 @@ def _release_before_exit() -> None:
     gc.collect()
 
 
-def ensure_process_group(timeout: float) -> tuple[int, int]:
-    """``(world_size, rank)``: the default process group if one exists; else one created from torchrun-style
-    env vars (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); ``(1, 0)`` for a single process.
+def intended_world() -> tuple[int, int]:
+    """``(world_size, rank)`` this process has or will have once :func:`ensure_process_group` joins: read from the
+    default process group if one exists, else from torchrun-style env vars, without connecting to anyone.
 
-    Also arranges, once per process, for the groups to be released before the interpreter shuts down (see
-    :func:`_release_before_exit`)."""
-    if not _release_registered.is_set():
-        _release_registered.set()
-        atexit.register(_release_before_exit)
+    Lets a rank refuse a configuration that cannot fit the world (a stage-to-rank map for another world size)
+    *before* joining: a rank that raised after joining would close its connections while a peer was still
+    completing the full mesh, and that peer would report a lost connection instead of the real error."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _env_int("WORLD_SIZE", "1")
     if world <= 1:
         return 1, 0
     missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise ConfigError(f"WORLD_SIZE={world} but {', '.join(missing)} not set",
                           hint="launch with torchrun or `varuna launch`, which set them")
+    rank = _env_int("RANK", "0")
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}",
+                          hint="ranks run from 0 to WORLD_SIZE-1; launch with torchrun or `varuna launch`")
+    return world, rank
+
+
+def _env_int(name: str, default: str) -> int:
+    text = os.environ.get(name, default)
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not an integer",
+                          hint="launch with torchrun or `varuna launch`, which set it") from None
+
+
+def ensure_process_group(timeout: float) -> tuple[int, int]:
+    """``(world_size, rank)``: the default process group if one exists; else one created from torchrun-style
+    env vars (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, checked by :func:`intended_world`);
+    ``(1, 0)`` for a single process.
+
+    Also arranges, once per process, for the groups to be released before the interpreter shuts down (see
+    :func:`_release_before_exit`)."""
+    if not _release_registered.is_set():
+        _release_registered.set()
+        atexit.register(_release_before_exit)
+    world, _ = intended_world()
+    if world <= 1 or (dist.is_available() and dist.is_initialized()):
+        return intended_world()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60)))
+    if backend == "gloo":
+        # gloo connects every pair inside init_process_group, and a rank can return from it before its peers have:
+        # one that then raised (bad input found on every rank) and exited would close its side of the mesh, and
+        # the peer still connecting would report "Connection closed by peer" instead of its own, clearer error
+        dist.barrier()
     return dist.get_world_size(), dist.get_rank()
 
 
