@@ -6,7 +6,8 @@ BART, ``...ForConditionalGeneration``) have 3 encoder and 3 decoder blocks and t
 (the reversed first 8, padding at the end of the second example's source). ``batch(name, n, seed)`` gives ``n``
 examples of 12 tokens: GPT-2 predicts every position; Llama a different number per example, normalised by the
 batch's count (``loss_reduction="sum"``); BERT 3 masked positions per example, with padding at the end of the
-second example (so the attention mask is a real tensor).
+second example (so the attention mask is a real tensor). ``PATTERNED``: ModernBERT (masked LM, batches as BERT's)
+and Gemma 3 (causal LM, as GPT-2's), whose layers take one of two attention masks by a layer-type pattern.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 VOCAB, SEQ = 61, 12
 NAMES = ("gpt2", "bert", "llama")
 SEQ2SEQ = ("t5", "bart")
+PATTERNED = ("modernbert", "gemma3")  # layers of two attention types, in a pattern: see [Note: loop-carried]
 TARGET = 8
 
 
@@ -45,6 +47,22 @@ def _build(name: str, dropout: float, n_layer: int) -> torch.nn.Module:
                             decoder_start_token_id=1, forced_eos_token_id=None)
         return tf.BartForConditionalGeneration(cfg)
 
+    if name == "modernbert":  # its default layout at 4 layers: full, sliding, sliding, full (global every 3rd)
+        cfg = tf.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+                                  num_attention_heads=4, global_attn_every_n_layers=3, local_attention=4,
+                                  max_position_embeddings=SEQ, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                  cls_token_id=0, sep_token_id=0, embedding_dropout=dropout,
+                                  attention_dropout=dropout, mlp_dropout=dropout)
+        cfg._attn_implementation = "eager"
+        return tf.ModernBertForMaskedLM(cfg)
+    if name == "gemma3":  # sliding, full, full, sliding: the pattern of Gemma 3's 5:1 layout at 7 layers and more
+        types = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
+        cfg = tf.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layer,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                  layer_types=(types * n_layer)[:n_layer], max_position_embeddings=SEQ,
+                                  pad_token_id=0, bos_token_id=0, eos_token_id=0, attention_dropout=dropout)
+        cfg._attn_implementation = "eager"
+        return tf.Gemma3ForCausalLM(cfg)
     if name == "gpt2":
         cfg = tf.GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
                             bos_token_id=0, eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout,
@@ -71,7 +89,7 @@ def batch(name: str, n: int, seed: int = 0) -> dict:
         if n > 1:
             attention[1, -4:] = 0
         return {"input_ids": ids, "attention_mask": attention, "labels": ids[:, :TARGET].flip(1).clone()}
-    if name == "gpt2":
+    if name in ("gpt2", "gemma3"):
         return {"input_ids": ids, "labels": ids.clone()}
     if name == "llama":
         # positions left out of the loss, a different number per example: the loss is a mean over the batch's

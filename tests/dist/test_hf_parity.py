@@ -102,3 +102,13 @@ def test_encoder_decoder_models_pipelined_equal_one_plain_process(stage_map, wor
              "steps": STEPS} for name, schedule in (("t5", "1f1b"), ("bart", "varuna"))]
     results = run_ranks({"map": stage_map, "timeout": 120, "runs": runs}, world, tmp_path, timeout=300)
     assert_equal_one_process(results, hf_models.SEQ2SEQ, seq2seq_reference)
+
+
+def test_layer_type_patterns_pipelined_equal_one_plain_process(tmp_path) -> None:
+    """ModernBERT (full, sliding, sliding, full attention) and Gemma 3 (sliding, full, full, sliding): each
+    block takes the mask of its type, computed once before the loop; no cut carries a mask (see [Note:
+    loop-carried]), every stage builds its own, and two stages train as one process."""
+    runs = [{"model": f"hf-{name}", "schedule": schedule, "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK,
+             "steps": STEPS} for name, schedule in (("modernbert", "varuna"), ("gemma3", "1f1b"))]
+    results = run_ranks({"map": "0;1", "timeout": 120, "runs": runs}, 2, tmp_path, timeout=300)
+    assert_equal_one_process(results, hf_models.PATTERNED, reference)

@@ -124,3 +124,67 @@ def test_several_stacks_and_sequentials_are_cut_and_side_by_side_heads_are_not(t
     assert vm.structure.num_segments == 4  # the heads' cut is never called: heads run side by side
     loss, _ = vm.step(inputs(4))
     assert loss == pytest.approx(reference(**inputs(4)).item(), rel=1e-6)
+
+
+class _Attention(nn.Module):
+    """A block that attends with the mask it is given (``[s, s]``), as layers of one attention type do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        return x + torch.tanh(self.lin(mask @ x))
+
+
+class Patterned(nn.Module):
+    """Blocks of two attention types in a pattern (as Gemma's and ModernBERT's): each block takes the mask of its
+    type, both computed once before the loop."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        self.layout = layout.split(",")
+        self.emb = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList(_Attention() for _ in self.layout)
+        self.out = nn.Linear(8, 11)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        s = idx.shape[1]
+        masks = {"full": torch.ones(s, s) / s, "sliding": torch.ones(s, s).tril().triu(-1) / 2}
+        for kind, block in zip(self.layout, self.blocks, strict=True):
+            x = block(x, masks[kind])
+        return nn.functional.cross_entropy(self.out(x).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("layout", ["full,sliding,sliding,full", "sliding,full,full,sliding",
+                                    "sliding,full,sliding,full", "sliding,sliding,sliding,full,sliding,sliding,full"])
+def test_a_layer_type_pattern_carries_only_the_hidden_state(tmp_path, monkeypatch, layout) -> None:
+    """Each mask reaches several blocks, so no cut carries one (a mask used by one block only would be carried
+    by its cut: correct, if not the cheapest); the decision does not depend on the probe's size, so discovery
+    agrees with itself at 1 and 2 examples, and a structure from the cache makes the cuts carry the same."""
+    monkeypatch.setenv("VARUNA_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, reference = Patterned(layout), Patterned(layout)
+    reference.load_state_dict(model.state_dict())
+    vm = Varuna(model, "0", inputs(), batch_size=4, chunk_size=2, cutpoints="auto")
+    blocks = len(layout.split(","))
+    assert vm.structure.num_segments == blocks
+    for spec in vm.structure.cuts:
+        assert [leaf.shape for leaf in spec.leaves] == [(1, 5, 8)]  # the hidden state alone
+    assert set(vm.structure.auto_carried.values()) == {(0,)}
+    loss, _ = vm.step(inputs(4))
+    assert loss == pytest.approx(reference(**inputs(4)).item(), rel=1e-6)
+    torch.manual_seed(0)
+    again = Varuna(Patterned(layout), "0", inputs(), batch_size=4, chunk_size=2, cutpoints="auto")  # cached
+    assert again.structure is vm.structure and again.step(inputs(4))[0] == loss
+
+
+def test_a_mask_used_by_one_block_only_crosses_its_cut() -> None:
+    """The one sliding block's mask is first seen at that block and never again: its cut carries it."""
+    from varuna_core.model.autocut import survey_auto_cuts
+
+    model = Patterned("full,full,sliding,full")
+    apply_auto_cutpoints(model)
+    carried = survey_auto_cuts(model, lambda: model(**inputs()))
+    assert carried == {f"{AUTO_ATTRIBUTE}.0": (0,), f"{AUTO_ATTRIBUTE}.1": (0, 1), f"{AUTO_ATTRIBUTE}.2": (0,)}

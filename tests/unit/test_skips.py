@@ -127,16 +127,31 @@ def test_skips_survive_the_structure_cache_and_old_entries_are_ignored(tmp_path)
     assert discovery._cache_get(first.key) is None
 
 
-@pytest.mark.parametrize("text", ['{"format": 2, "key": "k", "skips": [["module"]]}', '{"format": 2}', "[", "null",
-                                  '{"format": 2, "skips": ' + "[" * 5000 + "]" * 5000 + "}", "\x00" * 64])
+@pytest.mark.parametrize("text", ['{"format": F, "key": "k", "skips": [["module"]]}', '{"format": F}', "[", "null",
+                                  '{"format": F, "skips": ' + "[" * 5000 + "]" * 5000 + "}", "\x00" * 64])
 def test_a_damaged_cache_entry_is_a_miss(text) -> None:
     model = models.UNetLM()
     key = discovery.structure_key(model, models.batch(1), models.batch(2), {"idx": 0, "targets": 0})
     discovery.cache_dir().mkdir(parents=True, exist_ok=True)
-    (discovery.cache_dir() / f"{key}.json").write_text(text)
+    (discovery.cache_dir() / f"{key}.json").write_text(text.replace("F", str(discovery.FORMAT_VERSION)))
     discovery._MEMO.clear()
     assert discovery._cache_get(key) is None
     assert _structure(model).skips  # discovered again
+
+
+@pytest.mark.parametrize("carried", [{"_varuna_auto_cuts.0": ["0"]}, {"_varuna_auto_cuts.0": [-1]},
+                                     {"_varuna_auto_cuts.0": [2**40]}, {"_varuna_auto_cuts.0": "0"},
+                                     {"_varuna_auto_cuts.0": [True]}, {"_varuna_auto_cuts.0": None}, [], "x"])
+def test_a_cache_entry_with_damaged_auto_cut_places_is_a_miss(carried) -> None:
+    model = models.UNetLM()
+    discovery._MEMO.clear()
+    first = _structure(model)
+    path = discovery.cache_dir() / f"{first.key}.json"
+    data = json.loads(path.read_text())
+    data["auto_carried"] = carried
+    path.write_text(json.dumps(data))
+    discovery._MEMO.clear()
+    assert discovery._cache_get(first.key) is None
 
 
 

@@ -9,7 +9,8 @@ of repeated blocks (vision models, hand-written stacks), and encoder–decoders 
 most parameters, a block that carries nothing from the block before it (heads run side by side) gets no cut.
 
 What crosses such a cut is what the loop carries from one block to the next: the arguments of the block that
-are not the very objects the previous block was called with (the hidden state). The loop-invariant ones
+are not the very objects an earlier block was called with in the same place (the hidden state; see [Note:
+loop-carried]). The loop-invariant ones
 (attention mask, rotary tables, position ids, a key/value cache object) were computed once before the loop
 from the model's inputs, which every stage has: each stage computes its own. For that, a stage runs the code
 before its incoming cut on real NaN-filled placeholders rather than ``meta`` ones (the prologue of these
@@ -24,6 +25,8 @@ sees one object used in two segments.
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeGuard
 
 import torch
@@ -33,12 +36,14 @@ import torch.utils._pytree as pytree
 from ..errors import CutPointError
 from .cutpoint import CutPoint
 
-__all__ = ["apply_auto_cutpoints", "block_stacks", "longest_module_list", "AUTO_ATTRIBUTE"]
+__all__ = ["apply_auto_cutpoints", "block_stacks", "longest_module_list", "survey_auto_cuts", "follow_auto_cuts",
+           "AUTO_ATTRIBUTE"]
 
 log = logging.getLogger(__name__)
 
 AUTO_ATTRIBUTE = "_varuna_auto_cuts"
 _AUTO_BLOCKS = "_varuna_auto_blocks"  # the names of the blocks a cut precedes
+_AUTO_LOOPS = "_varuna_auto_loops"  # per stack: its _LoopState and the names of its cuts, in call order
 
 Stack = nn.ModuleList | nn.Sequential
 
@@ -92,13 +97,75 @@ def _is_stack(module: nn.Module) -> TypeGuard[Stack]:
 
 
 class _LoopState:
-    """The flattened arguments of the previous block call of this forward (to tell loop-carried values from
-    loop-invariant ones). ``strict``: a block that carries nothing from the one before is an error (the stack
-    with the most parameters); otherwise its cut is left out (entries that do not run one after another)."""
+    """Which arguments of each block the loop carries from the block before it, for one stack.
+
+    ``strict``: a block that carries nothing from the one before is an error (the stack with the most
+    parameters); otherwise its cut is left out (entries that do not run one after another, heads side by side).
+
+    [Note: loop-carried] A tensor argument is *loop-invariant* when another block of the same forward is given
+    the very same object in the same place: a mask, rotary table or position ids computed once before the loop,
+    which every stage computes for itself. Anything else is *carried*: what the previous block produced (the
+    hidden state). Comparing with the previous block only is not enough: layers of several types (full and
+    sliding attention, as Gemma's and ModernBERT's) take one of several masks by type, so a sliding layer after a
+    full one would count its mask (``[b, 1, s, s]``) as carried, and send it, and the next sliding layer would
+    not. And comparing with the earlier blocks only still sends a mask where it is first used. So the decision
+    is made once, over a whole forward (:func:`survey_auto_cuts`, from discovery): per block call, the places
+    whose object no other call gets. Until then (a forward before discovery), an argument counts as invariant
+    when an earlier call got it in the same place. Both compare the arguments as the blocks were called, before
+    a cut replaced them with received values, and hold weak references only (a no-grad forward must not keep
+    every hidden state alive)."""
 
     def __init__(self, strict: bool = True) -> None:
-        self.previous: list[Any] | None = None
         self.strict = strict
+        self.frozen: dict[int, tuple[int, ...]] | None = None  # per call index: the carried places
+        self.count: int | None = None  # leaves per call (None before the first block of a forward)
+        self.index = 0  # the call index of the current block within this forward
+        self._seen: list[dict[int, tuple[weakref.ref, list[int]]]] = []  # per place: tensor -> (ref, its calls)
+        self._history: list[list[list[int] | None]] = []  # per call, per place: the calls that got its tensor
+
+    def start(self, leaves: list[Any]) -> None:
+        """The stack's first block is called: a new forward."""
+        self.count, self.index = len(leaves), 0
+        self._seen = [{} for _ in leaves]
+        self._history = []
+        self._record(leaves)
+
+    def carried(self, leaves: list[Any]) -> list[int] | None:
+        """The places of ``leaves`` that the current block's cut carries (see [Note: loop-carried]); ``None`` if
+        this call's arguments do not line up with the other calls' (another number of leaves, no first call)."""
+        if self.count is None or len(leaves) != self.count:
+            return None
+        self.index += 1
+        if self.frozen is not None:
+            places = self.frozen.get(self.index)
+            return None if places is None else list(places)
+        carried = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and self._first_time(i, x)]
+        self._record(leaves)
+        return carried
+
+    def decide(self) -> dict[int, tuple[int, ...]]:
+        """After a whole forward: per call index ≥ 1, the tensor places whose object no other call got."""
+        return {k: tuple(place for place, calls in enumerate(row) if calls is not None and len(calls) == 1)
+                for k, row in enumerate(self._history) if k >= 1}
+
+    def _first_time(self, i: int, x: torch.Tensor) -> bool:
+        """Whether no earlier call got ``x`` at place ``i``."""
+        entry = self._seen[i].get(id(x))
+        return entry is None or entry[0]() is not x  # an id may be reused by a new tensor once the old one is freed
+
+    def _record(self, leaves: list[Any]) -> None:
+        row: list[list[int] | None] = []
+        for i, x in enumerate(leaves):
+            if not isinstance(x, torch.Tensor):
+                row.append(None)
+                continue
+            entry = self._seen[i].get(id(x))
+            if entry is None or entry[0]() is not x:
+                entry = (weakref.ref(x), [])
+                self._seen[i][id(x)] = entry
+            entry[1].append(self.index)
+            row.append(entry[1])
+        self._history.append(row)
 
 
 def apply_auto_cutpoints(model: nn.Module) -> list[str]:
@@ -125,37 +192,64 @@ def apply_auto_cutpoints(model: nn.Module) -> list[str]:
     cut_points = [CutPoint() for _, blocks in stacks for _ in range(len(blocks) - 1)]
     model.add_module(AUTO_ATTRIBUTE, nn.ModuleList(cut_points))
     names: list[str] = []
-    next_cut = iter(cut_points)
+    loops: list[tuple[_LoopState, list[str]]] = []
+    first_cut = 0
     for name, blocks in stacks:
         state = _LoopState(strict=blocks is main)
+        cut_indices = range(first_cut, first_cut + len(blocks) - 1)
+        first_cut += len(blocks) - 1
+        loops.append((state, [f"{AUTO_ATTRIBUTE}.{j}" for j in cut_indices]))
 
         def first_block(module, args, kwargs, state=state):
-            state.previous = pytree.tree_leaves((args, kwargs))
+            state.start(pytree.tree_leaves((args, kwargs)))
 
         blocks[0].register_forward_pre_hook(first_block, with_kwargs=True)
-        for block in list(blocks)[1:]:
-            block.register_forward_pre_hook(_crossing(next(next_cut), state), with_kwargs=True)
+        for block, j in zip(list(blocks)[1:], cut_indices, strict=True):
+            block.register_forward_pre_hook(_crossing(cut_points[j], state), with_kwargs=True)
         prefix = f"{name}." if name else ""
         names += [f"{prefix}{i}" for i in range(1, len(blocks))]
     object.__setattr__(model, _AUTO_BLOCKS, tuple(names))
+    object.__setattr__(model, _AUTO_LOOPS, tuple(loops))
     log.info("cutpoints='auto': %d cuts in front of the blocks of %s", len(cut_points),
              ", ".join(f"{name or 'the model'} ({len(blocks)} blocks)" for name, blocks in stacks))
     return names
 
 
+def survey_auto_cuts(model: nn.Module, run: Callable[[], object]) -> dict[str, tuple[int, ...]]:
+    """Decide, over one whole forward (``run()``, a dry run), what each automatic cut carries (see [Note:
+    loop-carried]), and keep to it from now on. Returns per cut name the places of its block's arguments it
+    carries (flattened as ``pytree.tree_leaves((args, kwargs))``), for :func:`follow_auto_cuts` to apply to the
+    same model elsewhere (discovery keeps it in its cached structure). ``{}`` for a model without auto cuts."""
+    loops = getattr(model, _AUTO_LOOPS, ())
+    if not loops:
+        return {}
+    for state, _ in loops:
+        state.frozen, state.count = None, None
+    run()
+    carried: dict[str, tuple[int, ...]] = {}
+    for state, cut_names in loops:
+        for k, places in state.decide().items():
+            if k - 1 < len(cut_names):
+                carried[cut_names[k - 1]] = places
+    follow_auto_cuts(model, carried)
+    return carried
+
+
+def follow_auto_cuts(model: nn.Module, carried: Mapping[str, Sequence[int]]) -> None:
+    """Make the automatic cuts carry the places ``carried`` gives (from :func:`survey_auto_cuts`)."""
+    for state, cut_names in getattr(model, _AUTO_LOOPS, ()):
+        state.frozen = {k: tuple(carried[name]) for k, name in enumerate(cut_names, start=1) if name in carried}
+
+
 def _crossing(cut: CutPoint, state: _LoopState):
     def pre_hook(module, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        previous, state.previous = state.previous, leaves
-        carries = previous is not None and len(previous) == len(leaves) and any(
-            isinstance(x, torch.Tensor) and x is not y for x, y in zip(leaves, previous, strict=True))
-        if not carries and not state.strict:
+        carried = state.carried(leaves)
+        if not carried and not state.strict:
             return None  # not a chain of blocks: no cut here (discovery lists the cut as never called)
-        if previous is None or len(previous) != len(leaves):
+        if carried is None:
             raise CutPointError(f"cutpoints='auto': block {type(module).__name__} is called with other arguments "
                                 f"than the block before it", hint="insert CutPoint() calls by hand")
-        carried = [i for i, (x, y) in enumerate(zip(leaves, previous, strict=True))
-                   if isinstance(x, torch.Tensor) and x is not y]
         if not carried:
             raise CutPointError(f"cutpoints='auto': block {type(module).__name__} receives nothing from the block "
                                 f"before it", hint="insert CutPoint() calls by hand")

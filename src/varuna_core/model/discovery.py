@@ -39,6 +39,7 @@ from ..env import CACHE_DIR
 from ..errors import ConfigError, CutPointError
 from ..util.heap import release_free_memory
 from ..util.usercode import accepts, plain_signature
+from .autocut import follow_auto_cuts, survey_auto_cuts
 from .cutpoint import CutPoint, find_cutpoints
 from .lazy_values import ValueSource, on_touch, reads_values
 from .payload import CONST_TYPES, ProbeMismatch, TensorSpec, ValueSpec, spec_from_probes
@@ -50,7 +51,7 @@ __all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "e
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int], dict]
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 @dataclasses.dataclass(frozen=True)
 class ModuleCall:
@@ -75,6 +76,8 @@ class Structure:
         buffer_uses: per buffer slot name, the segments that touch its values.
         skips: tensors read in a later segment than the one computing them, besides what the cuts carry
             (see [Note: skip routing]).
+        auto_carried: per automatic cut (``cutpoints="auto"``), the places of its block's flattened arguments
+            it carries (see [Note: loop-carried] in :mod:`~varuna_core.model.autocut`).
     """
 
     key: str
@@ -85,6 +88,7 @@ class Structure:
     param_uses: dict[str, tuple[int, ...]]
     buffer_uses: dict[str, tuple[int, ...]]
     skips: tuple[Skip, ...] = ()
+    auto_carried: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_segments(self) -> int:
@@ -115,6 +119,7 @@ class Structure:
             "param_uses": {k: list(v) for k, v in self.param_uses.items()},
             "buffer_uses": {k: list(v) for k, v in self.buffer_uses.items()},
             "skips": [s.to_json() for s in self.skips],
+            "auto_carried": {k: list(v) for k, v in self.auto_carried.items()},
         }
 
     @classmethod
@@ -133,7 +138,15 @@ class Structure:
             param_uses={k: tuple(v) for k, v in data["param_uses"].items()},
             buffer_uses={k: tuple(v) for k, v in data["buffer_uses"].items()},
             skips=tuple(Skip.from_json(s) for s in data["skips"]),
+            auto_carried={str(k): _places(v) for k, v in data["auto_carried"].items()},
         )
+
+
+def _places(value: Any) -> tuple[int, ...]:
+    """Leaf places read from the cache: a list of non-negative integers (anything else is a corrupt entry)."""
+    if not isinstance(value, list) or not all(type(i) is int and 0 <= i < 2**31 for i in value):
+        raise ValueError("corrupt auto_carried entry")
+    return tuple(value)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -425,6 +438,7 @@ def discover(
     if use_cache:
         cached = _cache_get(key)
         if cached is not None:
+            follow_auto_cuts(model, cached.auto_carried)
             return cached
 
     slots = _slots(model)
@@ -434,6 +448,7 @@ def discover(
     elif values is not None and values.weights is not None:
         values = dataclasses.replace(values, weights=None)  # initial values show it too, without reading the file
     with on_touch(model, values):
+        auto_carried = survey_auto_cuts(model, lambda: _run(model, cuts, inputs_1, None, precision))
         rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
         rec_2, _ = _run(model, cuts, inputs_2, None, precision)
     _check_loss(out_1)
@@ -453,6 +468,7 @@ def discover(
         param_uses=param_uses,
         buffer_uses=buffer_uses,
         skips=skips,
+        auto_carried=auto_carried,
     )
     if use_cache:
         _cache_put(structure)
