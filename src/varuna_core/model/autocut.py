@@ -19,6 +19,19 @@ cut if an invariant depended on another stage's values after all.
 
 Tied weights (the embedding and the output head sharing one ``Parameter``) need no declaration: discovery
 sees one object used in two segments.
+
+A model without a stack may reuse one module's weights across depth (ALBERT calls its one layer group once per
+layer; a Universal Transformer its block): :func:`repeated_module` watches one dry forward (discovery's
+:func:`~varuna_core.model.discovery.dry_forward`: no gradients, forked RNG, buffers and train/eval flags left as
+they were) for the outermost module holding parameters that it calls the most times, at least twice, one call
+after another. A cut goes in front of every call but the first, through a pre-hook on the module that counts its
+calls within one forward (a pre-hook on the model starts the count) and decides what crosses as between the
+blocks of a stack (:func:`_crossing`). The module's parameters are then read in every segment: discovery makes
+them one weight tied over the stages that call it, each stage runs its own calls and stands in for the others'
+(:class:`~varuna_core.model.stage.StageSlice` stubs per call), and the copies' gradients are summed after the
+pipeline. A forward that calls the module more often than there are cuts is a :class:`CutPointError`.
+
+On one stage no cut is needed: a model with neither (``stages=1``) gets none and trains as one segment.
 """
 
 from __future__ import annotations
