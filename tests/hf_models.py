@@ -1,7 +1,9 @@
 """Tiny Hugging Face models built from configs (no downloads) and their batches, for the auto-cut tests.
 
 Each ``build(name, dropout)`` returns a 4-block model with its own loss (``labels`` in the batch); GPT-2 and
-BERT tie their output head to the input embedding, Llama does not. The encoder–decoders (``SEQ2SEQ``: T5 and
+BERT tie their output head to the input embedding, Llama does not. ALBERT (``n_layer`` layers, 6 by default) calls
+its one layer group at every depth (no block stack: ``cutpoints="auto"`` cuts between the group's calls) and ties
+its head to the embedding. The encoder–decoders (``SEQ2SEQ``: T5 and
 BART, ``...ForConditionalGeneration``) have 3 encoder and 3 decoder blocks and translate 12 tokens into 8
 (the reversed first 8, padding at the end of the second example's source). ``batch(name, n, seed)`` gives ``n``
 examples of 12 tokens: GPT-2 predicts every position; Llama a different number per example, normalised by the
@@ -16,12 +18,14 @@ import torch
 
 VOCAB, SEQ = 61, 12
 NAMES = ("gpt2", "bert", "llama")
+ALBERT_TIES = (("albert.embeddings.word_embeddings.weight", "predictions.decoder.weight"),)
+ALBERT_REUSED = "albert.encoder.albert_layer_groups.0"  # its one layer group, called at every depth
 SEQ2SEQ = ("t5", "bart")
 PATTERNED = ("modernbert", "gemma3")  # layers of two attention types, in a pattern: see [Note: loop-carried]
 TARGET = 8
 
 
-def build(name: str, dropout: float = 0.0, n_layer: int = 4, auto: bool = False) -> torch.nn.Module:
+def build(name: str, dropout: float = 0.0, n_layer: int | None = None, auto: bool = False) -> torch.nn.Module:
     """The model ``name``; ``auto``: with ``cutpoints="auto"``'s cuts applied (as ``Varuna`` applies them)."""
     model = _build(name, dropout, n_layer)
     if auto:
@@ -31,9 +35,16 @@ def build(name: str, dropout: float = 0.0, n_layer: int = 4, auto: bool = False)
     return model
 
 
-def _build(name: str, dropout: float, n_layer: int) -> torch.nn.Module:
+def _build(name: str, dropout: float, n_layer: int | None) -> torch.nn.Module:
     import transformers as tf
 
+    if name == "albert":
+        cfg = tf.AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_attention_heads=4,
+                              intermediate_size=64, num_hidden_layers=n_layer or 6, num_hidden_groups=1,
+                              max_position_embeddings=SEQ, pad_token_id=0, hidden_dropout_prob=dropout,
+                              attention_probs_dropout_prob=dropout, classifier_dropout_prob=dropout)
+        return tf.AlbertForMaskedLM(cfg)
+    n_layer = n_layer or 4
     if name == "t5":
         cfg = tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=3,
                           num_heads=4, relative_attention_num_buckets=8, dropout_rate=dropout,
@@ -97,7 +108,7 @@ def batch(name: str, n: int, seed: int = 0) -> dict:
         labels = ids.clone()
         labels[torch.rand(n, SEQ, generator=g) < 0.3] = -100
         return {"input_ids": ids, "labels": labels, "num_items_in_batch": int((labels[:, 1:] != -100).sum())}
-    # BERT's masked-LM loss is a plain mean over the micro-batch's predicted positions, so every example
+    # BERT's (and ALBERT's) masked-LM loss is a plain mean over the micro-batch's predicted positions, so every example
     # predicts the same number of them (3) and the mean over positions is a mean over examples
     attention = torch.ones_like(ids)
     if n > 1:

@@ -107,6 +107,35 @@ class SequentialLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+class ReusedBlockLM(nn.Module):
+    """One block's weights at every depth (Universal-Transformer style, as ALBERT shares its layer): ``block`` is
+    called ``n_layer`` times per forward, each call on what the previous returned; no CutPoint and no block stack,
+    so ``cutpoints="auto"`` cuts in front of every call but the first (``n_layer`` segments) and the block's weights
+    are tied over the stages. A tied head and a buffer, as ``ToyLM``."""
+
+    AUTO_CUTS = True
+    REUSED = "block"
+
+    def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.depth = n_layer
+        self.emb = nn.Embedding(VOCAB, hidden)
+        self.wpe = nn.Embedding(SEQ, hidden)
+        self.block = Block(hidden, dropout)
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("logit_scale", torch.linspace(0.5, 1.5, VOCAB))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = (self.emb(idx) + self.wpe(positions)).transpose(0, 1)  # [s, b, h]
+        for _ in range(self.depth):
+            x = self.block(x)
+        logits = self.head(self.ln_f(x)).transpose(0, 1) * self.logit_scale
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
 class SkipAcrossCut(ToyLM):
     """The embedding output (plus the root-level ``pos``) skips over every cut straight into the head."""
 

@@ -21,7 +21,14 @@ a defect.
 
 Exactness holds when every sum of the pipeline has at most two non-zero terms per element (two copies of a tied
 weight, two replicas): ``a + b == b + a`` in IEEE arithmetic, whatever order the collective uses. With more terms
-the collective's own order would have to be mirrored; such tests state their tolerance and why.
+the collective's own order has to be mirrored: the copies of a tied weight are added in the order of gloo's ring
+all-reduce (:func:`ring_sum`); replicas are added in one order, so tests with more than two replicas state their
+tolerance and why.
+
+A module that the forward calls at several depths (one layer's weights reused, as ALBERT's) is a tied weight too:
+each stage calling it holds a copy, autograd adds the uses of the stage's calls within its backward, and the
+copies are summed after the pipeline. ``reused`` names such a module and ``Layout.calls`` the stage of each of its
+calls; the reference gives every stage its own copy of the module's parameters, used by that stage's calls.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-__all__ = ["Layout", "train_reference", "replica_shares", "untie"]
+__all__ = ["Layout", "train_reference", "replica_shares", "untie", "ring_sum"]
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -48,6 +55,7 @@ class Layout:
     chunk: int
     dp: int = 1
     pp: int = 1
+    calls: tuple[int, ...] = ()  # the stage of each call of train_reference's ``reused`` module in one forward
 
 
 def replica_shares(batch: int, dp: int) -> list[int]:
@@ -80,9 +88,89 @@ def untie(model: nn.Module, ties: Sequence[Sequence[str]]) -> list[list[nn.Param
     return copies
 
 
+class _CallCopies:
+    """One copy of a module's parameters per stage that calls it: a pre-hook on the module puts in the copy of the
+    stage of its current call (``calls``, set per step), counted from the start of each forward of the model. The
+    copies are registered under the model (so ``parameters()`` lists them) until :meth:`close`."""
+
+    HOLDER = "_reference_copies"
+
+    def __init__(self, model: nn.Module, name: str, stages: int) -> None:
+        module = model.get_submodule(name)
+        self.slots = [(owner, attr) for owner in module.modules() for attr, p in owner._parameters.items()
+                      if p is not None]
+        first = [owner._parameters[attr] for owner, attr in self.slots]
+        self.copies = [first] + [[nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in first]
+                                 for _ in range(stages - 1)]
+        self.model = model
+        model.add_module(self.HOLDER, nn.ParameterList([p for copy in self.copies[1:] for p in copy]))
+        self.calls: tuple[int, ...] = ()
+        self.count = 0
+        self.handles = [model.register_forward_pre_hook(self._start), module.register_forward_pre_hook(self._call)]
+
+    def groups(self) -> list[list[nn.Parameter]]:
+        """Each parameter's copies in stage order, as :func:`untie` returns a tie's."""
+        return [[copy[i] for copy in self.copies] for i in range(len(self.slots))]
+
+    def _start(self, model, args) -> None:
+        self.count = 0
+
+    def _call(self, module, args) -> None:
+        stage = self.calls[self.count] if self.calls else 0
+        self.count += 1
+        for (owner, attr), p in zip(self.slots, self.copies[stage], strict=True):
+            owner._parameters[attr] = p
+
+    def close(self) -> None:
+        """The plain model again: its own names, holding the first copy (the copies are equal after every step)."""
+        for handle in self.handles:
+            handle.remove()
+        for (owner, attr), p in zip(self.slots, self.copies[0], strict=True):
+            owner._parameters[attr] = p
+        if hasattr(self.model, self.HOLDER):
+            delattr(self.model, self.HOLDER)
+
+
 def _narrow(inputs: dict, dims: dict, start: int, n: int) -> dict:
     return {k: v.narrow(dims.get(k, 0), start, n) if isinstance(v, torch.Tensor) and dims.get(k, 0) is not None
             else v for k, v in inputs.items()}
+
+
+def ring_sum(terms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum gloo's ring all-reduce computes over ``terms`` (one per rank of the group, in rank order), in its
+    order: the tensor is split into ``2k`` segments for ``k`` ranks (gloo's minimum; its maximum segment size splits
+    only tensors far larger than these tests'), rank ``a`` owns segments ``2a`` and ``2a + 1``, and each segment
+    travels the ring down from rank ``a - 1``, every rank adding its own term to what it received, so rank ``a``'s
+    term is added last: ``x[a] + (x[a-2] + x[a-1])`` for three ranks. Checked against ``dist.all_reduce`` on gloo
+    for 3 and 4 ranks and tensors of 1 to 3 million elements."""
+    k = len(terms)
+    if k == 1:
+        return terms[0].clone()
+    flat = [t.reshape(-1) for t in terms]
+    n, size = flat[0].numel(), flat[0].element_size()
+    segments = 2 * k
+    segment_bytes = _ceil_div(_ceil_div(n * size, segments), size) * size  # whole elements
+    owner = torch.arange(n) * size // segment_bytes // (segments // k)
+    out = torch.empty_like(flat[0])
+    for a in range(k):
+        mine = owner == a
+        value = flat[(a - 1) % k][mine]
+        for d in range(2, k + 1):
+            value = flat[(a - d) % k][mine] + value
+        out[mine] = value
+    return out.reshape(terms[0].shape)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _loss_of(output) -> torch.Tensor:
+    """The loss in a model's output: the output itself, its ``loss`` (a Hugging Face output), or its first entry."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else output[0]
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -96,12 +184,14 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
                     steps: int, batch_at: Callable[[int], dict], layout: Layout | Sequence[Layout], *,
                     ties: Sequence[Sequence[str]] = (), precision: str = "fp32", loss_scale: float | None = None,
                     loss_reduction: str = "mean", batch_dims: dict | None = None, clip: float | None = None,
-                    norms: list[float] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    norms: list[float] | None = None, reused: str | None = None,
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Train ``model`` for ``steps`` steps of ``batch_at(step)`` (a global batch, a dict of tensors) as a pipeline
     with ``layout`` adds (one layout, or one per step: a run resumed under another layout). ``ties`` names the
     model's tied weights (``("emb.weight", "head.weight")``). Returns the losses (float64 ``[steps]``, each the
     global batch's loss as the pipeline reports it) and the final parameters under every name the plain model
-    has (tied names included).
+    has (tied names included). ``reused``: a module the forward calls at several depths, whose calls each
+    layout places on stages (``Layout.calls``; see the module's docstring).
 
     ``precision`` ``bf16``/``fp16`` runs each forward under ``torch.autocast`` on the CPU; fp16 multiplies each
     micro-batch's weighted loss by ``loss_scale`` and unscales the summed gradients with torch's AMP kernel, as
@@ -118,18 +208,28 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every worker runs: a kernel may split a reduction by thread count
     try:
-        return _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale, loss_reduction,
-                      batch_dims or {}, clip, norms if norms is not None else [])
+        call_copies = None
+        if reused is not None:
+            call_copies = _CallCopies(model, reused, max(max(layout.calls, default=0) for layout in layouts) + 1)
+        try:
+            return _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale, loss_reduction,
+                          batch_dims or {}, clip, norms if norms is not None else [], call_copies)
+        finally:
+            if call_copies is not None:
+                call_copies.close()
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale, loss_reduction, dims, clip, norms):
-    copies = untie(model, ties)
+def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale, loss_reduction, dims, clip, norms,
+           call_copies):
+    copies = untie(model, ties) + (call_copies.groups() if call_copies is not None else [])
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params)
     losses = []
     for step, layout in enumerate(layouts):
+        if call_copies is not None:
+            call_copies.calls = layout.calls
         full = batch_at(step)
         replica_grads, replica_losses, start = [], [], 0
         for share in replica_shares(layout.batch, layout.dp):
@@ -139,7 +239,7 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
                 weight = n / layout.batch if loss_reduction == "mean" else 1.0
                 with (torch.autocast("cpu", dtype=_AUTOCAST[precision]) if precision in _AUTOCAST
                       else contextlib.nullcontext()):
-                    loss = model(**_narrow(full, dims, start, n))
+                    loss = _loss_of(model(**_narrow(full, dims, start, n)))
                 start += n
                 loss_sum += loss.detach().reshape(()).double() * weight
                 root = loss.float() * weight
@@ -159,9 +259,8 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
             if layout.pp > 1:  # the tie all-reduce after the pipeline: every copy gets the copies' sum
                 index = {id(p): i for i, p in enumerate(params)}
                 for group in copies:
-                    total = None
-                    for p in group:
-                        total = _add(total, acc[index[id(p)]])
+                    held = [acc[index[id(p)]] for p in group if acc[index[id(p)]] is not None]
+                    total = ring_sum(held) if held else None
                     for p in group:
                         acc[index[id(p)]] = total
             replica_grads.append(acc)
@@ -192,5 +291,7 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
         for p in group[1:]:
             if not torch.equal(p, group[0]):
                 raise AssertionError("the copies of a tied weight diverged in the reference")
+    if call_copies is not None:
+        call_copies.close()
     params_out = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     return torch.tensor(losses, dtype=torch.float64), params_out

@@ -27,7 +27,7 @@ from .env import WorkerEnv
 from .errors import ConfigError
 from .ir.partition import Partition
 from .ir.topology import Topology
-from .model.discovery import Structure, discover, make_batch_fn
+from .model.discovery import Structure, discover, dry_forward, make_batch_fn
 from .model.lazy_values import ValueSource
 from .model.precision import LossScaler
 from .model.stage import StageSlice, TieSet, find_tie_sets, weight_groups
@@ -123,8 +123,11 @@ class Varuna(nn.Module):
             ``None``.
         trace: a directory (default: ``VARUNA_TRACE``) to write a Chrome trace of step ``trace_step``'s actions
             to, one ``trace_rank<R>.json`` per rank (open in Perfetto, or `varuna plan show --measured`).
-        cutpoints: ``"auto"`` for a model without ``CutPoint``s: a cut in front of every block of its longest
-            ``nn.ModuleList`` (see :mod:`varuna_core.model.autocut`); Hugging Face models need no edits.
+        cutpoints: ``"auto"`` for a model without ``CutPoint``s: a cut in front of every block of its block
+            stacks (its longest ``nn.ModuleList``...), or, without one, in front of every call of the module its
+            forward calls repeatedly (one layer's weights at every depth, as ALBERT's; tied over the stages); on one
+            stage a model with neither trains whole (see :mod:`varuna_core.model.autocut`). Hugging Face models
+            need no edits.
         loss_reduction: ``"mean"``: the model's loss is the mean over the micro-batch's examples, and the library
             weights each micro-batch by its share of the global batch. ``"sum"``: the loss is already the
             micro-batch's share of the global loss (e.g. a sum over tokens divided by the global number of
@@ -170,10 +173,6 @@ class Varuna(nn.Module):
             timeout=timeout, bucket_mb=bucket_mb, precision=precision, seed=seed,
             plan=plan if plan is not None else told.plan, trace=trace, trace_step=trace_step, cutpoints=cutpoints,
             loss_reduction=loss_reduction)
-        if config.cutpoints == "auto":
-            from .model.autocut import apply_auto_cutpoints
-
-            apply_auto_cutpoints(model)
         self.loss_reduction, self.precision, self.plan = config.loss_reduction, config.precision, config.plan
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
@@ -181,8 +180,14 @@ class Varuna(nn.Module):
         self.weight_groups = weight_groups(model, list(shared_weights or []))  # ties; checkpoint names: any layout
         values = value_source(model, self.weight_groups, self.seed, init, weights)
         batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
+        if config.cutpoints == "auto":
+            from .model.autocut import apply_auto_cutpoints
+
+            apply_auto_cutpoints(model, dry_forward(model, batch_fn, precision=self.precision, values=values),
+                                 stages=self.pp)
         self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache,
-                                             precision=self.precision, values=values)
+                                             precision=self.precision, values=values,
+                                             require_cuts=config.cutpoints != "auto")
         release_free_memory()  # the dry runs' values and activations, before the stage is allocated
         check_structure(self.structure, self.plan, self.pp)
         self.partition = choose_partition(config.partition, model, self.structure, self.pp)

@@ -3,7 +3,7 @@ and saves losses, gradient norms, loss scales and final parameters. Errors are w
 as ``Type: message``.
 
 Run options (all optional except schedule/optimizer/batch/chunk): model (a class in tests.models, "GPT" for the
-example, or "hf-gpt2", "hf-bert", "hf-llama" from tests.hf_models with cutpoints="auto"), n_layer, dropout, steps, partition, validate, precision, clip, declare_shared, bad_seq,
+example, or "hf-gpt2", "hf-bert", "hf-llama", "hf-albert" from tests.hf_models with cutpoints="auto"), n_layer, dropout, steps, partition, validate, precision, clip, declare_shared, bad_seq,
 stall_rank/stall_seconds, inject_inf {rank, step}, die {rank, step}, evaluate (batch size of an evaluation),
 unseeded (no torch.manual_seed and no seed= for Varuna), varuna_seed, fail_copy {rank} (that rank's background
 checkpoint copy fails with ENOSPC), meta (build under meta_init: each rank allocates and initialises its stage),
@@ -59,7 +59,7 @@ def build_model(run: dict):
         from tests import hf_models
 
         name = run["model"][3:]
-        model = hf_models.build(name, dropout=run.get("dropout", 0.0))
+        model = hf_models.build(name, dropout=run.get("dropout", 0.0), n_layer=run.get("n_layer"))
         make_batch = lambda n, seed: hf_models.batch(name, n, seed)  # noqa: E731
         return model, None, make_batch, "auto", "sum" if name == "llama" else "mean", None
     model_cls = getattr(models, run.get("model", "ToyLM"))
@@ -157,6 +157,7 @@ def run_one(run: dict, spec: dict) -> dict:
         "overflows": torch.tensor(overflows),
         "scales": torch.tensor(scales, dtype=torch.float64),
         "params": {n: p.detach().clone() for n, p in vm.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in vm.named_buffers()},
         "held_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta"),
         "stage_bytes": vm.parameter_bytes(), "full_bytes": full_bytes,
         "stage": vm.stage, "replica": vm.replica, "schedule": vm.schedule_name, "chunk": vm.chunk_size,

@@ -9,7 +9,16 @@ import torch.nn as nn
 from tests import models
 from varuna_core import CutPoint, ModelSpec, Varuna
 from varuna_core.errors import ConfigError, CutPointError
-from varuna_core.model.autocut import AUTO_ATTRIBUTE, apply_auto_cutpoints, block_stacks, longest_module_list
+from varuna_core.ir.partition import Partition
+from varuna_core.model.autocut import (
+    AUTO_ATTRIBUTE,
+    apply_auto_cutpoints,
+    block_stacks,
+    longest_module_list,
+    repeated_module,
+)
+from varuna_core.model.discovery import discover, dry_forward, make_batch_fn
+from varuna_core.model.stage import find_tie_sets, weight_groups
 
 
 class Plain(nn.Module):
@@ -188,3 +197,137 @@ def test_a_mask_used_by_one_block_only_crosses_its_cut() -> None:
     apply_auto_cutpoints(model)
     carried = survey_auto_cuts(model, lambda: model(**inputs()))
     assert carried == {f"{AUTO_ATTRIBUTE}.0": (0,), f"{AUTO_ATTRIBUTE}.1": (0, 1), f"{AUTO_ATTRIBUTE}.2": (0,)}
+
+
+class Whole(nn.Module):
+    """Neither a block stack nor a module called twice: nothing to cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 11))
+
+    def forward(self, idx, targets):
+        return nn.functional.cross_entropy(self.mlp(self.emb(idx)).flatten(0, 1), targets.flatten())
+
+
+def test_one_stage_trains_a_model_with_nothing_to_cut_whole(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VARUNA_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, reference = Whole(), Whole()
+    reference.load_state_dict(model.state_dict())
+    vm = Varuna(model, "0", inputs(), batch_size=4, chunk_size=4, cutpoints="auto")
+    assert vm.structure.num_segments == 1 and not hasattr(model, AUTO_ATTRIBUTE)
+    loss, _ = vm.step(inputs(4))
+    want = reference(**inputs(4))
+    want.backward()
+    assert loss == want.item()
+    for name, param in vm.named_parameters():
+        assert torch.equal(param.grad, reference.get_parameter(name).grad), name
+
+
+def test_more_than_one_stage_needs_a_stack_or_a_module_called_repeatedly() -> None:
+    model = Whole()
+    with pytest.raises(CutPointError, match="nor a module with parameters that its forward calls at least twice"):
+        apply_auto_cutpoints(model, dry_forward(model, inputs), stages=2)
+    assert apply_auto_cutpoints(model, dry_forward(model, inputs), stages=1) == []
+
+
+def test_a_module_called_at_every_depth_gets_a_cut_before_every_call_but_the_first(tmp_path, monkeypatch) -> None:
+    """ReusedBlockLM calls its one block 5 times: 4 cuts, 5 segments, the block's weights read in every segment and
+    so tied over the stages (one weight, a copy per stage, gradients summed after the pipeline)."""
+    monkeypatch.setenv("VARUNA_CACHE_DIR", str(tmp_path))
+    model = models.ReusedBlockLM(n_layer=5)
+    keys = set(model.state_dict())
+    batch_fn, dims = make_batch_fn(models.batch, None)
+    run = dry_forward(model, batch_fn)
+    name, module, count = repeated_module(model, run)
+    assert (name, module, count) == ("block", model.block, 5)
+    assert apply_auto_cutpoints(model, run, stages=2) == [f"block#{k}" for k in range(1, 5)]
+    assert apply_auto_cutpoints(model) == [f"block#{k}" for k in range(1, 5)]  # idempotent, no run needed
+    assert len(getattr(model, AUTO_ATTRIBUTE)) == 4 and set(model.state_dict()) == keys
+    before = models.ReusedBlockLM(n_layer=5)
+    before.load_state_dict(model.state_dict())
+    assert torch.equal(model(**models.batch(3)), before(**models.batch(3)))  # inactive cuts change nothing
+    structure = discover(model, batch_fn, dims, use_cache=False)
+    assert structure.num_segments == 5
+    assert structure.param_uses["block.fc1.weight"] == (0, 1, 2, 3, 4)
+    ties = find_tie_sets(model, structure, Partition.from_ranges([(0, 2), (2, 5)], 5), weight_groups(model, []))
+    by_name = {tie.canonical: tie for tie in ties}
+    assert by_name["block.fc1.weight"].stages == (0, 1) and by_name["emb.weight"].stages == (0, 1)
+    assert "wpe.weight" not in by_name  # read in the first segment only
+
+
+def test_a_forward_calling_the_module_more_times_than_it_has_cuts_is_refused() -> None:
+    model = models.ReusedBlockLM(n_layer=3)
+    apply_auto_cutpoints(model, dry_forward(model, models.batch), stages=2)
+    model.depth = 4
+    with pytest.raises(CutPointError, match="calls block more than the 3 times"):
+        model(**models.batch(2))
+
+
+class Steps(nn.Module):
+    """A Universal-Transformer-like loop: a small step module and a larger block, both called 3 times per forward
+    (the block's MLP too, inside it), and a module that calls itself (never one call after another)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.step = nn.Linear(8, 8)
+        self.block = Block()
+        self.tree = Tree()
+        self.out = nn.Linear(8, 11)
+
+    def forward(self, idx, targets):
+        x = self.tree(self.emb(idx))
+        for _ in range(3):
+            x = self.block(self.step(x))
+        return nn.functional.cross_entropy(self.out(x).flatten(0, 1), targets.flatten())
+
+
+class Tree(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, depth: int = 3):
+        return x if depth == 0 else self(torch.tanh(self.lin(x)), depth - 1)
+
+
+def test_the_outermost_largest_of_the_most_called_modules_is_cut(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VARUNA_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, reference = Steps(), Steps()
+    reference.load_state_dict(model.state_dict())
+    # tree.lin is called 3 times too, but holds fewer parameters; tree calls itself
+    assert repeated_module(model, dry_forward(model, inputs))[0] == "block"
+    vm = Varuna(model, "0", inputs(), batch_size=4, chunk_size=2, cutpoints="auto")
+    assert vm.structure.num_segments == 3
+    loss, _ = vm.step(inputs(4))
+    assert loss == pytest.approx(reference(**inputs(4)).item(), rel=1e-6)
+
+
+def test_the_dry_run_leaves_the_model_as_it_was() -> None:
+    """Watching a forward for repeated modules changes no training flag, buffer, gradient or random stream."""
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(11, 8)
+            self.layer = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(5), nn.Dropout(0.5))
+            self.layer[1].eval()  # a flag of its own, kept
+
+        def forward(self, idx, targets):
+            x = self.emb(idx)
+            for _ in range(2):
+                x = self.layer(x)
+            return x.pow(2).mean()
+
+    model = Normed()
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    flags = {n: m.training for n, m in model.named_modules()}
+    rng = torch.get_rng_state()
+    assert repeated_module(model, dry_forward(model, inputs))[0] == "layer"
+    assert {n: m.training for n, m in model.named_modules()} == flags
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())

@@ -20,6 +20,19 @@ cut if an invariant depended on another stage's values after all.
 
 Tied weights (the embedding and the output head sharing one ``Parameter``) need no declaration: discovery
 sees one object used in two segments.
+
+A model without a stack may reuse one module's weights across depth (ALBERT calls its one layer group once per
+layer; a Universal Transformer its block): :func:`repeated_module` watches one dry forward (discovery's
+:func:`~varuna_core.model.discovery.dry_forward`: no gradients, forked RNG, buffers and train/eval flags left as
+they were) for the outermost module holding parameters that it calls the most times, at least twice, one call
+after another. A cut goes in front of every call but the first, through a pre-hook on the module that counts its
+calls within one forward (a pre-hook on the model starts the count) and decides what crosses as between the
+blocks of a stack (:func:`_crossing`). The module's parameters are then read in every segment: discovery makes
+them one weight tied over the stages that call it, each stage runs its own calls and stands in for the others'
+(:class:`~varuna_core.model.stage.StageSlice` stubs per call), and the copies' gradients are summed after the
+pipeline. A forward that calls the module more often than there are cuts is a :class:`CutPointError`.
+
+On one stage no cut is needed: a model with neither (``stages=1``) gets none and trains as one segment.
 """
 
 from __future__ import annotations
@@ -36,8 +49,8 @@ import torch.utils._pytree as pytree
 from ..errors import CutPointError
 from .cutpoint import CutPoint
 
-__all__ = ["apply_auto_cutpoints", "block_stacks", "longest_module_list", "survey_auto_cuts", "follow_auto_cuts",
-           "AUTO_ATTRIBUTE"]
+__all__ = ["apply_auto_cutpoints", "block_stacks", "longest_module_list", "repeated_module",
+           "survey_auto_cuts", "follow_auto_cuts", "AUTO_ATTRIBUTE"]
 
 log = logging.getLogger(__name__)
 
@@ -168,14 +181,25 @@ class _LoopState:
         self._history.append(row)
 
 
-def apply_auto_cutpoints(model: nn.Module) -> list[str]:
-    """Put a cut in front of every block but the first of each block stack (idempotent; see
-    :func:`block_stacks`).
+def apply_auto_cutpoints(model: nn.Module, dry_run: Callable[[], Any] | None = None, *,
+                         stages: int | None = None) -> list[str]:
+    """Put a cut in front of every block but the first of each block stack (see :func:`block_stacks`), or, in a
+    model without one, in front of every call but the first of the module its forward calls repeatedly (see
+    :func:`repeated_module`; found by watching ``dry_run``). Idempotent.
 
-    Returns the names of the blocks a cut precedes.
+    Args:
+        model: a model without CutPoints.
+        dry_run: runs the model's forward once on example inputs, leaving it as it was (discovery's
+            :func:`~varuna_core.model.discovery.dry_forward`); needed only for a model without a block stack.
+        stages: the pipeline depth, if known. A single stage needs no cut: a model with nothing to cut then gets
+            none (one segment) instead of an error.
+
+    Returns the names of the blocks a cut precedes (``name#k`` for the ``k``-th call, from 0, of a module called
+    repeatedly); empty when a single stage got no cut.
 
     Raises:
-        CutPointError: the model already has CutPoints of its own, or no stack of at least two blocks.
+        CutPointError: the model already has CutPoints of its own, or (with more than one stage, or ``stages``
+            unknown) neither a stack of at least two blocks nor a module called at least twice.
     """
     if isinstance(getattr(model, AUTO_ATTRIBUTE, None), nn.ModuleList):
         return list(getattr(model, _AUTO_BLOCKS))
@@ -185,9 +209,18 @@ def apply_auto_cutpoints(model: nn.Module) -> list[str]:
                             f"add more", hint="use cutpoints='auto' only for models without CutPoints")
     stacks = [(name, blocks) for name, blocks in block_stacks(model) if len(blocks) >= 2]
     if not stacks:
+        repeated = repeated_module(model, dry_run) if dry_run is not None else None
+        if repeated is not None:
+            return _cut_calls(model, *repeated)
+        if stages == 1:
+            log.info("cutpoints='auto': %s has no block stack and no module called repeatedly; one stage needs no "
+                     "cut", type(model).__name__)
+            return []
+        repeats = " nor a module with parameters that its forward calls at least twice" if dry_run is not None else ""
         raise CutPointError(f"cutpoints='auto' found no block stack (an nn.ModuleList, or an nn.Sequential of "
-                            f"repeated blocks) of at least 2 blocks in {type(model).__name__}",
-                            hint="insert CutPoint() calls between the model's blocks by hand")
+                            f"repeated blocks) of at least 2 blocks{repeats} in {type(model).__name__}",
+                            hint="insert CutPoint() calls between the model's blocks by hand, or train it on one "
+                                 "stage")
     main = max((blocks for _, blocks in stacks), key=lambda b: sum(p.numel() for p in b.parameters()))
     cut_points = [CutPoint() for _, blocks in stacks for _ in range(len(blocks) - 1)]
     model.add_module(AUTO_ATTRIBUTE, nn.ModuleList(cut_points))
@@ -199,11 +232,7 @@ def apply_auto_cutpoints(model: nn.Module) -> list[str]:
         cut_indices = range(first_cut, first_cut + len(blocks) - 1)
         first_cut += len(blocks) - 1
         loops.append((state, [f"{AUTO_ATTRIBUTE}.{j}" for j in cut_indices]))
-
-        def first_block(module, args, kwargs, state=state):
-            state.start(pytree.tree_leaves((args, kwargs)))
-
-        blocks[0].register_forward_pre_hook(first_block, with_kwargs=True)
+        blocks[0].register_forward_pre_hook(_entering(state), with_kwargs=True)
         for block, j in zip(list(blocks)[1:], cut_indices, strict=True):
             block.register_forward_pre_hook(_crossing(cut_points[j], state), with_kwargs=True)
         prefix = f"{name}." if name else ""
@@ -239,6 +268,92 @@ def follow_auto_cuts(model: nn.Module, carried: Mapping[str, Sequence[int]]) -> 
     """Make the automatic cuts carry the places ``carried`` gives (from :func:`survey_auto_cuts`)."""
     for state, cut_names in getattr(model, _AUTO_LOOPS, ()):
         state.frozen = {k: tuple(carried[name]) for k, name in enumerate(cut_names, start=1) if name in carried}
+
+
+def _entering(state: _LoopState):
+    """The pre-hook of the first block of a chain: what it is called with is what the next one is compared to."""
+    def pre_hook(module, args, kwargs):
+        state.start(pytree.tree_leaves((args, kwargs)))
+
+    return pre_hook
+
+
+def repeated_module(model: nn.Module, dry_run: Callable[[], Any]) -> tuple[str, nn.Module, int] | None:
+    """``(name, module, calls)``: the module holding parameters that one forward (``dry_run``) calls the most
+    times, at least twice, each call returning before the next starts (ties: the one holding the most parameters,
+    then the outermost); None if there is none. ALBERT's one layer group, called at every depth; a Universal
+    Transformer's block."""
+    watched: dict[int, tuple[str, nn.Module]] = {}
+    for name, module in model.named_modules():
+        if module is not model and not isinstance(module, CutPoint) and any(True for _ in module.parameters()):
+            watched.setdefault(id(module), (name, module))
+    calls: dict[int, int] = {}
+    running: dict[int, int] = {}
+    nested: set[int] = set()
+
+    def enter(module, args):
+        key = id(module)
+        if running.get(key, 0):
+            nested.add(key)  # called again inside its own call: not one call after another
+        running[key] = running.get(key, 0) + 1
+        calls[key] = calls.get(key, 0) + 1
+
+    def leave(module, args, output):
+        running[id(module)] -= 1
+
+    handles = []
+    try:
+        for _, module in watched.values():
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave))
+        dry_run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    candidates = [(count, sum(p.numel() for p in watched[key][1].parameters()), -watched[key][0].count("."), key)
+                  for key, count in calls.items() if count >= 2 and key not in nested]
+    if not candidates:
+        return None
+    count, _, _, key = max(candidates, key=lambda c: c[:3])
+    name, module = watched[key]
+    return name, module, count
+
+
+def _cut_calls(model: nn.Module, name: str, module: nn.Module, count: int) -> list[str]:
+    """A cut in front of every call but the first of ``module`` within one forward of ``model``: a pre-hook on the
+    model starts the count of each forward, and the module's pre-hook takes the cut of its call. What crosses is
+    decided as between the blocks of a stack (:func:`_crossing`). Its parameters are one weight used by every
+    stage that calls it: discovery sees them read in every segment, so they are tied over those stages."""
+    cut_points = [CutPoint() for _ in range(count - 1)]
+    model.add_module(AUTO_ATTRIBUTE, nn.ModuleList(cut_points))
+    state = _LoopState(strict=True)
+    first = _entering(state)
+    crossings = [_crossing(cut, state) for cut in cut_points]
+    seen = [0]  # calls of the module in the current forward of the model
+
+    def start(root, args):
+        seen[0] = 0
+        state.count = None
+
+    def call(called, args, kwargs):
+        index, seen[0] = seen[0], seen[0] + 1
+        if index == 0:
+            return first(called, args, kwargs)
+        if index > len(crossings):
+            raise CutPointError(f"cutpoints='auto': {type(model).__name__}'s forward calls {name or 'the model'} "
+                                f"more than the {count} times it did when the cuts were placed",
+                                hint="the number of calls must not depend on the inputs; insert CutPoint() calls "
+                                     "by hand")
+        return crossings[index - 1](called, args, kwargs)
+
+    model.register_forward_pre_hook(start)
+    module.register_forward_pre_hook(call, with_kwargs=True)
+    names = [f"{name}#{k}" for k in range(1, count)]
+    object.__setattr__(model, _AUTO_BLOCKS, tuple(names))
+    object.__setattr__(model, _AUTO_LOOPS, ((state, [f"{AUTO_ATTRIBUTE}.{j}" for j in range(count - 1)]),))
+    log.info("cutpoints='auto': no block stack; %d cuts in front of the calls of %s (called %d times per forward, "
+             "its weights tied over the stages that call it)", len(cut_points), name, count)
+    return names
 
 
 def _crossing(cut: CutPoint, state: _LoopState):

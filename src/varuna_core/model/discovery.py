@@ -46,7 +46,7 @@ from .payload import CONST_TYPES, ProbeMismatch, TensorSpec, ValueSpec, spec_fro
 from .precision import autocast
 from .skips import CUT, Provenance, Skip, crossing_spec
 
-__all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "extract_loss"]
+__all__ = ["ModuleCall", "Structure", "discover", "dry_forward", "BatchFn", "make_batch_fn", "extract_loss"]
 
 log = logging.getLogger(__name__)
 
@@ -417,21 +417,23 @@ def discover(
     use_cache: bool = True,
     precision: str = "fp32",
     values: ValueSource | None = None,
+    require_cuts: bool = True,
 ) -> Structure:
     """Run the model at 1 and 2 examples and describe its cuts, module calls and parameter uses.
 
     ``precision`` runs the dry run under the same autocast as training, so the dtypes recorded at the cuts
     are those the stages will exchange. A model built on ``meta`` runs with the values ``values`` gives its
     tensors, made as each op reads them (:func:`~varuna_core.model.lazy_values.on_touch`): never the whole model
-    at once.
+    at once. ``require_cuts=False`` accepts a model without cuts (one segment: ``cutpoints="auto"`` on one stage).
 
     Raises:
-        CutPointError: no cutpoints; a cutpoint called twice; a cut value with no batched tensor (tensors
-            without a batch dim may travel with batched ones: they cross whole with every micro-batch) or of
-            a structure that cannot cross a cut; cuts executed in a different order at the two sizes.
+        CutPointError: no cutpoints (unless ``require_cuts`` is false); a cutpoint called twice; a cut value
+            with no batched tensor (tensors without a batch dim may travel with batched ones: they cross whole
+            with every micro-batch) or of a structure that cannot cross a cut; cuts executed in a different order
+            at the two sizes.
         ConfigError: the model's output holds no scalar loss.
     """
-    cuts = _require_cutpoints(model)
+    cuts = _require_cutpoints(model) if require_cuts else find_cutpoints(model)
     inputs_1, inputs_2 = _call_batch_fn(batch_fn, 1), _call_batch_fn(batch_fn, 2)
     _check_forward_takes(model, inputs_1)
     key = structure_key(model, inputs_1, inputs_2, input_batch_dims, precision)
@@ -443,16 +445,14 @@ def discover(
 
     slots = _slots(model)
     mode = _UseMode(None, {id(t): t for _, t, _ in slots})  # type: ignore[arg-type]
-    if values is None and _has_meta_tensors(slots):
-        values = ValueSource(seed=0)  # any values show the structure; the stages get theirs from their own seed
-    elif values is not None and values.weights is not None:
-        values = dataclasses.replace(values, weights=None)  # initial values show it too, without reading the file
+    values = _dry_values(slots, values)
     with on_touch(model, values):
         auto_carried = survey_auto_cuts(model, lambda: _run(model, cuts, inputs_1, None, precision))
         rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
         rec_2, _ = _run(model, cuts, inputs_2, None, precision)
     _check_loss(out_1)
-    _check_cut_order(cuts, rec_1, rec_2)
+    if require_cuts or rec_1.cut_order or rec_2.cut_order:
+        _check_cut_order(cuts, rec_1, rec_2)
     cut_specs = _cut_specs(rec_1, rec_2)
     module_calls = _module_calls(rec_1, rec_2)
     for slot, segments in mode.provenance.slot_reads().items():
@@ -473,6 +473,31 @@ def discover(
     if use_cache:
         _cache_put(structure)
     return structure
+
+
+def dry_forward(model: nn.Module, batch_fn: BatchFn, *, precision: str = "fp32",
+                values: ValueSource | None = None) -> Callable[[], Any]:
+    """A function that runs the model's forward once at 1 example as :func:`discover` does (quietly: the model,
+    its buffers and the random stream are left as they were; a model built on meta gets its values as ops read
+    them), for :func:`~varuna_core.model.autocut.apply_auto_cutpoints` to watch which modules it calls."""
+    def run() -> Any:
+        inputs = _call_batch_fn(batch_fn, 1)
+        _check_forward_takes(model, inputs)
+        with on_touch(model, _dry_values(_slots(model), values)), _quiet_run(model), autocast(
+                precision, torch.device("cpu")):
+            return model(**inputs)
+
+    return run
+
+
+def _dry_values(slots: list[tuple[str, torch.Tensor, bool]], values: ValueSource | None) -> ValueSource | None:
+    """The values a dry run reads: a model built on meta is given some (any values show the structure; the stages
+    get theirs from their own seed), pretrained weights are not read (initial values show it too)."""
+    if values is None and _has_meta_tensors(slots):
+        return ValueSource(seed=0)
+    if values is not None and values.weights is not None:
+        return dataclasses.replace(values, weights=None)
+    return values
 
 
 def _check_forward_takes(model: nn.Module, inputs: dict) -> None:

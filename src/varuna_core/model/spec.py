@@ -37,8 +37,9 @@ class ModelSpec:
         shared_weights: ``[(name_a, name_b)]`` parameters that hold one tied weight.
         optimizer: ``params -> torch.optim.Optimizer``; used to measure optimizer-state bytes (default AdamW).
         name: a label for reports (default: the reference it was loaded from).
-        cutpoints: ``"auto"`` for a model without ``CutPoint``s (a cut in front of every block of its longest
-            ``nn.ModuleList``, as ``Varuna(..., cutpoints="auto")`` does).
+        cutpoints: ``"auto"`` for a model without ``CutPoint``s (a cut in front of every block of its block
+            stacks, or of every call of a module its forward calls repeatedly, as ``Varuna(..., cutpoints="auto")``
+            does).
         init: for a model built on meta, ``init(module)`` initialises a module's own tensors (as
             ``Varuna(init=...)``; default: ``reset_parameters()`` or a Hugging Face model's ``_init_weights``).
             Profiling then allocates one segment at a time.
@@ -72,8 +73,10 @@ class ModelSpec:
         model = call_user(self.build, what="the model spec's build()")
         if self.cutpoints == "auto":
             from .autocut import apply_auto_cutpoints
+            from .discovery import dry_forward
+            from .lazy_values import ValueSource
 
-            apply_auto_cutpoints(model)
+            apply_auto_cutpoints(model, dry_forward(model, self.inputs, values=ValueSource(seed=0, init=self.init)))
         return model
 
     def inputs(self, n: int) -> Any:
