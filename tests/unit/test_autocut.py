@@ -331,3 +331,38 @@ def test_the_dry_run_leaves_the_model_as_it_was() -> None:
     assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
+
+
+class _GroupedReuse(nn.Module):
+    """Two blocks in a list, each called at three depths in turn (ALBERT with two layer groups)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.groups = nn.ModuleList(Block() for _ in range(2))
+        self.out = nn.Linear(8, 11)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for depth in range(6):
+            x = self.groups[depth // 3](x)
+        return nn.functional.cross_entropy(self.out(x).flatten(0, 1), targets.flatten())
+
+
+def test_a_stack_whose_blocks_are_called_at_several_depths_is_refused_by_name() -> None:
+    """One line naming the block, at the first forward (discovery's dry run), not a cut said to be crossed twice."""
+    model = _GroupedReuse()
+    assert apply_auto_cutpoints(model) == ["groups.1"]
+    with pytest.raises(CutPointError, match=r"block 'groups.0' of a stack of 2 is called more than once in one "
+                                            r"forward \(its weights are reused across depth\)") as info:
+        Varuna(model, "0", inputs(), batch_size=4, chunk_size=2, cutpoints="auto")
+    assert "CutPoint() calls by hand" in info.value.hint
+    plain = _GroupedReuse()
+    plain(**inputs())  # without cuts the model is untouched
+
+
+def test_a_stack_called_once_per_forward_runs_any_number_of_forwards() -> None:
+    model = Plain()
+    apply_auto_cutpoints(model)
+    for _ in range(3):
+        model(**inputs())

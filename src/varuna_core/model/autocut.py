@@ -227,15 +227,19 @@ def apply_auto_cutpoints(model: nn.Module, dry_run: Callable[[], Any] | None = N
     names: list[str] = []
     loops: list[tuple[_LoopState, list[str]]] = []
     first_cut = 0
+    called: set[int] = set()  # the stacks' blocks called in the current forward of the model
+    model.register_forward_pre_hook(lambda root, args: called.clear())
     for name, blocks in stacks:
         state = _LoopState(strict=blocks is main)
         cut_indices = range(first_cut, first_cut + len(blocks) - 1)
         first_cut += len(blocks) - 1
         loops.append((state, [f"{AUTO_ATTRIBUTE}.{j}" for j in cut_indices]))
+        prefix = f"{name}." if name else ""
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(_once_per_forward(f"{prefix}{i}", len(blocks), called))
         blocks[0].register_forward_pre_hook(_entering(state), with_kwargs=True)
         for block, j in zip(list(blocks)[1:], cut_indices, strict=True):
             block.register_forward_pre_hook(_crossing(cut_points[j], state), with_kwargs=True)
-        prefix = f"{name}." if name else ""
         names += [f"{prefix}{i}" for i in range(1, len(blocks))]
     object.__setattr__(model, _AUTO_BLOCKS, tuple(names))
     object.__setattr__(model, _AUTO_LOOPS, tuple(loops))
@@ -268,6 +272,20 @@ def follow_auto_cuts(model: nn.Module, carried: Mapping[str, Sequence[int]]) -> 
     """Make the automatic cuts carry the places ``carried`` gives (from :func:`survey_auto_cuts`)."""
     for state, cut_names in getattr(model, _AUTO_LOOPS, ()):
         state.frozen = {k: tuple(carried[name]) for k, name in enumerate(cut_names, start=1) if name in carried}
+
+
+def _once_per_forward(name: str, blocks: int, called: set[int]):
+    """The pre-hook that refuses a block of a stack called twice in one forward: its weights are reused across
+    depth (ALBERT with several layer groups), and a cut in front of each block would be crossed several times."""
+    def pre_hook(module, args):
+        if id(module) in called:
+            raise CutPointError(f"cutpoints='auto': block {name!r} of a stack of {blocks} is called more than once "
+                                f"in one forward (its weights are reused across depth)",
+                                hint="a model that reuses one module at every depth is cut between its calls "
+                                     "(keep one block in the list); otherwise insert CutPoint() calls by hand")
+        called.add(id(module))
+
+    return pre_hook
 
 
 def _entering(state: _LoopState):
