@@ -41,6 +41,7 @@ from ..util.heap import release_free_memory
 from ..util.usercode import accepts, plain_signature
 from .cutpoint import CutPoint, find_cutpoints
 from .lazy_values import ValueSource, on_touch, reads_values
+from .module_state import AttributeUse, StateWatch
 from .payload import CONST_TYPES, ProbeMismatch, TensorSpec, ValueSpec, spec_from_probes
 from .precision import autocast
 from .skips import CUT, Provenance, Skip, crossing_spec
@@ -50,7 +51,7 @@ __all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "e
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int], dict]
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 @dataclasses.dataclass(frozen=True)
 class ModuleCall:
@@ -75,6 +76,8 @@ class Structure:
         buffer_uses: per buffer slot name, the segments that touch its values.
         skips: tensors read in a later segment than the one computing them, besides what the cuts carry
             (see [Note: skip routing]).
+        module_state: the module attributes the forward writes, where, and where they are read (see [Note:
+            module state]).
     """
 
     key: str
@@ -85,6 +88,7 @@ class Structure:
     param_uses: dict[str, tuple[int, ...]]
     buffer_uses: dict[str, tuple[int, ...]]
     skips: tuple[Skip, ...] = ()
+    module_state: tuple[AttributeUse, ...] = ()
 
     @property
     def num_segments(self) -> int:
@@ -115,6 +119,7 @@ class Structure:
             "param_uses": {k: list(v) for k, v in self.param_uses.items()},
             "buffer_uses": {k: list(v) for k, v in self.buffer_uses.items()},
             "skips": [s.to_json() for s in self.skips],
+            "module_state": [u.to_json() for u in self.module_state],
         }
 
     @classmethod
@@ -133,6 +138,7 @@ class Structure:
             param_uses={k: tuple(v) for k, v in data["param_uses"].items()},
             buffer_uses={k: tuple(v) for k, v in data["buffer_uses"].items()},
             skips=tuple(Skip.from_json(s) for s in data["skips"]),
+            module_state=tuple(AttributeUse.from_json(u) for u in data["module_state"]),
         )
 
 
@@ -382,14 +388,15 @@ def _quiet_run(model: nn.Module):
             module.training = mode
 
 
-def _run(model: nn.Module, cuts: dict[str, CutPoint], inputs: dict, mode: _UseMode | None, precision: str):
+def _run(model: nn.Module, cuts: dict[str, CutPoint], inputs: dict, mode: _UseMode | None, precision: str,
+         watch: Callable[[Callable[[], int]], contextlib.AbstractContextManager[None]] | None = None):
     recorder = _Recorder(model, cuts, None if mode is None else mode.provenance)
     if mode is not None:
         mode.recorder = recorder
     try:
         with _quiet_run(model), autocast(precision, torch.device("cpu")), (
             mode if mode is not None else contextlib.nullcontext()
-        ):
+        ), (watch(lambda: recorder.segment) if watch is not None else contextlib.nullcontext()):
             output = model(**inputs)
     finally:
         recorder.close()
@@ -433,9 +440,13 @@ def discover(
         values = ValueSource(seed=0)  # any values show the structure; the stages get theirs from their own seed
     elif values is not None and values.weights is not None:
         values = dataclasses.replace(values, weights=None)  # initial values show it too, without reading the file
-    with on_touch(model, values):
-        rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
-        rec_2, _ = _run(model, cuts, inputs_2, None, precision)
+    state = StateWatch(model)  # attributes the forward writes: [Note: module state]
+    try:
+        with on_touch(model, values):
+            rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision, state.writes)
+            rec_2, _ = _run(model, cuts, inputs_2, None, precision, state.reads)
+    finally:
+        state.restore()
     _check_loss(out_1)
     _check_cut_order(cuts, rec_1, rec_2)
     cut_specs = _cut_specs(rec_1, rec_2)
@@ -453,6 +464,7 @@ def discover(
         param_uses=param_uses,
         buffer_uses=buffer_uses,
         skips=skips,
+        module_state=state.uses(lambda name: _call_segments(module_calls, name, len(rec_1.cut_order) + 1)),
     )
     if use_cache:
         _cache_put(structure)
@@ -581,6 +593,14 @@ def _tensor_uses(slots: list[tuple[str, torch.Tensor, bool]], mode: _UseMode,
             segments = {c.segment_start for c in module_calls.get(owner, ())} or {0}
         (param_uses if is_param else buffer_uses)[name] = tuple(sorted(segments))
     return param_uses, buffer_uses
+
+
+def _call_segments(module_calls: dict[str, tuple[ModuleCall, ...]], name: str, num_segments: int) -> set[int]:
+    """The segments a module's calls run in (the model itself: every segment)."""
+    calls = module_calls.get(name) if name else None
+    if calls is None:
+        return set(range(num_segments))
+    return {seg for c in calls for seg in range(c.segment_start, c.segment_end + 1)}
 
 
 def _has_meta_tensors(slots: list[tuple[str, torch.Tensor, bool]]) -> bool:

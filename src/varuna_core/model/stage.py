@@ -43,6 +43,7 @@ from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
 from .lazy_values import ValueSource
 from .materialize import materialize
+from .module_state import AttributeSnapshot, check_state_crossings, written_attributes
 from .rng import preserve_rng, seed_segment, segment_seed
 from .skips import CUT, Skip, join_crossing, split_crossing
 
@@ -173,6 +174,10 @@ class StageSlice:
             the modules holding them are materialised on ``device`` (:func:`.materialize`, layout-independent
             values from ``values.seed`` and ``values.init``); nothing else of the model is allocated. Pretrained
             ``values.weights`` are loaded by the caller once the stage is sliced (one read per tensor).
+
+    Raises:
+        CutPointError: a module attribute that the forward writes in a segment of one stage is read in a segment
+            of another ([Note: module state] in :mod:`varuna_core.model.module_state`); every rank raises it.
     """
 
     def __init__(
@@ -186,6 +191,8 @@ class StageSlice:
         placeholders: str = "meta",
         values: ValueSource | None = None,
     ) -> None:
+        check_state_crossings(model, structure.module_state, partition)  # [Note: module state]
+        self.attributes = AttributeSnapshot(written_attributes(model, structure.module_state))
         self.model = model
         self.values = values
         self.placeholder_device = torch.device("meta") if placeholders == "meta" else device
