@@ -163,6 +163,42 @@ def test_a_parameter_free_writer_runs_on_every_stage() -> None:
         check_state_crossings(model, late, Partition.from_ranges([(0, 2), (2, 5)], 5))
 
 
+class _Gauge(nn.Module):
+    """Parameter-free, but measures an activation: a stage whose input comes from an earlier stage cannot run it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.level = float(x.detach().abs().mean()) if x.device.type != "meta" else 0.0
+        return x
+
+
+class GaugeLM(models.ToyLM):
+    """A parameter-free module measures block 0's output (segment 1); block 2's segment reads the measure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gauge = _Gauge()
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.cuts[0]((self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1))
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 0:
+                x = self.gauge(x)
+            if i == 2:
+                x = x * self.gauge.level
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x)
+        return nn.functional.cross_entropy(self.head(self.ln_f(x)).reshape(-1, models.VOCAB), targets.t().reshape(-1))
+
+
+def test_a_parameter_free_writer_that_a_stage_cannot_run_is_refused_there() -> None:
+    assert [(u.module, u.flows) for u in _structure(GaugeLM()).module_state] == [("gauge", ((1, 3),))]
+    with pytest.raises(CutPointError, match=r"^on stage 1, module 'gauge' \(_Gauge\) writes attributes that this"):
+        pipelined(_seeded(GaugeLM), [(0, 2), (2, 5)], models.batch(3))
+    ref = reference(_seeded(GaugeLM), models.batch(3))
+    assert pipelined(_seeded(GaugeLM), [(0, 1), (1, 5)], models.batch(3))[0] == pytest.approx(ref[0], rel=1e-6)
+
+
 def test_a_recompute_sees_what_its_forward_saw_and_counts_once() -> None:
     block = models.CountingLM().blocks[0]
     snapshot = AttributeSnapshot([(block, "calls"), (block, "absent")])

@@ -21,8 +21,10 @@ values instead would need arbitrary Python objects on the wire in the order one 
 them; with several micro-batches in flight on different stages (and a read that sees the previous micro-batch's
 write) that order is not the pipeline's, so the refusal is exact and carrying would not be. A parameter-free
 module runs for real on every stage up to its own segment ([Note: slicing]), so its write read later is no
-crossing. Writes and reads within one stage are the user's business; under recompute (:class:`AttributeSnapshot`)
-a recomputed forward sees the attributes as its first forward saw them, and its writes are not applied twice.
+crossing, as long as the reading stage can run it: one whose inputs come from an earlier stage is stood in, and
+the reading stage then refuses (:func:`stood_in_writer`). Writes and reads within one stage are the user's
+business; under recompute (:class:`AttributeSnapshot`) a recomputed forward sees the attributes as its first
+forward saw them, and its writes are not applied twice.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from ..errors import CutPointError
 from ..ir.partition import Partition
 from .cutpoint import CutPoint
 
-__all__ = ["AttributeUse", "StateWatch", "AttributeSnapshot", "check_state_crossings", "written_attributes"]
+__all__ = ["AttributeUse", "StateWatch", "AttributeSnapshot", "check_state_crossings", "stood_in_writer",
+           "written_attributes"]
 
 # nn.Module's own bookkeeping (hooks, the submodule/parameter/buffer tables, ``training``), and what the runtime
 # itself sets on an instance (a stage's stand-in ``forward``): never the user's state
@@ -78,37 +81,30 @@ def _user_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if not isinstance(m, CutPoint)}
 
 
-def _spy(module: nn.Module, on: Callable[[str, str], None], reads: frozenset[str] | None) -> bool:
-    """Swap ``module``'s class for a subclass telling ``on(op, attr)`` of each write (``op`` ``"w"``) and, for
-    the names in ``reads``, each read (``"r"``). False when the class cannot be swapped (``__slots__``, a
-    scripted module): its state is then judged from the values alone (:meth:`StateWatch.uses`)."""
-    cls = type(module)
-
+def _spy_class(cls: type, on: Callable[[Any, str, str], None], reads: dict[int, frozenset[str]] | None) -> type:
+    """A subclass of ``cls`` telling ``on(module, op, attr)`` of each write (``op`` ``"w"``) and, with ``reads``
+    (per module id, the names to follow), of each read of those names (``"r"``). One per class and run: making a
+    class costs tens of microseconds, a swap almost nothing."""
     def setattr_(self, name, value):
         if name not in _BOOKKEEPING:
-            on("w", name)
+            on(self, "w", name)
         cls.__setattr__(self, name, value)
 
     def delattr_(self, name):
         if name not in _BOOKKEEPING:
-            on("w", name)
+            on(self, "w", name)
         cls.__delattr__(self, name)
 
     body: dict[str, Any] = {"__setattr__": setattr_, "__delattr__": delattr_, "__module__": cls.__module__,
                             "__qualname__": cls.__qualname__}
-    if reads:
+    if reads is not None:
         def getattribute(self, name):
-            if name in reads:
-                on("r", name)
+            if name in reads.get(id(self), ()):
+                on(self, "r", name)
             return cls.__getattribute__(self, name)
 
         body["__getattribute__"] = getattribute
-    try:
-        spy = type(cls.__name__, (cls,), body)
-        object.__setattr__(module, "__class__", spy)
-    except TypeError:
-        return False
-    return True
+    return type(cls.__name__, (cls,), body)
 
 
 class StateWatch:
@@ -124,27 +120,40 @@ class StateWatch:
         self.blind: set[str] = set()  # modules whose class could not be swapped
 
     @contextlib.contextmanager
-    def _spying(self, modules: dict[str, nn.Module], on: Callable[[str], Callable[[str, str], None]],
-                reads: Callable[[str], frozenset[str] | None]) -> Iterator[None]:
-        classes = {name: type(m) for name, m in modules.items()}
+    def _spying(self, names: list[str], on: Callable[[str, str, str], None],
+                reads: dict[int, frozenset[str]] | None) -> Iterator[None]:
+        """Swap the classes of the modules ``names`` for spies telling ``on(module name, op, attr)``; a class that
+        cannot be swapped (``__slots__``, a scripted module) leaves its module *blind*: its state is then judged
+        from the values alone (:meth:`uses`)."""
+        by_id = {id(self.modules[name]): name for name in names}
+        spies: dict[type, type] = {}
+        classes = {name: type(self.modules[name]) for name in names}
+
+        def tell(module: Any, op: str, attr: str) -> None:
+            name = by_id.get(id(module))
+            if name is not None:
+                on(name, op, attr)
+
         try:
-            for name, module in modules.items():
-                if not _spy(module, on(name), reads(name)):
+            for name in names:
+                cls = classes[name]
+                try:
+                    if cls not in spies:
+                        spies[cls] = _spy_class(cls, tell, reads)
+                    object.__setattr__(self.modules[name], "__class__", spies[cls])
+                except TypeError:
                     self.blind.add(name)
             yield
         finally:
-            for name, module in modules.items():
-                object.__setattr__(module, "__class__", classes[name])
+            for name in names:
+                object.__setattr__(self.modules[name], "__class__", classes[name])
 
     def writes(self, segment: Callable[[], int]) -> contextlib.AbstractContextManager[None]:
         """Around the first dry run: record each write with ``segment()``, the recorder's current segment."""
-        def on(name: str) -> Callable[[str, str], None]:
-            def record(op: str, attr: str) -> None:
-                self.first.setdefault((name, attr), []).append(segment())
+        def on(name: str, op: str, attr: str) -> None:
+            self.first.setdefault((name, attr), []).append(segment())
 
-            return record
-
-        return self._spying(self.modules, on, lambda name: None)
+        return self._spying(list(self.modules), on, None)
 
     def reads(self, segment: Callable[[], int]) -> contextlib.AbstractContextManager[None]:
         """Around the second dry run: the modules that wrote record their writes and the reads of the written
@@ -153,15 +162,12 @@ class StateWatch:
         for name, attr in self.first:
             written.setdefault(name, set()).add(attr)
 
-        def on(name: str) -> Callable[[str, str], None]:
-            def record(op: str, attr: str) -> None:
-                if attr in written[name]:
-                    self.events.setdefault((name, attr), []).append((op, segment()))
+        def on(name: str, op: str, attr: str) -> None:
+            if attr in written[name]:
+                self.events.setdefault((name, attr), []).append((op, segment()))
 
-            return record
-
-        spied = {name: self.modules[name] for name in written if name not in self.blind}
-        return self._spying(spied, on, lambda name: frozenset(written[name]))
+        names = [name for name in written if name not in self.blind]
+        return self._spying(names, on, {id(self.modules[n]): frozenset(written[n]) for n in names})
 
     def uses(self, call_segments: Callable[[str], set[int]]) -> tuple[AttributeUse, ...]:
         """Each written attribute with its writes, reads and flows. A module whose class could not be swapped but
@@ -257,21 +263,46 @@ class AttributeSnapshot:
             self.put(live)
 
 
-def check_state_crossings(model: nn.Module, uses: tuple[AttributeUse, ...], partition: Partition) -> None:
+def check_state_crossings(model: nn.Module, uses: tuple[AttributeUse, ...], partition: Partition
+                          ) -> dict[int, set[str]]:
     """Refuse a module attribute written on one stage and read on another ([Note: module state]): one line naming
-    the module, the attribute and both segments and stages."""
+    the module, the attribute and both segments and stages.
+
+    Returns, per stage, the parameter-free modules of earlier stages whose writes it reads: it must run them for
+    real (a stage stands one in when its inputs come from an earlier stage; it then refuses, see
+    :func:`stood_in_writer`)."""
     modules = dict(model.named_modules())
+    relied: dict[int, set[str]] = {}
     for use in uses:
         module = modules.get(use.module)
         param_free = module is not None and not any(True for _ in module.parameters())
         for write, read in use.flows:
             a, b = partition.stage_of_segment(write), partition.stage_of_segment(read)
-            if a == b or (param_free and write <= read):
+            if a == b:
                 continue
-            owner = f"module {use.module!r}" if use.module else "the model"
-            cls = type(module).__name__ if module is not None else "?"
+            if param_free and write <= read:
+                relied.setdefault(b, set()).add(use.module)
+                continue
             raise CutPointError(
-                f"{owner} ({cls}) keeps attribute {use.attr!r} across stages: segment {write} (stage {a}) writes it "
-                f"during forward and segment {read} (stage {b}) reads it, so stage {b} would read a stale value",
+                f"{_describe(model, use.module)} keeps attribute {use.attr!r} across stages: segment {write} (stage "
+                f"{a}) writes it during forward and segment {read} (stage {b}) reads it, so stage {b} would read a "
+                f"stale value",
                 hint="return the value from forward or pass it as an argument (a tensor through the CutPoint), or "
                 f"cut so that segments {min(write, read)} to {max(write, read)} are on one stage")
+    return relied
+
+
+def stood_in_writer(model: nn.Module, name: str, stage: int, segment: int) -> CutPointError:
+    """The error of a stage that must stand in a parameter-free module whose attributes it reads (its inputs come
+    from an earlier stage, so it cannot run here)."""
+    return CutPointError(
+        f"on stage {stage}, {_describe(model, name)} writes attributes that this stage reads, but its input in "
+        f"segment {segment} comes from an earlier stage, so it cannot run here and they would be stale",
+        hint="return the value from forward or pass it as an argument (a tensor through the CutPoint), or cut so "
+        "that the module and the reads are on one stage")
+
+
+def _describe(model: nn.Module, name: str) -> str:
+    modules = dict(model.named_modules())
+    cls = type(modules[name]).__name__ if name in modules else "?"
+    return f"module {name!r} ({cls})" if name else f"the model ({cls})"

@@ -43,7 +43,7 @@ from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
 from .lazy_values import ValueSource
 from .materialize import materialize
-from .module_state import AttributeSnapshot, check_state_crossings, written_attributes
+from .module_state import AttributeSnapshot, check_state_crossings, stood_in_writer, written_attributes
 from .rng import preserve_rng, seed_segment, segment_seed
 from .skips import CUT, Skip, join_crossing, split_crossing
 
@@ -191,7 +191,7 @@ class StageSlice:
         placeholders: str = "meta",
         values: ValueSource | None = None,
     ) -> None:
-        check_state_crossings(model, structure.module_state, partition)  # [Note: module state]
+        self._state_writers = check_state_crossings(model, structure.module_state, partition).get(stage, set())
         self.attributes = AttributeSnapshot(written_attributes(model, structure.module_state))
         self.model = model
         self.values = values
@@ -393,6 +393,8 @@ class StageSlice:
                     hint="modules before a stage's incoming cut must return tensors (or tuples/dicts of tensors) "
                     "whose shapes depend only on the batch size",
                 )
+            if name in self._state_writers:  # [Note: module state]: its writes are read here
+                raise stood_in_writer(self.model, name, self.stage, segment)
             value = call.output.placeholder(ctx.n, self.placeholder_device)
             return value if carried is None else self._put_back(value, carried)
 
