@@ -14,6 +14,7 @@ from tests import models
 from tests.stage_chain import pipelined, reference
 from varuna_core.errors import CutPointError
 from varuna_core.ir.partition import Partition
+from varuna_core.model import module_state
 from varuna_core.model.discovery import Structure, discover, make_batch_fn
 from varuna_core.model.module_state import AttributeSnapshot, AttributeUse, check_state_crossings
 
@@ -120,6 +121,21 @@ def test_the_dry_runs_leave_the_attributes_as_they_were() -> None:
     assert [b.calls for b in counting.blocks] == [0, 0, 0, 0]
     assert "scale" not in vars(state.blocks[0])
     assert type(state.blocks[0]).__name__ == "_ScaleWriter" and type(state.blocks[0]) is not type(state.blocks[2])
+
+
+def test_a_module_whose_class_cannot_be_swapped_is_judged_by_its_values(monkeypatch, caplog) -> None:
+    make = module_state._spy_class
+
+    def refuse(cls, *args):
+        if cls is models._ScaleWriter:
+            raise TypeError("__class__ assignment only supported for mutable types")
+        return make(cls, *args)
+
+    monkeypatch.setattr(module_state, "_spy_class", refuse)
+    model = models.StateAcrossCut()
+    assert _structure(model).module_state == (AttributeUse("blocks.0", "scale", (1,), (1,), ((1, 1),)),)
+    assert "'blocks.0' (_ScaleWriter) changes attribute 'scale'" in caplog.text
+    assert "scale" not in vars(model.blocks[0]) and type(model.blocks[0]) is models._ScaleWriter
 
 
 def test_structure_round_trips_through_json() -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -42,6 +43,8 @@ from .cutpoint import CutPoint
 
 __all__ = ["AttributeUse", "StateWatch", "AttributeSnapshot", "check_state_crossings", "stood_in_writer",
            "written_attributes"]
+
+log = logging.getLogger(__name__)
 
 # nn.Module's own bookkeeping (hooks, the submodule/parameter/buffer tables, ``training``), and what the runtime
 # itself sets on an instance (a stage's stand-in ``forward``): never the user's state
@@ -118,6 +121,7 @@ class StateWatch:
         self.first: dict[tuple[str, str], list[int]] = {}  # writes of the first run, in order
         self.events: dict[tuple[str, str], list[tuple[str, int]]] = {}  # second run: (op, segment) in order
         self.blind: set[str] = set()  # modules whose class could not be swapped
+        self.changed: set[tuple[str, str]] = set()  # their attributes the dry runs changed (seen by restore)
 
     @contextlib.contextmanager
     def _spying(self, names: list[str], on: Callable[[str, str, str], None],
@@ -141,7 +145,7 @@ class StateWatch:
                     if cls not in spies:
                         spies[cls] = _spy_class(cls, tell, reads)
                     object.__setattr__(self.modules[name], "__class__", spies[cls])
-                except TypeError:
+                except Exception:  # noqa: BLE001 - a class that cannot be subclassed or swapped in
                     self.blind.add(name)
             yield
         finally:
@@ -170,9 +174,9 @@ class StateWatch:
         return self._spying(names, on, {id(self.modules[n]): frozenset(written[n]) for n in names})
 
     def uses(self, call_segments: Callable[[str], set[int]]) -> tuple[AttributeUse, ...]:
-        """Each written attribute with its writes, reads and flows. A module whose class could not be swapped but
-        whose ``__dict__`` changed is taken to write and read it in every segment it runs in
-        (``call_segments(name)``): every pair of them is a flow."""
+        """Each written attribute with its writes, reads and flows (after :meth:`restore`). A module whose class
+        could not be swapped but whose ``__dict__`` changed is taken to write and read it in every segment it runs
+        in (``call_segments(name)``), with a warning: reads by other modules are not known."""
         out = []
         for (name, attr), first in sorted(self.first.items()):
             events = self.events.get((name, attr), [])
@@ -187,19 +191,19 @@ class StateWatch:
             reads = {seg for op, seg in events if op == "r"}
             out.append(AttributeUse(name, attr, tuple(sorted(set(first) | set(written))), tuple(sorted(reads)),
                                     tuple(sorted(flows))))
-        for name in sorted(self.blind):
-            segments = sorted(call_segments(name))
-            now = vars(self.modules[name])
-            for attr in sorted(set(now) | set(self.before[name])):
-                if attr in _BOOKKEEPING or (name, attr) in self.first:
-                    continue
-                if now.get(attr, _ABSENT) is not self.before[name].get(attr, _ABSENT):
-                    out.append(AttributeUse(name, attr, tuple(segments), tuple(segments),
-                                            tuple((a, b) for a in segments for b in segments)))
+        for name, attr in sorted(self.changed):
+            log.warning("module %r (%s) changes attribute %r during forward, and its class cannot be watched: reads "
+                        "of it by another stage would not be found", name, type(self.modules[name]).__name__, attr)
+            segments = tuple(sorted(call_segments(name)))
+            out.append(AttributeUse(name, attr, segments, segments, tuple((a, b) for a in segments for b in segments)))
         return tuple(out)
 
     def restore(self) -> None:
-        """Put back every attribute the dry runs rebound, added or deleted."""
+        """Put back every attribute the dry runs rebound, added or deleted; note those of blind modules."""
+        for name in self.blind:
+            now, before = vars(self.modules[name]), self.before[name]
+            self.changed |= {(name, attr) for attr in set(now) | set(before)
+                             if attr not in _BOOKKEEPING and now.get(attr, _ABSENT) is not before.get(attr, _ABSENT)}
         for name, module in self.modules.items():
             _put_back(module, self.before[name])
 
