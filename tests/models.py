@@ -241,6 +241,10 @@ class SkipInsideBlock(ToyLM):
 class _ScaleWriter(Block):
     """Leaves a Python number computed from its input on itself."""
 
+    def __init__(self, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__(hidden, dropout)
+        self.scale = 0.0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.scale = float(x.detach().mean())
         return super().forward(x)

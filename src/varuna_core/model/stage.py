@@ -174,6 +174,8 @@ class StageSlice:
             the modules holding them are materialised on ``device`` (:func:`.materialize`, layout-independent
             values from ``values.seed`` and ``values.init``); nothing else of the model is allocated. Pretrained
             ``values.weights`` are loaded by the caller once the stage is sliced (one read per tensor).
+        state_checks: refuse module attributes read on another stage than the one writing them (default); a
+            segment timed alone (the profiler) computes on random values anyway.
 
     Raises:
         CutPointError: a module attribute that the forward writes in a segment of one stage is read in a segment
@@ -190,8 +192,11 @@ class StageSlice:
         device: torch.device,
         placeholders: str = "meta",
         values: ValueSource | None = None,
+        state_checks: bool = True,
     ) -> None:
-        self._state_writers = check_state_crossings(model, structure.module_state, partition).get(stage, set())
+        # [Note: module state]; a profiler timing one segment alone has no use for the check
+        relied = check_state_crossings(model, structure.module_state, partition) if state_checks else {}
+        self._state_writers = relied.get(stage, set())
         self.attributes = AttributeSnapshot(written_attributes(model, structure.module_state))
         self.model = model
         self.values = values
