@@ -12,9 +12,15 @@ train another model than the user's, silently. Discovery finds such state:
   reach ``__getattr__``), and where a read sees the value of which write: a *flow* ``(write segment, read
   segment)``. A read before any write of the forward sees the previous forward's last write.
 
-Subclasses keep ``isinstance`` true, and the classes are put back after each run. A model that writes nothing
-costs one class swap per module and nothing in the second run. The dry runs' writes are undone afterwards: the
-model leaves discovery as it entered it.
+Subclasses keep ``isinstance`` true (``type(m) is C`` in a forward would see the subclass during the dry runs),
+and the classes are put back after each run. A model that writes nothing costs one subclass per module class and
+one swap per module, and nothing in the second run (0.2 ms of a 20 ms discovery on the example GPT). The dry
+runs' writes are undone afterwards: the model leaves discovery as it entered it.
+
+Not seen: a change in place (``self.history.append(v)``, ``self.stat.add_(x)`` on a plain tensor attribute),
+``object.__setattr__`` and ``__dict__`` writes, globals. Start-up validation is left for those; the facade undoes
+the attributes written by its reference run, so the sliced run starts from the attributes the model came with and
+a stale value cannot equal the reference's merely by being computed on the same sample batch.
 
 Slicing refuses a flow between segments of two stages by name (:func:`check_state_crossings`). Carrying the
 values instead would need arbitrary Python objects on the wire in the order one process would have produced
