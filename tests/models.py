@@ -151,9 +151,13 @@ class SkipAcrossCut(ToyLM):
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+_HIDDEN: dict[str, float] = {}  # state kept outside any module
+
+
 class HiddenState(ToyLM):
-    """Wrong on purpose: block 0 leaves a value in a Python attribute that block 2 reads, so a stage that
-    does not run block 0 silently computes something else. Only validation can notice."""
+    """Wrong on purpose: after block 0 the forward leaves a value in a global that is read after block 2, so a
+    stage that does not run block 0 silently computes something else. Discovery follows module attributes, not
+    globals: only validation can notice."""
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)
@@ -161,9 +165,9 @@ class HiddenState(ToyLM):
         for i, block in enumerate(self.blocks):
             x = block(x)
             if i == 0:  # branches on data: on a placeholder it takes the other branch
-                self.gain = 1.0 + float(x.detach().abs().mean()) if x.device.type != "meta" else 2.0
+                _HIDDEN["gain"] = 1.0 + float(x.detach().abs().mean()) if x.device.type != "meta" else 2.0
             if i == 2:
-                x = x * self.gain
+                x = x * _HIDDEN["gain"]
             if i + 1 < len(self.cuts):
                 x = self.cuts[i + 1](x)
         logits = self.head(self.ln_f(x)).transpose(0, 1)
@@ -261,3 +265,58 @@ class SkipInsideBlock(ToyLM):
                 x = self.cuts[i + 1](x)
         logits = self.head(self.ln_f(x) + self.blocks[0].kept).transpose(0, 1)
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class _ScaleWriter(Block):
+    """Leaves a Python number computed from its input on itself."""
+
+    def __init__(self, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__(hidden, dropout)
+        self.scale = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale = float(x.detach().mean())
+        return super().forward(x)
+
+
+class _ScaleReader(Block):
+    """Reads the number another block left (a reference in a plain list: not a submodule)."""
+
+    def __init__(self, hidden: int, dropout: float, source: nn.Module) -> None:
+        super().__init__(hidden, dropout)
+        self.source = [source]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1.0 + self.source[0].scale)
+
+
+class StateAcrossCut(ToyLM):
+    """Block 0 (segment 1) keeps ``self.scale = float(x.mean())``, which block 2 (segment 3) reads: a stage
+    that holds block 2 but not block 0 would read a stale number; discovery finds it and slicing refuses such a
+    cut. With segments 1 to 3 on one stage it trains as one process."""
+
+    def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
+        super().__init__(n_layer, hidden, dropout)
+        self.blocks[0] = _ScaleWriter(hidden, dropout)
+        self.blocks[2] = _ScaleReader(hidden, dropout, self.blocks[0])
+
+
+class _CountingBlock(Block):
+    """Counts its forwards in a Python attribute, and its output depends on the count."""
+
+    def __init__(self, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__(hidden, dropout)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x) * (1.0 + 0.01 * self.calls)
+
+
+class CountingLM(ToyLM):
+    """Every block counts its forwards (``self.calls += 1``) and scales its output by the count: a recompute,
+    the dry runs or the start-up validation that counted too would change the model."""
+
+    def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
+        super().__init__(n_layer, hidden, dropout)
+        self.blocks = nn.ModuleList([_CountingBlock(hidden, dropout) for _ in range(n_layer)])

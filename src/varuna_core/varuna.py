@@ -29,6 +29,7 @@ from .ir.partition import Partition
 from .ir.topology import Topology
 from .model.discovery import Structure, discover, dry_forward, make_batch_fn
 from .model.lazy_values import ValueSource
+from .model.module_state import AttributeSnapshot, written_attributes
 from .model.precision import LossScaler
 from .model.stage import StageSlice, TieSet, find_tie_sets, weight_groups
 from .model.values import load_stage_weights, value_source
@@ -193,17 +194,19 @@ class Varuna(nn.Module):
         self.partition = choose_partition(config.partition, model, self.structure, self.pp)
         if validate is None:
             validate = config.cutpoints == "auto"
-        reference = reference_run(model, dummy_inputs, batch_fn, self.chunk_size, values) if validate else None
+        with AttributeSnapshot(written_attributes(model, self.structure.module_state)).undone():
+            reference = reference_run(model, dummy_inputs, batch_fn, self.chunk_size, values) if validate else None
         self._slice(model, config.cutpoints, values)
         release_free_memory()  # the other stages' tensors of a model built for real, the validation's run
         schedule = config.schedule
         self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, schedule, self.timeout,
                                        self.precision)
         self._communicate(config.bucket_mb)
-        if reference is not None:
-            check_slicing(self.executor, self.module, self.structure, self.partition, self.stage,
-                          is_last=self.stage_slice.is_last, input_batch_dims=self.input_batch_dims,
-                          world_size=self.world_size, reference=reference)
+        if reference is not None:  # from the attributes the model came with: [Note: module state]
+            with self.stage_slice.attributes.undone():
+                check_slicing(self.executor, self.module, self.structure, self.partition, self.stage,
+                              is_last=self.stage_slice.is_last, input_batch_dims=self.input_batch_dims,
+                              world_size=self.world_size, reference=reference)
         self._supervise(told)
         log.info(
             "rank %d: stage %d/%d (segments %s), replica %d/%d, %d micro-batches of ≤%d, schedule %s, %.1f MB params",

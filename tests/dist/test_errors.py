@@ -41,6 +41,20 @@ def test_a_skip_that_cannot_be_carried_is_named_on_every_rank(tmp_path) -> None:
         assert "'blocks.0'" in res.error and "CutPoint 'cuts." in res.error
 
 
+@pytest.mark.parametrize(("stage_map", "world", "partition"), [
+    ("0;1", 2, [(0, 2), (2, 5)]), ("0;1;2", 3, [(0, 2), (2, 4), (4, 5)])])
+def test_a_module_attribute_read_on_another_stage_is_refused_on_every_rank(stage_map, world, partition,
+                                                                            tmp_path) -> None:
+    """Block 0 keeps ``self.scale = float(x.mean())`` for block 2 on the next stage: refused at start-up, in one
+    line naming the module, the attribute and both segments."""
+    results = _run(tmp_path, stage_map, world, model="StateAcrossCut", partition=partition)
+    for res in results:
+        assert res.returncode == 1 and res.error.startswith("CutPointError"), res.error
+        assert "\n" not in res.error.strip(), res.error
+        for part in ("'blocks.0'", "'scale'", "segment 1 (stage 0)", "segment 3 (stage 1)"):
+            assert part in res.error, (part, res.error)
+
+
 def test_validation_names_the_cut_where_values_differ(tmp_path) -> None:
     results = _run(tmp_path, "0;1;2;3", 4, model="HiddenState", validate=True)
     for res in results:

@@ -17,7 +17,7 @@ import torch
 
 from tests.dist.harness import run_ranks
 from tests.dist.worker import make_optimizer
-from tests.models import SkipAcrossCut, UNetLM, SequentialLM, ToyLM, batch
+from tests.models import CountingLM, SkipAcrossCut, StateAcrossCut, UNetLM, SequentialLM, ToyLM, batch
 from tests.reference import Layout, train_reference
 
 pytestmark = pytest.mark.dist
@@ -118,6 +118,23 @@ def test_blocks_in_a_sequential_cut_automatically_pipeline_as_registered_cuts(tm
     for rank, res in enumerate(results):
         for got in res.result["runs"]:
             assert_equal_run(got, ref_losses, ref_params, f"rank {rank}")
+
+
+def test_state_kept_on_modules_trains_as_one_process(tmp_path) -> None:
+    """Blocks counting their forwards in ``self.calls`` (their output scales with the count) under the varuna
+    schedule, whose first stage recomputes, with start-up validation: neither the dry runs, the validation nor
+    a recompute counts. And a value one block keeps for another on the same stage. Both equal one process."""
+    runs = [{"model": "CountingLM", "schedule": "varuna", "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK,
+             "steps": STEPS, "partition": [(0, 3), (3, 5)], "validate": True},
+            {"model": "StateAcrossCut", "schedule": "varuna", "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK,
+             "steps": STEPS, "partition": [(0, 1), (1, 5)]}]
+    results = run_ranks({"map": "0;1", "timeout": 60, "runs": runs}, 2, tmp_path)
+    for rank, res in enumerate(results):
+        assert res.returncode == 0, f"rank {rank} failed:\n{res.error or res.output[-3000:]}"
+    for index, cls in enumerate((CountingLM, StateAcrossCut)):
+        ref_losses, ref_params, _ = reference("sgd", pp=2, model_cls=cls)
+        for rank, res in enumerate(results):
+            assert_equal_run(res.result["runs"][index], ref_losses, ref_params, f"{cls.__name__} rank {rank}")
 
 
 def test_rank_holds_only_its_stage(tmp_path) -> None:

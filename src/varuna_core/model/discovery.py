@@ -42,6 +42,7 @@ from ..util.usercode import accepts, plain_signature
 from .autocut import follow_auto_cuts, survey_auto_cuts
 from .cutpoint import CutPoint, find_cutpoints
 from .lazy_values import ValueSource, on_touch, reads_values
+from .module_state import AttributeUse, StateWatch
 from .payload import CONST_TYPES, ProbeMismatch, TensorSpec, ValueSpec, spec_from_probes
 from .precision import autocast
 from .skips import CUT, Provenance, Skip, crossing_spec
@@ -78,6 +79,8 @@ class Structure:
             (see [Note: skip routing]).
         auto_carried: per automatic cut (``cutpoints="auto"``), the places of its block's flattened arguments
             it carries (see [Note: loop-carried] in :mod:`~varuna_core.model.autocut`).
+        module_state: the module attributes the forward writes, where, and where they are read (see [Note:
+            module state]).
     """
 
     key: str
@@ -89,6 +92,7 @@ class Structure:
     buffer_uses: dict[str, tuple[int, ...]]
     skips: tuple[Skip, ...] = ()
     auto_carried: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    module_state: tuple[AttributeUse, ...] = ()
 
     @property
     def num_segments(self) -> int:
@@ -120,6 +124,7 @@ class Structure:
             "buffer_uses": {k: list(v) for k, v in self.buffer_uses.items()},
             "skips": [s.to_json() for s in self.skips],
             "auto_carried": {k: list(v) for k, v in self.auto_carried.items()},
+            "module_state": [u.to_json() for u in self.module_state],
         }
 
     @classmethod
@@ -139,6 +144,7 @@ class Structure:
             buffer_uses={k: tuple(v) for k, v in data["buffer_uses"].items()},
             skips=tuple(Skip.from_json(s) for s in data["skips"]),
             auto_carried={str(k): _places(v) for k, v in data["auto_carried"].items()},
+            module_state=tuple(AttributeUse.from_json(u) for u in data["module_state"]),
         )
 
 
@@ -395,14 +401,15 @@ def _quiet_run(model: nn.Module):
             module.training = mode
 
 
-def _run(model: nn.Module, cuts: dict[str, CutPoint], inputs: dict, mode: _UseMode | None, precision: str):
+def _run(model: nn.Module, cuts: dict[str, CutPoint], inputs: dict, mode: _UseMode | None, precision: str,
+         watch: Callable[[Callable[[], int]], contextlib.AbstractContextManager[None]] | None = None):
     recorder = _Recorder(model, cuts, None if mode is None else mode.provenance)
     if mode is not None:
         mode.recorder = recorder
     try:
         with _quiet_run(model), autocast(precision, torch.device("cpu")), (
             mode if mode is not None else contextlib.nullcontext()
-        ):
+        ), (watch(lambda: recorder.segment) if watch is not None else contextlib.nullcontext()):
             output = model(**inputs)
     finally:
         recorder.close()
@@ -446,10 +453,14 @@ def discover(
     slots = _slots(model)
     mode = _UseMode(None, {id(t): t for _, t, _ in slots})  # type: ignore[arg-type]
     values = _dry_values(slots, values)
-    with on_touch(model, values):
-        auto_carried = survey_auto_cuts(model, lambda: _run(model, cuts, inputs_1, None, precision))
-        rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
-        rec_2, _ = _run(model, cuts, inputs_2, None, precision)
+    state = StateWatch(model)  # attributes the forward writes: [Note: module state]
+    try:
+        with on_touch(model, values):
+            auto_carried = survey_auto_cuts(model, lambda: _run(model, cuts, inputs_1, None, precision))
+            rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision, state.writes)
+            rec_2, _ = _run(model, cuts, inputs_2, None, precision, state.reads)
+    finally:
+        state.restore()
     _check_loss(out_1)
     if require_cuts or rec_1.cut_order or rec_2.cut_order:
         _check_cut_order(cuts, rec_1, rec_2)
@@ -469,6 +480,7 @@ def discover(
         buffer_uses=buffer_uses,
         skips=skips,
         auto_carried=auto_carried,
+        module_state=state.uses(lambda name: _call_segments(module_calls, name, len(rec_1.cut_order) + 1)),
     )
     if use_cache:
         _cache_put(structure)
@@ -622,6 +634,14 @@ def _tensor_uses(slots: list[tuple[str, torch.Tensor, bool]], mode: _UseMode,
             segments = {c.segment_start for c in module_calls.get(owner, ())} or {0}
         (param_uses if is_param else buffer_uses)[name] = tuple(sorted(segments))
     return param_uses, buffer_uses
+
+
+def _call_segments(module_calls: dict[str, tuple[ModuleCall, ...]], name: str, num_segments: int) -> set[int]:
+    """The segments a module's calls run in (the model itself: every segment)."""
+    calls = module_calls.get(name) if name else None
+    if calls is None:
+        return set(range(num_segments))
+    return {seg for c in calls for seg in range(c.segment_start, c.segment_end + 1)}
 
 
 def _has_meta_tensors(slots: list[tuple[str, torch.Tensor, bool]]) -> bool:

@@ -43,6 +43,7 @@ from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
 from .lazy_values import ValueSource
 from .materialize import materialize
+from .module_state import AttributeSnapshot, check_state_crossings, stood_in_writer, written_attributes
 from .rng import preserve_rng, seed_segment, segment_seed
 from .skips import CUT, Skip, join_crossing, split_crossing
 
@@ -173,6 +174,12 @@ class StageSlice:
             the modules holding them are materialised on ``device`` (:func:`.materialize`, layout-independent
             values from ``values.seed`` and ``values.init``); nothing else of the model is allocated. Pretrained
             ``values.weights`` are loaded by the caller once the stage is sliced (one read per tensor).
+        state_checks: refuse module attributes read on another stage than the one writing them (default); a
+            segment timed alone (the profiler) computes on random values anyway.
+
+    Raises:
+        CutPointError: a module attribute that the forward writes in a segment of one stage is read in a segment
+            of another ([Note: module state] in :mod:`varuna_core.model.module_state`); every rank raises it.
     """
 
     def __init__(
@@ -185,7 +192,12 @@ class StageSlice:
         device: torch.device,
         placeholders: str = "meta",
         values: ValueSource | None = None,
+        state_checks: bool = True,
     ) -> None:
+        # [Note: module state]; a profiler timing one segment alone has no use for the check
+        relied = check_state_crossings(model, structure.module_state, partition) if state_checks else {}
+        self._state_writers = relied.get(stage, set())
+        self.attributes = AttributeSnapshot(written_attributes(model, structure.module_state))
         self.model = model
         self.values = values
         self.placeholder_device = torch.device("meta") if placeholders == "meta" else device
@@ -386,6 +398,8 @@ class StageSlice:
                     hint="modules before a stage's incoming cut must return tensors (or tuples/dicts of tensors) "
                     "whose shapes depend only on the batch size",
                 )
+            if name in self._state_writers:  # [Note: module state]: its writes are read here
+                raise stood_in_writer(self.model, name, self.stage, segment)
             value = call.output.placeholder(ctx.n, self.placeholder_device)
             return value if carried is None else self._put_back(value, carried)
 

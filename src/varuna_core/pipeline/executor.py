@@ -61,6 +61,7 @@ class _MicroState:
 
     incoming: list[torch.Tensor] | None = None  # tensor leaves received at the incoming cut
     outputs: list[torch.Tensor] | None = None  # tensor leaves of the outgoing value (or [loss])
+    attributes: list | None = None  # under recompute: the module attributes as F found them ([Note: module state])
 
 
 @dataclasses.dataclass
@@ -352,6 +353,8 @@ class PipelineExecutor:
         if self.prev_rank is not None:
             st.incoming = self._receive(self._take(step, p2p.ACTIVATION, mb), action)
         keep_graph = step.train and not step.recompute
+        if step.train and step.recompute:
+            st.attributes = self.stage.attributes.take()
         out = self._timed_forward(step, mb, st.incoming, grad=keep_graph)
         if self.next_rank is None:
             step.loss_sum += out.detach().reshape(()).to(torch.float64) * step.weights[mb]
@@ -371,7 +374,8 @@ class PipelineExecutor:
     def _do_recompute(self, step: _Step, action: Action) -> None:
         mb = action.mb
         st = step.state[mb]
-        out = self._timed_forward(step, mb, st.incoming, grad=True)
+        with self.stage.attributes.installed(st.attributes):  # R sees what F saw; F's writes stay the live ones
+            out = self._timed_forward(step, mb, st.incoming, grad=True)
         if self.next_rank is None:
             st.outputs = [self._scaled(out, step.weights[mb], step.loss_scale)]
         else:
