@@ -490,8 +490,9 @@ def discover(
 def dry_forward(model: nn.Module, batch_fn: BatchFn, *, precision: str = "fp32",
                 values: ValueSource | None = None) -> Callable[[], Any]:
     """A function that runs the model's forward once at 1 example as :func:`discover` does (quietly: the model,
-    its buffers, the attributes its forward writes and the random stream are left as they were; a model built on meta gets its values as ops read
-    them), for :func:`~varuna_core.model.autocut.apply_auto_cutpoints` to watch which modules it calls."""
+    its buffers, the attributes its forward writes and the random stream are left as they were; a model built on
+    meta gets its values as ops read them), for :func:`~varuna_core.model.autocut.apply_auto_cutpoints` to watch
+    which modules it calls."""
     def run() -> Any:
         inputs = _call_batch_fn(batch_fn, 1)
         _check_forward_takes(model, inputs)
