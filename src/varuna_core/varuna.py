@@ -223,7 +223,7 @@ class Varuna(nn.Module):
         self.device = resolve_device(device, local_rank)
         world_size, _ = intended_world()
         self.topology = Topology.parse(config.stage_to_rank_map, world_size)  # before joining: see intended_world
-        self.world_size, self.rank = ensure_process_group(config.timeout)
+        self.world_size, self.rank = ensure_process_group(config.timeout, self.device)
         self.stage, self.replica = self.topology.coords(self.rank)
         self.pp, self.dp = self.topology.pp, self.topology.dp
         self.batch_size, self.chunk_size = config.batch_size, config.chunk_size

@@ -48,6 +48,7 @@ from ..model.payload import ValueSpec, flatten
 from ..model.precision import autocast
 from ..model.stage import StageSlice
 from . import p2p
+from .microbatch import to_device
 from .tracing import ActionObserver, ActionTiming
 
 __all__ = ["PipelineExecutor"]
@@ -196,7 +197,7 @@ class PipelineExecutor:
         """Run one step (``train``) or one evaluation pass over ``microbatches``.
 
         Args:
-            microbatches: model inputs per micro-batch (every stage gets the same).
+            microbatches: model inputs per micro-batch (every stage gets the same; moved to this stage's device).
             sizes: examples per micro-batch.
             weights: per micro-batch factor applied to its loss (see [Note: loss weighting] in grads).
             rng: ``(seed, step)``: seed every segment of micro-batch ``mb`` from ``(seed, step, id, segment)``.
@@ -209,6 +210,7 @@ class PipelineExecutor:
             On the last stage, ``Σ weight·loss`` (float64, shape ``[]``); zero elsewhere.
         """
         started = time.perf_counter()
+        microbatches = [to_device(mb, self.device) for mb in microbatches]
         step = self._new_step(microbatches, sizes, weights, train=train, rng=rng, rng_ids=rng_ids,
                               loss_scale=loss_scale, capture=capture)
         self._post_receives(step)

@@ -32,8 +32,8 @@ from ..model.devices import check_device
 from ..model.rng import MASK64
 from ..model.stage import StageSlice, TieSet
 
-__all__ = ["intended_world", "ensure_process_group", "resolve_device", "Groups", "build_groups", "tie_params",
-           "sync_initial_state", "agree_seed_and_run", "broadcast_coalesced"]
+__all__ = ["intended_world", "ensure_process_group", "collective_device", "resolve_device", "Groups",
+           "build_groups", "tie_params", "sync_initial_state", "agree_seed_and_run", "broadcast_coalesced"]
 
 _RUN_ID_BYTES = 64
 
@@ -97,10 +97,11 @@ def _env_int(name: str, default: str) -> int:
                           hint="launch with torchrun or `varuna launch`, which set it") from None
 
 
-def ensure_process_group(timeout: float) -> tuple[int, int]:
+def ensure_process_group(timeout: float, device: torch.device | None = None) -> tuple[int, int]:
     """``(world_size, rank)``: the default process group if one exists; else one created from torchrun-style
     env vars (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, checked by :func:`intended_world`);
-    ``(1, 0)`` for a single process.
+    ``(1, 0)`` for a single process. The backend follows the device the stage computes on (NCCL for CUDA,
+    gloo otherwise; default: CUDA if this machine has it), so a CPU pipeline runs on a GPU host too.
 
     Also arranges, once per process, for the groups to be released before the interpreter shuts down (see
     :func:`_release_before_exit`)."""
@@ -110,7 +111,8 @@ def ensure_process_group(timeout: float) -> tuple[int, int]:
     world, _ = intended_world()
     if world <= 1 or (dist.is_available() and dist.is_initialized()):
         return intended_world()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    backend = "nccl" if on_cuda else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60)))
     if backend == "gloo":
         # gloo connects every pair inside init_process_group, and a rank can return from it before its peers have:
@@ -208,10 +210,20 @@ def agree_seed_and_run(seed: int | None, world_size: int, run_id: str | None = N
         packed[0] = value - 2**64 if value >= 2**63 else value
         packed[1] = len(run)
         packed[2:2 + len(run)] = torch.tensor(list(run.encode()), dtype=torch.int64)
+        packed = packed.to(collective_device())
         dist.broadcast(packed, src=0)
+        packed = packed.cpu()
         value = int(packed[0]) & MASK64
         run = bytes(int(b) for b in packed[2:2 + int(packed[1])]).decode()
     return value, run
+
+
+def collective_device() -> torch.device:
+    """Where a tensor of a collective on the default group must live: the current CUDA device under NCCL (which
+    has no CPU transport), the CPU otherwise."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], *, src: int, group) -> None:

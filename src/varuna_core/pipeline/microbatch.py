@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["microbatch_sizes", "split_inputs", "batch_size_of"]
+__all__ = ["microbatch_sizes", "split_inputs", "batch_size_of", "to_device"]
 
 
 def microbatch_sizes(batch: int, microbatch: int) -> list[int]:
@@ -78,3 +78,15 @@ def split_inputs(
             )
         pieces[name] = list(torch.split(value, sizes, dim=dim))
     return [{name: pieces[name][i] for name in inputs} for i in range(len(sizes))]
+
+
+def to_device(inputs: dict, device: torch.device) -> dict:
+    """``inputs`` with every tensor (nested in lists, tuples and dicts too) on ``device``; other values as they are.
+
+    A user's batch comes from a CPU data loader (the examples', Hugging Face's), so a stage on a GPU moves it itself
+    rather than failing in the model's first op. ``non_blocking`` overlaps the copy from pinned memory with the
+    host's work; from pageable memory it is an ordinary copy. A tensor already on ``device`` is not copied."""
+    def move(value: Any) -> Any:
+        return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+    return torch.utils._pytree.tree_map(move, inputs)

@@ -18,6 +18,7 @@ from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
 from ..model.discovery import Structure
 from .executor import PipelineExecutor
+from .groups import collective_device
 from .microbatch import batch_size_of
 
 __all__ = ["reference_run", "check_slicing"]
@@ -82,7 +83,7 @@ def check_slicing(executor: PipelineExecutor, module: nn.Module, structure: Stru
     ok = len(got) == len(want) and all(
         torch.allclose(g.to(w.device).float(), w.float(), rtol=1e-4, atol=1e-5) for g, w in zip(got, want, strict=True)
     )
-    flag = torch.tensor([index if not ok else 10**9], dtype=torch.int64)
+    flag = torch.tensor([index if not ok else 10**9], dtype=torch.int64, device=collective_device())
     if world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     bad = int(flag.item())

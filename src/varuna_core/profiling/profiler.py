@@ -80,7 +80,7 @@ class Profiler:
         self.repeats, self.warmup = repeats, warmup
         self.optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None
         self.device = resolve_device(device, int(os.environ.get("LOCAL_RANK", "-1")))  # checked before joining
-        self.world_size, self.rank = ensure_process_group(default_timeout())
+        self.world_size, self.rank = ensure_process_group(default_timeout(), self.device)
         del gpus_per_node, from_cache, add_to_existing  # the original's knobs, nothing to do here
 
     def initialize(self, get_batch: Callable[..., dict], from_cache: bool = True) -> None:

@@ -1,0 +1,28 @@
+"""The device paths that a CPU machine can check: a batch goes to the stage's device, the backend and the
+collectives' tensors follow the device the stage computes on. (Run on a GPU by the GPU checks.)"""
+
+from __future__ import annotations
+
+import torch
+
+from varuna_core.pipeline.groups import collective_device, ensure_process_group
+from varuna_core.pipeline.microbatch import to_device
+
+
+def test_a_batch_goes_to_the_stage_device_nested_values_too_and_other_values_stay() -> None:
+    batch = {"ids": torch.ones(2, 3, dtype=torch.long), "pair": (torch.zeros(2), [torch.ones(1)]), "n": 7,
+             "name": "x", "none": None}
+    moved = to_device(batch, torch.device("meta"))  # any device other than the batch's shows the move
+    assert moved["ids"].device.type == "meta" and moved["ids"].dtype == torch.long
+    assert moved["pair"][0].device.type == "meta" and moved["pair"][1][0].device.type == "meta"
+    assert moved["n"] == 7 and moved["name"] == "x" and moved["none"] is None
+    assert batch["ids"].device.type == "cpu"  # the caller's batch is left alone
+    same = to_device(batch, torch.device("cpu"))
+    assert same["ids"] is batch["ids"]  # already there: not copied
+
+
+def test_a_single_process_and_gloo_use_cpu_tensors_for_collectives(monkeypatch) -> None:
+    for name in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert ensure_process_group(10, torch.device("cpu")) == (1, 0)
+    assert collective_device() == torch.device("cpu")
