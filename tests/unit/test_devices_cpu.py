@@ -26,3 +26,12 @@ def test_a_single_process_and_gloo_use_cpu_tensors_for_collectives(monkeypatch) 
         monkeypatch.delenv(name, raising=False)
     assert ensure_process_group(10, torch.device("cpu")) == (1, 0)
     assert collective_device() == torch.device("cpu")
+
+
+def test_two_ranks_on_one_gpu_are_named() -> None:
+    from varuna_core.pipeline.groups import shared_gpu
+
+    assert shared_gpu([("a", "u0", "cuda:0"), ("a", "u1", "cuda:1"), ("b", "u0", "cuda:0")]) is None  # other host
+    problem = shared_gpu([("a", "u0", "cuda:0"), ("a", "u1", "cuda:1"), ("a", "u0", "cuda:0")])
+    assert problem == "ranks 0 and 2 would both compute on cuda:0 of host a, and NCCL needs one GPU per rank"
+    assert "\x1b" not in shared_gpu([("h\x1b[2J", "u", "cuda:0")] * 2)

@@ -15,6 +15,7 @@ import atexit
 import datetime
 import gc
 import os
+import socket
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from ..ir.topology import Topology
 from ..model.devices import check_device
 from ..model.rng import MASK64
 from ..model.stage import StageSlice, TieSet
+from ..util.text import printable
 
 __all__ = ["intended_world", "ensure_process_group", "collective_device", "resolve_device", "Groups",
            "build_groups", "tie_params", "sync_initial_state", "agree_seed_and_run", "broadcast_coalesced"]
@@ -119,7 +121,39 @@ def ensure_process_group(timeout: float, device: torch.device | None = None) -> 
         # one that then raised (bad input found on every rank) and exited would close its side of the mesh, and
         # the peer still connecting would report "Connection closed by peer" instead of its own, clearer error
         dist.barrier()
+    else:
+        _check_one_gpu_per_rank(device if device is not None else torch.device("cuda", torch.cuda.current_device()))
     return dist.get_world_size(), dist.get_rank()
+
+
+def _check_one_gpu_per_rank(device: torch.device) -> None:
+    """NCCL needs a GPU of its own per rank, and says so only at the first collective, as a ``DistBackendError``
+    ("Duplicate GPU detected"). Every rank tells the others its host and GPU over a gloo group (NCCL cannot carry
+    the question) and every rank raises the same :class:`ConfigError` naming the ranks that share one."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(index).uuid), f"cuda:{index}")
+    group = dist.new_group(backend="gloo")
+    try:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine, group=group)
+    finally:
+        dist.destroy_process_group(group)
+    problem = shared_gpu(everyone)
+    if problem is not None:
+        raise ConfigError(problem, hint="give every process its own GPU (torchrun and `varuna launch` set LOCAL_RANK "
+                                        "per process), or train on the CPU with device='cpu'")
+
+
+def shared_gpu(devices: list[tuple[str, str, str]]) -> str | None:
+    """The first GPU that two ranks would share, described; ``None`` if each rank has its own. ``devices[r]`` is
+    rank ``r``'s ``(host, GPU uuid, device name)``."""
+    first: dict[tuple[str, str], int] = {}
+    for rank, (host, uuid, name) in enumerate(devices):
+        other = first.setdefault((host, uuid), rank)
+        if other != rank:
+            return (f"ranks {other} and {rank} would both compute on {name} of host {printable(host)}, and NCCL needs "
+                    f"one GPU per rank")
+    return None
 
 
 def resolve_device(device: Any, local_rank: int) -> torch.device:
