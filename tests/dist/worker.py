@@ -157,6 +157,7 @@ def run_one(run: dict, spec: dict) -> dict:
         "overflows": torch.tensor(overflows),
         "scales": torch.tensor(scales, dtype=torch.float64),
         "params": {n: p.detach().clone() for n, p in vm.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in vm.named_buffers()},
         "held_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta"),
         "stage_bytes": vm.parameter_bytes(), "full_bytes": full_bytes,
         "stage": vm.stage, "replica": vm.replica, "schedule": vm.schedule_name, "chunk": vm.chunk_size,

@@ -12,10 +12,14 @@ What it records (the :class:`Structure`):
   ``sys.settrace`` missed parameters passed only to builtins). An object touched in two segments is a tied
   weight when those segments land on different stages.
 
-The run happens in eval mode, under ``no_grad`` and with the RNG forked, so it leaves the model, its buffers
-and the user's random stream as they were. Results are cached per process and on disk under a key that hashes
-the model's structure, its classes' source files, its scalar attributes and the inputs' signature: a changed
-model is never served a stale entry (the original kept unkeyed pickles in the working directory).
+* which buffers the forward writes (``buffer_writes``; see [Note: buffer writes] in ``model.buffer_writes``).
+
+The run happens in the mode the model is in (training, normally: the structure recorded is the one training
+computes), under ``no_grad`` and with the RNG forked; every buffer is put back afterwards, so it leaves the
+model, its buffers and the user's random stream as they were. Results are cached per process and on disk under
+a key that hashes the model's structure, its classes' source files, its scalar attributes (the training flag
+among them) and the inputs' signature: a changed model is never served a stale entry (the original kept
+unkeyed pickles in the working directory).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..env import CACHE_DIR
 from ..errors import ConfigError, CutPointError
 from ..util.heap import release_free_memory
 from ..util.usercode import accepts, plain_signature
+from .buffer_writes import WriteWatch
 from .cutpoint import CutPoint, find_cutpoints
 from .lazy_values import ValueSource, on_touch, reads_values
 from .payload import CONST_TYPES, ProbeMismatch, TensorSpec, ValueSpec, spec_from_probes
@@ -50,7 +55,7 @@ __all__ = ["ModuleCall", "Structure", "discover", "BatchFn", "make_batch_fn", "e
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int], dict]
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 @dataclasses.dataclass(frozen=True)
 class ModuleCall:
@@ -75,6 +80,7 @@ class Structure:
         buffer_uses: per buffer slot name, the segments that touch its values.
         skips: tensors read in a later segment than the one computing them, besides what the cuts carry
             (see [Note: skip routing]).
+        buffer_writes: buffer slot names the forward writes (in place, or by replacing the tensor), sorted.
     """
 
     key: str
@@ -85,6 +91,7 @@ class Structure:
     param_uses: dict[str, tuple[int, ...]]
     buffer_uses: dict[str, tuple[int, ...]]
     skips: tuple[Skip, ...] = ()
+    buffer_writes: tuple[str, ...] = ()
 
     @property
     def num_segments(self) -> int:
@@ -115,6 +122,7 @@ class Structure:
             "param_uses": {k: list(v) for k, v in self.param_uses.items()},
             "buffer_uses": {k: list(v) for k, v in self.buffer_uses.items()},
             "skips": [s.to_json() for s in self.skips],
+            "buffer_writes": list(self.buffer_writes),
         }
 
     @classmethod
@@ -133,6 +141,7 @@ class Structure:
             param_uses={k: tuple(v) for k, v in data["param_uses"].items()},
             buffer_uses={k: tuple(v) for k, v in data["buffer_uses"].items()},
             skips=tuple(Skip.from_json(s) for s in data["skips"]),
+            buffer_writes=tuple(data["buffer_writes"]),
         )
 
 
@@ -370,12 +379,12 @@ def _first_opaque(value: Any) -> _Opaque | None:
 
 @contextlib.contextmanager
 def _quiet_run(model: nn.Module):
-    """Eval mode, no autograd, forked RNG; restores each module's training flag afterwards."""
+    """No autograd, forked RNG, in the model's own mode; restores each module's training flag afterwards (a
+    forward may change them). Buffers are the caller's to keep (:class:`WriteWatch`)."""
     modes = {m: m.training for m in model.modules()}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            model.eval()
             yield
     finally:
         for module, mode in modes.items():
@@ -433,7 +442,7 @@ def discover(
         values = ValueSource(seed=0)  # any values show the structure; the stages get theirs from their own seed
     elif values is not None and values.weights is not None:
         values = dataclasses.replace(values, weights=None)  # initial values show it too, without reading the file
-    with on_touch(model, values):
+    with WriteWatch(model) as writes, on_touch(model, values):  # the watch outside: its copies touch no value
         rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision)
         rec_2, _ = _run(model, cuts, inputs_2, None, precision)
     _check_loss(out_1)
@@ -453,6 +462,7 @@ def discover(
         param_uses=param_uses,
         buffer_uses=buffer_uses,
         skips=skips,
+        buffer_writes=writes.written,
     )
     if use_cache:
         _cache_put(structure)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
+from .buffer_writes import BufferWrites
 from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
 from .lazy_values import ValueSource
@@ -173,6 +174,9 @@ class StageSlice:
             the modules holding them are materialised on ``device`` (:func:`.materialize`, layout-independent
             values from ``values.seed`` and ``values.init``); nothing else of the model is allocated. Pretrained
             ``values.weights`` are loaded by the caller once the stage is sliced (one read per tensor).
+        written: buffer slots the forward writes besides ``structure.buffer_writes`` (those of the other mode's
+            structure); with them, :attr:`buffer_writes` keeps what a recompute, an evaluation or a validation
+            run must not change twice (see [Note: buffer writes]).
     """
 
     def __init__(
@@ -185,6 +189,7 @@ class StageSlice:
         device: torch.device,
         placeholders: str = "meta",
         values: ValueSource | None = None,
+        written: Iterable[str] = (),
     ) -> None:
         self.model = model
         self.values = values
@@ -209,6 +214,7 @@ class StageSlice:
         self._in_skips = [index[s] for s in structure.skips_across(self.first_segment - 1)] if not self.is_first else []
         self._out_skips = [index[s] for s in structure.skips_across(self.stop_segment - 1)] if not self.is_last else []
         self.param_names = self._slice_tensors()
+        self.buffer_writes = BufferWrites(model, (*structure.buffer_writes, *written))
         self._pre_cut = _PlaceholderWins() if not self.is_first else contextlib.nullcontext()
         self._install_hooks()
 

@@ -27,7 +27,9 @@ receive's ``is_completed()``: gloo's point-to-point handles report completion on
 
 A recompute draws the same dropout masks as its forward because both seed each segment from (seed, step,
 micro-batch, segment) (see [Note: deterministic dropout] in :mod:`varuna_core.model.rng`); the original restored a
-saved state and then left the live stream at the recomputed micro-batch's state.
+saved state and then left the live stream at the recomputed micro-batch's state. And it runs on a copy of the
+buffers the forward wrote, taken before the forward, so BatchNorm statistics and other buffers a forward updates
+change once per micro-batch, as in one process ([Note: buffer writes] in :mod:`varuna_core.model.buffer_writes`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from ..errors import InternalError, ScheduleError
 from ..ir.inflight import inflight, posted_receives, unwaited_sends
 from ..ir.schedule import Action, Op, Schedule, check_schedule, generate, validate
 from ..ir.topology import Topology
+from ..model.buffer_writes import Snapshot
 from ..model.payload import ValueSpec, flatten
 from ..model.precision import autocast
 from ..model.stage import StageSlice
@@ -61,6 +64,7 @@ class _MicroState:
 
     incoming: list[torch.Tensor] | None = None  # tensor leaves received at the incoming cut
     outputs: list[torch.Tensor] | None = None  # tensor leaves of the outgoing value (or [loss])
+    buffers: Snapshot | None = None  # written buffers as the forward found them, for the recompute
 
 
 @dataclasses.dataclass
@@ -352,6 +356,8 @@ class PipelineExecutor:
         if self.prev_rank is not None:
             st.incoming = self._receive(self._take(step, p2p.ACTIVATION, mb), action)
         keep_graph = step.train and not step.recompute
+        if step.train and step.recompute:  # R must see the buffers F saw: [Note: buffer writes]
+            st.buffers = self.stage.buffer_writes.take()
         out = self._timed_forward(step, mb, st.incoming, grad=keep_graph)
         if self.next_rank is None:
             step.loss_sum += out.detach().reshape(()).to(torch.float64) * step.weights[mb]
@@ -371,7 +377,9 @@ class PipelineExecutor:
     def _do_recompute(self, step: _Step, action: Action) -> None:
         mb = action.mb
         st = step.state[mb]
-        out = self._timed_forward(step, mb, st.incoming, grad=True)
+        with self.stage.buffer_writes.installed(st.buffers):  # F updated the live buffers once already
+            out = self._timed_forward(step, mb, st.incoming, grad=True)
+        st.buffers = None
         if self.next_rank is None:
             st.outputs = [self._scaled(out, step.weights[mb], step.loss_scale)]
         else:
