@@ -305,3 +305,41 @@ class BatchNormLM(ResNetLM):
                 x = self.cuts[i + 1](x)
         logits = self.head(self.bn_f(x).transpose(1, 2))
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class ModeDependentLM(ToyLM):
+    """Computes another structure in eval mode: there the cut after block 0 carries an extra tensor (a state that
+    training does not keep, as a recurrent model's cache)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)
+        x = self.cuts[0](x)
+        state = None
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 0 and not self.training:
+                state = x.detach() * 0
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x if state is None else (x, state))
+                if state is not None:
+                    x, state = x
+        logits = self.head(self.ln_f(x)).transpose(0, 1) * self.logit_scale
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class ReadsANumber(ToyLM):
+    """Wrong on purpose: after block 0 the forward turns an activation into a Python number, which a later stage
+    (standing in a placeholder for block 0) cannot compute: every stage after the first fails in its forward."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)
+        x = self.cuts[0](x)
+        gain = 1.0
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 0:
+                gain = 1.0 + float(x.detach().abs().mean())
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x * gain if i == 2 else x)
+        logits = self.head(self.ln_f(x)).transpose(0, 1)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))

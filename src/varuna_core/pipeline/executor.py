@@ -139,6 +139,7 @@ class PipelineExecutor:
         self._caps: dict[int, int] = {}  # per micro-batch count: the static peak of held micro-batches
         self._windows: dict[int, tuple[int, int]] = {}  # per micro-batch count: this stage's receive windows
         self._send_caps: dict[int, tuple[int, int]] = {}  # per micro-batch count: unwaited sends per direction
+        self._released: tuple[list, list] | None = None  # what release_next sent (kept alive while in flight)
         self.max_posted = (0, 0)  # the last run's peak of posted, unconsumed receives (activations, gradients)
         self.max_unwaited = (0, 0)  # the last run's peak of sent values not yet waited for (activations, gradients)
         self.observers: list[ActionObserver] = list(observers)
@@ -221,6 +222,17 @@ class PipelineExecutor:
             self.max_posted = (step.peak[0], step.peak[1])
             self.max_unwaited = (step.kept[0], step.kept[1])
         return self._finish(step, started)
+
+    def release_next(self, n: int) -> None:
+        """After a one-micro-batch run that failed on this stage (the start-up validation): send the next stage
+        zeros of ``n`` examples in place of the value it waits for, so it reaches the agreement that follows (and
+        hears of this stage's error there) instead of waiting for its timeout. The send is not waited for (the
+        tensors are kept until the next call)."""
+        if self.next_rank is None:
+            return
+        blank = [torch.zeros(spec.shape_for(n), dtype=spec.torch_dtype, device=self.device)
+                 for spec in self._out_tensor_specs]
+        self._released = (blank, p2p.send(blank, dst=self.next_rank, mb=0, kind=p2p.ACTIVATION, group=None))
 
     # ------------------------------------------------------------------------------------------------------
     # The steps of run()

@@ -209,13 +209,14 @@ def sync_written_buffers(stage_slice: StageSlice, groups: Groups, topology: Topo
         broadcast_coalesced(tensors, src=topology.rank(stage, 0), group=groups.dp)
 
 
-def agree_started(error: BaseException | None, *, rank: int, world_size: int) -> None:
+def agree_started(error: BaseException | None, *, rank: int, world_size: int, first_wins: bool = False) -> None:
     """Every rank says whether its start-up so far succeeded; if one failed, every rank raises.
 
     A start-up error of one rank (slicing its stage, loading its weights: work that differs between ranks) must
-    not leave the others in the next collective until their timeout: all meet here first. The failing rank
-    raises its own error; the others a :class:`~varuna_core.errors.ConfigError` naming the first failing rank and
-    its error (or the same class, when it is a library error)."""
+    not leave the others in the next collective until their timeout: all meet here first. A failing rank raises
+    its own error (with ``first_wins``, only the first failing rank does: the later ones failed because of it,
+    as stages running on what a failed stage sent them); the others raise a
+    :class:`~varuna_core.errors.ConfigError` naming the first failing rank and its error."""
     if world_size == 1:
         if error is not None:
             raise error
@@ -224,15 +225,15 @@ def agree_started(error: BaseException | None, *, rank: int, world_size: int) ->
                                        isinstance(error, VarunaError))
     reports: list[Any] = [None] * world_size
     dist.all_gather_object(reports, mine)
-    if error is not None:
-        raise error
     failed = [(r, report) for r, report in enumerate(reports) if report is not None]
+    if error is not None and (not first_wins or failed[0][0] == rank):
+        raise error
     if failed:
         first, (kind, text, ours) = failed[0]
-        others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        others = f" (and rank {', '.join(str(r) for r, _ in failed[1:])})" if len(failed) > 1 else ""
         raise ConfigError(f"rank {first}{others} failed at start-up with {kind}: {text}",
                           hint=f"a pipeline needs every rank, so every rank stops; see rank {first}'s log"
-                          + ("" if ours else " for the traceback"))
+                          + ("" if ours else " for the traceback")) from error
 
 
 def agree_seed_and_run(seed: int | None, world_size: int, run_id: str | None = None) -> tuple[int, str]:

@@ -18,6 +18,7 @@ from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
 from ..model.discovery import Structure
 from .executor import PipelineExecutor
+from .groups import agree_started
 from .microbatch import batch_size_of
 
 __all__ = ["reference_run", "check_slicing"]
@@ -76,8 +77,14 @@ def check_slicing(executor: PipelineExecutor, module: nn.Module, structure: Stru
     inputs, cut_values, loss = reference
     captured: list = []
     n = batch_size_of(inputs, input_batch_dims)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]), executor.stage.buffer_writes.kept():
-        executor.run([inputs], [n], [1.0], train=False, capture=captured, rng=rng)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), executor.stage.buffer_writes.kept():
+            executor.run([inputs], [n], [1.0], train=False, capture=captured, rng=rng)
+    except Exception as exc:  # the next stage waits for this one's value, the others at the agreement below
+        executor.release_next(n)
+        agree_started(exc, rank=dist.get_rank() if world_size > 1 else 0, world_size=world_size, first_wins=True)
+        raise
+    agree_started(None, rank=dist.get_rank() if world_size > 1 else 0, world_size=world_size, first_wins=True)
     if is_last:
         want = [loss]
         index = len(structure.cut_names)
