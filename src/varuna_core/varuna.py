@@ -86,7 +86,11 @@ class Varuna(nn.Module):
             only its stage (see ``seed``, ``init``, ``weights``). Its forward takes keyword inputs and returns the
             loss (a scalar, or a tuple/dict whose first/``"loss"`` entry is it); ``CutPoint`` modules mark the
             possible stage boundaries. It is modified in place: other stages' parameters move to the ``meta``
-            device.
+            device. Its mode at construction (training, normally) is the one discovery runs it in; the other
+            mode is discovered too, and a ``step``/``evaluate`` in a mode that computes another structure is
+            refused ([Note: discovery mode] in :mod:`varuna_core.model.modes`). Buffers its forward writes
+            (BatchNorm statistics) change once per micro-batch as in one process, whatever the schedule ([Note:
+            buffer writes]); replicas take replica 0's after every step ([Note: replica buffers]).
         stage_to_rank_map: the original's string, e.g. ``"0,2;1,3"``: stage ``s`` lists its global ranks, the
             position in the list is the data-parallel replica.
         dummy_inputs: example inputs (a dict, batched along dim 0 unless ``input_batch_dims`` says otherwise)

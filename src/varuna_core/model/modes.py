@@ -86,6 +86,7 @@ class ModeCheck:
 
     def __init__(self, model: nn.Module, structure: Structure, discover_other: Callable[[], Structure]) -> None:
         self.model = model
+        self._modules = list(model.modules())  # the flags are read at every step: no module walk then
         self.mode = mode_of(model)
         self.training = model.training
         self.flipped = tuple(not m for m in self.mode)
@@ -106,7 +107,7 @@ class ModeCheck:
 
     def check(self, what: str) -> None:
         """Raise :class:`CutPointError` if the model is now in the other mode and that mode's structure differs."""
-        now = mode_of(self.model)
+        now = tuple(m.training for m in self._modules)
         if now == self.mode or now != self.flipped:
             return
         hint = (f"call .{'train' if self.training else 'eval'}() on the model before {what}, or build Varuna with "

@@ -139,6 +139,7 @@ class PipelineExecutor:
         self._caps: dict[int, int] = {}  # per micro-batch count: the static peak of held micro-batches
         self._windows: dict[int, tuple[int, int]] = {}  # per micro-batch count: this stage's receive windows
         self._send_caps: dict[int, tuple[int, int]] = {}  # per micro-batch count: unwaited sends per direction
+        self._writes = bool(stage.buffer_writes)  # this stage holds buffers the forward writes
         self._released: tuple[list, list] | None = None  # what release_next sent (kept alive while in flight)
         self.max_posted = (0, 0)  # the last run's peak of posted, unconsumed receives (activations, gradients)
         self.max_unwaited = (0, 0)  # the last run's peak of sent values not yet waited for (activations, gradients)
@@ -368,7 +369,7 @@ class PipelineExecutor:
         if self.prev_rank is not None:
             st.incoming = self._receive(self._take(step, p2p.ACTIVATION, mb), action)
         keep_graph = step.train and not step.recompute
-        if step.train and step.recompute:  # R must see the buffers F saw: [Note: buffer writes]
+        if step.train and step.recompute and self._writes:  # R must see the buffers F saw: [Note: buffer writes]
             st.buffers = self.stage.buffer_writes.take()
         out = self._timed_forward(step, mb, st.incoming, grad=keep_graph)
         if self.next_rank is None:
@@ -389,9 +390,12 @@ class PipelineExecutor:
     def _do_recompute(self, step: _Step, action: Action) -> None:
         mb = action.mb
         st = step.state[mb]
-        with self.stage.buffer_writes.installed(st.buffers):  # F updated the live buffers once already
+        if st.buffers is None:
             out = self._timed_forward(step, mb, st.incoming, grad=True)
-        st.buffers = None
+        else:
+            with self.stage.buffer_writes.installed(st.buffers):  # F updated the live buffers once already
+                out = self._timed_forward(step, mb, st.incoming, grad=True)
+            st.buffers = None
         if self.next_rank is None:
             st.outputs = [self._scaled(out, step.weights[mb], step.loss_scale)]
         else:
