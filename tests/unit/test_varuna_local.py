@@ -366,3 +366,23 @@ def test_a_model_computing_another_structure_in_eval_mode_is_refused_there() -> 
     plain = _wrap()
     plain.eval()
     assert plain.evaluate(batch(8, seed=3)) > 0
+
+
+def test_a_model_failing_in_eval_mode_builds_and_is_refused_only_in_eval_mode() -> None:
+    """The other mode's dry run is only a check: a model whose eval forward raises still trains, and its
+    ``evaluate()`` after ``.eval()`` raises a CutPointError carrying that error."""
+    from varuna_core.errors import CutPointError
+
+    class TrainOnly(ToyLM):
+        def forward(self, idx, targets):
+            if not self.training:
+                raise ValueError("no evaluation here")
+            return super().forward(idx, targets)
+
+    torch.manual_seed(0)
+    vm = Varuna(TrainOnly(), "0", batch(2), batch_size=8, chunk_size=3, shared_weights=SHARED)
+    vm.set_optimizer(torch.optim.SGD(vm.parameters(), lr=0.1))
+    vm.step(batch(8, seed=1))
+    vm.eval()
+    with pytest.raises(CutPointError, match="ValueError: no evaluation here"):
+        vm.evaluate(batch(8, seed=3))

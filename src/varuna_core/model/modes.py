@@ -80,8 +80,9 @@ class ModeCheck:
     Args:
         model: the user's model (its flags are read at each :meth:`check`).
         structure: discovered in the mode the model was in (``sliced_mode``).
-        other: ``discover`` for the other mode (all modules flipped); called once, at construction, before the
-            model is sliced. A dry run that raises is kept and named when the model is found in that mode.
+        discover_other: ``discover`` for the other mode (all modules flipped); called once, at construction,
+            before the model is sliced. A dry run that raises is kept and named when the model is found in that
+            mode (a model may never be run in it).
     """
 
     def __init__(self, model: nn.Module, structure: Structure, discover_other: Callable[[], Structure]) -> None:
@@ -91,12 +92,12 @@ class ModeCheck:
         self.training = model.training
         self.flipped = tuple(not m for m in self.mode)
         self.other: Structure | None = None
-        self.other_error: VarunaError | None = None
+        self.other_error: str | None = None
         with all_in_mode(model, not self.training):
             try:
                 self.other = discover_other()
-            except VarunaError as exc:  # said when the model is run in that mode, not before
-                self.other_error = exc
+            except Exception as exc:  # noqa: BLE001 - the model may never run in that mode: said if it does
+                self.other_error = exc.message if isinstance(exc, VarunaError) else f"{type(exc).__name__}: {exc}"
         self.difference = None if self.other is None else structure_difference(
             structure, self.other, _name(self.training), _name(not self.training))
 
@@ -116,7 +117,7 @@ class ModeCheck:
         if self.other_error is not None:
             raise CutPointError(
                 f"{what} runs the model in {_name(not self.training)}, in which it cannot be pipelined: "
-                f"{self.other_error.message}", hint=hint)
+                f"{self.other_error}", hint=hint)
         if self.difference is not None:
             raise CutPointError(
                 f"{what} runs the model in {_name(not self.training)}, which computes another structure than "
