@@ -142,12 +142,11 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
     for step, layout in enumerate(layouts):
         full = batch_at(step)
         replica_grads, replica_losses, start = [], [], 0
-        live = list(model.buffers())
-        at_step = [b.detach().clone() for b in live]
+        at_step = [b.detach().clone() for b in model.buffers()]
         for replica, share in enumerate(replica_shares(layout.batch, layout.dp)):
             if replica > 0:  # each replica starts the step from the step's buffers
                 with torch.no_grad():
-                    for b, value in zip(live, at_step, strict=True):
+                    for b, value in zip(model.buffers(), at_step, strict=True):  # the forward may replace one
                         b.copy_(value)
             loss_sum = torch.zeros((), dtype=torch.float64)
             acc: list[torch.Tensor | None] = [None] * len(params)
@@ -183,9 +182,9 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
             replica_grads.append(acc)
             replica_losses.append(loss_sum)
             if replica == 0:
-                after_first = [b.detach().clone() for b in live]
+                after_first = [b.detach().clone() for b in model.buffers()]
         with torch.no_grad():  # replica 0's buffers win (broadcast after the step)
-            for b, value in zip(live, after_first, strict=True):
+            for b, value in zip(model.buffers(), after_first, strict=True):
                 b.copy_(value)
         for i, p in enumerate(params):  # the data-parallel all-reduce
             grad = None

@@ -224,7 +224,12 @@ def agree_started(error: BaseException | None, *, rank: int, world_size: int, fi
     mine = None if error is None else (type(error).__name__, str(error).splitlines()[0] if str(error) else "",
                                        isinstance(error, VarunaError))
     reports: list[Any] = [None] * world_size
-    dist.all_gather_object(reports, mine)
+    try:
+        dist.all_gather_object(reports, mine)
+    except Exception:
+        if error is not None:  # a peer is gone too: this rank's own error says more than the lost connection
+            raise error from None
+        raise
     failed = [(r, report) for r, report in enumerate(reports) if report is not None]
     if error is not None and (not first_wins or failed[0][0] == rank):
         raise error
