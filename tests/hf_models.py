@@ -84,6 +84,10 @@ def _build(name: str, dropout: float, n_layer: int | None) -> torch.nn.Module:
                             vocab_size=VOCAB, max_position_embeddings=SEQ, pad_token_id=0,
                             hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
         return tf.BertForMaskedLM(cfg)
+    if name == "rwkv":  # outside training it keeps a recurrent state (use_cache): another computation
+        cfg = tf.RwkvConfig(vocab_size=VOCAB, context_length=SEQ, hidden_size=32, num_hidden_layers=n_layer,
+                            attention_hidden_size=32, intermediate_size=64)
+        return tf.RwkvForCausalLM(cfg)
     if name == "llama":
         cfg = tf.LlamaConfig(num_hidden_layers=n_layer, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                              intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
@@ -100,7 +104,7 @@ def batch(name: str, n: int, seed: int = 0) -> dict:
         if n > 1:
             attention[1, -4:] = 0
         return {"input_ids": ids, "attention_mask": attention, "labels": ids[:, :TARGET].flip(1).clone()}
-    if name in ("gpt2", "gemma3"):
+    if name in ("gpt2", "gemma3", "rwkv"):
         return {"input_ids": ids, "labels": ids.clone()}
     if name == "llama":
         # positions left out of the loss, a different number per example: the loss is a mean over the batch's

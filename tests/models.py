@@ -320,3 +320,114 @@ class CountingLM(ToyLM):
     def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
         super().__init__(n_layer, hidden, dropout)
         self.blocks = nn.ModuleList([_CountingBlock(hidden, dropout) for _ in range(n_layer)])
+
+
+class ConvBNBlock(nn.Module):
+    """Residual conv + BatchNorm block on ``[b, h, s]`` activations (a ResNet block over a sequence)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(hidden, hidden, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm1d(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.bn(self.conv(x)))
+
+
+class ResNetLM(nn.Module):
+    """ResNet-like: conv + BatchNorm residual blocks in an ``nn.ModuleList`` (``cutpoints="auto"`` cuts in front
+    of blocks 1..), a final BatchNorm and a head tied to the embedding. Every forward in training mode updates
+    the BatchNorm statistics (``running_mean``, ``running_var``, ``num_batches_tracked``)."""
+
+    AUTO_CUTS = True
+
+    def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, hidden)
+        self.blocks = nn.ModuleList([ConvBNBlock(hidden) for _ in range(n_layer)])
+        self.bn_f = nn.BatchNorm1d(hidden)
+        self.head = nn.Linear(hidden, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # [b, h, s], contiguous: a cut's value arrives contiguous on the next stage, and an op on another memory
+        # layout may round its sums in another order than one process does
+        x = self.emb(idx).transpose(1, 2).contiguous()
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.bn_f(x).transpose(1, 2))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class CountingBlock(ConvBNBlock):
+    """:class:`ConvBNBlock` with a call counter (a buffer) that scales its output: in training mode a forward reads
+    what the earlier forwards wrote, so a forward run twice (a recompute) computes something else unless it sees
+    the buffers of its first run."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__(hidden)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return super().forward(x) * (1.0 + 0.1 * self.calls)
+
+
+class BatchNormLM(ResNetLM):
+    """``ResNetLM`` with CutPoints after the embedding and after each block but the last, and blocks whose call
+    counters scale their output: buffers written by every forward on every stage, and read by later forwards."""
+
+    AUTO_CUTS = False
+
+    def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
+        super().__init__(n_layer, hidden, dropout)
+        self.blocks = nn.ModuleList([CountingBlock(hidden) for _ in range(n_layer)])
+        self.cuts = nn.ModuleList([CutPoint() for _ in range(n_layer)])
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.cuts[0](self.emb(idx).transpose(1, 2).contiguous())  # [b, h, s]
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x)
+        logits = self.head(self.bn_f(x).transpose(1, 2))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class ModeDependentLM(ToyLM):
+    """Computes another structure in eval mode: there the cut after block 0 carries an extra tensor (a state that
+    training does not keep, as a recurrent model's cache)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)
+        x = self.cuts[0](x)
+        state = None
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 0 and not self.training:
+                state = x.detach() * 0
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x if state is None else (x, state))
+                if state is not None:
+                    x, state = x
+        logits = self.head(self.ln_f(x)).transpose(0, 1) * self.logit_scale
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+class ReadsANumber(ToyLM):
+    """Wrong on purpose: after block 0 the forward turns an activation into a Python number, which a later stage
+    (standing in a placeholder for block 0) cannot compute: every stage after the first fails in its forward."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)
+        x = self.cuts[0](x)
+        gain = 1.0
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 0:
+                gain = 1.0 + float(x.detach().abs().mean())
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x * gain if i == 2 else x)
+        logits = self.head(self.ln_f(x)).transpose(0, 1)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))

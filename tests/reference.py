@@ -19,6 +19,11 @@ order instead (micro-batches per replica, tied copies as separate parameters sum
 summed after), so the comparison is ``torch.equal`` in every precision, schedule and partition: anything else is
 a defect.
 
+Buffers a forward writes (BatchNorm statistics, counters) change as in one process: once per micro-batch, in
+micro-batch order. With replicas, each replica's forwards start from the step's buffers and see only its own
+micro-batches; after the step every replica takes replica 0's (as DDP with ``broadcast_buffers=True``). The
+reference does exactly that: per replica it starts from the step's buffers, and ends the step with replica 0's.
+
 Exactness holds when every sum of the pipeline has at most two non-zero terms per element (two copies of a tied
 weight, two replicas): ``a + b == b + a`` in IEEE arithmetic, whatever order the collective uses. With more terms
 the collective's own order has to be mirrored: the copies of a tied weight are added in the order of gloo's ring
@@ -185,6 +190,7 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
                     ties: Sequence[Sequence[str]] = (), precision: str = "fp32", loss_scale: float | None = None,
                     loss_reduction: str = "mean", batch_dims: dict | None = None, clip: float | None = None,
                     norms: list[float] | None = None, reused: str | None = None,
+                    buffers: dict[str, torch.Tensor] | None = None,
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Train ``model`` for ``steps`` steps of ``batch_at(step)`` (a global batch, a dict of tensors) as a pipeline
     with ``layout`` adds (one layout, or one per step: a run resumed under another layout). ``ties`` names the
@@ -199,7 +205,8 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
     ``clip`` clips by the global gradient norm (each tied weight counted once) as ``model.step(...,
     clip_grad_max_norm=clip)`` does; each step's norm before clipping is appended to ``norms``. The pipeline sums
     the squared norm over its ranks in the collective's order (float64), so with several ranks the clipping
-    factor may differ from this one in its last bit: tests that clip state a tolerance.
+    factor may differ from this one in its last bit: tests that clip state a tolerance. ``buffers``, if given,
+    receives the final buffers under every name the plain model has (see the module's docstring for replicas).
     Runs on one thread, as the workers do.
     """
     layouts = [layout] * steps if isinstance(layout, Layout) else list(layout)
@@ -212,11 +219,15 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
         if reused is not None:
             call_copies = _CallCopies(model, reused, max(max(layout.calls, default=0) for layout in layouts) + 1)
         try:
-            return _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale, loss_reduction,
-                          batch_dims or {}, clip, norms if norms is not None else [], call_copies)
+            losses, params = _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale,
+                                    loss_reduction, batch_dims or {}, clip, norms if norms is not None else [],
+                                    call_copies)
         finally:
             if call_copies is not None:
                 call_copies.close()
+        if buffers is not None:
+            buffers.update({n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)})
+        return losses, params
     finally:
         torch.set_num_threads(threads)
 
@@ -232,7 +243,12 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
             call_copies.calls = layout.calls
         full = batch_at(step)
         replica_grads, replica_losses, start = [], [], 0
-        for share in replica_shares(layout.batch, layout.dp):
+        at_step = [b.detach().clone() for b in model.buffers()]
+        for replica, share in enumerate(replica_shares(layout.batch, layout.dp)):
+            if replica > 0:  # each replica starts the step from the step's buffers
+                with torch.no_grad():
+                    for b, value in zip(model.buffers(), at_step, strict=True):  # the forward may replace one
+                        b.copy_(value)
             loss_sum = torch.zeros((), dtype=torch.float64)
             acc: list[torch.Tensor | None] = [None] * len(params)
             for n in _microbatches(share, layout.chunk):
@@ -265,6 +281,11 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
                         acc[index[id(p)]] = total
             replica_grads.append(acc)
             replica_losses.append(loss_sum)
+            if replica == 0:
+                after_first = [b.detach().clone() for b in model.buffers()]
+        with torch.no_grad():  # replica 0's buffers win (broadcast after the step)
+            for b, value in zip(model.buffers(), after_first, strict=True):
+                b.copy_(value)
         for i, p in enumerate(params):  # the data-parallel all-reduce
             grad = None
             for grads in replica_grads:

@@ -29,6 +29,7 @@ from .ir.partition import Partition
 from .ir.topology import Topology
 from .model.discovery import Structure, discover, dry_forward, make_batch_fn
 from .model.lazy_values import ValueSource
+from .model.modes import ModeCheck
 from .model.module_state import AttributeSnapshot, written_attributes
 from .model.precision import LossScaler
 from .model.stage import StageSlice, TieSet, find_tie_sets, weight_groups
@@ -46,11 +47,13 @@ from .pipeline.executor import PipelineExecutor
 from .pipeline.grads import GradBuffer
 from .pipeline.groups import (
     agree_seed_and_run,
+    agree_started,
     build_groups,
     ensure_process_group,
     intended_world,
     resolve_device,
     sync_initial_state,
+    sync_written_buffers,
     tie_params,
 )
 from .pipeline.microbatch import split_inputs
@@ -84,7 +87,11 @@ class Varuna(nn.Module):
             only its stage (see ``seed``, ``init``, ``weights``). Its forward takes keyword inputs and returns the
             loss (a scalar, or a tuple/dict whose first/``"loss"`` entry is it); ``CutPoint`` modules mark the
             possible stage boundaries. It is modified in place: other stages' parameters move to the ``meta``
-            device.
+            device. Its mode at construction (training, normally) is the one discovery runs it in; the other
+            mode is discovered too, and a ``step``/``evaluate`` in a mode that computes another structure is
+            refused ([Note: discovery mode] in :mod:`varuna_core.model.modes`). Buffers its forward writes
+            (BatchNorm statistics) change once per micro-batch as in one process, whatever the schedule ([Note:
+            buffer writes]); replicas take replica 0's after every step ([Note: replica buffers]).
         stage_to_rank_map: the original's string, e.g. ``"0,2;1,3"``: stage ``s`` lists its global ranks, the
             position in the list is the data-parallel replica.
         dummy_inputs: example inputs (a dict, batched along dim 0 unless ``input_batch_dims`` says otherwise)
@@ -178,25 +185,14 @@ class Varuna(nn.Module):
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
         self.seed, self.run_id = agree_seed_and_run(config.seed, self.world_size, told.run_id)
-        self.weight_groups = weight_groups(model, list(shared_weights or []))  # ties; checkpoint names: any layout
-        values = value_source(model, self.weight_groups, self.seed, init, weights)
-        batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
-        if config.cutpoints == "auto":
-            from .model.autocut import apply_auto_cutpoints
-
-            apply_auto_cutpoints(model, dry_forward(model, batch_fn, precision=self.precision, values=values),
-                                 stages=self.pp)
-        self.structure: Structure = discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache,
-                                             precision=self.precision, values=values,
-                                             require_cuts=config.cutpoints != "auto")
-        release_free_memory()  # the dry runs' values and activations, before the stage is allocated
-        check_structure(self.structure, self.plan, self.pp)
-        self.partition = choose_partition(config.partition, model, self.structure, self.pp)
-        if validate is None:
-            validate = config.cutpoints == "auto"
-        with AttributeSnapshot(written_attributes(model, self.structure.module_state)).undone():
-            reference = reference_run(model, dummy_inputs, batch_fn, self.chunk_size, values) if validate else None
-        self._slice(model, config.cutpoints, values)
+        try:  # this rank's own work: an error here is every rank's (agree_started), not a peer's timeout
+            reference = self._prepare(model, config, dummy_inputs, input_batch_dims, from_cache, validate, init,
+                                      weights, shared_weights)
+        except Exception as exc:
+            agree_started(exc, rank=self.rank, world_size=self.world_size)
+            raise
+        agree_started(None, rank=self.rank, world_size=self.world_size)
+        self._connect(model)
         release_free_memory()  # the other stages' tensors of a model built for real, the validation's run
         schedule = config.schedule
         self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, schedule, self.timeout,
@@ -206,7 +202,7 @@ class Varuna(nn.Module):
             with self.stage_slice.attributes.undone():
                 check_slicing(self.executor, self.module, self.structure, self.partition, self.stage,
                               is_last=self.stage_slice.is_last, input_batch_dims=self.input_batch_dims,
-                              world_size=self.world_size, reference=reference)
+                              world_size=self.world_size, reference=reference, rng=self._validation_rng)
         self._supervise(told)
         log.info(
             "rank %d: stage %d/%d (segments %s), replica %d/%d, %d micro-batches of ≤%d, schedule %s, %.1f MB params",
@@ -233,15 +229,52 @@ class Varuna(nn.Module):
         self.num_microbatches = len(self.microbatch_sizes)
         self.schedule_name = config.schedule
 
+    def _prepare(self, model: nn.Module, config: Config, dummy_inputs: Any, input_batch_dims: Any,
+                 from_cache: bool, validate: bool | None, init: Any, weights: Any, shared_weights: Any) -> Any:
+        """Discovery (in the model's mode, and in the other one: [Note: discovery mode]), the partition, the
+        validation's reference run, and this stage's slice: work every rank does alone. Returns the reference
+        run (``None`` without validation)."""
+        self.weight_groups = weight_groups(model, list(shared_weights or []))  # ties; checkpoint names: any layout
+        values = value_source(model, self.weight_groups, self.seed, init, weights)
+        batch_fn, self.input_batch_dims = make_batch_fn(dummy_inputs, input_batch_dims)
+        if config.cutpoints == "auto":
+            from .model.autocut import apply_auto_cutpoints
+
+            apply_auto_cutpoints(model, dry_forward(model, batch_fn, precision=self.precision, values=values),
+                                 stages=self.pp)
+
+        def discover_now() -> Structure:
+            return discover(model, batch_fn, self.input_batch_dims, use_cache=from_cache, precision=self.precision,
+                            values=values, require_cuts=config.cutpoints != "auto")
+
+        self.structure: Structure = discover_now()
+        self._modes = ModeCheck(model, self.structure, discover_now)
+        release_free_memory()  # the dry runs' values and activations, before the stage is allocated
+        check_structure(self.structure, self.plan, self.pp)
+        self.partition = choose_partition(config.partition, model, self.structure, self.pp)
+        if validate is None:
+            validate = config.cutpoints == "auto"
+        self._validation_rng = (self.seed, -(2**40))  # a stream no step or evaluation draws
+        reference = None
+        if validate:
+            with AttributeSnapshot(written_attributes(model, self.structure.module_state)).undone():
+                reference = reference_run(model, dummy_inputs, batch_fn, self.chunk_size, values,
+                                          rng=self._validation_rng, device=self.device)
+        self._slice(model, config.cutpoints, values)
+        return reference
+
     def _slice(self, model: nn.Module, cutpoints: str | None, values: ValueSource | None) -> None:
-        """This stage's module (allocated and loaded here if built on meta), its tied weights, and the groups that
-        keep replicas and tied copies in step."""
+        """This stage's module (allocated and loaded here if built on meta) and its tied weights."""
         self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, self.weight_groups)
         self.stage_slice = StageSlice(model, self.structure, self.partition, self.stage, self.ties, self.device,
-                                        placeholders="real" if cutpoints == "auto" else "meta", values=values)
+                                      placeholders="real" if cutpoints == "auto" else "meta", values=values,
+                                      written=self._modes.other_writes)
         if values is not None and values.weights is not None:
             load_stage_weights(model, values.weights, self.weight_groups)
         self.module = model
+
+    def _connect(self, model: nn.Module) -> None:
+        """The groups that keep replicas and tied copies in step (collective), and their first sync."""
         self.groups = build_groups(self.topology, self.ties, self.stage, self.replica, self.world_size, self.timeout)
         self._tied = tie_params(model, self.ties, self.stage)
         sync_initial_state(self.stage_slice, model, self.groups, self._tied, self.topology, self.stage,
@@ -302,6 +335,7 @@ class Varuna(nn.Module):
             ``self.grad_norm`` (``inf`` on overflow).
         """
         check_clip(clip_grad_max_norm)
+        self._modes.check("step()")  # the model in another mode than it was sliced for: [Note: discovery mode]
         self.supervision.before_step()  # may checkpoint (periodic, or agreed on demand: then it exits)
         microbatches = split_inputs(inputs, self.input_batch_dims, self.microbatch_sizes,
                                     expected=self.replica_batch_size)
@@ -326,6 +360,7 @@ class Varuna(nn.Module):
             clip_grad_max_norm=clip_grad_max_norm, reduce=self._global_sum,
             flag=self.supervision.flag(),  # some rank got SIGUSR1: all checkpoint at the next step
         )
+        sync_written_buffers(self.stage_slice, self.groups, self.topology, self.stage)  # [Note: replica buffers]
         self.grad_norm = result.grad_norm
         self.iteration += 1
         self.supervision.after_step(result.loss, requested_anywhere=result.flagged)
@@ -387,7 +422,12 @@ class Varuna(nn.Module):
 
     def evaluate(self, inputs: Mapping[str, Any], batch_size: int | None = None) -> float:
         """The loss over every replica's ``inputs`` (any number of examples; batch dims as discovered): the mean
-        over all examples, or with ``loss_reduction="sum"`` the sum of the micro-batch losses."""
+        over all examples, or with ``loss_reduction="sum"`` the sum of the micro-batch losses. It changes no buffer:
+        BatchNorm statistics (and whatever else the forward writes) are as before. A model switched to the other
+        mode (``.eval()``) must compute the same structure as the mode it was sliced in: otherwise every rank
+        raises a :class:`~varuna_core.errors.CutPointError` saying what differs ([Note: discovery mode])."""
+        self._modes.check("evaluate()")
+
         def rng() -> tuple[int, int]:
             self._evaluations += 1
             return self.seed, -self._evaluations

@@ -98,9 +98,10 @@ class RankResult:
 
 
 def train_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, loss_at: Callable[[int], torch.Tensor],
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                buffers: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The reference of every parity test: ``steps`` plain steps of one process (``loss_at(step)`` runs the
-    forward). Returns the losses (float64) and the final parameters under every slot name, tied ones included."""
+    forward). Returns the losses (float64) and the final parameters under every slot name, tied ones included;
+    ``buffers``, if given, receives the final buffers."""
     losses = []
     for step in range(steps):
         loss = loss_at(step)
@@ -109,6 +110,8 @@ def train_plain(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, 
         opt.zero_grad()
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    if buffers is not None:
+        buffers.update({n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)})
     return torch.tensor(losses, dtype=torch.float64), params
 
 

@@ -38,7 +38,8 @@ def run_one(run: dict, spec: dict) -> dict:
             "want": torch.tensor(want), "eval_peak": torch.tensor(vm.executor.max_posted),
             "unwaited": torch.tensor(unwaited), "want_sends": torch.tensor(want_sends),
             "eval_unwaited": torch.tensor(vm.executor.max_unwaited),
-            "params": {n: p.detach().clone() for n, p in vm.named_parameters()}, "stage": vm.stage}
+            "params": {n: p.detach().clone() for n, p in vm.named_parameters()},
+            "buffers": {n: b.detach().clone() for n, b in vm.named_buffers()}, "stage": vm.stage}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.dist.harness import run_ranks
-from tests.dist.test_parity import TIES, assert_equal_run, rel_diff, shape_of
+from tests.dist.test_parity import TIES, assert_equal_buffers, assert_equal_run, rel_diff, shape_of
 from tests.dist.worker import make_optimizer
 from tests.models import ToyLM, UNetLM, batch
 from tests.reference import Layout, train_reference
@@ -21,8 +21,10 @@ def uninterrupted(layouts: list[Layout], model_cls=ToyLM, optimizer: str = "adam
     """The run as one plain process that adds as the pipeline did at each step (``layouts``: one per step, the
     layout of the run that made that step), so a resumed run equals it bit for bit (``tests/reference.py``)."""
     torch.manual_seed(0)
-    return train_reference(model_cls(), lambda ps: make_optimizer(optimizer, ps), len(layouts),
-                           lambda step: batch(BATCH, seed=100 + step), layouts, ties=TIES)
+    buffers: dict[str, torch.Tensor] = {}
+    losses, params = train_reference(model_cls(), lambda ps: make_optimizer(optimizer, ps), len(layouts),
+                                     lambda step: batch(BATCH, seed=100 + step), layouts, ties=TIES, buffers=buffers)
+    return losses, {**params, **buffers}
 
 
 def steps_as(map_a: str, steps_a: int, map_b: str, steps_b: int) -> list[Layout]:
@@ -43,6 +45,7 @@ def assert_resumed(results, losses: torch.Tensor, params: dict, *, first: int, t
         assert rel_diff(got["losses"], losses[first:]) <= tol, (got["losses"], losses[first:])
         for name, value in got["params"].items():
             assert rel_diff(value, params[name]) <= tol, name
+        assert_equal_buffers(got, params, f"stage {got['stage']} replica {got['replica']}", tol)
 
 
 @pytest.mark.parametrize(("resume_map", "world", "background"), [("0;1;2;3", 4, False), ("0,1", 2, True)])
@@ -128,6 +131,8 @@ def _merged_model_matches(store, tmp_path) -> None:
     _, params = uninterrupted(steps_as("0,2;1,3", 4, "0,2;1,3", 0))
     for name, p in model.named_parameters(remove_duplicate=False):
         assert torch.equal(p.detach(), params[name]), name
+    for name, b in model.named_buffers():
+        assert torch.equal(b, params[name]), name
     with torch.no_grad():
         reference = ToyLM()
         reference.load_state_dict({k: v for k, v in params.items()}, strict=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.dist.harness import run_ranks
 
@@ -73,3 +74,36 @@ def test_timeout_names_rank_stage_action_and_peer(tmp_path) -> None:
     assert waiting.returncode == 1 and waiting.error.startswith("CommTimeoutError"), waiting.error
     for part in ("rank 0 (stage 0, replica 0)", "0B0", "gradient", "from rank 1 (stage 1)", "within 4s"):
         assert part in waiting.error, (part, waiting.error)
+
+
+def test_a_start_up_error_of_one_rank_stops_every_rank_with_that_error(tmp_path) -> None:
+    """Pretrained weights that lack a tensor of the last stage: only the rank loading that stage finds out, while
+    the others go on to build the process groups. Every rank must stop with an error naming the failing rank and
+    the missing tensor (not wait for the timeout and report a lost peer)."""
+    from safetensors.torch import save_file
+
+    from tests.models import ToyLM
+
+    torch.manual_seed(0)
+    state = {k: v.contiguous() for k, v in ToyLM().state_dict().items() if k not in ("head.weight", "blocks.3.fc1.weight")}
+    path = tmp_path / "weights.safetensors"
+    save_file(state, str(path))
+    results = _run(tmp_path / "run", "0;1", 2, timeout=60, meta=True, weights=str(path))
+    failing, peer = results[1], results[0]
+    assert failing.returncode == 1 and "blocks.3.fc1.weight" in failing.error, failing.error
+    assert peer.returncode == 1 and peer.error.startswith("ConfigError"), peer.error
+    assert "rank 1" in peer.error and "blocks.3.fc1.weight" in peer.error, peer.error
+
+
+def test_a_stage_failing_in_validation_stops_every_rank_with_its_error(tmp_path) -> None:
+    """A forward that needs a value of an earlier stage fails on stages 1 and 2 during the start-up validation,
+    while stage 2 waits for stage 1's value and stage 0 for the validation's verdict: every rank must stop with
+    stage 1's error (the first failing rank), none wait for its timeout."""
+    results = _run(tmp_path, "0;1;2", 3, timeout=60, model="ReadsANumber", validate=True)
+    for rank, res in enumerate(results):
+        assert res.returncode == 1, (rank, res.output[-2000:])
+        if rank == 1:
+            assert res.error.startswith("CutPointError") and "stage 1" in res.error, res.error
+        else:
+            assert res.error.startswith("ConfigError: rank 1 "), (rank, res.error)
+            assert "failed at start-up with CutPointError: on stage 1" in res.error, (rank, res.error)

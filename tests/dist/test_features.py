@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist.harness import run_ranks
-from tests.dist.test_parity import TIES, rel_diff, shape_of
+from tests.dist.test_parity import TIES, assert_equal_buffers, rel_diff, shape_of
 from tests.dist.worker import gpt_setup, make_optimizer
 from tests.models import SeqFirstLM, ToyLM, batch, seq_first_batch
 from tests.reference import Layout, train_reference
@@ -29,10 +29,11 @@ def clipped_reference(optimizer: str, stage_map: str):
     torch.manual_seed(0)
     pp, dp = shape_of(stage_map)
     norms: list[float] = []
+    buffers: dict[str, torch.Tensor] = {}
     losses, params = train_reference(ToyLM(), lambda ps: make_optimizer(optimizer, ps), STEPS,
                                      lambda step: batch(BATCH, seed=100 + step), Layout(BATCH, CHUNK, dp, pp),
-                                     ties=TIES, clip=CLIP, norms=norms)
-    return losses, torch.tensor(norms, dtype=torch.float64), params
+                                     ties=TIES, clip=CLIP, norms=norms, buffers=buffers)
+    return losses, torch.tensor(norms, dtype=torch.float64), {**params, **buffers}
 
 
 @pytest.mark.parametrize(("stage_map", "world"), [("0;1", 2), ("0,2;1,3", 4), ("0;1;2;3", 4)])
@@ -53,6 +54,7 @@ def test_global_clipping_matches_clip_grad_norm(stage_map, world, tmp_path) -> N
             assert rel_diff(got["losses"], losses) <= 1e-6, label
             for name, value in got["params"].items():
                 assert rel_diff(value, params[name]) <= 1e-6, (label, name)
+            assert_equal_buffers(got, params, label)
 
 
 def test_dropout_masks_do_not_depend_on_schedule_or_partition(tmp_path) -> None:
@@ -65,6 +67,7 @@ def test_dropout_masks_do_not_depend_on_schedule_or_partition(tmp_path) -> None:
             assert torch.equal(first["losses"], other["losses"])
             for name, value in first["params"].items():
                 assert torch.equal(value, other["params"][name]), f"{name} differs between schedules"
+            assert_equal_buffers(other, first["buffers"], "schedules")
     one = _ok(run_ranks({"map": "0", "timeout": 60, "runs": runs[:1]}, 1, tmp_path / "pp1"))[0][0]
     # The first step's loss is the same forward with the same masks: equal. After it, one stage adds the tied
     # embedding's two uses inside each backward where two stages add their copies after the pipeline: the last
@@ -96,9 +99,12 @@ MIXED_TOPOLOGIES = {  # name -> (stage_to_rank_map, world, partition, GPT layers
 def gpt_reference(precision: str, n_layer: int, dp: int, pp: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model, _, make_batch = gpt_setup({"n_layer": n_layer})
-    return train_reference(model, lambda params: make_optimizer("adamw", params), MIXED_STEPS,
-                           lambda step: make_batch(8, 100 + step), Layout(batch=8, chunk=3, dp=dp, pp=pp),
-                           ties=[("wte.weight", "lm_head.weight")], precision=precision, loss_scale=2.0**16)
+    buffers: dict[str, torch.Tensor] = {}
+    losses, params = train_reference(model, lambda params: make_optimizer("adamw", params), MIXED_STEPS,
+                                     lambda step: make_batch(8, 100 + step), Layout(batch=8, chunk=3, dp=dp, pp=pp),
+                                     ties=[("wte.weight", "lm_head.weight")], precision=precision,
+                                     loss_scale=2.0**16, buffers=buffers)
+    return losses, {**params, **buffers}
 
 
 @pytest.mark.parametrize("topology", list(MIXED_TOPOLOGIES))
@@ -119,6 +125,7 @@ def test_reduced_precision_equals_one_process_in_that_precision(topology, tmp_pa
             assert torch.equal(got["losses"], want_losses), (label, rank, got["losses"], want_losses)
             for name, value in got["params"].items():
                 assert torch.equal(value, want_params[name]), (label, rank, name, rel_diff(value, want_params[name]))
+            assert_equal_buffers(got, want_params, f"{label} rank {rank}")
     for precision in precisions:  # a sanity check that reduced precision trains: the loss falls
         losses = references[precision][0]
         assert float(losses[-1]) < 0.85 * float(losses[0]), (precision, losses)

@@ -1,4 +1,4 @@
-"""Hugging Face models with ``cutpoints="auto"``: GPT-2, BERT (masked LM) and a Llama-style model, built from
+"""Hugging Face models with ``cutpoints="auto"``: GPT-2, BERT (masked LM), a Llama-style model and RWKV, built from
 configs and never edited, trained pipelined equal the same models trained in one plain process (fp32: the
 loss of every step and every parameter, relative difference ≤ 1e-5), tied weights found without being
 declared; and with dropout, the masks do not depend on the pipeline depth or the data-parallel width."""
@@ -12,7 +12,7 @@ import torch
 
 from tests import hf_models
 from tests.dist.harness import run_ranks, train_plain
-from tests.dist.test_parity import rel_diff
+from tests.dist.test_parity import assert_equal_buffers, rel_diff
 
 pytestmark = pytest.mark.dist
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (pip install -e '.[hf]')")
@@ -35,11 +35,14 @@ def optimizer(params):
 
 @functools.lru_cache(maxsize=None)
 def reference(name: str):
-    """Losses and final parameters of the model trained by one plain process (no library)."""
+    """Losses and final state (parameters and buffers) of the model trained by one plain process (no library)."""
     torch.manual_seed(0)
     model = hf_models.build(name)
     opt = optimizer(model.parameters())
-    return train_plain(model, opt, STEPS, lambda step: model(**hf_models.batch(name, BATCH, 100 + step)).loss)
+    buffers: dict[str, torch.Tensor] = {}
+    losses, params = train_plain(model, opt, STEPS, lambda step: model(**hf_models.batch(name, BATCH, 100 + step)).loss,
+                                 buffers)
+    return losses, {**params, **buffers}
 
 
 def runs(dropout: float = 0.0) -> list[dict]:
@@ -55,8 +58,8 @@ def test_hf_models_pipelined_equal_one_plain_process(stage_map, world, tmp_path)
 
 
 def assert_equal_one_process(results, names, reference_of) -> None:
-    """Every rank succeeded, and run ``i`` (model ``names[i]``) equals ``reference_of(name)`` in every loss and
-    in every parameter, each parameter held by some rank."""
+    """Every rank succeeded, and run ``i`` (model ``names[i]``) equals ``reference_of(name)`` in every loss, in
+    every parameter (each held by some rank) and in every buffer."""
     for res in results:
         assert res.returncode == 0, res.error or res.output[-3000:]
     for index, name in enumerate(names):
@@ -68,6 +71,7 @@ def assert_equal_one_process(results, names, reference_of) -> None:
             for pname, value in got["params"].items():
                 assert param_diff(value, want_params[pname]) <= TOL, (name, pname)
                 seen.add(pname)
+            assert_equal_buffers(got, want_params, name)
         every = {n for n, p in hf_models.build(name).named_parameters()}
         assert every <= seen, (name, sorted(every - seen)[:5])  # every parameter lives on some stage
 
@@ -91,7 +95,10 @@ def seq2seq_reference(name: str, dropout: float = 0.0):
     torch.manual_seed(0)
     model = hf_models.build(name, dropout=dropout)
     opt = optimizer(model.parameters())
-    return train_plain(model, opt, STEPS, lambda step: model(**hf_models.batch(name, BATCH, 100 + step)).loss)
+    buffers: dict[str, torch.Tensor] = {}
+    losses, params = train_plain(model, opt, STEPS, lambda step: model(**hf_models.batch(name, BATCH, 100 + step)).loss,
+                                 buffers)
+    return losses, {**params, **buffers}
 
 
 @pytest.mark.parametrize(("stage_map", "world"), [("0;1", 2), ("0,2;1,3", 4), ("0;1;2;3", 4)])
@@ -112,3 +119,20 @@ def test_layer_type_patterns_pipelined_equal_one_plain_process(tmp_path) -> None
              "steps": STEPS} for name, schedule in (("modernbert", "varuna"), ("gemma3", "1f1b"))]
     results = run_ranks({"map": "0;1", "timeout": 120, "runs": runs}, 2, tmp_path, timeout=300)
     assert_equal_one_process(results, hf_models.PATTERNED, reference)
+
+
+def test_a_model_computing_otherwise_outside_training_trains_pipelined_and_is_refused_in_eval_mode(tmp_path) -> None:
+    """RWKV keeps a recurrent state outside training (``use_cache`` in eval mode) and passes it through every
+    block: discovery in eval mode recorded that other computation, so validation refused the model at pp=2 (and
+    without validation rank 0 died in ``step`` while rank 1 waited for its timeout). Discovery runs in training
+    mode: 2 stages with ``cutpoints="auto"`` and validation train like one plain process, and ``evaluate()`` after
+    ``.eval()`` raises on every rank a CutPointError naming the cut that carries another value there."""
+    runs = [{"model": "hf-rwkv", "schedule": "varuna", "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK,
+             "steps": STEPS, "evaluate": BATCH, "evaluate_in_eval_mode": True}]
+    results = run_ranks({"map": "0;1", "timeout": 120, "runs": runs}, 2, tmp_path, timeout=300)
+    assert_equal_one_process(results, ["rwkv"], reference)
+    for res in results:
+        got = res.result["runs"][0]
+        assert "eval_mode" not in got, "evaluate() ran in eval mode"
+        error = got["eval_mode_error"]
+        assert error.startswith("CutPointError") and "eval mode" in error and "CutPoint" in error, error

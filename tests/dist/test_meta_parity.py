@@ -18,7 +18,7 @@ import torch
 from tests import hf_models
 from tests.dist.harness import run_ranks, train_plain
 from tests.dist.test_hf_parity import param_diff
-from tests.dist.test_parity import rel_diff
+from tests.dist.test_parity import assert_equal_buffers, rel_diff
 from tests.dist.worker import make_optimizer
 from tests.models import ToyLM, batch, init_toy
 from varuna_core import materialize, meta_init
@@ -57,7 +57,10 @@ def reference(name: str):
     model, init = build(name)
     materialize(model, seed=SEED, init=init)
     opt = make_optimizer("sgd", model.parameters())
-    return train_plain(model, opt, STEPS, lambda step: loss_of(model(**make_batch(name, BATCH, 100 + step))))
+    buffers: dict[str, torch.Tensor] = {}
+    losses, params = train_plain(model, opt, STEPS, lambda step: loss_of(model(**make_batch(name, BATCH, 100 + step))),
+                                 buffers)
+    return losses, {**params, **buffers}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -78,6 +81,7 @@ def test_meta_built_models_train_as_one_materialised_process(layout, tmp_path) -
             for pname, value in got["params"].items():
                 assert param_diff(value, want_params[pname]) <= TOL, (label, pname)
                 seen.add(pname)
+            assert_equal_buffers(got, want_params, label)
             # nothing but the stage was ever given memory: the rank's real parameters are its stage's
             assert got["held_bytes"] == got["stage_bytes"], (label, got["held_bytes"], got["stage_bytes"])
             if world // (2 if "dp2" in layout else 1) > 1:

@@ -2,7 +2,7 @@
 
 For each topology the workers train ``ToyLM`` (tied embedding, root-level parameter, buffer, LayerNorm,
 ``[s, b, h]`` cuts) for 3 steps with every schedule and with SGD+momentum and AdamW; the loss of every step
-and every final parameter must equal a plain single-process run **bit for bit**: the reference
+and every final parameter and buffer must equal a plain single-process run **bit for bit**: the reference
 (``tests/reference.py``) adds micro-batches, tied copies and replicas in the order the pipeline does, so nothing
 is left to a tolerance (one exception, explained where it is made). The global batch of 8 in micro-batches of 3 makes the last micro-batch smaller (3, 3, 2;
 or 3, 1 per replica).
@@ -17,7 +17,17 @@ import torch
 
 from tests.dist.harness import run_ranks
 from tests.dist.worker import make_optimizer
-from tests.models import CountingLM, SkipAcrossCut, StateAcrossCut, UNetLM, SequentialLM, ToyLM, batch
+from tests.models import (
+    BatchNormLM,
+    CountingLM,
+    ResNetLM,
+    SequentialLM,
+    SkipAcrossCut,
+    StateAcrossCut,
+    ToyLM,
+    UNetLM,
+    batch,
+)
 from tests.reference import Layout, train_reference
 
 pytestmark = pytest.mark.dist
@@ -40,21 +50,23 @@ TOPOLOGIES = {
 TIES = (("emb.weight", "head.weight"),)  # the tied embedding of every model here
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(optimizer: str, pp: int = 1, dp: int = 1, batch_size: int = BATCH, steps: int = STEPS,
               model_cls=ToyLM, chunk: int = CHUNK) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, str]]:
-    """Losses, final parameters (every slot name, tied ones included) and each slot's first name, from a
-    plain one-process run that sums as a ``pp`` × ``dp`` pipeline does (``tests/reference.py``)."""
+    """Losses, final state (every parameter slot name, tied ones included, and every buffer) and each parameter
+    slot's first name, from a plain one-process run that sums as a ``pp`` × ``dp`` pipeline does
+    (``tests/reference.py``)."""
     torch.manual_seed(0)
     model = model_cls()
     first_name = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         first_name.setdefault(id(p), n)
     owner = {n: first_name[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    buffers: dict[str, torch.Tensor] = {}
     losses, params = train_reference(model, lambda ps: make_optimizer(optimizer, ps), steps,
                                      lambda step: batch(batch_size, seed=100 + step),
-                                     Layout(batch_size, chunk, dp, pp), ties=TIES)
-    return losses, params, owner
+                                     Layout(batch_size, chunk, dp, pp), ties=TIES, buffers=buffers)
+    return losses, {**params, **buffers}, owner
 
 
 def shape_of(stage_map: str) -> tuple[int, int]:
@@ -67,12 +79,23 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
-def assert_equal_run(got: dict, losses: torch.Tensor, params: dict[str, torch.Tensor], label: str) -> None:
-    """Every loss and every parameter a rank reports equals the reference's, bit for bit."""
+def assert_equal_run(got: dict, losses: torch.Tensor, state: dict[str, torch.Tensor], label: str) -> None:
+    """Every loss, parameter and buffer a rank reports equals the reference's (``state``: parameters and buffers
+    by name), bit for bit."""
     assert torch.equal(got["losses"], losses), f"{label}: losses {got['losses']} vs {losses}"
     for pname, value in got["params"].items():
-        assert torch.equal(value, params[pname]), \
-            f"{label}: parameter {pname} differs by {rel_diff(value, params[pname]):.2e} (relative)"
+        assert torch.equal(value, state[pname]), \
+            f"{label}: parameter {pname} differs by {rel_diff(value, state[pname]):.2e} (relative)"
+    assert_equal_buffers(got, state, label)
+
+
+def assert_equal_buffers(got: dict, state: dict[str, torch.Tensor], label: str, tol: float | None = None) -> None:
+    """Every buffer a rank holds equals the reference's (``tol``: relative difference, where the test says why)."""
+    for bname, value in got.get("buffers", {}).items():
+        want = state[bname]
+        same = torch.equal(value, want) if tol is None or not value.is_floating_point() else \
+            rel_diff(value, want) <= tol
+        assert same, f"{label}: buffer {bname} is {value} where one process has {want}"
 
 
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
@@ -183,3 +206,33 @@ def test_values_skipping_over_cuts_are_carried(stage_map, world, partition, tmp_
                 assert rel_diff(value, ref_params[pname]) <= TOL, f"{label}: {pname} differs"
             seen.update(got["params"])
         assert {owner[n] for n in seen} == set(owner.values()), f"{cls.__name__}: some parameters are held by no rank"
+
+
+BUFFER_LAYOUTS = {"pp2 dp1": ("0;1", 2), "pp3 dp1": ("0;1;2", 3), "pp2 dp2": ("0,2;1,3", 4),
+                  "pp3 dp2": ("0,3;1,4;2,5", 6)}
+BUFFER_MODELS = (ResNetLM, BatchNormLM)
+
+
+@pytest.mark.parametrize("name", list(BUFFER_LAYOUTS))
+def test_buffers_written_by_the_forward_change_as_in_one_process(name: str, tmp_path) -> None:
+    """BatchNorm statistics (a ResNet-like model cut automatically) and a call counter read by the forward (a
+    CutPoint model) change once per micro-batch, in order, under every schedule: with ``varuna`` a recomputing
+    stage runs each forward twice, and the second run must neither update the buffers again nor see the first
+    run's updates. With replicas, replica 0's buffers win after each step (as DDP's ``broadcast_buffers``).
+    Every loss, parameter and buffer equals ``tests/reference.py`` bit for bit."""
+    stage_map, world = BUFFER_LAYOUTS[name]
+    runs = [{"model": cls.__name__, "schedule": s, "optimizer": "sgd", "batch": BATCH, "chunk": CHUNK, "steps": 2}
+            for cls in BUFFER_MODELS for s in SCHEDULES]
+    results = run_ranks({"map": stage_map, "timeout": 60, "runs": runs}, world, tmp_path)
+    for rank, res in enumerate(results):
+        assert res.returncode == 0, f"rank {rank} failed:\n{res.error or res.output[-3000:]}"
+    for i, run in enumerate(runs):
+        cls = getattr(__import__("tests.models", fromlist=[run["model"]]), run["model"])
+        ref_losses, ref_state, _ = reference("sgd", *shape_of(stage_map), steps=2, model_cls=cls)
+        written = {n for n in ref_state if n.endswith(("running_mean", "num_batches_tracked", "calls"))}
+        seen: set[str] = set()
+        for rank, res in enumerate(results):
+            got = res.result["runs"][i]
+            assert_equal_run(got, ref_losses, ref_state, f"{name} {run['model']} {run['schedule']} rank {rank}")
+            seen.update(got["buffers"])
+        assert written <= seen, f"{name}: buffers held by no rank: {sorted(written - seen)}"

@@ -7,7 +7,8 @@ example, or "hf-gpt2", "hf-bert", "hf-llama", "hf-albert" from tests.hf_models w
 stall_rank/stall_seconds, inject_inf {rank, step}, die {rank, step}, evaluate (batch size of an evaluation),
 unseeded (no torch.manual_seed and no seed= for Varuna), varuna_seed, fail_copy {rank} (that rank's background
 checkpoint copy fails with ENOSPC), meta (build under meta_init: each rank allocates and initialises its stage),
-weights (a path for Varuna(weights=...)).
+weights (a path for Varuna(weights=...)), evaluate_in_eval_mode (evaluate after .eval(): the loss, or the
+error raised, as "eval_mode" or "eval_mode_error").
 """
 
 from __future__ import annotations
@@ -168,6 +169,13 @@ def run_one(run: dict, spec: dict) -> dict:
         eval_batch = make_batch(run["evaluate"], 999)
         # every replica evaluates the same examples here; the mean over replicas is then their loss
         result["eval"] = vm.evaluate(eval_batch)
+    if run.get("evaluate_in_eval_mode"):  # the error evaluate() raises after .eval(), if any
+        vm.eval()
+        try:
+            result["eval_mode"] = vm.evaluate(make_batch(run["batch"], 999))
+        except VarunaError as exc:
+            result["eval_mode_error"] = f"{type(exc).__name__}: {exc}"
+        vm.train()
     return result
 
 

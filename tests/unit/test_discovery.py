@@ -239,3 +239,57 @@ def test_a_value_is_assembled_from_its_tensors_by_its_spec() -> None:
     assert {"const": True} in spec.to_json()["leaves"]
     meta = spec.placeholder(4)
     assert meta["h"].is_meta and list(meta["h"].shape) == [4, 3] and meta["flag"] is True
+
+
+def test_dry_run_in_training_mode_records_and_restores_the_buffers_it_writes() -> None:
+    """Discovery runs in the model's mode: BatchNorm in training mode updates its statistics (running_mean without
+    bumping its version counter) and a counter buffer; both are recorded as written, and every buffer, the
+    training flags and the random stream are as before afterwards."""
+    model = models.BatchNormLM()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    s = _discover(model, use_cache=False)
+    assert torch.equal(torch.rand(3), expected)
+    assert all(m.training for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(before[k], v), k
+    assert "blocks.0.calls" in s.buffer_writes
+    assert {"blocks.1.bn.running_mean", "blocks.1.bn.running_var", "blocks.1.bn.num_batches_tracked",
+            "bn_f.running_mean"} <= set(s.buffer_writes)
+    model.eval()  # the same model in eval mode writes nothing, and its structure is cached under another key
+    assert _discover(model).buffer_writes == ()
+    assert _discover(ToyLM(), use_cache=False).buffer_writes == ()
+
+
+def test_a_replaced_buffer_is_recorded_and_put_back() -> None:
+    class Replacing(ToyLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, idx, targets):
+            self.seen = self.seen + idx.shape[0]  # a new tensor in the buffer slot
+            return super().forward(idx, targets)
+
+    model = Replacing()
+    original = model.seen
+    s = _discover(model, use_cache=False)
+    assert s.buffer_writes == ("seen",)
+    assert model.seen is original and float(original) == 0.0
+
+
+def test_structures_of_the_two_modes_are_compared() -> None:
+    from varuna_core.model.modes import all_in_mode, structure_difference
+
+    model = models.ModeDependentLM()
+    train = _discover(model, use_cache=False)
+    with all_in_mode(model, False):
+        evaluation = _discover(model, use_cache=False)
+    assert all(m.training for m in model.modules())
+    difference = structure_difference(train, evaluation, "training mode", "eval mode")
+    assert difference is not None and "cuts.1" in difference and "eval mode" in difference
+    same = _discover(ToyLM(), use_cache=False)
+    with all_in_mode(model, False):
+        assert structure_difference(same, _discover(ToyLM().eval(), use_cache=False), "a", "b") is None

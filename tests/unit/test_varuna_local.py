@@ -49,11 +49,15 @@ def test_single_process_matches_plain_training(schedule) -> None:
     finally:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
+    ref_buffers: dict[str, torch.Tensor] = {}
     ref_losses, ref_params = train_reference(ToyLM(), lambda ps: torch.optim.AdamW(ps, lr=1e-2), 3,
-                                             lambda step: batch(8, seed=step), Layout(8, 3), ties=SHARED)
+                                             lambda step: batch(8, seed=step), Layout(8, 3), ties=SHARED,
+                                             buffers=ref_buffers)
     assert torch.equal(torch.tensor(losses, dtype=torch.float64), ref_losses), (losses, ref_losses)
     for name, p in vm.named_parameters():
         assert torch.equal(p, ref_params[name]), name
+    for name, b in vm.named_buffers():
+        assert torch.equal(b, ref_buffers[name]), name
 
 
 def test_observers_see_every_action_the_run_and_the_gradient_sync() -> None:
@@ -319,3 +323,66 @@ def test_checkpoint_retention_and_resume_in_one_process(tmp_path) -> None:
     for name, p in fresh.named_parameters():
         assert torch.equal(p, after[name]), name
         assert torch.equal(fresh_opt.state[p]["exp_avg"], opt.state[dict(vm.named_parameters())[name]]["exp_avg"])
+
+
+def test_start_up_and_evaluate_leave_the_written_buffers_as_they_were() -> None:
+    """Discovery, the start-up validation (``cutpoints="auto"``) and ``evaluate()`` of a model left in training
+    mode run forwards that update BatchNorm statistics: none of them may change a buffer. A step does."""
+    from tests.models import ResNetLM
+
+    torch.manual_seed(0)
+    model = ResNetLM()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    vm = Varuna(model, "0", batch(2), batch_size=8, chunk_size=3, shared_weights=SHARED, cutpoints="auto",
+                validate=True)
+    for name, buf in vm.named_buffers():
+        assert torch.equal(buf, before[name]), f"start-up changed {name}"
+    vm.evaluate(batch(8, seed=3))
+    for name, buf in vm.named_buffers():
+        assert torch.equal(buf, before[name]), f"evaluate() changed {name}"
+    vm.set_optimizer(torch.optim.SGD(vm.parameters(), lr=0.1))
+    vm.step(batch(8, seed=4))
+    assert int(dict(vm.named_buffers())["bn_f.num_batches_tracked"]) == 3  # once per micro-batch (3, 3, 2)
+
+
+def test_a_model_computing_another_structure_in_eval_mode_is_refused_there() -> None:
+    """Discovery sees training mode; ``evaluate()`` after ``.eval()`` on a model whose eval forward carries
+    another value across a cut raises a CutPointError naming the cut, before running anything; back in training
+    mode it runs. A model computing the same structure in both modes evaluates in eval mode."""
+    from tests.models import ModeDependentLM
+    from varuna_core.errors import CutPointError
+
+    torch.manual_seed(0)
+    vm = Varuna(ModeDependentLM(), "0", batch(2), batch_size=8, chunk_size=3, shared_weights=SHARED)
+    vm.eval()
+    with pytest.raises(CutPointError, match=r"eval mode.*cuts\.1") as info:
+        vm.evaluate(batch(8, seed=3))
+    assert info.value.hint and ".train()" in info.value.hint
+    vm.set_optimizer(torch.optim.SGD(vm.parameters(), lr=0.1))
+    with pytest.raises(CutPointError, match="eval mode"):
+        vm.step(batch(8, seed=3))
+    vm.train()
+    vm.evaluate(batch(8, seed=3))
+    plain = _wrap()
+    plain.eval()
+    assert plain.evaluate(batch(8, seed=3)) > 0
+
+
+def test_a_model_failing_in_eval_mode_builds_and_is_refused_only_in_eval_mode() -> None:
+    """The other mode's dry run is only a check: a model whose eval forward raises still trains, and its
+    ``evaluate()`` after ``.eval()`` raises a CutPointError carrying that error."""
+    from varuna_core.errors import CutPointError
+
+    class TrainOnly(ToyLM):
+        def forward(self, idx, targets):
+            if not self.training:
+                raise ValueError("no evaluation here")
+            return super().forward(idx, targets)
+
+    torch.manual_seed(0)
+    vm = Varuna(TrainOnly(), "0", batch(2), batch_size=8, chunk_size=3, shared_weights=SHARED)
+    vm.set_optimizer(torch.optim.SGD(vm.parameters(), lr=0.1))
+    vm.step(batch(8, seed=1))
+    vm.eval()
+    with pytest.raises(CutPointError, match="ValueError: no evaluation here"):
+        vm.evaluate(batch(8, seed=3))

@@ -12,10 +12,14 @@ What it records (the :class:`Structure`):
   ``sys.settrace`` missed parameters passed only to builtins). An object touched in two segments is a tied
   weight when those segments land on different stages.
 
-The run happens in eval mode, under ``no_grad`` and with the RNG forked, so it leaves the model, its buffers
-and the user's random stream as they were. Results are cached per process and on disk under a key that hashes
-the model's structure, its classes' source files, its scalar attributes and the inputs' signature: a changed
-model is never served a stale entry (the original kept unkeyed pickles in the working directory).
+* which buffers the forward writes (``buffer_writes``; see [Note: buffer writes] in ``model.buffer_writes``).
+
+The run happens in the mode the model is in (training, normally: the structure recorded is the one training
+computes), under ``no_grad`` and with the RNG forked; every buffer is put back afterwards, so it leaves the
+model, its buffers and the user's random stream as they were. Results are cached per process and on disk under
+a key that hashes the model's structure, its classes' source files, its scalar attributes (the training flag
+among them) and the inputs' signature: a changed model is never served a stale entry (the original kept
+unkeyed pickles in the working directory).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from ..errors import ConfigError, CutPointError
 from ..util.heap import release_free_memory
 from ..util.usercode import accepts, plain_signature
 from .autocut import follow_auto_cuts, survey_auto_cuts
+from .buffer_writes import WriteWatch
 from .cutpoint import CutPoint, find_cutpoints
 from .lazy_values import ValueSource, on_touch, reads_values
 from .module_state import AttributeUse, StateWatch
@@ -52,7 +57,7 @@ __all__ = ["ModuleCall", "Structure", "discover", "dry_forward", "BatchFn", "mak
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int], dict]
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 @dataclasses.dataclass(frozen=True)
 class ModuleCall:
@@ -81,6 +86,7 @@ class Structure:
             it carries (see [Note: loop-carried] in :mod:`~varuna_core.model.autocut`).
         module_state: the module attributes the forward writes, where, and where they are read (see [Note:
             module state]).
+        buffer_writes: buffer slot names the forward writes (in place, or by replacing the tensor), sorted.
     """
 
     key: str
@@ -93,6 +99,7 @@ class Structure:
     skips: tuple[Skip, ...] = ()
     auto_carried: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     module_state: tuple[AttributeUse, ...] = ()
+    buffer_writes: tuple[str, ...] = ()
 
     @property
     def num_segments(self) -> int:
@@ -125,6 +132,7 @@ class Structure:
             "skips": [s.to_json() for s in self.skips],
             "auto_carried": {k: list(v) for k, v in self.auto_carried.items()},
             "module_state": [u.to_json() for u in self.module_state],
+            "buffer_writes": list(self.buffer_writes),
         }
 
     @classmethod
@@ -145,7 +153,15 @@ class Structure:
             skips=tuple(Skip.from_json(s) for s in data["skips"]),
             auto_carried={str(k): _places(v) for k, v in data["auto_carried"].items()},
             module_state=tuple(AttributeUse.from_json(u) for u in data["module_state"]),
+            buffer_writes=_names(data["buffer_writes"]),
         )
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """Slot names read from the cache: a list of strings (anything else is a corrupt entry)."""
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise ValueError("corrupt name list")
+    return tuple(value)
 
 
 def _places(value: Any) -> tuple[int, ...]:
@@ -389,12 +405,12 @@ def _first_opaque(value: Any) -> _Opaque | None:
 
 @contextlib.contextmanager
 def _quiet_run(model: nn.Module):
-    """Eval mode, no autograd, forked RNG; restores each module's training flag afterwards."""
+    """No autograd, forked RNG, in the model's own mode; restores each module's training flag afterwards (a
+    forward may change them). Buffers are the caller's to keep (:class:`WriteWatch`)."""
     modes = {m: m.training for m in model.modules()}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            model.eval()
             yield
     finally:
         for module, mode in modes.items():
@@ -455,7 +471,7 @@ def discover(
     values = _dry_values(slots, values)
     state = StateWatch(model)  # attributes the forward writes: [Note: module state]
     try:
-        with on_touch(model, values):
+        with WriteWatch(model) as writes, on_touch(model, values):  # the watch outside: its copies touch no value
             auto_carried = survey_auto_cuts(model, lambda: _run(model, cuts, inputs_1, None, precision))
             rec_1, out_1 = _run(model, cuts, inputs_1, mode, precision, state.writes)
             rec_2, _ = _run(model, cuts, inputs_2, None, precision, state.reads)
@@ -481,6 +497,7 @@ def discover(
         skips=skips,
         auto_carried=auto_carried,
         module_state=state.uses(lambda name: _call_segments(module_calls, name, len(rec_1.cut_order) + 1)),
+        buffer_writes=writes.written,
     )
     if use_cache:
         _cache_put(structure)
@@ -498,7 +515,7 @@ def dry_forward(model: nn.Module, batch_fn: BatchFn, *, precision: str = "fp32",
         _check_forward_takes(model, inputs)
         state = StateWatch(model)  # puts back the attributes the forward writes
         try:
-            with on_touch(model, _dry_values(_slots(model), values)), _quiet_run(model), autocast(
+            with WriteWatch(model), on_touch(model, _dry_values(_slots(model), values)), _quiet_run(model), autocast(
                     precision, torch.device("cpu")):
                 return model(**inputs)
         finally:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
+from .buffer_writes import BufferWrites
 from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
 from .lazy_values import ValueSource
@@ -176,6 +177,9 @@ class StageSlice:
             ``values.weights`` are loaded by the caller once the stage is sliced (one read per tensor).
         state_checks: refuse module attributes read on another stage than the one writing them (default); a
             segment timed alone (the profiler) computes on random values anyway.
+        written: buffer slots the forward writes besides ``structure.buffer_writes`` (those of the other mode's
+            structure); with them, :attr:`buffer_writes` keeps what a recompute, an evaluation or a validation
+            run must not change twice (see [Note: buffer writes]).
 
     Raises:
         CutPointError: a module attribute that the forward writes in a segment of one stage is read in a segment
@@ -193,6 +197,7 @@ class StageSlice:
         placeholders: str = "meta",
         values: ValueSource | None = None,
         state_checks: bool = True,
+        written: Iterable[str] = (),
     ) -> None:
         # [Note: module state]; a profiler timing one segment alone has no use for the check
         relied = check_state_crossings(model, structure.module_state, partition) if state_checks else {}
@@ -221,6 +226,7 @@ class StageSlice:
         self._in_skips = [index[s] for s in structure.skips_across(self.first_segment - 1)] if not self.is_first else []
         self._out_skips = [index[s] for s in structure.skips_across(self.stop_segment - 1)] if not self.is_last else []
         self.param_names = self._slice_tensors()
+        self.buffer_writes = BufferWrites(model, (*structure.buffer_writes, *written))
         self._pre_cut = _PlaceholderWins() if not self.is_first else contextlib.nullcontext()
         self._install_hooks()
 

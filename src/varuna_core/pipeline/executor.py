@@ -27,7 +27,9 @@ receive's ``is_completed()``: gloo's point-to-point handles report completion on
 
 A recompute draws the same dropout masks as its forward because both seed each segment from (seed, step,
 micro-batch, segment) (see [Note: deterministic dropout] in :mod:`varuna_core.model.rng`); the original restored a
-saved state and then left the live stream at the recomputed micro-batch's state.
+saved state and then left the live stream at the recomputed micro-batch's state. And it runs on a copy of the
+buffers the forward wrote, taken before the forward, so BatchNorm statistics and other buffers a forward updates
+change once per micro-batch, as in one process ([Note: buffer writes] in :mod:`varuna_core.model.buffer_writes`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from ..errors import InternalError, ScheduleError
 from ..ir.inflight import inflight, posted_receives, unwaited_sends
 from ..ir.schedule import Action, Op, Schedule, check_schedule, generate, validate
 from ..ir.topology import Topology
+from ..model.buffer_writes import Snapshot
 from ..model.payload import ValueSpec, flatten
 from ..model.precision import autocast
 from ..model.stage import StageSlice
@@ -63,6 +66,7 @@ class _MicroState:
     incoming: list[torch.Tensor] | None = None  # tensor leaves received at the incoming cut
     outputs: list[torch.Tensor] | None = None  # tensor leaves of the outgoing value (or [loss])
     attributes: list | None = None  # under recompute: the module attributes as F found them ([Note: module state])
+    buffers: Snapshot | None = None  # written buffers as the forward found them, for the recompute
 
 
 @dataclasses.dataclass
@@ -137,6 +141,8 @@ class PipelineExecutor:
         self._caps: dict[int, int] = {}  # per micro-batch count: the static peak of held micro-batches
         self._windows: dict[int, tuple[int, int]] = {}  # per micro-batch count: this stage's receive windows
         self._send_caps: dict[int, tuple[int, int]] = {}  # per micro-batch count: unwaited sends per direction
+        self._writes = bool(stage.buffer_writes)  # this stage holds buffers the forward writes
+        self._released: tuple[list, list] | None = None  # what release_next sent (kept alive while in flight)
         self.max_posted = (0, 0)  # the last run's peak of posted, unconsumed receives (activations, gradients)
         self.max_unwaited = (0, 0)  # the last run's peak of sent values not yet waited for (activations, gradients)
         self.observers: list[ActionObserver] = list(observers)
@@ -220,6 +226,17 @@ class PipelineExecutor:
             self.max_posted = (step.peak[0], step.peak[1])
             self.max_unwaited = (step.kept[0], step.kept[1])
         return self._finish(step, started)
+
+    def release_next(self, n: int) -> None:
+        """After a one-micro-batch run that failed on this stage (the start-up validation): send the next stage
+        zeros of ``n`` examples in place of the value it waits for, so it reaches the agreement that follows (and
+        hears of this stage's error there) instead of waiting for its timeout. The send is not waited for (the
+        tensors are kept until the next call)."""
+        if self.next_rank is None:
+            return
+        blank = [torch.zeros(spec.shape_for(n), dtype=spec.torch_dtype, device=self.device)
+                 for spec in self._out_tensor_specs]
+        self._released = (blank, p2p.send(blank, dst=self.next_rank, mb=0, kind=p2p.ACTIVATION, group=None))
 
     # ------------------------------------------------------------------------------------------------------
     # The steps of run()
@@ -357,6 +374,8 @@ class PipelineExecutor:
         keep_graph = step.train and not step.recompute
         if step.train and step.recompute:
             st.attributes = self.stage.attributes.take()
+        if step.train and step.recompute and self._writes:  # R must see the buffers F saw: [Note: buffer writes]
+            st.buffers = self.stage.buffer_writes.take()
         out = self._timed_forward(step, mb, st.incoming, grad=keep_graph)
         if self.next_rank is None:
             step.loss_sum += out.detach().reshape(()).to(torch.float64) * step.weights[mb]
@@ -376,8 +395,12 @@ class PipelineExecutor:
     def _do_recompute(self, step: _Step, action: Action) -> None:
         mb = action.mb
         st = step.state[mb]
-        with self.stage.attributes.installed(st.attributes):  # R sees what F saw; F's writes stay the live ones
+        with contextlib.ExitStack() as replay:  # R sees the attributes and buffers F saw; F's writes stay live
+            replay.enter_context(self.stage.attributes.installed(st.attributes))
+            if st.buffers is not None:  # F updated the live buffers once already
+                replay.enter_context(self.stage.buffer_writes.installed(st.buffers))
             out = self._timed_forward(step, mb, st.incoming, grad=True)
+        st.buffers = None
         if self.next_rank is None:
             st.outputs = [self._scaled(out, step.weights[mb], step.loss_scale)]
         else:

@@ -6,7 +6,9 @@
   it and sets it as the current one;
 * :func:`build_groups` creates the data-parallel group of every stage and one group per tied weight and replica;
 * :func:`sync_initial_state` starts every replica of a stage and every copy of a tied weight from the same values;
-* :func:`agree_seed_and_run` broadcasts rank 0's dropout seed and run id.
+* :func:`sync_written_buffers` gives every replica of a stage replica 0's written buffers after a step;
+* :func:`agree_seed_and_run` broadcasts rank 0's dropout seed and run id;
+* :func:`agree_started` makes a start-up error of one rank the error of every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import env
-from ..errors import ConfigError
+from ..errors import ConfigError, VarunaError
 from ..ir.topology import Topology
 from ..model.devices import check_device
 from ..model.rng import MASK64
@@ -35,7 +37,8 @@ from ..model.stage import StageSlice, TieSet
 from ..util.text import printable
 
 __all__ = ["intended_world", "ensure_process_group", "collective_device", "resolve_device", "Groups",
-           "build_groups", "tie_params", "sync_initial_state", "agree_seed_and_run", "broadcast_coalesced"]
+           "build_groups", "tie_params", "sync_initial_state", "sync_written_buffers", "agree_seed_and_run",
+           "agree_started", "broadcast_coalesced"]
 
 _RUN_ID_BYTES = 64
 
@@ -227,6 +230,52 @@ def sync_initial_state(stage_slice: StageSlice, module: nn.Module, groups: Group
     for tie, group in groups.ties:
         src = topology.rank(tie.stages[0], replica)
         broadcast_coalesced([tied[tie.canonical].data], src=src, group=group)
+
+
+def sync_written_buffers(stage_slice: StageSlice, groups: Groups, topology: Topology, stage: int) -> None:
+    """After a step, every replica of the stage takes replica 0's values of the buffers the forward writes.
+
+    [Note: replica buffers] Each replica runs only its own micro-batches, so the buffers its forward updates
+    (BatchNorm statistics, counters) drift apart between replicas. As DDP does with ``broadcast_buffers=True``,
+    replica 0's buffers win, once per step, and the next step starts from them on every replica. Only the
+    written buffers travel (none, and no message, for a stage without any)."""
+    if groups.dp is None:
+        return
+    tensors = stage_slice.buffer_writes.live()
+    if tensors:
+        broadcast_coalesced(tensors, src=topology.rank(stage, 0), group=groups.dp)
+
+
+def agree_started(error: BaseException | None, *, rank: int, world_size: int, first_wins: bool = False) -> None:
+    """Every rank says whether its start-up so far succeeded; if one failed, every rank raises.
+
+    A start-up error of one rank (slicing its stage, loading its weights: work that differs between ranks) must
+    not leave the others in the next collective until their timeout: all meet here first. A failing rank raises
+    its own error (with ``first_wins``, only the first failing rank does: the later ones failed because of it,
+    as stages running on what a failed stage sent them); the others raise a
+    :class:`~varuna_core.errors.ConfigError` naming the first failing rank and its error."""
+    if world_size == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else (type(error).__name__, str(error).splitlines()[0] if str(error) else "",
+                                       isinstance(error, VarunaError))
+    reports: list[Any] = [None] * world_size
+    try:
+        dist.all_gather_object(reports, mine)
+    except Exception:
+        if error is not None:  # a peer is gone too: this rank's own error says more than the lost connection
+            raise error from None
+        raise
+    failed = [(r, report) for r, report in enumerate(reports) if report is not None]
+    if error is not None and (not first_wins or failed[0][0] == rank):
+        raise error
+    if failed:
+        first, (kind, text, ours) = failed[0]
+        others = f" (and rank {', '.join(str(r) for r, _ in failed[1:])})" if len(failed) > 1 else ""
+        raise ConfigError(f"rank {first}{others} failed at start-up with {kind}: {text}",
+                          hint=f"a pipeline needs every rank, so every rank stops; see rank {first}'s log"
+                          + ("" if ours else " for the traceback")) from error
 
 
 def agree_seed_and_run(seed: int | None, world_size: int, run_id: str | None = None) -> tuple[int, str]:

@@ -115,11 +115,13 @@ def evaluate_loss(executor: PipelineExecutor, inputs: Mapping[str, Any], input_b
                   batch_size: int | None, *, chunk_size: int, loss_reduction: str, rng: Callable[[], tuple[int, int]],
                   is_last: bool, world_size: int, timeout: float, rank: int) -> float:
     """The loss over every replica's ``inputs``: the mean over all examples, or with ``loss_reduction="sum"`` the
-    sum of the micro-batch losses. ``rng()`` names the dropout stream, once the inputs are split."""
+    sum of the micro-batch losses. ``rng()`` names the dropout stream, once the inputs are split. The buffers the
+    forward writes are as before afterwards (a model left in training mode would otherwise update its BatchNorm
+    statistics with the evaluation's batches)."""
     n = batch_size_of(inputs, input_batch_dims) if batch_size is None else int(batch_size)
     sizes = microbatch_sizes(n, chunk_size)
     microbatches = split_inputs(inputs, input_batch_dims, sizes, expected=n)
-    with torch.no_grad():
+    with torch.no_grad(), executor.stage.buffer_writes.kept():
         loss_sum = executor.run(microbatches, sizes, loss_weights(sizes, n, loss_reduction), train=False, rng=rng())
     total = loss_sum * n if loss_reduction == "mean" else loss_sum
     pair = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=loss_sum.device)])

@@ -18,33 +18,46 @@ from ..errors import ConfigError, CutPointError
 from ..ir.partition import Partition
 from ..model.discovery import Structure
 from .executor import PipelineExecutor
-from .groups import collective_device
+from .groups import agree_started, collective_device
 from .microbatch import batch_size_of
 
 __all__ = ["reference_run", "check_slicing"]
 
 
 def reference_run(model: nn.Module, dummy_inputs: Any, batch_fn: Callable[[int], dict],
-                  chunk_size: int, values: Any = None) -> tuple[dict, list, torch.Tensor]:
-    """The unsliced model's value at each cut and its loss on the dummy inputs (eval mode, no grad). A model
-    built on meta runs with ``values`` (:class:`~varuna_core.model.lazy_values.ValueSource`), made as each op
-    reads them."""
+                  chunk_size: int, values: Any = None, *, rng: tuple[int, int] | None = None,
+                  device: torch.device | None = None) -> tuple[dict, list, torch.Tensor]:
+    """The unsliced model's value at each cut and its loss on the dummy inputs (no grad, in the model's mode: the
+    one discovery saw). A model built on meta runs with ``values``
+    (:class:`~varuna_core.model.lazy_values.ValueSource`), made as each op reads them. ``rng`` ``(seed, step)``
+    seeds each segment as a stage seeds micro-batch 0's (so dropout in training mode draws the pipeline's masks);
+    the random stream and every buffer are as before afterwards."""
+    from ..model.buffer_writes import WriteWatch
     from ..model.cutpoint import CutPoint, find_cutpoints
     from ..model.discovery import _quiet_run, extract_loss
     from ..model.lazy_values import on_touch
+    from ..model.rng import seed_segment, segment_seed
 
     inputs = dict(dummy_inputs) if isinstance(dummy_inputs, Mapping) else batch_fn(chunk_size)
     at_cuts: list[Any] = []
     cuts = find_cutpoints(model)
 
+    where = device if device is not None else torch.device("cpu")
+
+    def seed(segment: int) -> None:
+        if rng is not None:
+            seed_segment(where, segment_seed(rng[0], rng[1], 0, segment))
+
     def record(cut: CutPoint, value: Any) -> Any:
         at_cuts.append(torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value))
+        seed(len(at_cuts))
         return value
 
     for cut in cuts.values():
         cut.set_hook(record)
     try:
-        with _quiet_run(model), on_touch(model, values):
+        with WriteWatch(model), _quiet_run(model), on_touch(model, values):
+            seed(0)
             output = extract_loss(model(**inputs))
             if output is None:  # discovery refused such a model already
                 raise ConfigError("the model's forward must return the loss as a scalar tensor")
@@ -57,19 +70,21 @@ def reference_run(model: nn.Module, dummy_inputs: Any, batch_fn: Callable[[int],
 
 def check_slicing(executor: PipelineExecutor, module: nn.Module, structure: Structure, partition: Partition,
                   stage: int, *, is_last: bool, input_batch_dims: Mapping[str, Any], world_size: int,
-                  reference: tuple[dict, list, torch.Tensor]) -> None:
+                  reference: tuple[dict, list, torch.Tensor], rng: tuple[int, int] | None = None) -> None:
     """Run the sliced pipeline on the reference's inputs and compare each stage's output with the unsliced
-    model's (collective); raise :class:`~varuna_core.errors.CutPointError` naming the first differing cut."""
+    model's (collective); raise :class:`~varuna_core.errors.CutPointError` naming the first differing cut. Runs
+    in the model's mode with the reference's ``rng``; leaves the buffers and the random stream as they were."""
     inputs, cut_values, loss = reference
-    training = module.training
-    module.eval()
     captured: list = []
     n = batch_size_of(inputs, input_batch_dims)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            executor.run([inputs], [n], [1.0], train=False, capture=captured)
-    finally:
-        module.train(training)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), executor.stage.buffer_writes.kept():
+            executor.run([inputs], [n], [1.0], train=False, capture=captured, rng=rng)
+    except Exception as exc:  # the next stage waits for this one's value, the others at the agreement below
+        executor.release_next(n)
+        agree_started(exc, rank=dist.get_rank() if world_size > 1 else 0, world_size=world_size, first_wins=True)
+        raise
+    agree_started(None, rank=dist.get_rank() if world_size > 1 else 0, world_size=world_size, first_wins=True)
     if is_last:
         want = [loss]
         index = len(structure.cut_names)
