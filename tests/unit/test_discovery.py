@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn as nn
 
 from tests import models
 from tests.models import SHARED, ToyLM, batch
@@ -293,3 +294,31 @@ def test_structures_of_the_two_modes_are_compared() -> None:
     same = _discover(ToyLM(), use_cache=False)
     with all_in_mode(model, False):
         assert structure_difference(same, _discover(ToyLM().eval(), use_cache=False), "a", "b") is None
+
+
+class _NormedMLP(nn.Module):
+    """BatchNorm1d over ``[N, C]``: in training mode it refuses a batch of one example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU())
+        self.cut = CutPoint()
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+
+    def forward(self, x, y):
+        return ((self.b(self.cut(self.a(x))).squeeze(1) - y) ** 2).mean()
+
+
+def test_batch_norm_over_one_example_does_not_stop_discovery_in_training_mode() -> None:
+    """The 1-example probe runs in training mode (the mode the model trains in), where BatchNorm1d refuses one
+    value per channel; the probe gets through, records the structure, and leaves the statistics as they were."""
+    torch.manual_seed(0)
+    model = _NormedMLP()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    inputs = {"x": torch.randn(4, 4), "y": torch.randn(4)}
+    fn, dims = make_batch_fn(inputs, None)
+    s = discover(model, fn, dims, use_cache=False)
+    assert s.num_segments == 2 and s.cuts[0].leaves[0].shape == (1, 8)
+    assert {"a.1.running_mean", "b.1.num_batches_tracked"} <= set(s.buffer_writes)
+    assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
+    assert model.training

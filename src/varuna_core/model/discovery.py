@@ -417,13 +417,28 @@ def _quiet_run(model: nn.Module):
             module.training = mode
 
 
+class _OneExampleNorm(TorchFunctionMode):
+    """Lets the 1-example probe through batch norm in training mode, which refuses one value per channel
+    (``BatchNorm1d`` over ``[1, C]``): such a call normalises the example twice over (a batch of two copies) and
+    keeps the first, which has the shape, dtype and device of the real call. The probe records structure, not
+    values, and the buffers it updates are put back (:class:`WriteWatch`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.batch_norm and kwargs.get("training") and args:
+            x = args[0]
+            if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.numel() == x.shape[1]:
+                return func(torch.cat([x, x]), *args[1:], **kwargs)[:1]
+        return func(*args, **kwargs)
+
+
 def _run(model: nn.Module, cuts: dict[str, CutPoint], inputs: dict, mode: _UseMode | None, precision: str,
          watch: Callable[[Callable[[], int]], contextlib.AbstractContextManager[None]] | None = None):
     recorder = _Recorder(model, cuts, None if mode is None else mode.provenance)
     if mode is not None:
         mode.recorder = recorder
     try:
-        with _quiet_run(model), autocast(precision, torch.device("cpu")), (
+        with _quiet_run(model), autocast(precision, torch.device("cpu")), _OneExampleNorm(), (
             mode if mode is not None else contextlib.nullcontext()
         ), (watch(lambda: recorder.segment) if watch is not None else contextlib.nullcontext()):
             output = model(**inputs)
@@ -516,7 +531,7 @@ def dry_forward(model: nn.Module, batch_fn: BatchFn, *, precision: str = "fp32",
         state = StateWatch(model)  # puts back the attributes the forward writes
         try:
             with WriteWatch(model), on_touch(model, _dry_values(_slots(model), values)), _quiet_run(model), autocast(
-                    precision, torch.device("cpu")):
+                    precision, torch.device("cpu")), _OneExampleNorm():
                 return model(**inputs)
         finally:
             state.restore()
