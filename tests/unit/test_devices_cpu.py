@@ -35,3 +35,21 @@ def test_two_ranks_on_one_gpu_are_named() -> None:
     problem = shared_gpu([("a", "u0", "cuda:0"), ("a", "u1", "cuda:1"), ("a", "u0", "cuda:0")])
     assert problem == "ranks 0 and 2 would both compute on cuda:0 of host a, and NCCL needs one GPU per rank"
     assert "\x1b" not in shared_gpu([("h\x1b[2J", "u", "cuda:0")] * 2)
+
+
+def test_messages_go_through_host_memory_only_for_a_gpu_under_gloo(monkeypatch) -> None:
+    """gloo cannot send or receive CUDA tensors point to point: a GPU stage under gloo receives into host buffers
+    and hands the value on on its device; a CPU stage, or NCCL, does not copy."""
+    import torch.distributed as dist
+
+    from varuna_core.pipeline import p2p
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert not p2p.staged_through_host(torch.device("cpu"))
+    assert p2p.staged_through_host(torch.device("meta"))  # stands for a GPU: any device but the host's
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert not p2p.staged_through_host(torch.device("meta"))
+    host = [torch.ones(2, 3)]
+    assert p2p.Pending(host, [], 1, "activation").arrived() is host
+    moved = p2p.Pending(host, [], 1, "activation", device=torch.device("meta")).arrived()
+    assert moved[0].device.type == "meta" and moved[0].shape == (2, 3)

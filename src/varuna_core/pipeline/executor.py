@@ -431,7 +431,7 @@ class PipelineExecutor:
                      describe=lambda: f"{self._who()} in {action} waiting for the activation of micro-batch "
                      f"{action.mb} from rank {pending.peer} (stage {self.stage_index - 1})")
         self._waited += time.perf_counter() - started
-        return pending.tensors
+        return pending.arrived()
 
     @staticmethod
     def _scaled(loss: torch.Tensor, weight: float, scale: torch.Tensor | None) -> torch.Tensor:
@@ -482,7 +482,7 @@ class PipelineExecutor:
             self._waited += time.perf_counter() - started
             floats = [o for o in st.outputs if o.is_floating_point()]
             pairs = [(o, g if g.dtype == o.dtype else g.to(o.dtype))
-                     for o, g in zip(floats, pending.tensors, strict=True)
+                     for o, g in zip(floats, pending.arrived(), strict=True)
                      if o.requires_grad]
             roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
         if roots:

@@ -23,7 +23,7 @@ from ..model.payload import TensorSpec, ValueSpec
 
 __all__ = [
     "ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post_recv", "send", "wait_all", "check_value",
-    "wire_leaves",
+    "wire_leaves", "staged_through_host",
 ]
 
 ACTIVATION = 0
@@ -47,35 +47,55 @@ def _tag(mb: int, kind: int, leaf: int) -> int:
 
 @dataclasses.dataclass
 class Pending:
-    """Posted receives of one value: the buffers and their work handles."""
+    """Posted receives of one value: the buffers and their work handles. ``device``: where the value is used,
+    when the buffers are staged in host memory (see :func:`staged_through_host`)."""
 
     tensors: list[torch.Tensor]
     works: list[Any]
     peer: int
     what: str
+    device: torch.device | None = None
 
     def ready(self) -> bool:
         """Whether every receive has completed, without waiting (always False on gloo until waited for)."""
         return all(w.is_completed() for w in self.works)
+
+    def arrived(self) -> list[torch.Tensor]:
+        """The received tensors on the device they are used on (call once the works are waited for)."""
+        if self.device is None:
+            return self.tensors
+        return [t.to(self.device, non_blocking=True) for t in self.tensors]
+
+
+def staged_through_host(device: torch.device, group=None) -> bool:
+    """Whether point-to-point messages of tensors on ``device`` go through host memory: gloo moves CUDA tensors in
+    its collectives but not in ``send``/``recv`` (it fails with "Bad address"), so a pipeline on GPUs under a gloo
+    group (several ranks sharing one GPU, which NCCL refuses) sends host copies."""
+    return device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
 def post_recv(
     specs: list[TensorSpec], n: int, *, src: int, mb: int, kind: int, device: torch.device, group, what: str
 ) -> Pending:
     """Post receives for tensors described by ``specs`` for ``n`` examples from global rank ``src``."""
+    staged = staged_through_host(device, group)
+    at = torch.device("cpu") if staged else device
     tensors, works = [], []
     for leaf, spec in enumerate(specs):
-        buf = torch.empty(spec.shape_for(n), dtype=spec.torch_dtype, device=device)
+        buf = torch.empty(spec.shape_for(n), dtype=spec.torch_dtype, device=at, pin_memory=staged)
         tensors.append(buf)
         works.append(dist.irecv(buf, src=src, group=group, tag=_tag(mb, kind, leaf)))
-    return Pending(tensors, works, src, what)
+    return Pending(tensors, works, src, what, device if staged else None)
 
 
 def send(tensors: list[torch.Tensor], *, dst: int, mb: int, kind: int, group) -> list[Any]:
-    """Post sends of ``tensors`` to global rank ``dst``; the caller keeps the tensors alive until waited."""
-    return [
-        dist.isend(t.contiguous(), dst=dst, group=group, tag=_tag(mb, kind, leaf)) for leaf, t in enumerate(tensors)
-    ]
+    """Post sends of ``tensors`` to global rank ``dst``; the caller keeps the tensors alive until waited (the
+    work handles hold any copy made here: a contiguous one, or a host copy under :func:`staged_through_host`)."""
+    works = []
+    for leaf, t in enumerate(tensors):
+        wire = t.to("cpu") if staged_through_host(t.device, group) else t.contiguous()
+        works.append(dist.isend(wire, dst=dst, group=group, tag=_tag(mb, kind, leaf)))
+    return works
 
 
 def wait_all(works: list[Any], *, timeout: float, describe: Callable[[], str], peer: int | None) -> None:
