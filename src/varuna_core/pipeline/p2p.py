@@ -93,7 +93,7 @@ def send(tensors: list[torch.Tensor], *, dst: int, mb: int, kind: int, group) ->
     work handles hold any copy made here: a contiguous one, or a host copy under :func:`staged_through_host`)."""
     works = []
     for leaf, t in enumerate(tensors):
-        wire = t.to("cpu") if staged_through_host(t.device, group) else t.contiguous()
+        wire = t.contiguous().to("cpu") if staged_through_host(t.device, group) else t.contiguous()
         works.append(dist.isend(wire, dst=dst, group=group, tag=_tag(mb, kind, leaf)))
     return works
 
