@@ -144,7 +144,8 @@ def _check_one_gpu_per_rank(device: torch.device) -> None:
     problem = shared_gpu(everyone)
     if problem is not None:
         raise ConfigError(problem, hint="give every process its own GPU (torchrun and `varuna launch` set LOCAL_RANK "
-                                        "per process), or train on the CPU with device='cpu'")
+                                        "per process); to share one GPU, join a gloo group before Varuna(...) "
+                                        "(dist.init_process_group('gloo')): cut values then cross through host memory")
 
 
 def shared_gpu(devices: list[tuple[str, str, str]]) -> str | None:
