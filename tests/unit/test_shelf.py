@@ -111,6 +111,23 @@ def test_names_are_never_paths(shelf, tmp_path) -> None:
     assert all(p.name == ".lock" or p.suffix == ".blob" for p in shelf.path.iterdir())
 
 
+def test_a_planted_shelf_directory_is_refused(tmp_path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shelf = Shelf(JOB, root=tmp_path)
+    shelf.path.symlink_to(elsewhere)  # another user's link where the job's directory goes
+    with pytest.raises(HandoverError, match="only this user can write"):
+        shelf.put("a", b"data")
+    with pytest.raises(HandoverError, match="only this user can write"):
+        shelf.get("a")
+    assert list(elsewhere.iterdir()) == []
+    shelf.path.unlink()
+    shelf.path.mkdir(mode=0o777)
+    shelf.path.chmod(0o777)
+    with pytest.raises(HandoverError, match="only this user can write"):
+        shelf.manifest()
+
+
 @pytest.mark.parametrize("name", ["", "a\0b", "line\nbreak", "x" * (MAX_NAME + 1), 7, None])
 def test_bad_names_are_refused(shelf, name) -> None:
     with pytest.raises(HandoverError, match="bad blob name"):

@@ -36,7 +36,8 @@ either a refusal ``{"error": REASON}`` (unsigned: it only ever ends a transfer) 
 (``sendfile``). The client checks the reply's MAC and nonce (a server without the token, or a replayed reply, is
 refused), every size against what it asked and allowed, and every blob's SHA-256 as it arrives. Nothing is
 unpickled; every socket operation has a timeout, and reading a header has a deadline, so a peer that stalls is cut
-off and named.
+off and named. The wire authenticates both ends and checks every byte, but does not encrypt: like the training's
+own gloo or NCCL traffic, it belongs on the cluster's network.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import secrets
 import selectors
 import shutil
 import socket
+import stat
 import struct
 import threading
 import time
@@ -163,10 +165,27 @@ class Shelf:
     def _file(self, name: str) -> Path:
         return self.path / f"{_key(name)}.blob"
 
+    def _check_dir(self) -> bool:
+        """Whether the job's directory exists; raises HandoverError if it is not one this user alone can write
+        (``/dev/shm`` is shared by every user of the host: a link or a directory planted there by someone else
+        would take the job's state out of its memory, or feed it other state)."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise HandoverError(f"the shelf of job {printable(self.job)} at {self.path} is not a directory that only "
+                                f"this user can write (mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid})",
+                                hint="remove it, or give the shelf another root")
+        return True
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The directory's lock: a put's budget check and reservation are one step for every process."""
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            self.path.mkdir(mode=0o700)
+        self._check_dir()
         fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -235,6 +254,7 @@ class Shelf:
         """
         check_name(name)
         try:
+            self._check_dir()
             stream = open(self._file(name), "rb")  # noqa: SIM115 (the caller closes it)
         except FileNotFoundError:
             raise HandoverError(f"no blob {printable(name)} on the shelf of job {printable(self.job)}") from None
@@ -267,7 +287,9 @@ class Shelf:
 
     def manifest(self) -> dict[str, Entry]:
         """Every blob's entry, by name. A damaged file is left out (with a warning): :meth:`get` refuses it."""
-        entries = {}
+        entries: dict[str, Entry] = {}
+        if not self._check_dir():
+            return entries
         with contextlib.suppress(FileNotFoundError), os.scandir(self.path) as it:
             for item in it:
                 if not item.name.endswith(".blob"):
