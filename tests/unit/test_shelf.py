@@ -105,6 +105,16 @@ def test_put_get_manifest_remove_clear(shelf, tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_get_into_a_buffer_of_the_caller(shelf) -> None:
+    name = "blocks.0.attn.weight/exp_avg"
+    buffer = bytearray(BIG)
+    entry = shelf.get_into(name, lambda e: memoryview(buffer))
+    assert buffer == _BLOBS[name] and entry == shelf.manifest()[name]
+    for wrong in (bytearray(BIG - 1), bytes(BIG)):  # too small; read only
+        with pytest.raises(HandoverError, match="must be a writable"):
+            shelf.get_into(name, lambda e, w=wrong: memoryview(w))
+
+
 def test_names_are_never_paths(shelf, tmp_path) -> None:
     assert shelf.get("../x") == b"not a path"
     assert [p.name for p in tmp_path.iterdir()] == [shelf.path.name]  # nothing outside the job's directory

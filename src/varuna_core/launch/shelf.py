@@ -43,10 +43,12 @@ own gloo or NCCL traffic, it belongs on the cluster's network.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
 import hmac
+import io
 import json
 import logging
 import os
@@ -214,11 +216,8 @@ class Shelf:
         check_name(name)
         meta_text = _meta_text({} if meta is None else meta)
         view = memoryview(data).cast("B")
-        digest = hashlib.sha256(view).hexdigest()
-        entry = Entry(name, view.nbytes, digest, json.loads(meta_text))
-        header = json.dumps(entry.as_json(), separators=(",", ":")).encode()
-        head = _BLOB_MAGIC + struct.pack(">I", len(header)) + header
-        total = len(head) + view.nbytes
+        entry = Entry(name, view.nbytes, "0" * 64, json.loads(meta_text))  # hashed as it is written, below
+        total = len(_head(entry)) + view.nbytes
         target = self._file(name)
         part = self.path / f"{target.stem}.{secrets.token_hex(8)}.part"
         with self._locked():
@@ -235,17 +234,22 @@ class Shelf:
                 part.unlink(missing_ok=True)
                 raise
         try:
-            with os.fdopen(fd, "wb", buffering=0) as out:
-                out.write(head)
-                for start in range(0, view.nbytes, CHUNK):
+            with os.fdopen(fd, "wb") as out:
+                out.seek(len(_head(entry)))
+                digest = hashlib.sha256()
+                for start in range(0, view.nbytes, CHUNK):  # one pass: each chunk hashed while it is in cache
+                    digest.update(view[start:start + CHUNK])
                     out.write(view[start:start + CHUNK])
+                entry = dataclasses.replace(entry, sha256=digest.hexdigest())
+                out.seek(0)
+                out.write(_head(entry))
             os.replace(part, target)
         except BaseException:
             part.unlink(missing_ok=True)
             raise
         return entry
 
-    def open(self, name: str) -> tuple[Entry, BinaryIO]:
+    def open(self, name: str) -> tuple[Entry, io.BufferedReader]:
         """The blob's entry and its file, positioned at the data (the caller closes it). The entry is checked, and
         the file's size against it; the data's hash is not (:meth:`get` checks it).
 
@@ -271,19 +275,38 @@ class Shelf:
                                 f"{exc}") from None
         return entry, stream
 
-    def get(self, name: str) -> bytes:
-        """The blob's bytes, checked against its entry's size and SHA-256.
+    def get_into(self, name: str, into: Callable[[Entry], memoryview]) -> Entry:
+        """Reads the blob into the buffer ``into(entry)`` returns (a writable memoryview of exactly ``entry.size``
+        bytes, e.g. pinned memory) and returns its entry, once its size and SHA-256 were checked.
 
         Raises:
             HandoverError: no such blob, or its bytes do not match its entry.
         """
         entry, stream = self.open(name)
+        what = f"blob {printable(name)} on the shelf of job {printable(self.job)}"
         with stream:
-            data = stream.read()
-        if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise HandoverError(f"blob {printable(name)} on the shelf of job {printable(self.job)} is damaged: its "
-                                f"bytes do not match its entry's size and sha256")
-        return data
+            view = _writable(into(entry), entry.size, what)
+            digest, got = hashlib.sha256(), 0
+            while got < entry.size:
+                n = stream.readinto(view[got:got + CHUNK])
+                if not n:
+                    break
+                digest.update(view[got:got + n])
+                got += n
+        if got != entry.size or digest.hexdigest() != entry.sha256:
+            raise HandoverError(f"{what} is damaged: its bytes do not match its entry's size and sha256")
+        return entry
+
+    def get(self, name: str) -> memoryview:
+        """The blob's bytes (read only), checked against its entry's size and SHA-256 (see :meth:`get_into`)."""
+        buffers: list[bytearray] = []
+
+        def into(entry: Entry) -> memoryview:
+            buffers.append(bytearray(entry.size))
+            return memoryview(buffers[0])
+
+        self.get_into(name, into)
+        return memoryview(buffers[0]).toreadonly()
 
     def manifest(self) -> dict[str, Entry]:
         """Every blob's entry, by name. A damaged file is left out (with a warning): :meth:`get` refuses it."""
@@ -318,6 +341,21 @@ class Shelf:
     def clear(self) -> None:
         """Removes the job's shelf from this host, every blob with it."""
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _head(entry: Entry) -> bytes:
+    """What a blob's file holds in front of its data (its length does not depend on the hash)."""
+    header = json.dumps(entry.as_json(), separators=(",", ":")).encode()
+    return _BLOB_MAGIC + struct.pack(">I", len(header)) + header
+
+
+def _writable(buffer: memoryview, size: int, what: str) -> memoryview:
+    """``buffer`` as bytes, if it is a writable ``size`` bytes; raises HandoverError."""
+    view = buffer if buffer.format == "B" and buffer.ndim == 1 else buffer.cast("B")
+    if view.readonly or view.nbytes != size:
+        raise HandoverError(f"the buffer for {what} must be a writable {size} bytes, got {view.nbytes} "
+                            f"({'read only' if view.readonly else 'writable'})")
+    return view
 
 
 def _reserve(fd: int, size: int, path: Path) -> None:
@@ -513,6 +551,16 @@ class ShelfServer:
         with contextlib.suppress(OSError):
             sock.settimeout(1.0)
             sock.sendall(_frame({"error": reason}))
+            sock.shutdown(socket.SHUT_WR)
+            # take what the peer still sends (a little, for a second) so that closing does not reset the
+            # connection, which could discard the reason before the peer reads it
+            deadline, drained = time.monotonic() + 1.0, 0
+            while drained < MAX_HEADER and time.monotonic() < deadline:
+                sock.settimeout(max(deadline - time.monotonic(), 0.01))
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                drained += len(chunk)
 
     def _answer(self, sock: socket.socket, peer: Any) -> None:
         try:
@@ -545,10 +593,10 @@ class ShelfServer:
             self.served += 1
         return None
 
-    def _open(self, names: list[str], max_bytes: int) -> tuple[list[Entry], list[BinaryIO]]:
+    def _open(self, names: list[str], max_bytes: int) -> tuple[list[Entry], list[io.BufferedReader]]:
         """The blobs' entries and files; raises HandoverError (a blob not on the shelf) or ValueError."""
         entries: list[Entry] = []
-        files: list[BinaryIO] = []
+        files: list[io.BufferedReader] = []
         try:
             for name in names:
                 entry, stream = self.shelf.open(name)
@@ -683,9 +731,7 @@ def _reply(sock: socket.socket, peer: str, token: str, job: str, nonce: str, nam
 def _receive(sock: socket.socket, peer: str, entry: Entry, buffer: memoryview, timeout: float) -> None:
     """One blob's bytes into ``buffer``, hashed as they come; raises HandoverError."""
     what = f"blob {printable(entry.name)} from shelf peer {peer}"
-    view = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
-    if view.readonly or view.nbytes != entry.size:
-        raise HandoverError(f"the buffer for {what} must be a writable {entry.size} bytes, got {view.nbytes}")
+    view = _writable(buffer, entry.size, what)
     digest, got = hashlib.sha256(), 0
     sock.settimeout(timeout)
     while got < entry.size:
