@@ -319,6 +319,14 @@ def test_a_silent_peer_is_cut_off_and_others_are_served_meanwhile(server) -> Non
     assert server.refused == {"timed_out": 1}
 
 
+def test_a_peer_over_the_connection_limit_is_refused(shelf) -> None:
+    with ShelfServer(shelf, TOKEN, timeout=30.0, max_connections=1) as server, \
+            socket.create_connection(("127.0.0.1", server.port), timeout=30):  # takes the one connection
+        with pytest.raises(HandoverError, match="refused the request: 'busy'"):
+            _fetch(server.port, ["empty"])
+        assert server.refused == {"busy": 1}
+
+
 def test_close_while_peers_are_connected(shelf) -> None:
     server = ShelfServer(shelf, TOKEN, timeout=600.0)
     silent = socket.create_connection(("127.0.0.1", server.port), timeout=30)

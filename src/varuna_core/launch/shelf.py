@@ -68,8 +68,8 @@ from typing import Any, BinaryIO
 from ..errors import HandoverError, ShelfFullError
 from ..util.text import printable, short_repr
 
-__all__ = ["MAX_NAME", "MAX_META", "MAX_HEADER", "MAX_NAMES", "WINDOW", "DEFAULT_ROOT", "Entry", "Shelf",
-           "ShelfServer", "fetch", "fetch_into"]
+__all__ = ["MAX_NAME", "MAX_META", "MAX_JOB", "MAX_HEADER", "MAX_NAMES", "WINDOW", "DEFAULT_ROOT", "Entry",
+           "check_name", "Shelf", "ShelfServer", "fetch", "fetch_into"]
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +376,7 @@ def _reserve(fd: int, size: int, path: Path) -> None:
 def _read_entry(stream: BinaryIO) -> Entry:
     """The entry at the start of a blob's file; raises ValueError or struct.error."""
     magic, length = _PREFIX.unpack(stream.read(_PREFIX.size))
-    if magic != _BLOB_MAGIC or length > MAX_META + MAX_NAME * 6 + 256:
+    if magic != _BLOB_MAGIC or length > MAX_META + MAX_NAME * 12 + 256:
         raise ValueError("not a blob")
     text = stream.read(length)
     if len(text) != length:
@@ -473,6 +473,9 @@ class ShelfServer:
                  max_connections: int = 64) -> None:
         if not token:
             raise HandoverError("a shelf server needs the job's token")
+        if not timeout > 0 or max_connections < 1:
+            raise HandoverError(f"a shelf server needs timeout > 0 and max_connections >= 1, got {timeout} and "
+                                f"{max_connections}")
         self.shelf, self.timeout, self.max_connections = shelf, timeout, max_connections
         self._token = token
         self._seen: dict[str, float] = {}  # nonce -> when it expires
@@ -481,7 +484,7 @@ class ShelfServer:
         self._closing = threading.Event()
         self.refused: dict[str, int] = {}  # reason -> count, for monitoring and tests
         self.served = 0
-        self._listener = socket.create_server((host, port))
+        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.port: int = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"shelf-server:{self.port}", daemon=True)
@@ -521,13 +524,15 @@ class ShelfServer:
 
     def _start(self, sock: socket.socket, peer: Any) -> None:
         with self._lock:
-            if len(self._conns) >= self.max_connections:
-                self._refuse(sock, peer, "busy")
-                sock.close()
-                return
-            thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
-                                      name=f"shelf-conn:{peer}")
-            self._conns[sock] = thread
+            busy = len(self._conns) >= self.max_connections
+            if not busy:
+                thread = threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
+                                          name=f"shelf-conn:{peer}")
+                self._conns[sock] = thread
+        if busy:
+            with sock:
+                self._refuse(sock, peer, "busy", linger=False)  # the acceptor does not wait on this peer
+            return
         thread.start()
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
@@ -541,7 +546,7 @@ class ShelfServer:
             with self._lock:
                 self._conns.pop(sock, None)
 
-    def _refuse(self, sock: socket.socket, peer: Any, reason: str) -> None:
+    def _refuse(self, sock: socket.socket, peer: Any, reason: str, *, linger: bool = True) -> None:
         """Tells the peer why (best effort) and counts it (but for a peer cut off by :meth:`close`)."""
         if self._closing.is_set():
             return
@@ -549,9 +554,11 @@ class ShelfServer:
         with self._lock:
             self.refused[reason] = self.refused.get(reason, 0) + 1
         with contextlib.suppress(OSError):
-            sock.settimeout(1.0)
+            sock.settimeout(1.0 if linger else 0.1)
             sock.sendall(_frame({"error": reason}))
             sock.shutdown(socket.SHUT_WR)
+            if not linger:
+                return
             # take what the peer still sends (a little, for a second) so that closing does not reset the
             # connection, which could discard the reason before the peer reads it
             deadline, drained = time.monotonic() + 1.0, 0
