@@ -292,6 +292,16 @@ def test_an_unknown_name_is_refused(server) -> None:
         _fetch(server.port, ["blocks.0.attn.weight", "nope"])
 
 
+def test_a_reply_over_the_header_bound_is_refused_before_it_is_sent(shelf, server) -> None:
+    meta = {"k": "v" * (MAX_META - 20)}
+    names = [f"{i:04d}." + "n" * (MAX_NAME - 5) for i in range(MAX_HEADER // MAX_META + 1)]
+    for name in names:
+        shelf.put(name, b"", meta)
+    with pytest.raises(HandoverError, match="reply_oversize"):
+        _fetch(server.port, names)
+    assert len(_fetch(server.port, names[:100])) == 100  # fewer at once
+
+
 def test_a_replayed_request_is_refused(server) -> None:
     request = _request(["blocks.0.attn.weight"], nonce="ab" * 16)
     first = _exchange(server.port, request)
@@ -432,6 +442,10 @@ def test_the_client_checks_its_own_request(server) -> None:
         _fetch(server.port, ["a\0"])
     with pytest.raises(HandoverError, match="each blob once"):
         _fetch(server.port, ["empty", "empty"])
+    for bad in ({"max_bytes": -1}, {"max_bytes": True}, {"timeout": 0}):
+        with pytest.raises(HandoverError, match="fetch needs"):
+            _fetch(server.port, ["empty"], **bad)
+    assert server.refused == {} and server.served == 0  # nothing was sent
 
 
 def test_the_module_needs_no_torch() -> None:

@@ -28,7 +28,8 @@ with ``L`` at most :data:`MAX_HEADER`, checked before anything is allocated. The
 token (as heartbeat datagrams are signed, see :mod:`varuna_core.launch.protocol`; the prefix keeps a signature of
 one kind of message from passing for another). The server checks the MAC, the job, that ``ts`` is within
 :data:`WINDOW` seconds of its clock, that the nonce was not seen in that window (a replayed request), and that
-every name is on the shelf, at most :data:`MAX_NAMES` of them, with at most ``max_bytes`` in all. It answers
+every name is on the shelf, at most :data:`MAX_NAMES` of them, with at most ``max_bytes`` in all (and a reply
+header within :data:`MAX_HEADER`: a peer asks for a stage's thousands of names in several requests). It answers
 either a refusal ``{"error": REASON}`` (unsigned: it only ever ends a transfer) and closes, or
 ``{"p": PAYLOAD, "mac": HEX}`` where ``PAYLOAD`` is ``{"kind": "shelf-reply", "job", "nonce", "blobs": [{"name",
 "size", "sha256", "meta"}, ...]}`` (the request's nonce and names, in its order) signed with the prefix
@@ -581,12 +582,17 @@ class ShelfServer:
         except HandoverError as exc:
             return self._refuse(sock, peer, f"unavailable: {exc.message}")
         try:
+            reply = _signed(self._token, _REPLY, {"kind": "shelf-reply", "job": self.shelf.job, "nonce": nonce,
+                                                  "blobs": [e.as_json() for e in entries]})
+            if len(reply) - _PREFIX.size > MAX_HEADER:
+                return self._refuse(sock, peer, "reply_oversize")  # the peer asks for fewer names at once
             sock.settimeout(self.timeout)
-            sock.sendall(_signed(self._token, _REPLY, {"kind": "shelf-reply", "job": self.shelf.job, "nonce": nonce,
-                                                       "blobs": [e.as_json() for e in entries]}))
+            sock.sendall(reply)
             for entry, stream in zip(entries, files, strict=True):
-                if entry.size:
-                    sock.sendfile(stream, stream.tell(), entry.size)
+                if entry.size and sock.sendfile(stream, stream.tell(), entry.size) != entry.size:
+                    log.warning("shelf server of job %s: blob %s shrank on the shelf while sent to peer %s",
+                                printable(self.shelf.job), printable(entry.name), peer)
+                    return None  # the peer sees the transfer cut short
         except TimeoutError:
             log.warning("shelf server of job %s: peer %s stopped taking the reply for %.1f s: cut off",
                         printable(self.shelf.job), peer, self.timeout)
@@ -666,7 +672,10 @@ def fetch_into(host: str, port: int, *, job: str, token: str, names: list[str],
         HandoverError: the peer refused, stalled, sent less or other than it announced, or could not show that it
             holds the job's token; the message names the peer and the blob.
     """
-    peer = f"{printable(host)}:{port}"
+    peer = f"[{printable(host)}]:{port}" if ":" in host else f"{printable(host)}:{port}"
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0 or not timeout > 0:
+        raise HandoverError(f"fetch needs max_bytes >= 0 and timeout > 0, got {short_repr(max_bytes)} and "
+                            f"{short_repr(timeout)}")
     checked = [check_name(n) for n in names]
     if len(set(checked)) != len(checked) or len(checked) > MAX_NAMES:
         raise HandoverError(f"a request names each blob once, at most {MAX_NAMES} of them")
