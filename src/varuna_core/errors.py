@@ -18,6 +18,8 @@ __all__ = [
     "ShapeMismatchError",
     "CommTimeoutError",
     "CheckpointError",
+    "HandoverError",
+    "ShelfFullError",
     "UserCodeError",
     "InternalError",
     "format_error",
@@ -115,6 +117,16 @@ def format_error(exc: VarunaError) -> str:
 
 class CheckpointError(VarunaError):
     """A checkpoint that is missing, incomplete, corrupt, or does not fit the model."""
+
+
+class HandoverError(VarunaError):
+    """Training state could not be handed over through host memory (a blob missing or damaged on a shelf, a peer
+    that refused, stalled, or sent other bytes than it announced): the message names the blob and the peer."""
+
+
+class ShelfFullError(HandoverError):
+    """State that does not fit in host memory (a shelf's byte budget or its file system's free space): the caller
+    goes through the checkpoint store instead."""
 
 
 class UserCodeError(VarunaError):

@@ -1,0 +1,454 @@
+"""The shelf (a job's blobs in host memory) and its wire: round trips, and every hostile peer we can think of
+refused, timed out and named, on either end.
+
+Servers run in this process on 127.0.0.1 and free ports; a misbehaving server is a small thread below that speaks
+the wire by hand. Timeouts are short and every wait has a bound, so a hang fails the test instead of stalling it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from varuna_core.errors import HandoverError, ShelfFullError
+from varuna_core.launch import shelf as shelf_mod
+from varuna_core.launch.shelf import MAX_HEADER, MAX_META, MAX_NAME, WINDOW, Shelf, ShelfServer, fetch, fetch_into
+
+JOB, TOKEN = "job-1", "s3cret-token"
+BIG = 3 * 2**20 + 17  # bytes: more than one chunk, not a multiple of it
+
+pytestmark = pytest.mark.timeout(120)
+
+
+_BLOBS = {
+    "blocks.0.attn.weight": os.urandom(1000),
+    "blocks.0.attn.weight/exp_avg": os.urandom(BIG),
+    "empty": b"",
+    "../x": b"not a path",
+}
+
+
+def _blobs() -> dict[str, bytes]:
+    return dict(_BLOBS)
+
+
+@pytest.fixture
+def shelf(tmp_path) -> Shelf:
+    s = Shelf(JOB, root=tmp_path)
+    for name, data in _blobs().items():
+        s.put(name, data, {"dtype": "float32", "shape": [len(data) // 4]})
+    return s
+
+
+@pytest.fixture
+def server(shelf):
+    with ShelfServer(shelf, TOKEN, timeout=2.0) as srv:
+        yield srv
+
+
+def _request(names, *, token=TOKEN, job=JOB, nonce=None, ts=None, max_bytes=2**40) -> bytes:
+    return shelf_mod._signed(token, shelf_mod._REQUEST, {
+        "kind": "shelf-request", "job": job, "ts": time.time() if ts is None else ts,
+        "nonce": nonce or os.urandom(16).hex(), "names": names, "max_bytes": max_bytes})
+
+
+def _exchange(port: int, data: bytes, *, shut: bool = False) -> object:
+    """Sends ``data`` to the server, returns the frame it answers (its JSON) and checks it then closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        if shut:
+            sock.shutdown(socket.SHUT_WR)
+        frame = shelf_mod._read_frame(sock, time.monotonic() + 10)
+        if isinstance(frame, dict) and "error" in frame:
+            try:  # a refusal ends the connection (reset if the server left some of what was sent unread)
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        return frame
+
+
+def _fetch(port, names, **kw):
+    kw = {"job": JOB, "token": TOKEN, "timeout": 5.0, "max_bytes": 2**40, **kw}
+    return fetch("127.0.0.1", port, names=names, **kw)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The shelf
+
+def test_put_get_manifest_remove_clear(shelf, tmp_path) -> None:
+    blobs = _blobs()
+    for name, data in blobs.items():
+        assert shelf.get(name) == data
+    manifest = shelf.manifest()
+    assert sorted(manifest) == shelf.names() == sorted(blobs)
+    entry = manifest["blocks.0.attn.weight/exp_avg"]
+    assert (entry.size, entry.sha256) == (BIG, hashlib.sha256(blobs[entry.name]).hexdigest())
+    assert entry.meta == {"dtype": "float32", "shape": [BIG // 4]}
+    shelf.put("empty", b"now full", {"v": 2})  # a re-put replaces
+    assert shelf.get("empty") == b"now full" and shelf.manifest()["empty"].meta == {"v": 2}
+    shelf.remove(["empty", "never put"])
+    assert "empty" not in shelf.names()
+    with pytest.raises(HandoverError, match="no blob"):
+        shelf.get("empty")
+    shelf.clear()
+    assert not shelf.path.exists() and shelf.names() == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_get_into_a_buffer_of_the_caller(shelf) -> None:
+    name = "blocks.0.attn.weight/exp_avg"
+    buffer = bytearray(BIG)
+    entry = shelf.get_into(name, lambda e: memoryview(buffer))
+    assert buffer == _BLOBS[name] and entry == shelf.manifest()[name]
+    for wrong in (bytearray(BIG - 1), bytes(BIG)):  # too small; read only
+        with pytest.raises(HandoverError, match="must be a writable"):
+            shelf.get_into(name, lambda e, w=wrong: memoryview(w))
+
+
+def test_names_are_never_paths(shelf, tmp_path) -> None:
+    assert shelf.get("../x") == b"not a path"
+    assert [p.name for p in tmp_path.iterdir()] == [shelf.path.name]  # nothing outside the job's directory
+    assert all(p.name == ".lock" or p.suffix == ".blob" for p in shelf.path.iterdir())
+
+
+def test_a_planted_shelf_directory_is_refused(tmp_path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shelf = Shelf(JOB, root=tmp_path)
+    shelf.path.symlink_to(elsewhere)  # another user's link where the job's directory goes
+    with pytest.raises(HandoverError, match="only this user can write"):
+        shelf.put("a", b"data")
+    with pytest.raises(HandoverError, match="only this user can write"):
+        shelf.get("a")
+    assert list(elsewhere.iterdir()) == []
+    shelf.path.unlink()
+    shelf.path.mkdir(mode=0o777)
+    shelf.path.chmod(0o777)
+    with pytest.raises(HandoverError, match="only this user can write"):
+        shelf.manifest()
+
+
+@pytest.mark.parametrize("name", ["", "a\0b", "line\nbreak", "x" * (MAX_NAME + 1), 7, None])
+def test_bad_names_are_refused(shelf, name) -> None:
+    with pytest.raises(HandoverError, match="bad blob name"):
+        shelf.put(name, b"data")
+    with pytest.raises(HandoverError, match="bad blob name"):
+        shelf.get(name)
+
+
+@pytest.mark.parametrize("meta", [[1, 2], {"x": float("nan")}, {"x": object()}, {"x": "y" * MAX_META}])
+def test_bad_meta_is_refused(shelf, meta) -> None:
+    with pytest.raises(HandoverError, match="meta"):
+        shelf.put("m", b"data", meta)
+    assert "m" not in shelf.names()
+
+
+def test_two_shelf_objects_share_one_directory(shelf, tmp_path) -> None:
+    other = Shelf(JOB, root=tmp_path)
+    assert other.path == shelf.path and other.names() == shelf.names()
+    other.put("from other", b"hello")
+    assert shelf.get("from other") == b"hello"
+    assert Shelf("another job", root=tmp_path).names() == []
+
+
+def test_concurrent_puts_from_two_processes_leave_every_blob_whole(tmp_path) -> None:
+    code = textwrap.dedent("""
+        import os, sys
+        from varuna_core.launch.shelf import Shelf
+        s = Shelf("job-1", root=sys.argv[1])
+        for i in range(40):
+            s.put(f"shared.{i % 5}", os.urandom(1000 + i), {"who": sys.argv[2]})
+            s.put(f"own.{sys.argv[2]}.{i}", os.urandom(i))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), who]) for who in "ab"]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    shelf = Shelf(JOB, root=tmp_path)
+    names = shelf.names()
+    assert len(names) == 5 + 80
+    for name in names:
+        shelf.get(name)  # raises if an entry describes other bytes
+    assert not list(shelf.path.glob("*.part"))
+
+
+def test_a_put_over_the_budget_is_refused_and_leaves_nothing(tmp_path) -> None:
+    shelf = Shelf(JOB, root=tmp_path, budget=10_000)
+    shelf.put("a", b"x" * 6000)
+    with pytest.raises(ShelfFullError, match="does not fit"):
+        shelf.put("b", b"y" * 6000)
+    assert shelf.names() == ["a"] and not list(shelf.path.glob("*.part"))
+    shelf.put("a", b"z" * 9000)  # a replacement counts without the blob it replaces
+    assert shelf.get("a") == b"z" * 9000
+
+
+def test_a_put_the_file_system_cannot_hold_is_refused(tmp_path, monkeypatch) -> None:
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    shelf = Shelf(JOB, root=tmp_path)
+    with pytest.raises(ShelfFullError):
+        shelf.put("a", b"data")
+    assert shelf.names() == [] and not list(shelf.path.glob("*.part"))
+
+
+def _damage(shelf: Shelf, name: str, *, cut: bool = False) -> None:
+    path = shelf._file(name)
+    data = bytearray(path.read_bytes())
+    if cut:
+        del data[-1]
+    else:
+        data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_blob_is_refused_by_get_and_by_the_client(shelf, server) -> None:
+    name = "blocks.0.attn.weight/exp_avg"
+    _damage(shelf, name)
+    with pytest.raises(HandoverError, match="damaged"):
+        shelf.get(name)
+    with pytest.raises(HandoverError, match="does not match its sha256") as info:
+        _fetch(server.port, [name])
+    assert f"127.0.0.1:{server.port}" in info.value.message and name in info.value.message
+
+
+def test_a_cut_blob_is_refused_by_the_shelf_and_the_server(shelf, server) -> None:
+    _damage(shelf, "blocks.0.attn.weight", cut=True)
+    with pytest.raises(HandoverError, match="damaged"):
+        shelf.get("blocks.0.attn.weight")
+    with pytest.raises(HandoverError, match="refused"):
+        _fetch(server.port, ["blocks.0.attn.weight"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The server and the client together
+
+def test_fetch_round_trip(shelf, server) -> None:
+    blobs = _blobs()
+    got = _fetch(server.port, list(blobs))
+    assert list(got) == list(blobs)
+    for name, (entry, data) in got.items():
+        assert data == blobs[name] and data.readonly and entry == shelf.manifest()[name]
+    # straight into buffers the caller owns
+    buffers = {n: bytearray(len(d)) for n, d in blobs.items()}
+    entries = fetch_into("127.0.0.1", server.port, job=JOB, token=TOKEN, names=list(blobs),
+                         into=lambda e: memoryview(buffers[e.name]), max_bytes=2**40)
+    assert {n: bytes(b) for n, b in buffers.items()} == blobs and entries.keys() == blobs.keys()
+    assert server.served == 2 and server.refused == {}
+
+
+def test_concurrent_clients(shelf, server) -> None:
+    blobs = _blobs()
+    results, errors = [], []
+
+    def one() -> None:
+        try:
+            results.append({n: bytes(d) for n, (_, d) in _fetch(server.port, list(blobs)).items()})
+        except Exception as exc:  # noqa: BLE001 (reported by the assertion below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and results == [blobs] * 8
+
+
+@pytest.mark.parametrize(("kw", "reason"), [
+    ({"token": "wrong"}, "bad_mac"),
+    ({"max_bytes": BIG}, "over_max_bytes"),
+])
+def test_the_server_refuses_and_the_client_names_it(server, kw, reason) -> None:
+    names = ["blocks.0.attn.weight", "blocks.0.attn.weight/exp_avg"]
+    with pytest.raises(HandoverError, match="refused the request") as info:
+        _fetch(server.port, names, **kw)
+    assert reason in info.value.message and f"127.0.0.1:{server.port}" in info.value.message
+    assert server.refused == {reason: 1}
+
+
+@pytest.mark.parametrize(("request_kw", "reason"), [
+    ({"job": "job-2"}, "other_job"),
+    ({"ts": time.time() - WINDOW - 60}, "stale"),
+    ({"ts": time.time() + WINDOW + 60}, "stale"),
+    ({"max_bytes": 999}, "over_max_bytes"),
+])
+def test_signed_requests_the_server_refuses(server, request_kw, reason) -> None:
+    assert _exchange(server.port, _request(["blocks.0.attn.weight"], **request_kw)) == {"error": reason}
+    assert server.refused == {reason: 1}
+
+
+def test_an_unknown_name_is_refused(server) -> None:
+    with pytest.raises(HandoverError, match=r"refused the request.*no blob nope"):
+        _fetch(server.port, ["blocks.0.attn.weight", "nope"])
+
+
+def test_a_reply_over_the_header_bound_is_refused_before_it_is_sent(shelf, server) -> None:
+    meta = {"k": "v" * (MAX_META - 20)}
+    names = [f"{i:04d}." + "n" * (MAX_NAME - 5) for i in range(MAX_HEADER // MAX_META + 1)]
+    for name in names:
+        shelf.put(name, b"", meta)
+    with pytest.raises(HandoverError, match="reply_oversize"):
+        _fetch(server.port, names)
+    assert len(_fetch(server.port, names[:100])) == 100  # fewer at once
+
+
+def test_a_replayed_request_is_refused(server) -> None:
+    request = _request(["blocks.0.attn.weight"], nonce="ab" * 16)
+    first = _exchange(server.port, request)
+    assert isinstance(first, dict) and "mac" in first
+    assert _exchange(server.port, request) == {"error": "replayed"}
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    (struct.pack(">4sI", b"VSH1", 100) + b"x" * 10, "truncated"),  # then the client closes its side
+    (struct.pack(">4sI", b"VSH1", 2**31), "oversize"),  # refused before reading (or allocating) that much
+    (struct.pack(">4sI", b"VSH1", MAX_HEADER + 1), "oversize"),
+    (struct.pack(">4sI", b"HTTP", 4) + b"GET ", "bad_magic"),
+    (struct.pack(">4sI", b"VSH1", 5) + b"{nope", "malformed"),
+    (shelf_mod._frame({"p": "{}", "mac": "00"}), "bad_mac"),
+])
+def test_bad_frames_are_refused(server, data, reason) -> None:
+    assert _exchange(server.port, data, shut=True) == {"error": reason}
+
+
+def test_a_silent_peer_is_cut_off_and_others_are_served_meanwhile(server) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as silent:
+        assert _fetch(server.port, ["empty"])["empty"][1] == b""  # served while the silent peer waits
+        frame = shelf_mod._read_frame(silent, time.monotonic() + 30)  # server.timeout is 2 s
+        assert frame == {"error": "timed_out"} and silent.recv(1) == b""
+    assert server.refused == {"timed_out": 1}
+
+
+def test_a_peer_over_the_connection_limit_is_refused(shelf) -> None:
+    with ShelfServer(shelf, TOKEN, timeout=30.0, max_connections=1) as server, \
+            socket.create_connection(("127.0.0.1", server.port), timeout=30):  # takes the one connection
+        with pytest.raises(HandoverError, match="refused the request: 'busy'"):
+            _fetch(server.port, ["empty"])
+        assert server.refused == {"busy": 1}
+
+
+def test_close_while_peers_are_connected(shelf) -> None:
+    server = ShelfServer(shelf, TOKEN, timeout=600.0)
+    silent = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # takes nothing: the server blocks sending
+    slow.settimeout(30)
+    slow.connect(("127.0.0.1", server.port))
+    slow.sendall(_request(["blocks.0.attn.weight/exp_avg"]))
+    closer = threading.Thread(target=server.close)
+    closer.start()
+    closer.join(60)  # well under the server's own timeout: close() cut the peers off
+    assert not closer.is_alive()
+    for peer in (silent, slow):
+        _assert_ended(peer)
+        peer.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=5).recv(1)
+    assert server.refused == {}  # peers cut off by close() are not counted as refused
+
+
+def _assert_ended(sock: socket.socket) -> None:
+    """The server ended the connection: what it sent before (if anything) then the end, or a reset."""
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except ConnectionResetError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hostile servers: the client refuses what a server without the token, or a broken one, sends
+
+class _FakeServer:
+    """Accepts one connection, reads its request and answers as ``behave(sock, request body)`` does."""
+
+    def __init__(self, behave) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.release = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(behave,), daemon=True)
+        self.thread.start()
+
+    def _run(self, behave) -> None:
+        self.listener.settimeout(30)
+        sock, _ = self.listener.accept()
+        with sock:
+            outer = shelf_mod._read_frame(sock, time.monotonic() + 30)
+            try:
+                behave(self, sock, shelf_mod._opened(outer, TOKEN, shelf_mod._REQUEST))
+            except (ConnectionResetError, BrokenPipeError):
+                pass  # the client refused what it got so far and hung up
+
+    def close(self) -> None:
+        self.release.set()
+        self.thread.join(30)
+        self.listener.close()
+
+
+DATA = os.urandom(BIG)
+
+
+def _reply(body, *, token=TOKEN, size=BIG, nonce=None, name=None) -> bytes:
+    entry = {"name": name or body["names"][0], "size": size, "sha256": hashlib.sha256(DATA).hexdigest(), "meta": {}}
+    return shelf_mod._signed(token, shelf_mod._REPLY, {"kind": "shelf-reply", "job": JOB,
+                                                        "nonce": nonce or body["nonce"], "blobs": [entry]})
+
+
+def _stall(fake, sock, body) -> None:
+    sock.sendall(_reply(body) + DATA[:1000])
+    fake.release.wait(30)
+
+
+@pytest.mark.parametrize(("behave", "expected"), [
+    (_stall, "stalled after 1000 of"),
+    (lambda f, s, b: s.sendall(_reply(b) + DATA[:-1]), "cut short"),
+    (lambda f, s, b: s.sendall(_reply(b) + DATA[:-1] + b"\0"), "does not match its sha256"),
+    (lambda f, s, b: s.sendall(_reply(b, token="rogue") + DATA), "could not sign with the job's token"),
+    (lambda f, s, b: s.sendall(_reply(b, nonce="00" * 16) + DATA), "reply to another request"),
+    (lambda f, s, b: s.sendall(_reply(b, name="other") + DATA), "other blobs than the ones asked for"),
+    (lambda f, s, b: s.sendall(_reply(b, size=2 * BIG) + DATA), "over the"),
+    (lambda f, s, b: s.sendall(struct.pack(">4sI", b"VSH1", 2**31)), "bad reply: oversize"),
+    (lambda f, s, b: f.release.wait(30), "no reply within"),
+])
+def test_the_client_refuses_a_hostile_server(behave, expected) -> None:
+    fake = _FakeServer(behave)
+    try:
+        with pytest.raises(HandoverError, match=expected) as info:
+            _fetch(fake.port, ["blob"], timeout=1.0, max_bytes=BIG + 100)
+        assert f"127.0.0.1:{fake.port}" in info.value.message
+    finally:
+        fake.close()
+
+
+def test_a_peer_that_is_not_there_is_named(tmp_path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    with pytest.raises(HandoverError, match=f"127.0.0.1:{port}"):
+        _fetch(port, ["blob"])
+
+
+def test_the_client_checks_its_own_request(server) -> None:
+    with pytest.raises(HandoverError, match="bad blob name"):
+        _fetch(server.port, ["a\0"])
+    with pytest.raises(HandoverError, match="each blob once"):
+        _fetch(server.port, ["empty", "empty"])
+    for bad in ({"max_bytes": -1}, {"max_bytes": True}, {"timeout": 0}):
+        with pytest.raises(HandoverError, match="fetch needs"):
+            _fetch(server.port, ["empty"], **bad)
+    assert server.refused == {} and server.served == 0  # nothing was sent
+
+
+def test_the_module_needs_no_torch() -> None:
+    code = "import sys, varuna_core.launch.shelf; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
