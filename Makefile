@@ -50,7 +50,7 @@ test: setup lint ## lint, then run the test suite (PYTEST_ARGS="-k env" to selec
 # `varuna profile`, two ranks on one GPU. Every test fails without CUDA; VARUNA_GPU_TESTS_ON_CPU=1 runs the suite's
 # logic on the CPU instead (see tests/gpu/common.py).
 GPU_TEST_TIMEOUT ?= 240
-test-gpu: setup ## the GPU suite, tests/gpu (needs a CUDA device; a few minutes on one GPU)
+test-gpu: setup ## the GPU suite, tests/gpu (needs a CUDA device: every test fails without one)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 0 --timeout $(GPU_TEST_TIMEOUT) tests/gpu $(PYTEST_ARGS)
 
 # The whole workflow on the example char-level GPT, in runs/demo (about 2 minutes on 2 CPU cores): profile it
