@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test demo bench bench-memory bench-sim bench-ckpt bench-morph bench-chaos clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-sim bench-ckpt bench-morph bench-chaos clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -44,6 +44,14 @@ lint: setup ## ruff and mypy, with zero findings (`make test` runs it first)
 
 test: setup lint ## lint, then run the test suite (PYTEST_ARGS="-k env" to select, TEST_WORKERS=0 to run it serially)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The CUDA paths on one GPU (tests/gpu, which `make test` does not collect): parity with a plain CUDA process in every
+# precision and schedule, meta builds, checkpoints across devices, the memory model against the GPU's own accounting,
+# `varuna profile`, two ranks on one GPU. Every test fails without CUDA; VARUNA_GPU_TESTS_ON_CPU=1 runs the suite's
+# logic on the CPU instead (see tests/gpu/common.py).
+GPU_TEST_TIMEOUT ?= 240
+test-gpu: setup ## the GPU suite, tests/gpu (needs a CUDA device: every test fails without one)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 0 --timeout $(GPU_TEST_TIMEOUT) tests/gpu $(PYTEST_ARGS)
 
 # The whole workflow on the example char-level GPT, in runs/demo (about 2 minutes on 2 CPU cores): profile it
 # on 2 processes; plan for 4 devices that we pretend have only 6 MiB each (so the model must be split into

@@ -155,7 +155,7 @@ def ring_sum(terms: Sequence[torch.Tensor]) -> torch.Tensor:
     n, size = flat[0].numel(), flat[0].element_size()
     segments = 2 * k
     segment_bytes = _ceil_div(_ceil_div(n * size, segments), size) * size  # whole elements
-    owner = torch.arange(n) * size // segment_bytes // (segments // k)
+    owner = torch.arange(n, device=flat[0].device) * size // segment_bytes // (segments // k)
     out = torch.empty_like(flat[0])
     for a in range(k):
         mine = owner == a
@@ -190,7 +190,7 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
                     ties: Sequence[Sequence[str]] = (), precision: str = "fp32", loss_scale: float | None = None,
                     loss_reduction: str = "mean", batch_dims: dict | None = None, clip: float | None = None,
                     norms: list[float] | None = None, reused: str | None = None,
-                    buffers: dict[str, torch.Tensor] | None = None,
+                    buffers: dict[str, torch.Tensor] | None = None, device: str | torch.device = "cpu",
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Train ``model`` for ``steps`` steps of ``batch_at(step)`` (a global batch, a dict of tensors) as a pipeline
     with ``layout`` adds (one layout, or one per step: a run resumed under another layout). ``ties`` names the
@@ -199,7 +199,9 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
     has (tied names included). ``reused``: a module the forward calls at several depths, whose calls each
     layout places on stages (``Layout.calls``; see the module's docstring).
 
-    ``precision`` ``bf16``/``fp16`` runs each forward under ``torch.autocast`` on the CPU; fp16 multiplies each
+    ``device``: where the model already is; each batch is moved there, and every sum is done there (the GPU
+    tests compare a CUDA pipeline with this on CUDA).
+    ``precision`` ``bf16``/``fp16`` runs each forward under ``torch.autocast`` of that device; fp16 multiplies each
     micro-batch's weighted loss by ``loss_scale`` and unscales the summed gradients with torch's AMP kernel, as
     the pipeline does (an overflow here is an error: the tests choose a scale that does not overflow).
     ``clip`` clips by the global gradient norm (each tied weight counted once) as ``model.step(...,
@@ -221,7 +223,7 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
         try:
             losses, params = _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale,
                                     loss_reduction, batch_dims or {}, clip, norms if norms is not None else [],
-                                    call_copies)
+                                    call_copies, torch.device(device))
         finally:
             if call_copies is not None:
                 call_copies.close()
@@ -233,7 +235,7 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
 
 
 def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale, loss_reduction, dims, clip, norms,
-           call_copies):
+           call_copies, device):
     copies = untie(model, ties) + (call_copies.groups() if call_copies is not None else [])
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params)
@@ -241,7 +243,7 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
     for step, layout in enumerate(layouts):
         if call_copies is not None:
             call_copies.calls = layout.calls
-        full = batch_at(step)
+        full = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch_at(step).items()}
         replica_grads, replica_losses, start = [], [], 0
         at_step = [b.detach().clone() for b in model.buffers()]
         for replica, share in enumerate(replica_shares(layout.batch, layout.dp)):
@@ -249,18 +251,18 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
                 with torch.no_grad():
                     for b, value in zip(model.buffers(), at_step, strict=True):  # the forward may replace one
                         b.copy_(value)
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             acc: list[torch.Tensor | None] = [None] * len(params)
             for n in _microbatches(share, layout.chunk):
                 weight = n / layout.batch if loss_reduction == "mean" else 1.0
-                with (torch.autocast("cpu", dtype=_AUTOCAST[precision]) if precision in _AUTOCAST
+                with (torch.autocast(device.type, dtype=_AUTOCAST[precision]) if precision in _AUTOCAST
                       else contextlib.nullcontext()):
                     loss = _loss_of(model(**_narrow(full, dims, start, n)))
                 start += n
                 loss_sum += loss.detach().reshape(()).double() * weight
                 root = loss.float() * weight
                 if precision == "fp16":
-                    root = root * torch.tensor([float(loss_scale)])
+                    root = root * torch.tensor([float(loss_scale)], device=device)
                 root.sum().backward()
                 if layout.pp == 1:  # one stage holds one tied weight: autograd adds its uses within the backward
                     for group in copies:
@@ -292,8 +294,8 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
                 grad = _add(grad, grads[i])
             p.grad = torch.zeros_like(p) if grad is None else grad.clone()
         if precision == "fp16":
-            found_inf = torch.zeros(1)
-            inv_scale = torch.tensor([float(loss_scale)]).double().reciprocal().float()
+            found_inf = torch.zeros(1, device=device)
+            inv_scale = torch.tensor([float(loss_scale)], device=device).double().reciprocal().float()
             torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in params], found_inf, inv_scale)
             if found_inf.item():
                 raise AssertionError(f"the reference overflowed at step {step} with loss scale {loss_scale}")
