@@ -31,6 +31,12 @@ through the job's key-value store, signed with the job's token when the launcher
 reachable by anyone on the job's network: see the README's trust model), and rank 0's thread checks every
 report against the files on disk before it writes the manifest and ``COMPLETE``.
 
+**Without a shared file system.** :mod:`varuna_core.checkpoint.handover` writes the same checkpoint with the
+same machinery into a private directory on each rank's own host and puts the files in host memory (a shelf);
+rank 0 then completes the manifest from the other ranks' reported sizes and sha256, which it cannot see on disk.
+A load from such a handover reads a directory of this rank's own holding only the data files of its tensors
+(``present``).
+
 **Loads are all or nothing.** Everything is read into new tensors and checked (the model's parameter names,
 shapes and dtypes against the manifest, every file's size and sha256) before a single live tensor changes: a
 refused checkpoint leaves the model, the optimizer and the RNG as they were. The cost is a second copy of this
@@ -53,7 +59,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -455,9 +461,12 @@ def _verified(job: _Background, rank: int, raw: bytes) -> dict:
     return body
 
 
-def _entries(gathered: list[list[dict[str, Any]]], final: Path) -> list[FileEntry]:
+def _entries(gathered: list[list[dict[str, Any]]], final: Path, *,
+             on_disk: Collection[int] | None = None) -> list[FileEntry]:
     """The manifest's file list from every rank's report: rank ``r`` may only report ``__r_0.distcp`` (rank 0
-    also the index), with a sha256, and each file must be on disk with the reported size."""
+    also the index), with a sha256, and each file must be on disk with the reported size. ``on_disk``: the
+    ranks whose files are in ``final`` when the others' are not (a publish into host memory: each rank writes
+    on its own host, and rank 0 relies on the others' reported size and sha256); None: every rank's."""
     out = []
     for rank, part in enumerate(gathered):
         allowed = {f"__{rank}_0.distcp", *([CHECKPOINT_INDEX] if rank == 0 else [])}
@@ -469,6 +478,9 @@ def _entries(gathered: list[list[dict[str, Any]]], final: Path) -> list[FileEntr
             if item.path not in allowed or not _SHA256_RE.match(item.sha256) or item.bytes < 0:
                 raise CheckpointError(f"checkpoint {final}: rank {rank} reported a file it cannot have written: "
                                       f"{item.path!r}", hint="see the README's trust model")
+            if on_disk is not None and rank not in on_disk:
+                out.append(item)
+                continue
             try:
                 size = os.lstat(final / item.path).st_size
             except OSError as exc:
@@ -528,7 +540,7 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _gather(state: CheckpointState, files: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def _gather(state: CheckpointState, files: list[Any]) -> list[list[Any]]:
     if state.world_size == 1:
         return [files]
     out: list[Any] = [None] * state.world_size
@@ -563,7 +575,8 @@ def _kv_store(state: CheckpointState):
 
 
 def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | str = "latest",
-         check_complete: bool = True, run: str | None = None, load_optimizer: bool = True) -> int:
+         check_complete: bool = True, run: str | None = None, load_optimizer: bool = True,
+         present: Collection[str] | None = None) -> int:
     """Restore parameters, buffers, optimizer state, loss scaler, iteration, seed and RNG from a checkpoint
     written under any partition (collective), all or nothing. Returns the step loaded; the run continues under
     the checkpoint's run id.
@@ -573,6 +586,9 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
 
     ``iteration="latest"`` takes the newest complete checkpoint of this run (``run``, if given), else of the
     only run the store holds; a store of several runs needs ``run`` or a step.
+
+    ``present``: the data files this rank's ``store`` holds when it is a directory of its own holding only some
+    (see :mod:`varuna_core.checkpoint.handover`): this rank checks each of them whole and reads from no other.
 
     Raises:
         CheckpointError: on every rank, with the model untouched: no such checkpoint, incomplete, a file
@@ -588,7 +604,7 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
     manifest = _agreed(state, lambda: _manifest_of(directory, step))
     expected = {e.path: (e.bytes, e.sha256) for e in manifest.files} if check_complete else None
     reader = _agreed(state, lambda: RawReader(directory, expected, rank=state.rank, world=state.world_size,
-                                              listed=[e.path for e in manifest.files]))
+                                              listed=[e.path for e in manifest.files], present=present))
     metadata = _agreed(state, lambda: reader.read_metadata().state_dict_metadata)
     groups = _agreed(state, lambda: _check_fits(state, directory, manifest, metadata, load_optimizer))
     plan = _Targets.build(state, metadata, manifest, load_optimizer)

@@ -308,7 +308,8 @@ class RawWriter(StorageWriter):
 
 
 def read_metadata(directory: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None, *,
-                  listed: Collection[str] | None = None, check_files: bool = True) -> Metadata:
+                  listed: Collection[str] | None = None, check_files: bool = True,
+                  present: Collection[str] | None = None) -> Metadata:
     """The DCP :class:`Metadata` of a checkpoint directory, from ``dcp_metadata.json`` (JSON only), validated
     entry by entry (see the module docstring).
 
@@ -320,6 +321,8 @@ def read_metadata(directory: str | os.PathLike, expected: dict[str, tuple[int, s
         check_files: every data file the index names is a regular file (not a link) holding every byte range
             the index places in it. Only a caller that allocates nothing from the result and reports bad files
             itself (``varuna ckpt verify``) turns this off.
+        present: the data files the directory holds when it holds only some (a handover takes only the files of
+            its stage's tensors): only those are checked; None: every file the index names.
 
     Raises:
         CheckpointError: naming the index (or the data file) and what is wrong with it.
@@ -342,7 +345,7 @@ def read_metadata(directory: str | os.PathLike, expected: dict[str, tuple[int, s
         raise _invalid(path, "JSON nested too deeply") from None
     except ValueError as exc:
         raise _invalid(path, f"not JSON ({exc})") from None
-    return _Index(directory, path, allowed, check_files).parse(doc)
+    return _Index(directory, path, allowed, check_files, present).parse(doc)
 
 
 def _allowed(directory: Path, expected: dict | None, listed: Collection[str] | None) -> set[str] | None:
@@ -373,8 +376,10 @@ class _Index:
     """One pass over a parsed index: every field checked where it is read, every error naming the index and
     the field (``tensors['model/w'].chunks[0].offset``)."""
 
-    def __init__(self, directory: Path, path: Path, allowed: set[str] | None, check_files: bool) -> None:
+    def __init__(self, directory: Path, path: Path, allowed: set[str] | None, check_files: bool,
+                 present: Collection[str] | None = None) -> None:
         self.directory, self.path, self.allowed, self.check_files = directory, path, allowed, check_files
+        self.present = None if present is None else set(present)
         self.ranges: dict[str, list[tuple[int, int, str]]] = {}  # file -> (offset, length, field) of each chunk
 
     def parse(self, doc: object) -> Metadata:
@@ -449,7 +454,7 @@ class _Index:
                     raise _invalid(self.path, f"{where} shares bytes of {name} with {last}")
                 if length and offset + length > end:
                     end, last = offset + length, where
-            if self.check_files:
+            if self.check_files and (self.present is None or name in self.present):
                 size = _data_file_size(self.directory, name)
                 if end > size:
                     raise CheckpointError(f"refusing to load {self.directory}: {self.directory.name}/{name}: truncated "
@@ -533,14 +538,20 @@ class RawReader(StorageReader):
             nothing is hashed (the offline tools hash the files themselves).
         rank, world: this process's place among the loading ranks; file ``i`` (in name order) is checked by
             rank ``i % world``, which reads it whole, so every file is hashed exactly once per load.
+        present: the data files this rank's directory holds, when it holds only some (a handover takes only the
+            files of its stage's tensors into a directory of its own): this rank then checks every one of them
+            (no other rank sees them), and a read from any other file is refused. None: the directory holds
+            every file, shared by the loading ranks.
     """
 
     def __init__(self, path: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None,
-                 rank: int = 0, world: int = 1, *, listed: Collection[str] | None = None) -> None:
+                 rank: int = 0, world: int = 1, *, listed: Collection[str] | None = None,
+                 present: Collection[str] | None = None) -> None:
         super().__init__()
         self.path = Path(path)
         self.expected = expected
         self.listed = listed
+        self.present = None if present is None else set(present)
         self.allowed = _allowed(self.path, expected, listed)
         self.rank, self.world = rank, world
         self.metadata: Metadata | None = None
@@ -551,7 +562,7 @@ class RawReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.metadata is None:
-            self.metadata = read_metadata(self.path, self.expected, listed=self.listed)
+            self.metadata = read_metadata(self.path, self.expected, listed=self.listed, present=self.present)
         return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -580,9 +591,16 @@ class RawReader(StorageReader):
         if self.expected is not None:
             data_files = sorted(f for f in self.expected if f != METADATA_FILE)
             mine = {f for i, f in enumerate(data_files) if i % self.world == self.rank}
+            if self.present is not None:
+                mine = {f for f in data_files if f in self.present}
         unknown = sorted(set(per_file) - self.allowed) if self.allowed is not None else []
         if unknown:
             raise CheckpointError(f"refusing to load {self.path}: {unknown[0]} is not in the manifest")
+        absent = sorted(set(per_file) - self.present) if self.present is not None else []
+        if absent:
+            raise CheckpointError(f"cannot load {self.path}: this rank's tensors are in {absent[0]}, which was not "
+                                  "taken into it", hint="take every data file the index places this rank's "
+                                  "tensors in")
         for name in sorted(set(per_file) | mine):
             chunks = sorted(per_file.get(name, {}).items(), key=lambda kv: storage[kv[0]].offset)
             self._read_file(name, [(storage[index], reqs) for index, reqs in chunks], planner, check=name in mine)
