@@ -8,7 +8,11 @@ stall_rank/stall_seconds, inject_inf {rank, step}, die {rank, step}, evaluate (b
 unseeded (no torch.manual_seed and no seed= for Varuna), varuna_seed, fail_copy {rank} (that rank's background
 checkpoint copy fails with ENOSPC), meta (build under meta_init: each rank allocates and initialises its stage),
 weights (a path for Varuna(weights=...)), evaluate_in_eval_mode (evaluate after .eval(): the loss, or the
-error raised, as "eval_mode" or "eval_mode_error").
+error raised, as "eval_mode" or "eval_mode_error"), publish {at, job, roots} (after step ``at``, publish into the
+shelf at ``roots[rank]``: one root per rank, hosts that share no directory; the blob map as "owners"), take
+{step, job, token, owners, servers, local, staging, expect_error} (before training, take the published step from
+the shelf servers: ``servers[r]`` serves old rank r's root, ``local[str(rank)]`` the old rank whose root this rank
+reads directly; with expect_error, record the error and the parameters before and after, and stop).
 """
 
 from __future__ import annotations
@@ -91,6 +95,16 @@ def run_one(run: dict, spec: dict) -> dict:
     vm.set_optimizer(opt, init_loss_scale=run.get("init_loss_scale", 2**20))
     losses, norms, overflows, scales = [], [], [], []
     first = vm.load_checkpoint(run["load"], iteration=run.get("load_step", "latest")) if run.get("load") else 0
+    if run.get("take"):
+        before = {n: p.detach().clone() for n, p in vm.named_parameters()}
+        try:
+            first = take_handover(vm, run["take"])
+        except VarunaError as exc:
+            if not run["take"].get("expect_error"):
+                raise
+            return {"error": f"{type(exc).__name__}: {exc}", "params_before": before,
+                    "params": {n: p.detach().clone() for n, p in vm.named_parameters()}, "iteration": vm.iteration}
+    owners = None  # the blob map of a publish
     for step in range(first, run.get("steps", 3)):
         if run.get("stall_rank") == vm.rank:
             time.sleep(run["stall_seconds"])
@@ -136,6 +150,8 @@ def run_one(run: dict, spec: dict) -> dict:
                 write(self, data)
 
             FileSink.write = write_then_die
+        if run.get("publish") and vm.iteration == run["publish"]["at"]:
+            owners = publish_handover(vm, run["publish"])
         fail = run.get("fail_copy")
         if fail and fail["rank"] == vm.rank:  # this rank's background copy hits a full disk
             import errno
@@ -165,6 +181,10 @@ def run_one(run: dict, spec: dict) -> dict:
         "partition": torch.tensor(vm.partition.ranges),
         "seed": vm.seed, "initial_seed": torch.initial_seed(), "run_id": vm.run_id,
     }
+    if run.get("publish"):
+        result["owners"] = owners
+    if run.get("take"):
+        result["taken"] = sorted(vm.taken_blobs)
     if run.get("evaluate"):
         eval_batch = make_batch(run["evaluate"], 999)
         # every replica evaluates the same examples here; the mean over replicas is then their loss
@@ -177,6 +197,46 @@ def run_one(run: dict, spec: dict) -> dict:
             result["eval_mode_error"] = f"{type(exc).__name__}: {exc}"
         vm.train()
     return result
+
+
+def publish_handover(vm, spec: dict) -> dict[str, int]:
+    """Publish this step's state into this rank's own shelf root (a host of its own)."""
+    from varuna_core.checkpoint.handover import publish
+    from varuna_core.launch.shelf import Shelf
+
+    root = Path(spec["roots"][vm.rank])
+    return publish(vm._checkpoint_state(), Shelf(spec["job"], root=root).put, staging=root / "staging")
+
+
+def take_handover(vm, spec: dict) -> int:
+    """Take the published state from the shelf servers (this host's own shelf read directly), and adopt what a
+    load restores, as ``load_checkpoint`` does."""
+    from varuna_core.checkpoint.handover import take
+    from varuna_core.launch.shelf import Shelf, fetch_into
+
+    servers, owners = spec["servers"], spec["owners"]
+    own = spec.get("local", {}).get(str(vm.rank))  # the old rank whose host this rank is on, if any
+    local = Shelf(spec["job"], root=spec["roots"][own]) if own is not None else None
+
+    def fetch(holder: str, names: list[str], into, max_bytes: int) -> None:
+        vm.taken_blobs = [*getattr(vm, "taken_blobs", []), *names]  # what this rank took, for the test
+        if local is not None and holder == servers[own]:
+            for name in names:
+                local.get_into(name, lambda entry: into(entry.name, entry.size))
+            return
+        host, port = holder.rsplit(":", 1)
+        fetch_into(host, int(port), job=spec["job"], token=spec["token"], names=names, max_bytes=max_bytes,
+                   into=lambda entry: into(entry.name, entry.size), timeout=10)
+
+    state = vm._checkpoint_state()
+    try:
+        return take(state, step=spec["step"], locate=lambda name: servers[owners[name]], fetch=fetch,
+                    staging=spec["staging"])
+    finally:
+        if state.restored:
+            vm.iteration, vm.seed, vm.run_id = state.iteration, state.seed, state.run_id
+            if vm.scaler is not None and state.loss_scaler is not None:
+                vm.scaler.load_state_dict(state.loss_scaler)
 
 
 def main(run_one=run_one) -> None:

@@ -1,0 +1,327 @@
+"""A checkpoint handed over through host memory: published by the old ranks into their own hosts' shelves, taken
+back by the new ranks from those hosts, with no file system that the hosts share (DESIGN.md §3.8).
+
+**Publish** (:func:`publish`, collective over the old ranks): each rank writes its part of the checkpoint of one
+step, with the same machinery as :func:`~varuna_core.checkpoint.saveload.save` (the same DCP entries under the
+model's names, the same raw ``.distcp`` files hashed while written, the same manifest), into a private directory on
+its own host; rank 0 completes the manifest from every rank's reported size and sha256, since it cannot see the
+other hosts' files. Each rank then puts each of its files on its host's shelf as a blob named
+``step_<N>/<file>`` (meta: ``bytes``, ``sha256``, ``rank``), removes its local copy (the shelf is the copy), and
+every rank returns the same map from blob name to the rank that holds it, for whoever starts the new ranks to
+tell them where each blob lives.
+
+**Take** (:func:`take`, collective over the new ranks): each rank takes, into a private staging directory of its
+own, the blobs ``RUN``, ``COMPLETE``, the manifest and the index, then reads the index to find which data files
+hold its stage's tensors (its parameters, their optimizer state, its buffers and, under the same world size, its
+RNG state) and takes only those; then it loads them with :func:`~varuna_core.checkpoint.saveload.load`, which
+checks every file it holds against the manifest's size and sha256 and changes no live tensor unless everything
+is right. The staging directory is removed afterwards, whatever happened.
+
+Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its
+wire live. A publish gets ``put(name, data, meta)`` (``Shelf.put`` as it is); a take gets ``locate(name)``, the
+holder of a blob (any value the ``fetch`` callable understands: ``"host:port"``, or a marker for this host's own
+shelf), and ``fetch(holder, names, into, max_bytes)``, which puts each blob's bytes into the writable buffer
+``into(name, size)`` returns, checked against the blob's hash (``Shelf.get_into`` or ``shelf.fetch_into``, each
+wrapped in two lines). A failure anywhere raises on every rank: :class:`~varuna_core.errors.HandoverError`
+naming the blob and its holder for a blob that cannot be had, :class:`~varuna_core.errors.CheckpointError` for a
+checkpoint that does not fit; the live state is then as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import HandoverError, VarunaError
+from ..util.checks import integer
+from ..util.fs import atomic_write
+from ..util.text import printable
+from .layout import COMPLETE_FILE, MANIFEST_FILE, RUN_FILE, read_manifest, step_dir
+from .saveload import (
+    _buffers,
+    _discard,
+    _entries,
+    _gather,
+    _keys,
+    _make_staging,
+    _manifest,
+    _reason,
+    _state_dict,
+    load,
+)
+from .state import CheckpointState
+from .storage import INDEX_LIMIT, METADATA_FILE, RawWriter, dcp_save, read_metadata
+
+__all__ = ["publish", "take", "blob_name"]
+
+Put = Callable[[str, memoryview, dict[str, Any]], object]
+Into = Callable[[str, int], memoryview]
+Fetch = Callable[[Any, list[str], Into, int], object]
+
+_SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
+_SMALL_LIMIT = 2 * INDEX_LIMIT  # bytes of the small files together: the index's bound and the manifest's
+_KEEP_TRAINING = "nothing was handed over; the old configuration still holds the state"
+_FALL_BACK = "the live state is as it was; fall back to the last checkpoint in the store"
+
+
+def blob_name(step: int, file: str) -> str:
+    """The shelf's name of a checkpoint file of step ``step``."""
+    return f"{step_dir('', step).name}/{file}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Publish
+
+
+def publish(state: CheckpointState, put: Put, *, staging: str | os.PathLike, step: int | None = None) -> dict[str, int]:
+    """Put a checkpoint of every rank's state on each rank's own host's shelf (collective).
+
+    Args:
+        state: this rank's state; only read.
+        put: ``put(name, data, meta)`` keeps ``data`` under ``name`` in this host's memory (``Shelf.put``).
+        staging: a local directory (a tmpfs, e.g. beside the shelf) where this rank writes its files first, in a
+            private directory removed once they are on the shelf.
+        step: the checkpoint's number (default: the optimizer steps taken).
+
+    Returns:
+        On every rank, ``{blob name: rank that put it}``.
+
+    Raises:
+        HandoverError, CheckpointError: on every rank, if any rank failed (what it wrote locally is removed; blobs
+            already put stay on their shelves until their owner clears them).
+    """
+    step = state.iteration if step is None else integer("step", step, low=0)
+    local, problem = None, None
+    try:
+        local = _make_staging(Path(staging), state.run_id, state.rank, step)
+        if state.rank == 0:
+            atomic_write(local / RUN_FILE, f"{state.run_id}\n")
+    except OSError as exc:
+        problem = f"rank {state.rank} cannot create its staging directory in {staging}: {exc.strerror or exc}"
+    try:
+        _agree(state, problem, _KEEP_TRAINING)
+        assert local is not None  # every rank made one, or all raised above
+        writer = RawWriter(local, sync_files=False)  # tmpfs: nothing to sync
+        dcp_save(_state_dict(state, write_model=True), writer)  # a failure anywhere raises everywhere
+        files = [f.as_dict() for f in writer.files]
+        _agree(state, _complete_locally(state, step, local, _gather(state, files)), _KEEP_TRAINING)
+        names, problem = _put_files(state, put, step, local, files)
+        _agree(state, problem, _KEEP_TRAINING)
+        owners = _gather(state, names)
+    except BaseException as exc:
+        if isinstance(exc, (VarunaError, KeyboardInterrupt, SystemExit)):
+            raise
+        raise HandoverError(f"publishing step {step} failed on rank {state.rank}: {_reason(exc)}",
+                            hint=_KEEP_TRAINING) from None
+    finally:
+        _discard(local)
+    return {name: rank for rank, part in enumerate(owners) for name in part}
+
+
+def _complete_locally(state: CheckpointState, step: int, local: Path, gathered: list) -> str | None:
+    """Rank 0: the manifest (from every rank's reported size and sha256: the other ranks' files are on other
+    hosts) and ``COMPLETE``, in its own directory. Returns why not, if it failed."""
+    if state.rank != 0:
+        return None
+    try:
+        entries = _entries(gathered, local, on_disk={0})
+        atomic_write(local / MANIFEST_FILE, _manifest(state, step, entries).model_dump_json(indent=2))
+        atomic_write(local / COMPLETE_FILE, f"{step}\n")
+    except (OSError, VarunaError) as exc:
+        return f"completing step {step} failed on rank 0: {_reason(exc)}"
+    return None
+
+
+def _put_files(state: CheckpointState, put: Put, step: int, local: Path,
+               files: list[dict[str, Any]]) -> tuple[list[str], str | None]:
+    """Put every file of ``local`` on the shelf; returns the blob names, and why not, if it failed."""
+    reported = {f["path"]: f for f in files}
+    names: list[str] = []
+    name = ""
+    try:
+        for path in sorted(local.iterdir()):
+            name = blob_name(step, path.name)
+            with _mapped(path) as data:
+                digest = reported[path.name]["sha256"] if path.name in reported else hashlib.sha256(data).hexdigest()
+                put(name, data, {"bytes": data.nbytes, "sha256": digest, "rank": state.rank})
+            names.append(name)
+            path.unlink()  # the shelf is the copy now
+    except (OSError, ValueError, VarunaError) as exc:
+        return names, f"rank {state.rank} could not put {printable(name)} on its host's shelf: {_reason(exc)}"
+    return names, None
+
+
+@contextlib.contextmanager
+def _mapped(path: Path):
+    """The bytes of the file ``path``, mapped (no copy), as a read-only memoryview."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            yield memoryview(b"")
+            return
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        view = memoryview(mapped)
+        try:
+            yield view
+        finally:
+            view.release()
+            with contextlib.suppress(BufferError):  # a view still held (a failed put's traceback): closed later
+                mapped.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Take
+
+
+def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fetch: Fetch,
+         staging: str | os.PathLike, load_optimizer: bool = True) -> int:
+    """Restore this rank's state from a checkpoint on the hosts' shelves (collective over the new ranks), as
+    :func:`~varuna_core.checkpoint.saveload.load` restores it from a store, all or nothing.
+
+    Args:
+        state: this rank's state; its live tensors change only if every rank got everything, checked.
+        step: the step that was published.
+        locate: the holder of a blob, given its name (see the module docstring); raises ``KeyError`` for a blob
+            no host is known to hold.
+        fetch: ``fetch(holder, names, into, max_bytes)`` (see the module docstring).
+        staging: a local directory (a tmpfs) for a private directory of this rank's files, removed afterwards.
+        load_optimizer: as for ``load``.
+
+    Returns:
+        The step loaded.
+
+    Raises:
+        HandoverError: on every rank, naming the blob and its holder: no holder known, a holder that is gone, a
+            blob missing, damaged or of another size than the manifest's.
+        CheckpointError: on every rank: a checkpoint that does not fit this model or is damaged.
+    """
+    step = integer("step", step, low=0)
+    root, problem = None, None
+    try:
+        Path(staging).mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=f"varuna-take-r{state.rank}-s{step}-", dir=staging))
+        step_dir(root, step).mkdir()
+    except OSError as exc:
+        problem = f"rank {state.rank} cannot create its staging directory in {staging}: {exc.strerror or exc}"
+    try:
+        _agree(state, problem, _FALL_BACK)
+        assert root is not None
+        directory = step_dir(root, step)
+        _agree(state, _attempt(lambda: _take_files(locate, fetch, step, directory, _SMALL_FILES, None)), _FALL_BACK)
+        present: list[str] = []
+
+        def take_data() -> None:
+            manifest = read_manifest(directory)
+            expected = {e.path: (e.bytes, e.sha256) for e in manifest.files}
+            metadata = read_metadata(directory, expected, check_files=False)
+            same_world = manifest.pp * manifest.dp == state.world_size
+            present.extend(_data_files(state, metadata.storage_data, same_world, load_optimizer))
+            _take_files(locate, fetch, step, directory, present, expected)
+
+        _agree(state, _attempt(take_data), _FALL_BACK)
+        return load(state, root, iteration=step, load_optimizer=load_optimizer, present=present)
+    finally:
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _data_files(state: CheckpointState, storage: dict, same_world: bool, load_optimizer: bool) -> list[str]:
+    """The data files the index places this rank's tensors in (what ``load`` reads for it)."""
+    keys = _keys(state)
+    wanted = {f"model/{key}" for key, _ in keys} | {f"buffer/{name}" for name in _buffers(state)}
+    if same_world:
+        wanted |= {f"rng/rank{state.rank}", f"rng_cuda/rank{state.rank}"}
+    prefixes = tuple(f"optim/{key}/" for key, _ in keys) if load_optimizer and state.optimizer is not None else ()
+    return sorted({loc.relative_path for index, loc in storage.items()
+                   if index.fqn in wanted or (prefixes and index.fqn.startswith(prefixes))})
+
+
+def _take_files(locate: Callable[[str], Any], fetch: Fetch, step: int, directory: Path, files: Collection[str],
+                expected: dict[str, tuple[int, str]] | None) -> None:
+    """Take the blobs of ``files`` into ``directory``, each from its holder, in one request per holder."""
+    by_holder: dict[Any, list[str]] = {}
+    for file in files:
+        name = blob_name(step, file)
+        try:
+            holder = locate(name)
+        except KeyError:
+            raise HandoverError(f"no host is known to hold blob {printable(name)}", hint=_FALL_BACK) from None
+        by_holder.setdefault(holder, []).append(file)
+    for holder, group in by_holder.items():
+        _take_from(holder, fetch, step, directory, group, expected)
+
+
+def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: list[str],
+               expected: dict[str, tuple[int, str]] | None) -> None:
+    names = {blob_name(step, f): f for f in files}
+    where = printable(str(holder))
+    mapped: dict[str, mmap.mmap | None] = {}
+
+    def into(name: str, size: int) -> memoryview:
+        file = names.get(name)
+        if file is None or file in mapped:
+            raise HandoverError(f"holder {where} sent blob {printable(name)}, which was not asked for (or twice)")
+        if expected is not None and size != expected[file][0]:
+            raise HandoverError(f"blob {printable(name)} on {where} holds {size} bytes; the manifest says "
+                                f"{expected[file][0]}", hint=_FALL_BACK)
+        fd = os.open(directory / file, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapped[file] = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+        buffer = mapped[file]
+        return memoryview(buffer) if buffer is not None else memoryview(bytearray(0))
+
+    bound = sum(expected[f][0] for f in files) if expected is not None else _SMALL_LIMIT
+    first = printable(next(iter(names)))
+    what = f"blob {first}" if len(names) == 1 else f"blobs {first} and {len(names) - 1} more"
+    try:
+        fetch(holder, list(names), into, bound)
+    except VarunaError as exc:
+        raise HandoverError(f"taking {what} from {where} failed: {exc.message}", hint=_FALL_BACK) from None
+    except OSError as exc:
+        raise HandoverError(f"taking {what} from {where} failed: {_reason(exc)}", hint=_FALL_BACK) from None
+    finally:
+        for buffer in mapped.values():
+            if buffer is not None:
+                with contextlib.suppress(BufferError):  # a view still held: closed when it is collected
+                    buffer.close()
+    missing = [name for name, file in names.items() if file not in mapped]
+    if missing:
+        raise HandoverError(f"holder {where} did not send blob {printable(missing[0])}", hint=_FALL_BACK)
+
+
+def _attempt(fn: Callable[[], None]) -> tuple[str, str | None, type[VarunaError]] | None:
+    """``fn()``; a VarunaError it raises, as (message, hint, class), for :func:`_agree`."""
+    try:
+        fn()
+    except VarunaError as exc:
+        return exc.message, exc.hint, type(exc)
+    return None
+
+
+def _agree(state: CheckpointState, problem: str | tuple | None, hint: str) -> None:
+    """Every rank learns whether any had a problem; if one did, every rank raises the first (a HandoverError
+    unless it was another kind of VarunaError)."""
+    problems = [problem]
+    if state.world_size > 1:
+        problems = [None] * state.world_size
+        dist.all_gather_object(problems, problem)
+    bad = [p for p in problems if p]
+    if not bad:
+        return
+    first = bad[0]
+    if isinstance(first, str):
+        raise HandoverError(first, hint=hint)
+    message, own_hint, kind = first
+    raise kind(message, hint=own_hint or hint)

@@ -1,0 +1,132 @@
+"""A checkpoint handed over through host memory: published by a pp=2 run into two shelves that share no directory
+(one per rank, as two hosts), taken back over the shelf servers under other layouts, and the run continues as if
+uninterrupted; a damaged blob or a holder that is gone is refused by name, with the state untouched."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist.harness import run_ranks
+from tests.dist.test_checkpoint import BATCH, CHUNK, assert_resumed, steps_as, uninterrupted
+from varuna_core.launch.shelf import Shelf, ShelfServer
+
+pytestmark = pytest.mark.dist
+
+JOB, TOKEN = "handover-test", "s3cret-token"
+STEP = 2
+
+
+def _run(**extra) -> dict:
+    return {"schedule": "1f1b", "optimizer": "adamw", "batch": BATCH, "chunk": CHUNK, **extra}
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """Two steps at pp=2, published into one shelf root per rank; returns (roots, blob map)."""
+    tmp = tmp_path_factory.mktemp("handover")
+    roots = [str(tmp / "host0"), str(tmp / "host1")]
+    run = _run(steps=STEP, publish={"at": STEP, "job": JOB, "roots": roots})
+    results = run_ranks({"map": "0;1", "timeout": 30, "runs": [run]}, 2, tmp / "publish", timeout=60)
+    for res in results:
+        assert res.returncode == 0, res.error
+    owners = results[0].result["runs"][0]["owners"]
+    assert results[1].result["runs"][0]["owners"] == owners
+    return roots, owners, tmp
+
+
+def _serve(roots):
+    return [ShelfServer(Shelf(JOB, root=root), TOKEN) for root in roots]
+
+
+def _take(servers, owners, tmp, name, **extra) -> dict:
+    addresses = [f"127.0.0.1:{s.port}" for s in servers]
+    return {"step": STEP, "job": JOB, "token": TOKEN, "owners": owners, "servers": addresses,
+            "roots": [str(r) for r in extra.pop("roots")], "staging": str(tmp / name / "staging"), **extra}
+
+
+def test_publish_puts_each_rank_files_on_its_own_host(published) -> None:
+    roots, owners, _ = published
+    on = [set(Shelf(JOB, root=root).names()) for root in roots]
+    small = {f"step_{STEP}/{f}" for f in ("RUN", "COMPLETE", "manifest.json", "dcp_metadata.json")}
+    assert on[0] == small | {f"step_{STEP}/__0_0.distcp"}
+    assert on[1] == {f"step_{STEP}/__1_0.distcp"}
+    assert owners == {**dict.fromkeys(on[0], 0), **dict.fromkeys(on[1], 1)}
+    for root in roots:  # the local copies are gone: the shelf is the copy
+        assert not any((Path(root) / "staging").iterdir())
+    entry, stream = Shelf(JOB, root=roots[1]).open(f"step_{STEP}/__1_0.distcp")
+    stream.close()
+    assert entry.meta == {"bytes": entry.size, "sha256": entry.sha256, "rank": 1}
+
+
+@pytest.mark.parametrize(("resume_map", "world", "partition", "local"), [
+    ("0", 1, None, {}),  # one rank on a third host: every blob over the wire
+    # another partition (the old one is (0, 3), (3, 5)), each rank on an old host: stage 1's tensors are all in
+    # old rank 1's file, so it takes no other
+    ("0;1", 2, [(0, 4), (4, 5)], {"0": 0, "1": 1}),
+])
+def test_take_under_another_layout_equals_uninterrupted(published, resume_map, world, partition, local) -> None:
+    roots, owners, tmp = published
+    name = f"take-{world}"
+    servers = _serve(roots)
+    try:
+        take = _take(servers, owners, tmp, name, roots=roots, local=local)
+        run = _run(steps=2 * STEP, take=take, **({"partition": partition} if partition else {}))
+        results = run_ranks({"map": resume_map, "timeout": 30, "runs": [run]}, world, tmp / name, timeout=60)
+    finally:
+        for server in servers:
+            server.close()
+    assert_resumed(results, *uninterrupted(steps_as("0;1", STEP, resume_map, STEP)), first=STEP)
+    small = [f"step_{STEP}/{f}" for f in ("COMPLETE", "RUN")]
+    index = [f"step_{STEP}/{f}" for f in ("dcp_metadata.json", "manifest.json")]
+    for res in results:
+        got = res.result["runs"][0]
+        files = ["__1_0.distcp"] if partition and got["stage"] == 1 else ["__0_0.distcp", "__1_0.distcp"]
+        assert got["taken"] == small + [f"step_{STEP}/{f}" for f in files] + index, got["taken"]
+    assert not any((tmp / name / "staging").iterdir())  # the staging directories are removed
+
+
+def test_a_damaged_blob_or_a_holder_gone_is_refused_by_name(published, tmp_path) -> None:
+    roots, owners, _ = published
+    blob = f"step_{STEP}/__1_0.distcp"
+    shelf = Shelf(JOB, root=roots[1])
+    path = shelf.path / f"{hashlib.sha256(blob.encode()).hexdigest()}.blob"
+    original = path.read_bytes()
+    servers = _serve(roots)
+    try:
+        damaged = bytearray(original)
+        damaged[-3] ^= 0xFF  # a byte of the data (the entry is in front)
+        path.write_bytes(bytes(damaged))
+        take = _take(servers, owners, tmp_path, "damaged", roots=roots, expect_error=True)
+        got = _one(run_ranks({"map": "0", "timeout": 30, "runs": [_run(steps=4, take=take)]}, 1, tmp_path / "d",
+                             timeout=60))
+        assert got["error"].startswith("HandoverError"), got["error"]
+        assert blob in got["error"] and f"127.0.0.1:{servers[1].port}" in got["error"], got["error"]
+        _untouched(got)
+        path.write_bytes(original)
+        servers[1].close()  # the holder of __1_0.distcp is gone
+        take = _take(servers, owners, tmp_path, "gone", roots=roots, expect_error=True)
+        got = _one(run_ranks({"map": "0", "timeout": 30, "runs": [_run(steps=4, take=take)]}, 1, tmp_path / "g",
+                             timeout=60))
+        assert got["error"].startswith("HandoverError"), got["error"]
+        assert blob in got["error"] and f"127.0.0.1:{servers[1].port}" in got["error"], got["error"]
+        _untouched(got)
+    finally:
+        path.write_bytes(original)
+        for server in servers:
+            server.close()
+
+
+def _one(results) -> dict:
+    (res,) = results
+    assert res.returncode == 0, res.error
+    return res.result["runs"][0]
+
+
+def _untouched(got: dict) -> None:
+    assert got["iteration"] == 0
+    for name, value in got["params"].items():
+        assert torch.equal(value, got["params_before"][name]), name
