@@ -13,7 +13,7 @@ import torch
 
 from tests.unit.test_ckpt_state import _state, _Tied
 from varuna_core.checkpoint.handover import blob_name, publish, take
-from varuna_core.errors import CheckpointError, HandoverError
+from varuna_core.errors import CheckpointError, HandoverError, ShelfFullError
 
 STEP = 3
 
@@ -135,3 +135,16 @@ def test_a_reader_of_some_files_checks_each_whole_and_reads_no_other(tmp_path) -
     reader = RawReader(tmp_path, expected, rank=1, world=2, present=[])
     with pytest.raises(CheckpointError, match=re.escape("in __0_0.distcp, which was not taken")):
         dcp_load({"model/w": torch.zeros(64)}, reader, no_dist=True)
+
+
+def test_a_full_shelf_fails_the_publish_as_such_and_leaves_no_local_copy(tmp_path) -> None:
+    taken: list[str] = []
+
+    def put(name, data, meta):
+        if name.endswith(".distcp"):
+            raise ShelfFullError(f"blob {name} does not fit", hint="use the store")
+        taken.append(name)
+
+    with pytest.raises(ShelfFullError, match=re.escape(f"could not put {blob_name(STEP, '__0_0.distcp')}")):
+        publish(_state(_Tied()), put, staging=tmp_path / "publish")
+    assert not any((tmp_path / "publish").iterdir())

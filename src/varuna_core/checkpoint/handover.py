@@ -114,8 +114,8 @@ def publish(state: CheckpointState, put: Put, *, staging: str | os.PathLike, ste
         dcp_save(_state_dict(state, write_model=True), writer)  # a failure anywhere raises everywhere
         files = [f.as_dict() for f in writer.files]
         _agree(state, _complete_locally(state, step, local, _gather(state, files)), _KEEP_TRAINING)
-        names, problem = _put_files(state, put, step, local, files)
-        _agree(state, problem, _KEEP_TRAINING)
+        names, failure = _put_files(state, put, step, local, files)
+        _agree(state, failure, _KEEP_TRAINING)
         owners = _gather(state, names)
     except BaseException as exc:
         if isinstance(exc, (VarunaError, KeyboardInterrupt, SystemExit)):
@@ -142,8 +142,9 @@ def _complete_locally(state: CheckpointState, step: int, local: Path, gathered: 
 
 
 def _put_files(state: CheckpointState, put: Put, step: int, local: Path,
-               files: list[dict[str, Any]]) -> tuple[list[str], str | None]:
-    """Put every file of ``local`` on the shelf; returns the blob names, and why not, if it failed."""
+               files: list[dict[str, Any]]) -> tuple[list[str], str | tuple | None]:
+    """Put every file of ``local`` on the shelf; returns the blob names, and why not, if it failed (a
+    :class:`~varuna_core.errors.ShelfFullError` stays one on every rank: the caller then uses the store)."""
     reported = {f["path"]: f for f in files}
     names: list[str] = []
     name = ""
@@ -156,7 +157,10 @@ def _put_files(state: CheckpointState, put: Put, step: int, local: Path,
             names.append(name)
             path.unlink()  # the shelf is the copy now
     except (OSError, ValueError, VarunaError) as exc:
-        return names, f"rank {state.rank} could not put {printable(name)} on its host's shelf: {_reason(exc)}"
+        message = f"rank {state.rank} could not put {printable(name)} on its host's shelf: {_reason(exc)}"
+        if isinstance(exc, VarunaError):
+            return names, (message, exc.hint, type(exc))
+        return names, message
     return names, None
 
 
