@@ -394,11 +394,39 @@ class Varuna(nn.Module):
         try:
             return load(state, global_store, iteration=iteration, check_complete=check_complete, run=run,
                         load_optimizer=load_optimizer)
-        finally:  # once the live tensors hold the checkpoint's (even if a later step failed), so does the rest
-            if state.restored:
-                self.iteration, self.seed, self.run_id = state.iteration, state.seed, state.run_id
-                if self.scaler is not None and state.loss_scaler is not None:
-                    self.scaler.load_state_dict(state.loss_scaler)
+        finally:
+            self._adopt(state)
+
+    def publish_state(self, put: Callable[[str, Any, dict], Any], *, staging: str | os.PathLike,
+                      step: int | None = None) -> dict[str, int]:
+        """Put a checkpoint of every rank's state into its own host's memory for a handover (collective; see
+        :mod:`varuna_core.checkpoint.handover`): ``put(name, data, meta)`` keeps a blob (``Shelf.put``), ``staging``
+        is a local tmpfs directory written first. Returns ``{blob name: rank}`` on every rank."""
+        from .checkpoint.handover import publish
+
+        return publish(self._checkpoint_state(), put, staging=staging, step=step)
+
+    def take_state(self, *, step: int, locate: Callable[[str], Any], fetch: Callable[..., None],
+                   staging: str | os.PathLike, load_optimizer: bool = True) -> int:
+        """Restore from a checkpoint published into the hosts' memory (collective over the new ranks; after
+        ``set_optimizer``), as :meth:`load_checkpoint` restores from a store, all or nothing: ``locate(name)``
+        names a blob's holder, ``fetch(holder, names, into, max_bytes)`` takes blobs from it (see
+        :mod:`varuna_core.checkpoint.handover`). Returns the step restored."""
+        from .checkpoint.handover import take
+
+        state = self._checkpoint_state()
+        try:
+            return take(state, step=step, locate=locate, fetch=fetch, staging=staging, load_optimizer=load_optimizer)
+        finally:
+            self._adopt(state)
+
+    def _adopt(self, state) -> None:
+        """Once the live tensors hold a checkpoint's (even if a later part of the load failed), so does the rest:
+        the step, the seed, the run and the loss scale."""
+        if state.restored:
+            self.iteration, self.seed, self.run_id = state.iteration, state.seed, state.run_id
+            if self.scaler is not None and state.loss_scaler is not None:
+                self.scaler.load_state_dict(state.loss_scaler)
 
     def _checkpoint_state(self):
         """What a checkpoint saves and restores of this rank, for the checkpoint floor (which knows nothing of

@@ -201,17 +201,14 @@ def run_one(run: dict, spec: dict) -> dict:
 
 def publish_handover(vm, spec: dict) -> dict[str, int]:
     """Publish this step's state into this rank's own shelf root (a host of its own)."""
-    from varuna_core.checkpoint.handover import publish
     from varuna_core.launch.shelf import Shelf
 
     root = Path(spec["roots"][vm.rank])
-    return publish(vm._checkpoint_state(), Shelf(spec["job"], root=root).put, staging=root / "staging")
+    return vm.publish_state(Shelf(spec["job"], root=root).put, staging=root / "staging")
 
 
 def take_handover(vm, spec: dict) -> int:
-    """Take the published state from the shelf servers (this host's own shelf read directly), and adopt what a
-    load restores, as ``load_checkpoint`` does."""
-    from varuna_core.checkpoint.handover import take
+    """Take the published state from the shelf servers (this host's own shelf read directly)."""
     from varuna_core.launch.shelf import Shelf, fetch_into
 
     servers, owners = spec["servers"], spec["owners"]
@@ -228,15 +225,8 @@ def take_handover(vm, spec: dict) -> int:
         fetch_into(host, int(port), job=spec["job"], token=spec["token"], names=names, max_bytes=max_bytes,
                    into=lambda entry: into(entry.name, entry.size), timeout=10)
 
-    state = vm._checkpoint_state()
-    try:
-        return take(state, step=spec["step"], locate=lambda name: servers[owners[name]], fetch=fetch,
-                    staging=spec["staging"])
-    finally:
-        if state.restored:
-            vm.iteration, vm.seed, vm.run_id = state.iteration, state.seed, state.run_id
-            if vm.scaler is not None and state.loss_scaler is not None:
-                vm.scaler.load_state_dict(state.loss_scaler)
+    return vm.take_state(step=spec["step"], locate=lambda name: servers[owners[name]], fetch=fetch,
+                         staging=spec["staging"])
 
 
 def main(run_one=run_one) -> None:
