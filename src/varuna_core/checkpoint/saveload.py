@@ -231,6 +231,8 @@ def save(state: CheckpointState, store: str | os.PathLike, *, step: int | None =
         _discard(staging)
         if created:
             _remove_own(final)
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            _removed(_kv_store(state), f"varuna/ckpt/{state.run_id}/{_saves}/removed", state.rank, state.timeout)
         if isinstance(exc, (VarunaError, KeyboardInterrupt, SystemExit)):
             raise
         raise CheckpointError(f"writing checkpoint {final} failed on rank {state.rank}: {_reason(exc)}",
@@ -394,6 +396,7 @@ def _copy_and_complete(job: _Background) -> int:
         job.kv.add(_kv_key(job, "done"), 1)
         if job.rank != 0:
             if failure:
+                _removed(job.kv, _kv_key(job, "removed"), job.rank, job.timeout)
                 raise CheckpointError(f"checkpoint {job.final} failed: {failure}",
                                       hint="the previous complete checkpoint is still the latest")
             return job.step
@@ -403,12 +406,29 @@ def _copy_and_complete(job: _Background) -> int:
     if failure is not None:
         if job.rank == 0:
             _remove_own(job.final)
+            _removed(job.kv, _kv_key(job, "removed"), job.rank, job.timeout)
         raise CheckpointError(f"checkpoint {job.final} failed: {failure}",
                               hint="what it wrote was removed; the previous complete checkpoint is still the latest")
     reports = [g for g in gathered if not isinstance(g, str)]  # every rank's files: no rank failed
     job.manifest.files = _entries(reports, job.final)
     _complete(job.final, job.manifest, job.run, job.keep)
     return job.step
+
+
+def _removed(kv: Any, key: str, rank: int, timeout: float) -> None:
+    """After a failed save, a rank raises only once rank 0 has removed what the save wrote: a rank that raised
+    first would end its process, its launcher would stop the job, and rank 0, killed while deleting, would leave
+    a half-deleted directory behind. Rank 0 says so (``key``); the others wait for it, at most ``timeout`` (capped:
+    a rank 0 that died says nothing, and the error must still come)."""
+    if kv is None:
+        return
+    try:
+        if rank == 0:
+            kv.set(key, b"1")
+        else:
+            kv.wait([key], datetime.timedelta(seconds=min(timeout, 30.0)))
+    except Exception:  # noqa: BLE001 - best effort: the save's own error is the one to raise
+        pass
 
 
 def _await_ranks(job: _Background) -> list[list[dict[str, Any]] | str]:
