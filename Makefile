@@ -51,7 +51,7 @@ test: setup lint ## lint, then run the test suite (PYTEST_ARGS="-k env" to selec
 # logic on the CPU instead (see tests/gpu/common.py).
 GPU_TEST_TIMEOUT ?= 240
 test-gpu: setup ## the GPU suite, tests/gpu (needs a CUDA device: every test fails without one)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 0 --timeout $(GPU_TEST_TIMEOUT) tests/gpu $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 VARUNA_NO_SKIPS=1 $(PY) -m pytest -q -p no:cacheprovider -n 0 --timeout $(GPU_TEST_TIMEOUT) tests/gpu $(PYTEST_ARGS)
 
 # The whole workflow on the example char-level GPT, in runs/demo (about 2 minutes on 2 CPU cores): profile it
 # on 2 processes; plan for 4 devices that we pretend have only 6 MiB each (so the model must be split into
