@@ -93,6 +93,11 @@ class WorkerEnv:
     manager: str | None = None  # VARUNA_MANAGER: host:port of the launcher's heartbeat listener
     host: str | None = None  # VARUNA_HOST: this worker's host as the launcher names it
     on_sigterm: str | None = None  # VARUNA_ON_SIGTERM: "checkpoint" under a scheduler that signals every process
+    # a morph by handover: "wait" = this worker was started warm, beside the old configuration: it waits at its
+    # resume point for the launcher's go (where its state is), instead of loading VARUNA_RESUME_STEP
+    handover: str | None = None  # VARUNA_HANDOVER
+    shelf_dir: str | None = None  # VARUNA_SHELF_DIR: the tmpfs of the hosts' shelves (publish on SIGUSR2)
+    shelf_budget: int | None = None  # VARUNA_SHELF_BUDGET: bytes the job's shelf may hold on one host
 
     @staticmethod
     def variable(field_name: str) -> str:
@@ -140,7 +145,7 @@ class WorkerEnv:
         return host, int(port)
 
 
-_INTEGERS = {"resume_step": 0, "ckpt_every": 0, "ckpt_keep": 1, "total_steps": 0, "attempt": 0}
+_INTEGERS = {"resume_step": 0, "ckpt_every": 0, "ckpt_keep": 1, "total_steps": 0, "attempt": 0, "shelf_budget": 0}
 _EXACT = {"run_id"}
 
 # Variables the launcher sets for every worker, and the `varuna launch` option that sets each (None: no option;
@@ -151,4 +156,5 @@ LAUNCHER_SET: dict[str, str | None] = {
     PLAN: "the PLAN argument", "VARUNA_CKPT_DIR": "--ckpt-dir", "VARUNA_RUN_DIR": "--run-dir",
     "VARUNA_RESUME_STEP": "--resume", "VARUNA_CKPT_EVERY": "--ckpt-every", "VARUNA_CKPT_KEEP": "--ckpt-keep",
     "VARUNA_CKPT_TEMPDIR": "--ckpt-tempdir", "VARUNA_TOTAL_STEPS": "--steps",
+    "VARUNA_SHELF_DIR": "--shelf-dir", "VARUNA_SHELF_BUDGET": "--shelf-budget",
 }

@@ -299,7 +299,10 @@ class Varuna(nn.Module):
             self.rank, stage=self.stage, replica=self.replica, samples=self.batch_size,
             save=lambda directory, **options: self.checkpoint(directory, **options),
             load=lambda directory, step: self.load_checkpoint(directory, iteration=step),
-            progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told)
+            progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told,
+            publish=lambda put, staging: self.publish_state(put, staging=staging),
+            take=lambda step, locate, fetch, staging: self.take_state(step=step, locate=locate, fetch=fetch,
+                                                                      staging=staging))
         self.supervision.ready()
 
     # ------------------------------------------------------------------------------------------------------
@@ -358,12 +361,12 @@ class Varuna(nn.Module):
         result = finish_step(
             loss_sum, self.grad_buffer, self._norm_params, self.scaler, dp=self.dp, device=self.device,
             clip_grad_max_norm=clip_grad_max_norm, reduce=self._global_sum,
-            flag=self.supervision.flag(),  # some rank got SIGUSR1: all checkpoint at the next step
+            flag=self.supervision.flag(),  # some rank got SIGUSR1 (SIGUSR2): all checkpoint (publish) next step
         )
         sync_written_buffers(self.stage_slice, self.groups, self.topology, self.stage)  # [Note: replica buffers]
         self.grad_norm = result.grad_norm
         self.iteration += 1
-        self.supervision.after_step(result.loss, requested_anywhere=result.flagged)
+        self.supervision.after_step(result.loss, requested_anywhere=result.flags)
         return result.loss, result.overflow
 
     def checkpoint(self, global_store: str | os.PathLike, step: int | None = None,

@@ -121,6 +121,7 @@ OPTION_OF = {"ckpt_every": "--ckpt-every", "ckpt_keep": "--ckpt-keep", "total_st
              "max_restarts": "--max-restarts", "heartbeat_timeout": "--heartbeat-timeout",
              "morph_timeout": "--morph-timeout", "preempt_margin": "--preempt-margin", "grace": "--grace",
              "straggler_threshold": "--straggler-threshold", "recheck_max": "--recheck-max",
+             "shelf_dir": "--shelf-dir", "shelf_budget": "--shelf-budget",
              "gpus_per_node": "--gpus-per-node", "user": "--ssh-user", "port": "--ssh-port",
              "source": "--preemption-source", "endpoint": "--preemption-endpoint", "interval": "--preemption-interval",
              "resume_or_start": "--resume-or-start"}
@@ -214,6 +215,15 @@ Grace = Annotated[float, typer.Option(
 RecheckMax = Annotated[float, typer.Option(
     "--recheck-max", help=f"With --morph, a host that does not answer is left out and checked again after "
     f"{RECHECK_FIRST:g} s, then after twice as long each time: at most this many seconds apart.")]
+Handover = Annotated[bool, typer.Option(
+    "--handover/--no-handover", help="With --morph: start the new configuration's workers while the old ones train, "
+    "then hand the state over through the hosts' memory (no shared file system needed); --no-handover restarts "
+    "through the checkpoint store.")]
+ShelfDir = Annotated[str, typer.Option(
+    "--shelf-dir", help="A tmpfs directory on every host where a handover keeps the published state.")]
+ShelfBudget = Annotated[int | None, typer.Option(
+    "--shelf-budget", help="Bytes a host's shelf may hold (default: the tmpfs's free space); state that does not "
+    "fit goes through the checkpoint store.")]
 StragglerThreshold = Annotated[float, typer.Option(
     "--straggler-threshold", help="Compute time over the median that makes a straggler (0.3 = 30%).")]
 Slurm = Annotated[bool | None, typer.Option(
@@ -242,7 +252,8 @@ def launch(
     heartbeat_timeout: HeartbeatTimeout = DEFAULTS["heartbeat_timeout"],
     morph_timeout: MorphTimeout = DEFAULTS["morph_timeout"], preempt_margin: PreemptMargin = DEFAULTS["preempt_margin"],
     grace: Grace = DEFAULTS["grace"], straggler_threshold: StragglerThreshold = DEFAULTS["straggler_threshold"],
-    recheck_max: RecheckMax = DEFAULTS["recheck_max"],
+    recheck_max: RecheckMax = DEFAULTS["recheck_max"], handover: Handover = DEFAULTS["handover"],
+    shelf_dir: ShelfDir = DEFAULTS["shelf_dir"], shelf_budget: ShelfBudget = DEFAULTS["shelf_budget"],
     slurm: Slurm = None, preemption_source: PreemptionSource = None, preemption_endpoint: PreemptionEndpoint = None,
     preemption_interval: PreemptionInterval = SpotConfig.interval,
 ) -> None:
@@ -254,7 +265,8 @@ def launch(
         check_numbers({"ckpt_every": ckpt_every, "ckpt_keep": ckpt_keep, "total_steps": steps,
                        "max_restarts": max_restarts, "heartbeat_timeout": heartbeat_timeout,
                        "morph_timeout": morph_timeout, "preempt_margin": preempt_margin, "grace": grace,
-                       "straggler_threshold": straggler_threshold, "recheck_max": recheck_max})
+                       "straggler_threshold": straggler_threshold, "recheck_max": recheck_max,
+                       "shelf_budget": shelf_budget})
         if gpus_per_node is not None:
             integer("gpus_per_node", gpus_per_node, low=1, high=MAX_SLOTS)
         ssh_config = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ()))
@@ -291,7 +303,7 @@ def launch(
             ckpt_every=ckpt_every, ckpt_keep=ckpt_keep, ckpt_tempdir=ckpt_tempdir, total_steps=steps,
             max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout, morph_timeout=morph_timeout,
             preempt_margin=preempt_margin, grace=grace, straggler_threshold=straggler_threshold,
-            recheck_max=recheck_max)
+            recheck_max=recheck_max, handover=handover, shelf_dir=shelf_dir, shelf_budget=shelf_budget)
     run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
     reporter.event(f"run directory {run}")

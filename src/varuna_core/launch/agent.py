@@ -41,14 +41,17 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
 
-from ..env import HOST, PLAN
+from ..env import HOST, JOB_TOKEN, PLAN
+from ..errors import HandoverError
 from .protocol import (
+    GO_KEY,
     MAX_LINE,
     MAX_NOTICE_SECONDS,
     MAX_SPEC,
     AgentSpec,
     ErrorEvent,
     ExitEvent,
+    HandoverCommand,
     LogEvent,
     PreemptEvent,
     ReadyEvent,
@@ -69,6 +72,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from .protocol import SpotWatch
+    from .shelf import Shelf, ShelfServer
     from .spot import Notice, SpotWatcher
 
 __all__ = ["main", "worker_env", "MAX_LINE"]
@@ -131,13 +135,17 @@ class Agent:
         self.stopping = threading.Event()
         self.pumps: list[threading.Thread] = []
         self.spot: SpotWatcher | None = None  # if the spec asks for one
+        self.shelf: Shelf | None = None  # the workers' published state (the spec asks for a shelf)
+        self.shelf_server: ShelfServer | None = None
+        self.shelf_problem: str | None = None
 
     def start(self) -> None:
         from .netinfo import route_to
 
         spec = self.spec
         interface, address = route_to(spec.master_addr)
-        emit(ReadyEvent(pid=os.getpid(), interface=interface, address=address))
+        shelf_port = self._serve_shelf(address) if spec.shelf is not None else None
+        emit(ReadyEvent(pid=os.getpid(), interface=interface, address=address, shelf_port=shelf_port))
         if spec.store:
             port = self._start_store(spec.master_port)
             emit(StoreEvent(port=port))
@@ -167,6 +175,34 @@ class Agent:
             self.pumps.append(pump)
         if spec.spot is not None:
             self._watch_spot(spec.spot)
+        if self.shelf_problem:  # not before: an error while starting is the agent's failure to start
+            _error(self.shelf_problem)
+
+    def _serve_shelf(self, address: str | None) -> int | None:
+        """Serve this attempt's shelf to the job's other hosts (on the address that routes to the master); its
+        port, or None (an ``error`` event says why once the workers run: a publish then falls back to the
+        store)."""
+        from .shelf import Shelf, ShelfServer
+
+        spec = self.spec
+        assert spec.shelf is not None
+        token = spec.env.get(JOB_TOKEN)
+        try:
+            self.shelf = Shelf(spec.shelf.key, root=spec.shelf.root, budget=spec.shelf.budget)
+            if not token:
+                raise HandoverError("the spec carries no job token")
+            self.shelf_server = ShelfServer(self.shelf, token, host=address or "0.0.0.0")
+        except (HandoverError, OSError) as exc:
+            self.shelf_problem = f"no shelf server: {getattr(exc, 'message', None) or exc}"
+            return None
+        return self.shelf_server.port
+
+    def handover(self, message: str) -> None:
+        """Put the launcher's go message where the warm workers wait for it (node 0 hosts the job's store)."""
+        if self.store is None:
+            _error("a handover message reached an agent that does not host the job's store")
+            return
+        self.store.set(GO_KEY, message)
 
     def _watch_spot(self, watch: SpotWatch) -> None:
         """Report the cloud's notices for this VM as ``preempt`` events (the launcher checkpoints and morphs)."""
@@ -354,6 +390,8 @@ def main() -> None:
             continue
         if isinstance(cmd, SignalCommand):
             agent.signal(cmd.signal)
+        elif isinstance(cmd, HandoverCommand):
+            agent.handover(cmd.message)
         elif isinstance(cmd, StopCommand):
             agent.stop(cmd.grace_or(spec.grace))
             break
@@ -383,6 +421,10 @@ def _finish(agent: Agent) -> None:
     for pump in agent.pumps:  # the last lines and exit codes of the workers go out before "stopped"
         pump.join(timeout=5)
     shutil.rmtree(agent.tmp, ignore_errors=True)
+    if agent.shelf_server is not None:  # the published state is no longer needed: the job has moved on or ended
+        agent.shelf_server.close()
+    if agent.shelf is not None:
+        agent.shelf.clear()
     emit(StoppedEvent())
     sys.stdout.flush()
     os._exit(0)

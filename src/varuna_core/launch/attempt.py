@@ -16,10 +16,12 @@ progress. The run directory holds what a user (or a benchmark) needs afterwards:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,10 +43,12 @@ from .protocol import (
     ErrorEvent,
     ExitEvent,
     GoneEvent,
+    HandoverCommand,
     LegacyArgs,
     LogEvent,
     PreemptEvent,
     ReadyEvent,
+    ShelfSpec,
     SignalCommand,
     SignalledEvent,
     SpotWatch,
@@ -53,6 +57,7 @@ from .protocol import (
     WorkerSlot,
     describe,
 )
+from .shelf import shelf_key
 from .ssh import AgentEvents, AgentHandle
 from .stragglers import Straggler, StragglerDetector
 
@@ -235,6 +240,8 @@ class Outcome:
     refused: bool = False  # crash: the checkpoint to resume from was refused by the workers
     suspects: list[str] | None = None  # crash: the hosts that may be down (None: any of them)
     unstarted: Host | None = None  # crash: the host whose agent did not start (the job leaves it out)
+    successor: Attempt | None = None  # morph by handover: the new configuration, warm, waiting for its go
+    published: bool = False  # morph by handover: every old rank published step ``step`` on its host's shelf
 
 
 class Attempt:
@@ -242,8 +249,14 @@ class Attempt:
 
     def __init__(self, number: int, plan: Plan, nodes: list[Node], resume: int | None, opts: LaunchOptions,
                  files: JobFiles, listener: Listener, reporter: Reporter, status: Status, job: str, token: str,
-                 manager_address: Callable[[Host], str], run_id: str) -> None:
+                 manager_address: Callable[[Host], str], run_id: str, *, warm: bool = False) -> None:
         self.number, self.plan, self.nodes, self.resume = number, plan, nodes, resume
+        self.warm = warm  # started beside a running configuration: its workers wait for the go of a handover
+        self.successor: Attempt | None = None  # the configuration warming up to take over from this one
+        self.publish_by: float | None = None  # (of a successor) when the old one must publish even if not warm
+        self.publish_asked: float | None = None  # when the workers were asked to publish (monotonic)
+        self.retiring: Attempt | None = None  # the attempt this one took over from: stopped after the first step
+        self._retirement: threading.Thread | None = None
         self.opts, self.files, self.listener, self.reporter, self.status = opts, files, listener, reporter, status
         self.job, self.token, self.manager_address, self.run_id = job, token, manager_address, run_id
         self.world = plan.pp * plan.dp
@@ -271,7 +284,10 @@ class Attempt:
     def _spec(self, node: Node, master_port: int | None) -> AgentSpec:
         told = WorkerEnv(
             ckpt_dir=str(self.opts.ckpt_dir), run_dir=str(self.opts.run_dir), job_id=self.job, job_token=self.token,
-            attempt=self.number, run_id=self.run_id, resume_step=self.resume,
+            attempt=self.number, run_id=self.run_id, resume_step=None if self.warm else self.resume,
+            handover="wait" if self.warm else None,
+            shelf_dir=self.opts.shelf_dir if self.handing_over else None,
+            shelf_budget=self.opts.shelf_budget if self.handing_over else None,
             manager=f"{self.manager_address(node.host)}:{self.listener.port}",
             ckpt_every=self.opts.ckpt_every or None, ckpt_keep=self.opts.ckpt_keep or None,
             ckpt_tempdir=str(self.opts.ckpt_tempdir) if self.opts.ckpt_tempdir else None,
@@ -296,9 +312,20 @@ class Attempt:
             env={**forwarded_environ(os.environ), **self.opts.env, **told.to_environ()},
             plan=self.plan.model_dump(mode="json"),
             grace=self.opts.grace, legacy_args=legacy, scheduler_signals=self.opts.slurm is not None,
+            shelf=ShelfSpec(root=self.opts.shelf_dir, key=shelf_key(self.job, self.number),
+                            budget=self.opts.shelf_budget) if self.handing_over else None,
             spot=SpotWatch(source=spot.source,  # type: ignore[arg-type]  # SpotConfig checked it against SOURCES
                            endpoint=spot.endpoint, interval=spot.interval, vm_name=spot.vm_name)
             if (spot := self.opts.spot) is not None else None)
+
+    @property
+    def handing_over(self) -> bool:
+        """Whether a morph of this job goes by handover (its agents serve shelves, its workers publish)."""
+        return self.opts.morph and self.opts.handover
+
+    def beats(self) -> dict[int, Beat]:
+        """The latest heartbeat of each of this attempt's ranks."""
+        return self.listener.snapshot(self.number)
 
     def start(self) -> None:
         """Start node 0's agent (it hosts the job's store), then every other; roll everything back if one fails.
@@ -310,7 +337,7 @@ class Attempt:
             for rank, _ in node.ranks:
                 self.files.log_line(rank, f"===== attempt {self.number}: rank {rank} on {node.host.name}, "
                                           f"pp={self.plan.pp} dp={self.plan.dp}, resume "
-                                          f"{'step ' + str(self.resume) if self.resume is not None else 'none'} =====")
+                                          f"{self._resume_text()} =====")
         try:
             first = self._start_agent(self.nodes[0], None)
             port = self._await(first, "store", timeout=120).port
@@ -321,6 +348,11 @@ class Attempt:
         except BaseException:
             self.stop(grace=2)
             raise
+
+    def _resume_text(self) -> str:
+        if self.warm:
+            return "by handover (warm start)"
+        return f"step {self.resume}" if self.resume is not None else "none"
 
     def _start_agent(self, node: Node, master_port: int | None) -> AgentHandle:
         agent = AgentHandle(node.index, node.host, self._spec(node, master_port), self.events, self.opts.runtime,
@@ -346,6 +378,8 @@ class Attempt:
                     node, event = self.events.get(timeout=0.2)
                 except queue.Empty:
                     continue
+                if isinstance(event, ReadyEvent):
+                    self.agents[node].ready = event
                 if node == agent.node and event.event == kind:
                     return event
                 if isinstance(event, ReadyEvent):
@@ -370,11 +404,19 @@ class Attempt:
     # Watch
 
     def run(self, changes: Callable[[], tuple[list[Host], str] | None],
-            terminating: Callable[[], tuple[int, str]] = lambda: (0, "")) -> Outcome:
+            terminating: Callable[[], tuple[int, str]] = lambda: (0, ""),
+            warmup: Callable[[list[Host]], Attempt | None] | None = None) -> Outcome:
         """Watch the workers until the attempt ends. ``changes()`` says whether the set of hosts should change
         (the new hosts and why); ``terminating()`` whether the launcher must stop (1: after an on-demand
         checkpoint, 2: now) and why (e.g. ``SIGTERM``). A scheduler's signal reported by an agent counts as 1.
-        For either, the workers are asked to checkpoint and stop."""
+        For either, the workers are asked to checkpoint and stop.
+
+        ``warmup(hosts)``: a morph by handover. On a change of hosts it starts the new configuration beside this
+        one (its workers warm up while these train) and returns it, or None if it cannot (the morph then goes
+        through the store). Once every new worker is warm (or the successor's ``publish_by`` comes), the workers
+        are asked to publish their state on their hosts' shelves and stop (SIGUSR2); the outcome then carries
+        the successor. A successor that fails while warming is stopped and reported, and the morph goes
+        through the store."""
         request: Outcome | None = None  # what the attempt ends as once the workers have checkpointed and stopped
         asked_at: float | None = None
         try:
@@ -383,16 +425,20 @@ class Attempt:
                 self._heartbeats()
                 outcome = self._ended(request)
                 if outcome is not None:
-                    return outcome
+                    return self._ending(outcome)
                 silent = self._silent()
                 if silent:
                     why, host = silent
-                    return Outcome(Ending.CRASH, why, hosts=request.hosts if request else None, suspects=[host])
+                    return self._ending(Outcome(Ending.CRASH, why, hosts=request.hosts if request else None,
+                                                suspects=[host]))
                 urgency, why = terminating()
                 if not urgency and self.signalled:
                     urgency, why = 1, self.signalled
                 if urgency >= 2:
-                    return Outcome(Ending.TERMINATED, f"on {why} again, without waiting for the checkpoint")
+                    return self._ending(Outcome(Ending.TERMINATED, f"on {why} again, without waiting for the "
+                                                                    f"checkpoint"))
+                if self.successor is not None and self.publish_asked is not None:
+                    urgency = 0  # the state is on its way to the new configuration, which checkpoints it first
                 if request is None or (urgency and request.kind is not Ending.TERMINATED):
                     new, reason = None, why
                     if urgency:
@@ -401,23 +447,154 @@ class Attempt:
                         new, reason = Outcome(Ending.MORPH, change[1], hosts=change[0]), change[1]
                     if new is not None:
                         first, request = request is None, new
-                        if first:
+                        warming = self.successor is not None and self.publish_asked is None
+                        if warming and urgency:
+                            self._drop_successor(f"{why} arrived while it warmed up")
+                        if first and new.kind is Ending.MORPH and warmup is not None and self._all_reported():
+                            asked_at = time.monotonic()
+                            self._warm_successor(warmup, new, reason)
+                            if self.successor is not None:
+                                continue
+                        if first or (warming and urgency):
                             asked_at = time.monotonic()
                             if not self._ask_to_checkpoint(reason):
-                                return Outcome(new.kind, new.message + " (before the first step: nothing to "
-                                               "checkpoint)", hosts=new.hosts, step=self.resume)
+                                return self._ending(Outcome(new.kind, new.message + " (before the first step: "
+                                                            "nothing to checkpoint)", hosts=new.hosts,
+                                                            step=self.resume))
+                if self.successor is not None and self.publish_asked is None and request is not None:
+                    self._watch_successor(request)
+                    if self.successor is None:  # it failed: the morph goes through the store
+                        asked_at = time.monotonic()
+                        if not self._ask_to_checkpoint(request.message):
+                            return self._ending(Outcome(request.kind, request.message, hosts=request.hosts,
+                                                        step=self.resume))
+                    continue
                 if request is not None and asked_at is not None and \
                         time.monotonic() - asked_at > self.opts.morph_timeout:
-                    return Outcome(request.kind, f"{request.message}; the on-demand checkpoint did not finish "
-                                   f"within {self.opts.morph_timeout:g}s: continuing from the last complete "
-                                   f"checkpoint", hosts=request.hosts)
+                    return self._ending(Outcome(request.kind, f"{request.message}; the on-demand checkpoint did "
+                                                f"not finish within {self.opts.morph_timeout:g}s: continuing from "
+                                                f"the last complete checkpoint", hosts=request.hosts))
         except KeyboardInterrupt:
-            return Outcome(Ending.INTERRUPTED, "interrupted")
+            return self._ending(Outcome(Ending.INTERRUPTED, "interrupted"))
+
+    # ------------------------------------------------------------------------------------------------------
+    # A morph by handover
+
+    def _all_reported(self) -> bool:
+        """Whether every rank has sent a heartbeat (installed its handlers); before, nothing is worth keeping."""
+        beats = self.beats()
+        return all(r in beats for r in range(self.world))
+
+    def _warm_successor(self, warmup: Callable[[list[Host]], Attempt | None], request: Outcome, why: str) -> None:
+        assert request.hosts is not None  # a morph names its hosts
+        self.status.state = "warming up"
+        self.reporter.event(f"{why}: starting the new configuration beside this one")
+        self.successor = warmup(request.hosts)
+        if self.successor is not None:
+            self.files.event("warming", attempt=self.number, successor=self.successor.number)
+
+    def _watch_successor(self, request: Outcome) -> None:
+        """Ask the workers to publish once the successor is warm (or its ``publish_by`` comes); drop it if it
+        failed."""
+        successor = self.successor
+        assert successor is not None
+        state, detail = successor.warming()
+        if state == "failed":
+            self._drop_successor(detail)
+            return
+        late = successor.publish_by is not None and time.monotonic() >= successor.publish_by
+        if state == "warm" or late:
+            if late and state != "warm":
+                self.reporter.event("the hosts leave soon: handing over before every new worker is warm")
+            self._ask_to_publish(request.message)
+
+    def warming(self) -> tuple[str, str]:
+        """(Of a successor) ``("warm", "")`` once every worker waits for its go; ``("failed", why)`` if a worker
+        exited, an agent was lost, or a worker was not warm within the start timeout; else ``("warming", "")``."""
+        self._drain(0)
+        if self.gone:
+            return "failed", f"lost the agent on {', '.join(self.agents[n].host.name for n in sorted(self.gone))}"
+        if self.exits:
+            rank, code = next(iter(self.exits.items()))
+            detail = f": {self.errors[rank]}" if rank in self.errors else ""
+            return "failed", (f"rank {rank} on {self.rank_host[rank]} exited with {_describe(code)} while warming "
+                              f"up{detail} (log: {self.files.rank_log(rank)})")
+        beats = self.beats()
+        if all(beats.get(r) is not None and beats[r].get("t_warm") is not None for r in range(self.world)):
+            return "warm", ""
+        if time.monotonic() - self.started_at > self.opts.start_timeout:
+            cold = [r for r in range(self.world) if beats.get(r) is None or beats[r].get("t_warm") is None]
+            return "failed", (f"rank {cold[0]} on {self.rank_host[cold[0]]} was not warm within "
+                              f"{self.opts.start_timeout:g}s")
+        return "warming", ""
+
+    def _drop_successor(self, why: str) -> None:
+        successor = self.successor
+        assert successor is not None
+        self.successor = None
+        self.reporter.event(f"the new configuration (attempt {successor.number}) is given up: {why}; this one "
+                            f"checkpoints to the store instead")
+        self.files.event("warm_failed", attempt=self.number, successor=successor.number, reason=why)
+        successor.stop(grace=2)
+        self.listener.expect(None)
+
+    def _ask_to_publish(self, why: str) -> None:
+        """SIGUSR2 to every worker: publish on the host's shelf at the next step, then stop."""
+        self.publish_asked = time.monotonic()
+        self.files.event("handover_asked", attempt=self.number, reason=why)
+        self.reporter.event("the new configuration is warm: asking every worker to hand its state over")
+        self.status.state = "handing over"
+        for agent in self.agents:
+            agent.send(SignalCommand(signal="SIGUSR2"))
+
+    def _published(self) -> int | None:
+        """The step every rank has published on its host's shelf, if they all have."""
+        beats = self.beats()
+        steps = {beats[r].get("published") if r in beats else None for r in range(self.world)}
+        return steps.pop() if len(steps) == 1 and None not in steps else None
+
+    def _ending(self, outcome: Outcome) -> Outcome:
+        """``outcome``, with the successor when the workers stopped for a handover; else the successor (if any)
+        is stopped."""
+        successor, self.successor = self.successor, None
+        if successor is None:
+            return outcome
+        if outcome.kind is Ending.MORPH and self.publish_asked is not None and outcome.step is not None:
+            beats = self.beats()
+            published = self._published() == outcome.step
+            if published:
+                self.files.event("published", attempt=self.number, step=outcome.step,
+                                 t_published=max(beats[r].get("t_published") or 0.0 for r in range(self.world)),
+                                 bytes=sum(beats[r].get("published_bytes") or 0 for r in range(self.world)))
+            return dataclasses.replace(outcome, successor=successor, published=published)
+        self.reporter.event(f"the new configuration (attempt {successor.number}) is stopped: {outcome.message}")
+        successor.stop(grace=2)
+        self.listener.expect(None)
+        return outcome
+
+    def go(self, message: str) -> None:
+        """(Of a successor) tell its workers where their state is: node 0's agent puts the signed go in the
+        store."""
+        self.agents[0].send(HandoverCommand(message=message))
+
+    def retire(self, old: Attempt) -> None:
+        """``old`` handed its state over to this attempt: its agents keep serving their shelves until this
+        attempt's first step (or its end), then they are stopped (and their shelves cleared)."""
+        self.retiring = old
+
+    def _retire_now(self, wait: bool = False) -> None:
+        old = self.retiring
+        if old is not None and self._retirement is None:
+            self._retirement = threading.Thread(target=old.stop, name="retire", daemon=True)
+            self._retirement.start()
+            self.files.event("retired", attempt=old.number)
+        if wait and self._retirement is not None:
+            self._retirement.join(timeout=old.opts.grace + 20 if old is not None else 20)
 
     def _ask_to_checkpoint(self, why: str) -> bool:
         """SIGUSR1 to every worker; False (nothing sent) if some rank has not reported yet, i.e. has not installed
         its handler and has made no step (stopping it loses nothing)."""
-        beats = self.listener.snapshot()
+        beats = self.beats()
         if any(r not in beats for r in range(self.world)):
             return False
         self.files.event("signal", reason=why, attempt=self.number)
@@ -476,15 +653,18 @@ class Attempt:
                 self.status.step, self.status.loss = step + 1, loss
                 if step_time:
                     self.status.step_time = step_time
-        beats = self.listener.snapshot()
+        beats = self.beats()
         if not beats:
             return
         if not self.first_step_seen and any(b.get("loss") is not None for b in beats.values()):
             self.first_step_seen = True
             timings = {key: max((b.get(key) for b in beats.values() if b.get(key)), default=None)
-                       for key in ("t_start", "t_ready", "t_resumed")}  # the slowest rank's
-            self.files.event("first_step", attempt=self.number, step=self.status.step, **timings)
+                       for key in ("t_start", "t_ready", "t_warm", "t_resumed")}  # the slowest rank's
+            taken = {key: sum(b.get(key) or 0 for b in beats.values()) for key in ("taken_local", "taken_remote")}
+            self.files.event("first_step", attempt=self.number, step=self.status.step, **timings,
+                             **(taken if self.retiring is not None else {}))
             self.status.state = "training"
+            self._retire_now()  # the old configuration's state is no longer needed
         total = next((b.get("total_steps") for b in beats.values() if b.get("total_steps")), None)
         self.status.total_steps = total or self.opts.total_steps
         self.status.samples_per_step = self.plan.batch_size
@@ -498,7 +678,7 @@ class Attempt:
     def _silent(self) -> tuple[str, str] | None:
         """Why the attempt must be given up for lack of news, and the host that fell silent; or None."""
         now = time.monotonic()
-        beats = self.listener.snapshot()
+        beats = self.beats()
         running = [r for r in range(self.world) if r not in self.exits]
         for r in running:
             beat = beats.get(r)
@@ -518,8 +698,12 @@ class Attempt:
         if lost:
             return Outcome(Ending.CRASH, f"lost the agent on {', '.join(lost)} (host down or SSH dropped)", hosts=hosts,
                            suspects=lost)
+        if request is not None and self.successor is not None and self.publish_asked is not None:
+            published = self._published()
+            if published is not None:  # no need to wait for the old processes to exit: their state is out
+                return Outcome(request.kind, request.message, hosts=request.hosts, step=published)
         bad = {r: c for r, c in self.exits.items() if c not in (0, EXIT_CHECKPOINTED)}
-        beats = self.listener.snapshot()
+        beats = self.beats()
         teardown = {r: c for r, c in bad.items() if _checkpointed_before_exit(beats.get(r))}
         if teardown and len(teardown) == len(bad):
             # Every rank that failed had reported its on-demand checkpoint first: it died leaving the process group
@@ -550,7 +734,7 @@ class Attempt:
         if len(self.exits) < self.world:
             return None
         codes = set(self.exits.values())
-        step = max((b.step for b in self.listener.snapshot().values()), default=None)
+        step = max((b.step for b in self.beats().values()), default=None)
         if codes == {0}:
             return Outcome(Ending.DONE, "every worker finished", step=step)
         if request is not None:
@@ -564,7 +748,9 @@ class Attempt:
     # Stop
 
     def stop(self, grace: float | None = None) -> None:
-        """Stop every agent (its workers get SIGTERM, then SIGKILL after ``grace``) and wait for them."""
+        """Stop every agent (its workers get SIGTERM, then SIGKILL after ``grace``) and wait for them; and the
+        attempt this one took over from, if it still serves its shelves."""
+        self._retire_now(wait=True)
         grace = self.opts.grace if grace is None else grace
         for agent in self.agents:
             agent.send(StopCommand(grace=grace))

@@ -18,9 +18,13 @@ exactly what an honest sender of this job sends now:
   the last ``_MAX_SENDERS`` senders). A datagram overtaken by a later one of the same sender is dropped too,
   which is harmless: the later one carries the newer state. A notice whose ``id`` was seen within the freshness
   window is acknowledged again (the sender may have missed the first ack) but not queued again;
-* ``other_attempt``: a beat of another attempt than the one :meth:`Listener.reset` started, e.g. a late beat of
-  a worker of the previous attempt, which would otherwise count as a sign of life of the new one. Notices come
-  from outside the attempts and are not bound to one.
+* ``other_attempt``: a beat of another attempt than the one :meth:`Listener.reset` started (or the warm one that
+  :meth:`Listener.expect` announced), e.g. a late beat of a worker of the previous attempt, which would otherwise
+  count as a sign of life of the new one. Notices come from outside the attempts and are not bound to one.
+
+A morph by handover runs two attempts at once for a while: the old one trains while the new one warms up. The
+new one's beats are kept apart (:meth:`Listener.snapshot` of that attempt) until :meth:`Listener.promote` makes it
+the current one.
 
 No datagram, whatever its content, stops the manager's receiving thread (:attr:`Listener.alive`), and its memory
 stays bounded however many datagrams arrive.
@@ -77,6 +81,8 @@ class Listener:
                  max_skew: float = DEFAULT_MAX_SKEW, attempt: int | None = None) -> None:
         self.job, self.token, self.bind, self.max_skew, self.attempt = job, token, bind, max_skew, attempt
         self.beats: dict[int, Beat] = {}
+        self.warm: int | None = None  # a second attempt whose beats are kept apart (a morph by handover)
+        self.warm_beats: dict[int, Beat] = {}
         self.notices: list[dict[str, Any]] = []
         self.steps: dict[int, tuple[float, float | None]] = {}  # step -> (loss, step time)
         self._counts = dict.fromkeys(("beats", "notices", "notice_repeats", "recv_errors", *_DROPS), 0)
@@ -178,12 +184,14 @@ class Listener:
             self._senders.move_to_end(body["sender"])
             while len(self._senders) > _MAX_SENDERS:
                 self._senders.popitem(last=False)
-            if self.attempt is not None and body["attempt"] != self.attempt:
+            warm = self.warm is not None and body["attempt"] == self.warm
+            if self.attempt is not None and body["attempt"] != self.attempt and not warm:
                 return "other_attempt"
             rank = body["rank"]
             records = body.pop("steps", [])
-            self.beats[rank] = Beat(rank=rank, host=body.get("host") or "?", step=body.get("step") or 0,
-                                    received=time.monotonic(), fields=body)
+            (self.warm_beats if warm else self.beats)[rank] = Beat(
+                rank=rank, host=body.get("host") or "?", step=body.get("step") or 0,
+                received=time.monotonic(), fields=body)
             for step, loss, step_time in records:  # the loss is the same on every rank: keep the first report
                 self.steps.setdefault(step, (loss, step_time))
             while len(self.steps) > _MAX_PENDING_STEPS:
@@ -224,8 +232,11 @@ class Listener:
             out, self.notices = self.notices, []
         return out
 
-    def snapshot(self) -> dict[int, Beat]:
+    def snapshot(self, attempt: int | None = None) -> dict[int, Beat]:
+        """The latest beat of each rank of the current attempt (or of the warm attempt ``attempt``)."""
         with self._lock:
+            if attempt is not None and attempt == self.warm and attempt != self.attempt:
+                return dict(self.warm_beats)
             return dict(self.beats)
 
     def reset(self, *, attempt: int | None = None) -> None:
@@ -234,6 +245,19 @@ class Listener:
         with self._lock:
             self.beats = {}
             self.attempt = attempt
+            self.warm, self.warm_beats = None, {}
+
+    def expect(self, attempt: int | None) -> None:
+        """Keep the beats of attempt ``attempt`` too, apart from the current one's (None: no longer)."""
+        with self._lock:
+            self.warm, self.warm_beats = attempt, {}
+
+    def promote(self, attempt: int) -> None:
+        """The warm attempt ``attempt`` becomes the current one, with the beats it sent so far."""
+        with self._lock:
+            beats = self.warm_beats if attempt == self.warm else {}
+            self.attempt, self.beats = attempt, beats
+            self.warm, self.warm_beats = None, {}
 
     def take_steps(self) -> dict[int, tuple[float, float | None]]:
         """The steps reported since the last call: ``step -> (loss, step time)``."""

@@ -63,6 +63,8 @@ from .heartbeat import Listener
 from .hosts import Host, HostsWatcher
 from .netinfo import route_to
 from .options import LaunchOptions
+from .protocol import Go, ShelfHolder, encode_go
+from .shelf import shelf_key
 from .ssh import HostProblem, check_hosts, probe_agents
 
 __all__ = ["Manager", "replan", "choose_run", "EXIT_TERMINATED"]
@@ -231,6 +233,9 @@ class Manager:
         self._passed: dict[str, float] = {}  # hosts whose background check passed, and when (monotonic)
         self._closing = threading.Event()  # the job ends: background checks give up
         self._checking: list[threading.Thread] = []  # the background checks under way
+        self.current = 0  # the number of the attempt that runs
+        self._handing_over: Attempt | None = None  # the attempt whose successor takes over next
+        self._warm: tuple[list[Host], Plan, str | None] = ([], plan, None)  # the successor's hosts, plan, why
         self._write_manager_file()
 
     def _write_manager_file(self) -> None:
@@ -268,13 +273,17 @@ class Manager:
                                 else f"--resume: no loadable checkpoint of run {self.run_id} in {opts.ckpt_dir}; "
                                      f"starting it from scratch")
         budget, number = RestartBudget(opts.max_restarts, baseline=resume), self.files.attempts_before
+        self.current = number
         previous = self._handle_sigterm()
+        handover: Outcome | None = None  # the outcome of an attempt that hands over to its successor
+        retiring: Attempt | None = None
         try:
             while True:
-                if self.sigterms:
+                if self.sigterms and handover is None:  # a handover goes on: the successor checkpoints first
                     return self._terminated(f"on {self.stop_why}, between attempts")
                 number += 1
-                outcome = self._attempt(number, resume, budget.count)
+                outcome = self._attempt(number, resume, budget.count, handover, retiring)
+                handover, retiring = None, None
                 if outcome.kind is Ending.DONE:
                     self.reporter.event(f"done: {outcome.message}")
                     return 0
@@ -309,6 +318,11 @@ class Manager:
                                         f"(restart {restarts} of at most {opts.max_restarts})")
                     self._sleep(delay)
                     hosts = self._reachable(outcome.hosts or self._wanted(), suspects=outcome.suspects)
+                elif outcome.successor is not None:  # a morph by handover: the successor is warm and waits
+                    self.status.morphs += 1
+                    handover, retiring, resume = outcome, self._handing_over, outcome.step
+                    number = outcome.successor.number - 1
+                    continue
                 else:  # morph / checkpointed
                     self.status.morphs += 1
                     hosts = self._reachable(outcome.hosts or self.hosts, only_new=True)
@@ -369,50 +383,149 @@ class Manager:
         except (OSError, ValueError, ImportError) as exc:
             self.reporter.event(f"no loss curve: {exc}")
 
-    def _attempt(self, number: int, resume: int | None, restarts: int) -> Outcome:
-        world = self.plan.pp * self.plan.dp
-        nodes = place(world, self.hosts)
-        save_plan(self.plan, self.opts.run_dir / "plans" / f"attempt{number}.yaml")
-        self.listener.reset(attempt=number)
-        self.status.attempt, self.status.state = number, "starting"
-        self.status.pp, self.status.dp, self.status.hosts = self.plan.pp, self.plan.dp, len(nodes)
+    def _new_attempt(self, number: int, resume: int | None, plan: Plan, hosts: list[Host], *,
+                     warm: bool = False) -> Attempt:
+        """Attempt ``number`` of ``plan`` on ``hosts`` (recorded: its plan file, a ``starting`` event)."""
+        nodes = place(plan.pp * plan.dp, hosts)
+        save_plan(plan, self.opts.run_dir / "plans" / f"attempt{number}.yaml")
         where = ", ".join(f"{n.host.name}×{len(n.ranks)}" for n in nodes)
-        self.reporter.event(f"attempt {number}: pp={self.plan.pp} × dp={self.plan.dp} ({self.plan.schedule}, "
-                            f"micro-batch {self.plan.microbatch_size}) on {where}"
-                            + (f", resuming from step {resume}" if resume is not None else ""))
-        self.files.event("starting", attempt=number, pp=self.plan.pp, dp=self.plan.dp,
-                         microbatch=self.plan.microbatch_size, schedule=self.plan.schedule, resume=resume,
-                         hosts=[n.host.name for n in nodes])
-        attempt = Attempt(number, self.plan, nodes, resume, self.opts, self.files, self.listener, self.reporter,
-                          self.status, self.job, self.token, self.manager_address, self.run_id)
+        self.reporter.event(f"attempt {number}: pp={plan.pp} × dp={plan.dp} ({plan.schedule}, "
+                            f"micro-batch {plan.microbatch_size}) on {where}"
+                            + (", warming up beside the running one" if warm else
+                               f", resuming from step {resume}" if resume is not None else ""))
+        self.files.event("starting", attempt=number, pp=plan.pp, dp=plan.dp, microbatch=plan.microbatch_size,
+                         schedule=plan.schedule, resume=resume, hosts=[n.host.name for n in nodes], warm=warm)
+        return Attempt(number, plan, nodes, resume, self.opts, self.files, self.listener, self.reporter,
+                       self.status, self.job, self.token, self.manager_address, self.run_id, warm=warm)
+
+    def _attempt(self, number: int, resume: int | None, restarts: int, handover: Outcome | None = None,
+                 retiring: Attempt | None = None) -> Outcome:
+        """Run attempt ``number``: a new one, or the successor that ``handover`` (the outcome of ``retiring``, the
+        attempt it takes over from) carries, warm already, which is told where its state is."""
+        if handover is not None:
+            assert handover.successor is not None and retiring is not None
+            attempt = handover.successor
+            self.listener.promote(number)
+        else:
+            attempt = self._new_attempt(number, resume, self.plan, self.hosts)
+            self.listener.reset(attempt=number)
+        self.status.attempt, self.status.state = number, "starting"
+        self.status.pp, self.status.dp, self.status.hosts = attempt.plan.pp, attempt.plan.dp, len(attempt.nodes)
+        outcome: Outcome | None = None
         try:
-            try:
-                attempt.start()
-            except AgentStartError as exc:
-                if not self.opts.morph:
-                    raise
-                # a local job has no other host to go on with: a plain crash, restarted
-                return Outcome(Ending.CRASH, exc.message, step=resume, unstarted=None if self.local else exc.host)
-            except LaunchError as exc:
-                if not self.opts.morph:
-                    raise
-                return Outcome(Ending.CRASH, exc.message, step=resume)
-            except KeyboardInterrupt:
-                return Outcome(Ending.INTERRUPTED, "interrupted while starting")
-            self.exclusions.started(n.host.name for n in nodes)
-            self.files.event("started", attempt=number)
-            if self.sigterms:
-                return Outcome(Ending.TERMINATED, f"on {self.stop_why}, before the attempt started")
-            outcome = attempt.run(lambda: self._changes(), lambda: (self.sigterms, self.stop_why))
+            if handover is not None:
+                assert retiring is not None
+                attempt.retire(retiring)
+                self._go(attempt, retiring, handover)
+            else:
+                try:
+                    attempt.start()
+                except AgentStartError as exc:
+                    if not self.opts.morph:
+                        raise
+                    # a local job has no other host to go on with: a plain crash, restarted
+                    return Outcome(Ending.CRASH, exc.message, step=resume, unstarted=None if self.local else exc.host)
+                except LaunchError as exc:
+                    if not self.opts.morph:
+                        raise
+                    return Outcome(Ending.CRASH, exc.message, step=resume)
+                except KeyboardInterrupt:
+                    return Outcome(Ending.INTERRUPTED, "interrupted while starting")
+                self.exclusions.started(n.host.name for n in attempt.nodes)
+                self.files.event("started", attempt=number)
+                if self.sigterms:
+                    return Outcome(Ending.TERMINATED, f"on {self.stop_why}, before the attempt started")
+            self.current = number
+            outcome = attempt.run(lambda: self._changes(), lambda: (self.sigterms, self.stop_why),
+                                  warmup=self._warmup if self.opts.morph and self.opts.handover else None)
             if attempt.scheduler_signal == "SIGUSR1":
                 self.warned = True
             self.status.state = "stopping"
             self.files.event("ending", attempt=number, kind=outcome.kind.value, message=outcome.message,
-                             step=outcome.step)
+                             step=outcome.step, handover=outcome.successor is not None)
             return outcome
         finally:
-            attempt.stop()
-            self.files.event("stopped", attempt=number)
+            if outcome is not None and outcome.successor is not None:
+                self._handing_over = attempt  # its agents serve their shelves until its successor retires them
+                self.files.event("handing_over", attempt=number)
+            else:
+                attempt.stop()
+                self.files.event("stopped", attempt=number)
+
+    # ------------------------------------------------------------------------------------------------------
+    # A morph by handover
+
+    def _warmup(self, hosts: list[Host]) -> Attempt | None:
+        """Start the configuration for ``hosts`` beside the running one (its workers warm up and wait for their
+        go); None when it cannot start now (the morph then goes through the store), with the reason reported."""
+        try:
+            hosts = self._reachable(hosts, only_new=True)
+            plan, why = self._plan_for(hosts)
+        except VarunaError as exc:
+            self.reporter.event(f"cannot warm up a new configuration ({exc.message}): the morph goes through the "
+                                f"store")
+            return None
+        number = self.current + 1
+        attempt = self._new_attempt(number, None, plan, hosts, warm=True)
+        self.listener.expect(number)
+        try:
+            attempt.start()
+        except (LaunchError, KeyboardInterrupt) as exc:
+            self.listener.expect(None)
+            message = exc.message if isinstance(exc, LaunchError) else "interrupted"
+            self.reporter.event(f"the new configuration did not start ({message}): the morph goes through the store")
+            self.files.event("warm_failed", attempt=self.current, successor=number, reason=message)
+            return None
+        self.exclusions.started(n.host.name for n in attempt.nodes)
+        self.files.event("started", attempt=number, warm=True)
+        attempt.publish_by = self._publish_by()
+        self._warm = (hosts, plan, why)
+        return attempt
+
+    def _publish_by(self) -> float | None:
+        """When the running workers must hand over even if the new ones are not all warm: before the first host
+        of the job that a preemption notice takes away goes (keeping half the margin for the transfer)."""
+        due = [when for name, when in self.preempted.items() if any(h.name == name for h in self.hosts)]
+        return min(due) - self.opts.preempt_margin / 2 if due else None
+
+    def _go(self, attempt: Attempt, old: Attempt, handover: Outcome) -> None:
+        """Tell the warm ``attempt`` where its state is: on ``old``'s shelves, in the store, or nowhere."""
+        hosts, plan, why = self._warm
+        self.hosts, self.plan = hosts, plan
+        if why:
+            self.reporter.event(f"{sum(h.slots for h in hosts)} devices: {why}: pp={plan.pp} × dp={plan.dp}, "
+                                f"micro-batch {plan.microbatch_size}, {plan.schedule}")
+        step, fallback = handover.step, self.latest()
+        go, lost = None, None
+        if handover.published and step is not None:
+            holders = []
+            for node in old.nodes:
+                ready = old.agents[node.index].ready
+                port = ready.shelf_port if ready is not None else None
+                address = (ready.address if ready is not None else None) or node.host.address
+                holders += [(rank, node.host.name, address, port) for rank, _ in node.ranks]
+            missing = sorted({h for _, h, _, port in holders if port is None})
+            if not missing:
+                go = Go(attempt=attempt.number, source="shelf", step=step, shelf=shelf_key(self.job, old.number),
+                        fallback_step=fallback,
+                        holders=[ShelfHolder(host=h, address=a, port=p) for _, h, a, p in sorted(holders)])
+            else:
+                lost = f"{', '.join(missing)} serve{'s' if len(missing) == 1 else ''} no shelf"
+        elif step is not None and step != fallback:
+            lost = "the old configuration neither published nor checkpointed it"
+        if go is None:
+            go = Go(attempt=attempt.number, source="store", step=fallback) if fallback is not None else \
+                Go(attempt=attempt.number, source="none")
+        if lost is not None and step is not None:
+            since = f"step_{fallback} of the store" if fallback is not None else "step 0"
+            self.reporter.event(f"the state of step {step} cannot be handed over ({lost}): going on from {since}")
+            self.files.event("handover_lost", attempt=old.number, step=step, reason=lost, fallback=fallback)
+        self.files.event("go", attempt=attempt.number, source=go.source, step=go.step,
+                         hosts=sorted({h.host for h in go.holders}))
+        self.reporter.event(f"attempt {attempt.number} takes over " + (
+            f"step {go.step} from the {'hosts' if go.source == 'shelf' else 'store'}" if go.step is not None
+            else "from step 0"))
+        attempt.go(encode_go(go, self.token))
 
     # ------------------------------------------------------------------------------------------------------
     # Changes of the host set
@@ -587,23 +700,31 @@ class Manager:
         for host in hosts:
             self._checked.put((host, problems.get(host.name)))
 
+    def _plan_for(self, hosts: list[Host]) -> tuple[Plan, str | None]:
+        """The plan for ``hosts``: the current one if their capacity is the same, else made again (and why).
+
+        Raises:
+            VarunaError: nothing fits (no host left, or the hosts cannot hold the model).
+        """
+        capacity = sum(h.slots for h in hosts)
+        if capacity == sum(h.slots for h in self.hosts) and self.plan.pp * self.plan.dp <= capacity:
+            return self.plan, None
+        if capacity == 0:
+            raise ConfigError("no host is left" + (f" (left out, as they do not answer: {self.exclusions.describe()})"
+                                                   if len(self.exclusions) else ""))
+        t0 = time.time()
+        plan, why = replan(self.plan, capacity, max(1, min(h.slots for h in hosts)),
+                           keep_microbatch=not self.opts.morph_any_microbatch)
+        self.files.event("planned", seconds=time.time() - t0, pp=plan.pp, dp=plan.dp, devices=capacity)
+        return plan, why
+
     def _reconfigure(self, hosts: list[Host]) -> None:
         """Adopt ``hosts``; plan again if their capacity differs; wait (bounded) while nothing fits."""
         deadline = time.monotonic() + self.opts.start_timeout
         while True:
             capacity = sum(h.slots for h in hosts)
             try:
-                if capacity == sum(h.slots for h in self.hosts) and self.plan.pp * self.plan.dp <= capacity:
-                    plan, why = self.plan, None
-                else:
-                    if capacity == 0:
-                        raise ConfigError("no host is left" + (f" (left out, as they do not answer: "
-                                                                f"{self.exclusions.describe()})"
-                                                                if len(self.exclusions) else ""))
-                    t0 = time.time()
-                    plan, why = replan(self.plan, capacity, max(1, min(h.slots for h in hosts)),
-                                       keep_microbatch=not self.opts.morph_any_microbatch)
-                    self.files.event("planned", seconds=time.time() - t0, pp=plan.pp, dp=plan.dp, devices=capacity)
+                plan, why = self._plan_for(hosts)
                 self.hosts, self.plan = hosts, plan
                 if why:
                     self.reporter.event(f"{capacity} devices: {why}: pp={plan.pp} × dp={plan.dp}, "

@@ -54,7 +54,9 @@ __all__ = [
     "MAX_LINE", "MAX_EVENT", "MAX_SPEC", "WorkerSlot", "LegacyArgs", "SpotWatch", "AgentSpec", "ReadyEvent",
     "StoreEvent", "StartedEvent", "LogEvent", "ExitEvent", "ErrorEvent", "StoppedEvent", "PreemptEvent",
     "SignalledEvent", "GoneEvent", "AgentEvent", "MAX_NOTICE_SECONDS", "MAX_ENDPOINT",
-    "SignalCommand", "StopCommand", "AgentCommand", "parse_spec", "parse_event", "parse_command", "grace_seconds",
+    "SignalCommand", "StopCommand", "HandoverCommand", "AgentCommand", "ShelfSpec", "GO_KEY", "MAX_GO", "Go",
+    "ShelfHolder",
+    "encode_go", "decode_go", "parse_spec", "parse_event", "parse_command", "grace_seconds",
     "describe",
     # heartbeat datagrams
     "MAX_DATAGRAM", "MAX_STEPS", "MAX_KEY", "MAX_TEXT", "BadField", "BEAT_FIELDS", "NOTICE_FIELDS",
@@ -72,6 +74,8 @@ MAX_EVENT = 256 * 2**10  # bytes of one line of an agent's output (a worker's li
 MAX_GRACE = 3600.0
 MAX_ENDPOINT = 1024  # characters of a spot watch's metadata endpoint (varuna_core.launch.spot checks it up front)
 MAX_NOTICE_SECONDS = 7 * 86400.0  # a preemption announced further ahead is not a notice
+MAX_GO = 4 * 2**20  # bytes of a handover's go message
+GO_KEY = "varuna/handover/go"  # where node 0's agent puts the go message in the job's store
 
 Rank = Annotated[int, Field(ge=0, lt=MAX_RANK)]
 Port = Annotated[int, Field(gt=0, lt=65536)]
@@ -97,6 +101,15 @@ class LegacyArgs(_Strict):
     stage_to_rank_map: str
     chunk_size: Annotated[int, Field(ge=1)]
     batch_size: Annotated[int, Field(ge=1)]
+
+
+class ShelfSpec(_Strict):
+    """The node's shelf for a morph by handover (:mod:`varuna_core.launch.shelf`): the agent serves it to the
+    job's other hosts while it runs, and clears it when it stops."""
+
+    root: Annotated[str, Field(min_length=1, max_length=4096)]  # a tmpfs directory (default /dev/shm)
+    key: Annotated[str, Field(min_length=1, max_length=256)]  # the shelf's name: the job and attempt
+    budget: Annotated[int, Field(ge=0)] | None = None  # bytes it may hold on this host (None: the tmpfs's free space)
 
 
 class SpotWatch(_Strict):
@@ -126,6 +139,7 @@ class AgentSpec(_Strict):
     grace: Annotated[float, Field(ge=0.0, le=MAX_GRACE, allow_inf_nan=False)] = 5.0
     legacy_args: LegacyArgs | None = None
     spot: SpotWatch | None = None
+    shelf: ShelfSpec | None = None  # serve the workers' published state (a morph by handover)
     # the node runs under a scheduler (Slurm) that signals every process of the job: a SIGTERM or SIGUSR1 the
     # agent gets is the scheduler's warning, reported to the launcher, and does not stop the workers
     scheduler_signals: bool = False
@@ -153,6 +167,7 @@ class ReadyEvent(_Event):
     pid: int
     interface: str | None  # the network interface towards the master, if known
     address: str | None  # this host's address on it
+    shelf_port: Port | None = None  # where the node's shelf server listens (the spec asked for a shelf)
 
 
 class StoreEvent(_Event):
@@ -260,7 +275,15 @@ class StopCommand(_Command):
         return default if self.grace is None else self.grace
 
 
-AgentCommand = Annotated[SignalCommand | StopCommand, Field(discriminator="cmd")]
+class HandoverCommand(_Command):
+    """Node 0's agent puts ``message`` (a signed :func:`encode_go`) into the job's store under
+    :data:`GO_KEY`, where the new configuration's warm workers wait for it."""
+
+    cmd: Literal["handover"] = "handover"
+    message: Annotated[str, Field(max_length=MAX_GO)]
+
+
+AgentCommand = Annotated[SignalCommand | StopCommand | HandoverCommand, Field(discriminator="cmd")]
 _COMMANDS: TypeAdapter[AgentCommand] = TypeAdapter(AgentCommand)
 
 
@@ -296,12 +319,78 @@ def parse_event(raw: str | bytes) -> ReadyEvent | StoreEvent | StartedEvent | Lo
         return None
 
 
-def parse_command(line: str | bytes) -> SignalCommand | StopCommand:
+def parse_command(line: str | bytes) -> SignalCommand | StopCommand | HandoverCommand:
     """A command to the agent. Raises ValueError (one line) if ``line`` is not one."""
     try:
         return _COMMANDS.validate_json(line)
     except ValidationError as exc:
         raise ValueError(describe(exc)) from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The go of a handover (launcher -> node 0's agent -> the job's store -> the new configuration's warm workers)
+
+_GO_PREFIX = b"varuna-handover-go\0"
+
+
+class ShelfHolder(_Strict):
+    """Where an old rank's published state is: its host (as the launcher names it) and its shelf server."""
+
+    host: Name
+    address: Name
+    port: Port
+
+
+class Go(_Strict):
+    """What the warm workers of attempt ``attempt`` are told once the old configuration has stopped: where to
+    take their state from. ``source``: ``shelf`` (the old ranks published step ``step`` on their hosts' shelves;
+    ``holders[r]`` holds old rank ``r``'s files, under the shelf ``shelf``), ``store`` (the old ranks wrote step
+    ``step`` to the checkpoint store instead) or ``none`` (nothing to resume: start at step 0).
+    ``fallback_step``: the store's newest checkpoint, for a take that fails."""
+
+    attempt: Annotated[int, Field(ge=0)]
+    source: Literal["shelf", "store", "none"]
+    step: Annotated[int, Field(ge=0)] | None = None
+    shelf: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    holders: Annotated[list[ShelfHolder], Field(max_length=MAX_RANK)] = Field(default_factory=list)
+    fallback_step: Annotated[int, Field(ge=0)] | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> Go:
+        if self.source != "none" and self.step is None:
+            raise ValueError(f"a go from the {self.source} names its step")
+        if self.source == "shelf" and (self.shelf is None or not self.holders):
+            raise ValueError("a go from the shelves names the shelf and its holders")
+        return self
+
+
+def encode_go(go: Go, token: str) -> str:
+    """``go`` signed with the job's token (HMAC-SHA256 over a prefix that no other message of the job uses)."""
+    payload = go.model_dump_json()
+    mac = hmac.new(token.encode(), _GO_PREFIX + payload.encode(), hashlib.sha256).hexdigest()
+    return json.dumps({"p": payload, "mac": mac}, separators=(",", ":"))
+
+
+def decode_go(text: str | bytes, token: str, attempt: int) -> Go:
+    """The go in ``text`` if it is signed with ``token`` and meant for ``attempt``; ValueError (one line) if not."""
+    if len(text) > MAX_GO:
+        raise ValueError(f"the go message is over {MAX_GO} bytes")
+    try:
+        outer = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValueError("the go message is not JSON") from None
+    if not isinstance(outer, dict) or not isinstance(outer.get("p"), str) or not isinstance(outer.get("mac"), str):
+        raise ValueError("the go message is not {p, mac}")
+    want = hmac.new(token.encode(), _GO_PREFIX + outer["p"].encode(errors="surrogatepass"), hashlib.sha256).hexdigest()
+    if not outer["mac"].isascii() or not hmac.compare_digest(want, outer["mac"]):
+        raise ValueError("the go message is not signed with the job's token")
+    try:
+        go = Go.model_validate_json(outer["p"])
+    except ValidationError as exc:
+        raise ValueError(f"the go message is malformed: {describe(exc)}") from None
+    if go.attempt != attempt:
+        raise ValueError(f"the go message is for attempt {go.attempt}, not this worker's attempt {attempt}")
+    return go
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -397,7 +486,9 @@ BEAT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "compute_time": _optional(_real), "samples": _optional(_count), "total_steps": _optional(_count),
     "stage": _optional(_count), "replica": _optional(_count), "checkpointed": _optional(_count),
     "t_start": _optional(_real), "t_ready": _optional(_real), "t_resumed": _optional(_real),
-    "t_checkpointed": _optional(_real),
+    "t_checkpointed": _optional(_real), "published": _optional(_count), "t_published": _optional(_real),
+    "published_bytes": _optional(_count), "t_warm": _optional(_real), "t_taken": _optional(_real),
+    "taken_local": _optional(_count), "taken_remote": _optional(_count), "handover_failed": _optional(_text),
 }
 _BEAT_REQUIRED = ("ts", "sender", "seq", "attempt", "rank")
 NOTICE_FIELDS: dict[str, Callable[[Any], Any]] = {

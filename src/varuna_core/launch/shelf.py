@@ -70,7 +70,7 @@ from ..errors import HandoverError, ShelfFullError
 from ..util.text import printable, short_repr
 
 __all__ = ["MAX_NAME", "MAX_META", "MAX_JOB", "MAX_HEADER", "MAX_NAMES", "WINDOW", "DEFAULT_ROOT", "Entry",
-           "check_name", "Shelf", "ShelfServer", "fetch", "fetch_into"]
+           "check_name", "shelf_key", "Shelf", "ShelfServer", "fetch", "fetch_into"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,12 @@ class Entry:
 
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "sha256": self.sha256, "meta": self.meta}
+
+
+def shelf_key(job: str, attempt: int) -> str:
+    """The name of the shelf that attempt ``attempt`` of job ``job`` publishes on: one per attempt, so that the
+    agent that serves (and at its end clears) an old attempt's shelf never touches a newer attempt's."""
+    return f"{job}-a{attempt}"
 
 
 def check_name(name: object) -> str:
@@ -249,6 +255,10 @@ class Shelf:
             part.unlink(missing_ok=True)
             raise
         return entry
+
+    def has(self, name: str) -> bool:
+        """Whether a blob ``name`` is on the shelf (its file exists; :meth:`open` checks it)."""
+        return self._check_dir() and self._file(check_name(name)).is_file()
 
     def open(self, name: str) -> tuple[Entry, io.BufferedReader]:
         """The blob's entry and its file, positioned at the data (the caller closes it). The entry is checked, and

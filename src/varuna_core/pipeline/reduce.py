@@ -31,7 +31,12 @@ class StepResult:
     loss: float  # the global batch's loss, the same on every rank
     overflow: bool  # fp16 found an inf/NaN on some rank: gradients were zeroed, the step must be skipped
     grad_norm: float  # before clipping (``inf`` on overflow)
-    flagged: bool  # some rank raised the caller's flag
+    flags: float  # the caller's flags summed over every rank
+
+    @property
+    def flagged(self) -> bool:
+        """Some rank raised the caller's flag."""
+        return self.flags > 0
 
 
 def check_clip(clip_grad_max_norm: float | None) -> None:
@@ -108,7 +113,7 @@ def finish_step(loss_sum: torch.Tensor, grad_buffer: GradBuffer, norm_params: li
     elif clip_grad_max_norm is not None and grads:
         coef = min(clip_grad_max_norm / (grad_norm + 1e-6), 1.0)
         torch._foreach_mul_(grads, coef)
-    return StepResult(loss, overflow, grad_norm, bool(totals[3] > 0))
+    return StepResult(loss, overflow, grad_norm, float(totals[3]))
 
 
 def evaluate_loss(executor: PipelineExecutor, inputs: Mapping[str, Any], input_batch_dims: Mapping[str, Any],

@@ -20,7 +20,12 @@ The launcher's environment (see ``varuna launch --help``) asks for:
   ``varuna launch`` the launcher's on-demand checkpoint (above) takes its place: the launcher resumes from it;
 * ``VARUNA_CKPT_EVERY=N``: a checkpoint every ``N`` steps (what a restart after a crash resumes from),
   ``VARUNA_CKPT_KEEP`` of them kept, written in the background through ``VARUNA_CKPT_TEMPDIR`` if set;
-* heartbeats to the manager (:class:`~varuna_core.worker.beacon.Beacon`): step, loss, step time and compute time.
+* heartbeats to the manager (:class:`~varuna_core.worker.beacon.Beacon`): step, loss, step time and compute time;
+* a morph by handover (:mod:`varuna_core.worker.morph`; ``VARUNA_SHELF_DIR`` set): ``SIGUSR2`` is agreed as
+  ``SIGUSR1`` is, but every rank publishes its state on its host's shelf instead of writing the store, then exits
+  with :data:`EXIT_CHECKPOINTED` (a publish that fails, e.g. a shelf that is full, falls back to the store with
+  one line saying so). ``VARUNA_HANDOVER=wait``: the worker was started beside the old configuration; at its resume
+  point it tells the launcher it is warm, waits for the go, and takes its state from where the go says.
 """
 
 from __future__ import annotations
@@ -39,10 +44,19 @@ from typing import Any, NamedTuple
 from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError
 from .beacon import Beacon
+from .morph import Morph
 
-__all__ = ["Supervision", "Progress", "EXIT_CHECKPOINTED", "EXIT_BAD_CHECKPOINT", "ResumeRefused"]
+__all__ = ["Supervision", "Progress", "EXIT_CHECKPOINTED", "EXIT_BAD_CHECKPOINT", "ResumeRefused", "STORE_FLAG",
+           "HANDOVER_FLAG"]
 
 log = logging.getLogger(__name__)
+
+
+# A rank's flag on the step's all-reduce: asked to checkpoint to the store (SIGUSR1), or to publish for a handover
+# (SIGUSR2). Summed over ranks: at least STORE_FLAG when some rank asked for the store (which then wins), else a
+# positive multiple of HANDOVER_FLAG below it (exact in float64 for up to 2**24 ranks).
+STORE_FLAG = 1.0
+HANDOVER_FLAG = 2.0**-24
 
 
 class ResumeRefused(CheckpointError):
@@ -81,14 +95,20 @@ class Supervision:
         save: ``save(directory, tempdir=..., background=..., keep=...)`` writes a checkpoint of the current step
             (collective) and returns the ``Future`` of a background write, or anything else.
         load: ``load(directory, step)`` restores that checkpoint (collective) and returns the step loaded.
+        publish: ``publish(put, staging)`` puts a checkpoint of the current step on this host's shelf
+            (collective; ``Varuna.publish_state``); returns ``{blob: rank}``.
+        take: ``take(step, locate, fetch, staging)`` restores the state the old ranks published (collective;
+            ``Varuna.take_state``); returns the step loaded.
         progress: the current :class:`Progress` (iteration, compute time of the last step, total steps).
     """
 
     def __init__(self, rank: int, *, stage: int = 0, replica: int = 0, samples: int | None = None,
                  save: Callable[..., Any], load: Callable[[str, int], int],
-                 progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None) -> None:
+                 progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None,
+                 publish: Callable[[Callable, Path], dict] | None = None,
+                 take: Callable[..., int] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
-        self._save, self._load = save, load
+        self._save, self._load, self._publish, self._take = save, load, publish, take
         self._progress = progress
         self.started = _process_start()
         told = WorkerEnv.from_environ() if told is None else told
@@ -105,8 +125,13 @@ class Supervision:
                               "is not",
                               hint="set VARUNA_CKPT_DIR to the checkpoint store (varuna launch does)")
         self.requested = False
+        self.handover_requested = False  # SIGUSR2: publish for a handover
+        self.morph = Morph.launched(told) if publish is not None else None
+        if self.morph is not None and self.morph.warm and self.resume_step is not None:
+            raise ConfigError("VARUNA_HANDOVER=wait and VARUNA_RESUME_STEP are both set",
+                              hint="a warm worker learns where its state is from the launcher's go")
         self._terms = 0  # SIGTERMs received (VARUNA_ON_SIGTERM=checkpoint)
-        self.stop_agreed = False
+        self.stop_agreed: str | None = None  # "store" or "handover": every rank stops at the next step
         self.resumed = False
         self.last_saved: int | None = None
         self._pending = None  # the Future of a background checkpoint in flight
@@ -119,6 +144,8 @@ class Supervision:
         self._adopt_handler()
         if told.on_sigterm == "checkpoint" and self._main_thread:
             signal.signal(signal.SIGTERM, self._on_term)
+        if self.morph is not None and self._main_thread:
+            signal.signal(signal.SIGUSR2, self._on_usr2)
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         """The first SIGTERM asks for a checkpoint; the next one ends the process as SIGTERM does by default."""
@@ -131,6 +158,9 @@ class Supervision:
 
     def _on_usr1(self, signum: int, frame: FrameType | None) -> None:
         self.requested = True
+
+    def _on_usr2(self, signum: int, frame: FrameType | None) -> None:
+        self.handover_requested = True
 
     def _adopt_handler(self) -> None:
         """Make SIGUSR1 set the flag: under ``varuna launch`` always; otherwise when the script has a handler of
@@ -161,7 +191,12 @@ class Supervision:
                                  stage=self.stage, replica=self.replica, total_steps=self.total_steps)
 
     def resume(self) -> None:
-        """Load ``VARUNA_RESUME_STEP`` (once), now that the optimizer is set."""
+        """Load ``VARUNA_RESUME_STEP`` (once), now that the optimizer is set; a warm worker waits for the go and
+        takes its state from where it says."""
+        if self.morph is not None and self.morph.warm and not self.resumed:
+            self.resumed = True
+            self._take_over(self.morph)
+            return
         if self.resume_step is None or self.resumed or self.ckpt_dir is None:  # no store: refused when made
             return
         self.resumed = True
@@ -175,16 +210,18 @@ class Supervision:
             self.beacon.progress(step=self._now().iteration, t_resumed=time.time())
 
     def before_step(self) -> None:
-        """At the start of ``step()``: the agreed on-demand checkpoint (then exit) or the script's own handler,
-        or a periodic checkpoint."""
+        """At the start of ``step()``: the agreed on-demand checkpoint or publish (then exit) or the script's own
+        handler, or a periodic checkpoint."""
         self._adopt_handler()  # a handler the script installed since the last step
-        if self.resume_step is not None and not self.resumed:
+        if (self.resume_step is not None or (self.morph is not None and self.morph.warm)) and not self.resumed:
             self.resume()  # no set_optimizer: model state only
         self._check_background()
         now = time.perf_counter()
         self._step_time = None if self._last_step_start is None else now - self._last_step_start
         self._last_step_start = now
-        if self.stop_agreed:
+        if self.stop_agreed == "handover":
+            self._publish_and_exit()
+        elif self.stop_agreed:
             if self.user_handler is not None and self.ckpt_dir is None:
                 self._run_user_handler()
             else:
@@ -194,12 +231,17 @@ class Supervision:
             self._periodic(iteration)
 
     def flag(self) -> float:
-        """1.0 if this rank was asked to checkpoint and stop (summed over ranks by the step's all-reduce)."""
-        return 1.0 if self.requested else 0.0
+        """This rank's request, summed over ranks by the step's all-reduce: :data:`STORE_FLAG` if it was asked to
+        checkpoint and stop, :data:`HANDOVER_FLAG` if to publish and stop (and it can), else 0."""
+        if self.requested:
+            return STORE_FLAG
+        return HANDOVER_FLAG if self.handover_requested and self.morph is not None else 0.0
 
-    def after_step(self, loss: float, requested_anywhere: bool) -> None:
-        """The step's loss is known on every rank, and whether some rank was asked to checkpoint and stop."""
-        self.stop_agreed = requested_anywhere
+    def after_step(self, loss: float, requested_anywhere: bool | float) -> None:
+        """The step's loss is known on every rank, and what the ranks asked for (the sum of their flags: a
+        checkpoint to the store wins over a publish)."""
+        flags = float(requested_anywhere)
+        self.stop_agreed = "store" if flags >= STORE_FLAG else "handover" if flags > 0 else None
         if self.beacon is not None:
             now = self._now()
             self.beacon.progress(step=now.iteration, loss_step=now.iteration - 1, loss=loss,
@@ -238,6 +280,76 @@ class Supervision:
         except SystemExit:  # every rank is leaving at this step: leave the process group together, as below
             self._leave()
             raise
+
+    def _take_over(self, morph: Morph) -> None:
+        """A warm worker: tell the launcher, wait for the go, take the state from where it says."""
+        if self.beacon is not None:
+            self.beacon.progress(step=self._now().iteration, t_warm=time.time())
+            self.beacon.flush()
+        log.info("rank %d is warm: waiting for the launcher's go", self.rank)
+        go = morph.wait_for_go()
+        if go.source == "none":
+            log.info("rank %d: the old configuration made no step; starting at step 0", self.rank)
+        elif go.source == "store":
+            self._load_from_store(go.step, "the old configuration wrote it to the store")
+        else:
+            assert self._take is not None and go.step is not None  # a go from the shelves names its step
+            try:
+                step = self._take(go.step, morph.locate(go), morph.fetch(go), morph.staging)
+            except CheckpointError as exc:  # HandoverError is one
+                if go.fallback_step is None or self.ckpt_dir is None:
+                    raise
+                log.warning("rank %d: the handover failed (%s); loading step_%d from the store instead",
+                            self.rank, exc.message, go.fallback_step)
+                if self.beacon is not None:
+                    self.beacon.progress(step=self._now().iteration, handover_failed=exc.message[:200])
+                self._load_from_store(go.fallback_step, "the handover failed")
+                return
+            self.last_saved = step
+            log.info("rank %d took step %d over from the shelves (%d bytes from this host, %d over the network)",
+                     self.rank, step, morph.taken["local"], morph.taken["remote"])
+        if self.beacon is not None:
+            self.beacon.progress(step=self._now().iteration, t_resumed=time.time(), t_taken=time.time(),
+                                 taken_local=morph.taken["local"], taken_remote=morph.taken["remote"])
+
+    def _load_from_store(self, step: int | None, why: str) -> None:
+        if self.ckpt_dir is None or step is None:
+            raise ResumeRefused(f"cannot load step {step} from the store ({why}): no store is known",
+                                hint="varuna launch sets VARUNA_CKPT_DIR")
+        try:
+            self.last_saved = self._load(self.ckpt_dir, step)
+        except CheckpointError as exc:
+            raise ResumeRefused(exc.message, hint="the launcher falls back to an earlier checkpoint") from None
+        log.info("rank %d resumed from %s/step_%d (%s)", self.rank, self.ckpt_dir, step, why)
+
+    def _publish_and_exit(self) -> None:
+        """Every rank, at the agreed step: publish on the host's shelf (else write the store) and exit."""
+        assert self.morph is not None and self._publish is not None  # only then is the handover flag raised
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        iteration = self._now().iteration
+        morph = self.morph
+        try:
+            owners = self._publish(morph.shelf.put, morph.staging)
+        except CheckpointError as exc:  # HandoverError and ShelfFullError are ones
+            log.warning("rank %d: publishing step %d for a handover failed (%s); writing it to the store instead",
+                        self.rank, iteration, exc.message)
+            if self.beacon is not None:
+                self.beacon.progress(step=iteration, handover_failed=exc.message[:200])
+            self.stop_agreed = "store"
+            self._checkpoint_and_exit()
+            return
+        mine = {name for name, rank in owners.items() if rank == self.rank}
+        size = sum(entry.size for name, entry in morph.shelf.manifest().items() if name in mine)
+        log.info("rank %d: published step %d on its host's shelf (%d blobs, %d bytes); stopping", self.rank,
+                 iteration, len(mine), size)
+        if self.beacon is not None:
+            self.beacon.progress(step=iteration, checkpointed=iteration, published=iteration, t_published=time.time(),
+                                 published_bytes=size)
+            self.beacon.flush()
+        self._leave()
+        raise SystemExit(EXIT_CHECKPOINTED)
 
     def _checkpoint_and_exit(self) -> None:
         if self._pending is not None:

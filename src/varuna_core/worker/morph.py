@@ -1,0 +1,162 @@
+"""The worker's side of a morph by handover (DESIGN.md §3.8): publish on request, wait warm for the go, take.
+
+Under ``varuna launch --morph`` every worker knows its host's shelf (``VARUNA_SHELF_DIR``, named after the job
+and the attempt: :func:`~varuna_core.launch.shelf.shelf_key`) that its node agent serves to the other hosts.
+
+* **Publish** (old configuration): when the launcher asks for a handover (SIGUSR2, agreed by every rank at one step
+  boundary as an on-demand checkpoint is), each rank puts its part of a checkpoint of that step on its own host's
+  shelf (:func:`~varuna_core.checkpoint.handover.publish`) instead of writing it to the store, and exits.
+* **Wait** (new configuration, ``VARUNA_HANDOVER=wait``): the launcher started these workers while the old ones
+  still trained; they ran the script up to its resume point (``set_optimizer``, or the first ``step``), told the
+  launcher they are warm, and wait there for the **go**: a message signed with the job's token that node 0's
+  agent puts in the new configuration's store (:class:`~varuna_core.launch.protocol.Go`). It says where the state
+  is: on the old ranks' shelves (``holders[r]`` is old rank ``r``'s host and shelf server), in the store (the old
+  ranks could not publish: a shelf was full), or nowhere (the old configuration had made no step).
+* **Take**: each new rank takes only the files that hold its stage's tensors
+  (:func:`~varuna_core.checkpoint.handover.take`): from its own host's shelf when the holder is on its host, else
+  over the wire from the holder's shelf server, authenticated, bounded and hash-checked.
+
+Which old rank holds a file follows from the checkpoint's own naming: rank ``r`` writes ``__<r>_0.distcp``; the
+small files (the run, the manifest, the index, ``COMPLETE``) are rank 0's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..env import WorkerEnv
+from ..errors import ConfigError, HandoverError
+from ..launch.protocol import GO_KEY, Go, decode_go
+from ..launch.shelf import Shelf, fetch_into, shelf_key
+from ..util.text import printable
+
+__all__ = ["Morph", "WAIT_FOR_GO", "holder_rank"]
+
+WAIT_FOR_GO = 3600.0  # seconds a warm worker waits for the go before it gives up (the launcher sends it sooner)
+_DATA_FILE = re.compile(r"__([0-9]+)_[0-9]+\.distcp")
+_POLL = 0.005  # seconds between two looks at the store for the go
+
+
+def holder_rank(blob: str) -> int:
+    """The old rank that published ``blob`` (``step_<N>/<file>``): the rank in a data file's name, else rank 0."""
+    match = _DATA_FILE.fullmatch(blob.rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else 0
+
+
+@dataclass
+class Morph:
+    """What a worker needs to publish its state, or to take it, in a morph by handover.
+
+    Args:
+        told: what the launcher told this worker (job, token, attempt, host, shelf directory).
+        master: ``(address, port)`` of the job's store (torchrun's ``MASTER_ADDR`` and ``MASTER_PORT``).
+    """
+
+    told: WorkerEnv
+    master: tuple[str, int] | None = None
+    taken: dict[str, int] = field(default_factory=lambda: {"local": 0, "remote": 0})  # bytes, for the heartbeat
+
+    @classmethod
+    def launched(cls, told: WorkerEnv) -> Morph | None:
+        """The worker's morph under ``varuna launch`` with a shelf; None otherwise."""
+        if told.shelf_dir is None or told.job_id is None or told.job_token is None:
+            if told.handover == "wait":
+                raise ConfigError("VARUNA_HANDOVER=wait needs VARUNA_SHELF_DIR, VARUNA_JOB_ID and VARUNA_JOB_TOKEN",
+                                  hint="these are set by varuna launch; unset VARUNA_HANDOVER to run without it")
+            return None
+        if told.handover not in (None, "wait"):
+            raise ConfigError(f"VARUNA_HANDOVER is {printable(told.handover)!r}", hint="it is 'wait' or unset")
+        master = None
+        address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+        if address and port.isdigit():
+            master = (address, int(port))
+        return cls(told, master)
+
+    @property
+    def warm(self) -> bool:
+        """Whether this worker was started beside the old configuration and waits for the go."""
+        return self.told.handover == "wait"
+
+    @property
+    def shelf(self) -> Shelf:
+        """This attempt's shelf on this host."""
+        assert self.told.job_id is not None and self.told.shelf_dir is not None  # checked in launched()
+        return Shelf(shelf_key(self.told.job_id, self.told.attempt or 0), root=self.told.shelf_dir,
+                     budget=self.told.shelf_budget)
+
+    @property
+    def staging(self) -> Path:
+        """Where a publish or a take writes its private files first: the shelf's tmpfs."""
+        assert self.told.shelf_dir is not None
+        return Path(self.told.shelf_dir)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Wait
+
+    def wait_for_go(self, timeout: float = WAIT_FOR_GO) -> Go:
+        """Block until the launcher's go for this attempt is in the job's store; the go, checked.
+
+        Raises:
+            HandoverError: no go within ``timeout`` seconds, or a message that is not a go of this job for this
+                attempt (unsigned, replayed from another attempt, malformed).
+        """
+        import datetime
+
+        import torch.distributed as dist
+
+        if self.master is None:
+            raise HandoverError("a warm worker needs MASTER_ADDR and MASTER_PORT to hear the launcher's go",
+                                hint="they are set by varuna launch")
+        store = dist.TCPStore(self.master[0], self.master[1], is_master=False,
+                              timeout=datetime.timedelta(seconds=60))
+        deadline = time.monotonic() + timeout
+        while not store.check([GO_KEY]):
+            if time.monotonic() > deadline:
+                raise HandoverError(f"the launcher's go did not come within {timeout:g} s",
+                                    hint="the launcher stops a warm configuration it does not use; see its log")
+            time.sleep(_POLL)
+        try:
+            return decode_go(store.get(GO_KEY), self.told.job_token or "", self.told.attempt or 0)
+        except ValueError as exc:
+            raise HandoverError(f"refused the launcher's go: {exc}") from None
+
+    # ------------------------------------------------------------------------------------------------------
+    # Take
+
+    def locate(self, go: Go) -> Callable[[str], Any]:
+        """``locate(blob)`` for :func:`~varuna_core.checkpoint.handover.take`: the holder ``(host, address, port)``
+        of the old rank that published it (KeyError: no such rank)."""
+
+        def locate(blob: str) -> tuple[str, str, int]:
+            rank = holder_rank(blob)
+            if rank >= len(go.holders):
+                raise KeyError(blob)
+            holder = go.holders[rank]
+            return holder.host, holder.address, holder.port
+
+        return locate
+
+    def fetch(self, go: Go, timeout: float = 60.0) -> Callable[[Any, list[str], Callable, int], None]:
+        """``fetch(holder, names, into, max_bytes)`` for :func:`~varuna_core.checkpoint.handover.take`: from this
+        host's own shelf when the holder is this host, else from the holder's shelf server."""
+        assert go.shelf is not None  # a go from the shelves names it (checked when decoded)
+        token, local = self.told.job_token or "", Shelf(go.shelf, root=self.staging)
+
+        def fetch(holder: tuple[str, str, int], names: list[str], into: Callable, max_bytes: int) -> None:
+            host, address, port = holder
+            if host == self.told.host and all(local.has(name) for name in names):
+                for name in names:
+                    entry = local.get_into(name, lambda e: into(e.name, e.size))
+                    self.taken["local"] += entry.size
+                return
+            entries = fetch_into(address, port, job=go.shelf, token=token, names=names, max_bytes=max_bytes,
+                                 into=lambda e: into(e.name, e.size), timeout=timeout)
+            self.taken["remote"] += sum(e.size for e in entries.values())
+
+        return fetch
