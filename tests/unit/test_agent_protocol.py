@@ -38,7 +38,8 @@ pytestmark = pytest.mark.timeout(120)
     b'{"event": "exit", "rank": true, "code": 1}', b'{"event": "exit", "rank": -1, "code": 1}',
     b'{"event": "exit", "rank": 0, "code": 1.5}', b'{"event": "store", "port": 70000}',
     b'{"event": "store", "port": 0}', b'{"event": "log", "rank": 0, "line": ["x"]}',
-    b'{"event": "ready", "pid": 1, "interface": 3, "address": null}', b"[" * 100_000, b"\xff\xfe",
+    b'{"event": "ready", "pid": 1, "interface": 3, "address": null}', b'{"event": "ready", "pid": 1, "interface": null, "address": null, "shelf_port": 0}',
+    b'{"event": "ready", "pid": 1, "interface": null, "address": null, "shelf_port": "41000"}', b"[" * 100_000, b"\xff\xfe",
     b"Welcome to Ubuntu 22.04 LTS", b'{"event": "error", "message": {"nested": 1}}',
     b'{"event": "gone", "code": 0}',  # the launcher's own event: an agent cannot claim its host is gone
     b'{"event": "preempt", "source": "aws", "seconds": -1}', b'{"event": "preempt", "source": "aws"}',
@@ -54,8 +55,8 @@ def test_only_well_formed_events_count(line) -> None:
 
 
 @pytest.mark.parametrize("event", [
-    {"event": "ready", "pid": 12, "interface": "lo", "address": "127.0.0.1"},
-    {"event": "ready", "pid": 12, "interface": None, "address": None},
+    {"event": "ready", "pid": 12, "interface": "lo", "address": "127.0.0.1", "shelf_port": 41000},
+    {"event": "ready", "pid": 12, "interface": None, "address": None, "shelf_port": None},
     {"event": "store", "port": 29500}, {"event": "started", "rank": 3, "pid": 99},
     {"event": "log", "rank": 0, "line": "[/] step 1"}, {"event": "exit", "rank": 1, "code": -9},
     {"event": "error", "message": "boom"}, {"event": "stopped"},

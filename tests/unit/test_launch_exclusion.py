@@ -120,7 +120,7 @@ class Job:
         self.checks += [(self.clock.now, h.name, agents) for h in hosts]
         return [HostProblem(h, "connection refused") for h in hosts if h.name in self.down]
 
-    def attempt(self, number: int, resume, restarts: int) -> Outcome:
+    def attempt(self, number: int, resume, restarts: int, handover=None, retiring=None) -> Outcome:
         self.attempts.append([h.name for h in self.manager.hosts])
         if len(self.attempts) > 12:
             raise AssertionError(f"attempt after attempt: {self.attempts}")
