@@ -5,7 +5,16 @@ every machine's own network stack (which address a worker binds, whether the ren
 from another machine). Replacing ssh with a local subprocess, or running every "host" on 127.0.0.1, hides
 exactly those bugs. Here each host is a Linux network namespace with its own interface, address and sshd, and
 the tests reach it with the real ssh client, so the multi-host tests are honest. The namespaces share the
-filesystem (and the venv) with the test, like the machines of a cluster sharing an NFS home.
+filesystem (and the venv) with the test, like the machines of a cluster sharing an NFS home, but for their private
+disks.
+
+Private disks (``start_cluster(..., private=[paths])``, netns mode only): each host also gets a fresh tmpfs of its
+own at every listed path, e.g. ``/dev/shm`` and a checkpoint store directory, mounted in the host's own mount
+namespace (``ip netns exec`` makes one per sshd; everything started over SSH on the host inherits it). A file
+written there on one host is seen neither by the other hosts nor by the test, and the test's own files there are
+hidden from the hosts: a job that still works proves it needs no file system shared between machines. The mounts
+never reach the test's namespace (``ip netns exec`` makes ``/`` a recursive slave of it, and each host makes it
+one again before mounting), and they vanish with the host's last process.
 
 Mode ``"netns"`` (root with CAP_SYS_ADMIN)::
 
@@ -40,6 +49,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +65,7 @@ _counter = itertools.count()
 _READY_TIMEOUT = 20.0
 _APT_TIMEOUT = 300.0
 _PR_SET_PDEATHSIG = 1
+_TMPFS_SIZE = re.compile(r"^[1-9]\d*[kmgKMG%]?$")  # what tmpfs's size= takes: bytes, k/m/g, or % of RAM
 
 
 @dataclass
@@ -74,7 +85,8 @@ class HostCluster:
     """Hosts with their sshd running, a key that logs in to all of them and a known_hosts that vouches for them.
 
     ``manager_address`` is the test's own namespace as the hosts see it (where a launcher's rendezvous listens);
-    ``tag`` starts the name of every namespace and interface of the cluster.
+    ``tag`` starts the name of every namespace and interface of the cluster; ``private`` are the directories
+    where each host has a tmpfs of its own (``private_size`` each), empty when the hosts share everything.
     """
 
     hosts: list[TestHost]
@@ -85,6 +97,8 @@ class HostCluster:
     mode: str
     tag: str
     workdir: Path
+    private: tuple[Path, ...]
+    private_size: str
     _teardown: _Teardown = field(repr=False)
 
     @property
@@ -137,7 +151,7 @@ class HostCluster:
     def crash(self, host: TestHost) -> None:
         """The machine dies at once: SIGKILL to every process of the host, its sshd included (netns mode only: in
         loopback mode the hosts share one sshd and the test's processes). Its address stays: SSH to it is then
-        refused, as by a machine whose sshd is not up (yet)."""
+        refused, as by a machine whose sshd is not up (yet). What its private disks held is gone with it."""
         if host.netns is None:
             raise RuntimeError("crashing one host needs a network namespace per host (netns mode)")
         kill_namespace_processes(host.netns)
@@ -148,6 +162,9 @@ class HostCluster:
     def boot(self, host: TestHost, replaced: dict[Path, Path] | None = None) -> None:
         """Start the sshd of a host that :meth:`crash` killed (the machine is back), and wait until it listens.
 
+        The host's private disks are mounted again, empty: they were memory, as a rebooted machine's tmpfs (its
+        /dev/shm, say) is, and a machine that comes back with nothing of its job on it is what a recovery meets.
+
         ``replaced`` maps files to the files whose content this host sees in their place (bind-mounted in the
         host's own mount namespace, which ``ip netns exec`` makes for it): a host whose copy of the code differs
         from the others', e.g. a deployment that did not finish."""
@@ -155,11 +172,7 @@ class HostCluster:
             raise RuntimeError("restarting one host needs a network namespace per host (netns mode)")
         config = self.workdir / f"sshd-{host.name}.conf"
         config.with_suffix(".pid").unlink(missing_ok=True)
-        argv = [SSHD, "-D", "-e", "-f", str(config)]
-        if replaced:
-            mounts = " && ".join(f"mount --bind {shlex.quote(str(new))} {shlex.quote(str(old))}"
-                                 for old, new in replaced.items())
-            argv = ["sh", "-c", f'{mounts} && exec "$@"', "sh", *argv]  # the config stays the last word
+        argv = _host_argv(config, _private_mounts(self.private, self.private_size, self.tag), replaced)
         proc = _spawn(["ip", "netns", "exec", host.netns, *argv], config.with_suffix(".log"))
         self._teardown.daemons.append(proc)
         _wait_for_pid_files([proc])
@@ -207,16 +220,23 @@ class _Teardown:
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
 
 
-def start_cluster(n: int, workdir: Path) -> HostCluster:
+def start_cluster(n: int, workdir: Path, private: Sequence[str | os.PathLike[str]] = (),
+                  private_size: str = "4g") -> HostCluster:
     """Start ``n`` hosts (``h0``, ``h1``, ...) with their keys, configs and logs in ``workdir``.
 
     Installs openssh-server and iproute2 if missing (RuntimeError if that fails). Uses network namespaces when
     it can, else the loopback aliases (``mode`` says which). Takes about a second; call ``close()`` when done
     (it also runs at exit).
+
+    ``private``: absolute directories (created if missing; ``/dev/shm`` works too) where every host gets a
+    fresh tmpfs of its own, with the directory's mode and owner and at most ``private_size`` (tmpfs's ``size=``:
+    ``4g``, ``512m``, ``50%``; it takes only the memory its files use). Needs netns mode: RuntimeError where
+    namespaces cannot be made, as loopback hosts share the test's mounts.
     """
+    workdir = Path(workdir).resolve()
+    private_paths = _private_paths(private, private_size, workdir)
     _ensure_tools()
     cleanup_stale()
-    workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     identity, host_key = workdir / "id_ed25519", workdir / "host_ed25519"
     _keygen(identity)
@@ -227,16 +247,23 @@ def start_cluster(n: int, workdir: Path) -> HostCluster:
     tag = f"{PREFIX}{os.getpid()}-{next(_counter)}"
     teardown = _Teardown()
     try:
-        if _try_ip("netns", "add", f"{tag}-sw"):
+        switch = _ip("netns", "add", f"{tag}-sw", check=False)
+        if switch.returncode == 0:
             teardown.namespaces.append(f"{tag}-sw")
             mode = "netns"
-            hosts, manager_address = _start_netns_hosts(n, tag, workdir, teardown)
+            mounts = _private_mounts(private_paths, private_size, tag)
+            hosts, manager_address = _start_netns_hosts(n, tag, workdir, mounts, teardown)
+        elif private_paths:
+            raise RuntimeError("private disks need a mount namespace per host, and network namespaces cannot be "
+                               f"created here (`ip netns add`: {switch.stderr.strip()}); loopback hosts share "
+                               "every mount with the test")
         else:
             mode = "loopback"
             hosts, manager_address = _start_loopback_hosts(n, workdir, teardown)
         cluster = HostCluster(hosts=hosts, user=pwd.getpwuid(os.geteuid()).pw_name, identity=identity,
                               known_hosts=workdir / "known_hosts", manager_address=manager_address, mode=mode,
-                              tag=tag, workdir=workdir, _teardown=teardown)
+                              tag=tag, workdir=workdir, private=private_paths, private_size=private_size,
+                              _teardown=teardown)
         _wait_for_pid_files(teardown.daemons)
         pubkey = host_key.with_suffix(".pub").read_text().split()
         cluster.known_hosts.write_text("".join(
@@ -271,7 +298,57 @@ def _no_dns(ns: str) -> None:
     (NETNS_ETC / ns / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
 
 
-def _start_netns_hosts(n: int, tag: str, workdir: Path, teardown: _Teardown) -> tuple[list[TestHost], str]:
+def _private_paths(private: Sequence[str | os.PathLike[str]], size: str, workdir: Path) -> tuple[Path, ...]:
+    """The private directories, checked before anything starts: absolute, not ``/``, not a file, and not above
+    the cluster's ``workdir`` (the tmpfs would hide sshd's config and keys from it)."""
+    if isinstance(private, (str, os.PathLike)):
+        raise TypeError(f"private takes a sequence of paths, not one path: {private!r}")
+    if not _TMPFS_SIZE.match(size):
+        raise ValueError(f"private_size must be a tmpfs size such as 4g, 512m or 50%, got {size!r}")
+    paths: list[Path] = []
+    for entry in private:
+        path = Path(entry)
+        if not path.is_absolute():
+            raise ValueError(f"a private directory must be an absolute path, got {str(entry)!r}")
+        path = path.resolve()  # what mount resolves too (/dev/shm may be a link to /run/shm)
+        if path == Path("/") or workdir.is_relative_to(path):
+            raise ValueError(f"a private directory must not hide the cluster's workdir {workdir}: {path}")
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"a private directory must be a directory: {path} is not")
+        if path not in paths:
+            paths.append(path)
+    return tuple(paths)
+
+
+def _private_mounts(paths: tuple[Path, ...], size: str, tag: str) -> list[str]:
+    """Shell commands that mount a fresh tmpfs at each path, each with the mode and owner the directory has in
+    the test's namespace (created there first; ``mkdir -p`` again for a path inside another private one). The
+    tmpfs is named ``<tag>-private``, so that ``/proc/*/mountinfo`` tells whose it is."""
+    if not paths:
+        return []
+    commands = ["mount --make-rslave /"]  # as ip netns exec leaves it: nothing mounted here propagates back
+    for path in paths:
+        path.mkdir(parents=True, exist_ok=True)
+        st = path.stat()
+        options = f"size={size},mode={st.st_mode & 0o7777:o},uid={st.st_uid},gid={st.st_gid}"
+        quoted = shlex.quote(str(path))
+        commands.append(f"mkdir -p {quoted} && mount -t tmpfs -o {shlex.quote(options)} {tag}-private {quoted}")
+    return commands
+
+
+def _host_argv(config: Path, mounts: list[str], replaced: dict[Path, Path] | None = None) -> list[str]:
+    """The argv, run in a host's network namespace, that makes ``mounts`` (shell commands) and bind-mounts the
+    ``replaced`` files in the host's mount namespace, then becomes its sshd (the config stays the last word)."""
+    argv = [SSHD, "-D", "-e", "-f", str(config)]
+    mounts = mounts + [f"mount --bind {shlex.quote(str(new))} {shlex.quote(str(old))}"
+                       for old, new in (replaced or {}).items()]
+    if not mounts:
+        return argv
+    return ["sh", "-c", " && ".join(mounts) + ' && exec "$@"', "sh", *argv]
+
+
+def _start_netns_hosts(n: int, tag: str, workdir: Path, mounts: list[str],
+                       teardown: _Teardown) -> tuple[list[TestHost], str]:
     switch = f"{tag}-sw"
     _ip("-n", switch, "link", "add", "name", "br0", "type", "bridge")
     _ip("-n", switch, "link", "set", "br0", "up")
@@ -296,7 +373,7 @@ def _start_netns_hosts(n: int, tag: str, workdir: Path, teardown: _Teardown) -> 
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
         _ip("-n", ns, "route", "add", "default", "via", f"{subnet}.1")
-        _start_sshd(workdir, f"h{i}", [f"{address}:22"], ns, teardown)
+        _start_sshd(workdir, f"h{i}", [f"{address}:22"], ns, teardown, mounts)
         hosts.append(TestHost(f"h{i}", address, 22, ns))
     return hosts, f"{subnet}.1"
 
@@ -310,15 +387,17 @@ def _start_loopback_hosts(n: int, workdir: Path, teardown: _Teardown) -> tuple[l
     return [TestHost(f"h{i}", a, port, None) for i, a in enumerate(addresses)], "127.0.0.1"
 
 
-def _start_sshd(workdir: Path, name: str, listen: list[str], netns: str | None, teardown: _Teardown) -> None:
-    """Start ``sshd -D`` (in ``netns`` if given) on the ``addr:port`` in ``listen``.
+def _start_sshd(workdir: Path, name: str, listen: list[str], netns: str | None, teardown: _Teardown,
+                mounts: list[str] | None = None) -> None:
+    """Start ``sshd -D`` (in ``netns`` if given, after the shell commands ``mounts`` ran in its mount namespace)
+    on the ``addr:port`` in ``listen``.
 
     Its files are ``workdir/sshd-NAME.conf``, ``.pid`` and ``.log``; the config is the last word of its argv.
     """
     config = workdir / f"sshd-{name}.conf"
     config.with_suffix(".pid").unlink(missing_ok=True)  # from an earlier cluster in this workdir
     config.write_text(_sshd_config(workdir, config.with_suffix(".pid"), listen))
-    argv = [SSHD, "-D", "-e", "-f", str(config)]
+    argv = _host_argv(config, mounts or [])
     teardown.daemons.append(_spawn(["ip", "netns", "exec", netns, *argv] if netns else argv,
                                    config.with_suffix(".log")))
 
@@ -468,10 +547,6 @@ def _link_names() -> list[str]:
 def _netns_names() -> list[str]:
     # "vsh123-0-h1 (id: 2)"
     return [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()]
-
-
-def _try_ip(*args: str) -> bool:
-    return _ip(*args, check=False).returncode == 0
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
