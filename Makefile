@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-sim bench-ckpt bench-morph bench-chaos clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-sim bench-ckpt bench-morph bench-chaos bench-gpu clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -109,6 +109,12 @@ bench-morph: setup ## time a morph (shrink and grow) of the example GPT over SSH
 # Every kind of fault injected into one `varuna launch --morph` run over SSH at seeded random steps; the losses and final parameters compared with an uninterrupted run (needs root for network namespaces; see benchmarks/README.md).
 bench-chaos: setup ## inject crashes, lost hosts, hangs, preemptions and a corrupt checkpoint into one run; compare with an uninterrupted run
 	OMP_NUM_THREADS=1 $(PY) benchmarks/chaos.py $(BENCH_ARGS)
+
+# Step time, tokens/s and MFU on one GPU of ours (Varuna at pp=1 in one process) vs plain PyTorch, the example GPT and a
+# 1.2B GPT built on meta, and the profile's predicted step time vs the measured one (see benchmarks/README.md).
+# No OMP_NUM_THREADS=1: one process, whose structure discovery runs on the CPU and uses every core.
+bench-gpu: setup ## ours vs plain PyTorch on one GPU: step time, tokens/s, MFU, predicted vs measured (BENCH_ARGS="--json")
+	$(PY) benchmarks/gpu.py $(BENCH_ARGS)
 
 clean: ## remove caches and build output (keeps the venv; forces `setup` to re-run)
 	rm -rf build dist runs .pytest_cache .mypy_cache .ruff_cache src/*.egg-info $(STAMP)
