@@ -129,6 +129,16 @@ class HostCluster:
         return subprocess.run(self._ssh_argv(host, command), stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, timeout=timeout)
 
+    def copy_from(self, host: TestHost, remote: str | os.PathLike[str], local: Path, timeout: float = 60) -> Path:
+        """Copy the directory ``remote`` of ``host`` (e.g. on its private disk) to ``local`` (tar over SSH)."""
+        local.mkdir(parents=True, exist_ok=True)
+        remote = Path(remote)
+        packed = subprocess.run(self._ssh_argv(host, f"tar -C {shlex.quote(str(remote.parent))} -cf - "
+                                                     f"{shlex.quote(remote.name)}"),
+                                stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, check=True)
+        subprocess.run(["tar", "-C", str(local), "-xf", "-"], input=packed.stdout, check=True, timeout=timeout)
+        return local / remote.name
+
     def processes(self, needle: str) -> list[tuple[int, str]]:
         """``(pid, command line)`` of the live processes started over SSH on this cluster's hosts (descendants
         of its sshd daemons) whose command line contains ``needle`` — unlike a machine-wide ``pgrep``, blind to
