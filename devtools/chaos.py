@@ -40,7 +40,7 @@ __all__ = ["KINDS", "Fault", "ChaosResult", "schedule", "run_chaos"]
 
 KINDS = ("kill_worker", "kill_agent", "stop_worker", "remove_host", "preempt", "corrupt_checkpoint")
 TRAIN = ["examples/gpt/train.py", "--batch-size", "32", "--log-every", "10"]
-TAIL_STEPS = 40
+TAIL_STEPS = 300  # a morph by handover warms the new configuration up while the old one trains on
 
 
 @dataclass

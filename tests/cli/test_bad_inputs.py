@@ -275,6 +275,11 @@ def test_launch_bad_plans(capsys, files, tmp_path, plan, needle) -> None:
     ("--recheck-max", "0", "--recheck-max must be a number in [1, 3600], got 0"),
     ("--recheck-max", "nan", "--recheck-max"),
     ("--recheck-max", "inf", "--recheck-max"),
+    ("--shelf-budget", "-1", "--shelf-budget must be in 0.."),
+    ("--shelf-budget", "1e9", "Invalid value for '--shelf-budget'"),
+    ("--shelf-dir", "shm", "--shelf-dir 'shm' is not an absolute path"),
+    ("--shelf-dir", "", "--shelf-dir '' is not an absolute path"),
+    ("--shelf-dir", "/dev/shm\0x", "--shelf-dir"),
 ])
 def test_launch_bad_numbers(capsys, files, tmp_path, option, value, needle) -> None:
     code, err = _launch(capsys, files, tmp_path, option, value)

@@ -59,7 +59,8 @@ def test_a_job_on_hosts_that_share_no_file_system_morphs_by_handover(cluster, pl
         for lines in (cluster.hosts_file_lines(1)[:1], cluster.hosts_file_lines(1), cluster.hosts_file_lines(1)[:1]):
             before = max(e["attempt"] for e in launch.events() if e["event"] == "starting")
             _write(hosts, lines)
-            shapes.append(launch.wait_for(lambda: _trained(launch, [x.split()[0] for x in lines], before), 150))
+            names = [x.split()[0] for x in lines]
+            shapes.append(launch.wait_for(lambda names=names, before=before: _trained(launch, names, before), 150))
         os.kill(launch.proc.pid, signal.SIGTERM)
         assert launch.wait() == 143, launch.output()[-3000:]
     finally:
@@ -129,3 +130,55 @@ def _through_the_store(segments: list[tuple[Path, int, int]], where: Path) -> di
         assert set(steps) == set(range(first, end)), (plan, first, end, sorted(steps))
         losses.update(steps)
     return losses
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    cl = start_cluster(2, tmp_path_factory.mktemp("shared-hosts"))
+    yield cl
+    cl.close()
+
+
+def test_a_handover_that_cannot_happen_goes_through_the_store(shared, plan2, tmp_path) -> None:
+    """Two morphs whose handover fails, on hosts that share the store: the shrink's new worker dies while warming
+    up (the old configuration keeps training meanwhile, then checkpoints to the store and restarts as before the
+    handover existed); the growth's publish does not fit the shelves (``--shelf-budget``): the old workers write
+    the store instead, and the warm workers load it. Each is reported once, and every loss equals an
+    uninterrupted run's as the chaos test bounds it."""
+    hosts = tmp_path / "hosts"
+    _write(hosts, shared.hosts_file_lines(1))
+    run = tmp_path / "run"
+    marker = tmp_path / "warm-crash"
+    launch = Launch([str(plan2), "--run-dir", str(run), "--hosts", str(hosts), "--morph", "--grace", "2",
+                     "--shelf-budget", "4096", *shared.launcher_args(), "--", "tests/launch/warm_crash_worker.py",
+                     str(marker), *TRAIN[1:], "--steps", "100000"], run, timeout=360)
+    try:
+        launch.wait_for(lambda: max((r["step"] for r in launch.reports()), default=-1) >= 8)
+        shapes = []
+        for lines in (shared.hosts_file_lines(1)[:1], shared.hosts_file_lines(1)):
+            before = max(e["attempt"] for e in launch.events() if e["event"] == "starting")
+            _write(hosts, lines)
+            names = [x.split()[0] for x in lines]
+            shapes.append(launch.wait_for(lambda names=names, before=before: _trained(launch, names, before), 150))
+        os.kill(launch.proc.pid, signal.SIGTERM)
+        assert launch.wait() == 143, launch.output()[-3000:]
+    finally:
+        launch.close()
+    events = launch.events()
+    assert marker.exists()
+    failed = [e for e in events if e["event"] == "warm_failed"]
+    assert len(failed) == 1 and "exited with code 3 while warming up" in failed[0]["reason"], failed
+    assert "this worker dies while warming up" in failed[0]["reason"]
+    signals = [e for e in events if e["event"] == "signal"]
+    assert [s["attempt"] for s in signals][:1] == [1], signals  # the store's checkpoint, after the failed warm-up
+    starts = [e for e in events if e["event"] == "starting"]
+    assert [(s["attempt"], s["warm"]) for s in starts][:3] == [(1, False), (2, True), (3, False)], starts
+    assert shapes[0]["attempt"] == 3 and shapes[0]["resume"] is not None
+    goes = [e for e in events if e["event"] == "go"]
+    assert [(g["attempt"], g["source"]) for g in goes] == [(shapes[1]["attempt"], "store")], goes
+    reported = [e for e in events if e["event"] == "handover_failed"]
+    assert len(reported) == 1 and "does not fit on the shelf" in reported[0]["reason"], reported
+    log = (run / "logs" / "rank0.log").read_text()
+    assert "for a handover failed (blob step_" in log and "does not fit on the shelf of job" in log, log[-2000:]
+    assert "writing it to the store instead" in log
+    assert job_processes(launch.job()) == []

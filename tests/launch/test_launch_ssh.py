@@ -118,6 +118,14 @@ def _starts(launch: Launch) -> list[dict]:
     return [e for e in launch.events() if e["event"] == "starting"]
 
 
+def _resumed(launch: Launch, start: dict) -> int:
+    """The step the attempt of ``start`` continued from: its checkpoint's, or the step a handover gave it."""
+    if start["resume"] is not None:
+        return start["resume"]
+    goes = [e["step"] for e in launch.events() if e["event"] == "go" and e["attempt"] == start["attempt"]]
+    return goes[0] if goes and goes[0] is not None else 10**9  # not taken over yet: not trained past it either
+
+
 def _carry_on(pid: int | None) -> None:
     """SIGCONT to a worker the test stopped (if it is still there)."""
     try:
@@ -163,10 +171,10 @@ def _lose_a_host_and_take_it_back(cluster, plan2, tmp_path, reference_losses, lo
             mend(cluster.hosts[1])
         launch.wait_for(lambda: any(e["event"] == "host_back" for e in launch.events()))
         _carry_on(paused)
-        grown_from = len(_starts(launch))
+        grown_from = len(starts)  # (the new configuration may start warm before the paused worker goes on)
         launch.wait_for(lambda: len(_starts(launch)) > grown_from and _starts(launch)[-1]["hosts"] == names)
         grown = _starts(launch)[-1]
-        launch.wait_for(lambda: any(r["attempt"] == grown["attempt"] and r["step"] >= grown["resume"] + 3
+        launch.wait_for(lambda: any(r["attempt"] == grown["attempt"] and r["step"] >= _resumed(launch, grown) + 3
                                     for r in launch.reports()))
         os.kill(launch.proc.pid, signal.SIGTERM)
         assert launch.wait() == 143, launch.output()[-3000:]

@@ -38,8 +38,10 @@ pytestmark = pytest.mark.timeout(120)
     b'{"event": "exit", "rank": true, "code": 1}', b'{"event": "exit", "rank": -1, "code": 1}',
     b'{"event": "exit", "rank": 0, "code": 1.5}', b'{"event": "store", "port": 70000}',
     b'{"event": "store", "port": 0}', b'{"event": "log", "rank": 0, "line": ["x"]}',
-    b'{"event": "ready", "pid": 1, "interface": 3, "address": null}', b'{"event": "ready", "pid": 1, "interface": null, "address": null, "shelf_port": 0}',
-    b'{"event": "ready", "pid": 1, "interface": null, "address": null, "shelf_port": "41000"}', b"[" * 100_000, b"\xff\xfe",
+    b'{"event": "ready", "pid": 1, "interface": 3, "address": null}',
+    b'{"event": "ready", "pid": 1, "interface": null, "address": null, "shelf_port": 0}',
+    b'{"event": "ready", "pid": 1, "interface": null, "address": null, "shelf_port": "41000"}',
+    b"[" * 100_000, b"\xff\xfe",
     b"Welcome to Ubuntu 22.04 LTS", b'{"event": "error", "message": {"nested": 1}}',
     b'{"event": "gone", "code": 0}',  # the launcher's own event: an agent cannot claim its host is gone
     b'{"event": "preempt", "source": "aws", "seconds": -1}', b'{"event": "preempt", "source": "aws"}',

@@ -349,3 +349,27 @@ def test_the_tables_stay_bounded(listener, monkeypatch) -> None:
         assert listener._handle(sign(json.dumps(notice_body())), here) is None
     assert len(listener._senders) == 8 and len(listener._notice_ids) == 8
     assert len(listener.take_notices()) == 4 and sorted(listener.take_steps()) == list(range(34, 50))
+
+
+def test_a_warm_attempts_beats_are_kept_apart_until_it_takes_over(listener, udp) -> None:
+    """A morph by handover runs two attempts at once: the old one's beats stay the current ones, the warm one's
+    are kept apart (a warm worker's beat must not pass for a sign of life of an old rank of the same number),
+    a third attempt's are dropped, and promote() makes the warm one current with the beats it sent."""
+    listener.reset(attempt=3)
+    listener.expect(4)
+    deliver(udp, listener, signed_beat(rank=0, attempt=3, step=7))
+    deliver(udp, listener, signed_beat(rank=0, attempt=4, step=0, t_warm=1.0))
+    deliver(udp, listener, signed_beat(rank=1, attempt=5))
+    assert wait_for(lambda: 0 in listener.snapshot() and 0 in listener.snapshot(4))
+    assert wait_for(lambda: listener.stats()["other_attempt"] == 1), listener.stats()
+    assert listener.snapshot()[0].step == 7 and listener.snapshot(3)[0].step == 7
+    assert listener.snapshot(4)[0].get("t_warm") == 1.0 and set(listener.snapshot(4)) == {0}
+    listener.promote(4)
+    assert listener.snapshot()[0].get("t_warm") == 1.0 and listener.snapshot(4) == listener.snapshot()
+    deliver(udp, listener, signed_beat(rank=1, attempt=3))  # a late beat of the old attempt
+    assert wait_for(lambda: listener.stats()["other_attempt"] == 2), listener.stats()
+    assert set(listener.snapshot()) == {0}
+    listener.expect(5)
+    listener.expect(None)  # the warm attempt was given up: its beats are dropped again
+    deliver(udp, listener, signed_beat(rank=1, attempt=5))
+    assert wait_for(lambda: listener.stats()["other_attempt"] == 3), listener.stats()

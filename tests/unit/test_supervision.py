@@ -139,3 +139,140 @@ def test_a_wrong_sigterm_mode_is_refused(launched) -> None:
     launched.setenv("VARUNA_ON_SIGTERM", "ignore")
     with pytest.raises(ConfigError, match="VARUNA_ON_SIGTERM"):
         Trainer().supervision()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A morph by handover: SIGUSR2 publishes on the host's shelf instead of writing the store
+
+
+class Publisher(Trainer):
+    """A trainer whose state goes onto a shelf (``publish``) and comes back (``take``)."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        super().__init__()
+        self.published: list[int] = []
+        self.taken: list[int] = []
+        self.fail = fail
+
+    def publish(self, put, staging) -> dict[str, int]:
+        if self.fail is not None:
+            raise self.fail
+        put(f"step_{self.iteration}/__0_0.distcp", memoryview(b"x" * 10), {"rank": 0})
+        self.published.append(self.iteration)
+        return {f"step_{self.iteration}/__0_0.distcp": 0}
+
+    def take(self, step, locate, fetch, staging) -> int:
+        if self.fail is not None:
+            raise self.fail
+        self.taken.append(step)
+        self.iteration = step
+        return step
+
+    def supervision(self) -> Supervision:
+        return Supervision(0, samples=8, save=self.save, load=self.load, progress=lambda: (self.iteration, None, None),
+                           publish=self.publish, take=self.take)
+
+
+@pytest.fixture
+def shelved(launched, tmp_path):
+    launched.setenv("VARUNA_SHELF_DIR", str(tmp_path / "shm"))
+    launched.setenv("VARUNA_JOB_ID", "job")
+    launched.setenv("VARUNA_JOB_TOKEN", "t" * 64)
+    launched.setenv("VARUNA_ATTEMPT", "2")
+    yield launched
+    signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def test_the_flags_say_what_was_asked_and_a_checkpoint_to_the_store_wins(shelved) -> None:
+    from varuna_core.worker.supervision import HANDOVER_FLAG, STORE_FLAG
+
+    sup = Publisher().supervision()
+    assert sup.flag() == 0.0
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert sup.flag() == HANDOVER_FLAG
+    sup.after_step(1.0, requested_anywhere=3 * HANDOVER_FLAG)  # three ranks asked for a handover
+    assert sup.stop_agreed == "handover"
+    sup.after_step(1.0, requested_anywhere=STORE_FLAG + 2 * HANDOVER_FLAG)
+    assert sup.stop_agreed == "store"
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert sup.flag() == STORE_FLAG
+    sup.after_step(1.0, requested_anywhere=True)  # a bool is a checkpoint request, as before
+    assert sup.stop_agreed == "store"
+
+
+def test_an_agreed_handover_publishes_on_the_shelf_at_the_next_step_and_exits_75(shelved, tmp_path) -> None:
+    from varuna_core.launch.shelf import Shelf, shelf_key
+
+    t = Publisher()
+    sup = t.supervision()
+    t.train(sup, 3)
+    sup.after_step(1.0, requested_anywhere=2.0**-24)
+    with pytest.raises(SystemExit) as stop:
+        sup.before_step()
+    assert stop.value.code == EXIT_CHECKPOINTED
+    assert t.published == [3] and t.saved == []  # nothing written to the store
+    assert Shelf(shelf_key("job", 2), root=tmp_path / "shm").names() == ["step_3/__0_0.distcp"]
+
+
+def test_a_publish_that_does_not_fit_goes_to_the_store(shelved) -> None:
+    from varuna_core.errors import ShelfFullError
+
+    t = Publisher(fail=ShelfFullError("the shelf holds at most 10 bytes"))
+    sup = t.supervision()
+    t.train(sup, 2)
+    sup.after_step(1.0, requested_anywhere=2.0**-24)
+    with pytest.raises(SystemExit) as stop:
+        sup.before_step()
+    assert stop.value.code == EXIT_CHECKPOINTED and [step for step, _ in t.saved] == [2]
+
+
+def test_without_a_shelf_sigusr2_asks_for_nothing(launched) -> None:
+    sup = Publisher().supervision()  # no VARUNA_SHELF_DIR: not a handover job
+    assert sup.morph is None
+    sup.handover_requested = True
+    assert sup.flag() == 0.0
+
+
+def _warm(shelved, t: Publisher, go) -> Supervision:
+    shelved.setenv("VARUNA_HANDOVER", "wait")
+    sup = t.supervision()
+    assert sup.morph is not None
+    sup.morph.wait_for_go = lambda timeout=None: go  # the store's part: see test_handover_go.py
+    return sup
+
+
+@pytest.mark.parametrize(("source", "step", "taken", "loaded", "iteration"), [
+    ("shelf", 7, [7], [], 7), ("store", 5, [], [5], 5), ("none", None, [], [], 0),
+])
+def test_a_warm_worker_takes_its_state_from_where_the_go_says(shelved, source, step, taken, loaded,
+                                                              iteration) -> None:
+    from varuna_core.launch.protocol import Go, ShelfHolder
+
+    holders = [ShelfHolder(host="h", address="127.0.0.1", port=1)] if source == "shelf" else []
+    go = Go(attempt=2, source=source, step=step, shelf="job-a1" if source == "shelf" else None, holders=holders)
+    t = Publisher()
+    sup = _warm(shelved, t, go)
+    sup.resume()
+    sup.resume()  # once
+    assert (t.taken, t.loaded, t.iteration) == (taken, loaded, iteration)
+
+
+def test_a_failed_take_falls_back_to_the_stores_checkpoint_or_stops(shelved) -> None:
+    from varuna_core.errors import HandoverError
+    from varuna_core.launch.protocol import Go, ShelfHolder
+
+    holders = [ShelfHolder(host="h", address="127.0.0.1", port=1)]
+    t = Publisher(fail=HandoverError("shelf peer 127.0.0.1:1 did not answer within 60 s"))
+    _warm(shelved, t, Go(attempt=2, source="shelf", step=9, shelf="s", holders=holders, fallback_step=4)).resume()
+    assert t.loaded == [4] and t.iteration == 4
+    t = Publisher(fail=HandoverError("shelf peer 127.0.0.1:1 did not answer within 60 s"))
+    sup = _warm(shelved, t, Go(attempt=2, source="shelf", step=9, shelf="s", holders=holders))
+    with pytest.raises(HandoverError, match="did not answer"):  # nothing to fall back on: the launcher restarts
+        sup.resume()
+
+
+def test_a_warm_worker_with_a_resume_step_is_a_contradiction(shelved) -> None:
+    shelved.setenv("VARUNA_HANDOVER", "wait")
+    shelved.setenv("VARUNA_RESUME_STEP", "3")
+    with pytest.raises(ConfigError, match="VARUNA_HANDOVER=wait and VARUNA_RESUME_STEP"):
+        Publisher().supervision()

@@ -10,7 +10,9 @@ torchrun's agent does, so the store outlives any worker.
 Protocol (:mod:`varuna_core.launch.protocol`). The first stdin line is the node's
 :class:`~varuna_core.launch.protocol.AgentSpec`; a line that is not one is answered with one ``error`` event and
 exit code 2. Then commands: ``{"cmd": "signal", "signal": "SIGUSR1"}`` (to every worker's main process),
-``{"cmd": "stop", "grace": s}``. Events on stdout, one JSON line each: ``ready`` (pid, interface, address),
+``{"cmd": "handover", "message": GO}`` (node 0: put a handover's signed go into the job's store, where the warm
+workers wait for it), ``{"cmd": "stop", "grace": s}``. Events on stdout, one JSON line each: ``ready`` (pid,
+interface, address, and the shelf server's port),
 ``store`` (port), ``started`` (rank, pid), ``log`` (rank, line), ``exit`` (rank, code), ``error`` (message),
 ``preempt`` (source, seconds, detail), ``signalled`` (signal), ``stopped``.
 
@@ -21,6 +23,12 @@ signal too and are checkpointing (``VARUNA_ON_SIGTERM=checkpoint``); the agent t
 event, and the launcher ends the attempt once the checkpoint is written. With a ``spot`` watch the agent asks the
 cloud's metadata service whether its VM goes away (:mod:`varuna_core.launch.spot`) and reports a notice as a
 ``preempt`` event.
+
+A morph by handover (the spec's ``shelf``): the agent serves its attempt's shelf
+(:class:`~varuna_core.launch.shelf.ShelfServer`, on the address that routes to the master, authenticated with the
+job's token) where its workers publish their state before they exit, and keeps serving it after they exited,
+until the launcher stops it once the next configuration has taken a step; then it clears the shelf. So the
+published state lives in host memory that outlives the workers, owned by a process of the job.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 SSH), stream every worker's output into per-rank logs, and watch the workers until they finish, crash, stop
 being heard from, or must make way for a new configuration.
 
+In a morph by handover two attempts run at once for a while: the running one watches its successor warm up
+(:meth:`Attempt.warming`), asks its workers to publish once the successor is warm, and ends as soon as every rank
+has published (its agents keep serving the shelves: the successor retires them after its first step).
+
 :class:`varuna_core.launch.manager.Manager` runs attempts one after another (restarts, morphs); the CLI shows their
 progress. The run directory holds what a user (or a benchmark) needs afterwards::
 
@@ -61,15 +65,19 @@ from .shelf import shelf_key
 from .ssh import AgentEvents, AgentHandle
 from .stragglers import Straggler, StragglerDetector
 
-__all__ = ["Ending", "LaunchError", "AgentStartError", "Node", "place", "JobFiles", "Outcome", "Attempt", "Status",
-           "Reporter",
-           "worker_argv"]
+__all__ = ["Ending", "LaunchError", "AgentStartError", "NoMorph", "Node", "place", "JobFiles", "Outcome", "Attempt",
+           "Status", "Reporter", "worker_argv"]
 
 log = logging.getLogger(__name__)
 
 
 class LaunchError(VarunaError):
     """The job could not be started or kept running (exit code 1)."""
+
+
+class NoMorph(Exception):
+    """Raised by a warm-up to say that the job's hosts need not change after all (the host it was to grow onto
+    does not answer, and is left out): the running attempt goes on as it was."""
 
 
 class AgentStartError(LaunchError):
@@ -257,6 +265,7 @@ class Attempt:
         self.publish_asked: float | None = None  # when the workers were asked to publish (monotonic)
         self.retiring: Attempt | None = None  # the attempt this one took over from: stopped after the first step
         self._retirement: threading.Thread | None = None
+        self.handover_failed = False  # a rank reported that its publish or its take fell back to the store
         self.opts, self.files, self.listener, self.reporter, self.status = opts, files, listener, reporter, status
         self.job, self.token, self.manager_address, self.run_id = job, token, manager_address, run_id
         self.world = plan.pp * plan.dp
@@ -452,7 +461,12 @@ class Attempt:
                             self._drop_successor(f"{why} arrived while it warmed up")
                         if first and new.kind is Ending.MORPH and warmup is not None and self._all_reported():
                             asked_at = time.monotonic()
-                            self._warm_successor(warmup, new, reason)
+                            try:
+                                self._warm_successor(warmup, new, reason)
+                            except NoMorph as exc:
+                                self.reporter.event(f"no morph after all: {exc}")
+                                self.status.state, request, asked_at = "training", None, None
+                                continue
                             if self.successor is not None:
                                 continue
                         if first or (warming and urgency):
@@ -656,6 +670,13 @@ class Attempt:
         beats = self.beats()
         if not beats:
             return
+        failed = next((b for b in beats.values() if b.get("handover_failed")), None)
+        if failed is not None and not self.handover_failed:
+            self.handover_failed = True  # once per attempt: every rank says the same
+            self.reporter.event(f"the handover failed on rank {failed.rank} ({failed.get('handover_failed')}): "
+                                f"the state goes through the store")
+            self.files.event("handover_failed", attempt=self.number, rank=failed.rank,
+                             reason=failed.get("handover_failed"))
         if not self.first_step_seen and any(b.get("loss") is not None for b in beats.values()):
             self.first_step_seen = True
             timings = {key: max((b.get(key) for b in beats.values() if b.get(key)), default=None)

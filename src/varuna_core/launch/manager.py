@@ -2,11 +2,16 @@
 
 Between attempts it
 
-* **morphs** (``--morph``): when the hosts file changes, or a preemption notice says a host goes away, every
-  worker checkpoints on demand and stops (SIGUSR1, handled by the library); the plan is made again from the
-  profile for the new device count with the same global batch (without a profile: the same pipeline, another
-  data-parallel width); the job restarts from that checkpoint on the new hosts. A host that comes back makes
-  the job grow again the same way;
+* **morphs** (``--morph``): when the hosts file changes, or a preemption notice says a host goes away, the plan
+  is made again from the profile for the new device count with the same global batch (without a profile: the
+  same pipeline, another data-parallel width), and the job moves onto it **by handover** (DESIGN.md §3.8): the
+  new configuration's workers start and warm up beside the running ones (:meth:`Manager._warmup`), the old ones
+  publish their state into their hosts' memory at one agreed step (SIGUSR2) and exit, and the new ones take it
+  from there once told where it is (:meth:`Manager._go`); the old agents serve it until the first new step.
+  ``--no-handover``, or a handover that cannot happen (a new worker that does not warm up, state that does not
+  fit a shelf), goes through the store: every worker checkpoints on demand and stops (SIGUSR1, handled by the
+  library), and the job restarts from that checkpoint on the new hosts. A host that comes back makes the job
+  grow again the same way;
 * **restarts** after a crash (a worker's non-zero exit, a lost host, missed heartbeats) from the last complete
   checkpoint of this run, with up to ``max_restarts`` consecutive attempts that make no progress — progress is
   a new complete checkpoint, not training steps, so a job whose every save fails gives up — waiting
@@ -57,7 +62,18 @@ from ..checkpoint.layout import check_run_id, describe_runs, latest, list_runs, 
 from ..errors import ConfigError, VarunaError
 from ..planning.artifacts import Plan, load_plan, save_plan
 from ..util.fs import atomic_write
-from .attempt import AgentStartError, Attempt, Ending, JobFiles, LaunchError, Outcome, Reporter, Status, place
+from .attempt import (
+    AgentStartError,
+    Attempt,
+    Ending,
+    JobFiles,
+    LaunchError,
+    NoMorph,
+    Outcome,
+    Reporter,
+    Status,
+    place,
+)
 from .exclusion import RECHECK_FIRST, Exclusions
 from .heartbeat import Listener
 from .hosts import Host, HostsWatcher
@@ -455,9 +471,14 @@ class Manager:
     # ------------------------------------------------------------------------------------------------------
     # A morph by handover
 
-    def _warmup(self, hosts: list[Host]) -> Attempt | None:
+    def _warmup(self, hosts: list[Host], depth: int = 0) -> Attempt | None:
         """Start the configuration for ``hosts`` beside the running one (its workers warm up and wait for their
-        go); None when it cannot start now (the morph then goes through the store), with the reason reported."""
+        go); None when it cannot start now (the morph then goes through the store), with the reason reported.
+
+        Raises:
+            NoMorph: the host it was to start on does not answer (it is left out), and without it the job's hosts
+                need not change.
+        """
         try:
             hosts = self._reachable(hosts, only_new=True)
             plan, why = self._plan_for(hosts)
@@ -473,8 +494,15 @@ class Manager:
         except (LaunchError, KeyboardInterrupt) as exc:
             self.listener.expect(None)
             message = exc.message if isinstance(exc, LaunchError) else "interrupted"
-            self.reporter.event(f"the new configuration did not start ({message}): the morph goes through the store")
             self.files.event("warm_failed", attempt=self.current, successor=number, reason=message)
+            if isinstance(exc, AgentStartError) and not self.local and depth < len(hosts):
+                # that host is left out (and checked again in the background); without it, is there a change?
+                self._leave_out(exc.host, message, at_start=True)
+                change = self._changes()
+                if change is None:
+                    raise NoMorph(f"{exc.host.name} is left out and the other hosts are the job's") from None
+                return self._warmup(change[0], depth + 1)
+            self.reporter.event(f"the new configuration did not start ({message}): the morph goes through the store")
             return None
         self.exclusions.started(n.host.name for n in attempt.nodes)
         self.files.event("started", attempt=number, warm=True)

@@ -42,7 +42,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 from ..env import WorkerEnv
-from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError
+from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError, HandoverError
 from .beacon import Beacon
 from .morph import Morph
 
@@ -296,7 +296,7 @@ class Supervision:
             assert self._take is not None and go.step is not None  # a go from the shelves names its step
             try:
                 step = self._take(go.step, morph.locate(go), morph.fetch(go), morph.staging)
-            except CheckpointError as exc:  # HandoverError is one
+            except (CheckpointError, HandoverError) as exc:
                 if go.fallback_step is None or self.ckpt_dir is None:
                     raise
                 log.warning("rank %d: the handover failed (%s); loading step_%d from the store instead",
@@ -332,7 +332,7 @@ class Supervision:
         morph = self.morph
         try:
             owners = self._publish(morph.shelf.put, morph.staging)
-        except CheckpointError as exc:  # HandoverError and ShelfFullError are ones
+        except (CheckpointError, HandoverError) as exc:  # ShelfFullError is a HandoverError
             log.warning("rank %d: publishing step %d for a handover failed (%s); writing it to the store instead",
                         self.rank, iteration, exc.message)
             if self.beacon is not None:

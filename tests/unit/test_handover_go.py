@@ -1,0 +1,144 @@
+"""The go of a handover, the launcher's word to the warm workers of the new configuration: signed with the job's
+token and bound to the attempt it is for, so that nobody else on the network, and no go of an earlier morph
+replayed from the store, can tell a worker where to take its state from; and the worker's side of a morph
+(``worker/morph.py``): which old rank holds which file, the configuration it refuses, the wait for the go."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from varuna_core.env import WorkerEnv
+from varuna_core.errors import ConfigError, HandoverError
+from varuna_core.launch.protocol import GO_KEY, MAX_GO, Go, ShelfHolder, decode_go, encode_go, parse_command
+from varuna_core.worker.morph import Morph, holder_rank
+
+TOKEN = "t" * 64
+
+
+def _go(**fields) -> Go:
+    values = dict(attempt=3, source="shelf", step=12, shelf="job-a2",
+                  holders=[ShelfHolder(host="h0", address="10.0.0.1", port=4000),
+                           ShelfHolder(host="h1", address="10.0.0.2", port=4001)], fallback_step=10)
+    return Go(**{**values, **fields})
+
+
+def test_a_go_round_trips_for_its_attempt_only() -> None:
+    text = encode_go(_go(), TOKEN)
+    assert decode_go(text, TOKEN, 3) == _go()
+    with pytest.raises(ValueError, match="for attempt 3, not this worker's attempt 4"):
+        decode_go(text, TOKEN, 4)  # a go of an earlier morph, left in a store, is not this one's
+    with pytest.raises(ValueError, match="not signed with the job's token"):
+        decode_go(text, "other", 3)
+
+
+def _tampered(change) -> str:
+    outer = json.loads(encode_go(_go(), TOKEN))
+    payload = json.loads(outer["p"])
+    change(payload)
+    return json.dumps({"p": json.dumps(payload), "mac": outer["mac"]})
+
+
+@pytest.mark.parametrize("text", [
+    "", "not json", "[]", "{}", '{"p": 1, "mac": "x"}', '{"p": "{}", "mac": 5}', "[" * 100_000,
+    '{"p": "{}", "mac": "\\u00ff"}', "x" * (MAX_GO + 1),
+    _tampered(lambda p: p.update(step=0)),  # another step, the old signature
+    _tampered(lambda p: p["holders"][0].update(address="203.0.113.9")),  # a holder of the attacker's
+])
+def test_anything_but_a_signed_go_is_refused(text) -> None:
+    with pytest.raises(ValueError):
+        decode_go(text, TOKEN, 3)
+
+
+def _signed(payload: dict) -> str:
+    import hashlib
+    import hmac
+
+    text = json.dumps(payload)
+    mac = hmac.new(TOKEN.encode(), b"varuna-handover-go\0" + text.encode(), hashlib.sha256).hexdigest()
+    return json.dumps({"p": text, "mac": mac})
+
+
+@pytest.mark.parametrize(("payload", "why"), [
+    ({"attempt": 3, "source": "shelf", "step": 1}, "names the shelf and its holders"),
+    ({"attempt": 3, "source": "store"}, "names its step"),
+    ({"attempt": 3, "source": "elsewhere"}, "source"),
+    ({"attempt": 3, "source": "none", "step": -1}, "step"),
+    ({"attempt": True, "source": "none"}, "attempt"),  # strict: a bool is not a number
+    ({"attempt": 3, "source": "shelf", "step": "1", "shelf": "s", "holders": []}, "step"),
+    ({"attempt": 3, "source": "shelf", "step": 1, "shelf": "s",
+      "holders": [{"host": "h", "address": "a", "port": 70000}]}, "port"),
+    ({"attempt": 3, "source": "none", "extra": 1}, "extra"),
+])
+def test_a_signed_but_malformed_go_is_refused_with_the_reason(payload, why) -> None:
+    with pytest.raises(ValueError, match=why):
+        decode_go(_signed(payload), TOKEN, 3)
+
+
+def test_the_agent_command_carries_a_go_of_bounded_size() -> None:
+    assert parse_command(json.dumps({"cmd": "handover", "message": "x"})).message == "x"
+    for bad in ({"cmd": "handover"}, {"cmd": "handover", "message": 5},
+                {"cmd": "handover", "message": "x" * (MAX_GO + 1)}):
+        with pytest.raises(ValueError):
+            parse_command(json.dumps(bad))
+
+
+@pytest.mark.parametrize(("blob", "rank"), [
+    ("step_5/__0_0.distcp", 0), ("step_5/__3_0.distcp", 3), ("step_5/__12_1.distcp", 12),
+    ("step_5/.metadata", 0), ("step_5/manifest.json", 0), ("step_5/COMPLETE", 0), ("step_5/RUN", 0),
+    ("step_5/__x_0.distcp", 0), ("step_5/__1_0.distcp.tmp", 0),
+])
+def test_the_holder_of_a_file_is_the_rank_that_wrote_it(blob, rank) -> None:
+    assert holder_rank(blob) == rank
+
+
+def test_a_go_names_holders_by_old_rank() -> None:
+    morph = Morph(WorkerEnv(job_id="j", job_token=TOKEN, attempt=3, shelf_dir="/dev/shm", host="h1"))
+    locate = morph.locate(_go())
+    assert locate("step_12/__1_0.distcp") == ("h1", "10.0.0.2", 4001)
+    assert locate("step_12/manifest.json") == ("h0", "10.0.0.1", 4000)
+    with pytest.raises(KeyError):
+        locate("step_12/__2_0.distcp")  # no old rank 2: the take names the blob and falls back
+
+
+def test_a_warm_worker_needs_its_shelf_and_a_known_mode() -> None:
+    assert Morph.launched(WorkerEnv()) is None
+    with pytest.raises(ConfigError, match="VARUNA_HANDOVER=wait needs VARUNA_SHELF_DIR"):
+        Morph.launched(WorkerEnv(handover="wait", job_id="j", job_token=TOKEN))
+    with pytest.raises(ConfigError, match="VARUNA_HANDOVER is 'later'"):
+        Morph.launched(WorkerEnv(handover="later", job_id="j", job_token=TOKEN, shelf_dir="/dev/shm"))
+
+
+@pytest.fixture
+def store():
+    import datetime
+
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    yield master
+
+
+def _warm(store) -> Morph:
+    told = WorkerEnv(job_id="j", job_token=TOKEN, attempt=3, shelf_dir="/dev/shm", handover="wait")
+    return Morph(told, ("127.0.0.1", store.port))
+
+
+def test_a_warm_worker_takes_the_go_for_its_attempt(store) -> None:
+    store.set(GO_KEY, encode_go(_go(), TOKEN))
+    assert _warm(store).wait_for_go(timeout=10) == _go()
+
+
+@pytest.mark.parametrize("message", [encode_go(_go(), "another job's token"), encode_go(_go(attempt=2), TOKEN),
+                                     "garbage"])
+def test_a_warm_worker_refuses_a_go_that_is_not_its_own(store, message) -> None:
+    store.set(GO_KEY, message)
+    with pytest.raises(HandoverError, match="refused the launcher's go"):
+        _warm(store).wait_for_go(timeout=10)
+
+
+def test_a_warm_worker_does_not_wait_for_ever(store) -> None:
+    with pytest.raises(HandoverError, match=r"did not come within 0\.2 s"):
+        _warm(store).wait_for_go(timeout=0.2)
