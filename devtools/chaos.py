@@ -70,6 +70,16 @@ class ChaosResult:
     step_reports: int
     seconds: float
     problems: list[str] = field(default_factory=list)
+    # against the same layouts over the same steps (devtools/same_layouts.py), when replayed: the attempts of the
+    # surviving history, the steps whose loss differs at all, and whether the final parameters are the same bits
+    chain: list[int] | None = None
+    layout_loss_mismatches: list | None = None
+    layout_params_equal: bool | None = None
+
+    @property
+    def same_as_its_layouts(self) -> bool:
+        """Every loss of the surviving history and every final parameter equal the replay's, to the bit."""
+        return self.layout_loss_mismatches == [] and self.layout_params_equal is True
 
     @property
     def injected(self) -> int:
@@ -85,7 +95,8 @@ class ChaosResult:
 
     def as_dict(self, tolerance: float) -> dict:
         out = asdict(self)
-        out.update(injected=self.injected, survived=self.survived, equal=self.equal(tolerance), tolerance=tolerance)
+        out.update(injected=self.injected, survived=self.survived, equal=self.equal(tolerance), tolerance=tolerance,
+                   same_as_its_layouts=self.same_as_its_layouts)
         return out
 
 
@@ -106,10 +117,13 @@ def schedule(seed: int, kinds: list[str], *, first: int, gap: int, ranks: int, h
 def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str], steps: int | None = None,
               ckpt_every: int = 5, gap: int = 12, first: int = 10, slots: int = 2, heartbeat_timeout: float = 8,
               max_restarts: int = 4, timeout: float = 900, reference: Path | None = None,
-              say=lambda text: None) -> ChaosResult:
+              uninterrupted: bool = True, replay_layouts: bool = False, say=lambda text: None) -> ChaosResult:
     """Run the example GPT by ``plan`` over ``cluster``'s hosts with ``--morph``, inject the scheduled faults,
     and compare it with an uninterrupted run of the same plan on local processes (``reference``: a store of that
-    run's final checkpoint and its launcher's run directory; when None it is made here, alongside the chaotic run)."""
+    run's final checkpoint and its launcher's run directory; when None it is made here, alongside the chaotic run,
+    unless not ``uninterrupted``): a relative difference, the rounding of the other layouts the run went through.
+    ``replay_layouts``: also replay the run's surviving history, its layouts over the same steps, and compare
+    to the bit (:mod:`devtools.same_layouts`)."""
     faults = schedule(seed, kinds, first=first, gap=gap, ranks=slots * len(cluster.hosts), hosts=len(cluster.hosts))
     # The tail after the last fault must outlast a whole morph (notice, pre-flight SSH check, checkpoint,
     # restart) when the last fault takes a host away and brings it back: steps take ~0.15 s, a morph seconds.
@@ -123,7 +137,8 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
             "--heartbeat-timeout", str(heartbeat_timeout), "--grace", "2", "--max-restarts", str(max_restarts),
             *cluster.launcher_args(), "--", *TRAIN, "--steps", str(steps)]
     started = time.monotonic()
-    pending = None if reference is not None else _start_reference(plan, steps, workdir / "reference", timeout)
+    pending = None if reference is not None or not uninterrupted else \
+        _start_reference(plan, steps, workdir / "reference", timeout)
     launch = Launch(args, run_dir, timeout)
     problems: list[str] = []
     try:
@@ -151,9 +166,23 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
         problems.append(f"the launcher exited with {code}")
     for fault in faults:
         fault.survived = fault.survived and code == 0
-    reference = reference or _finish_reference(pending)
-    loss_diff, (param_diff, abs_diff, worst) = _compare(launch, run_dir / "checkpoints", reference, steps, problems)
+    loss_diff, param_diff, abs_diff, worst = None, None, None, None
+    if reference is not None or pending is not None:
+        reference = reference or _finish_reference(pending)
+        loss_diff, (param_diff, abs_diff, worst) = _compare(launch, run_dir / "checkpoints", reference, steps,
+                                                            problems)
     events = launch.events()
+    chain, layout_losses, layout_params = None, None, None
+    if replay_layouts and code == 0:
+        from devtools.same_layouts import mismatches, replay, surviving_chain
+
+        reports = launch.reports()
+        links = surviving_chain(events, reports, run_dir, steps)
+        chain = [link.attempt for link in links]
+        expected, replayed = replay(links, workdir / "replay", TRAIN, timeout=timeout)
+        layout_losses = mismatches(links, reports, expected)
+        rel, absolute, _ = _params_diff(run_dir / "checkpoints" / f"step_{steps}", replayed, problems)
+        layout_params = rel == 0.0 and absolute == 0.0
     ends = [e for e in events if e["event"] == "ending"]
     return ChaosResult(
         seed=seed, steps=steps, faults=faults, exit_code=code, attempts=len(ends),
@@ -162,7 +191,8 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
         refused_checkpoints=sum(e["event"] == "checkpoint_refused" for e in events),
         loss_max_rel_diff=loss_diff, params_max_rel_diff=param_diff, params_max_abs_rel_diff=abs_diff,
         params_worst=worst, step_reports=len(launch.reports()),
-        seconds=round(seconds, 1), problems=problems)
+        seconds=round(seconds, 1), problems=problems, chain=chain, layout_loss_mismatches=layout_losses,
+        layout_params_equal=layout_params)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -452,7 +452,9 @@ class Attempt:
                     new, reason = None, why
                     if urgency:
                         new = Outcome(Ending.TERMINATED, f"on {why}, after an on-demand checkpoint")
-                    elif (change := changes()) is not None:
+                    elif (warmup is None or self.first_step_seen) and (change := changes()) is not None:
+                        # (with a handover, the next change waits for this attempt's first step: the old
+                        # configuration's shelves are freed first, and the first step is timed as it happens)
                         new, reason = Outcome(Ending.MORPH, change[1], hosts=change[0]), change[1]
                     if new is not None:
                         first, request = request is None, new

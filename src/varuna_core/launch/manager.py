@@ -250,6 +250,7 @@ class Manager:
         self._closing = threading.Event()  # the job ends: background checks give up
         self._checking: list[threading.Thread] = []  # the background checks under way
         self.current = 0  # the number of the attempt that runs
+        self.highest = 0  # the highest number given to an attempt (a warm one's included)
         self._handing_over: Attempt | None = None  # the attempt whose successor takes over next
         self._warm: tuple[list[Host], Plan, str | None] = ([], plan, None)  # the successor's hosts, plan, why
         self._write_manager_file()
@@ -289,7 +290,7 @@ class Manager:
                                 else f"--resume: no loadable checkpoint of run {self.run_id} in {opts.ckpt_dir}; "
                                      f"starting it from scratch")
         budget, number = RestartBudget(opts.max_restarts, baseline=resume), self.files.attempts_before
-        self.current = number
+        self.current = self.highest = number
         previous = self._handle_sigterm()
         handover: Outcome | None = None  # the outcome of an attempt that hands over to its successor
         retiring: Attempt | None = None
@@ -297,7 +298,10 @@ class Manager:
             while True:
                 if self.sigterms and handover is None:  # a handover goes on: the successor checkpoints first
                     return self._terminated(f"on {self.stop_why}, between attempts")
-                number += 1
+                # the next number: the successor's, or one past every attempt started so far (a warm-up that
+                # failed used a number too: its plan and logs must not be overwritten)
+                number = handover.successor.number if handover is not None and handover.successor is not None \
+                    else max(number, self.highest) + 1
                 outcome = self._attempt(number, resume, budget.count, handover, retiring)
                 handover, retiring = None, None
                 if outcome.kind is Ending.DONE:
@@ -337,7 +341,6 @@ class Manager:
                 elif outcome.successor is not None:  # a morph by handover: the successor is warm and waits
                     self.status.morphs += 1
                     handover, retiring, resume = outcome, self._handing_over, outcome.step
-                    number = outcome.successor.number - 1
                     continue
                 else:  # morph / checkpointed
                     self.status.morphs += 1
@@ -451,7 +454,7 @@ class Manager:
                 self.files.event("started", attempt=number)
                 if self.sigterms:
                     return Outcome(Ending.TERMINATED, f"on {self.stop_why}, before the attempt started")
-            self.current = number
+            self.current, self.highest = number, max(self.highest, number)
             outcome = attempt.run(lambda: self._changes(), lambda: (self.sigterms, self.stop_why),
                                   warmup=self._warmup if self.opts.morph and self.opts.handover else None)
             if attempt.scheduler_signal == "SIGUSR1":
@@ -486,7 +489,7 @@ class Manager:
             self.reporter.event(f"cannot warm up a new configuration ({exc.message}): the morph goes through the "
                                 f"store")
             return None
-        number = self.current + 1
+        number = self.highest = self.highest + 1
         attempt = self._new_attempt(number, None, plan, hosts, warm=True)
         self.listener.expect(number)
         try:
