@@ -152,13 +152,15 @@ def _attempts_in(events: Path, limit: int = 16 * 2**20) -> int:
 
 
 class JobFiles:
-    """The run directory (see the module docstring)."""
+    """The run directory (see the module docstring). Thread-safe: an attempt that retires after a handover is
+    stopped in a thread of its own while its successor runs, and both write here."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "plans").mkdir(exist_ok=True)
         self._logs: dict[int, TextIO] = {}
+        self._lock = threading.Lock()
         self.attempts_before = _attempts_in(self.run_dir / "events.jsonl")
         self._events = open(self.run_dir / "events.jsonl", "a", buffering=1)  # noqa: SIM115 - see close()
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - see close()
@@ -167,25 +169,31 @@ class JobFiles:
         return self.run_dir / "logs" / f"rank{rank}.log"
 
     def log_line(self, rank: int, line: str) -> None:
-        f = self._logs.get(rank)
-        if f is None:
-            f = self._logs[rank] = open(self.rank_log(rank), "a", buffering=1)  # noqa: SIM115 - see close()
-        f.write(line + "\n")
+        with self._lock:
+            f = self._logs.get(rank)
+            if f is None:
+                f = self._logs[rank] = open(self.rank_log(rank), "a", buffering=1)  # noqa: SIM115 - see close()
+            f.write(line + "\n")
 
     def event(self, name: str, **fields: object) -> None:
-        self._events.write(json.dumps({"t": time.time(), "event": name, **fields}) + "\n")
+        line = json.dumps({"t": time.time(), "event": name, **fields}) + "\n"
+        with self._lock:
+            self._events.write(line)
 
     def metric(self, **fields: object) -> None:
-        self._metrics.write(json.dumps(fields) + "\n")
+        line = json.dumps(fields) + "\n"
+        with self._lock:
+            self._metrics.write(line)
 
     def slow(self, s: Straggler) -> None:
         with open(self.run_dir / "slow_machines", "a") as f:
             f.write(f"{s.host} rank={s.rank} stage={s.stage} compute={s.ratio:.2f}x_median {time.strftime('%FT%T')}\n")
 
     def close(self) -> None:
-        for f in [*self._logs.values(), self._events, self._metrics]:
-            f.close()
-        self._logs = {}
+        with self._lock:
+            for f in [*self._logs.values(), self._events, self._metrics]:
+                f.close()
+            self._logs = {}
 
 
 @dataclass

@@ -539,7 +539,8 @@ class Manager:
             if not missing:
                 go = Go(attempt=attempt.number, source="shelf", step=step, shelf=shelf_key(self.job, old.number),
                         fallback_step=fallback,
-                        holders=[ShelfHolder(host=h, address=a, port=p) for _, h, a, p in sorted(holders)])
+                        holders=[ShelfHolder(host=h, address=a, port=p) for _, h, a, p in sorted(holders)
+                                 if p is not None])
             else:
                 lost = f"{', '.join(missing)} serve{'s' if len(missing) == 1 else ''} no shelf"
         elif step is not None and step != fallback:

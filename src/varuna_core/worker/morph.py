@@ -142,20 +142,20 @@ class Morph:
 
         return locate
 
-    def fetch(self, go: Go, timeout: float = 60.0) -> Callable[[Any, list[str], Callable, int], None]:
+    def fetch(self, go: Go, timeout: float = 60.0) -> Callable[[Any, list[str], Callable[..., Any], int], None]:
         """``fetch(holder, names, into, max_bytes)`` for :func:`~varuna_core.checkpoint.handover.take`: from this
         host's own shelf when the holder is this host, else from the holder's shelf server."""
         assert go.shelf is not None  # a go from the shelves names it (checked when decoded)
-        token, local = self.told.job_token or "", Shelf(go.shelf, root=self.staging)
+        job, token, local = go.shelf, self.told.job_token or "", Shelf(go.shelf, root=self.staging)
 
-        def fetch(holder: tuple[str, str, int], names: list[str], into: Callable, max_bytes: int) -> None:
+        def fetch(holder: tuple[str, str, int], names: list[str], into: Callable[..., Any], max_bytes: int) -> None:
             host, address, port = holder
             if host == self.told.host and all(local.has(name) for name in names):
                 for name in names:
                     entry = local.get_into(name, lambda e: into(e.name, e.size))
                     self.taken["local"] += entry.size
                 return
-            entries = fetch_into(address, port, job=go.shelf, token=token, names=names, max_bytes=max_bytes,
+            entries = fetch_into(address, port, job=job, token=token, names=names, max_bytes=max_bytes,
                                  into=lambda e: into(e.name, e.size), timeout=timeout)
             self.taken["remote"] += sum(e.size for e in entries.values())
 

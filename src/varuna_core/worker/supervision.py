@@ -105,7 +105,7 @@ class Supervision:
     def __init__(self, rank: int, *, stage: int = 0, replica: int = 0, samples: int | None = None,
                  save: Callable[..., Any], load: Callable[[str, int], int],
                  progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None,
-                 publish: Callable[[Callable, Path], dict] | None = None,
+                 publish: Callable[[Callable[..., Any], Path], dict[str, int]] | None = None,
                  take: Callable[..., int] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load, self._publish, self._take = save, load, publish, take
@@ -268,7 +268,7 @@ class Supervision:
     def _run_user_handler(self) -> None:
         """Every rank, at the same step boundary: the script's handler (it usually checkpoints and exits). If it
         returns, training goes on and a later signal is handled again."""
-        self.stop_agreed = self.requested = False
+        self.stop_agreed, self.requested = None, False
         if self._pending is not None:
             self._pending.result()
             self._pending = None
