@@ -102,8 +102,8 @@ bench-sim: setup ## compare the planner's predicted step time with measured runs
 bench-ckpt: setup ## checkpoint save/load throughput vs the disk, background-checkpoint overhead (BENCH_ARGS="--json")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/checkpoint_io.py $(BENCH_ARGS)
 
-# Seconds from a hosts-file change to the first step of the new configuration, over SSH to two test hosts (needs root for network namespaces; see benchmarks/README.md).
-bench-morph: setup ## time a morph (shrink and grow) of the example GPT over SSH, split into phases
+# The training time a morph costs, by restart through a store and by handover through host memory, over SSH to two test hosts without a shared file system (needs root for network namespaces; BENCH_ARGS="--model small" for the example GPT alone; see benchmarks/README.md).
+bench-morph: setup ## time shrink, grow, depth change and preemption by restart and by handover (example GPT and a 1 GB GPT)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/morph_latency.py $(BENCH_ARGS)
 
 # Every kind of fault injected into one `varuna launch --morph` run over SSH at seeded random steps; the losses and final parameters compared with an uninterrupted run (needs root for network namespaces; see benchmarks/README.md).

@@ -672,7 +672,7 @@ class Attempt:
 
     def _heartbeats(self) -> None:
         for step, (loss, step_time) in sorted(self.listener.take_steps().items()):
-            self.files.metric(step=step, loss=loss, step_time=step_time, attempt=self.number)
+            self.files.metric(step=step, loss=loss, step_time=step_time, attempt=self.number, t=time.time())
             if step + 1 >= self.status.step:
                 self.status.step, self.status.loss = step + 1, loss
                 if step_time:
