@@ -27,7 +27,7 @@ def shelf(tmp_path) -> dict[str, tuple[bytes, dict]]:
     for p in model.parameters():
         state.optimizer.state[p] = {"momentum_buffer": torch.full_like(p, 0.5)}
     blobs: dict[str, tuple[bytes, dict]] = {}
-    owners = publish(state, lambda name, data, meta: blobs.__setitem__(name, (bytes(data), meta)),
+    owners = publish(state, lambda name, data, meta, sha256: blobs.__setitem__(name, (bytes(data), meta)),
                      staging=tmp_path / "publish")
     assert owners == dict.fromkeys(blobs, 0)
     assert not any((tmp_path / "publish").iterdir())  # the local copy is gone once on the shelf
@@ -140,7 +140,7 @@ def test_a_reader_of_some_files_checks_each_whole_and_reads_no_other(tmp_path) -
 def test_a_full_shelf_fails_the_publish_as_such_and_leaves_no_local_copy(tmp_path) -> None:
     taken: list[str] = []
 
-    def put(name, data, meta):
+    def put(name, data, meta, sha256=None):
         if name.endswith(".distcp"):
             raise ShelfFullError(f"blob {name} does not fit", hint="use the store")
         taken.append(name)

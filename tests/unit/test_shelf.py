@@ -454,3 +454,19 @@ def test_the_module_needs_no_torch() -> None:
     code = "import sys, varuna_core.launch.shelf; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
+
+
+def test_a_writers_hash_is_recorded_and_every_read_still_checks_the_bytes(shelf) -> None:
+    """A checkpoint's files are hashed while written: put() records that hash instead of hashing again; a hash
+    that does not match the bytes cannot get past a reader that verifies (a load verifies every file)."""
+    data = os.urandom(3000)
+    entry = shelf.put("right", data, sha256=hashlib.sha256(data).hexdigest())
+    assert entry.sha256 == hashlib.sha256(data).hexdigest() and bytes(shelf.get("right")) == data
+    shelf.put("wrong", data, sha256="0" * 64)
+    with pytest.raises(HandoverError, match="damaged"):
+        shelf.get("wrong")
+    got = bytearray(3000)
+    assert shelf.get_into("wrong", lambda e: memoryview(got), verify=False).size == 3000 and bytes(got) == data
+    for bad in ("0" * 63, "G" * 64, 5, "A" * 64):
+        with pytest.raises(HandoverError, match="64 lower-case hex digits"):
+            shelf.put("bad", data, sha256=bad)

@@ -17,14 +17,14 @@ RNG state) and takes only those; then it loads them with :func:`~varuna_core.che
 checks every file it holds against the manifest's size and sha256 and changes no live tensor unless everything
 is right. The staging directory is removed afterwards, whatever happened.
 
-Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its
-wire live. A publish gets ``put(name, data, meta)`` (``Shelf.put`` as it is); a take gets ``locate(name)``, the
-holder of a blob (any value the ``fetch`` callable understands: ``"host:port"``, or a marker for this host's own
+Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its wire
+live. A publish gets ``put(name, data, meta, sha256=...)`` (``Shelf.put`` as it is); a take gets ``locate(name)``,
+the holder of a blob (any value the ``fetch`` callable understands: ``"host:port"``, or a marker for this host's own
 shelf), and ``fetch(holder, names, into, max_bytes)``, which puts each blob's bytes into the writable buffer
 ``into(name, size)`` returns, checked against the blob's hash (``Shelf.get_into`` or ``shelf.fetch_into``, each
-wrapped in two lines). A failure anywhere raises on every rank: :class:`~varuna_core.errors.HandoverError`
-naming the blob and its holder for a blob that cannot be had, :class:`~varuna_core.errors.CheckpointError` for a
-checkpoint that does not fit; the live state is then as it was.
+wrapped in two lines). A failure anywhere raises on every rank: :class:`~varuna_core.errors.HandoverError` naming
+the blob and its holder for a blob that cannot be had, :class:`~varuna_core.errors.CheckpointError` for a checkpoint
+that does not fit; the live state is then as it was.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from .storage import INDEX_LIMIT, METADATA_FILE, RawWriter, dcp_save, read_metad
 
 __all__ = ["publish", "take", "blob_name"]
 
-Put = Callable[[str, memoryview, dict[str, Any]], object]
+Put = Callable[..., object]  # put(name, data, meta, sha256=...)
 Into = Callable[[str, int], memoryview]
 Fetch = Callable[[Any, list[str], Into, int], object]
 
@@ -87,7 +87,8 @@ def publish(state: CheckpointState, put: Put, *, staging: str | os.PathLike, ste
 
     Args:
         state: this rank's state; only read.
-        put: ``put(name, data, meta)`` keeps ``data`` under ``name`` in this host's memory (``Shelf.put``).
+        put: ``put(name, data, meta, sha256=...)`` keeps ``data`` under ``name`` in this host's memory (``Shelf.put``;
+            ``sha256`` is the writer's hash of the bytes).
         staging: a local directory (a tmpfs, e.g. beside the shelf) where this rank writes its files first, in a
             private directory removed once they are on the shelf.
         step: the checkpoint's number (default: the optimizer steps taken).
@@ -153,7 +154,7 @@ def _put_files(state: CheckpointState, put: Put, step: int, local: Path,
             name = blob_name(step, path.name)
             with _mapped(path) as data:
                 digest = reported[path.name]["sha256"] if path.name in reported else hashlib.sha256(data).hexdigest()
-                put(name, data, {"bytes": data.nbytes, "sha256": digest, "rank": state.rank})
+                put(name, data, {"bytes": data.nbytes, "sha256": digest, "rank": state.rank}, sha256=digest)
             names.append(name)
             path.unlink()  # the shelf is the copy now
     except (OSError, ValueError, VarunaError) as exc:

@@ -212,8 +212,13 @@ class Shelf:
                         used += item.stat(follow_symlinks=False).st_size
         return used
 
-    def put(self, name: str, data: bytes | bytearray | memoryview, meta: dict[str, Any] | None = None) -> Entry:
+    def put(self, name: str, data: bytes | bytearray | memoryview, meta: dict[str, Any] | None = None, *,
+            sha256: str | None = None) -> Entry:
         """Puts ``data`` on the shelf under ``name`` (replacing a blob of that name) and returns its entry.
+
+        ``sha256``: the data's hash, when its writer computed it while writing (a checkpoint's files are hashed as
+        they are written): recorded as it is, which spares a second pass over the bytes. A wrong one is not a
+        risk to a reader: every read checks the bytes against the entry (a checkpoint load against its manifest).
 
         Raises:
             ShelfFullError: the blob does not fit in the budget or in the file system's free space (nothing is
@@ -221,6 +226,9 @@ class Shelf:
             HandoverError: a bad name or meta.
         """
         check_name(name)
+        if sha256 is not None and (not isinstance(sha256, str) or len(sha256) != 64
+                                   or any(c not in "0123456789abcdef" for c in sha256)):
+            raise HandoverError(f"a blob's sha256 is 64 lower-case hex digits, got {short_repr(sha256)}")
         meta_text = _meta_text({} if meta is None else meta)
         view = memoryview(data).cast("B")
         entry = Entry(name, view.nbytes, "0" * 64, json.loads(meta_text))  # hashed as it is written, below
@@ -243,11 +251,12 @@ class Shelf:
         try:
             with os.fdopen(fd, "wb") as out:
                 out.seek(len(_head(entry)))
-                digest = hashlib.sha256()
+                digest = hashlib.sha256() if sha256 is None else None
                 for start in range(0, view.nbytes, CHUNK):  # one pass: each chunk hashed while it is in cache
-                    digest.update(view[start:start + CHUNK])
+                    if digest is not None:
+                        digest.update(view[start:start + CHUNK])
                     out.write(view[start:start + CHUNK])
-                entry = dataclasses.replace(entry, sha256=digest.hexdigest())
+                entry = dataclasses.replace(entry, sha256=digest.hexdigest() if digest is not None else str(sha256))
                 out.seek(0)
                 out.write(_head(entry))
             os.replace(part, target)
@@ -286,9 +295,12 @@ class Shelf:
                                 f"{exc}") from None
         return entry, stream
 
-    def get_into(self, name: str, into: Callable[[Entry], memoryview]) -> Entry:
+    def get_into(self, name: str, into: Callable[[Entry], memoryview], *, verify: bool = True) -> Entry:
         """Reads the blob into the buffer ``into(entry)`` returns (a writable memoryview of exactly ``entry.size``
         bytes, e.g. pinned memory) and returns its entry, once its size and SHA-256 were checked.
+
+        ``verify=False`` leaves the SHA-256 to the caller, who checks the bytes anyway (a checkpoint load checks
+        every file it reads against its manifest's hash): the size is still checked, the bytes are read once.
 
         Raises:
             HandoverError: no such blob, or its bytes do not match its entry.
@@ -297,14 +309,15 @@ class Shelf:
         what = f"blob {printable(name)} on the shelf of job {printable(self.job)}"
         with stream:
             view = _writable(into(entry), entry.size, what)
-            digest, got = hashlib.sha256(), 0
+            digest, got = hashlib.sha256() if verify else None, 0
             while got < entry.size:
                 n = stream.readinto(view[got:got + CHUNK])
                 if not n:
                     break
-                digest.update(view[got:got + n])
+                if digest is not None:
+                    digest.update(view[got:got + n])
                 got += n
-        if got != entry.size or digest.hexdigest() != entry.sha256:
+        if got != entry.size or (digest is not None and digest.hexdigest() != entry.sha256):
             raise HandoverError(f"{what} is damaged: its bytes do not match its entry's size and sha256")
         return entry
 
