@@ -274,6 +274,7 @@ class Attempt:
         self.retiring: Attempt | None = None  # the attempt this one took over from: stopped after the first step
         self._retirement: threading.Thread | None = None
         self.handover_failed = False  # a rank reported that its publish or its take fell back to the store
+        self.recorded: set[int] = set()  # the steps of this attempt written to metrics.jsonl
         self.opts, self.files, self.listener, self.reporter, self.status = opts, files, listener, reporter, status
         self.job, self.token, self.manager_address, self.run_id = job, token, manager_address, run_id
         self.world = plan.pp * plan.dp
@@ -672,6 +673,9 @@ class Attempt:
 
     def _heartbeats(self) -> None:
         for step, (loss, step_time) in sorted(self.listener.take_steps().items()):
+            if step in self.recorded:  # another rank's report of it, heard in a later poll
+                continue
+            self.recorded.add(step)
             self.files.metric(step=step, loss=loss, step_time=step_time, attempt=self.number, t=time.time())
             if step + 1 >= self.status.step:
                 self.status.step, self.status.loss = step + 1, loss

@@ -40,7 +40,7 @@ __all__ = ["Morph", "WAIT_FOR_GO", "holder_rank"]
 
 WAIT_FOR_GO = 3600.0  # seconds a warm worker waits for the go before it gives up (the launcher sends it sooner)
 _DATA_FILE = re.compile(r"__([0-9]+)_[0-9]+\.distcp")
-_POLL = 0.005  # seconds between two looks at the store for the go
+_WAIT = 5.0  # seconds of one wait on the store for the go (then the deadline is looked at again)
 
 
 def holder_rank(blob: str) -> int:
@@ -116,11 +116,15 @@ class Morph:
         store = dist.TCPStore(self.master[0], self.master[1], is_master=False,
                               timeout=datetime.timedelta(seconds=60))
         deadline = time.monotonic() + timeout
-        while not store.check([GO_KEY]):
-            if time.monotonic() > deadline:
+        while not store.check([GO_KEY]):  # the store answers a wait when the key is set: no polling meanwhile
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise HandoverError(f"the launcher's go did not come within {timeout:g} s",
                                     hint="the launcher stops a warm configuration it does not use; see its log")
-            time.sleep(_POLL)
+            try:
+                store.wait([GO_KEY], datetime.timedelta(seconds=min(_WAIT, left)))
+            except (RuntimeError, TimeoutError):  # torch's DistStoreError (a RuntimeError) when it times out
+                pass
         try:
             return decode_go(store.get(GO_KEY), self.told.job_token or "", self.told.attempt or 0)
         except ValueError as exc:
