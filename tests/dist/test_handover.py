@@ -5,6 +5,7 @@ uninterrupted; a damaged blob or a holder that is gone is refused by name, with 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,17 @@ def published(tmp_path_factory):
     return roots, owners, tmp
 
 
+def _index(roots) -> dict:
+    """The published checkpoint's index (rank 0's, on the first host): tensor -> its chunks and their files."""
+    return json.loads(bytes(Shelf(JOB, root=roots[0]).get(f"step_{STEP}/dcp_metadata.json")))["tensors"]
+
+
+def _key(fqn: str) -> str:
+    """The parameter (or buffer, or RNG state) a checkpoint entry belongs to."""
+    kind, _, rest = fqn.partition("/")
+    return rest.rsplit("/", 1)[0] if kind == "optim" else rest if kind == "model" else fqn
+
+
 def _serve(roots):
     return [ShelfServer(Shelf(JOB, root=root), TOKEN) for root in roots]
 
@@ -52,8 +64,15 @@ def test_publish_puts_each_rank_files_on_its_own_host(published) -> None:
     roots, owners, _ = published
     on = [set(Shelf(JOB, root=root).names()) for root in roots]
     small = {f"step_{STEP}/{f}" for f in ("RUN", "COMPLETE", "manifest.json", "dcp_metadata.json")}
-    assert on[0] == small | {f"step_{STEP}/__0_0.distcp"}
-    assert on[1] == {f"step_{STEP}/__1_0.distcp"}
+    data = [{n for n in names if n.startswith(f"step_{STEP}/__{rank}_")} for rank, names in enumerate(on)]
+    assert on[0] == small | data[0] and on[1] == data[1]
+    # a file per parameter (with its optimizer state): any stage of another partition takes only its own
+    index = _index(roots)
+    for rank in (0, 1):
+        assert len(data[rank]) > 2 and all(n.endswith(".distcp") for n in data[rank])
+        for name in data[rank]:
+            keys = {_key(fqn) for fqn, t in index.items() for c in t["chunks"] if f"step_{STEP}/{c['file']}" == name}
+            assert len(keys) == 1, (name, keys)
     assert owners == {**dict.fromkeys(on[0], 0), **dict.fromkeys(on[1], 1)}
     for root in roots:  # the local copies are gone: the shelf is the copy
         assert not any((Path(root) / "staging").iterdir())
@@ -80,19 +99,26 @@ def test_take_under_another_layout_equals_uninterrupted(published, resume_map, w
         for server in servers:
             server.close()
     assert_resumed(results, *uninterrupted(steps_as("0;1", STEP, resume_map, STEP)), first=STEP)
-    small = [f"step_{STEP}/{f}" for f in ("COMPLETE", "RUN")]
-    index = [f"step_{STEP}/{f}" for f in ("dcp_metadata.json", "manifest.json")]
-    for res in results:
+    small = {f"step_{STEP}/{f}" for f in ("COMPLETE", "RUN", "dcp_metadata.json", "manifest.json")}
+    tensors = _index(roots)
+    taken = {}
+    for rank, res in enumerate(results):
         got = res.result["runs"][0]
-        files = ["__1_0.distcp"] if partition and got["stage"] == 1 else ["__0_0.distcp", "__1_0.distcp"]
-        assert got["taken"] == small + [f"step_{STEP}/{f}" for f in files] + index, got["taken"]
+        assert small <= set(got["taken"]), got["taken"]
+        taken[got["stage"]] = files = set(got["taken"]) - small
+        mine = {*got["params"], *(f"buffer/{b}" for b in got["buffers"]), f"rng/rank{rank}"}
+        for blob in files:  # every file taken holds some tensor of this rank's own
+            keys = {_key(fqn) for fqn, t in tensors.items() for c in t["chunks"] if f"step_{STEP}/{c['file']}" == blob}
+            assert keys & mine, (blob, keys)
+    if partition:
+        assert 0 < len(taken[1]) < len(taken[0]), taken  # stage 1 takes its few parameters' files, not a rank's
     assert not any((tmp / name / "staging").iterdir())  # the staging directories are removed
 
 
 def test_a_damaged_blob_or_a_holder_gone_is_refused_by_name(published, tmp_path) -> None:
     roots, owners, _ = published
-    blob = f"step_{STEP}/__1_0.distcp"
     shelf = Shelf(JOB, root=roots[1])
+    blob = max(shelf.manifest().values(), key=lambda e: e.size).name  # a parameter's file: every take needs it
     path = shelf.path / f"{hashlib.sha256(blob.encode()).hexdigest()}.blob"
     original = path.read_bytes()
     servers = _serve(roots)
@@ -107,12 +133,12 @@ def test_a_damaged_blob_or_a_holder_gone_is_refused_by_name(published, tmp_path)
         assert blob in got["error"] and f"127.0.0.1:{servers[1].port}" in got["error"], got["error"]
         _untouched(got)
         path.write_bytes(original)
-        servers[1].close()  # the holder of __1_0.distcp is gone
+        servers[1].close()  # the holder of that file is gone
         take = _take(servers, owners, tmp_path, "gone", roots=roots, expect_error=True)
         got = _one(run_ranks({"map": "0", "timeout": 30, "runs": [_run(steps=4, take=take)]}, 1, tmp_path / "g",
                              timeout=60))
         assert got["error"].startswith("HandoverError"), got["error"]
-        assert blob in got["error"] and f"127.0.0.1:{servers[1].port}" in got["error"], got["error"]
+        assert f"step_{STEP}/__1_" in got["error"] and f"127.0.0.1:{servers[1].port}" in got["error"], got["error"]
         _untouched(got)
     finally:
         path.write_bytes(original)

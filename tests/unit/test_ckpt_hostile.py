@@ -467,3 +467,28 @@ def test_control_characters_in_manifest_fields_are_escaped(tmp_path, capsys, mon
         assert "\x1b" not in out.out + out.err and "\x07" not in out.out + out.err, (args, out)
         if args[0] != "verify":
             assert "gpt\\x1b[2J\\x07" in out.out, out.out
+
+
+@pytest.mark.parametrize(("reports", "accepted"), [
+    ([[("__0_0.distcp", 4), ("__0_1.distcp", 4), ("__0_12.distcp", 4)], [("__1_0.distcp", 4)]], True),
+    ([[("__0_0.distcp", 4)], [("__0_1.distcp", 4)]], False),  # rank 1 reports rank 0's file
+    ([[("__0_0.distcp", 4), ("__0_0.distcp", 4)], []], False),  # twice
+    ([[("__0_01.distcp", 4)], []], False),  # another spelling of file 1
+    ([[("__0_1.distcp/../x", 4)], []], False),
+    ([[], [("dcp_metadata.json", 4)]], False),  # only rank 0 writes the index
+])
+def test_the_files_a_rank_may_report(tmp_path, reports, accepted) -> None:
+    """A rank may report several files of its own (a publish writes a file per parameter), each once, and no other
+    rank's: the manifest then never lists a file that its writer could not have written."""
+    from varuna_core.checkpoint.saveload import _entries
+
+    gathered = [[{"path": path, "bytes": size, "sha256": "0" * 64} for path, size in part] for part in reports]
+    for part in reports:
+        for path, size in part:
+            if "/" not in path:
+                (tmp_path / path).write_bytes(b"x" * size)
+    if accepted:
+        assert [e.path for e in _entries(gathered, tmp_path)] == sorted(p for part in reports for p, _ in part)
+    else:
+        with pytest.raises(CheckpointError, match="cannot have written"):
+            _entries(gathered, tmp_path)

@@ -3,12 +3,12 @@ back by the new ranks from those hosts, with no file system that the hosts share
 
 **Publish** (:func:`publish`, collective over the old ranks): each rank writes its part of the checkpoint of one
 step, with the same machinery as :func:`~varuna_core.checkpoint.saveload.save` (the same DCP entries under the
-model's names, the same raw ``.distcp`` files hashed while written, the same manifest), into a private directory on
-its own host; rank 0 completes the manifest from every rank's reported size and sha256, since it cannot see the
-other hosts' files. Each rank then puts each of its files on its host's shelf as a blob named
-``step_<N>/<file>`` (meta: ``bytes``, ``sha256``, ``rank``), removes its local copy (the shelf is the copy), and
-every rank returns the same map from blob name to the rank that holds it, for whoever starts the new ranks to
-tell them where each blob lives.
+model's names, raw ``.distcp`` files hashed while written, the same manifest; but a file per parameter, with its
+optimizer state, rather than one per rank: :func:`by_parameter`), into a private directory on its own host; rank 0
+completes the manifest from every rank's reported size and sha256, since it cannot see the other hosts' files. Each
+rank then puts each of its files on its host's shelf as a blob named ``step_<N>/<file>`` (meta: ``bytes``,
+``sha256``, ``rank``), removes its local copy (the shelf is the copy), and every rank returns the same map from blob
+name to the rank that holds it, for whoever starts the new ranks to tell them where each blob lives.
 
 **Take** (:func:`take`, collective over the new ranks): each rank takes, into a private staging directory of its
 own, the blobs ``RUN``, ``COMPLETE``, the manifest and the index, then reads the index to find which data files
@@ -68,9 +68,24 @@ Into = Callable[[str, int], memoryview]
 Fetch = Callable[[Any, list[str], Into, int], object]
 
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
+_BATCH = 1024  # files per request to one holder (a file per parameter: a large model has thousands)
 _SMALL_LIMIT = 2 * INDEX_LIMIT  # bytes of the small files together: the index's bound and the manifest's
 _KEEP_TRAINING = "nothing was handed over; the old configuration still holds the state"
 _FALL_BACK = "the live state is as it was; fall back to the last checkpoint in the store"
+
+
+def by_parameter(fqn: str) -> str | None:
+    """The file group of a checkpoint entry in a publish: a parameter with its optimizer state (``model/<key>``,
+    ``optim/<key>/<slot>``), or a buffer, each in files of their own; the RNG states in the rank's first file. So
+    a new rank of any partition takes exactly the files of its own stage's tensors, not a whole old rank's file."""
+    kind, _, rest = fqn.partition("/")
+    if kind == "model":
+        return rest
+    if kind == "optim":
+        return rest.rsplit("/", 1)[0]
+    if kind == "buffer":
+        return fqn
+    return None
 
 
 def blob_name(step: int, file: str) -> str:
@@ -111,7 +126,7 @@ def publish(state: CheckpointState, put: Put, *, staging: str | os.PathLike, ste
     try:
         _agree(state, problem, _KEEP_TRAINING)
         assert local is not None  # every rank made one, or all raised above
-        writer = RawWriter(local, sync_files=False)  # tmpfs: nothing to sync
+        writer = RawWriter(local, sync_files=False, group=by_parameter)  # tmpfs: nothing to sync
         dcp_save(_state_dict(state, write_model=True), writer)  # a failure anywhere raises everywhere
         files = [f.as_dict() for f in writer.files]
         _agree(state, _complete_locally(state, step, local, _gather(state, files)), _KEEP_TRAINING)
@@ -262,7 +277,8 @@ def _take_files(locate: Callable[[str], Any], fetch: Fetch, step: int, directory
             raise HandoverError(f"no host is known to hold blob {printable(name)}", hint=_FALL_BACK) from None
         by_holder.setdefault(holder, []).append(file)
     for holder, group in by_holder.items():
-        _take_from(holder, fetch, step, directory, group, expected)
+        for start in range(0, len(group), _BATCH):  # a request's names and its reply's header stay bounded
+            _take_from(holder, fetch, step, directory, group[start:start + _BATCH], expected)
 
 
 def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: list[str],

@@ -483,21 +483,25 @@ def _verified(job: _Background, rank: int, raw: bytes) -> dict:
 
 def _entries(gathered: list[list[dict[str, Any]]], final: Path, *,
              on_disk: Collection[int] | None = None) -> list[FileEntry]:
-    """The manifest's file list from every rank's report: rank ``r`` may only report ``__r_0.distcp`` (rank 0
-    also the index), with a sha256, and each file must be on disk with the reported size. ``on_disk``: the
+    """The manifest's file list from every rank's report: rank ``r`` may only report its own data files
+    (``__r_<i>.distcp``, each once; several when a publish groups its entries) and rank 0 also the index, with a
+    sha256, and each file must be on disk with the reported size. ``on_disk``: the
     ranks whose files are in ``final`` when the others' are not (a publish into host memory: each rank writes
     on its own host, and rank 0 relies on the others' reported size and sha256); None: every rank's."""
     out = []
     for rank, part in enumerate(gathered):
-        allowed = {f"__{rank}_0.distcp", *([CHECKPOINT_INDEX] if rank == 0 else [])}
+        seen: set[str] = set()
         for entry in part:
             try:
                 item = FileEntry(**entry)
             except (TypeError, ValidationError):
                 raise CheckpointError(f"checkpoint {final}: rank {rank} reported a malformed file entry") from None
-            if item.path not in allowed or not _SHA256_RE.match(item.sha256) or item.bytes < 0:
+            own = (re.fullmatch(rf"__{rank}_(0|[1-9][0-9]{{0,6}})\.distcp", item.path) is not None
+                   or (rank == 0 and item.path == CHECKPOINT_INDEX))
+            if not own or item.path in seen or not _SHA256_RE.match(item.sha256) or item.bytes < 0:
                 raise CheckpointError(f"checkpoint {final}: rank {rank} reported a file it cannot have written: "
                                       f"{item.path!r}", hint="see the README's trust model")
+            seen.add(item.path)
             if on_disk is not None and rank not in on_disk:
                 out.append(item)
                 continue

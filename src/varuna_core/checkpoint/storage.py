@@ -34,7 +34,7 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -211,12 +211,18 @@ class RawWriter(StorageWriter):
 
     After ``dcp.save``, :attr:`files` lists the file(s) this rank wrote with size and sha256 (rank 0's include
     ``dcp_metadata.json``).
+
+    ``group``: ``group(fqn)`` names the file group of an entry (None: the rank's first file). Each group then gets
+    a file of its own, ``__<rank>_<i>.distcp`` in the order the groups first appear: a handover groups entries by
+    parameter, so that a stage of any other partition takes exactly the files of its own tensors.
     """
 
-    def __init__(self, path: str | os.PathLike, sync_files: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, sync_files: bool = True,
+                 group: Callable[[str], str | None] | None = None) -> None:
         super().__init__()
         self.path = Path(path)
         self.sync_files = sync_files
+        self.group = group
         self.files: list[FileRecord] = []
         self.save_id = uuid.uuid4().hex
 
@@ -243,21 +249,31 @@ class RawWriter(StorageWriter):
         return [dataclasses.replace(plan, storage_data=f"__{i}_0.distcp") for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = plan.storage_data
         results: list[WriteResult] = []
-        sink = FileSink(self.path / name, durable=self.sync_files)
-        try:
-            for item in plan.items:
-                data = _bytes_view(self._tensor(item, planner))
-                results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes,
-                                           storage_data=Location(name, sink.place(data), data.nbytes)))
-                sink.write(data)
-        finally:
-            size, sha256 = sink.close()
-        self.files.append(FileRecord(name, size, sha256))
+        for name, items in self._files(plan.storage_data, plan.items):
+            sink = FileSink(self.path / name, durable=self.sync_files)
+            try:
+                for item in items:
+                    data = _bytes_view(self._tensor(item, planner))
+                    results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes,
+                                               storage_data=Location(name, sink.place(data), data.nbytes)))
+                    sink.write(data)
+            finally:
+                size, sha256 = sink.close()
+            self.files.append(FileRecord(name, size, sha256))
         future: Future = Future()
         future.set_result(results)
         return future
+
+    def _files(self, first: str, items: list[WriteItem]) -> list[tuple[str, list[WriteItem]]]:
+        """The files of this rank (``first``: ``__<rank>_0.distcp``) and the entries each holds, in order."""
+        if self.group is None:
+            return [(first, list(items))]
+        stem = first.removesuffix("_0.distcp")
+        groups: dict[str | None, list[WriteItem]] = {None: []}
+        for item in items:
+            groups.setdefault(self.group(item.index.fqn), []).append(item)
+        return [(f"{stem}_{i}.distcp", part) for i, part in enumerate(groups.values()) if part or i == 0]
 
     @staticmethod
     def _tensor(item: WriteItem, planner: SavePlanner) -> torch.Tensor:
