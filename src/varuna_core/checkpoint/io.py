@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import os
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -32,7 +33,7 @@ import numpy as np
 from ..errors import CheckpointError, VarunaError
 from ..util.fs import open_regular
 
-__all__ = ["Sha256", "FileSink", "open_source", "scatter_file", "copy_file", "address"]
+__all__ = ["Sha256", "FileSink", "bounce_buffers", "open_source", "scatter_file", "copy_file", "address"]
 
 BLOCK = 32 * 2**20  # bytes per write of the bounce buffer (a multiple of the alignment)
 READ_BLOCK = 16 * 2**20  # bytes per read
@@ -89,7 +90,11 @@ class FileSink:
     ``close`` returns ``(bytes, sha256)`` of the file.
     """
 
-    def __init__(self, path: str | os.PathLike, durable: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, durable: bool = True,
+                 buffers: list[memoryview] | None = None) -> None:
+        """``buffers``: two aligned bounce buffers of :data:`BLOCK` bytes to use (:func:`bounce_buffers`), when
+        one writer writes many files one after another (allocating 64 MiB per file would cost more than small
+        files' writes)."""
         self.durable = durable
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)  # new files only: no link followed
         self.direct = hasattr(os, "O_DIRECT")
@@ -103,7 +108,7 @@ class FileSink:
         self.offset = 0  # bytes taken (the logical end of the file)
         self._flushed = 0  # bytes handed to the kernel (direct: a multiple of the alignment until close)
         self.digest = Sha256()
-        self._buffers = [_aligned(BLOCK), _aligned(BLOCK)] if self.direct else []
+        self._buffers = (buffers or bounce_buffers()) if self.direct else []
         self._current = 0
         self._fill = 0
 
@@ -231,7 +236,9 @@ def scatter_file(fd: int, pieces: list[tuple[int, np.ndarray]], digest: Sha256 |
     order = sorted(pieces, key=lambda p: p[0])
     segments = _segments(size, order, whole=digest is not None)
     nbuf = READ_DEPTH + 1
-    buffers = [_aligned(READ_BLOCK) for _ in range(min(nbuf, sum(1 for s in segments if s[2] is None)))]
+    bounced = [length for _, length, into in segments if into is None]
+    block = min(READ_BLOCK, -(-max(bounced, default=0) // _ALIGN) * _ALIGN)  # a small file: small buffers
+    buffers = _lend(min(nbuf, len(bounced)), block)
     slot: dict[int, int] = {}  # segment index -> bounce buffer index
     free = list(range(len(buffers)))
     first = 0
@@ -278,6 +285,29 @@ def scatter_file(fd: int, pieces: list[tuple[int, np.ndarray]], digest: Sha256 |
             future.result()
     if digest is not None:
         digest.wait()
+    _return(buffers, block)
+
+
+_SPARE: list[memoryview] = []  # bounce buffers of READ_BLOCK bytes a finished read left (a load reads many files)
+_SPARE_LOCK = threading.Lock()
+
+
+def _lend(n: int, block: int) -> list[memoryview]:
+    """``n`` aligned buffers of ``block`` bytes: spare ones of a finished read where they fit, else new ones."""
+    taken: list[memoryview] = []
+    if block == READ_BLOCK:
+        with _SPARE_LOCK:
+            while _SPARE and len(taken) < n:
+                taken.append(_SPARE.pop())
+    return taken + [_aligned(block) for _ in range(n - len(taken))]
+
+
+def _return(buffers: list[memoryview], block: int) -> None:
+    """Keep up to one read's worth of full-size buffers for the next read (a failed read keeps none: a helper
+    thread may still write into them)."""
+    if block == READ_BLOCK:
+        with _SPARE_LOCK:
+            _SPARE.extend(buffers[: max(0, READ_DEPTH + 1 - len(_SPARE))])
 
 
 def copy_file(src: str | os.PathLike, dst: str | os.PathLike, durable: bool = True) -> int:
@@ -374,6 +404,11 @@ def _pread_all(fd: int, view: memoryview, offset: int) -> int:
         if done % _ALIGN:  # a short read that is not a multiple of the alignment is the end of the file
             break
     return done
+
+
+def bounce_buffers() -> list[memoryview]:
+    """The two aligned buffers a :class:`FileSink` writes through with direct I/O (reusable once it is closed)."""
+    return [_aligned(BLOCK), _aligned(BLOCK)]
 
 
 def _aligned(n: int) -> memoryview:

@@ -65,7 +65,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointError, VarunaError
 from ..util.fs import MiB, describe_mode, read_regular
-from .io import FileSink, Sha256, open_source, scatter_file
+from .io import FileSink, Sha256, bounce_buffers, open_source, scatter_file
 from .manifest import CHECKPOINT_INDEX
 
 __all__ = ["RawWriter", "RawReader", "read_metadata", "dcp_save", "dcp_load", "METADATA_FILE", "FORMAT",
@@ -250,8 +250,10 @@ class RawWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results: list[WriteResult] = []
-        for name, items in self._files(plan.storage_data, plan.items):
-            sink = FileSink(self.path / name, durable=self.sync_files)
+        files = self._files(plan.storage_data, plan.items)
+        buffers = bounce_buffers() if len(files) > 1 else None  # one pair for every file, written one by one
+        for name, items in files:
+            sink = FileSink(self.path / name, durable=self.sync_files, buffers=buffers)
             try:
                 for item in items:
                     data = _bytes_view(self._tensor(item, planner))
