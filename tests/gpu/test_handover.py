@@ -7,27 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from tests.gpu.common import BATCH, DEVICE, sgd, train
-from tests.models import SHARED, ToyLM, batch
-from varuna_core import Varuna
+from tests.gpu.common import BATCH, DEVICE, train
+from tests.gpu.test_checkpoint import _state, _varuna
+from tests.models import batch
 from varuna_core.launch.shelf import Shelf
 from varuna_core.worker.morph import holder_rank
-
-
-def _varuna(seed: int, device: str):
-    torch.manual_seed(seed)
-    vm = Varuna(ToyLM(), "0", batch(2, 99), batch_size=BATCH, chunk_size=3, shared_weights=SHARED, device=device)
-    opt = sgd(list(vm.parameters()))
-    vm.set_optimizer(opt)
-    return vm, opt
-
-
-def _state(vm, opt) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in vm.named_parameters():
-        out[name] = p.detach().cpu().clone()
-        out[f"{name} momentum"] = opt.state[p]["momentum_buffer"].detach().cpu().clone()
-    return out
 
 
 def _take(vm, shelf: Shelf, step: int, staging) -> int:

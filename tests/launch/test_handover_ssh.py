@@ -48,16 +48,13 @@ def _trained(launch: Launch, hosts: list[str], after: int, steps: int = 3) -> di
     return new if len(mine) >= steps else None
 
 
-def test_a_job_on_hosts_that_share_no_file_system_morphs_by_handover(cluster, plan2, tmp_path) -> None:
-    hosts = tmp_path / "hosts"
-    _write(hosts, cluster.hosts_file_lines(1))
-    run = tmp_path / "run"
-    launch = Launch([str(plan2), "--run-dir", str(run), "--ckpt-dir", str(STORE), "--hosts", str(hosts), "--morph",
-                     "--grace", "2", *cluster.launcher_args(), "--", *TRAIN, "--steps", "100000"], run, timeout=360)
+def _morph_through(launch: Launch, hosts: Path, steps: list[list[str]]) -> list[dict]:
+    """Once the job trains, write each of ``steps`` (hosts-file lines) in turn, each once the previous change has
+    trained a few steps; then SIGTERM (exit 143). Returns the ``starting`` event of each change's attempt."""
     try:
         launch.wait_for(lambda: max((r["step"] for r in launch.reports()), default=-1) >= 8)
         shapes = []
-        for lines in (cluster.hosts_file_lines(1)[:1], cluster.hosts_file_lines(1), cluster.hosts_file_lines(1)[:1]):
+        for lines in steps:
             before = max(e["attempt"] for e in launch.events() if e["event"] == "starting")
             _write(hosts, lines)
             names = [x.split()[0] for x in lines]
@@ -66,6 +63,17 @@ def test_a_job_on_hosts_that_share_no_file_system_morphs_by_handover(cluster, pl
         assert launch.wait() == 143, launch.output()[-3000:]
     finally:
         launch.close()
+    return shapes
+
+
+def test_a_job_on_hosts_that_share_no_file_system_morphs_by_handover(cluster, plan2, tmp_path) -> None:
+    hosts = tmp_path / "hosts"
+    _write(hosts, cluster.hosts_file_lines(1))
+    run = tmp_path / "run"
+    launch = Launch([str(plan2), "--run-dir", str(run), "--ckpt-dir", str(STORE), "--hosts", str(hosts), "--morph",
+                     "--grace", "2", *cluster.launcher_args(), "--", *TRAIN, "--steps", "100000"], run, timeout=360)
+    lines = cluster.hosts_file_lines(1)
+    shapes = _morph_through(launch, hosts, [lines[:1], lines, lines[:1]])
 
     events = launch.events()
     assert [(s["pp"], s["dp"], len(s["hosts"])) for s in shapes] == [(1, 1, 1), (1, 2, 2), (1, 1, 1)], shapes
@@ -123,18 +131,8 @@ def test_a_handover_that_cannot_happen_goes_through_the_store(shared, plan2, tmp
     launch = Launch([str(plan2), "--run-dir", str(run), "--hosts", str(hosts), "--morph", "--grace", "2",
                      "--shelf-budget", "4096", *shared.launcher_args(), "--", "tests/launch/warm_crash_worker.py",
                      str(marker), *TRAIN[1:], "--steps", "100000"], run, timeout=360)
-    try:
-        launch.wait_for(lambda: max((r["step"] for r in launch.reports()), default=-1) >= 8)
-        shapes = []
-        for lines in (shared.hosts_file_lines(1)[:1], shared.hosts_file_lines(1)):
-            before = max(e["attempt"] for e in launch.events() if e["event"] == "starting")
-            _write(hosts, lines)
-            names = [x.split()[0] for x in lines]
-            shapes.append(launch.wait_for(lambda names=names, before=before: _trained(launch, names, before), 150))
-        os.kill(launch.proc.pid, signal.SIGTERM)
-        assert launch.wait() == 143, launch.output()[-3000:]
-    finally:
-        launch.close()
+    lines = shared.hosts_file_lines(1)
+    shapes = _morph_through(launch, hosts, [lines[:1], lines])
     events = launch.events()
     assert marker.exists()
     failed = [e for e in events if e["event"] == "warm_failed"]
