@@ -148,3 +148,42 @@ def test_a_full_shelf_fails_the_publish_as_such_and_leaves_no_local_copy(tmp_pat
     with pytest.raises(ShelfFullError, match=re.escape(f"could not put {blob_name(STEP, '__0_0.distcp')}")):
         publish(_state(_Tied()), put, staging=tmp_path / "publish")
     assert not any((tmp_path / "publish").iterdir())
+
+
+def test_a_file_checked_on_arrival_is_not_hashed_again_and_must_be_the_manifests(shelf, tmp_path,
+                                                                                   monkeypatch) -> None:
+    """A fetch over the wire checks each blob's sha256 as it arrives and says so ({name: sha256}): the load then
+    does not hash that file again, once its hash is the manifest's; a blob whose checked hash is another is refused
+    by name, with the live state untouched."""
+    import varuna_core.checkpoint.storage as storage
+
+    hashed: list[str] = []
+    real = storage.RawReader._read_file
+
+    def spy(self, name, chunks, planner, check):
+        if check:
+            hashed.append(name)
+        return real(self, name, chunks, planner, check)
+
+    monkeypatch.setattr(storage.RawReader, "_read_file", spy)
+    data_files = sorted(n for n in shelf if n.endswith(".distcp"))
+
+    def checked(holder, names, into, max_bytes):
+        _fetch(shelf)(holder, names, into, max_bytes)
+        return {n: hashlib.sha256(shelf[n][0]).hexdigest() for n in names}
+
+    _, state, _ = _fresh(tmp_path)
+    assert take(state, step=STEP, locate=lambda name: "hostA", fetch=checked, staging=tmp_path / "a") == STEP
+    assert hashed == [] and state.restored
+    _, state, _ = _fresh(tmp_path)
+    assert take(state, step=STEP, locate=lambda name: "hostA", fetch=_fetch(shelf), staging=tmp_path / "b") == STEP
+    assert sorted(hashed) == sorted(n.split("/", 1)[1] for n in data_files)  # unchecked ones are hashed
+
+    def lying(holder, names, into, max_bytes):
+        _fetch(shelf)(holder, names, into, max_bytes)
+        return dict.fromkeys(names, "0" * 64)
+
+    model, state, before = _fresh(tmp_path)
+    with pytest.raises(HandoverError, match="is not the manifest's"):
+        take(state, step=STEP, locate=lambda name: "hostA", fetch=lying, staging=tmp_path / "c")
+    _untouched(model, state, before)

@@ -21,10 +21,11 @@ Why plain callables, not the shelf: this floor (L2) may not import the launcher'
 live. A publish gets ``put(name, data, meta, sha256=...)`` (``Shelf.put`` as it is); a take gets ``locate(name)``,
 the holder of a blob (any value the ``fetch`` callable understands: ``"host:port"``, or a marker for this host's own
 shelf), and ``fetch(holder, names, into, max_bytes)``, which puts each blob's bytes into the writable buffer
-``into(name, size)`` returns, checked against the blob's hash (``Shelf.get_into`` or ``shelf.fetch_into``, each
-wrapped in two lines). A failure anywhere raises on every rank: :class:`~varuna_core.errors.HandoverError` naming
-the blob and its holder for a blob that cannot be had, :class:`~varuna_core.errors.CheckpointError` for a checkpoint
-that does not fit; the live state is then as it was.
+``into(name, size)`` returns, checked against the blob's hash (it may return ``{name: sha256}`` of the blobs it
+checked on arrival: a file whose hash is the manifest's is then not hashed again by the load; ``Shelf.get_into`` or
+``shelf.fetch_into``, each wrapped in a few lines). A failure anywhere raises on every rank:
+:class:`~varuna_core.errors.HandoverError` naming the blob and its holder for a blob that cannot be had,
+:class:`~varuna_core.errors.CheckpointError` for a checkpoint that does not fit; the live state is then as it was.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ __all__ = ["publish", "take", "blob_name"]
 
 Put = Callable[..., object]  # put(name, data, meta, sha256=...)
 Into = Callable[[str, int], memoryview]
-Fetch = Callable[[Any, list[str], Into, int], object]
+Fetch = Callable[[Any, list[str], Into, int], object]  # may return {blob: sha256} of the blobs it checked
 
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
 _BATCH = 1024  # files per request to one holder (a file per parameter: a large model has thousands)
@@ -238,6 +239,7 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
         directory = step_dir(root, step)
         _agree(state, _attempt(lambda: _take_files(locate, fetch, step, directory, _SMALL_FILES, None)), _FALL_BACK)
         present: list[str] = []
+        verified: set[str] = set()
 
         def take_data() -> None:
             manifest = read_manifest(directory)
@@ -245,10 +247,11 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
             metadata = read_metadata(directory, expected, check_files=False)
             same_world = manifest.pp * manifest.dp == state.world_size
             present.extend(_data_files(state, metadata.storage_data, same_world, load_optimizer))
-            _take_files(locate, fetch, step, directory, present, expected)
+            verified.update(_take_files(locate, fetch, step, directory, present, expected))
 
         _agree(state, _attempt(take_data), _FALL_BACK)
-        return load(state, root, iteration=step, load_optimizer=load_optimizer, present=present)
+        return load(state, root, iteration=step, load_optimizer=load_optimizer, present=present,
+                    verified=verified)
     finally:
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
@@ -266,8 +269,9 @@ def _data_files(state: CheckpointState, storage: dict, same_world: bool, load_op
 
 
 def _take_files(locate: Callable[[str], Any], fetch: Fetch, step: int, directory: Path, files: Collection[str],
-                expected: dict[str, tuple[int, str]] | None) -> None:
-    """Take the blobs of ``files`` into ``directory``, each from its holder, in one request per holder."""
+                expected: dict[str, tuple[int, str]] | None) -> set[str]:
+    """Take the blobs of ``files`` into ``directory``, each from its holder, in one request per holder (or a few);
+    returns the files checked on arrival."""
     by_holder: dict[Any, list[str]] = {}
     for file in files:
         name = blob_name(step, file)
@@ -276,13 +280,17 @@ def _take_files(locate: Callable[[str], Any], fetch: Fetch, step: int, directory
         except KeyError:
             raise HandoverError(f"no host is known to hold blob {printable(name)}", hint=_FALL_BACK) from None
         by_holder.setdefault(holder, []).append(file)
+    verified: set[str] = set()
     for holder, group in by_holder.items():
         for start in range(0, len(group), _BATCH):  # a request's names and its reply's header stay bounded
-            _take_from(holder, fetch, step, directory, group[start:start + _BATCH], expected)
+            verified |= _take_from(holder, fetch, step, directory, group[start:start + _BATCH], expected)
+    return verified
 
 
 def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: list[str],
-               expected: dict[str, tuple[int, str]] | None) -> None:
+               expected: dict[str, tuple[int, str]] | None) -> set[str]:
+    """Take ``files`` from ``holder``; returns those whose bytes the fetch checked against the manifest's sha256
+    on arrival (the load need not hash them again)."""
     names = {blob_name(step, f): f for f in files}
     where = printable(str(holder))
     mapped: dict[str, mmap.mmap | None] = {}
@@ -307,7 +315,7 @@ def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: lis
     first = printable(next(iter(names)))
     what = f"blob {first}" if len(names) == 1 else f"blobs {first} and {len(names) - 1} more"
     try:
-        fetch(holder, list(names), into, bound)
+        checked = fetch(holder, list(names), into, bound)
     except VarunaError as exc:
         raise HandoverError(f"taking {what} from {where} failed: {exc.message}", hint=_FALL_BACK) from None
     except OSError as exc:
@@ -320,9 +328,19 @@ def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: lis
     missing = [name for name, file in names.items() if file not in mapped]
     if missing:
         raise HandoverError(f"holder {where} did not send blob {printable(missing[0])}", hint=_FALL_BACK)
+    verified = set()
+    for name, sha256 in (checked.items() if isinstance(checked, dict) else ()):
+        file = names.get(name)
+        if file is None or expected is None:
+            continue
+        if sha256 != expected[file][1]:
+            raise HandoverError(f"blob {printable(name)} on {where} is not the manifest's {file}: its sha256 "
+                                f"differs", hint=_FALL_BACK)
+        verified.add(file)
+    return verified
 
 
-def _attempt(fn: Callable[[], None]) -> tuple[str, str | None, type[VarunaError]] | None:
+def _attempt(fn: Callable[[], object]) -> tuple[str, str | None, type[VarunaError]] | None:
     """``fn()``; a VarunaError it raises, as (message, hint, class), for :func:`_agree`."""
     try:
         fn()

@@ -600,7 +600,7 @@ def _kv_store(state: CheckpointState):
 
 def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | str = "latest",
          check_complete: bool = True, run: str | None = None, load_optimizer: bool = True,
-         present: Collection[str] | None = None) -> int:
+         present: Collection[str] | None = None, verified: Collection[str] = ()) -> int:
     """Restore parameters, buffers, optimizer state, loss scaler, iteration, seed and RNG from a checkpoint
     written under any partition (collective), all or nothing. Returns the step loaded; the run continues under
     the checkpoint's run id.
@@ -628,7 +628,8 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
     manifest = _agreed(state, lambda: _manifest_of(directory, step))
     expected = {e.path: (e.bytes, e.sha256) for e in manifest.files} if check_complete else None
     reader = _agreed(state, lambda: RawReader(directory, expected, rank=state.rank, world=state.world_size,
-                                              listed=[e.path for e in manifest.files], present=present))
+                                              listed=[e.path for e in manifest.files], present=present,
+                                              verified=verified))
     metadata = _agreed(state, lambda: reader.read_metadata().state_dict_metadata)
     groups = _agreed(state, lambda: _check_fits(state, directory, manifest, metadata, load_optimizer))
     plan = _Targets.build(state, metadata, manifest, load_optimizer)

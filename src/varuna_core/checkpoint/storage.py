@@ -560,12 +560,15 @@ class RawReader(StorageReader):
             files of its stage's tensors into a directory of its own): this rank then checks every one of them
             (no other rank sees them), and a read from any other file is refused. None: the directory holds
             every file, shared by the loading ranks.
+        verified: files whose bytes were already checked against the manifest's sha256 as they arrived (a
+            handover's take over the wire): not hashed again.
     """
 
     def __init__(self, path: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None,
                  rank: int = 0, world: int = 1, *, listed: Collection[str] | None = None,
-                 present: Collection[str] | None = None) -> None:
+                 present: Collection[str] | None = None, verified: Collection[str] = ()) -> None:
         super().__init__()
+        self.verified = set(verified)
         self.path = Path(path)
         self.expected = expected
         self.listed = listed
@@ -611,6 +614,7 @@ class RawReader(StorageReader):
             mine = {f for i, f in enumerate(data_files) if i % self.world == self.rank}
             if self.present is not None:
                 mine = {f for f in data_files if f in self.present}
+            mine -= self.verified
         unknown = sorted(set(per_file) - self.allowed) if self.allowed is not None else []
         if unknown:
             raise CheckpointError(f"refusing to load {self.path}: {unknown[0]} is not in the manifest")

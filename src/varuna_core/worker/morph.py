@@ -146,21 +146,23 @@ class Morph:
 
         return locate
 
-    def fetch(self, go: Go, timeout: float = 60.0) -> Callable[[Any, list[str], Callable[..., Any], int], None]:
+    def fetch(self, go: Go, timeout: float = 60.0) -> Callable[[Any, list[str], Callable[..., Any], int], object]:
         """``fetch(holder, names, into, max_bytes)`` for :func:`~varuna_core.checkpoint.handover.take`: from this
         host's own shelf when the holder is this host, else from the holder's shelf server."""
         assert go.shelf is not None  # a go from the shelves names it (checked when decoded)
         job, token, local = go.shelf, self.told.job_token or "", Shelf(go.shelf, root=self.staging)
 
-        def fetch(holder: tuple[str, str, int], names: list[str], into: Callable[..., Any], max_bytes: int) -> None:
+        def fetch(holder: tuple[str, str, int], names: list[str], into: Callable[..., Any],
+                  max_bytes: int) -> dict[str, str] | None:
             host, address, port = holder
             if host == self.told.host and all(local.has(name) for name in names):
                 for name in names:  # each file is checked against the manifest's sha256 as it is loaded
                     entry = local.get_into(name, lambda e: into(e.name, e.size), verify=False)
                     self.taken["local"] += entry.size
-                return
+                return None
             entries = fetch_into(address, port, job=job, token=token, names=names, max_bytes=max_bytes,
                                  into=lambda e: into(e.name, e.size), timeout=timeout)
             self.taken["remote"] += sum(e.size for e in entries.values())
+            return {name: entry.sha256 for name, entry in entries.items()}  # each checked as it arrived
 
         return fetch
