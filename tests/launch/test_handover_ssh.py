@@ -70,15 +70,23 @@ def test_a_job_on_hosts_that_share_no_file_system_morphs_by_handover(cluster, pl
     hosts = tmp_path / "hosts"
     _write(hosts, cluster.hosts_file_lines(1))
     run = tmp_path / "run"
+    marker = tmp_path / "took-then-died"
     launch = Launch([str(plan2), "--run-dir", str(run), "--ckpt-dir", str(STORE), "--hosts", str(hosts), "--morph",
-                     "--grace", "2", *cluster.launcher_args(), "--", *TRAIN, "--steps", "100000"], run, timeout=360)
+                     "--grace", "2", *cluster.launcher_args(), "--", "tests/launch/take_crash_worker.py", str(marker),
+                     *TRAIN[1:], "--steps", "100000"], run, timeout=360)
     lines = cluster.hosts_file_lines(1)
     shapes = _morph_through(launch, hosts, [lines[:1], lines, lines[:1]])
 
     events = launch.events()
     assert [(s["pp"], s["dp"], len(s["hosts"])) for s in shapes] == [(1, 1, 1), (1, 2, 2), (1, 1, 1)], shapes
+    # the shrink's new worker died right after taking its state (no store to fall back on): the old attempt kept
+    # serving it, and a new configuration took the same step again
+    assert marker.exists()
     goes = [e for e in events if e["event"] == "go"]
-    assert [g["source"] for g in goes] == ["shelf"] * 3, goes
+    assert [g["source"] for g in goes] == ["shelf"] * 4 and goes[0]["step"] == goes[1]["step"], goes
+    again = [e for e in events if e["event"] == "handover_again"]
+    assert len(again) == 1 and again[0]["attempt"] == 1 and again[0]["step"] == goes[0]["step"], again
+    assert "exited with code 3" in again[0]["reason"]
     assert not [e for e in events if e["event"] in ("signal", "warm_failed", "handover_lost")
                 and e.get("reason") != "SIGTERM"], events
     firsts = {e["attempt"]: e for e in events if e["event"] == "first_step"}

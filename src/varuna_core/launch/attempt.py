@@ -782,10 +782,12 @@ class Attempt:
     # ------------------------------------------------------------------------------------------------------
     # Stop
 
-    def stop(self, grace: float | None = None) -> None:
+    def stop(self, grace: float | None = None, *, retire: bool = True) -> None:
         """Stop every agent (its workers get SIGTERM, then SIGKILL after ``grace``) and wait for them; and the
-        attempt this one took over from, if it still serves its shelves."""
-        self._retire_now(wait=True)
+        attempt this one took over from, if it still serves its shelves (unless not ``retire``: the launcher may
+        hand that state over again)."""
+        if retire:
+            self._retire_now(wait=True)
         grace = self.opts.grace if grace is None else grace
         for agent in self.agents:
             agent.send(StopCommand(grace=grace))

@@ -252,6 +252,8 @@ class Manager:
         self.current = 0  # the number of the attempt that runs
         self.highest = 0  # the highest number given to an attempt (a warm one's included)
         self._handing_over: Attempt | None = None  # the attempt whose successor takes over next
+        self._orphan: tuple[Attempt, Outcome] | None = None  # an old attempt still serving a handover's state
+        self._retried: Outcome | None = None  # the handover tried a second time (once at most)
         self._warm: tuple[list[Host], Plan, str | None] = ([], plan, None)  # the successor's hosts, plan, why
         self._write_manager_file()
 
@@ -315,6 +317,9 @@ class Manager:
                     # not a restart: the job goes on at once without that host, which is checked again later
                     self._leave_out(outcome.unstarted, outcome.message, at_start=True)
                     hosts = self._reachable(outcome.hosts or self._wanted(), suspects=[])
+                elif outcome.kind is Ending.CRASH and (again := self._hand_over_again(outcome)) is not None:
+                    handover, retiring = again  # not a restart: the state is still on the old hosts' shelves
+                    continue
                 elif outcome.kind is Ending.CRASH:
                     if not opts.morph:
                         raise LaunchError(outcome.message, hint="--morph restarts a job from its last complete "
@@ -468,7 +473,13 @@ class Manager:
                 self._handing_over = attempt  # its agents serve their shelves until its successor retires them
                 self.files.event("handing_over", attempt=number)
             else:
-                attempt.stop()
+                # a successor that crashed before its first step leaves the state it took where it was: the
+                # attempt it took over from still serves it, for one more try (see run())
+                keep = (handover is not None and retiring is not None and not attempt.first_step_seen
+                        and outcome is not None and outcome.kind is Ending.CRASH and self._retried is not handover)
+                attempt.stop(retire=not keep)
+                self._orphan = (retiring, handover) if keep and retiring is not None and handover is not None \
+                    else None
                 self.files.event("stopped", attempt=number)
 
     # ------------------------------------------------------------------------------------------------------
@@ -512,6 +523,28 @@ class Manager:
         attempt.publish_by = self._publish_by()
         self._warm = (hosts, plan, why)
         return attempt
+
+    def _hand_over_again(self, crash: Outcome) -> tuple[Outcome, Attempt] | None:
+        """After a successor crashed before its first step: a new configuration on the hosts that answer, warm,
+        to take the same published state from the old attempt that still serves it (once per handover); None
+        when there is none to try (the crash then restarts from the store, as any crash)."""
+        orphan, self._orphan = self._orphan, None
+        if orphan is None:
+            return None
+        old, handover = orphan
+        self.current = old.number  # the attempt whose state the new one takes (for the warm-up's events)
+        self.reporter.event(f"the new configuration failed before its first step ({crash.message}); trying the "
+                            f"handover of step {handover.step} once more")
+        self.files.event("handover_again", attempt=old.number, step=handover.step, reason=crash.message)
+        try:
+            successor = self._warmup(self._reachable(crash.hosts or self._wanted(), suspects=crash.suspects))
+        except NoMorph:
+            successor = None
+        if successor is None:
+            old.stop()
+            return None
+        self._retried = again = dataclasses.replace(handover, successor=successor)
+        return again, old
 
     def _publish_by(self) -> float | None:
         """When the running workers must hand over even if the new ones are not all warm: before the first host
