@@ -300,9 +300,9 @@ class Varuna(nn.Module):
             save=lambda directory, **options: self.checkpoint(directory, **options),
             load=lambda directory, step: self.load_checkpoint(directory, iteration=step),
             progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told,
-            publish=lambda put, staging: self.publish_state(put, staging=staging),
-            take=lambda step, locate, fetch, staging: self.take_state(step=step, locate=locate, fetch=fetch,
-                                                                      staging=staging))
+            publish=lambda reserve: self.publish_state(reserve),
+            take=lambda step, locate, fetch, staging, link: self.take_state(step=step, locate=locate, fetch=fetch,
+                                                                            staging=staging, link=link))
         self.supervision.ready()
 
     # ------------------------------------------------------------------------------------------------------
@@ -400,26 +400,29 @@ class Varuna(nn.Module):
         finally:
             self._adopt(state)
 
-    def publish_state(self, put: Callable[[str, Any, dict], Any], *, staging: str | os.PathLike,
-                      step: int | None = None) -> dict[str, int]:
+    def publish_state(self, reserve: Callable[[int], Any], *, step: int | None = None) -> dict[str, int]:
         """Put a checkpoint of every rank's state into its own host's memory for a handover (collective; see
-        :mod:`varuna_core.checkpoint.handover`): ``put(name, data, meta)`` keeps a blob (``Shelf.put``), ``staging``
-        is a local tmpfs directory written first. Returns ``{blob name: rank}`` on every rank."""
+        :mod:`varuna_core.checkpoint.handover`): ``reserve(nbytes)`` gives room on this host's shelf
+        (``Shelf.reserve``), where each file is written once and becomes a blob. Returns ``{blob name: rank}`` on
+        every rank."""
         from .checkpoint.handover import publish
 
-        return publish(self._checkpoint_state(), put, staging=staging, step=step)
+        return publish(self._checkpoint_state(), reserve, step=step)
 
     def take_state(self, *, step: int, locate: Callable[[str], Any], fetch: Callable[..., None],
-                   staging: str | os.PathLike, load_optimizer: bool = True) -> int:
+                   staging: str | os.PathLike, load_optimizer: bool = True,
+                   link: Callable[..., tuple[int, str] | None] | None = None) -> int:
         """Restore from a checkpoint published into the hosts' memory (collective over the new ranks; after
         ``set_optimizer``), as :meth:`load_checkpoint` restores from a store, all or nothing: ``locate(name)``
-        names a blob's holder, ``fetch(holder, names, into, max_bytes)`` takes blobs from it (see
-        :mod:`varuna_core.checkpoint.handover`). Returns the step restored."""
+        names a blob's holder, ``fetch(holder, names, into, max_bytes)`` takes blobs from it, ``link(holder,
+        name, path)`` puts one of this host's in place (see :mod:`varuna_core.checkpoint.handover`). Returns the
+        step restored."""
         from .checkpoint.handover import take
 
         state = self._checkpoint_state()
         try:
-            return take(state, step=step, locate=locate, fetch=fetch, staging=staging, load_optimizer=load_optimizer)
+            return take(state, step=step, locate=locate, fetch=fetch, staging=staging, load_optimizer=load_optimizer,
+                        link=link)
         finally:
             self._adopt(state)
 

@@ -204,11 +204,12 @@ def publish_handover(vm, spec: dict) -> dict[str, int]:
     from varuna_core.launch.shelf import Shelf
 
     root = Path(spec["roots"][vm.rank])
-    return vm.publish_state(Shelf(spec["job"], root=root).put, staging=root / "staging")
+    return vm.publish_state(Shelf(spec["job"], root=root).reserve)
 
 
 def take_handover(vm, spec: dict) -> int:
-    """Take the published state from the shelf servers (this host's own shelf read directly)."""
+    """Take the published state from the shelf servers (this host's own shelf read directly, its data files linked
+    in place)."""
     from varuna_core.launch.shelf import Shelf, fetch_into
 
     servers, owners = spec["servers"], spec["owners"]
@@ -225,8 +226,15 @@ def take_handover(vm, spec: dict) -> int:
         fetch_into(host, int(port), job=spec["job"], token=spec["token"], names=names, max_bytes=max_bytes,
                    into=lambda entry: into(entry.name, entry.size), timeout=10)
 
+    def link(holder: str, name: str, path: Path) -> tuple[int, str] | None:
+        if local is None or holder != servers[own]:
+            return None
+        vm.taken_blobs = [*getattr(vm, "taken_blobs", []), name]
+        entry = local.link(name, path)
+        return entry.size, entry.sha256
+
     return vm.take_state(step=spec["step"], locate=lambda name: servers[owners[name]], fetch=fetch,
-                         staging=spec["staging"])
+                         staging=spec["staging"], link=link)
 
 
 def main(run_one=run_one) -> None:

@@ -27,7 +27,7 @@ def test_a_handover_from_the_gpu_through_host_memory_and_back(tmp_path) -> None:
     first, first_opt = _varuna(0, DEVICE)
     train(first, first_opt, 2, batch)
     shelf = Shelf("gpu-handover", root=tmp_path / "shm")
-    owners = first.publish_state(shelf.put, staging=tmp_path / "shm")
+    owners = first.publish_state(shelf.reserve)
     assert set(owners.values()) == {0} and all(shelf.has(name) for name in owners)
     saved = _state(first, first_opt)
 

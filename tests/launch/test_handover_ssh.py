@@ -154,8 +154,8 @@ def test_a_handover_that_cannot_happen_goes_through_the_store(shared, plan2, tmp
     goes = [e for e in events if e["event"] == "go"]
     assert [(g["attempt"], g["source"]) for g in goes] == [(shapes[1]["attempt"], "store")], goes
     reported = [e for e in events if e["event"] == "handover_failed"]
-    assert len(reported) == 1 and "does not fit on the shelf" in reported[0]["reason"], reported
+    assert len(reported) == 1 and "does not fit on its host's shelf" in reported[0]["reason"], reported
     log = (run / "logs" / "rank0.log").read_text()
-    assert "for a handover failed (" in log and "does not fit on the shelf of job" in log, log[-2000:]
+    assert "for a handover failed (" in log and "do not fit on the shelf of job" in log, log[-2000:]
     assert "writing it to the store instead" in log
     assert job_processes(launch.job()) == []

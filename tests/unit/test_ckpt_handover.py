@@ -5,6 +5,7 @@ servers are in ``tests/dist/test_handover.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 
@@ -14,6 +15,7 @@ import torch
 from tests.unit.test_ckpt_state import _state, _Tied
 from varuna_core.checkpoint.handover import blob_name, publish, take
 from varuna_core.errors import CheckpointError, HandoverError, ShelfFullError
+from varuna_core.launch.shelf import Shelf
 
 STEP = 3
 
@@ -26,11 +28,11 @@ def shelf(tmp_path) -> dict[str, tuple[bytes, dict]]:
     state = _state(model)
     for p in model.parameters():
         state.optimizer.state[p] = {"momentum_buffer": torch.full_like(p, 0.5)}
-    blobs: dict[str, tuple[bytes, dict]] = {}
-    owners = publish(state, lambda name, data, meta, sha256: blobs.__setitem__(name, (bytes(data), meta)),
-                     staging=tmp_path / "publish")
+    real = Shelf("job", root=tmp_path / "publish")
+    owners = publish(state, real.reserve)
+    blobs = {name: (bytes(real.get(name)), entry.meta) for name, entry in real.manifest().items()}
     assert owners == dict.fromkeys(blobs, 0)
-    assert not any((tmp_path / "publish").iterdir())  # the local copy is gone once on the shelf
+    assert sorted(p.suffix for p in real.path.iterdir() if p.name != ".lock") == [".blob"] * len(blobs)  # no copy
     for data, meta in blobs.values():
         assert meta == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "rank": 0}
     return blobs
@@ -138,16 +140,25 @@ def test_a_reader_of_some_files_checks_each_whole_and_reads_no_other(tmp_path) -
 
 
 def test_a_full_shelf_fails_the_publish_as_such_and_leaves_no_local_copy(tmp_path) -> None:
-    taken: list[str] = []
+    state = _state(_Tied())
+    small = Shelf("job", root=tmp_path / "publish", budget=1000)  # no room for the state: refused before writing
+    with pytest.raises(ShelfFullError, match=r"rank 0's state does not fit on its host's shelf: [0-9]+ bytes do not fit on the shelf of job"):
+        publish(state, small.reserve)
+    assert [p.name for p in small.path.iterdir()] == [".lock"]
 
-    def put(name, data, meta, sha256=None):
-        if name.endswith(".distcp"):
-            raise ShelfFullError(f"blob {name} does not fit", hint="use the store")
-        taken.append(name)
+    roomy = Shelf("job2", root=tmp_path / "publish")
+    real = roomy.reserve
+
+    @contextlib.contextmanager
+    def reserve(nbytes):  # room reserved, then the budget shrinks under it: the adoption that overflows fails
+        with real(16) as space:
+            roomy.budget = 4096
+            yield space
 
     with pytest.raises(ShelfFullError, match=re.escape(f"could not put {blob_name(STEP, '__0_0.distcp')}")):
-        publish(_state(_Tied()), put, staging=tmp_path / "publish")
-    assert not any((tmp_path / "publish").iterdir())
+        publish(state, reserve)
+    assert not [p for p in roomy.path.iterdir() if p.suffix in (".resv", ".staging", ".part")]  # room given back
+    assert not [n for n in roomy.names() if n.endswith(".distcp")]  # the small files before it may stay
 
 
 def test_a_file_checked_on_arrival_is_not_hashed_again_and_must_be_the_manifests(shelf, tmp_path,
@@ -187,3 +198,86 @@ def test_a_file_checked_on_arrival_is_not_hashed_again_and_must_be_the_manifests
     with pytest.raises(HandoverError, match="is not the manifest's"):
         take(state, step=STEP, locate=lambda name: "hostA", fetch=lying, staging=tmp_path / "c")
     _untouched(model, state, before)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A take on the holder's own host: blobs linked in place, not copied
+
+
+def _published(tmp_path) -> tuple[Shelf, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _Tied()
+    state = _state(model)
+    for p in model.parameters():
+        state.optimizer.state[p] = {"momentum_buffer": torch.randn_like(p)}
+    real = Shelf("job", root=tmp_path / "shm")
+    publish(state, real.reserve)
+    return real, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _from(real: Shelf, fetched: list[str]):
+    def fetch(holder, names, into, max_bytes):
+        fetched.extend(names)
+        for name in names:
+            real.get_into(name, lambda e: into(e.name, e.size))
+    return fetch
+
+
+def test_a_take_links_its_own_hosts_data_files_and_reads_them_in_place(tmp_path) -> None:
+    real, want = _published(tmp_path)
+    fetched: list[str] = []
+    model, state, _ = _fresh(tmp_path)
+    staging = tmp_path / "shm" / "take"
+    assert take(state, step=STEP, locate=lambda name: "here", fetch=_from(real, fetched), staging=staging,
+                link=lambda holder, name, path: _linked(real, name, path)) == STEP
+    assert state.restored and fetched and not [n for n in fetched if n.endswith(".distcp")]  # small files only
+    assert {n: p for n, p in model.named_parameters() if not torch.equal(p, want[n])} == {}
+    assert not any(staging.iterdir()) and len(real.names()) > len(fetched)  # the shelf keeps its blobs
+
+
+def _linked(real: Shelf, name: str, path) -> tuple[int, str]:
+    entry = real.link(name, path)
+    return entry.size, entry.sha256
+
+
+def test_a_linked_blob_must_be_the_manifests_by_size_and_by_its_writers_hash(tmp_path) -> None:
+    """A blob linked in place never left this host's memory since its writer hashed it: it is not hashed again,
+    but its size and its writer's sha256 must be the manifest's (a blob of another publish under the same name is
+    refused), with the state untouched."""
+    real, _ = _published(tmp_path)
+    data = blob_name(STEP, "__0_0.distcp")
+    model, state, before = _fresh(tmp_path)
+    for lie, match in [((3, None), f"blob {data} on this host's shelf holds 3 bytes"),
+                       ((None, "0" * 64), f"blob {data} on this host's shelf is not the manifest's __0_0.distcp")]:
+        def link(holder, name, path, lie=lie):
+            size, sha256 = _linked(real, name, path)
+            return (lie[0] or size, lie[1] or sha256) if name == data else (size, sha256)
+
+        with pytest.raises(HandoverError, match=re.escape(match)):
+            take(state, step=STEP, locate=lambda name: "here", fetch=_from(real, []), staging=tmp_path / "a",
+                 link=link)
+        _untouched(model, state, before)
+
+
+def test_a_reader_with_limits_reads_and_hashes_only_the_data(tmp_path) -> None:
+    """A file of which only the first bytes are the checkpoint's (a blob read in place, its entry after the data):
+    large tensors read straight into their targets and small ones through bounce buffers, whose rounded-up reads
+    see past the data; the hash is of the data alone, and a file shorter than its data is refused."""
+    from varuna_core.checkpoint.storage import RawReader, RawWriter, dcp_load, dcp_save
+
+    big, small = torch.randn(100_003), torch.randn(7)
+    writer = RawWriter(tmp_path, sync_files=False)
+    dcp_save({"model/big": big, "model/small": small}, writer)
+    expected = {f.path: (f.bytes, f.sha256) for f in writer.files}
+    data = tmp_path / "__0_0.distcp"
+    size = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(b"an entry after the data " * 300)
+    target = {"model/big": torch.zeros(100_003), "model/small": torch.zeros(7)}
+    dcp_load(target, RawReader(tmp_path, expected, present=[data.name], limits={data.name: size}), no_dist=True)
+    assert torch.equal(target["model/big"], big) and torch.equal(target["model/small"], small)
+    with pytest.raises(CheckpointError, match=r"size [0-9]+ != [0-9]+ in the manifest"):
+        dcp_load(dict(target), RawReader(tmp_path, expected, present=[data.name]), no_dist=True)
+    with pytest.raises(CheckpointError, match="truncated"):
+        dcp_load(dict(target), RawReader(tmp_path, expected, present=[data.name],
+                                         limits={data.name: data.stat().st_size + 1}), no_dist=True)

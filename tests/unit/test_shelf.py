@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -202,12 +203,13 @@ def test_a_put_the_file_system_cannot_hold_is_refused(tmp_path, monkeypatch) -> 
 
 
 def _damage(shelf: Shelf, name: str, *, cut: bool = False) -> None:
+    """Flips the blob's first data byte, or (``cut``) takes it out: the data is then shorter than its entry."""
     path = shelf._file(name)
     data = bytearray(path.read_bytes())
     if cut:
-        del data[-1]
+        del data[0]
     else:
-        data[-1] ^= 0xFF
+        data[0] ^= 0xFF
     path.write_bytes(bytes(data))
 
 
@@ -470,3 +472,111 @@ def test_a_writers_hash_is_recorded_and_every_read_still_checks_the_bytes(shelf)
     for bad in ("0" * 63, "G" * 64, 5, "A" * 64):
         with pytest.raises(HandoverError, match="64 lower-case hex digits"):
             shelf.put("bad", data, sha256=bad)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Blobs written in place (reserve, adopt) and read in place (link)
+
+def _staged(space, name: str, data: bytes):
+    path = space.directory / name
+    path.write_bytes(data)
+    return path, hashlib.sha256(data).hexdigest()
+
+
+def test_a_file_written_in_reserved_room_becomes_a_blob_without_a_copy(tmp_path) -> None:
+    shelf = Shelf(JOB, root=tmp_path, budget=10_000)
+    data = os.urandom(3000)
+    with shelf.reserve(6000) as space:
+        assert space.directory.parent == shelf.path and oct(space.directory.stat().st_mode & 0o777) == "0o700"
+        path, digest = _staged(space, "f", data)
+        inode = path.stat().st_ino
+        entry = space.adopt("step_1/__0_0.distcp", path, {"rank": 0}, sha256=digest)
+        assert not path.exists() and shelf._file("step_1/__0_0.distcp").stat().st_ino == inode  # renamed, not copied
+        assert (entry.size, entry.sha256, entry.meta) == (3000, digest, {"rank": 0})
+        with pytest.raises(ShelfFullError):  # 6000 reserved (3000 of it now a blob) + 5000 > 10_000
+            shelf.put("other", b"x" * 5000)
+        (space.directory / "left-over").write_bytes(b"never adopted")
+    assert bytes(shelf.get("step_1/__0_0.distcp")) == data
+    assert sorted(p.name for p in shelf.path.iterdir()) == sorted([".lock", shelf._file("step_1/__0_0.distcp").name])
+    shelf.put("other", b"x" * 5000)  # the unused room was given back
+
+
+def test_a_reservation_over_the_budget_or_the_free_space_is_refused(tmp_path, monkeypatch) -> None:
+    shelf = Shelf(JOB, root=tmp_path, budget=10_000)
+    shelf.put("a", b"x" * 6000)
+    with pytest.raises(ShelfFullError, match="do not fit"), shelf.reserve(5000):
+        pass
+    with shelf.reserve(3000) as space, pytest.raises(ShelfFullError, match="more than were reserved"):
+        space.adopt("b", _staged(space, "b", b"y" * 5000)[0], sha256="0" * 64)  # 2000 over the room, not in budget
+    assert shelf.names() == ["a"] and [p.suffix for p in shelf.path.iterdir() if p.suffix != ".blob"] == [""]
+    usage = type(shutil.disk_usage(tmp_path))
+    monkeypatch.setattr(shelf_mod.shutil, "disk_usage", lambda path: usage(100, 100, 10))
+    with pytest.raises(ShelfFullError, match="10 bytes free"), Shelf("job-2", root=tmp_path).reserve(11):
+        pass
+
+
+def test_only_a_regular_file_of_the_room_can_be_adopted(tmp_path) -> None:
+    shelf = Shelf(JOB, root=tmp_path)
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"secret")
+    with shelf.reserve(100) as space:
+        with pytest.raises(HandoverError, match="only a file of"):
+            space.adopt("a", outside, sha256="0" * 64)
+        (space.directory / "link").symlink_to(outside)
+        with pytest.raises(HandoverError, match="cannot adopt"):
+            space.adopt("a", space.directory / "link", sha256="0" * 64)
+        (space.directory / "dir").mkdir()
+        with pytest.raises(HandoverError):
+            space.adopt("a", space.directory / "dir", sha256="0" * 64)
+        path, _ = _staged(space, "f", b"data")
+        for bad in ("0" * 63, "G" * 64, None):
+            with pytest.raises(HandoverError, match="64 lower-case hex digits"):
+                space.adopt("a", path, sha256=bad)
+        with pytest.raises(HandoverError, match="bad blob name"):
+            space.adopt("", path, sha256="0" * 64)
+    assert shelf.names() == [] and outside.read_bytes() == b"secret"
+
+
+def test_link_gives_the_blobs_own_file_which_outlives_the_blob(shelf, tmp_path) -> None:
+    name = "blocks.0.attn.weight/exp_avg"
+    dest = shelf.path.parent / "taken"
+    entry = shelf.link(name, dest)
+    assert entry == shelf.manifest()[name] and dest.stat().st_ino == shelf._file(name).stat().st_ino
+    assert dest.read_bytes()[:entry.size] == _BLOBS[name]  # the data first, its entry after it
+    shelf.clear()
+    assert dest.read_bytes()[:entry.size] == _BLOBS[name]
+    with pytest.raises(HandoverError, match="no blob"):
+        shelf.link(name, tmp_path / "again")
+
+
+def test_link_refuses_a_missing_or_damaged_blob_and_leaves_nothing(shelf, tmp_path) -> None:
+    with pytest.raises(HandoverError, match="no blob"):
+        shelf.link("not-there", tmp_path / "x")
+    _damage(shelf, "blocks.0.attn.weight", cut=True)
+    with pytest.raises(HandoverError, match="damaged"):
+        shelf.link("blocks.0.attn.weight", tmp_path / "y")
+    assert not (tmp_path / "y").exists()
+    with pytest.raises(FileExistsError):  # the caller's own problem: it copies instead
+        shelf.link("empty", shelf._file("empty"))
+
+
+@pytest.mark.parametrize("tail", [
+    b"",  # nothing at all
+    b"VSHB",  # shorter than a trailer
+    struct.pack(">I4s", 2**31, b"VSHB"),  # an entry longer than any entry can be
+    struct.pack(">I4s", 10**6, b"VSHB"),  # an entry longer than the file
+    b"{}" + struct.pack(">I4s", 2, b"VSHB"),  # not an entry
+    b"[" * 5000 + struct.pack(">I4s", 5000, b"VSHB"),  # nested past any parser's depth
+    json_entry := b'{"name":"x","size":5,"sha256":"' + b"0" * 64 + b'","meta":{}}'
+    + struct.pack(">I4s", 89, b"VSHB"),  # the right blob name, but 0 bytes of data where it says 5
+    b"data!" + json_entry[:-8] + struct.pack(">I4s", 89, b"XSHB"),  # a wrong magic
+])
+def test_a_hostile_blob_file_is_refused_by_name_and_left_out_of_the_manifest(tmp_path, tail) -> None:
+    shelf = Shelf(JOB, root=tmp_path)
+    shelf.put("y", b"fine")
+    shelf._file("x").write_bytes(tail)
+    with pytest.raises(HandoverError, match="damaged"):
+        shelf.get("x")
+    with pytest.raises(HandoverError, match="damaged"):
+        shelf.link("x", tmp_path / "taken")
+    assert shelf.names() == ["y"] and not (tmp_path / "taken").exists()

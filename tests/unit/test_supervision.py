@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 
@@ -154,14 +155,18 @@ class Publisher(Trainer):
         self.taken: list[int] = []
         self.fail = fail
 
-    def publish(self, put, staging) -> dict[str, int]:
+    def publish(self, reserve) -> dict[str, int]:
         if self.fail is not None:
             raise self.fail
-        put(f"step_{self.iteration}/__0_0.distcp", memoryview(b"x" * 10), {"rank": 0})
+        name = f"step_{self.iteration}/__0_0.distcp"
+        with reserve(10) as space:
+            (space.directory / "__0_0.distcp").write_bytes(b"x" * 10)
+            space.adopt(name, space.directory / "__0_0.distcp", {"rank": 0},
+                        sha256=hashlib.sha256(b"x" * 10).hexdigest())
         self.published.append(self.iteration)
-        return {f"step_{self.iteration}/__0_0.distcp": 0}
+        return {name: 0}
 
-    def take(self, step, locate, fetch, staging) -> int:
+    def take(self, step, locate, fetch, staging, link) -> int:
         if self.fail is not None:
             raise self.fail
         self.taken.append(step)

@@ -37,8 +37,9 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -49,11 +50,9 @@ from ..util.text import printable
 from .layout import COMPLETE_FILE, MANIFEST_FILE, RUN_FILE, read_manifest, step_dir
 from .saveload import (
     _buffers,
-    _discard,
     _entries,
     _gather,
     _keys,
-    _make_staging,
     _manifest,
     _reason,
     _state_dict,
@@ -64,10 +63,22 @@ from .storage import INDEX_LIMIT, METADATA_FILE, RawWriter, dcp_save, read_metad
 
 __all__ = ["publish", "take", "blob_name"]
 
-Put = Callable[..., object]  # put(name, data, meta, sha256=...)
+
+
+class Space(Protocol):
+    """Room on a host's shelf (``launch.shelf.Space``): files written into :attr:`directory` become blobs."""
+
+    directory: Path
+
+    def adopt(self, name: str, path: Path, meta: dict[str, Any] | None = None, *, sha256: str) -> object: ...
+
+
+Reserve = Callable[[int], AbstractContextManager[Space]]  # reserve(nbytes): room on this host's shelf
 Into = Callable[[str, int], memoryview]
 Fetch = Callable[[Any, list[str], Into, int], object]  # may return {blob: sha256} of the blobs it checked
+Link = Callable[[Any, str, Path], "tuple[int, str] | None"]  # link(holder, name, path): (bytes, sha256) if linked
 
+_SLACK = 8192  # bytes of room per tensor beyond its own: alignment, the blob's entry, the index
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
 _BATCH = 1024  # files per request to one holder (a file per parameter: a large model has thousands)
 _SMALL_LIMIT = 2 * INDEX_LIMIT  # bytes of the small files together: the index's bound and the manifest's
@@ -98,49 +109,53 @@ def blob_name(step: int, file: str) -> str:
 # Publish
 
 
-def publish(state: CheckpointState, put: Put, *, staging: str | os.PathLike, step: int | None = None) -> dict[str, int]:
+def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None) -> dict[str, int]:
     """Put a checkpoint of every rank's state on each rank's own host's shelf (collective).
 
     Args:
         state: this rank's state; only read.
-        put: ``put(name, data, meta, sha256=...)`` keeps ``data`` under ``name`` in this host's memory (``Shelf.put``;
-            ``sha256`` is the writer's hash of the bytes).
-        staging: a local directory (a tmpfs, e.g. beside the shelf) where this rank writes its files first, in a
-            private directory removed once they are on the shelf.
+        reserve: ``reserve(nbytes)``, a context manager giving room on this host's shelf (``Shelf.reserve``): a
+            :class:`Space` whose directory this rank writes its files into, each then adopted as a blob.
         step: the checkpoint's number (default: the optimizer steps taken).
 
     Returns:
         On every rank, ``{blob name: rank that put it}``.
 
     Raises:
-        HandoverError, CheckpointError: on every rank, if any rank failed (what it wrote locally is removed; blobs
-            already put stay on their shelves until their owner clears them).
+        HandoverError, CheckpointError: on every rank, if any rank failed (what it wrote is removed; blobs
+            already adopted stay on their shelves until their owner clears them). A shelf without room for the
+            state fails as a :class:`~varuna_core.errors.ShelfFullError` on every rank: the caller uses the store.
     """
     step = state.iteration if step is None else integer("step", step, low=0)
-    local, problem = None, None
-    try:
-        local = _make_staging(Path(staging), state.run_id, state.rank, step)
-        if state.rank == 0:
-            atomic_write(local / RUN_FILE, f"{state.run_id}\n")
-    except OSError as exc:
-        problem = f"rank {state.rank} cannot create its staging directory in {staging}: {exc.strerror or exc}"
-    try:
-        _agree(state, problem, _KEEP_TRAINING)
-        assert local is not None  # every rank made one, or all raised above
-        writer = RawWriter(local, sync_files=False, group=by_parameter)  # tmpfs: nothing to sync
-        dcp_save(_state_dict(state, write_model=True), writer)  # a failure anywhere raises everywhere
-        files = [f.as_dict() for f in writer.files]
-        _agree(state, _complete_locally(state, step, local, _gather(state, files)), _KEEP_TRAINING)
-        names, failure = _put_files(state, put, step, local, files)
-        _agree(state, failure, _KEEP_TRAINING)
-        owners = _gather(state, names)
-    except BaseException as exc:
-        if isinstance(exc, (VarunaError, KeyboardInterrupt, SystemExit)):
-            raise
-        raise HandoverError(f"publishing step {step} failed on rank {state.rank}: {_reason(exc)}",
-                            hint=_KEEP_TRAINING) from None
-    finally:
-        _discard(local)
+    tensors = _state_dict(state, write_model=True)
+    need = sum(t.numel() * t.element_size() for t in tensors.values()) + _SLACK * (len(tensors) + 4)
+    with contextlib.ExitStack() as stack:
+        space, problem = None, None
+        try:
+            space = stack.enter_context(reserve(need))
+            if state.rank == 0:
+                atomic_write(Path(space.directory) / RUN_FILE, f"{state.run_id}\n")
+        except VarunaError as exc:
+            problem = (f"rank {state.rank}'s state does not fit on its host's shelf: {exc.message}", exc.hint,
+                       type(exc))
+        except OSError as exc:
+            problem = f"rank {state.rank} cannot write on its host's shelf: {_reason(exc)}"
+        try:
+            _agree(state, problem, _KEEP_TRAINING)
+            assert space is not None  # every rank has room, or all raised above
+            local = Path(space.directory)
+            writer = RawWriter(local, sync_files=False, group=by_parameter)  # tmpfs: nothing to sync
+            dcp_save(tensors, writer)  # a failure anywhere raises everywhere
+            files = [f.as_dict() for f in writer.files]
+            _agree(state, _complete_locally(state, step, local, _gather(state, files)), _KEEP_TRAINING)
+            names, failure = _adopt_files(state, space, step, local, files)
+            _agree(state, failure, _KEEP_TRAINING)
+            owners = _gather(state, names)
+        except BaseException as exc:
+            if isinstance(exc, (VarunaError, KeyboardInterrupt, SystemExit)):
+                raise
+            raise HandoverError(f"publishing step {step} failed on rank {state.rank}: {_reason(exc)}",
+                                hint=_KEEP_TRAINING) from None
     return {name: rank for rank, part in enumerate(owners) for name in part}
 
 
@@ -158,21 +173,23 @@ def _complete_locally(state: CheckpointState, step: int, local: Path, gathered: 
     return None
 
 
-def _put_files(state: CheckpointState, put: Put, step: int, local: Path,
-               files: list[dict[str, Any]]) -> tuple[list[str], str | tuple | None]:
-    """Put every file of ``local`` on the shelf; returns the blob names, and why not, if it failed (a
-    :class:`~varuna_core.errors.ShelfFullError` stays one on every rank: the caller then uses the store)."""
+def _adopt_files(state: CheckpointState, space: Space, step: int, local: Path,
+                 files: list[dict[str, Any]]) -> tuple[list[str], str | tuple | None]:
+    """Make every file of ``local`` a blob of the shelf, where it was written (no copy); returns the blob names,
+    and why not, if it failed (a :class:`~varuna_core.errors.ShelfFullError` stays one on every rank)."""
     reported = {f["path"]: f for f in files}
     names: list[str] = []
     name = ""
     try:
         for path in sorted(local.iterdir()):
             name = blob_name(step, path.name)
-            with _mapped(path) as data:
-                digest = reported[path.name]["sha256"] if path.name in reported else hashlib.sha256(data).hexdigest()
-                put(name, data, {"bytes": data.nbytes, "sha256": digest, "rank": state.rank}, sha256=digest)
+            if path.name in reported:
+                size, digest = reported[path.name]["bytes"], reported[path.name]["sha256"]
+            else:  # rank 0's small files (the run, the manifest, COMPLETE)
+                data = path.read_bytes()
+                size, digest = len(data), hashlib.sha256(data).hexdigest()
+            space.adopt(name, path, {"bytes": size, "sha256": digest, "rank": state.rank}, sha256=digest)
             names.append(name)
-            path.unlink()  # the shelf is the copy now
     except (OSError, ValueError, VarunaError) as exc:
         message = f"rank {state.rank} could not put {printable(name)} on its host's shelf: {_reason(exc)}"
         if isinstance(exc, VarunaError):
@@ -181,30 +198,12 @@ def _put_files(state: CheckpointState, put: Put, step: int, local: Path,
     return names, None
 
 
-@contextlib.contextmanager
-def _mapped(path: Path):
-    """The bytes of the file ``path``, mapped (no copy), as a read-only memoryview."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            yield memoryview(b"")
-            return
-        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-        view = memoryview(mapped)
-        try:
-            yield view
-        finally:
-            view.release()
-            with contextlib.suppress(BufferError):  # a view still held (a failed put's traceback): closed later
-                mapped.close()
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Take
 
 
 def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fetch: Fetch,
-         staging: str | os.PathLike, load_optimizer: bool = True) -> int:
+         staging: str | os.PathLike, load_optimizer: bool = True, link: Link | None = None) -> int:
     """Restore this rank's state from a checkpoint on the hosts' shelves (collective over the new ranks), as
     :func:`~varuna_core.checkpoint.saveload.load` restores it from a store, all or nothing.
 
@@ -216,6 +215,13 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
         fetch: ``fetch(holder, names, into, max_bytes)`` (see the module docstring).
         staging: a local directory (a tmpfs) for a private directory of this rank's files, removed afterwards.
         load_optimizer: as for ``load``.
+        link: ``link(holder, name, path)`` puts blob ``name`` at ``path`` without copying it when ``holder`` is
+            this host (a hard link to its shelf's file, ``Shelf.link``) and returns ``(bytes, sha256)`` of the data
+            at the file's start (its entry follows it) as its writer recorded them; None when it cannot (another
+            host, another file system): the blob is then fetched. Only data files are linked, and read in place by
+            the load. Both numbers must be the manifest's; the bytes are then not hashed again: they never left
+            this host's memory since the writer hashed them as it wrote them, in a directory that only the job's
+            user can write (what a hash protects against, a disk or a wire, they did not cross).
 
     Returns:
         The step loaded.
@@ -240,6 +246,7 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
         _agree(state, _attempt(lambda: _take_files(locate, fetch, step, directory, _SMALL_FILES, None)), _FALL_BACK)
         present: list[str] = []
         verified: set[str] = set()
+        limits: dict[str, int] = {}
 
         def take_data() -> None:
             manifest = read_manifest(directory)
@@ -247,11 +254,15 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
             metadata = read_metadata(directory, expected, check_files=False)
             same_world = manifest.pp * manifest.dp == state.world_size
             present.extend(_data_files(state, metadata.storage_data, same_world, load_optimizer))
-            verified.update(_take_files(locate, fetch, step, directory, present, expected))
+            linked = _link_files(locate, link, step, directory, present, expected) if link is not None else {}
+            limits.update(linked)
+            verified.update(linked)
+            rest = [f for f in present if f not in linked]
+            verified.update(_take_files(locate, fetch, step, directory, rest, expected))
 
         _agree(state, _attempt(take_data), _FALL_BACK)
         return load(state, root, iteration=step, load_optimizer=load_optimizer, present=present,
-                    verified=verified)
+                    verified=verified, limits=limits)
     finally:
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
@@ -266,6 +277,35 @@ def _data_files(state: CheckpointState, storage: dict, same_world: bool, load_op
     prefixes = tuple(f"optim/{key}/" for key, _ in keys) if load_optimizer and state.optimizer is not None else ()
     return sorted({loc.relative_path for index, loc in storage.items()
                    if index.fqn in wanted or (prefixes and index.fqn.startswith(prefixes))})
+
+
+def _link_files(locate: Callable[[str], Any], link: Link, step: int, directory: Path, files: Collection[str],
+                expected: dict[str, tuple[int, str]]) -> dict[str, int]:
+    """Link the blobs of ``files`` that this host holds into ``directory``; returns ``{file: bytes of its data}``
+    for those linked (the others are to be fetched)."""
+    linked: dict[str, int] = {}
+    for file in files:
+        name = blob_name(step, file)
+        try:
+            holder = locate(name)
+        except KeyError:
+            raise HandoverError(f"no host is known to hold blob {printable(name)}", hint=_FALL_BACK) from None
+        try:
+            got = link(holder, name, directory / file)
+        except VarunaError as exc:
+            raise HandoverError(f"taking blob {printable(name)} from this host's shelf failed: {exc.message}",
+                                hint=_FALL_BACK) from None
+        if got is None:
+            continue
+        size, sha256 = got
+        if size != expected[file][0]:
+            raise HandoverError(f"blob {printable(name)} on this host's shelf holds {size} bytes; the manifest says "
+                                f"{expected[file][0]}", hint=_FALL_BACK)
+        if sha256 != expected[file][1]:
+            raise HandoverError(f"blob {printable(name)} on this host's shelf is not the manifest's {file}: its "
+                                f"writer's sha256 differs", hint=_FALL_BACK)
+        linked[file] = size
+    return linked
 
 
 def _take_files(locate: Callable[[str], Any], fetch: Fetch, step: int, directory: Path, files: Collection[str],

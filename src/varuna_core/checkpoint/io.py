@@ -223,16 +223,18 @@ def open_source(path: str | os.PathLike, *, what: str = "checkpoint file",
     return fd
 
 
-def scatter_file(fd: int, pieces: list[tuple[int, np.ndarray]], digest: Sha256 | None = None) -> None:
+def scatter_file(fd: int, pieces: list[tuple[int, np.ndarray]], digest: Sha256 | None = None, *,
+                 size: int | None = None) -> None:
     """Fill each ``(file offset, destination)`` piece (a contiguous uint8 array) with the file's bytes there.
 
     The aligned middle of a piece whose address matches its offset modulo 4 KiB is read straight into it; the
     rest passes through aligned bounce buffers. ``READ_DEPTH`` reads are in flight at once (helper threads).
     With ``digest``, the whole file is read in order and hashed, block ``k``'s hash running while this thread
     copies block ``k + 1`` out; without, only what the pieces need is read. Pieces must not overlap and must
-    lie inside the file (the caller checks the size first).
+    lie inside the file (the caller checks the size first). ``size``: the file's first bytes that are read (and
+    hashed) at most; default, all of it.
     """
-    size = os.fstat(fd).st_size
+    size = os.fstat(fd).st_size if size is None else size
     order = sorted(pieces, key=lambda p: p[0])
     segments = _segments(size, order, whole=digest is not None)
     nbuf = READ_DEPTH + 1
@@ -262,7 +264,7 @@ def scatter_file(fd: int, pieces: list[tuple[int, np.ndarray]], digest: Sha256 |
 
         refill()
         for i, (start, length, into) in enumerate(segments):
-            n = reads.pop(i).result()
+            n = min(reads.pop(i).result(), max(size - start, 0))  # a rounded-up read may see past ``size``
             data = into if into is not None else buffers[slot[i]]
             if digest is not None:
                 digest.update(data[:n])  # also waits for the previous segment's hash

@@ -600,7 +600,8 @@ def _kv_store(state: CheckpointState):
 
 def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | str = "latest",
          check_complete: bool = True, run: str | None = None, load_optimizer: bool = True,
-         present: Collection[str] | None = None, verified: Collection[str] = ()) -> int:
+         present: Collection[str] | None = None, verified: Collection[str] = (),
+         limits: dict[str, int] | None = None) -> int:
     """Restore parameters, buffers, optimizer state, loss scaler, iteration, seed and RNG from a checkpoint
     written under any partition (collective), all or nothing. Returns the step loaded; the run continues under
     the checkpoint's run id.
@@ -613,6 +614,8 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
 
     ``present``: the data files this rank's ``store`` holds when it is a directory of its own holding only some
     (see :mod:`varuna_core.checkpoint.handover`): this rank checks each of them whole and reads from no other.
+    ``limits``: files whose data is only their first so many bytes (a shelf's blob, linked in place: its entry
+    follows the data); size and sha256 are checked on those bytes.
 
     Raises:
         CheckpointError: on every rank, with the model untouched: no such checkpoint, incomplete, a file
@@ -629,7 +632,7 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
     expected = {e.path: (e.bytes, e.sha256) for e in manifest.files} if check_complete else None
     reader = _agreed(state, lambda: RawReader(directory, expected, rank=state.rank, world=state.world_size,
                                               listed=[e.path for e in manifest.files], present=present,
-                                              verified=verified))
+                                              verified=verified, limits=limits))
     metadata = _agreed(state, lambda: reader.read_metadata().state_dict_metadata)
     groups = _agreed(state, lambda: _check_fits(state, directory, manifest, metadata, load_optimizer))
     plan = _Targets.build(state, metadata, manifest, load_optimizer)

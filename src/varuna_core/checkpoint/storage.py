@@ -562,13 +562,17 @@ class RawReader(StorageReader):
             every file, shared by the loading ranks.
         verified: files whose bytes were already checked against the manifest's sha256 as they arrived (a
             handover's take over the wire): not hashed again.
+        limits: ``file -> bytes``: files of which only the first bytes are the checkpoint's (a shelf's blob, read
+            in place: its entry follows the data); the rest is never read, and size and sha256 are of those bytes.
     """
 
     def __init__(self, path: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None,
                  rank: int = 0, world: int = 1, *, listed: Collection[str] | None = None,
-                 present: Collection[str] | None = None, verified: Collection[str] = ()) -> None:
+                 present: Collection[str] | None = None, verified: Collection[str] = (),
+                 limits: dict[str, int] | None = None) -> None:
         super().__init__()
         self.verified = set(verified)
+        self.limits = dict(limits or {})
         self.path = Path(path)
         self.expected = expected
         self.listed = listed
@@ -641,6 +645,12 @@ class RawReader(StorageReader):
         digest = Sha256() if check else None
         try:
             size = os.fstat(fd).st_size
+            limit = self.limits.get(name)
+            if limit is not None:
+                if size < limit:
+                    raise CheckpointError(f"refusing to load {self.path}: {self.path.name}/{name}: truncated ({size} "
+                                          f"bytes; its data is {limit})")
+                size = limit
             end = max((loc.offset + loc.length for loc, _ in chunks), default=0)
             if end > size:
                 raise CheckpointError(f"refusing to load {self.path}: {self.path.name}/{name}: truncated ({size} "
@@ -660,7 +670,7 @@ class RawReader(StorageReader):
                     raise CheckpointError(f"refusing to load {self.path}: {name}: the index gives {loc.length} bytes "
                                           f"for a chunk of {data.nbytes}", hint="the checkpoint index is corrupt")
                 pieces.append((loc.offset, data))
-            scatter_file(fd, pieces, digest)
+            scatter_file(fd, pieces, digest, size=size)
             if digest is not None and self.expected is not None:  # check: a file the manifest lists
                 _check(path, size, digest.hexdigest(), self.expected[name])
         finally:

@@ -9,17 +9,21 @@ and back), so the node agent that owns the shelf imports nothing heavy.
 
 **The shelf** is one directory per job on a tmpfs (``/dev/shm`` by default): memory that stays when the process
 that wrote it exits, and that any process of the job on the host can read. Each blob is one file, named after the
-SHA-256 of the blob's name (a name is never a path, so ``../x`` cannot leave the directory), holding its own
-manifest entry (name, size, SHA-256, a small JSON ``meta`` such as dtype and shape) in front of its bytes::
+SHA-256 of the blob's name (a name is never a path, so ``../x`` cannot leave the directory), holding its bytes
+followed by its own manifest entry (name, size, SHA-256, a small JSON ``meta`` such as dtype and shape)::
 
-    b"VSHB" | u32 big-endian L | L bytes of JSON {"name", "size", "sha256", "meta"} | size bytes of data
+    size bytes of data | L bytes of JSON {"name", "size", "sha256", "meta"} | u32 big-endian L | b"VSHB"
 
 so that the entry and the data are replaced together by one atomic rename: two processes putting blobs at once
 (or the same blob) never leave an entry that describes other bytes, and a reader that opened a file reads one
-consistent blob even if it is replaced meanwhile. A put reserves its bytes (``posix_fallocate``) under a lock on
-the directory after checking the shelf's byte budget, so that state which does not fit in host memory is refused
-(:class:`~varuna_core.errors.ShelfFullError`) before anything is copied, and the caller falls back to the store.
-Reads check size and hash against the entry.
+consistent blob even if it is replaced meanwhile. The entry comes *after* the data so that a file written where
+it will stay (a checkpoint's data file, whose offsets are the index's) becomes a blob by appending its entry and
+renaming it, without a copy: :meth:`Shelf.reserve` gives a writer a private directory on the shelf's file system
+and the room it asked for, :meth:`Space.adopt` turns each file written there into a blob. A put or a reservation
+takes its bytes under a lock on the directory after checking the shelf's byte budget, so that state which does not
+fit in host memory is refused (:class:`~varuna_core.errors.ShelfFullError`) before anything is copied, and the
+caller falls back to the store. Reads check size and hash against the entry; :meth:`Shelf.link` gives a reader on
+the same host the blob's file itself (a hard link), whose first ``size`` bytes are the data.
 
 **The wire** (TCP; one request per connection). Every frame is ``b"VSH1" | u32 big-endian L | L bytes of JSON``
 with ``L`` at most :data:`MAX_HEADER`, checked before anything is allocated. The client sends
@@ -70,7 +74,7 @@ from ..errors import HandoverError, ShelfFullError
 from ..util.text import printable, short_repr
 
 __all__ = ["MAX_NAME", "MAX_META", "MAX_JOB", "MAX_HEADER", "MAX_NAMES", "WINDOW", "DEFAULT_ROOT", "Entry",
-           "check_name", "shelf_key", "Shelf", "ShelfServer", "fetch", "fetch_into"]
+           "check_name", "shelf_key", "Shelf", "Space", "ShelfServer", "fetch", "fetch_into"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,8 @@ CHUNK = 1 << 20  # bytes per read when streaming
 _BLOB_MAGIC = b"VSHB"
 _FRAME_MAGIC = b"VSH1"
 _PREFIX = struct.Struct(">4sI")
+_TRAILER = struct.Struct(">I4s")  # after a blob's entry: its length, the magic
+_MAX_ENTRY = MAX_META + MAX_NAME * 12 + 256  # bytes of a blob's entry as JSON (a name escaped at worst)
 _REQUEST = b"varuna-shelf-request\0"
 _REPLY = b"varuna-shelf-reply\0"
 
@@ -202,12 +208,13 @@ class Shelf:
         finally:
             os.close(fd)
 
-    def _used(self, replacing: Path) -> int:
-        """Bytes of the shelf's files (blobs and reservations of puts under way), but the one ``replacing``."""
+    def _used(self, replacing: Path | None = None) -> int:
+        """Bytes of the shelf's files (blobs, puts under way, and what reservations have left: a ``.resv`` file's
+        size, sparse), but the one ``replacing``."""
         used = 0
         with os.scandir(self.path) as it:
             for item in it:
-                if item.name.endswith((".blob", ".part")) and item.path != str(replacing):
+                if item.name.endswith((".blob", ".part", ".resv")) and item.path != str(replacing):
                     with contextlib.suppress(FileNotFoundError):
                         used += item.stat(follow_symlinks=False).st_size
         return used
@@ -232,7 +239,7 @@ class Shelf:
         meta_text = _meta_text({} if meta is None else meta)
         view = memoryview(data).cast("B")
         entry = Entry(name, view.nbytes, "0" * 64, json.loads(meta_text))  # hashed as it is written, below
-        total = len(_head(entry)) + view.nbytes
+        total = view.nbytes + len(_tail(entry))  # the entry's length does not depend on the hash
         target = self._file(name)
         part = self.path / f"{target.stem}.{secrets.token_hex(8)}.part"
         with self._locked():
@@ -250,18 +257,81 @@ class Shelf:
                 raise
         try:
             with os.fdopen(fd, "wb") as out:
-                out.seek(len(_head(entry)))
                 digest = hashlib.sha256() if sha256 is None else None
                 for start in range(0, view.nbytes, CHUNK):  # one pass: each chunk hashed while it is in cache
                     if digest is not None:
                         digest.update(view[start:start + CHUNK])
                     out.write(view[start:start + CHUNK])
                 entry = dataclasses.replace(entry, sha256=digest.hexdigest() if digest is not None else str(sha256))
-                out.seek(0)
-                out.write(_head(entry))
+                out.write(_tail(entry))
             os.replace(part, target)
         except BaseException:
             part.unlink(missing_ok=True)
+            raise
+        return entry
+
+    @contextlib.contextmanager
+    def reserve(self, nbytes: int) -> Iterator[Space]:
+        """Room for ``nbytes`` of blobs written in place: a private directory on the shelf's file system, where a
+        writer puts files that :meth:`Space.adopt` then turns into blobs by a rename (no copy). Everything left in
+        the directory, and whatever of the room was not used, is given back when the block ends.
+
+        The room is a sparse ``.resv`` file of ``nbytes`` that counts against the budget until blobs take its
+        place; the file system's free space is checked too (best effort: a tmpfs that fills up meanwhile fails
+        the writer's write, which the caller treats as the shelf being full).
+
+        Raises:
+            ShelfFullError: ``nbytes`` do not fit in the budget or in the file system's free space.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise HandoverError(f"a reservation is a number of bytes >= 0, got {short_repr(nbytes)}")
+        token = secrets.token_hex(8)
+        resv, directory = self.path / f"{token}.resv", self.path / f"{token}.staging"
+        with self._locked():
+            used = self._used() if self.budget is not None else 0
+            if self.budget is not None and used + nbytes > self.budget:
+                raise ShelfFullError(f"{nbytes} bytes do not fit on the shelf of job {printable(self.job)}: {used} of "
+                                     f"{self.budget} bytes are taken",
+                                     hint="the state does not fit in host memory: use the checkpoint store")
+            free = shutil.disk_usage(self.path).free
+            if free < nbytes:
+                raise ShelfFullError(f"{nbytes} bytes do not fit in {self.path.parent} ({free} bytes free)",
+                                     hint="the state does not fit in host memory: use the checkpoint store")
+            fd = os.open(resv, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+            directory.mkdir(mode=0o700)
+        try:
+            yield Space(self, directory, resv)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+            resv.unlink(missing_ok=True)
+
+    def link(self, name: str, path: str | os.PathLike[str]) -> Entry:
+        """Makes ``path`` (a new name on the shelf's file system) the blob's file itself, a hard link: its first
+        ``entry.size`` bytes are the data, then the entry. Nothing is copied, and the link stays whole whatever
+        happens to the blob on the shelf afterwards (replaced, removed). The entry is checked, not the data's hash.
+
+        Raises:
+            HandoverError: no such blob, or its file is damaged (``path`` is then not left behind).
+            OSError: the link cannot be made (another file system, ``path`` exists): the caller copies instead.
+        """
+        check_name(name)
+        if not self._check_dir():
+            raise HandoverError(f"no blob {printable(name)} on the shelf of job {printable(self.job)}")
+        try:
+            os.link(self._file(name), path, follow_symlinks=False)
+        except FileNotFoundError:
+            if not Path(path).parent.is_dir():
+                raise
+            raise HandoverError(f"no blob {printable(name)} on the shelf of job {printable(self.job)}") from None
+        try:
+            with open(path, "rb") as stream:  # the linked file, not the name: it may have been replaced meanwhile
+                entry = self._checked(name, stream)
+        except BaseException:
+            Path(path).unlink(missing_ok=True)
             raise
         return entry
 
@@ -270,8 +340,9 @@ class Shelf:
         return self._check_dir() and self._file(check_name(name)).is_file()
 
     def open(self, name: str) -> tuple[Entry, io.BufferedReader]:
-        """The blob's entry and its file, positioned at the data (the caller closes it). The entry is checked, and
-        the file's size against it; the data's hash is not (:meth:`get` checks it).
+        """The blob's entry and its file, positioned at the data (offset 0; the caller closes it, and reads no more
+        than ``entry.size`` bytes). The entry is checked, and the file's size against it; the data's hash is not
+        (:meth:`get` checks it).
 
         Raises:
             HandoverError: no such blob, or its file is damaged.
@@ -283,17 +354,23 @@ class Shelf:
         except FileNotFoundError:
             raise HandoverError(f"no blob {printable(name)} on the shelf of job {printable(self.job)}") from None
         try:
+            entry = self._checked(name, stream)
+        except BaseException:
+            stream.close()
+            raise
+        return entry, stream
+
+    def _checked(self, name: str, stream: BinaryIO) -> Entry:
+        """The entry of the blob file ``stream`` (left at the data's start), if it is blob ``name``'s; raises
+        HandoverError."""
+        try:
             entry = _read_entry(stream)
             if entry.name != name:
                 raise ValueError(f"it holds {printable(entry.name)}")
-            left = os.fstat(stream.fileno()).st_size - stream.tell()
-            if left != entry.size:
-                raise ValueError(f"{left} bytes of data where its entry says {entry.size}")
-        except (ValueError, struct.error) as exc:
-            stream.close()
+        except (ValueError, struct.error, OSError) as exc:
             raise HandoverError(f"blob {printable(name)} on the shelf of job {printable(self.job)} is damaged: "
-                                f"{exc}") from None
-        return entry, stream
+                                f"{printable(exc)}") from None
+        return entry
 
     def get_into(self, name: str, into: Callable[[Entry], memoryview], *, verify: bool = True) -> Entry:
         """Reads the blob into the buffer ``into(entry)`` returns (a writable memoryview of exactly ``entry.size``
@@ -367,10 +444,72 @@ class Shelf:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _head(entry: Entry) -> bytes:
-    """What a blob's file holds in front of its data (its length does not depend on the hash)."""
-    header = json.dumps(entry.as_json(), separators=(",", ":")).encode()
-    return _BLOB_MAGIC + struct.pack(">I", len(header)) + header
+class Space:
+    """Room reserved on a shelf (:meth:`Shelf.reserve`): :attr:`directory` is private to its writer, on the
+    shelf's own file system, and each file written there becomes a blob with :meth:`adopt`."""
+
+    def __init__(self, shelf: Shelf, directory: Path, resv: Path) -> None:
+        self.shelf, self.directory, self._resv = shelf, directory, resv
+
+    def adopt(self, name: str, path: str | os.PathLike[str], meta: dict[str, Any] | None = None, *,
+              sha256: str) -> Entry:
+        """Turns the file ``path`` of :attr:`directory` into blob ``name`` (replacing a blob of that name): its
+        entry is appended and the file renamed onto the shelf, where it takes the room it was written in.
+
+        ``sha256`` is the writer's hash of the file's bytes (a checkpoint's files are hashed as they are written);
+        as for :meth:`Shelf.put`, every reader that verifies checks the bytes against it.
+
+        Raises:
+            ShelfFullError: the file is larger than the room left and the rest does not fit in the budget.
+            HandoverError: a bad name, meta or hash, or ``path`` is not a regular file of :attr:`directory`.
+        """
+        shelf = self.shelf
+        check_name(name)
+        if not isinstance(sha256, str) or len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+            raise HandoverError(f"a blob's sha256 is 64 lower-case hex digits, got {short_repr(sha256)}")
+        meta_text = _meta_text({} if meta is None else meta)
+        path = Path(path)
+        if path.parent != self.directory:
+            raise HandoverError(f"only a file of {self.directory} can become a blob, not {printable(str(path))}")
+        try:
+            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as exc:
+            raise HandoverError(f"cannot adopt {printable(str(path))} as blob {printable(name)}: "
+                                f"{printable(exc.strerror or exc)}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise HandoverError(f"{printable(str(path))} is not a regular file: it cannot become a blob")
+            entry = Entry(name, info.st_size, sha256, json.loads(meta_text))
+            tail = _tail(entry)
+            try:
+                os.pwrite(fd, tail, info.st_size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise ShelfFullError(f"blob {printable(name)} does not fit in {shelf.path.parent}",
+                                         hint="the state does not fit in host memory: use the checkpoint store") \
+                        from None
+                raise
+        finally:
+            os.close(fd)
+        total, target = info.st_size + len(tail), shelf._file(name)
+        with shelf._locked():
+            left = os.stat(self._resv).st_size
+            over = max(0, total - left)  # bytes beyond the room reserved: new to the budget
+            if over and shelf.budget is not None and shelf._used(target) + over > shelf.budget:
+                raise ShelfFullError(f"blob {printable(name)} ({info.st_size} bytes) does not fit on the shelf of job "
+                                     f"{printable(shelf.job)}: {over} bytes more than were reserved, over the "
+                                     f"budget of {shelf.budget}",
+                                     hint="the state does not fit in host memory: use the checkpoint store")
+            os.replace(path, target)
+            os.truncate(self._resv, left - min(left, total))
+        return entry
+
+
+def _tail(entry: Entry) -> bytes:
+    """What a blob's file holds after its data (its length does not depend on the hash)."""
+    text = json.dumps(entry.as_json(), separators=(",", ":")).encode()
+    return text + _TRAILER.pack(len(text), _BLOB_MAGIC)
 
 
 def _writable(buffer: memoryview, size: int, what: str) -> memoryview:
@@ -398,14 +537,29 @@ def _reserve(fd: int, size: int, path: Path) -> None:
 
 
 def _read_entry(stream: BinaryIO) -> Entry:
-    """The entry at the start of a blob's file; raises ValueError or struct.error."""
-    magic, length = _PREFIX.unpack(stream.read(_PREFIX.size))
-    if magic != _BLOB_MAGIC or length > MAX_META + MAX_NAME * 12 + 256:
+    """The entry at the end of a blob's file, checked against the file's size; leaves ``stream`` at the data's
+    start. Raises ValueError or struct.error."""
+    end = os.fstat(stream.fileno()).st_size
+    if end < _TRAILER.size:
         raise ValueError("not a blob")
+    stream.seek(end - _TRAILER.size)
+    length, magic = _TRAILER.unpack(stream.read(_TRAILER.size))
+    if magic != _BLOB_MAGIC or length > _MAX_ENTRY or length + _TRAILER.size > end:
+        raise ValueError("not a blob")
+    data = end - _TRAILER.size - length
+    stream.seek(data)
     text = stream.read(length)
     if len(text) != length:
         raise ValueError("its entry is cut short")
-    return _entry(json.loads(text))
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise ValueError("its entry is nested too deeply") from None
+    entry = _entry(doc)
+    if entry.size != data:
+        raise ValueError(f"{data} bytes of data where its entry says {entry.size}")
+    stream.seek(0)
+    return entry
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -612,7 +766,7 @@ class ShelfServer:
             sock.settimeout(self.timeout)
             sock.sendall(reply)
             for entry, stream in zip(entries, files, strict=True):
-                if entry.size and sock.sendfile(stream, stream.tell(), entry.size) != entry.size:
+                if entry.size and sock.sendfile(stream, 0, entry.size) != entry.size:
                     log.warning("shelf server of job %s: blob %s shrank on the shelf while sent to peer %s",
                                 printable(self.shelf.job), printable(entry.name), peer)
                     return None  # the peer sees the transfer cut short

@@ -146,6 +146,25 @@ class Morph:
 
         return locate
 
+    def link(self, go: Go) -> Callable[[Any, str, Path], tuple[int, str] | None]:
+        """``link(holder, name, path)`` for :func:`~varuna_core.checkpoint.handover.take`: a blob of this host's own
+        shelf put at ``path`` as its file itself (a hard link, no copy), and its data's size and sha256 as its
+        writer recorded them; None for another host's blob, or where no link can be made (then it is fetched)."""
+        assert go.shelf is not None
+        local = Shelf(go.shelf, root=self.staging)
+
+        def link(holder: tuple[str, str, int], name: str, path: Path) -> tuple[int, str] | None:
+            if holder[0] != self.told.host or not local.has(name):
+                return None
+            try:
+                entry = local.link(name, path)
+            except OSError:
+                return None
+            self.taken["local"] += entry.size
+            return entry.size, entry.sha256
+
+        return link
+
     def fetch(self, go: Go, timeout: float = 60.0) -> Callable[[Any, list[str], Callable[..., Any], int], object]:
         """``fetch(holder, names, into, max_bytes)`` for :func:`~varuna_core.checkpoint.handover.take`: from this
         host's own shelf when the holder is this host, else from the holder's shelf server."""

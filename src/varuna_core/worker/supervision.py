@@ -95,17 +95,17 @@ class Supervision:
         save: ``save(directory, tempdir=..., background=..., keep=...)`` writes a checkpoint of the current step
             (collective) and returns the ``Future`` of a background write, or anything else.
         load: ``load(directory, step)`` restores that checkpoint (collective) and returns the step loaded.
-        publish: ``publish(put, staging)`` puts a checkpoint of the current step on this host's shelf
-            (collective; ``Varuna.publish_state``); returns ``{blob: rank}``.
-        take: ``take(step, locate, fetch, staging)`` restores the state the old ranks published (collective;
-            ``Varuna.take_state``); returns the step loaded.
+        publish: ``publish(reserve)`` puts a checkpoint of the current step on this host's shelf, in the room
+            ``reserve(nbytes)`` gives (collective; ``Varuna.publish_state``); returns ``{blob: rank}``.
+        take: ``take(step, locate, fetch, staging, link)`` restores the state the old ranks published
+            (collective; ``Varuna.take_state``); returns the step loaded.
         progress: the current :class:`Progress` (iteration, compute time of the last step, total steps).
     """
 
     def __init__(self, rank: int, *, stage: int = 0, replica: int = 0, samples: int | None = None,
                  save: Callable[..., Any], load: Callable[[str, int], int],
                  progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None,
-                 publish: Callable[[Callable[..., Any], Path], dict[str, int]] | None = None,
+                 publish: Callable[[Callable[..., Any]], dict[str, int]] | None = None,
                  take: Callable[..., int] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load, self._publish, self._take = save, load, publish, take
@@ -295,7 +295,7 @@ class Supervision:
         else:
             assert self._take is not None and go.step is not None  # a go from the shelves names its step
             try:
-                step = self._take(go.step, morph.locate(go), morph.fetch(go), morph.staging)
+                step = self._take(go.step, morph.locate(go), morph.fetch(go), morph.staging, morph.link(go))
             except (CheckpointError, HandoverError) as exc:
                 if go.fallback_step is None or self.ckpt_dir is None:
                     raise
@@ -331,7 +331,7 @@ class Supervision:
         iteration = self._now().iteration
         morph = self.morph
         try:
-            owners = self._publish(morph.shelf.put, morph.staging)
+            owners = self._publish(morph.shelf.reserve)
         except (CheckpointError, HandoverError) as exc:  # ShelfFullError is a HandoverError
             log.warning("rank %d: publishing step %d for a handover failed (%s); writing it to the store instead",
                         self.rank, iteration, exc.message)
