@@ -142,7 +142,8 @@ def test_a_reader_of_some_files_checks_each_whole_and_reads_no_other(tmp_path) -
 def test_a_full_shelf_fails_the_publish_as_such_and_leaves_no_local_copy(tmp_path) -> None:
     state = _state(_Tied())
     small = Shelf("job", root=tmp_path / "publish", budget=1000)  # no room for the state: refused before writing
-    with pytest.raises(ShelfFullError, match=r"rank 0's state does not fit on its host's shelf: [0-9]+ bytes do not fit on the shelf of job"):
+    refused = r"rank 0's state does not fit on its host's shelf: [0-9]+ bytes do not fit on the shelf of job"
+    with pytest.raises(ShelfFullError, match=refused):
         publish(state, small.reserve)
     assert [p.name for p in small.path.iterdir()] == [".lock"]
 

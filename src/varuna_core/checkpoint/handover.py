@@ -130,7 +130,8 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
     tensors = _state_dict(state, write_model=True)
     need = sum(t.numel() * t.element_size() for t in tensors.values()) + _SLACK * (len(tensors) + 4)
     with contextlib.ExitStack() as stack:
-        space, problem = None, None
+        space: Space | None = None
+        problem: str | tuple[str, str | None, type[VarunaError]] | None = None
         try:
             space = stack.enter_context(reserve(need))
             if state.rank == 0:
