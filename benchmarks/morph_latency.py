@@ -27,7 +27,8 @@ configuration:
 * **ask**: decision -> the old workers are asked to stop (handover: once the new ones are warm);
 * **finish**: -> the last step of the old configuration (the step in progress when asked);
 * **state out**: -> every old rank published its state on its host's shelf (handover) / wrote its checkpoint to
-  the store and exited (restart);
+  the store and exited (restart); of it, **publish** (second table) is the publish itself, from the first rank's
+  start to the last rank's end (the rest: the last step's optimizer step and the next step's start);
 * **relaunch**: -> handover: the launcher sends the go; restart: old agents gone, new hosts checked, re-planned,
   new workers started (built their model);
 * **take / load**: -> every new rank holds the state (handover: from its own host's shelf and over the wire;
@@ -248,6 +249,8 @@ def analyse(run: Path, path: str, t_change: float, old: int, store_bytes: int | 
                          "state out": published["t_published"] - last["t"],
                          "relaunch": go["t"] - published["t_published"], "take": take,
                          "first step": first_new["t"] - first["t_resumed"]},
+            "publish_s": published["t_published"] - published["t_publishing"] if published.get("t_publishing")
+            else None,  # of "state out": the publish itself, from the first rank's start to the last rank's end
             "published_bytes": published.get("bytes"), "bytes_local": local, "bytes_remote": remote,
             "rate_MBps": (local + remote) / take / 1e6 if take > 0 else None,
         })
@@ -548,13 +551,14 @@ def tables(report: dict) -> str:
         if sc["error"]:
             out.append(f"| {sc['model']} | — | {sc['path']} | ERROR: {sc['error'][:300]} |")
     out.append("")
-    head = ["model", "morph", "path", "state (MB)", "same host (MB)", "across hosts (MB)", "take/load (s)",
-            "rate (MB/s)", "step old (s)", "step old while warming (s)"]
+    head = ["model", "morph", "path", "state (MB)", "publish (s)", "same host (MB)", "across hosts (MB)",
+            "take/load (s)", "rate (MB/s)", "step old (s)", "step old while warming (s)"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "---|" * len(head))
     for sc in report["scenarios"]:
         for row in sc["rows"]:
-            cells = [sc["model"], row["morph"], row["path"], _mb(row["published_bytes"]), _mb(row["bytes_local"]),
+            cells = [sc["model"], row["morph"], row["path"], _mb(row["published_bytes"]), _f(row.get("publish_s")),
+                     _mb(row["bytes_local"]),
                      _mb(row["bytes_remote"]), _f(row["phases_s"]["take"]), _f(row["rate_MBps"], ".0f"),
                      _f(row["step_old_s"]), _f(row.get("step_old_warming_s"))]
             out.append("| " + " | ".join(cells) + " |")

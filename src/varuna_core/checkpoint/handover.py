@@ -4,26 +4,30 @@ back by the new ranks from those hosts, with no file system that the hosts share
 **Publish** (:func:`publish`, collective over the old ranks): each rank writes its part of the checkpoint of one
 step, with the same machinery as :func:`~varuna_core.checkpoint.saveload.save` (the same DCP entries under the
 model's names, raw ``.distcp`` files hashed while written, the same manifest; but a file per parameter, with its
-optimizer state, rather than one per rank: :func:`by_parameter`), into a private directory on its own host; rank 0
-completes the manifest from every rank's reported size and sha256, since it cannot see the other hosts' files. Each
-rank then puts each of its files on its host's shelf as a blob named ``step_<N>/<file>`` (meta: ``bytes``,
-``sha256``, ``rank``), removes its local copy (the shelf is the copy), and every rank returns the same map from blob
-name to the rank that holds it, for whoever starts the new ranks to tell them where each blob lives.
+optimizer state, rather than one per rank: :func:`by_parameter`), straight into room reserved on its own host's
+shelf (a private directory on the shelf's tmpfs, refused before anything is written if the state does not fit);
+rank 0 completes the manifest from every rank's reported size and sha256, since it cannot see the other hosts'
+files. Each rank then adopts each of its files as a blob named ``step_<N>/<file>`` (meta: ``bytes``, ``sha256``,
+``rank``): a rename, so that every byte is written once, and every rank returns the same map from blob name to
+the rank that holds it, for whoever starts the new ranks to tell them where each blob lives.
 
 **Take** (:func:`take`, collective over the new ranks): each rank takes, into a private staging directory of its
 own, the blobs ``RUN``, ``COMPLETE``, the manifest and the index, then reads the index to find which data files
 hold its stage's tensors (its parameters, their optimizer state, its buffers and, under the same world size, its
-RNG state) and takes only those; then it loads them with :func:`~varuna_core.checkpoint.saveload.load`, which
-checks every file it holds against the manifest's size and sha256 and changes no live tensor unless everything
-is right. The staging directory is removed afterwards, whatever happened.
+RNG state) and takes only those: a blob of its own host's shelf is linked in place (no copy), one of another host
+arrives over the wire, hashed as it comes; then it loads them with
+:func:`~varuna_core.checkpoint.saveload.load`, which checks every file against the manifest's size and sha256
+(hashing those it did not see arrive or linked) and changes no live tensor unless everything is right. The
+staging directory is removed afterwards, whatever happened.
 
 Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its wire
-live. A publish gets ``put(name, data, meta, sha256=...)`` (``Shelf.put`` as it is); a take gets ``locate(name)``,
+live. A publish gets ``reserve(nbytes)`` (``Shelf.reserve`` as it is); a take gets ``locate(name)``,
 the holder of a blob (any value the ``fetch`` callable understands: ``"host:port"``, or a marker for this host's own
 shelf), and ``fetch(holder, names, into, max_bytes)``, which puts each blob's bytes into the writable buffer
 ``into(name, size)`` returns, checked against the blob's hash (it may return ``{name: sha256}`` of the blobs it
 checked on arrival: a file whose hash is the manifest's is then not hashed again by the load; ``Shelf.get_into`` or
-``shelf.fetch_into``, each wrapped in a few lines). A failure anywhere raises on every rank:
+``shelf.fetch_into``, each wrapped in a few lines), and may get ``link(holder, name, path)`` (``Shelf.link``, for
+a holder on this host). A failure anywhere raises on every rank:
 :class:`~varuna_core.errors.HandoverError` naming the blob and its holder for a blob that cannot be had,
 :class:`~varuna_core.errors.CheckpointError` for a checkpoint that does not fit; the live state is then as it was.
 """

@@ -589,6 +589,7 @@ class Attempt:
             published = self._published() == outcome.step
             if published:
                 self.files.event("published", attempt=self.number, step=outcome.step,
+                                 t_publishing=min(beats[r].get("t_publishing") or 0.0 for r in range(self.world)),
                                  t_published=max(beats[r].get("t_published") or 0.0 for r in range(self.world)),
                                  bytes=sum(beats[r].get("published_bytes") or 0 for r in range(self.world)))
             return dataclasses.replace(outcome, successor=successor, published=published)

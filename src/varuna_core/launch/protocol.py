@@ -486,7 +486,8 @@ BEAT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "compute_time": _optional(_real), "samples": _optional(_count), "total_steps": _optional(_count),
     "stage": _optional(_count), "replica": _optional(_count), "checkpointed": _optional(_count),
     "t_start": _optional(_real), "t_ready": _optional(_real), "t_resumed": _optional(_real),
-    "t_checkpointed": _optional(_real), "published": _optional(_count), "t_published": _optional(_real),
+    "t_checkpointed": _optional(_real), "published": _optional(_count), "t_publishing": _optional(_real),
+    "t_published": _optional(_real),
     "published_bytes": _optional(_count), "t_warm": _optional(_real), "t_taken": _optional(_real),
     "taken_local": _optional(_count), "taken_remote": _optional(_count), "handover_failed": _optional(_text),
 }

@@ -330,6 +330,7 @@ class Supervision:
             self._pending = None
         iteration = self._now().iteration
         morph = self.morph
+        started = time.time()
         try:
             owners = self._publish(morph.shelf.reserve)
         except (CheckpointError, HandoverError) as exc:  # ShelfFullError is a HandoverError
@@ -345,8 +346,8 @@ class Supervision:
         log.info("rank %d: published step %d on its host's shelf (%d blobs, %d bytes); stopping", self.rank,
                  iteration, len(mine), size)
         if self.beacon is not None:
-            self.beacon.progress(step=iteration, checkpointed=iteration, published=iteration, t_published=time.time(),
-                                 published_bytes=size)
+            self.beacon.progress(step=iteration, checkpointed=iteration, published=iteration, t_publishing=started,
+                                 t_published=time.time(), published_bytes=size)
             self.beacon.flush()
         self._leave()
         raise SystemExit(EXIT_CHECKPOINTED)
