@@ -184,6 +184,9 @@ class Varuna(nn.Module):
         self.loss_reduction, self.precision, self.plan = config.loss_reduction, config.precision, config.plan
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
+        # a warm worker of a morph parks its stage in host memory until the go: the worker it replaces still fills
+        # the GPU (allocate at the handover, not before; DESIGN.md §3.8)
+        self._park = torch.device("cpu") if told.handover == "wait" and self.device.type != "cpu" else None
         self.seed, self.run_id = agree_seed_and_run(config.seed, self.world_size, told.run_id)
         try:  # this rank's own work: an error here is every rank's (agree_started), not a peer's timeout
             reference = self._prepare(model, config, dummy_inputs, input_batch_dims, from_cache, validate, init,
@@ -254,6 +257,8 @@ class Varuna(nn.Module):
         self.partition = choose_partition(config.partition, model, self.structure, self.pp)
         if validate is None:
             validate = config.cutpoints == "auto"
+        if validate:
+            self._park = None  # the validation runs the stage where it computes
         self._validation_rng = (self.seed, -(2**40))  # a stream no step or evaluation draws
         reference = None
         if validate:
@@ -268,17 +273,28 @@ class Varuna(nn.Module):
         self.ties: list[TieSet] = find_tie_sets(model, self.structure, self.partition, self.weight_groups)
         self.stage_slice = StageSlice(model, self.structure, self.partition, self.stage, self.ties, self.device,
                                       placeholders="real" if cutpoints == "auto" else "meta", values=values,
-                                      written=self._modes.other_writes)
+                                      written=self._modes.other_writes, park=self._park)
         if values is not None and values.weights is not None:
             load_stage_weights(model, values.weights, self.weight_groups)
         self.module = model
 
     def _connect(self, model: nn.Module) -> None:
-        """The groups that keep replicas and tied copies in step (collective), and their first sync."""
+        """The groups that keep replicas and tied copies in step (collective), and their first sync (a parked
+        stage's once it is on its device: :meth:`_unpark`)."""
         self.groups = build_groups(self.topology, self.ties, self.stage, self.replica, self.world_size, self.timeout)
         self._tied = tie_params(model, self.ties, self.stage)
-        sync_initial_state(self.stage_slice, model, self.groups, self._tied, self.topology, self.stage,
-                           self.replica, self.world_size)
+        if self.stage_slice.park is None:
+            sync_initial_state(self.stage_slice, model, self.groups, self._tied, self.topology, self.stage,
+                               self.replica, self.world_size)
+
+    def _unpark(self) -> None:
+        """A warm worker's go (collective over the new ranks): its parked stage moves onto its device, where the
+        state it takes then lands, and replicas and tied copies start from the same values."""
+        if self.stage_slice.unpark():
+            sync_initial_state(self.stage_slice, self.module, self.groups, self._tied, self.topology, self.stage,
+                               self.replica, self.world_size)
+            log.info("rank %d: stage moved onto %s at the handover (%.1f MB of parameters)", self.rank, self.device,
+                     self.stage_slice.parameter_bytes() / 2**20)
 
     def _communicate(self, bucket_mb: float) -> None:
         """Gradient buckets and their sync, the loss scaler, the step counter."""
@@ -302,7 +318,8 @@ class Varuna(nn.Module):
             progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told,
             publish=lambda reserve: self.publish_state(reserve),
             take=lambda step, locate, fetch, staging, link: self.take_state(step=step, locate=locate, fetch=fetch,
-                                                                            staging=staging, link=link))
+                                                                            staging=staging, link=link),
+            arrive=self._unpark)
         self.supervision.ready()
 
     # ------------------------------------------------------------------------------------------------------

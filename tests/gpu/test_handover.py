@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from tests.gpu.common import BATCH, DEVICE, train
+from tests.gpu.common import BATCH, DEVICE, needs_real_gpu, train
 from tests.gpu.test_checkpoint import _state, _varuna
 from tests.models import batch
+from varuna_core import Varuna
 from varuna_core.launch.shelf import Shelf
 from varuna_core.worker.morph import holder_rank
 
@@ -48,3 +49,71 @@ def test_a_handover_from_the_gpu_through_host_memory_and_back(tmp_path) -> None:
     assert got == want
     after = _state(first, first_opt)
     assert [n for n, t in _state(back, back_opt).items() if not torch.equal(t, after[n])] == []
+
+
+def test_a_warm_worker_takes_no_device_memory_for_its_stage_until_the_go(tmp_path, monkeypatch) -> None:
+    """A worker started beside the one it replaces (``VARUNA_HANDOVER=wait``) builds its stage in host memory --
+    each module initialised on the GPU, one at a time, then moved -- so the old worker keeps the device while the
+    new one warms up. At the go the stage moves onto the GPU (parameters keep their identity: the optimizer built
+    over them meanwhile still holds them) and takes the published state there: every tensor and the next step are
+    the original run's."""
+    from varuna_core.launch.protocol import Go, ShelfHolder
+    from varuna_core.worker import morph as morph_mod
+
+    first, first_opt = _varuna(0, DEVICE)
+    train(first, first_opt, 2, batch)
+    shelf_root = tmp_path / "shm"
+    shelf = Shelf("job-w-a1", root=shelf_root)
+    first.publish_state(shelf.reserve)
+    saved = _state(first, first_opt)
+    want, _ = first.step(batch(BATCH, 2))
+    first_opt.step()
+    after = _state(first, first_opt)
+
+    for key, value in {"HANDOVER": "wait", "SHELF_DIR": str(shelf_root), "JOB_ID": "job-w", "JOB_TOKEN": "t" * 32,
+                       "ATTEMPT": "2", "HOST": "here"}.items():
+        monkeypatch.setenv(f"VARUNA_{key}", value)
+    go = Go(attempt=2, source="shelf", step=2, shelf="job-w-a1", holders=[ShelfHolder(host="here", address="x",
+                                                                                       port=1)])
+    monkeypatch.setattr(morph_mod.Morph, "wait_for_go", lambda self, timeout=0: go)
+    warm, warm_opt = _varuna(9, DEVICE)  # set_optimizer is the resume point: the go (patched) comes at once
+    assert warm.stage_slice.park is None and {p.device.type for p in warm.parameters()} == {DEVICE}
+    assert all(any(p is q for q in warm.parameters()) for group in warm_opt.param_groups for p in group["params"])
+    assert [n for n, t in _state(warm, warm_opt).items() if not torch.equal(t, saved[n])] == []
+    got, _ = warm.step(batch(BATCH, 2))
+    warm_opt.step()
+    assert got == want
+    assert [n for n, t in _state(warm, warm_opt).items() if not torch.equal(t, after[n])] == []
+
+
+def test_a_parked_stage_is_built_where_it_computes_and_held_in_host_memory(monkeypatch) -> None:
+    """What the warm worker holds before its go: parameters in host memory with the values a cold start builds on
+    the GPU (a model built on meta is initialised there, module by module), and no device memory for them."""
+    needs_real_gpu("device memory accounting and the GPU's own random streams")
+    from model import GPT, GPTConfig
+
+    from varuna_core import meta_init
+
+    def build(**env):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        with meta_init():
+            model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=256))
+        x = torch.randint(0, 64, (4, 16))
+        return Varuna(model, "0", {"idx": x, "targets": x}, batch_size=4, chunk_size=2, device=DEVICE, seed=5,
+                      init=GPT.init_module)
+
+    cold = {n: p.detach().cpu() for n, p in build().named_parameters()}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    warm = build(VARUNA_HANDOVER="wait", VARUNA_SHELF_DIR="/dev/shm", VARUNA_JOB_ID="job-p",
+                 VARUNA_JOB_TOKEN="t" * 32)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    size = sum(p.numel() * p.element_size() for p in warm.parameters())
+    assert {p.device.type for p in warm.parameters()} == {"cpu"} and held < size / 4, (held, size)
+    assert {n for n, p in warm.named_parameters() if not torch.equal(p.detach(), cold[n])} == set()
+    params = list(warm.parameters())
+    warm._unpark()
+    assert {p.device.type for p in warm.parameters()} == {"cuda"} and list(warm.parameters()) == params
+    assert {n for n, p in warm.named_parameters() if not torch.equal(p.detach().cpu(), cold[n])} == set()

@@ -126,6 +126,14 @@ class _SkipMetaWrites(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` (a parameter stays a parameter of its class, with its attributes)."""
+    if tensor.device == device:
+        return tensor
+    data = tensor.detach().to(device)
+    return _new_param(tensor, data) if isinstance(tensor, nn.Parameter) else data
+
+
 def _as_meta(param: nn.Parameter) -> nn.Parameter:
     """``param`` on ``meta``, same class and attributes."""
     return _new_param(param, param.detach().to("meta"))
@@ -150,7 +158,7 @@ def _new_param(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
 
 
 def materialize(model: nn.Module, *, seed: int, init: Init | None = None, device: Any = "cpu",
-                modules: Selection = None) -> nn.Module:
+                modules: Selection = None, park: Any = None) -> nn.Module:
     """Allocate every ``meta`` parameter and buffer of the selected modules on ``device`` and initialise it,
     with values that depend only on ``seed`` and the tensor's owner, not on which other modules are
     materialised, in which order, or in which process. Returns ``model`` (changed in place).
@@ -170,6 +178,10 @@ def materialize(model: nn.Module, *, seed: int, init: Init | None = None, device
             qualified name (``""`` is the root) or a collection of names. Default: all. A tied weight held by a
             selected module is materialised (initialised by its first owner) and put in every slot that holds
             it, so both names point to one tensor, as a stage holds its tied weights.
+        park: where the tensors are kept once initialised (default: ``device``). Each owner's tensors are made
+            and initialised on ``device`` (so their values are ``device``'s) and moved to ``park`` at once: a warm
+            worker builds its stage's values on a GPU that another process still fills, one module at a time, and
+            holds them in host memory until its turn comes (:meth:`~varuna_core.model.stage.StageSlice.unpark`).
 
     Raises:
         ConfigError: a bad ``seed``/``init``/``device``, an unknown name in ``modules``, or a tensor that no
@@ -188,9 +200,11 @@ def materialize(model: nn.Module, *, seed: int, init: Init | None = None, device
     owners = [(name, m) for name, m in named if any(owner_of[id(t)] is m for t in _own_meta(m) if id(t) in wanted)]
     all_modules = dict(model.named_modules(remove_duplicate=False))
     made: dict[int, torch.Tensor] = {}
+    park = None if park is None else torch.device(park)
     with _forked_rng(device), torch.no_grad():
         for name, owner in owners:
-            made.update(_init_owner(model, all_modules, name, owner, owner_of, seed, init, device))
+            fresh = _init_owner(model, all_modules, name, owner, owner_of, seed, init, device)
+            made.update(fresh if park is None or park == device else {k: _moved(v, park) for k, v in fresh.items()})
     for m, kind, key in slots:
         old = getattr(m, kind)[key]
         if id(old) in wanted:

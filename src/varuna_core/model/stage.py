@@ -180,6 +180,10 @@ class StageSlice:
         written: buffer slots the forward writes besides ``structure.buffer_writes`` (those of the other mode's
             structure); with them, :attr:`buffer_writes` keeps what a recompute, an evaluation or a validation
             run must not change twice (see [Note: buffer writes]).
+        park: where this stage's tensors wait until :meth:`unpark` moves them to ``device`` (default: they are
+            on ``device`` from the start). A warm worker of a morph (DESIGN.md §3.8) parks its stage in host memory
+            while the worker it replaces still fills the GPU; values made by ``values`` are still ``device``'s
+            (each module initialised there, then moved), so the stage is the one a cold start would build.
 
     Raises:
         CutPointError: a module attribute that the forward writes in a segment of one stage is read in a segment
@@ -198,6 +202,7 @@ class StageSlice:
         values: ValueSource | None = None,
         state_checks: bool = True,
         written: Iterable[str] = (),
+        park: torch.device | None = None,
     ) -> None:
         # [Note: module state]; a profiler timing one segment alone has no use for the check
         relied = check_state_crossings(model, structure.module_state, partition) if state_checks else {}
@@ -214,6 +219,7 @@ class StageSlice:
         self.is_first = stage == 0
         self.is_last = stage == partition.num_stages - 1
         self.device = device
+        self.park = park if park is not None and park != device else None
         self.ties = ties
         self._ctx = _Context()
         cuts = find_cutpoints(model)
@@ -272,7 +278,7 @@ class StageSlice:
                     continue
                 full = f"{module_name}.{pname}" if module_name else pname
                 source = canonical_obj[tie_of[full].canonical] if full in tie_of else param
-                target_device = self.device if full in keep else torch.device("meta")
+                target_device = self.home if full in keep else torch.device("meta")
                 key = (id(source), target_device.type)
                 if key not in moved:
                     data = source.detach().to(target_device)
@@ -282,7 +288,7 @@ class StageSlice:
             for bname, buf in list(module._buffers.items()):
                 if buf is not None:
                     full = f"{module_name}.{bname}" if module_name else bname
-                    module._buffers[bname] = buf.to(self.device if full in needed_buffers else "meta")
+                    module._buffers[bname] = buf.to(self.home if full in needed_buffers else "meta")
         names: list[tuple[str, nn.Parameter]] = []
         seen: dict[int, int] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -307,7 +313,28 @@ class StageSlice:
             raise ConfigError(f"stage {self.stage} holds {on_meta[0]!r}, which is on the meta device, and no values "
                               f"were given for it", hint="pass seed= (and init=) for a model built on meta")
         materialize(self.model, seed=self.values.seed, init=self.values.init, device=self.device,
-                    modules={n.rpartition(".")[0] for n in on_meta})
+                    modules={n.rpartition(".")[0] for n in on_meta}, park=self.park)
+
+    @property
+    def home(self) -> torch.device:
+        """Where this stage's tensors are now: ``park`` until :meth:`unpark`, then ``device``."""
+        return self.park or self.device
+
+    def unpark(self) -> bool:
+        """Move a parked stage's parameters and buffers to ``device`` (parameters keep their identity: an
+        optimizer built over them meanwhile still holds them). Returns whether anything was parked."""
+        if self.park is None:
+            return False
+        with torch.no_grad():
+            for param in {id(p): p for _, p in self.model.named_parameters(remove_duplicate=False)}.values():
+                if param.device == self.park:
+                    param.data = param.data.to(self.device)
+            for module in self.model.modules():
+                for bname, buf in list(module._buffers.items()):
+                    if buf is not None and buf.device == self.park:
+                        module._buffers[bname] = buf.to(self.device)
+        self.park = None
+        return True
 
     def _skip_tables(self) -> tuple[dict, dict, dict, dict]:
         """Where this stage puts received skipped tensors and takes the ones it sends on.

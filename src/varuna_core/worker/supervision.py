@@ -99,6 +99,8 @@ class Supervision:
             ``reserve(nbytes)`` gives (collective; ``Varuna.publish_state``); returns ``{blob: rank}``.
         take: ``take(step, locate, fetch, staging, link)`` restores the state the old ranks published
             (collective; ``Varuna.take_state``); returns the step loaded.
+        arrive: called once by a warm worker when the go has come, before it takes or loads anything (collective
+            over the new ranks): the facade moves its parked stage onto its device then.
         progress: the current :class:`Progress` (iteration, compute time of the last step, total steps).
     """
 
@@ -106,9 +108,9 @@ class Supervision:
                  save: Callable[..., Any], load: Callable[[str, int], int],
                  progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None,
                  publish: Callable[[Callable[..., Any]], dict[str, int]] | None = None,
-                 take: Callable[..., int] | None = None) -> None:
+                 take: Callable[..., int] | None = None, arrive: Callable[[], None] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
-        self._save, self._load, self._publish, self._take = save, load, publish, take
+        self._save, self._load, self._publish, self._take, self._arrive = save, load, publish, take, arrive
         self._progress = progress
         self.started = _process_start()
         told = WorkerEnv.from_environ() if told is None else told
@@ -288,6 +290,8 @@ class Supervision:
             self.beacon.flush()
         log.info("rank %d is warm: waiting for the launcher's go", self.rank)
         go = morph.wait_for_go()
+        if self._arrive is not None:
+            self._arrive()
         if go.source == "none":
             log.info("rank %d: the old configuration made no step; starting at step 0", self.rank)
         elif go.source == "store":
