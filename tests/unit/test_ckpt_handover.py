@@ -282,3 +282,20 @@ def test_a_reader_with_limits_reads_and_hashes_only_the_data(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="truncated"):
         dcp_load(dict(target), RawReader(tmp_path, expected, present=[data.name],
                                          limits={data.name: data.stat().st_size + 1}), no_dist=True)
+
+
+def test_a_take_in_place_reads_the_model_straight_into_the_live_tensors(tmp_path) -> None:
+    """A warm worker's live state is worth nothing yet: its take reads the parameters into them (no second copy of
+    the model), with the same result as a take that checks everything first."""
+    real, want = _published(tmp_path)
+    model, state, _ = _fresh(tmp_path)
+    where = {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert take(state, step=STEP, locate=lambda name: "here", fetch=_from(real, []), staging=tmp_path / "a",
+                link=lambda holder, name, path: _linked(real, name, path), in_place=True) == STEP
+    assert state.restored and {n: p for n, p in model.named_parameters() if not torch.equal(p, want[n])} == {}
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == where
+    momentum = {id(p): s["momentum_buffer"] for p, s in state.optimizer.state.items()}
+    _, other, _ = _fresh(tmp_path)
+    take(other, step=STEP, locate=lambda name: "here", fetch=_from(real, []), staging=tmp_path / "b")
+    assert all(torch.equal(momentum[id(p)], other.optimizer.state[q]["momentum_buffer"])
+               for (_, p), (_, q) in zip(state.params, other.params, strict=True))

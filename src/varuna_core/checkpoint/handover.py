@@ -208,7 +208,8 @@ def _adopt_files(state: CheckpointState, space: Space, step: int, local: Path,
 
 
 def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fetch: Fetch,
-         staging: str | os.PathLike, load_optimizer: bool = True, link: Link | None = None) -> int:
+         staging: str | os.PathLike, load_optimizer: bool = True, link: Link | None = None,
+         in_place: bool = False) -> int:
     """Restore this rank's state from a checkpoint on the hosts' shelves (collective over the new ranks), as
     :func:`~varuna_core.checkpoint.saveload.load` restores it from a store, all or nothing.
 
@@ -219,7 +220,8 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
             no host is known to hold.
         fetch: ``fetch(holder, names, into, max_bytes)`` (see the module docstring).
         staging: a local directory (a tmpfs) for a private directory of this rank's files, removed afterwards.
-        load_optimizer: as for ``load``.
+        load_optimizer, in_place: as for ``load`` (a warm worker takes in place: its live state is worth nothing
+            yet, and on a failure it loads the store or stops).
         link: ``link(holder, name, path)`` puts blob ``name`` at ``path`` without copying it when ``holder`` is
             this host (a hard link to its shelf's file, ``Shelf.link``) and returns ``(bytes, sha256)`` of the data
             at the file's start (its entry follows it) as its writer recorded them; None when it cannot (another
@@ -267,7 +269,7 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
 
         _agree(state, _attempt(take_data), _FALL_BACK)
         return load(state, root, iteration=step, load_optimizer=load_optimizer, present=present,
-                    verified=verified, limits=limits)
+                    verified=verified, limits=limits, in_place=in_place)
     finally:
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)

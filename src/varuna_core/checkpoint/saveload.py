@@ -601,7 +601,7 @@ def _kv_store(state: CheckpointState):
 def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | str = "latest",
          check_complete: bool = True, run: str | None = None, load_optimizer: bool = True,
          present: Collection[str] | None = None, verified: Collection[str] = (),
-         limits: dict[str, int] | None = None) -> int:
+         limits: dict[str, int] | None = None, in_place: bool = False) -> int:
     """Restore parameters, buffers, optimizer state, loss scaler, iteration, seed and RNG from a checkpoint
     written under any partition (collective), all or nothing. Returns the step loaded; the run continues under
     the checkpoint's run id.
@@ -616,6 +616,10 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
     (see :mod:`varuna_core.checkpoint.handover`): this rank checks each of them whole and reads from no other.
     ``limits``: files whose data is only their first so many bytes (a shelf's blob, linked in place: its entry
     follows the data); size and sha256 are checked on those bytes.
+    ``in_place``: read the parameters and buffers straight into the live tensors, without a copy of them to check
+    first: for a process whose live state is worth nothing yet (a warm worker of a morph, which on a failure
+    loads the store or stops), it spares allocating and copying the model once more. The rest is still all or
+    nothing (optimizer state, RNG, step).
 
     Raises:
         CheckpointError: on every rank, with the model untouched: no such checkpoint, incomplete, a file
@@ -635,7 +639,7 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
                                               verified=verified, limits=limits))
     metadata = _agreed(state, lambda: reader.read_metadata().state_dict_metadata)
     groups = _agreed(state, lambda: _check_fits(state, directory, manifest, metadata, load_optimizer))
-    plan = _Targets.build(state, metadata, manifest, load_optimizer)
+    plan = _Targets.build(state, metadata, manifest, load_optimizer, in_place)
     dcp_load(plan.target, reader)  # every file's size and sha256 checked on the way; a failure raises everywhere
     plan.commit(state, manifest, groups)
     _barrier(state)
@@ -795,13 +799,20 @@ class _Targets:
     rng_keys: list[str]
 
     @classmethod
-    def build(cls, state: CheckpointState, metadata: dict, manifest: Manifest, load_optimizer: bool) -> _Targets:
+    def build(cls, state: CheckpointState, metadata: dict, manifest: Manifest, load_optimizer: bool,
+              in_place: bool = False) -> _Targets:
         target: dict[str, torch.Tensor] = {}
+
+        def fresh(live: torch.Tensor) -> torch.Tensor:
+            if in_place and live.is_contiguous():
+                return live.detach()
+            return torch.zeros_like(live, memory_format=torch.contiguous_format).detach()
+
         params, buffers = _keys(state), _buffers(state)
         optim: dict[int, dict[str, torch.Tensor]] | None = {} if load_optimizer and state.optimizer is not None \
             else None
         for key, p in params:
-            target[f"model/{key}"] = torch.zeros_like(p, memory_format=torch.contiguous_format).detach()
+            target[f"model/{key}"] = fresh(p)
             if optim is not None:
                 prefix = f"optim/{key}/"
                 slots: dict[str, torch.Tensor] = {}
@@ -811,7 +822,7 @@ class _Targets:
                         target[name] = slots[name[len(prefix):]] = tensor
                 optim[id(p)] = slots
         for name, b in buffers.items():
-            target[f"buffer/{name}"] = torch.zeros_like(b, memory_format=torch.contiguous_format)
+            target[f"buffer/{name}"] = fresh(b)
         same_world = manifest.pp * manifest.dp == state.world_size
         rng_keys = [k for k in (f"rng/rank{state.rank}", f"rng_cuda/rank{state.rank}") if same_world and k in metadata]
         for key in rng_keys:
@@ -822,11 +833,13 @@ class _Targets:
         """Move the loaded state into the live model, optimizer and RNG, and the checkpoint's iteration, seed,
         run id and loss scaler state into ``state`` for the caller to adopt (nothing here can fail on the
         checkpoint's account: it was all checked)."""
-        with torch.no_grad():
+        with torch.no_grad():  # a target that is the live tensor (in_place) already holds its value
             for key, p in self.params:
-                p.copy_(self.target[f"model/{key}"])
+                if self.target[f"model/{key}"].data_ptr() != p.data_ptr():
+                    p.copy_(self.target[f"model/{key}"])
             for name, b in self.buffers.items():
-                b.copy_(self.target[f"buffer/{name}"])
+                if self.target[f"buffer/{name}"].data_ptr() != b.data_ptr():
+                    b.copy_(self.target[f"buffer/{name}"])
         if self.optim is not None and state.optimizer is not None:  # optim: built for this run's optimizer
             for _, p in self.params:
                 state.optimizer.state[p] = dict(self.optim.get(id(p), {}))
