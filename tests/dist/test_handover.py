@@ -157,3 +157,37 @@ def _untouched(got: dict) -> None:
     assert got["iteration"] == 0
     for name, value in got["params"].items():
         assert torch.equal(value, got["params_before"][name]), name
+
+
+def test_under_data_parallelism_each_host_keeps_its_stage_whole_and_a_holder_gone_costs_nothing(tmp_path) -> None:
+    """pp=1 x dp=2 published on two hosts: each rank writes half of the stage's files and keeps a copy of the other
+    half (its replica's, byte for byte, from its own tensors), but not its replica's RNG state. Host 1 is then
+    gone before the take: one rank on a third host takes everything from host 0, and the run goes on as if
+    uninterrupted."""
+    roots = [str(tmp_path / "host0"), str(tmp_path / "host1")]
+    run = _run(steps=STEP, publish={"at": STEP, "job": JOB, "roots": roots})
+    results = run_ranks({"map": "0,1", "timeout": 30, "runs": [run]}, 2, tmp_path / "publish", timeout=60)
+    for res in results:
+        assert res.returncode == 0, res.error
+    owners = results[0].result["runs"][0]["owners"]
+    shelves = [Shelf(JOB, root=root) for root in roots]
+    written = [{n for n, r in owners.items() if r == rank and n.endswith(".distcp")} for rank in (0, 1)]
+    assert written[0] and written[1]  # the writes are shared between the replicas
+    for rank, other in ((0, 1), (1, 0)):
+        held = {n for n in shelves[rank].names() if n.endswith(".distcp")}
+        copies = held - written[rank]
+        assert copies and copies < written[other], (rank, sorted(copies))
+        missing = written[other] - copies  # only the replica's first file, with its RNG state
+        assert missing == {f"step_{STEP}/__{other}_0.distcp"}, missing
+        for name in copies:
+            assert bytes(shelves[rank].get(name)) == bytes(shelves[other].get(name)), name
+    servers = _serve(roots)
+    try:
+        servers[1].close()  # host 1 is gone
+        take = _take(servers, owners, tmp_path, "take", roots=roots)
+        resumed = run_ranks({"map": "0", "timeout": 30, "runs": [_run(steps=2 * STEP, take=take)]}, 1,
+                            tmp_path / "take", timeout=90)
+    finally:
+        for server in servers:
+            server.close()
+    assert_resumed(resumed, *uninterrupted(steps_as("0,1", STEP, "0", STEP)), first=STEP)

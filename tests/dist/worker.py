@@ -233,8 +233,13 @@ def take_handover(vm, spec: dict) -> int:
         entry = local.link(name, path)
         return entry.size, entry.sha256
 
+    def holder_of(rank: int) -> str:
+        if not 0 <= rank < len(servers):
+            raise KeyError(rank)
+        return servers[rank]
+
     return vm.take_state(step=spec["step"], locate=lambda name: servers[owners[name]], fetch=fetch,
-                         staging=spec["staging"], link=link)
+                         staging=spec["staging"], link=link, holder_of=holder_of)
 
 
 def main(run_one=run_one) -> None:

@@ -299,3 +299,32 @@ def test_a_take_in_place_reads_the_model_straight_into_the_live_tensors(tmp_path
     take(other, step=STEP, locate=lambda name: "here", fetch=_from(real, []), staging=tmp_path / "b")
     assert all(torch.equal(momentum[id(p)], other.optimizer.state[q]["momentum_buffer"])
                for (_, p), (_, q) in zip(state.params, other.params, strict=True))
+
+
+def test_a_file_whose_holder_fails_comes_from_the_next_holder_and_none_left_is_named(tmp_path, caplog) -> None:
+    """With several holders for a file (its writer's, then its replicas' copies), a holder that fails -- gone,
+    sending less, damaged -- costs only a retry from the next; when every holder failed, the last failure is
+    raised, naming the blob and the holder."""
+    from varuna_core.checkpoint.handover import _take_files
+
+    blobs = {blob_name(STEP, "__0_1.distcp"): (b"x" * 100, {}), blob_name(STEP, "__0_2.distcp"): (b"y" * 50, {})}
+    expected = {"__0_1.distcp": (100, hashlib.sha256(b"x" * 100).hexdigest()),
+                "__0_2.distcp": (50, hashlib.sha256(b"y" * 50).hexdigest())}
+    asked: list[str] = []
+
+    def fetch(holder, names, into, max_bytes):
+        asked.append(holder)
+        if holder == "gone":
+            raise HandoverError(f"shelf peer {holder} refused the connection")
+        _fetch(blobs)(holder, names, into, max_bytes)
+
+    directory = tmp_path / "a"
+    directory.mkdir()
+    _take_files({f: ["gone", "replica"] for f in expected}, fetch, STEP, directory, expected)
+    assert asked == ["gone", "replica"] and (directory / "__0_1.distcp").read_bytes() == b"x" * 100
+    assert "from a data-parallel replica's copy instead" in caplog.text
+    directory = tmp_path / "b"
+    directory.mkdir()
+    with pytest.raises(HandoverError, match="holder replica did not send blob"):
+        _take_files({f: ["gone", "replica"] for f in expected}, _fetch({}), STEP, directory, expected)
+    assert not any(directory.iterdir())

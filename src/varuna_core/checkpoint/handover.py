@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import mmap
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Collection
@@ -48,6 +50,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from ..errors import HandoverError, VarunaError
+from ..ir.topology import Topology
 from ..util.checks import integer
 from ..util.fs import atomic_write
 from ..util.text import printable
@@ -63,9 +66,11 @@ from .saveload import (
     load,
 )
 from .state import CheckpointState
-from .storage import INDEX_LIMIT, METADATA_FILE, RawWriter, dcp_save, read_metadata
+from .storage import INDEX_LIMIT, METADATA_FILE, RawWriter, _bytes_view, dcp_save, read_metadata
 
 __all__ = ["publish", "take", "blob_name"]
+
+log = logging.getLogger(__name__)
 
 
 
@@ -73,6 +78,7 @@ class Space(Protocol):
     """Room on a host's shelf (``launch.shelf.Space``): files written into :attr:`directory` become blobs."""
 
     directory: Path
+    home: str  # the shelf's identity: the same for every writer on one host
 
     def adopt(self, name: str, path: Path, meta: dict[str, Any] | None = None, *, sha256: str) -> object: ...
 
@@ -82,7 +88,9 @@ Into = Callable[[str, int], memoryview]
 Fetch = Callable[[Any, list[str], Into, int], object]  # may return {blob: sha256} of the blobs it checked
 Link = Callable[[Any, str, Path], "tuple[int, str] | None"]  # link(holder, name, path): (bytes, sha256) if linked
 
+_COPY_BLOCK = 16 * 2**20  # bytes per write of a replica's copy
 _SLACK = 8192  # bytes of room per tensor beyond its own: alignment, the blob's entry, the index
+_WRITER = re.compile(r"__([0-9]+)_[0-9]+\.distcp")  # the rank that wrote a data file
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
 _BATCH = 1024  # files per request to one holder (a file per parameter: a large model has thousands)
 _SMALL_LIMIT = 2 * INDEX_LIMIT  # bytes of the small files together: the index's bound and the manifest's
@@ -155,6 +163,9 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
             _agree(state, _complete_locally(state, step, local, _gather(state, files)), _KEEP_TRAINING)
             names, failure = _adopt_files(state, space, step, local, files)
             _agree(state, failure, _KEEP_TRAINING)
+            if state.dp > 1:
+                mine = {"home": space.home, "files": files, "layout": writer.layout}
+                _mirror(state, reserve, step, tensors, [part[0] for part in _gather(state, [mine])])
             owners = _gather(state, names)
         except BaseException as exc:
             if isinstance(exc, (VarunaError, KeyboardInterrupt, SystemExit)):
@@ -162,6 +173,80 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
             raise HandoverError(f"publishing step {step} failed on rank {state.rank}: {_reason(exc)}",
                                 hint=_KEEP_TRAINING) from None
     return {name: rank for rank, part in enumerate(owners) for name in part}
+
+
+def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[str, Any],
+            gathered: list[dict[str, Any]]) -> list[str]:
+    """Under data parallelism, each rank also puts on its own host's shelf a copy of the data files its stage's
+    other replicas wrote (the publish writes each tensor once, on one of the replicas that hold it), byte for byte
+    the same, written from its own tensors (the replicas' are the same bits): so a host that dies before the new
+    configuration took its files does not take them with it, and a new rank on a replica's host takes its stage
+    without the network. Best effort: a copy whose bytes are not the writer's (sha256), a file with a rank's own
+    state (its RNG), a replica on the same host, or a shelf without room for the copies are left out, and said.
+    Returns the blob names copied."""
+    topology = Topology.parse(state.stage_to_rank_map, state.world_size)
+    stage, home = topology.coords(state.rank)[0], gathered[state.rank]["home"]
+    todo: list[tuple[int, str, list, int, str]] = []
+    for peer, part in enumerate(gathered):
+        if peer == state.rank or topology.coords(peer)[0] != stage or part["home"] == home:
+            continue
+        records = {f["path"]: f for f in part["files"]}
+        for file, chunks in part["layout"].items():
+            if file in records and all(_whole(tensors.get(fqn), offsets, length) for fqn, offsets, _, length in chunks):
+                todo.append((peer, file, chunks, records[file]["bytes"], records[file]["sha256"]))
+    if not todo:
+        return []
+    names: list[str] = []
+    try:
+        with reserve(sum(t[3] for t in todo) + _SLACK * len(todo)) as space:
+            for peer, file, chunks, size, sha256 in todo:
+                path = Path(space.directory) / file
+                if _write_like(path, chunks, size, tensors) != sha256:
+                    log.warning("rank %d: its copy of rank %d's %s differs from it (replicas out of step?): not "
+                                "kept", state.rank, peer, file)
+                    path.unlink(missing_ok=True)
+                    continue
+                name = blob_name(step, file)
+                space.adopt(name, path, {"bytes": size, "sha256": sha256, "rank": peer, "copy": state.rank},
+                            sha256=sha256)
+                names.append(name)
+    except (OSError, VarunaError) as exc:
+        log.warning("rank %d keeps no copy of its replicas' files for the handover (%d of %d kept): %s", state.rank,
+                    len(names), len(todo), _reason(exc))
+    return names
+
+
+def _whole(tensor: Any, offsets: list[int], length: int) -> bool:
+    """Whether a stored chunk is the whole of ``tensor`` (a replica has it), and not a rank's own state."""
+    return (tensor is not None and not any(offsets) and tensor.numel() * tensor.element_size() == length)
+
+
+def _write_like(path: Path, chunks: list, size: int, tensors: dict[str, Any]) -> str:
+    """Write ``size`` bytes at ``path``: each chunk's tensor at its offset, zeros between; returns their sha256."""
+    digest = hashlib.sha256()
+    zeros = memoryview(bytes(4096))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    at = 0
+
+    def put(piece: memoryview) -> None:
+        nonlocal at
+        digest.update(piece)
+        while piece:
+            n = os.write(fd, piece)
+            piece, at = piece[n:], at + n
+
+    try:
+        for fqn, _, offset, length in sorted(chunks, key=lambda c: c[2]):
+            while at < offset:
+                put(zeros[:min(len(zeros), offset - at)])
+            data = memoryview(_bytes_view(tensors[fqn].detach().cpu().contiguous()))
+            for start in range(0, length, _COPY_BLOCK):
+                put(data[start:start + _COPY_BLOCK])
+        while at < size:
+            put(zeros[:min(len(zeros), size - at)])
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
 
 
 def _complete_locally(state: CheckpointState, step: int, local: Path, gathered: list) -> str | None:
@@ -209,7 +294,7 @@ def _adopt_files(state: CheckpointState, space: Space, step: int, local: Path,
 
 def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fetch: Fetch,
          staging: str | os.PathLike, load_optimizer: bool = True, link: Link | None = None,
-         in_place: bool = False) -> int:
+         in_place: bool = False, holder_of: Callable[[int], Any] | None = None) -> int:
     """Restore this rank's state from a checkpoint on the hosts' shelves (collective over the new ranks), as
     :func:`~varuna_core.checkpoint.saveload.load` restores it from a store, all or nothing.
 
@@ -229,6 +314,11 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
             the load. Both numbers must be the manifest's; the bytes are then not hashed again: they never left
             this host's memory since the writer hashed them as it wrote them, in a directory that only the job's
             user can write (what a hash protects against, a disk or a wire, they did not cross).
+        holder_of: ``holder_of(rank)``, the holder of old rank ``rank``'s shelf (KeyError: none known). With it, a
+            data file may also come from a data-parallel replica of its writer's stage, which keeps a copy of it
+            (see :func:`publish`): one on this host is linked first, and when a holder fails (gone, stalled,
+            damaged) the file is taken from the next replica that has it; only when none has it does the take
+            fail.
 
     Returns:
         The step loaded.
@@ -250,7 +340,8 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
         _agree(state, problem, _FALL_BACK)
         assert root is not None
         directory = step_dir(root, step)
-        _agree(state, _attempt(lambda: _take_files(locate, fetch, step, directory, _SMALL_FILES, None)), _FALL_BACK)
+        _agree(state, _attempt(lambda: _take_files(_holders(locate, None, None, step, _SMALL_FILES), fetch, step,
+                                                    directory, None)), _FALL_BACK)
         present: list[str] = []
         verified: set[str] = set()
         limits: dict[str, int] = {}
@@ -261,11 +352,12 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
             metadata = read_metadata(directory, expected, check_files=False)
             same_world = manifest.pp * manifest.dp == state.world_size
             present.extend(_data_files(state, metadata.storage_data, same_world, load_optimizer))
-            linked = _link_files(locate, link, step, directory, present, expected) if link is not None else {}
+            holders = _holders(locate, holder_of, manifest, step, present)
+            linked = _link_files(holders, link, step, directory, expected) if link is not None else {}
             limits.update(linked)
             verified.update(linked)
-            rest = [f for f in present if f not in linked]
-            verified.update(_take_files(locate, fetch, step, directory, rest, expected))
+            rest = {f: h for f, h in holders.items() if f not in linked}
+            verified.update(_take_files(rest, fetch, step, directory, expected))
 
         _agree(state, _attempt(take_data), _FALL_BACK)
         return load(state, root, iteration=step, load_optimizer=load_optimizer, present=present,
@@ -286,51 +378,88 @@ def _data_files(state: CheckpointState, storage: dict, same_world: bool, load_op
                    if index.fqn in wanted or (prefixes and index.fqn.startswith(prefixes))})
 
 
-def _link_files(locate: Callable[[str], Any], link: Link, step: int, directory: Path, files: Collection[str],
-                expected: dict[str, tuple[int, str]]) -> dict[str, int]:
-    """Link the blobs of ``files`` that this host holds into ``directory``; returns ``{file: bytes of its data}``
-    for those linked (the others are to be fetched)."""
-    linked: dict[str, int] = {}
+def _holders(locate: Callable[[str], Any], holder_of: Callable[[int], Any] | None, manifest: Any, step: int,
+             files: Collection[str]) -> dict[str, list[Any]]:
+    """Who may give each file: its writer's holder, then (with ``holder_of`` and a manifest) the holders of its
+    writer's data-parallel replicas, which keep copies of the stage's files."""
+    topology = None
+    if holder_of is not None and manifest is not None and manifest.dp > 1:
+        topology = Topology.parse(manifest.stage_to_rank_map, manifest.pp * manifest.dp)
+    out: dict[str, list[Any]] = {}
     for file in files:
         name = blob_name(step, file)
         try:
-            holder = locate(name)
+            out[file] = [locate(name)]
         except KeyError:
             raise HandoverError(f"no host is known to hold blob {printable(name)}", hint=_FALL_BACK) from None
-        try:
-            got = link(holder, name, directory / file)
-        except VarunaError as exc:
-            raise HandoverError(f"taking blob {printable(name)} from this host's shelf failed: {exc.message}",
-                                hint=_FALL_BACK) from None
-        if got is None:
+        match = _WRITER.fullmatch(file)
+        if topology is None or match is None or not int(match.group(1)) < topology.world_size:
             continue
-        size, sha256 = got
-        if size != expected[file][0]:
-            raise HandoverError(f"blob {printable(name)} on this host's shelf holds {size} bytes; the manifest says "
-                                f"{expected[file][0]}", hint=_FALL_BACK)
-        if sha256 != expected[file][1]:
-            raise HandoverError(f"blob {printable(name)} on this host's shelf is not the manifest's {file}: its "
-                                f"writer's sha256 differs", hint=_FALL_BACK)
-        linked[file] = size
+        assert holder_of is not None
+        writer = int(match.group(1))
+        stage = topology.coords(writer)[0]
+        for peer in range(topology.world_size):
+            if peer != writer and topology.coords(peer)[0] == stage:
+                with contextlib.suppress(KeyError):
+                    holder = holder_of(peer)
+                    if holder not in out[file]:
+                        out[file].append(holder)
+    return out
+
+
+def _link_files(holders: dict[str, list[Any]], link: Link, step: int, directory: Path,
+                expected: dict[str, tuple[int, str]]) -> dict[str, int]:
+    """Link the blobs of ``holders`` that a holder on this host has (the writer's, else a replica's copy) into
+    ``directory``; returns ``{file: bytes of its data}`` for those linked (the others are to be fetched)."""
+    linked: dict[str, int] = {}
+    for file, candidates in holders.items():
+        name = blob_name(step, file)
+        for holder in candidates:
+            try:
+                got = link(holder, name, directory / file)
+            except VarunaError as exc:
+                raise HandoverError(f"taking blob {printable(name)} from this host's shelf failed: {exc.message}",
+                                    hint=_FALL_BACK) from None
+            if got is None:
+                continue
+            size, sha256 = got
+            if size != expected[file][0]:
+                raise HandoverError(f"blob {printable(name)} on this host's shelf holds {size} bytes; the manifest "
+                                    f"says {expected[file][0]}", hint=_FALL_BACK)
+            if sha256 != expected[file][1]:
+                raise HandoverError(f"blob {printable(name)} on this host's shelf is not the manifest's {file}: its "
+                                    f"writer's sha256 differs", hint=_FALL_BACK)
+            linked[file] = size
+            break
     return linked
 
 
-def _take_files(locate: Callable[[str], Any], fetch: Fetch, step: int, directory: Path, files: Collection[str],
+def _take_files(holders: dict[str, list[Any]], fetch: Fetch, step: int, directory: Path,
                 expected: dict[str, tuple[int, str]] | None) -> set[str]:
-    """Take the blobs of ``files`` into ``directory``, each from its holder, in one request per holder (or a few);
-    returns the files checked on arrival."""
-    by_holder: dict[Any, list[str]] = {}
-    for file in files:
-        name = blob_name(step, file)
-        try:
-            holder = locate(name)
-        except KeyError:
-            raise HandoverError(f"no host is known to hold blob {printable(name)}", hint=_FALL_BACK) from None
-        by_holder.setdefault(holder, []).append(file)
+    """Take each file of ``holders`` into ``directory`` from the first of its holders, in one request per holder
+    (or a few); a file whose holder fails is taken from the next one. Returns the files checked on arrival."""
+    pending = {file: list(candidates) for file, candidates in holders.items()}
     verified: set[str] = set()
-    for holder, group in by_holder.items():
-        for start in range(0, len(group), _BATCH):  # a request's names and its reply's header stay bounded
-            verified |= _take_from(holder, fetch, step, directory, group[start:start + _BATCH], expected)
+    while pending:
+        by_holder: dict[Any, list[str]] = {}
+        for file, candidates in pending.items():
+            by_holder.setdefault(candidates[0], []).append(file)
+        retry: dict[str, list[Any]] = {}
+        for holder, group in by_holder.items():
+            for start in range(0, len(group), _BATCH):  # a request's names and its reply's header stay bounded
+                batch = group[start:start + _BATCH]
+                try:
+                    verified |= _take_from(holder, fetch, step, directory, batch, expected)
+                except HandoverError as exc:
+                    left = {f: pending[f][1:] for f in batch if pending[f][1:]}
+                    if len(left) < len(batch):
+                        raise
+                    log.warning("%s; taking %s from a data-parallel replica's copy instead", exc.message,
+                                "it" if len(batch) == 1 else f"those {len(batch)} files")
+                    for file in batch:
+                        (directory / file).unlink(missing_ok=True)
+                    retry.update(left)
+        pending = retry
     return verified
 
 

@@ -210,7 +210,8 @@ class RawWriter(StorageWriter):
     """Writes each rank's tensors as raw bytes into ``<path>/__<rank>_0.distcp`` (see the module docstring).
 
     After ``dcp.save``, :attr:`files` lists the file(s) this rank wrote with size and sha256 (rank 0's include
-    ``dcp_metadata.json``).
+    ``dcp_metadata.json``), and :attr:`layout` each data file's chunks in order: ``(fqn, chunk offsets, file
+    offset, bytes)`` (what a replica needs to write the same file from its own tensors).
 
     ``group``: ``group(fqn)`` names the file group of an entry (None: the rank's first file). Each group then gets
     a file of its own, ``__<rank>_<i>.distcp`` in the order the groups first appear: a handover groups entries by
@@ -224,12 +225,14 @@ class RawWriter(StorageWriter):
         self.sync_files = sync_files
         self.group = group
         self.files: list[FileRecord] = []
+        self.layout: dict[str, list[tuple[str, list[int], int, int]]] = {}  # file -> (fqn, chunk offsets, at, bytes)
         self.save_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.path = Path(checkpoint_id)
         self.files = []
+        self.layout = {}
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -257,8 +260,11 @@ class RawWriter(StorageWriter):
             try:
                 for item in items:
                     data = _bytes_view(self._tensor(item, planner))
+                    at = sink.place(data)
                     results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes,
-                                               storage_data=Location(name, sink.place(data), data.nbytes)))
+                                               storage_data=Location(name, at, data.nbytes)))
+                    self.layout.setdefault(name, []).append((item.index.fqn, list(item.index.offset or ()), at,
+                                                             data.nbytes))
                     sink.write(data)
             finally:
                 size, sha256 = sink.close()

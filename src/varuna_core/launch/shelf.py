@@ -335,6 +335,21 @@ class Shelf:
             raise
         return entry
 
+    @property
+    def identity(self) -> str:
+        """A random id of this shelf's directory, made by the first process that asks: two processes see the same
+        id exactly when they share the directory (the same host, or hosts sharing the shelf's tmpfs)."""
+        with self._locked():
+            path = self.path / ".id"
+            try:
+                text = path.read_text().strip()
+            except FileNotFoundError:
+                text = ""
+            if len(text) != 32 or text.strip("0123456789abcdef"):
+                text = secrets.token_hex(16)
+                path.write_text(text + "\n")
+            return text
+
     def has(self, name: str) -> bool:
         """Whether a blob ``name`` is on the shelf (its file exists; :meth:`open` checks it)."""
         return self._check_dir() and self._file(check_name(name)).is_file()
@@ -450,6 +465,11 @@ class Space:
 
     def __init__(self, shelf: Shelf, directory: Path, resv: Path) -> None:
         self.shelf, self.directory, self._resv = shelf, directory, resv
+
+    @property
+    def home(self) -> str:
+        """The shelf's :attr:`Shelf.identity`: writers on one host tell each other apart from peers elsewhere."""
+        return self.shelf.identity
 
     def adopt(self, name: str, path: str | os.PathLike[str], meta: dict[str, Any] | None = None, *,
               sha256: str) -> Entry:

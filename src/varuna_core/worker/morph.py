@@ -60,7 +60,8 @@ class Morph:
 
     told: WorkerEnv
     master: tuple[str, int] | None = None
-    taken: dict[str, int] = field(default_factory=lambda: {"local": 0, "remote": 0})  # bytes, for the heartbeat
+    # bytes, for the heartbeat: from this host's shelf, over the network, and of those from a replica's copy
+    taken: dict[str, int] = field(default_factory=lambda: {"local": 0, "remote": 0, "replica": 0})
 
     @classmethod
     def launched(cls, told: WorkerEnv) -> Morph | None:
@@ -146,6 +147,25 @@ class Morph:
 
         return locate
 
+    def holder_of(self, go: Go) -> Callable[[int], tuple[str, str, int]]:
+        """``holder_of(rank)`` for :func:`~varuna_core.checkpoint.handover.take`: the holder ``(host, address,
+        port)`` of old rank ``rank``'s shelf (KeyError: no such rank), where its replicas' copies are too."""
+
+        def holder_of(rank: int) -> tuple[str, str, int]:
+            if not 0 <= rank < len(go.holders):
+                raise KeyError(rank)
+            holder = go.holders[rank]
+            return holder.host, holder.address, holder.port
+
+        return holder_of
+
+    def _copied(self, go: Go, holder: Any, name: str, size: int) -> None:
+        """Count ``size`` bytes of ``name`` as taken from a replica's copy if ``holder`` is not its writer's."""
+        rank = holder_rank(name)
+        if rank < len(go.holders) and tuple(holder) != (go.holders[rank].host, go.holders[rank].address,
+                                                        go.holders[rank].port):
+            self.taken["replica"] += size
+
     def link(self, go: Go) -> Callable[[Any, str, Path], tuple[int, str] | None]:
         """``link(holder, name, path)`` for :func:`~varuna_core.checkpoint.handover.take`: a blob of this host's own
         shelf put at ``path`` as its file itself (a hard link, no copy), and its data's size and sha256 as its
@@ -161,6 +181,7 @@ class Morph:
             except OSError:
                 return None
             self.taken["local"] += entry.size
+            self._copied(go, holder, name, entry.size)
             return entry.size, entry.sha256
 
         return link
@@ -178,10 +199,13 @@ class Morph:
                 for name in names:  # each file is checked against the manifest's sha256 as it is loaded
                     entry = local.get_into(name, lambda e: into(e.name, e.size), verify=False)
                     self.taken["local"] += entry.size
+                    self._copied(go, holder, name, entry.size)
                 return None
             entries = fetch_into(address, port, job=job, token=token, names=names, max_bytes=max_bytes,
                                  into=lambda e: into(e.name, e.size), timeout=timeout)
             self.taken["remote"] += sum(e.size for e in entries.values())
+            for entry in entries.values():
+                self._copied(go, holder, entry.name, entry.size)
             return {name: entry.sha256 for name, entry in entries.items()}  # each checked as it arrived
 
         return fetch

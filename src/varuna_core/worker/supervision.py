@@ -97,7 +97,7 @@ class Supervision:
         load: ``load(directory, step)`` restores that checkpoint (collective) and returns the step loaded.
         publish: ``publish(reserve)`` puts a checkpoint of the current step on this host's shelf, in the room
             ``reserve(nbytes)`` gives (collective; ``Varuna.publish_state``); returns ``{blob: rank}``.
-        take: ``take(step, locate, fetch, staging, link)`` restores the state the old ranks published
+        take: ``take(step, locate, fetch, staging, link, holder_of)`` restores the state the old ranks published
             (collective; ``Varuna.take_state``); returns the step loaded.
         arrive: called once by a warm worker when the go has come, before it takes or loads anything (collective
             over the new ranks): the facade moves its parked stage onto its device then.
@@ -299,7 +299,8 @@ class Supervision:
         else:
             assert self._take is not None and go.step is not None  # a go from the shelves names its step
             try:
-                step = self._take(go.step, morph.locate(go), morph.fetch(go), morph.staging, morph.link(go))
+                step = self._take(go.step, morph.locate(go), morph.fetch(go), morph.staging, morph.link(go),
+                                  morph.holder_of(go))
             except (CheckpointError, HandoverError) as exc:
                 if go.fallback_step is None or self.ckpt_dir is None:
                     raise
@@ -310,11 +311,13 @@ class Supervision:
                 self._load_from_store(go.fallback_step, "the handover failed")
                 return
             self.last_saved = step
-            log.info("rank %d took step %d over from the shelves (%d bytes from this host, %d over the network)",
-                     self.rank, step, morph.taken["local"], morph.taken["remote"])
+            log.info("rank %d took step %d over from the shelves (%d bytes from this host, %d over the network, %d "
+                     "of them from replicas' copies)", self.rank, step, morph.taken["local"], morph.taken["remote"],
+                     morph.taken["replica"])
         if self.beacon is not None:
             self.beacon.progress(step=self._now().iteration, t_resumed=time.time(), t_taken=time.time(),
-                                 taken_local=morph.taken["local"], taken_remote=morph.taken["remote"])
+                                 taken_local=morph.taken["local"], taken_remote=morph.taken["remote"],
+                                 taken_replica=morph.taken["replica"])
 
     def _load_from_store(self, step: int | None, why: str) -> None:
         if self.ckpt_dir is None or step is None:
