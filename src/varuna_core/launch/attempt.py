@@ -697,12 +697,12 @@ class Attempt:
             timings = {key: max((b.get(key) for b in beats.values() if b.get(key)), default=None)
                        for key in ("t_start", "t_ready", "t_warm", "t_resumed")}  # the slowest rank's
             taken = {key: sum(b.get(key) or 0 for b in beats.values())
-                     for key in ("taken_local", "taken_remote", "taken_replica")}
+                     for key in ("taken_local", "taken_remote", "taken_copies", "taken_replica")}
             self.files.event("first_step", attempt=self.number, step=self.status.step, **timings,
                              **(taken if self.retiring is not None else {}))
             if self.retiring is not None and taken["taken_replica"]:
                 self.reporter.event(f"{taken['taken_replica']} bytes of the state came from data-parallel replicas' "
-                                    f"copies: a holder did not give them (see the workers' logs)")
+                                    f"copies: the host that wrote them did not give them (see the workers' logs)")
                 self.files.event("handover_replica", attempt=self.number, bytes=taken["taken_replica"])
             self.status.state = "training"
             self._retire_now()  # the old configuration's state is no longer needed

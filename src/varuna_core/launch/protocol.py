@@ -489,7 +489,8 @@ BEAT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "t_checkpointed": _optional(_real), "published": _optional(_count), "t_publishing": _optional(_real),
     "t_published": _optional(_real),
     "published_bytes": _optional(_count), "t_warm": _optional(_real), "t_taken": _optional(_real),
-    "taken_local": _optional(_count), "taken_remote": _optional(_count), "taken_replica": _optional(_count),
+    "taken_local": _optional(_count), "taken_remote": _optional(_count), "taken_copies": _optional(_count),
+    "taken_replica": _optional(_count),
     "handover_failed": _optional(_text),
 }
 _BEAT_REQUIRED = ("ts", "sender", "seq", "attempt", "rank")

@@ -60,8 +60,10 @@ class Morph:
 
     told: WorkerEnv
     master: tuple[str, int] | None = None
-    # bytes, for the heartbeat: from this host's shelf, over the network, and of those from a replica's copy
-    taken: dict[str, int] = field(default_factory=lambda: {"local": 0, "remote": 0, "replica": 0})
+    # bytes, for the heartbeat: from this host's shelf, over the network; of those, "copies": a replica's copy on
+    # this host taken rather than its writer's file elsewhere, "replica": from a replica because the writer's
+    # holder failed
+    taken: dict[str, int] = field(default_factory=lambda: {"local": 0, "remote": 0, "copies": 0, "replica": 0})
 
     @classmethod
     def launched(cls, told: WorkerEnv) -> Morph | None:
@@ -159,12 +161,12 @@ class Morph:
 
         return holder_of
 
-    def _copied(self, go: Go, holder: Any, name: str, size: int) -> None:
-        """Count ``size`` bytes of ``name`` as taken from a replica's copy if ``holder`` is not its writer's."""
+    def _copied(self, go: Go, holder: Any, name: str, size: int, kind: str) -> None:
+        """Count ``size`` bytes of ``name`` under ``kind`` if ``holder`` is not its writer's (a replica's copy)."""
         rank = holder_rank(name)
         if rank < len(go.holders) and tuple(holder) != (go.holders[rank].host, go.holders[rank].address,
                                                         go.holders[rank].port):
-            self.taken["replica"] += size
+            self.taken[kind] += size
 
     def link(self, go: Go) -> Callable[[Any, str, Path], tuple[int, str] | None]:
         """``link(holder, name, path)`` for :func:`~varuna_core.checkpoint.handover.take`: a blob of this host's own
@@ -181,7 +183,7 @@ class Morph:
             except OSError:
                 return None
             self.taken["local"] += entry.size
-            self._copied(go, holder, name, entry.size)
+            self._copied(go, holder, name, entry.size, "copies")  # linked first: the copy is on this host
             return entry.size, entry.sha256
 
         return link
@@ -199,13 +201,13 @@ class Morph:
                 for name in names:  # each file is checked against the manifest's sha256 as it is loaded
                     entry = local.get_into(name, lambda e: into(e.name, e.size), verify=False)
                     self.taken["local"] += entry.size
-                    self._copied(go, holder, name, entry.size)
+                    self._copied(go, holder, name, entry.size, "replica")  # fetched: the writer's holder failed
                 return None
             entries = fetch_into(address, port, job=job, token=token, names=names, max_bytes=max_bytes,
                                  into=lambda e: into(e.name, e.size), timeout=timeout)
             self.taken["remote"] += sum(e.size for e in entries.values())
             for entry in entries.values():
-                self._copied(go, holder, entry.name, entry.size)
+                self._copied(go, holder, entry.name, entry.size, "replica")
             return {name: entry.sha256 for name, entry in entries.items()}  # each checked as it arrived
 
         return fetch

@@ -311,13 +311,13 @@ class Supervision:
                 self._load_from_store(go.fallback_step, "the handover failed")
                 return
             self.last_saved = step
-            log.info("rank %d took step %d over from the shelves (%d bytes from this host, %d over the network, %d "
-                     "of them from replicas' copies)", self.rank, step, morph.taken["local"], morph.taken["remote"],
-                     morph.taken["replica"])
+            log.info("rank %d took step %d over from the shelves (%d bytes from this host, %d of them replicas' "
+                     "copies; %d over the network; %d from replicas because a holder failed)", self.rank, step,
+                     morph.taken["local"], morph.taken["copies"], morph.taken["remote"], morph.taken["replica"])
         if self.beacon is not None:
             self.beacon.progress(step=self._now().iteration, t_resumed=time.time(), t_taken=time.time(),
                                  taken_local=morph.taken["local"], taken_remote=morph.taken["remote"],
-                                 taken_replica=morph.taken["replica"])
+                                 taken_copies=morph.taken["copies"], taken_replica=morph.taken["replica"])
 
     def _load_from_store(self, step: int | None, why: str) -> None:
         if self.ckpt_dir is None or step is None:
