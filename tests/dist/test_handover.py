@@ -191,3 +191,23 @@ def test_under_data_parallelism_each_host_keeps_its_stage_whole_and_a_holder_gon
         for server in servers:
             server.close()
     assert_resumed(resumed, *uninterrupted(steps_as("0,1", STEP, "0", STEP)), first=STEP)
+
+
+def test_two_ranks_of_a_host_share_out_the_copies_it_keeps(tmp_path) -> None:
+    """pp=1 x dp=4 on two hosts of two ranks: each host keeps every file of the stage once -- its own ranks' and
+    a copy of each of the other host's (but their RNG files) -- and its two ranks made half of the copies each."""
+    host0, host1 = str(tmp_path / "host0"), str(tmp_path / "host1")
+    run = _run(steps=STEP, publish={"at": STEP, "job": JOB, "roots": [host0, host0, host1, host1]})
+    results = run_ranks({"map": "0,1,2,3", "timeout": 30, "runs": [run]}, 4, tmp_path / "publish", timeout=90)
+    for res in results:
+        assert res.returncode == 0, res.error
+    owners = results[0].result["runs"][0]["owners"]
+    for root, mine, theirs in ((host0, (0, 1), (2, 3)), (host1, (2, 3), (0, 1))):
+        shelf = Shelf(JOB, root=root)
+        entries = {n: e for n, e in shelf.manifest().items() if n.endswith(".distcp")}
+        own = {n for n, r in owners.items() if r in mine and n.endswith(".distcp")}
+        other = {n for n, r in owners.items() if r in theirs and n.endswith(".distcp")}
+        rng = {f"step_{STEP}/__{r}_0.distcp" for r in theirs}
+        assert set(entries) == own | (other - rng), root
+        copiers = [entries[n].meta["copy"] for n in other - rng]
+        assert sorted(set(copiers)) == list(mine) and abs(copiers.count(mine[0]) - copiers.count(mine[1])) <= 1

@@ -2,8 +2,9 @@
 checkpoint store's path and at /dev/shm (``start_cluster(..., private=...)``), so the state can only move from host
 to host through the shelves' wire. The job shrinks (a host leaves: the pipeline's depth changes too), grows back
 (another data-parallel layout) and shrinks again, each time warming the new configuration up beside the running
-one and handing the state over from memory; every step's loss and the final parameters equal an uninterrupted
-run's."""
+one and handing the state over from memory (the last shrink from the remaining host's copy of its replica's files,
+nothing over the wire, and stopped by a SIGTERM as it begins: the new configuration takes the state and writes the
+checkpoint); every step's loss and the final parameters equal the same layouts replayed through a store."""
 
 from __future__ import annotations
 
@@ -48,16 +49,25 @@ def _trained(launch: Launch, hosts: list[str], after: int, steps: int = 3) -> di
     return new if len(mine) >= steps else None
 
 
-def _morph_through(launch: Launch, hosts: Path, steps: list[list[str]]) -> list[dict]:
+def _morph_through(launch: Launch, hosts: Path, steps: list[list[str]], *, term_in_last: bool = False) -> list[dict]:
     """Once the job trains, write each of ``steps`` (hosts-file lines) in turn, each once the previous change has
-    trained a few steps; then SIGTERM (exit 143). Returns the ``starting`` event of each change's attempt."""
+    trained a few steps; then SIGTERM (exit 143): after the last change has trained too, or (``term_in_last``) as
+    soon as the last change's old workers are asked to hand over. Returns the ``starting`` event of each change's
+    attempt."""
     try:
         launch.wait_for(lambda: max((r["step"] for r in launch.reports()), default=-1) >= 8)
         shapes = []
-        for lines in steps:
+        for i, lines in enumerate(steps):
             before = max(e["attempt"] for e in launch.events() if e["event"] == "starting")
             _write(hosts, lines)
             names = [x.split()[0] for x in lines]
+            if term_in_last and i == len(steps) - 1:
+                launch.wait_for(lambda before=before: [e for e in launch.events() if e["event"] == "handover_asked"
+                                                       and e["attempt"] == before], 150)
+                os.kill(launch.proc.pid, signal.SIGTERM)
+                assert launch.wait() == 143, launch.output()[-3000:]
+                shapes.append(next(e for e in launch.events() if e["event"] == "starting" and e["attempt"] > before))
+                return shapes
             shapes.append(launch.wait_for(lambda names=names, before=before: _trained(launch, names, before), 150))
         os.kill(launch.proc.pid, signal.SIGTERM)
         assert launch.wait() == 143, launch.output()[-3000:]
@@ -75,7 +85,9 @@ def test_a_job_on_hosts_that_share_no_file_system_morphs_by_handover(cluster, pl
                      "--grace", "2", *cluster.launcher_args(), "--", "tests/launch/take_crash_worker.py", str(marker),
                      *TRAIN[1:], "--steps", "100000"], run, timeout=360)
     lines = cluster.hosts_file_lines(1)
-    shapes = _morph_through(launch, hosts, [lines[:1], lines, lines[:1]])
+    # the last change is stopped by a SIGTERM as soon as its handover begins: the new configuration takes the state,
+    # then writes the SIGTERM's checkpoint (the old one has nothing left to write it from)
+    shapes = _morph_through(launch, hosts, [lines[:1], lines, lines[:1]], term_in_last=True)
 
     events = launch.events()
     assert [(s["pp"], s["dp"], len(s["hosts"])) for s in shapes] == [(1, 1, 1), (1, 2, 2), (1, 1, 1)], shapes

@@ -181,19 +181,24 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
     other replicas wrote (the publish writes each tensor once, on one of the replicas that hold it), byte for byte
     the same, written from its own tensors (the replicas' are the same bits): so a host that dies before the new
     configuration took its files does not take them with it, and a new rank on a replica's host takes its stage
-    without the network. Best effort: a copy whose bytes are not the writer's (sha256), a file with a rank's own
-    state (its RNG), a replica on the same host, or a shelf without room for the copies are left out, and said.
-    Returns the blob names copied."""
+    without the network. The copies a host needs are shared out among its ranks of the stage, each made once.
+    Best effort: a copy whose bytes are not the writer's (sha256), a file with a rank's own state (its RNG), a
+    replica on the same host, or a shelf without room for the copies are left out, and said. Returns the blob
+    names copied."""
     topology = Topology.parse(state.stage_to_rank_map, state.world_size)
     stage, home = topology.coords(state.rank)[0], gathered[state.rank]["home"]
+    mates = [r for r, part in enumerate(gathered) if part["home"] == home and topology.coords(r)[0] == stage]
     todo: list[tuple[int, str, list, int, str]] = []
+    j = 0  # the files to copy onto this host, shared out among its ranks of this stage (each copied once)
     for peer, part in enumerate(gathered):
-        if peer == state.rank or topology.coords(peer)[0] != stage or part["home"] == home:
+        if topology.coords(peer)[0] != stage or part["home"] == home:
             continue
         records = {f["path"]: f for f in part["files"]}
-        for file, chunks in part["layout"].items():
+        for file, chunks in sorted(part["layout"].items()):
             if file in records and all(_whole(tensors.get(fqn), offsets, length) for fqn, offsets, _, length in chunks):
-                todo.append((peer, file, chunks, records[file]["bytes"], records[file]["sha256"]))
+                if mates[j % len(mates)] == state.rank:
+                    todo.append((peer, file, chunks, records[file]["bytes"], records[file]["sha256"]))
+                j += 1
     if not todo:
         return []
     names: list[str] = []
