@@ -98,6 +98,7 @@ class WorkerEnv:
     handover: str | None = None  # VARUNA_HANDOVER
     shelf_dir: str | None = None  # VARUNA_SHELF_DIR: the tmpfs of the hosts' shelves (publish on SIGUSR2)
     shelf_budget: int | None = None  # VARUNA_SHELF_BUDGET: bytes the job's shelf may hold on one host
+    handover_copies: int | None = None  # VARUNA_HANDOVER_COPIES: 0 = keep no copies of replicas' files (default 1)
 
     @staticmethod
     def variable(field_name: str) -> str:
@@ -145,7 +146,8 @@ class WorkerEnv:
         return host, int(port)
 
 
-_INTEGERS = {"resume_step": 0, "ckpt_every": 0, "ckpt_keep": 1, "total_steps": 0, "attempt": 0, "shelf_budget": 0}
+_INTEGERS = {"resume_step": 0, "ckpt_every": 0, "ckpt_keep": 1, "total_steps": 0, "attempt": 0, "shelf_budget": 0,
+             "handover_copies": 0}
 _EXACT = {"run_id"}
 
 # Variables the launcher sets for every worker, and the `varuna launch` option that sets each (None: no option;
@@ -157,4 +159,5 @@ LAUNCHER_SET: dict[str, str | None] = {
     "VARUNA_RESUME_STEP": "--resume", "VARUNA_CKPT_EVERY": "--ckpt-every", "VARUNA_CKPT_KEEP": "--ckpt-keep",
     "VARUNA_CKPT_TEMPDIR": "--ckpt-tempdir", "VARUNA_TOTAL_STEPS": "--steps",
     "VARUNA_SHELF_DIR": "--shelf-dir", "VARUNA_SHELF_BUDGET": "--shelf-budget",
+    "VARUNA_HANDOVER_COPIES": "--no-handover-copies",
 }

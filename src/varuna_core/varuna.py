@@ -316,7 +316,7 @@ class Varuna(nn.Module):
             save=lambda directory, **options: self.checkpoint(directory, **options),
             load=lambda directory, step: self.load_checkpoint(directory, iteration=step),
             progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told,
-            publish=lambda reserve: self.publish_state(reserve),
+            publish=lambda reserve, copies: self.publish_state(reserve, copies=copies),
             take=lambda step, locate, fetch, staging, link, holder_of: self.take_state(
                 step=step, locate=locate, fetch=fetch, staging=staging, link=link, holder_of=holder_of, in_place=True),
             arrive=self._unpark)
@@ -417,14 +417,15 @@ class Varuna(nn.Module):
         finally:
             self._adopt(state)
 
-    def publish_state(self, reserve: Callable[[int], Any], *, step: int | None = None) -> dict[str, int]:
+    def publish_state(self, reserve: Callable[[int], Any], *, step: int | None = None,
+                      copies: bool = True) -> dict[str, int]:
         """Put a checkpoint of every rank's state into its own host's memory for a handover (collective; see
         :mod:`varuna_core.checkpoint.handover`): ``reserve(nbytes)`` gives room on this host's shelf
         (``Shelf.reserve``), where each file is written once and becomes a blob. Returns ``{blob name: rank}`` on
         every rank."""
         from .checkpoint.handover import publish
 
-        return publish(self._checkpoint_state(), reserve, step=step)
+        return publish(self._checkpoint_state(), reserve, step=step, copies=copies)
 
     def take_state(self, *, step: int, locate: Callable[[str], Any], fetch: Callable[..., None],
                    staging: str | os.PathLike, load_optimizer: bool = True,

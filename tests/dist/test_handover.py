@@ -30,13 +30,19 @@ def published(tmp_path_factory):
     """Two steps at pp=2, published into one shelf root per rank; returns (roots, blob map)."""
     tmp = tmp_path_factory.mktemp("handover")
     roots = [str(tmp / "host0"), str(tmp / "host1")]
-    run = _run(steps=STEP, publish={"at": STEP, "job": JOB, "roots": roots})
-    results = run_ranks({"map": "0;1", "timeout": 30, "runs": [run]}, 2, tmp / "publish", timeout=60)
+    return roots, _publish("0;1", roots, tmp), tmp
+
+
+def _publish(layout: str, roots: list[str], tmp: Path, **extra) -> dict[str, int]:
+    """Train ``STEP`` steps under ``layout``, rank r then publishes into ``roots[r]``; returns the blob map (the
+    same on every rank)."""
+    run = _run(steps=STEP, publish={"at": STEP, "job": JOB, "roots": roots, **extra})
+    results = run_ranks({"map": layout, "timeout": 30, "runs": [run]}, len(roots), tmp / "publish", timeout=90)
     for res in results:
         assert res.returncode == 0, res.error
     owners = results[0].result["runs"][0]["owners"]
-    assert results[1].result["runs"][0]["owners"] == owners
-    return roots, owners, tmp
+    assert all(res.result["runs"][0]["owners"] == owners for res in results)
+    return owners
 
 
 def _index(roots) -> dict:
@@ -165,11 +171,7 @@ def test_under_data_parallelism_each_host_keeps_its_stage_whole_and_a_holder_gon
     gone before the take: one rank on a third host takes everything from host 0, and the run goes on as if
     uninterrupted."""
     roots = [str(tmp_path / "host0"), str(tmp_path / "host1")]
-    run = _run(steps=STEP, publish={"at": STEP, "job": JOB, "roots": roots})
-    results = run_ranks({"map": "0,1", "timeout": 30, "runs": [run]}, 2, tmp_path / "publish", timeout=60)
-    for res in results:
-        assert res.returncode == 0, res.error
-    owners = results[0].result["runs"][0]["owners"]
+    owners = _publish("0,1", roots, tmp_path)
     shelves = [Shelf(JOB, root=root) for root in roots]
     written = [{n for n, r in owners.items() if r == rank and n.endswith(".distcp")} for rank in (0, 1)]
     assert written[0] and written[1]  # the writes are shared between the replicas
@@ -197,11 +199,7 @@ def test_two_ranks_of_a_host_share_out_the_copies_it_keeps(tmp_path) -> None:
     """pp=1 x dp=4 on two hosts of two ranks: each host keeps every file of the stage once -- its own ranks' and
     a copy of each of the other host's (but their RNG files) -- and its two ranks made half of the copies each."""
     host0, host1 = str(tmp_path / "host0"), str(tmp_path / "host1")
-    run = _run(steps=STEP, publish={"at": STEP, "job": JOB, "roots": [host0, host0, host1, host1]})
-    results = run_ranks({"map": "0,1,2,3", "timeout": 30, "runs": [run]}, 4, tmp_path / "publish", timeout=90)
-    for res in results:
-        assert res.returncode == 0, res.error
-    owners = results[0].result["runs"][0]["owners"]
+    owners = _publish("0,1,2,3", [host0, host0, host1, host1], tmp_path)
     for root, mine, theirs in ((host0, (0, 1), (2, 3)), (host1, (2, 3), (0, 1))):
         shelf = Shelf(JOB, root=root)
         entries = {n: e for n, e in shelf.manifest().items() if n.endswith(".distcp")}
@@ -211,3 +209,13 @@ def test_two_ranks_of_a_host_share_out_the_copies_it_keeps(tmp_path) -> None:
         assert set(entries) == own | (other - rng), root
         copiers = [entries[n].meta["copy"] for n in other - rng]
         assert sorted(set(copiers)) == list(mine) and abs(copiers.count(mine[0]) - copiers.count(mine[1])) <= 1
+
+
+def test_without_copies_each_file_is_published_once(tmp_path) -> None:
+    """``copies=False`` (``varuna launch --no-handover-copies``): under data parallelism each host holds only the
+    files its own ranks wrote."""
+    roots = [str(tmp_path / "host0"), str(tmp_path / "host1")]
+    owners = _publish("0,1", roots, tmp_path, copies=False)
+    for rank, root in enumerate(roots):
+        held = {n for n in Shelf(JOB, root=root).names() if n.endswith(".distcp")}
+        assert held == {n for n, r in owners.items() if r == rank and n.endswith(".distcp")}, rank

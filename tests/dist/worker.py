@@ -204,7 +204,7 @@ def publish_handover(vm, spec: dict) -> dict[str, int]:
     from varuna_core.launch.shelf import Shelf
 
     root = Path(spec["roots"][vm.rank])
-    return vm.publish_state(Shelf(spec["job"], root=root).reserve)
+    return vm.publish_state(Shelf(spec["job"], root=root).reserve, copies=spec.get("copies", True))
 
 
 def take_handover(vm, spec: dict) -> int:

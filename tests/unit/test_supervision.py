@@ -155,7 +155,7 @@ class Publisher(Trainer):
         self.taken: list[int] = []
         self.fail = fail
 
-    def publish(self, reserve) -> dict[str, int]:
+    def publish(self, reserve, copies) -> dict[str, int]:
         if self.fail is not None:
             raise self.fail
         name = f"step_{self.iteration}/__0_0.distcp"

@@ -222,6 +222,11 @@ Handover = Annotated[bool, typer.Option(
     "through the checkpoint store.")]
 ShelfDir = Annotated[str, typer.Option(
     "--shelf-dir", help="A tmpfs directory on every host where a handover keeps the published state.")]
+HandoverCopies = Annotated[bool, typer.Option(
+    "--handover-copies/--no-handover-copies", help="With a handover under data parallelism: each host also keeps a "
+    "copy of its stage's files that its replicas on other hosts publish (a lost host then costs nothing, and a new "
+    "worker finds its stage on its own host); --no-handover-copies publishes each file once, which is faster for a "
+    "large model on a fast network.")]
 ShelfBudget = Annotated[int | None, typer.Option(
     "--shelf-budget", help="Bytes a host's shelf may hold (default: the tmpfs's free space); state that does not "
     "fit goes through the checkpoint store.")]
@@ -255,6 +260,7 @@ def launch(
     grace: Grace = DEFAULTS["grace"], straggler_threshold: StragglerThreshold = DEFAULTS["straggler_threshold"],
     recheck_max: RecheckMax = DEFAULTS["recheck_max"], handover: Handover = DEFAULTS["handover"],
     shelf_dir: ShelfDir = DEFAULTS["shelf_dir"], shelf_budget: ShelfBudget = DEFAULTS["shelf_budget"],
+    handover_copies: HandoverCopies = DEFAULTS["handover_copies"],
     slurm: Slurm = None, preemption_source: PreemptionSource = None, preemption_endpoint: PreemptionEndpoint = None,
     preemption_interval: PreemptionInterval = SpotConfig.interval,
 ) -> None:
@@ -304,7 +310,8 @@ def launch(
             ckpt_every=ckpt_every, ckpt_keep=ckpt_keep, ckpt_tempdir=ckpt_tempdir, total_steps=steps,
             max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout, morph_timeout=morph_timeout,
             preempt_margin=preempt_margin, grace=grace, straggler_threshold=straggler_threshold,
-            recheck_max=recheck_max, handover=handover, shelf_dir=shelf_dir, shelf_budget=shelf_budget)
+            recheck_max=recheck_max, handover=handover, shelf_dir=shelf_dir, shelf_budget=shelf_budget,
+            handover_copies=handover_copies)
     run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
     reporter.event(f"run directory {run}")

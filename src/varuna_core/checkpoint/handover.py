@@ -121,7 +121,8 @@ def blob_name(step: int, file: str) -> str:
 # Publish
 
 
-def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None) -> dict[str, int]:
+def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None,
+            copies: bool = True) -> dict[str, int]:
     """Put a checkpoint of every rank's state on each rank's own host's shelf (collective).
 
     Args:
@@ -129,6 +130,8 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
         reserve: ``reserve(nbytes)``, a context manager giving room on this host's shelf (``Shelf.reserve``): a
             :class:`Space` whose directory this rank writes its files into, each then adopted as a blob.
         step: the checkpoint's number (default: the optimizer steps taken).
+        copies: under data parallelism, also keep on this host a copy of the files the stage's replicas on other
+            hosts wrote (:func:`_mirror`; every rank must pass the same).
 
     Returns:
         On every rank, ``{blob name: rank that put it}``.
@@ -163,7 +166,7 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
             _agree(state, _complete_locally(state, step, local, _gather(state, files)), _KEEP_TRAINING)
             names, failure = _adopt_files(state, space, step, local, files)
             _agree(state, failure, _KEEP_TRAINING)
-            if state.dp > 1:
+            if copies and state.dp > 1:
                 mine = {"home": space.home, "files": files, "layout": writer.layout}
                 _mirror(state, reserve, step, tensors, [part[0] for part in _gather(state, [mine])])
             owners = _gather(state, names)

@@ -199,6 +199,7 @@ class LaunchOptions:
     handover: bool = True  # with morph: warm start + state through host memory (else a restart through the store)
     shelf_dir: str = "/dev/shm"  # the tmpfs of each host's shelf
     shelf_budget: int | None = None  # bytes a host's shelf may hold (None: its tmpfs's free space)
+    handover_copies: bool = True  # under dp > 1 each host keeps a copy of its replicas' published files
     resume: bool = False
     resume_or_start: bool = False  # with resume and run_id: start that run when the store holds nothing of it
     ckpt_every: int = 0

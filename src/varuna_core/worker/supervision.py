@@ -95,8 +95,9 @@ class Supervision:
         save: ``save(directory, tempdir=..., background=..., keep=...)`` writes a checkpoint of the current step
             (collective) and returns the ``Future`` of a background write, or anything else.
         load: ``load(directory, step)`` restores that checkpoint (collective) and returns the step loaded.
-        publish: ``publish(reserve)`` puts a checkpoint of the current step on this host's shelf, in the room
-            ``reserve(nbytes)`` gives (collective; ``Varuna.publish_state``); returns ``{blob: rank}``.
+        publish: ``publish(reserve, copies)`` puts a checkpoint of the current step on this host's shelf, in the
+            room ``reserve(nbytes)`` gives, with copies of its replicas' files if ``copies`` (collective;
+            ``Varuna.publish_state``); returns ``{blob: rank}``.
         take: ``take(step, locate, fetch, staging, link, holder_of)`` restores the state the old ranks published
             (collective; ``Varuna.take_state``); returns the step loaded.
         arrive: called once by a warm worker when the go has come, before it takes or loads anything (collective
@@ -107,7 +108,7 @@ class Supervision:
     def __init__(self, rank: int, *, stage: int = 0, replica: int = 0, samples: int | None = None,
                  save: Callable[..., Any], load: Callable[[str, int], int],
                  progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None,
-                 publish: Callable[[Callable[..., Any]], dict[str, int]] | None = None,
+                 publish: Callable[[Callable[..., Any], bool], dict[str, int]] | None = None,
                  take: Callable[..., int] | None = None, arrive: Callable[[], None] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load, self._publish, self._take, self._arrive = save, load, publish, take, arrive
@@ -339,7 +340,7 @@ class Supervision:
         morph = self.morph
         started = time.time()
         try:
-            owners = self._publish(morph.shelf.reserve)
+            owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0)
         except (CheckpointError, HandoverError) as exc:  # ShelfFullError is a HandoverError
             log.warning("rank %d: publishing step %d for a handover failed (%s); writing it to the store instead",
                         self.rank, iteration, exc.message)
