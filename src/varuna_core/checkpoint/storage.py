@@ -76,6 +76,7 @@ FORMAT = "varuna-raw/1"
 DATA_FILE = re.compile(r"__[0-9]+_[0-9]+\.distcp")  # what RawWriter names its files (fullmatch)
 INDEX_LIMIT = 256 * MiB  # a real index holds ~100 bytes per tensor
 _MAX_INT = 2**63 - 1  # sizes and offsets are int64 in torch
+_PIECE = 64 * MiB  # bytes of a GPU tensor staged in pinned host memory at once
 _INDEX_HINT = "the checkpoint is corrupt or was not written by varuna; run `varuna ckpt verify` on it"
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -206,6 +207,41 @@ def _dtype(name: str) -> torch.dtype:
 # Writer
 
 
+class _DeviceStaging:
+    """Two pinned host buffers through which a GPU tensor's bytes reach a file, :data:`_PIECE` bytes at a time:
+    the copy of piece k+1 from the device runs while piece k is written (and hashed), and no host memory is
+    allocated per tensor (``.cpu()`` would allocate a pageable copy of each tensor's size, touched for the first
+    time, and copy into it at the pageable rate)."""
+
+    def __init__(self) -> None:
+        self._buffers = [torch.empty(_PIECE, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def write(self, tensor: torch.Tensor, sink: FileSink) -> tuple[int, int]:
+        """Place and write the contiguous GPU ``tensor``'s bytes in ``sink``; returns (file offset, bytes)."""
+        flat = tensor.reshape(-1).view(torch.uint8)
+        n = flat.numel()
+        starts = list(range(0, n, _PIECE)) or [0]
+        stream = torch.cuda.current_stream(tensor.device)
+
+        def fetch(k: int) -> None:
+            start = starts[k]
+            self._buffers[k % 2][:min(n - start, _PIECE)].copy_(flat[start:start + _PIECE], non_blocking=True)
+            self._events[k % 2].record(stream)
+
+        fetch(0)
+        at = -1
+        for k, start in enumerate(starts):
+            self._events[k % 2].synchronize()
+            if k + 1 < len(starts):
+                fetch(k + 1)  # into the other buffer, whose piece was written already
+            piece = self._buffers[k % 2][:min(n - start, _PIECE)].numpy()
+            if k == 0:  # pinned buffers are page-aligned: a large tensor lands at an aligned offset
+                at = sink.place(piece)
+            sink.write(piece)  # returns once the piece is written and hashed
+        return at, n
+
+
 class RawWriter(StorageWriter):
     """Writes each rank's tensors as raw bytes into ``<path>/__<rank>_0.distcp`` (see the module docstring).
 
@@ -255,17 +291,23 @@ class RawWriter(StorageWriter):
         results: list[WriteResult] = []
         files = self._files(plan.storage_data, plan.items)
         buffers = bounce_buffers() if len(files) > 1 else None  # one pair for every file, written one by one
+        staging: _DeviceStaging | None = None
         for name, items in files:
             sink = FileSink(self.path / name, durable=self.sync_files, buffers=buffers)
             try:
                 for item in items:
-                    data = _bytes_view(self._tensor(item, planner))
-                    at = sink.place(data)
-                    results.append(WriteResult(index=item.index, size_in_bytes=data.nbytes,
-                                               storage_data=Location(name, at, data.nbytes)))
+                    tensor = self._tensor(item, planner)
+                    if tensor.device.type == "cuda":
+                        staging = staging or _DeviceStaging()
+                        at, nbytes = staging.write(tensor, sink)
+                    else:
+                        data = _bytes_view(tensor)
+                        at, nbytes = sink.place(data), data.nbytes
+                        sink.write(data)
+                    results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
+                                               storage_data=Location(name, at, nbytes)))
                     self.layout.setdefault(name, []).append((item.index.fqn, list(item.index.offset or ()), at,
-                                                             data.nbytes))
-                    sink.write(data)
+                                                             nbytes))
             finally:
                 size, sha256 = sink.close()
             self.files.append(FileRecord(name, size, sha256))
@@ -289,7 +331,7 @@ class RawWriter(StorageWriter):
         if not isinstance(data, torch.Tensor):
             raise CheckpointError(f"checkpoint entry {item.index.fqn!r} is not a tensor")
         data = data.detach()
-        if data.device.type != "cpu":
+        if data.device.type not in ("cpu", "cuda"):
             data = data.cpu()
         return data if data.is_contiguous() else data.contiguous()
 
