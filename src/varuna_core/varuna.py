@@ -481,6 +481,7 @@ class Varuna(nn.Module):
         mode (``.eval()``) must compute the same structure as the mode it was sliced in: otherwise every rank
         raises a :class:`~varuna_core.errors.CutPointError` saying what differs ([Note: discovery mode])."""
         self._modes.check("evaluate()")
+        self._unpark()  # a warm worker evaluating before its go computes where its stage computes (collective)
 
         def rng() -> tuple[int, int]:
             self._evaluations += 1

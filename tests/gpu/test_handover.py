@@ -88,7 +88,8 @@ def test_a_warm_worker_takes_no_device_memory_for_its_stage_until_the_go(tmp_pat
 
 def test_a_parked_stage_is_built_where_it_computes_and_held_in_host_memory(monkeypatch) -> None:
     """What the warm worker holds before its go: parameters in host memory with the values a cold start builds on
-    the GPU (a model built on meta is initialised there, module by module), and no device memory for them."""
+    the GPU (a model built on meta is initialised there, module by module), and no device memory for them; a
+    script that evaluates before the go gets its stage moved onto the GPU first."""
     needs_real_gpu("device memory accounting and the GPU's own random streams")
     from model import GPT, GPTConfig
 
@@ -114,6 +115,8 @@ def test_a_parked_stage_is_built_where_it_computes_and_held_in_host_memory(monke
     assert {p.device.type for p in warm.parameters()} == {"cpu"} and held < size / 4, (held, size)
     assert {n for n, p in warm.named_parameters() if not torch.equal(p.detach(), cold[n])} == set()
     params = list(warm.parameters())
-    warm._unpark()
+    x = torch.randint(0, 64, (4, 16))
+    loss = warm.evaluate({"idx": x, "targets": x})  # before any go: the stage moves where it computes first
     assert {p.device.type for p in warm.parameters()} == {"cuda"} and list(warm.parameters()) == params
     assert {n for n, p in warm.named_parameters() if not torch.equal(p.detach().cpu(), cold[n])} == set()
+    assert loss > 0
