@@ -224,10 +224,12 @@ def test_sigterm_at_any_moment_stops_the_agent() -> None:
         assert out.strip().splitlines()[-1] == b'{"event":"stopped"}'
 
 
-_SLEEPER = [sys.executable, "-c", ("import signal, sys, time\n"
-             "signal.signal(signal.SIGUSR1, lambda *a: print('usr1', flush=True))\n"
-             "signal.signal(signal.SIGTERM, lambda *a: print('term', flush=True))\n"
-             "print('up', flush=True)\ntime.sleep(60)")]
+# each line in one write: print() writes the text and the newline apart, so a second signal arriving between them
+# (the agent sends two SIGTERMs back to back) made the lines "termterm" and ""
+_SLEEPER = [sys.executable, "-c", ("import os, signal, sys, time\n"
+             "signal.signal(signal.SIGUSR1, lambda *a: os.write(1, b'usr1\\n'))\n"
+             "signal.signal(signal.SIGTERM, lambda *a: os.write(1, b'term\\n'))\n"
+             "os.write(1, b'up\\n')\ntime.sleep(60)")]
 
 
 def _until(proc: subprocess.Popen, predicate, timeout: float = 20) -> dict:
