@@ -580,3 +580,35 @@ def test_a_hostile_blob_file_is_refused_by_name_and_left_out_of_the_manifest(tmp
     with pytest.raises(HandoverError, match="damaged"):
         shelf.link("x", tmp_path / "taken")
     assert shelf.names() == ["y"] and not (tmp_path / "taken").exists()
+
+
+def test_reservations_from_many_processes_never_overrun_the_budget(tmp_path) -> None:
+    """Processes that reserve room and adopt files at once (the ranks of a host publishing together): the budget
+    holds at every moment, and whatever a process reserved and did not use is given back."""
+    code = textwrap.dedent("""
+        import hashlib, os, sys
+        from varuna_core.errors import ShelfFullError
+        from varuna_core.launch.shelf import Shelf
+        s = Shelf("job-1", root=sys.argv[1], budget=100_000)
+        got = 0
+        for i in range(30):
+            try:
+                with s.reserve(30_000) as space:
+                    data = os.urandom(20_000)
+                    path = space.directory / "f"
+                    path.write_bytes(data)
+                    space.adopt(f"{sys.argv[2]}.{i}", path, sha256=hashlib.sha256(data).hexdigest())
+                    got += 1
+                    assert s._used() <= 100_000, s._used()
+                    s.remove([f"{sys.argv[2]}.{i}"])
+            except ShelfFullError:
+                pass
+        print(got)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), who], stdout=subprocess.PIPE, text=True)
+             for who in "abcd"]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
+    assert sum(int(out) for out, _ in outs) > 0
+    shelf = Shelf(JOB, root=tmp_path)
+    assert shelf.names() == [] and not [p for p in shelf.path.iterdir() if p.suffix in (".resv", ".staging", ".part")]
