@@ -47,6 +47,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch.distributed as dist
 
 from ..errors import HandoverError, VarunaError
@@ -54,6 +55,7 @@ from ..ir.topology import Topology
 from ..util.checks import integer
 from ..util.fs import atomic_write
 from ..util.text import printable
+from .io import FileSink
 from .layout import COMPLETE_FILE, MANIFEST_FILE, RUN_FILE, read_manifest, step_dir
 from .saveload import (
     _buffers,
@@ -66,7 +68,15 @@ from .saveload import (
     load,
 )
 from .state import CheckpointState
-from .storage import INDEX_LIMIT, METADATA_FILE, RawWriter, _bytes_view, dcp_save, read_metadata
+from .storage import (
+    INDEX_LIMIT,
+    METADATA_FILE,
+    RawWriter,
+    _bytes_view,
+    _DeviceStaging,
+    dcp_save,
+    read_metadata,
+)
 
 __all__ = ["publish", "take", "blob_name"]
 
@@ -88,7 +98,6 @@ Into = Callable[[str, int], memoryview]
 Fetch = Callable[[Any, list[str], Into, int], object]  # may return {blob: sha256} of the blobs it checked
 Link = Callable[[Any, str, Path], "tuple[int, str] | None"]  # link(holder, name, path): (bytes, sha256) if linked
 
-_COPY_BLOCK = 16 * 2**20  # bytes per write of a replica's copy
 _SLACK = 8192  # bytes of room per tensor beyond its own: alignment, the blob's entry, the index
 _WRITER = re.compile(r"__([0-9]+)_[0-9]+\.distcp")  # the rank that wrote a data file
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
@@ -230,31 +239,28 @@ def _whole(tensor: Any, offsets: list[int], length: int) -> bool:
 
 
 def _write_like(path: Path, chunks: list, size: int, tensors: dict[str, Any]) -> str:
-    """Write ``size`` bytes at ``path``: each chunk's tensor at its offset, zeros between; returns their sha256."""
-    digest = hashlib.sha256()
-    zeros = memoryview(bytes(4096))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    at = 0
+    """Write ``size`` bytes at ``path``: each chunk's tensor at its offset, zeros between (as the writer's file
+    holds them); returns their sha256."""
+    sink = FileSink(path, durable=False)
+    staging: _DeviceStaging | None = None
 
-    def put(piece: memoryview) -> None:
-        nonlocal at
-        digest.update(piece)
-        while piece:
-            n = os.write(fd, piece)
-            piece, at = piece[n:], at + n
+    def pad(to: int) -> None:
+        if sink.offset < to:
+            sink.write(np.zeros(to - sink.offset, dtype=np.uint8))
 
     try:
-        for fqn, _, offset, length in sorted(chunks, key=lambda c: c[2]):
-            while at < offset:
-                put(zeros[:min(len(zeros), offset - at)])
-            data = memoryview(_bytes_view(tensors[fqn].detach().cpu().contiguous()))
-            for start in range(0, length, _COPY_BLOCK):
-                put(data[start:start + _COPY_BLOCK])
-        while at < size:
-            put(zeros[:min(len(zeros), size - at)])
+        for fqn, _, offset, _ in sorted(chunks, key=lambda c: c[2]):
+            pad(offset)
+            tensor = tensors[fqn].detach().contiguous()
+            if tensor.device.type == "cuda":
+                staging = staging or _DeviceStaging()
+                staging.write(tensor, sink, place=False)
+            else:
+                sink.write(_bytes_view(tensor.cpu()))
+        pad(size)
     finally:
-        os.close(fd)
-    return digest.hexdigest()
+        written, sha256 = sink.close()
+    return sha256 if written == size else ""
 
 
 def _complete_locally(state: CheckpointState, step: int, local: Path, gathered: list) -> str | None:

@@ -217,8 +217,9 @@ class _DeviceStaging:
         self._buffers = [torch.empty(_PIECE, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self._events = [torch.cuda.Event(), torch.cuda.Event()]
 
-    def write(self, tensor: torch.Tensor, sink: FileSink) -> tuple[int, int]:
-        """Place and write the contiguous GPU ``tensor``'s bytes in ``sink``; returns (file offset, bytes)."""
+    def write(self, tensor: torch.Tensor, sink: FileSink, *, place: bool = True) -> tuple[int, int]:
+        """Place (unless ``place`` is false: where the caller's offset is) and write the contiguous GPU
+        ``tensor``'s bytes in ``sink``; returns (file offset, bytes)."""
         flat = tensor.reshape(-1).view(torch.uint8)
         n = flat.numel()
         starts = list(range(0, n, _PIECE)) or [0]
@@ -237,7 +238,7 @@ class _DeviceStaging:
                 fetch(k + 1)  # into the other buffer, whose piece was written already
             piece = self._buffers[k % 2][:min(n - start, _PIECE)].numpy()
             if k == 0:  # pinned buffers are page-aligned: a large tensor lands at an aligned offset
-                at = sink.place(piece)
+                at = sink.place(piece) if place else sink.offset
             sink.write(piece)  # returns once the piece is written and hashed
         return at, n
 
