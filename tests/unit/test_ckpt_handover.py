@@ -14,7 +14,7 @@ import torch
 
 from tests.unit.test_ckpt_state import _state, _Tied
 from varuna_core.checkpoint.handover import blob_name, publish, take
-from varuna_core.errors import CheckpointError, HandoverError, ShelfFullError
+from varuna_core.errors import CheckpointError, HandoverError, ShelfFullError, VarunaError
 from varuna_core.launch.shelf import Shelf
 
 STEP = 3
@@ -328,3 +328,25 @@ def test_a_file_whose_holder_fails_comes_from_the_next_holder_and_none_left_is_n
     with pytest.raises(HandoverError, match="holder replica did not send blob"):
         _take_files({f: ["gone", "replica"] for f in expected}, _fetch({}), STEP, directory, expected)
     assert not any(directory.iterdir())
+
+
+def test_a_shelf_that_fills_up_while_the_publish_writes_fails_it_and_leaves_nothing(small_disk, monkeypatch) -> None:
+    """The room was there when reserved (another process filled the tmpfs meanwhile: here, its free space is
+    misreported): the write that finds no space fails the publish with one error, the room and every file written
+    are given back, and a later put still works."""
+    import varuna_core.launch.shelf as shelf_mod
+
+    root = small_disk(64 * 1024)
+    usage = type(shelf_mod.shutil.disk_usage(root))
+    monkeypatch.setattr(shelf_mod.shutil, "disk_usage", lambda path: usage(2**40, 0, 2**40))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 200)  # 160 KB of weights: more than the tmpfs holds
+    state = _state(_Tied())
+    state.module, state.params, state.weight_groups = model, list(model.named_parameters()), []
+    state.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    real = Shelf("job", root=root)
+    with pytest.raises(VarunaError, match="No space left on device"):
+        publish(state, real.reserve)
+    assert not [p for p in real.path.iterdir() if p.suffix in (".resv", ".staging", ".part")]
+    real.put("after", b"x" * 100)
+    assert bytes(real.get("after")) == b"x" * 100
