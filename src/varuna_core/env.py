@@ -34,6 +34,7 @@ JOB_ID = "VARUNA_JOB_ID"
 JOB_TOKEN = "VARUNA_JOB_TOKEN"
 ATTEMPT = "VARUNA_ATTEMPT"
 MANAGER = "VARUNA_MANAGER"
+SHELF_SERVER = "VARUNA_SHELF_SERVER"
 
 # torchrun's variables, which the launcher's agent sets for every worker
 TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -99,6 +100,9 @@ class WorkerEnv:
     shelf_dir: str | None = None  # VARUNA_SHELF_DIR: the tmpfs of the hosts' shelves (publish on SIGUSR2)
     shelf_budget: int | None = None  # VARUNA_SHELF_BUDGET: bytes the job's shelf may hold on one host
     handover_copies: int | None = None  # VARUNA_HANDOVER_COPIES: 0 = keep no copies of replicas' files (default 1)
+    # in-memory snapshots: every N steps each rank's state on its host's shelf and a copy on the next host
+    snapshot_every: int | None = None  # VARUNA_SNAPSHOT_EVERY (0 or unset: none)
+    shelf_server: str | None = None  # VARUNA_SHELF_SERVER: address:port of this host's shelf server (its agent's)
 
     @staticmethod
     def variable(field_name: str) -> str:
@@ -127,7 +131,19 @@ class WorkerEnv:
                 values[f.name] = (exact if f.name in _EXACT else text)(name, environ)
         told = cls(**values)
         told.manager_address  # noqa: B018 - checked now, not when the first heartbeat is due
+        told.shelf_server_address  # noqa: B018 - and this, not at the first snapshot
         return told
+
+    @property
+    def shelf_server_address(self) -> tuple[str, int] | None:
+        """``shelf_server`` as ``(address, port)``; None when unset.
+
+        Raises:
+            ConfigError: it is not ``address:port`` with a port in 1..65535.
+        """
+        if self.shelf_server is None:
+            return None
+        return _host_port(self.shelf_server, SHELF_SERVER)
 
     @property
     def manager_address(self) -> tuple[str, int] | None:
@@ -138,16 +154,21 @@ class WorkerEnv:
         """
         if self.manager is None:
             return None
-        host, _, port = self.manager.rpartition(":")
-        host = host.strip("[]")
-        if not host or not port.strip().isdigit() or not 1 <= int(port) <= 65535:
-            raise ConfigError(f"{MANAGER}={self.manager[:80]!r} is not host:port with a port in 1..65535",
-                              hint="it is set by varuna launch; unset it to run without the launcher")
-        return host, int(port)
+        return _host_port(self.manager, MANAGER)
+
+
+def _host_port(value: str, name: str) -> tuple[str, int]:
+    """``host:port`` (an IPv6 host may be in brackets) as ``(host, port)``; a ConfigError naming ``name``."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.strip().isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{name}={value[:80]!r} is not host:port with a port in 1..65535",
+                          hint="it is set by varuna launch; unset it to run without the launcher")
+    return host, int(port)
 
 
 _INTEGERS = {"resume_step": 0, "ckpt_every": 0, "ckpt_keep": 1, "total_steps": 0, "attempt": 0, "shelf_budget": 0,
-             "handover_copies": 0}
+             "handover_copies": 0, "snapshot_every": 0}
 _EXACT = {"run_id"}
 
 # Variables the launcher sets for every worker, and the `varuna launch` option that sets each (None: no option;
@@ -159,5 +180,5 @@ LAUNCHER_SET: dict[str, str | None] = {
     "VARUNA_RESUME_STEP": "--resume", "VARUNA_CKPT_EVERY": "--ckpt-every", "VARUNA_CKPT_KEEP": "--ckpt-keep",
     "VARUNA_CKPT_TEMPDIR": "--ckpt-tempdir", "VARUNA_TOTAL_STEPS": "--steps",
     "VARUNA_SHELF_DIR": "--shelf-dir", "VARUNA_SHELF_BUDGET": "--shelf-budget",
-    "VARUNA_HANDOVER_COPIES": "--no-handover-copies",
+    "VARUNA_HANDOVER_COPIES": "--no-handover-copies", "VARUNA_SNAPSHOT_EVERY": "--snapshot-every",
 }

@@ -105,6 +105,7 @@ def run_one(run: dict, spec: dict) -> dict:
             return {"error": f"{type(exc).__name__}: {exc}", "params_before": before,
                     "params": {n: p.detach().clone() for n, p in vm.named_parameters()}, "iteration": vm.iteration}
     owners = None  # the blob map of a publish
+    snaps, snapshots = start_snapshots(vm, run["snapshot"]) if run.get("snapshot") else (None, [])
     for step in range(first, run.get("steps", 3)):
         if run.get("stall_rank") == vm.rank:
             time.sleep(run["stall_seconds"])
@@ -152,6 +153,10 @@ def run_one(run: dict, spec: dict) -> dict:
             FileSink.write = write_then_die
         if run.get("publish") and vm.iteration == run["publish"]["at"]:
             owners = publish_handover(vm, run["publish"])
+        if snaps is not None and snaps.due(vm.iteration):
+            report = snaps.take(vm.iteration)
+            snapshots.append(None if report is None else {"step": report.step, "peer": report.peer,
+                                                          "copied": report.copied})
         fail = run.get("fail_copy")
         if fail and fail["rank"] == vm.rank:  # this rank's background copy hits a full disk
             import errno
@@ -183,6 +188,8 @@ def run_one(run: dict, spec: dict) -> dict:
     }
     if run.get("publish"):
         result["owners"] = owners
+    if run.get("snapshot"):
+        result["snapshots"] = snapshots
     if run.get("take"):
         result["taken"] = sorted(vm.taken_blobs)
     if run.get("evaluate"):
@@ -207,12 +214,35 @@ def publish_handover(vm, spec: dict) -> dict[str, int]:
     return vm.publish_state(Shelf(spec["job"], root=root).reserve, copies=spec.get("copies", True))
 
 
+def start_snapshots(vm, spec: dict):
+    """In-memory snapshots every ``spec["every"]`` steps into this rank's shelf root (``roots[rank]``, a host of
+    its own), served to the other ranks by a shelf server in this process; returns (Snapshots, reports)."""
+    import torch.distributed as dist
+
+    from varuna_core.launch.shelf import Shelf, ShelfServer, shelf_key
+    from varuna_core.worker.snapshots import Snapshots
+
+    shelf = Shelf(shelf_key(spec["job"], 1), root=spec["roots"][vm.rank], budget=spec.get("budget"))
+    server = ShelfServer(shelf, spec["token"])
+    vm._test_shelf_server = server  # lives as long as the process
+
+    def all_gather(obj):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    return Snapshots(spec["every"], rank=vm.rank, host=f"host{vm.rank}", shelf=shelf,
+                     server=("127.0.0.1", server.port), job=spec["job"], token=spec["token"], attempt=1,
+                     publish=lambda reserve, copies: vm.publish_state(reserve, copies=copies),
+                     all_gather=all_gather), []
+
+
 def take_handover(vm, spec: dict) -> int:
     """Take the published state from the shelf servers (this host's own shelf read directly, its data files linked
     in place)."""
     from varuna_core.launch.shelf import Shelf, fetch_into
 
-    servers, owners = spec["servers"], spec["owners"]
+    servers, owners = spec["servers"], spec.get("owners")
     own = spec.get("local", {}).get(str(vm.rank))  # the old rank whose host this rank is on, if any
     local = Shelf(spec["job"], root=spec["roots"][own]) if own is not None else None
 
@@ -238,7 +268,15 @@ def take_handover(vm, spec: dict) -> int:
             raise KeyError(rank)
         return servers[rank]
 
-    return vm.take_state(step=spec["step"], locate=lambda name: servers[owners[name]], fetch=fetch,
+    def locate(name: str):
+        if owners is not None:
+            return servers[owners[name]]
+        from varuna_core.worker.morph import holder_rank  # a snapshot: the writer's host, then the next (its copy)
+
+        writer = holder_rank(name)
+        return [servers[writer], servers[(writer + 1) % len(servers)]]
+
+    return vm.take_state(step=spec["step"], locate=locate, fetch=fetch,
                          staging=spec["staging"], link=link, holder_of=holder_of)
 
 

@@ -122,7 +122,7 @@ OPTION_OF = {"ckpt_every": "--ckpt-every", "ckpt_keep": "--ckpt-keep", "total_st
              "max_restarts": "--max-restarts", "heartbeat_timeout": "--heartbeat-timeout",
              "morph_timeout": "--morph-timeout", "preempt_margin": "--preempt-margin", "grace": "--grace",
              "straggler_threshold": "--straggler-threshold", "recheck_max": "--recheck-max",
-             "shelf_dir": "--shelf-dir", "shelf_budget": "--shelf-budget",
+             "shelf_dir": "--shelf-dir", "shelf_budget": "--shelf-budget", "snapshot_every": "--snapshot-every",
              "gpus_per_node": "--gpus-per-node", "user": "--ssh-user", "port": "--ssh-port",
              "source": "--preemption-source", "endpoint": "--preemption-endpoint", "interval": "--preemption-interval",
              "resume_or_start": "--resume-or-start"}
@@ -227,6 +227,10 @@ HandoverCopies = Annotated[bool, typer.Option(
     "copy of its stage's files that its replicas on other hosts publish (a lost host then costs nothing, and a new "
     "worker finds its stage on its own host); --no-handover-copies publishes each file once, which is faster for a "
     "large model on a fast network.")]
+SnapshotEvery = Annotated[int, typer.Option(
+    "--snapshot-every", help="With --morph: every N steps each worker copies its state into its host's memory (the "
+    "shelf) and the next host keeps a copy, so a host lost without notice costs at most N steps and no store read "
+    "(0: none).")]
 ShelfBudget = Annotated[int | None, typer.Option(
     "--shelf-budget", help="Bytes a host's shelf may hold (default: the tmpfs's free space); state that does not "
     "fit goes through the checkpoint store.")]
@@ -261,6 +265,7 @@ def launch(
     recheck_max: RecheckMax = DEFAULTS["recheck_max"], handover: Handover = DEFAULTS["handover"],
     shelf_dir: ShelfDir = DEFAULTS["shelf_dir"], shelf_budget: ShelfBudget = DEFAULTS["shelf_budget"],
     handover_copies: HandoverCopies = DEFAULTS["handover_copies"],
+    snapshot_every: SnapshotEvery = DEFAULTS["snapshot_every"],
     slurm: Slurm = None, preemption_source: PreemptionSource = None, preemption_endpoint: PreemptionEndpoint = None,
     preemption_interval: PreemptionInterval = SpotConfig.interval,
 ) -> None:
@@ -273,7 +278,7 @@ def launch(
                        "max_restarts": max_restarts, "heartbeat_timeout": heartbeat_timeout,
                        "morph_timeout": morph_timeout, "preempt_margin": preempt_margin, "grace": grace,
                        "straggler_threshold": straggler_threshold, "recheck_max": recheck_max,
-                       "shelf_budget": shelf_budget})
+                       "shelf_budget": shelf_budget, "snapshot_every": snapshot_every})
         if gpus_per_node is not None:
             integer("gpus_per_node", gpus_per_node, low=1, high=MAX_SLOTS)
         ssh_config = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ()))
@@ -311,7 +316,7 @@ def launch(
             max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout, morph_timeout=morph_timeout,
             preempt_margin=preempt_margin, grace=grace, straggler_threshold=straggler_threshold,
             recheck_max=recheck_max, handover=handover, shelf_dir=shelf_dir, shelf_budget=shelf_budget,
-            handover_copies=handover_copies)
+            handover_copies=handover_copies, snapshot_every=snapshot_every)
     run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
     reporter.event(f"run directory {run}")

@@ -315,8 +315,9 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
     Args:
         state: this rank's state; its live tensors change only if every rank got everything, checked.
         step: the step that was published.
-        locate: the holder of a blob, given its name (see the module docstring); raises ``KeyError`` for a blob
-            no host is known to hold.
+        locate: the holder of a blob, given its name (see the module docstring), or a list of holders to try in
+            that order (its writer's, then hosts keeping a copy); raises ``KeyError`` for a blob no host is known
+            to hold.
         fetch: ``fetch(holder, names, into, max_bytes)`` (see the module docstring).
         staging: a local directory (a tmpfs) for a private directory of this rank's files, removed afterwards.
         load_optimizer, in_place: as for ``load`` (a warm worker takes in place: its live state is worth nothing
@@ -394,8 +395,9 @@ def _data_files(state: CheckpointState, storage: dict, same_world: bool, load_op
 
 def _holders(locate: Callable[[str], Any], holder_of: Callable[[int], Any] | None, manifest: Any, step: int,
              files: Collection[str]) -> dict[str, list[Any]]:
-    """Who may give each file: its writer's holder, then (with ``holder_of`` and a manifest) the holders of its
-    writer's data-parallel replicas, which keep copies of the stage's files."""
+    """Who may give each file: its writer's holder (``locate`` may name several, in order: the writer's, then a
+    host that keeps a copy of its files, such as a snapshot's peer), then (with ``holder_of`` and a manifest) the
+    holders of its writer's data-parallel replicas, which keep copies of the stage's files."""
     topology = None
     if holder_of is not None and manifest is not None and manifest.dp > 1:
         topology = Topology.parse(manifest.stage_to_rank_map, manifest.pp * manifest.dp)
@@ -403,7 +405,10 @@ def _holders(locate: Callable[[str], Any], holder_of: Callable[[int], Any] | Non
     for file in files:
         name = blob_name(step, file)
         try:
-            out[file] = [locate(name)]
+            found = locate(name)
+            out[file] = list(dict.fromkeys(found)) if isinstance(found, list) else [found]
+            if not out[file]:
+                raise KeyError(name)
         except KeyError:
             raise HandoverError(f"no host is known to hold blob {printable(name)}", hint=_FALL_BACK) from None
         match = _WRITER.fullmatch(file)

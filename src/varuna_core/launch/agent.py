@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel
 
-from ..env import HOST, JOB_TOKEN, PLAN
+from ..env import HOST, JOB_TOKEN, PLAN, SHELF_SERVER
 from ..errors import HandoverError
 from .protocol import (
     GO_KEY,
@@ -103,8 +103,9 @@ def _error(message: str) -> None:
 
 
 def worker_env(spec: AgentSpec, worker: WorkerSlot, master_port: int, interface: str | None,
-               plan_path: str | None) -> dict[str, str]:
-    """The environment of one worker: the launcher's, the spec's, and the torchrun-style variables."""
+               plan_path: str | None, shelf_server: str | None = None) -> dict[str, str]:
+    """The environment of one worker: the launcher's, the spec's, and the torchrun-style variables (and
+    ``shelf_server``, ``address:port`` of this agent's shelf server, which a snapshot's copy is pulled from)."""
     env = dict(os.environ)
     env.update(spec.env)
     env.update(
@@ -123,6 +124,8 @@ def worker_env(spec: AgentSpec, worker: WorkerSlot, master_port: int, interface:
         env.setdefault("NCCL_SOCKET_IFNAME", interface)
     if plan_path:
         env[PLAN] = plan_path
+    if shelf_server:
+        env[SHELF_SERVER] = shelf_server
     return env
 
 
@@ -154,6 +157,9 @@ class Agent:
         interface, address = route_to(spec.master_addr)
         shelf_port = self._serve_shelf(address) if spec.shelf is not None else None
         emit(ReadyEvent(pid=os.getpid(), interface=interface, address=address, shelf_port=shelf_port))
+        server = None  # where the other hosts reach this shelf: the address that routes to the master
+        if shelf_port is not None and address:
+            server = f"[{address}]:{shelf_port}" if ":" in address else f"{address}:{shelf_port}"
         if spec.store:
             port = self._start_store(spec.master_port)
             emit(StoreEvent(port=port))
@@ -166,7 +172,7 @@ class Agent:
             Path(plan_path).write_text(json.dumps(spec.plan))
         # every worker is forked before any thread exists here, so preexec_fn is safe
         for worker in spec.workers:
-            env = worker_env(spec, worker, port, interface, plan_path)
+            env = worker_env(spec, worker, port, interface, plan_path, server)
             try:
                 proc = subprocess.Popen(self._argv(worker), cwd=spec.cwd or None, env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -307,6 +307,7 @@ class Attempt:
             shelf_dir=self.opts.shelf_dir if self.handing_over else None,
             shelf_budget=self.opts.shelf_budget if self.handing_over else None,
             handover_copies=0 if self.handing_over and not self.opts.handover_copies else None,
+            snapshot_every=self.opts.snapshot_every or None if self.handing_over else None,
             manager=f"{self.manager_address(node.host)}:{self.listener.port}",
             ckpt_every=self.opts.ckpt_every or None, ckpt_keep=self.opts.ckpt_keep or None,
             ckpt_tempdir=str(self.opts.ckpt_tempdir) if self.opts.ckpt_tempdir else None,

@@ -160,7 +160,7 @@ LIMITS: Mapping[str, tuple[float, float, bool]] = MappingProxyType({
     "heartbeat_timeout": (1.0, 86400.0, False), "start_timeout": (1.0, 86400.0, False),
     "morph_timeout": (1.0, 86400.0, False), "preempt_margin": (0.0, 86400.0, False), "grace": (0.0, 3600.0, False),
     "straggler_threshold": (0.0, 100.0, True), "recheck_max": (1.0, 3600.0, False),
-    "shelf_budget": (0, 2**62, False),
+    "shelf_budget": (0, 2**62, False), "snapshot_every": (0, 10**9, False),
 })
 # None: keep every checkpoint, train until the script ends, a shelf as large as its tmpfs
 _OPTIONAL = frozenset({"ckpt_keep", "total_steps", "shelf_budget"})
@@ -200,6 +200,7 @@ class LaunchOptions:
     shelf_dir: str = "/dev/shm"  # the tmpfs of each host's shelf
     shelf_budget: int | None = None  # bytes a host's shelf may hold (None: its tmpfs's free space)
     handover_copies: bool = True  # under dp > 1 each host keeps a copy of its replicas' published files
+    snapshot_every: int = 0  # with a handover: in-memory snapshots every N steps (0: none)
     resume: bool = False
     resume_or_start: bool = False  # with resume and run_id: start that run when the store holds nothing of it
     ckpt_every: int = 0
@@ -221,6 +222,9 @@ class LaunchOptions:
         check_numbers({name: getattr(self, name) for name in LIMITS})
         if self.resume_or_start and not self.resume:
             raise FieldError("resume_or_start", "needs resume", hint="it says what a resume that finds nothing does")
+        if self.snapshot_every and not (self.morph and self.handover):
+            raise FieldError("snapshot_every", "needs --morph with the handover (snapshots live on the shelves)",
+                             hint="add --morph, or drop --no-handover, or leave snapshots off (0)")
         if not self.shelf_dir or not os.path.isabs(self.shelf_dir) or "\0" in self.shelf_dir:
             raise FieldError("shelf_dir", f"{short_repr(self.shelf_dir)} is not an absolute path",
                              hint="a tmpfs directory present on every host, e.g. /dev/shm")

@@ -45,6 +45,7 @@ from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError, HandoverError
 from .beacon import Beacon
 from .morph import Morph
+from .snapshots import Snapshots
 
 __all__ = ["Supervision", "Progress", "EXIT_CHECKPOINTED", "EXIT_BAD_CHECKPOINT", "ResumeRefused", "STORE_FLAG",
            "HANDOVER_FLAG"]
@@ -149,6 +150,7 @@ class Supervision:
             signal.signal(signal.SIGTERM, self._on_term)
         if self.morph is not None and self._main_thread:
             signal.signal(signal.SIGUSR2, self._on_usr2)
+        self.snapshots = self._snapshots(told)
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         """The first SIGTERM asks for a checkpoint; the next one ends the process as SIGTERM does by default."""
@@ -218,6 +220,8 @@ class Supervision:
         self._adopt_handler()  # a handler the script installed since the last step
         if (self.resume_step is not None or (self.morph is not None and self.morph.warm)) and not self.resumed:
             self.resume()  # no set_optimizer: model state only
+        if self.snapshots is not None and self.snapshots.last is None:
+            self.snapshots.last = self._now().iteration  # the step it started from: held where it came from
         self._check_background()
         now = time.perf_counter()
         self._step_time = None if self._last_step_start is None else now - self._last_step_start
@@ -232,6 +236,8 @@ class Supervision:
         iteration = self._now().iteration
         if self.every and iteration and iteration % self.every == 0 and iteration != self.last_saved:
             self._periodic(iteration)
+        if self.snapshots is not None and self.snapshots.due(iteration):
+            self._snapshot(iteration)
 
     def flag(self) -> float:
         """This rank's request, summed over ranks by the step's all-reduce: :data:`STORE_FLAG` if it was asked to
@@ -267,6 +273,45 @@ class Supervision:
         self._pending = self._save(self.ckpt_dir, tempdir=self.tempdir, background=self.tempdir is not None,
                                    keep=self.keep)
         self.last_saved = iteration
+
+    def _snapshots(self, told: WorkerEnv) -> Snapshots | None:
+        """This rank's in-memory snapshots (``VARUNA_SNAPSHOT_EVERY``), which need the attempt's shelf."""
+        if not told.snapshot_every:
+            return None
+        if self.morph is None:
+            raise ConfigError("VARUNA_SNAPSHOT_EVERY is set but there is no shelf (VARUNA_SHELF_DIR, VARUNA_JOB_ID, "
+                              "VARUNA_JOB_TOKEN)", hint="varuna launch --morph sets them; without the handover "
+                              "(--no-handover) there are no snapshots")
+
+        def all_gather(obj: Any) -> list[Any]:
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_world_size() == 1:
+                return [obj]
+            out: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(out, obj)
+            return out
+
+        morph = self.morph
+        assert self._publish is not None and told.job_id is not None  # a morph has both
+        return Snapshots(told.snapshot_every, rank=self.rank, host=told.host or "localhost", shelf=morph.shelf,
+                         server=told.shelf_server_address, job=told.job_id, token=told.job_token or "",
+                         attempt=told.attempt or 0, publish=self._publish, all_gather=all_gather)
+
+    def _snapshot(self, iteration: int) -> None:
+        """Every rank at once: a snapshot of this step in host memory, with its copy on the next host."""
+        assert self.snapshots is not None
+        if self._pending is not None:  # a background checkpoint reads the same tensors: one thing at a time
+            self._pending.result()
+            self._pending = None
+        report = self.snapshots.take(iteration)
+        if self.beacon is None:
+            return
+        if report is None:
+            self.beacon.progress(step=iteration, snapshot_failed=iteration)
+        else:
+            self.beacon.progress(step=iteration, snapshot=report.step, snapshot_peer=report.peer,
+                                 snapshot_seconds=round(report.seconds, 4), snapshot_copied=report.copied)
 
     def _run_user_handler(self) -> None:
         """Every rank, at the same step boundary: the script's handler (it usually checkpoints and exits). If it

@@ -1,0 +1,198 @@
+"""In-memory snapshots: every N steps each rank's state on its own host's shelf, and a copy of it on one other host
+(DESIGN.md §3.8, "sudden loss"), so that a host lost without notice costs at most N steps and no store read.
+
+A snapshot of step ``k`` is a publish (:func:`~varuna_core.checkpoint.handover.publish`: the checkpoint's files,
+hashed as written, adopted as blobs ``step_<k>/<file>`` of the attempt's shelf, with copies of the data-parallel
+replicas' files where a replica lives on another host) that does not stop the worker, followed by the **peer
+copy**: the hosts, in the order of their first rank, form a ring, and the ranks of each host pull over the shelves'
+wire (authenticated with the job's token, hash-checked as they arrive) the blobs that the previous host's ranks
+wrote and that this host does not hold already, sharing them out among themselves. Every rank then agrees that
+the snapshot is whole; only then does each host drop the blobs of the snapshot before it (so a host lost while a
+snapshot is written still leaves the previous one, whole, on the others). Memory per host: this host's state and
+the previous host's, twice while a snapshot is written; bounded by the shelf's budget (``--shelf-budget``).
+
+Best effort by design: a snapshot that does not fit (the shelf's budget, or host memory) or whose peer copy fails is
+reported once (a warning and the heartbeat's ``snapshot_failed``) and training goes on; the periodic checkpoints in
+the store remain the durable copy. Which host holds which copy follows from the ring alone, so the launcher, which
+knows the hosts' order, tells the new ranks where each file is without any list from the workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, HandoverError, VarunaError
+from ..launch.shelf import Shelf, fetch_into, shelf_key
+from ..util.text import printable
+
+__all__ = ["Snapshots", "SnapshotReport", "ring_source", "step_of"]
+
+log = logging.getLogger(__name__)
+
+_BATCH = 1024  # blobs per request to the previous host (a file per parameter: a large model has thousands)
+_TIMEOUT = 60.0  # seconds to connect to the previous host's shelf server and for each chunk of its reply
+
+
+def ring_source(hosts: list[str], host: str) -> str | None:
+    """The host whose snapshot ``host`` keeps a copy of: the one before it in ``hosts`` (the hosts in the order of
+    their first rank), around the ring; None for a job on one host."""
+    if len(hosts) < 2 or host not in hosts:
+        return None
+    return hosts[(hosts.index(host) - 1) % len(hosts)]
+
+
+def step_of(blob: str) -> int | None:
+    """The step of a snapshot's blob (``step_<k>/<file>``), None for another name."""
+    head, sep, _ = blob.partition("/")
+    if not sep or not head.startswith("step_") or not head[5:].isdigit():
+        return None
+    return int(head[5:])
+
+
+@dataclass(frozen=True)
+class SnapshotReport:
+    """One snapshot, as this rank saw it."""
+
+    step: int
+    seconds: float  # the whole snapshot on this rank: publish, peer copy, agreement
+    copied: int  # bytes this rank pulled from the previous host
+    peer: bool  # every rank's files are also on another host (False on one host, or if a copy failed)
+
+
+class Snapshots:
+    """Takes the snapshots of one rank (collective: every rank calls :meth:`take` at the same steps).
+
+    Args:
+        every: a snapshot every ``every`` steps (0: none).
+        rank: this rank.
+        host: this rank's host as the launcher names it (``VARUNA_HOST``).
+        shelf: this attempt's shelf on this host.
+        server: ``(address, port)`` of this host's shelf server (``VARUNA_SHELF_SERVER``), None if it has none
+            (then no host copies it, and it copies nothing).
+        job, token, attempt: the job's id and token, and the attempt whose shelves these are.
+        publish: ``publish(reserve, copies)``, as the handover's (``Varuna.publish_state``): returns
+            ``{blob: rank}`` on every rank.
+        all_gather: ``all_gather(obj)``: every rank's ``obj``, in rank order (collective).
+    """
+
+    def __init__(self, every: int, *, rank: int, host: str, shelf: Shelf,
+                 server: tuple[str, int] | None, job: str, token: str, attempt: int,
+                 publish: Callable[[Callable[..., Any], bool], dict[str, int]],
+                 all_gather: Callable[[Any], list[Any]]) -> None:
+        self.every, self.rank, self.host = every, rank, host
+        self.shelf, self.server, self.job, self.token, self.attempt = shelf, server, job, token, attempt
+        self._publish, self._all_gather = publish, all_gather
+        self._places: list[tuple[str, tuple[str, int] | None]] | None = None  # every rank's (host, server)
+        self.last: int | None = None  # the newest whole snapshot
+        self.failed = False  # a snapshot failed: said once, then quietly retried at the next one
+
+    def due(self, iteration: int) -> bool:
+        return bool(self.every) and iteration > 0 and iteration % self.every == 0 and iteration != self.last
+
+    def take(self, iteration: int) -> SnapshotReport | None:
+        """Snapshot step ``iteration`` (every rank at once); its report, or None if it failed (said, not raised:
+        training goes on and the store keeps its checkpoints)."""
+        started = time.perf_counter()
+        places = self._gather_places()
+        try:
+            owners = self._publish(self.shelf.reserve, True)
+        except (CheckpointError, HandoverError) as exc:  # every rank raises alike (ShelfFullError among them)
+            self._say(f"snapshot of step {iteration} not taken: {exc.message}")
+            return None
+        copied, problem = 0, None
+        try:
+            copied = self._copy_previous_host(iteration, owners, places)
+        except VarunaError as exc:
+            problem = f"rank {self.rank}: {exc.message}"
+        except OSError as exc:
+            problem = f"rank {self.rank}: {printable(exc.strerror or exc)}"
+        problems = [p for p in self._all_gather(problem) if p]
+        hosts = _hosts_in_order(places)
+        peer = len(hosts) > 1 and not problems and all(server is not None for _, server in places)
+        if problems:
+            self._say(f"snapshot of step {iteration} has no copy on another host: {problems[0]}")
+        previous, self.last = self.last, iteration
+        if previous is not None and self._first_on_host(places):
+            self.shelf.remove(n for n in self.shelf.names() if step_of(n) == previous)
+        return SnapshotReport(iteration, time.perf_counter() - started, copied, peer)
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _gather_places(self) -> list[tuple[str, tuple[str, int] | None]]:
+        if self._places is None:
+            self._places = [(str(h), tuple(s) if s is not None else None)
+                            for h, s in self._all_gather((self.host, self.server))]
+        return self._places
+
+    def _first_on_host(self, places: list[tuple[str, tuple[str, int] | None]]) -> bool:
+        return next(r for r, (h, _) in enumerate(places) if h == self.host) == self.rank
+
+    def _copy_previous_host(self, step: int, owners: dict[str, int],
+                            places: list[tuple[str, tuple[str, int] | None]]) -> int:
+        """Pull this rank's share of the previous host's blobs of ``step`` onto this host's shelf; bytes pulled."""
+        source = ring_source(_hosts_in_order(places), self.host)
+        if source is None:
+            return 0
+        servers = {h: s for h, s in places if s is not None}
+        if source not in servers or self.server is None:
+            raise HandoverError(f"host {printable(source)} or this one serves no shelf: no copy of its snapshot")
+        mates = [r for r, (h, _) in enumerate(places) if h == self.host]
+        wanted = sorted(name for name, rank in owners.items() if places[rank][0] == source)
+        mine = [name for i, name in enumerate(wanted) if mates[i % len(mates)] == self.rank
+                and not self.shelf.has(name)]
+        if not mine:
+            return 0
+        address, port = servers[source]
+        total = 0
+        for start in range(0, len(mine), _BATCH):
+            total += self._pull(address, port, mine[start:start + _BATCH])
+        return total
+
+    def _pull(self, address: str, port: int, names: list[str]) -> int:
+        """Fetch ``names`` from a shelf server into room on this host's shelf and adopt each as a blob."""
+        job = shelf_key(self.job, self.attempt)
+        budget = self.shelf.budget if self.shelf.budget is not None else 1 << 62
+        files: dict[str, tuple[Path, mmap.mmap | None]] = {}
+        with self.shelf.reserve(0) as space:
+
+            def into(entry: Any) -> memoryview:
+                path = Path(space.directory) / f"copy-{len(files)}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+                try:
+                    os.ftruncate(fd, entry.size)
+                    buffer = mmap.mmap(fd, entry.size) if entry.size else None
+                finally:
+                    os.close(fd)
+                files[entry.name] = (path, buffer)
+                return memoryview(buffer) if buffer is not None else memoryview(bytearray(0))
+
+            try:
+                entries = fetch_into(address, port, job=job, token=self.token, names=names, into=into,
+                                     max_bytes=budget, timeout=_TIMEOUT)
+            finally:
+                for _, buffer in files.values():
+                    if buffer is not None:
+                        with contextlib.suppress(BufferError):
+                            buffer.close()
+            for name, entry in entries.items():
+                space.adopt(name, files[name][0], entry.meta, sha256=entry.sha256)
+        return sum(e.size for e in entries.values())
+
+    def _say(self, message: str) -> None:
+        if not self.failed:
+            log.warning("%s; training goes on (the store's checkpoints remain)", message)
+        self.failed = True
+
+
+def _hosts_in_order(places: list[tuple[str, Any]]) -> list[str]:
+    """The hosts in the order of their first rank."""
+    return list(dict.fromkeys(h for h, _ in places))
+
