@@ -175,13 +175,13 @@ def test_a_garbage_spec_is_an_error_event_not_a_traceback(first) -> None:
 
 def test_garbage_commands_are_reported_and_ignored() -> None:
     proc = _agent(_spec([sys.executable, "-c", "import time; time.sleep(30)"]))
-    for line in ("42", "[]", "{", "[" * 50_000, '{"cmd": "signal", "signal": "SIGKILL"}',
+    for line in ("42", "[]", "{", "[" * 50_000, '{"cmd": "signal", "signal": "SIGSTOP"}',
                  '{"cmd": "stop", "grace": "soon"}'):
         proc.stdin.write((line + "\n").encode())
         proc.stdin.flush()
     events = _events(proc)
     errors = [e["message"] for e in events if e["event"] == "error"]
-    assert len(errors) == 5 and "unknown signal 'SIGKILL'" in errors[-1]
+    assert len(errors) == 5 and "unknown signal 'SIGSTOP'" in errors[-1]
     assert events[-1]["event"] == "stopped"  # the stop with a nonsense grace still stopped it
 
 
@@ -268,3 +268,18 @@ def test_without_a_scheduler_sigusr1_is_passed_on_and_not_reported() -> None:
     proc.stdin.flush()
     events = _events(proc)
     assert events[-1]["event"] == "stopped" and not any(e["event"] == "signalled" for e in events)
+
+
+def test_sigkill_ends_the_workers_at_once_and_the_agent_stays_until_stopped() -> None:
+    """After a host of the job is lost, the survivors' workers may be blocked in a collective with it: the launcher
+    ends them with SIGKILL (ignored by no one) while their agents keep serving the snapshot on their shelves."""
+    proc = _agent(_spec(_SLEEPER, workers=2))
+    _until(proc, lambda e: e.get("line") == "up")
+    proc.stdin.write(b'{"cmd": "signal", "signal": "SIGKILL"}\n')
+    proc.stdin.flush()
+    exits = [_until(proc, lambda e: e["event"] == "exit") for _ in range(2)]
+    assert sorted(e["rank"] for e in exits) == [0, 1] and {e["code"] for e in exits} == {-signal.SIGKILL}
+    assert proc.poll() is None  # the agent is still there
+    proc.stdin.write(b'{"cmd": "stop", "grace": 0}\n')
+    proc.stdin.flush()
+    assert _events(proc)[-1]["event"] == "stopped"

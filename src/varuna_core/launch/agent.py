@@ -264,9 +264,14 @@ class Agent:
         emit(ExitEvent(rank=rank, code=proc.wait()))
 
     def signal(self, name: str) -> None:
-        sig = getattr(signal, name, None) if name in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT") else None
+        sig = getattr(signal, name, None) if name in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGKILL") else None
         if not isinstance(sig, signal.Signals):
             _error(f"unknown signal {name!r}")
+            return
+        if sig is signal.SIGKILL:  # the workers end now, wherever they are (blocked in a collective too); the
+            for proc in self.procs.values():  # agent stays and serves its shelf: their snapshot is on it
+                if proc.poll() is None:
+                    _killpg(proc.pid, signal.SIGKILL)
             return
         for proc in self.procs.values():
             if proc.poll() is None:

@@ -258,6 +258,7 @@ class Outcome:
     unstarted: Host | None = None  # crash: the host whose agent did not start (the job leaves it out)
     successor: Attempt | None = None  # morph by handover: the new configuration, warm, waiting for its go
     published: bool = False  # morph by handover: every old rank published step ``step`` on its host's shelf
+    copies: bool = False  # recovery from a snapshot: each host's files are also on the next host (the go says so)
 
 
 class Attempt:
@@ -610,6 +611,10 @@ class Attempt:
         attempt's first step (or its end), then they are stopped (and their shelves cleared)."""
         self.retiring = old
 
+    def retire_now(self) -> None:
+        """Stop the attempt this one took over from, if it still serves its shelves, and wait for it."""
+        self._retire_now(wait=True)
+
     def _retire_now(self, wait: bool = False) -> None:
         old = self.retiring
         if old is not None and self._retirement is None:
@@ -618,6 +623,27 @@ class Attempt:
             self.files.event("retired", attempt=old.number)
         if wait and self._retirement is not None:
             self._retirement.join(timeout=old.opts.grace + 20 if old is not None else 20)
+
+    def snapshot(self) -> tuple[int, bool] | None:
+        """The newest in-memory snapshot, as the workers reported it (a snapshot is reported once it is whole on
+        every rank): its step, and whether each host's files are also on the next host; None if none."""
+        best: tuple[int, bool] | None = None
+        for beat in self.beats().values():
+            step = beat.get("snapshot")
+            if isinstance(step, int) and (best is None or step > best[0]):
+                best = (step, bool(beat.get("snapshot_peer")))
+        return best
+
+    def host_order(self) -> list[str]:
+        """The attempt's hosts in the order of their first rank (the ring of the snapshots' copies)."""
+        return list(dict.fromkeys(self.rank_host[r] for r in range(self.world)))
+
+    def end_workers(self) -> None:
+        """SIGKILL every worker that is left, wherever it is (blocked in a collective with a lost peer too), and
+        keep the agents: their shelves hold the workers' snapshots for the next configuration."""
+        self.files.event("workers_ended", attempt=self.number)
+        for agent in self.agents:
+            agent.send(SignalCommand(signal="SIGKILL"))
 
     def _ask_to_checkpoint(self, why: str) -> bool:
         """SIGUSR1 to every worker; False (nothing sent) if some rank has not reported yet, i.e. has not installed

@@ -254,6 +254,7 @@ class Manager:
         self._handing_over: Attempt | None = None  # the attempt whose successor takes over next
         self._orphan: tuple[Attempt, Outcome] | None = None  # an old attempt still serving a handover's state
         self._retried: Outcome | None = None  # the handover tried a second time (once at most)
+        self._wreck: Attempt | None = None  # a crashed attempt whose agents still serve its snapshot
         self._warm: tuple[list[Host], Plan, str | None] = ([], plan, None)  # the successor's hosts, plan, why
         self._write_manager_file()
 
@@ -319,6 +320,9 @@ class Manager:
                     hosts = self._reachable(outcome.hosts or self._wanted(), suspects=[])
                 elif outcome.kind is Ending.CRASH and (again := self._hand_over_again(outcome)) is not None:
                     handover, retiring = again  # not a restart: the state is still on the old hosts' shelves
+                    continue
+                elif outcome.kind is Ending.CRASH and (again := self._recover(outcome, budget)) is not None:
+                    handover, retiring = again  # not a restart: the newest snapshot is on the surviving shelves
                     continue
                 elif outcome.kind is Ending.CRASH:
                     if not opts.morph:
@@ -477,7 +481,12 @@ class Manager:
                 # attempt it took over from still serves it, for one more try (see run())
                 keep = (handover is not None and retiring is not None and not attempt.first_step_seen
                         and outcome is not None and outcome.kind is Ending.CRASH and self._retried is not handover)
-                attempt.stop(retire=not keep)
+                if not keep and outcome is not None and self._recoverable(attempt, outcome):
+                    attempt.retire_now()
+                    attempt.end_workers()  # its agents stay: their shelves hold the snapshot the next one takes
+                    self._wreck = attempt
+                else:
+                    attempt.stop(retire=not keep)
                 self._orphan = (retiring, handover) if keep and retiring is not None and handover is not None \
                     else None
                 self.files.event("stopped", attempt=number)
@@ -546,6 +555,61 @@ class Manager:
         self._retried = again = dataclasses.replace(handover, successor=successor)
         return again, old
 
+    def _recoverable(self, attempt: Attempt, outcome: Outcome) -> bool:
+        """Whether a crash of ``attempt`` may go on from its newest in-memory snapshot: one was taken and it is
+        newer than the store's newest checkpoint (whether every rank's files are still on a live host is known
+        once the hosts are checked: :meth:`_recover`)."""
+        if not self.opts.snapshot_every or outcome.kind is not Ending.CRASH or outcome.refused \
+                or outcome.unstarted is not None:
+            return False
+        snapshot, newest = attempt.snapshot(), self.latest()
+        return snapshot is not None and (newest is None or newest < snapshot[0])
+
+    def _recover(self, crash: Outcome, budget: RestartBudget) -> tuple[Outcome, Attempt] | None:
+        """After a crash whose attempt left its snapshot on its shelves (see :meth:`_recoverable`): every host is
+        checked (a crash seen first as a worker's exit may hide a lost host); if every rank's files are on a host
+        that answers (its own, or the next host's copy), a new configuration on the hosts that answer, warm, is
+        told to take that snapshot. None otherwise, or when it cannot start: the crash then restarts from the
+        store."""
+        wreck, self._wreck = self._wreck, None
+        if wreck is None:
+            return None
+        snapshot = wreck.snapshot()
+        assert snapshot is not None  # checked when it was kept
+        step, copies = snapshot
+        hosts = self._reachable(crash.hosts or self._wanted())
+        up = {h.name for h in hosts}
+        ring = wreck.host_order()
+        lost = [h for h in ring if h not in up]
+        if lost and (not copies or len(ring) < 2 or any(ring[(ring.index(h) + 1) % len(ring)] in lost for h in lost)):
+            self.reporter.event(f"the in-memory snapshot of step {step} is lost with {', '.join(lost)} (no copy on a "
+                                f"host that answers)")
+            self.files.event("snapshot_lost", attempt=wreck.number, step=step, lost=lost)
+            wreck.stop()
+            return None
+        newest = self.latest()
+        restarts = budget.crash(step if newest is None else max(step, newest))
+        if budget.exhausted:
+            wreck.stop()
+            raise LaunchError(f"giving up after {self.opts.max_restarts} restarts without a new checkpoint or "
+                              f"snapshot: {crash.message}", hint=f"see the rank logs in {self.opts.run_dir}/logs")
+        self.status.restarts += 1
+        self.current = wreck.number  # the attempt whose state the new one takes (for the warm-up's events)
+        self.reporter.event(f"crash: {crash.message}; going on from the in-memory snapshot of step {step}"
+                            + (f" (the copies of {', '.join(lost)}'s part on the next host)" if lost else "")
+                            + f" (restart {restarts} of at most {self.opts.max_restarts})")
+        self.files.event("recovering", attempt=wreck.number, step=step, reason=crash.message, lost=lost,
+                         copies=copies)
+        try:
+            successor = self._warmup(hosts)
+        except NoMorph:
+            successor = None
+        if successor is None:
+            wreck.stop()
+            return None
+        return Outcome(Ending.CRASH, crash.message, step=step, successor=successor, published=True,
+                       copies=copies), wreck
+
     def _publish_by(self) -> float | None:
         """When the running workers must hand over even if the new ones are not all warm: before the first host
         of the job that a preemption notice takes away goes (keeping half the margin for the transfer)."""
@@ -571,7 +635,7 @@ class Manager:
             missing = sorted({h for _, h, _, port in holders if port is None})
             if not missing:
                 go = Go(attempt=attempt.number, source="shelf", step=step, shelf=shelf_key(self.job, old.number),
-                        fallback_step=fallback,
+                        fallback_step=fallback, copies=handover.copies,
                         holders=[ShelfHolder(host=h, address=a, port=p) for _, h, a, p in sorted(holders)
                                  if p is not None])
             else:
@@ -586,7 +650,7 @@ class Manager:
             self.reporter.event(f"the state of step {step} cannot be handed over ({lost}): going on from {since}")
             self.files.event("handover_lost", attempt=old.number, step=step, reason=lost, fallback=fallback)
         self.files.event("go", attempt=attempt.number, source=go.source, step=go.step,
-                         hosts=sorted({h.host for h in go.holders}))
+                         hosts=sorted({h.host for h in go.holders}), copies=go.copies)
         self.reporter.event(f"attempt {attempt.number} takes over " + (
             f"step {go.step} from the {'hosts' if go.source == 'shelf' else 'store'}" if go.step is not None
             else "from step 0"))

@@ -258,7 +258,8 @@ class _Command(BaseModel):
 
 
 class SignalCommand(_Command):
-    """Send ``signal`` to every worker's main process (the agent knows SIGUSR1, SIGUSR2, SIGTERM, SIGINT)."""
+    """Send ``signal`` to every worker's main process (the agent knows SIGUSR1, SIGUSR2, SIGTERM, SIGINT; and
+    SIGKILL, to every worker's whole process group: the workers end, the agent and its shelf stay)."""
 
     cmd: Literal["signal"] = "signal"
     signal: Annotated[str, Field(max_length=64)]
@@ -346,7 +347,9 @@ class Go(_Strict):
     take their state from. ``source``: ``shelf`` (the old ranks published step ``step`` on their hosts' shelves;
     ``holders[r]`` holds old rank ``r``'s files, under the shelf ``shelf``), ``store`` (the old ranks wrote step
     ``step`` to the checkpoint store instead) or ``none`` (nothing to resume: start at step 0).
-    ``fallback_step``: the store's newest checkpoint, for a take that fails."""
+    ``fallback_step``: the store's newest checkpoint, for a take that fails. ``copies``: each host of the
+    holders also keeps a copy of the files of the host before it (the hosts in the order of their first rank,
+    around the ring): an in-memory snapshot's peer copies, tried when a file's own holder fails."""
 
     attempt: Annotated[int, Field(ge=0)]
     source: Literal["shelf", "store", "none"]
@@ -354,6 +357,7 @@ class Go(_Strict):
     shelf: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     holders: Annotated[list[ShelfHolder], Field(max_length=MAX_RANK)] = Field(default_factory=list)
     fallback_step: Annotated[int, Field(ge=0)] | None = None
+    copies: bool = False
 
     @model_validator(mode="after")
     def _complete(self) -> Go:
@@ -444,6 +448,12 @@ def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value is None else check(value)
 
 
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise BadField(value)
+    return value
+
+
 def _scalar(value: Any) -> Any:
     """A field the manager does not know: kept if it is a short scalar."""
     if value is None or isinstance(value, bool):
@@ -492,6 +502,8 @@ BEAT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "taken_local": _optional(_count), "taken_remote": _optional(_count), "taken_copies": _optional(_count),
     "taken_replica": _optional(_count),
     "handover_failed": _optional(_text),
+    "snapshot": _optional(_count), "snapshot_peer": _optional(_boolean), "snapshot_seconds": _optional(_real),
+    "snapshot_copied": _optional(_count), "snapshot_failed": _optional(_count),
 }
 _BEAT_REQUIRED = ("ts", "sender", "seq", "attempt", "rank")
 NOTICE_FIELDS: dict[str, Callable[[Any], Any]] = {

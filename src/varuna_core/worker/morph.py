@@ -138,14 +138,24 @@ class Morph:
 
     def locate(self, go: Go) -> Callable[[str], Any]:
         """``locate(blob)`` for :func:`~varuna_core.checkpoint.handover.take`: the holder ``(host, address, port)``
-        of the old rank that published it (KeyError: no such rank)."""
+        of the old rank that published it (KeyError: no such rank); with the go's ``copies``, that holder and then
+        the next host's, which keeps a copy of its snapshot."""
 
-        def locate(blob: str) -> tuple[str, str, int]:
+        first: dict[str, int] = {}  # each host's first rank, in rank order: the ring of a snapshot's copies
+        for rank, holder in enumerate(go.holders):
+            first.setdefault(holder.host, rank)
+        ring = list(first)
+
+        def locate(blob: str) -> tuple[str, str, int] | list[tuple[str, str, int]]:
             rank = holder_rank(blob)
             if rank >= len(go.holders):
                 raise KeyError(blob)
             holder = go.holders[rank]
-            return holder.host, holder.address, holder.port
+            own = (holder.host, holder.address, holder.port)
+            if not go.copies or len(ring) < 2:
+                return own
+            after = go.holders[first[ring[(ring.index(holder.host) + 1) % len(ring)]]]
+            return [own, (after.host, after.address, after.port)]
 
         return locate
 

@@ -97,9 +97,11 @@ class Snapshots:
     def due(self, iteration: int) -> bool:
         return bool(self.every) and iteration > 0 and iteration % self.every == 0 and iteration != self.last
 
-    def take(self, iteration: int) -> SnapshotReport | None:
+    def take(self, iteration: int, announce: Callable[[SnapshotReport], None] | None = None
+             ) -> SnapshotReport | None:
         """Snapshot step ``iteration`` (every rank at once); its report, or None if it failed (said, not raised:
-        training goes on and the store keeps its checkpoints)."""
+        training goes on and the store keeps its checkpoints). ``announce(report)`` is called once the snapshot
+        is whole everywhere and before the one before it is dropped (the launcher hears of the new one first)."""
         started = time.perf_counter()
         places = self._gather_places()
         try:
@@ -119,10 +121,13 @@ class Snapshots:
         peer = len(hosts) > 1 and not problems and all(server is not None for _, server in places)
         if problems:
             self._say(f"snapshot of step {iteration} has no copy on another host: {problems[0]}")
+        report = SnapshotReport(iteration, time.perf_counter() - started, copied, peer)
+        if announce is not None:
+            announce(report)
         previous, self.last = self.last, iteration
-        if previous is not None and self._first_on_host(places):
+        if previous is not None and previous != iteration and self._first_on_host(places):
             self.shelf.remove(n for n in self.shelf.names() if step_of(n) == previous)
-        return SnapshotReport(iteration, time.perf_counter() - started, copied, peer)
+        return report
 
     # ------------------------------------------------------------------------------------------------------
 

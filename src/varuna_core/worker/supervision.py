@@ -45,7 +45,7 @@ from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError, HandoverError
 from .beacon import Beacon
 from .morph import Morph
-from .snapshots import Snapshots
+from .snapshots import SnapshotReport, Snapshots
 
 __all__ = ["Supervision", "Progress", "EXIT_CHECKPOINTED", "EXIT_BAD_CHECKPOINT", "ResumeRefused", "STORE_FLAG",
            "HANDOVER_FLAG"]
@@ -304,14 +304,16 @@ class Supervision:
         if self._pending is not None:  # a background checkpoint reads the same tensors: one thing at a time
             self._pending.result()
             self._pending = None
-        report = self.snapshots.take(iteration)
-        if self.beacon is None:
-            return
-        if report is None:
-            self.beacon.progress(step=iteration, snapshot_failed=iteration)
-        else:
-            self.beacon.progress(step=iteration, snapshot=report.step, snapshot_peer=report.peer,
-                                 snapshot_seconds=round(report.seconds, 4), snapshot_copied=report.copied)
+        beacon = self.beacon
+
+        def announce(report: SnapshotReport) -> None:  # sent at once: the launcher recovers from what it heard of
+            if beacon is not None:
+                beacon.progress(step=iteration, snapshot=report.step, snapshot_peer=report.peer,
+                                snapshot_seconds=round(report.seconds, 4), snapshot_copied=report.copied)
+                beacon.flush()
+
+        if self.snapshots.take(iteration, announce) is None and beacon is not None:
+            beacon.progress(step=iteration, snapshot_failed=iteration)
 
     def _run_user_handler(self) -> None:
         """Every rank, at the same step boundary: the script's handler (it usually checkpoints and exits). If it
