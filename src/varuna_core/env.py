@@ -101,7 +101,7 @@ class WorkerEnv:
     shelf_budget: int | None = None  # VARUNA_SHELF_BUDGET: bytes the job's shelf may hold on one host
     handover_copies: int | None = None  # VARUNA_HANDOVER_COPIES: 0 = keep no copies of replicas' files (default 1)
     # in-memory snapshots: every N steps each rank's state on its host's shelf and a copy on the next host
-    snapshot_every: int | None = None  # VARUNA_SNAPSHOT_EVERY (0 or unset: none)
+    snapshot_every: str | None = None  # VARUNA_SNAPSHOT_EVERY: N steps, or "auto" (0 or unset: none)
     shelf_server: str | None = None  # VARUNA_SHELF_SERVER: address:port of this host's shelf server (its agent's)
 
     @staticmethod
@@ -132,7 +132,20 @@ class WorkerEnv:
         told = cls(**values)
         told.manager_address  # noqa: B018 - checked now, not when the first heartbeat is due
         told.shelf_server_address  # noqa: B018 - and this, not at the first snapshot
+        told.snapshot_interval  # noqa: B018 - and this
         return told
+
+    @property
+    def snapshot_interval(self) -> int | None:
+        """``snapshot_every`` as steps: 0 for none (unset), None for ``auto`` (see ``worker.snapshots``).
+
+        Raises:
+            ConfigError: neither ``auto`` nor a whole number of steps.
+        """
+        value = (self.snapshot_every or "0").strip()
+        if value == "auto":
+            return None
+        return env_integer(self.variable("snapshot_every"), value, low=0)
 
     @property
     def shelf_server_address(self) -> tuple[str, int] | None:
@@ -168,7 +181,7 @@ def _host_port(value: str, name: str) -> tuple[str, int]:
 
 
 _INTEGERS = {"resume_step": 0, "ckpt_every": 0, "ckpt_keep": 1, "total_steps": 0, "attempt": 0, "shelf_budget": 0,
-             "handover_copies": 0, "snapshot_every": 0}
+             "handover_copies": 0}
 _EXACT = {"run_id"}
 
 # Variables the launcher sets for every worker, and the `varuna launch` option that sets each (None: no option;

@@ -280,6 +280,10 @@ def test_launch_bad_plans(capsys, files, tmp_path, plan, needle) -> None:
     ("--shelf-dir", "shm", "--shelf-dir 'shm' is not an absolute path"),
     ("--shelf-dir", "", "--shelf-dir '' is not an absolute path"),
     ("--shelf-dir", "/dev/shm\0x", "--shelf-dir"),
+    ("--snapshot-every", "-1", "--snapshot-every '-1' is neither a number of steps nor 'auto'"),
+    ("--snapshot-every", "often", "--snapshot-every 'often' is neither a number of steps nor 'auto'"),
+    ("--snapshot-every", "99999999999", "--snapshot-every must be in 0..1000000000"),
+    ("--snapshot-every", "5", "--snapshot-every needs --morph with the handover"),
 ])
 def test_launch_bad_numbers(capsys, files, tmp_path, option, value, needle) -> None:
     code, err = _launch(capsys, files, tmp_path, option, value)

@@ -58,6 +58,11 @@ def test_a_host_lost_without_notice_costs_the_steps_since_the_snapshot_and_no_st
     assert len(recovering) == 1, [e for e in events if e["event"] not in ("first_step",)]
     step = recovering[0]["step"]
     assert step >= 2 * EVERY and step % EVERY == 0 and recovering[0]["lost"] == [lines[1].split()[0]]
+    taken = [e for e in events if e["event"] == "snapshot" and e["attempt"] == 1]
+    assert [e["step"] for e in taken] == list(range(EVERY, step + 1, EVERY)), taken
+    # each host holds its own files and a copy of the other's: the same bytes on both
+    assert all(e["peer"] and e["every"] == EVERY and len(e["host_bytes"]) == 2 for e in taken), taken
+    assert len(set(taken[-1]["host_bytes"].values())) == 1 and min(taken[-1]["host_bytes"].values()) > 0, taken
     go = next(e for e in events if e["event"] == "go" and e["attempt"] == new["attempt"])
     assert go["source"] == "shelf" and go["step"] == step and go["copies"], go
     assert (new["pp"], new["dp"]) == (1, 1)

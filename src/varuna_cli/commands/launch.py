@@ -16,11 +16,12 @@ import typer
 
 from varuna_cli.flags import named_as_options
 from varuna_core.env import LAUNCHER_SET
-from varuna_core.errors import ConfigError, VarunaError
+from varuna_core.errors import ConfigError, FieldError, VarunaError
 from varuna_core.launch.exclusion import RECHECK_FIRST
 from varuna_core.launch.hosts import MAX_SLOTS
 from varuna_core.launch.options import DEFAULTS, HostRuntime, LaunchOptions, SpotConfig, SSHConfig, check_numbers
 from varuna_core.util.checks import integer
+from varuna_core.util.text import printable
 
 HELP = (
     "Run SCRIPT on every device of PLAN: local processes, or the hosts of --hosts over SSH.\n\n"
@@ -227,10 +228,11 @@ HandoverCopies = Annotated[bool, typer.Option(
     "copy of its stage's files that its replicas on other hosts publish (a lost host then costs nothing, and a new "
     "worker finds its stage on its own host); --no-handover-copies publishes each file once, which is faster for a "
     "large model on a fast network.")]
-SnapshotEvery = Annotated[int, typer.Option(
-    "--snapshot-every", help="With --morph: every N steps each worker copies its state into its host's memory (the "
-    "shelf) and the next host keeps a copy, so a host lost without notice costs at most N steps and no store read "
-    "(0: none).")]
+SnapshotEvery = Annotated[str, typer.Option(
+    "--snapshot-every", metavar="N|auto", help="With --morph: every N steps each worker copies its state into its "
+    "host's memory (the shelf) and the next host keeps a copy, so a host lost without notice costs at most N steps "
+    "and no store read. auto: as often as that costs at most 2% of the training time, measured at each snapshot; "
+    "0: none.")]
 ShelfBudget = Annotated[int | None, typer.Option(
     "--shelf-budget", help="Bytes a host's shelf may hold (default: the tmpfs's free space); state that does not "
     "fit goes through the checkpoint store.")]
@@ -265,7 +267,7 @@ def launch(
     recheck_max: RecheckMax = DEFAULTS["recheck_max"], handover: Handover = DEFAULTS["handover"],
     shelf_dir: ShelfDir = DEFAULTS["shelf_dir"], shelf_budget: ShelfBudget = DEFAULTS["shelf_budget"],
     handover_copies: HandoverCopies = DEFAULTS["handover_copies"],
-    snapshot_every: SnapshotEvery = DEFAULTS["snapshot_every"],
+    snapshot_every: SnapshotEvery = "auto",
     slurm: Slurm = None, preemption_source: PreemptionSource = None, preemption_endpoint: PreemptionEndpoint = None,
     preemption_interval: PreemptionInterval = SpotConfig.interval,
 ) -> None:
@@ -278,7 +280,11 @@ def launch(
                        "max_restarts": max_restarts, "heartbeat_timeout": heartbeat_timeout,
                        "morph_timeout": morph_timeout, "preempt_margin": preempt_margin, "grace": grace,
                        "straggler_threshold": straggler_threshold, "recheck_max": recheck_max,
-                       "shelf_budget": shelf_budget, "snapshot_every": snapshot_every})
+                       "shelf_budget": shelf_budget})
+        every = _snapshot_every(snapshot_every)
+        if every and not (morph and handover):
+            raise FieldError("snapshot_every", "needs --morph with the handover (snapshots live on the shelves)",
+                             hint="add --morph, or drop --no-handover, or leave snapshots off (0)")
         if gpus_per_node is not None:
             integer("gpus_per_node", gpus_per_node, low=1, high=MAX_SLOTS)
         ssh_config = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ()))
@@ -316,7 +322,7 @@ def launch(
             max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout, morph_timeout=morph_timeout,
             preempt_margin=preempt_margin, grace=grace, straggler_threshold=straggler_threshold,
             recheck_max=recheck_max, handover=handover, shelf_dir=shelf_dir, shelf_budget=shelf_budget,
-            handover_copies=handover_copies, snapshot_every=snapshot_every)
+            handover_copies=handover_copies, snapshot_every=every if morph and handover or every else 0)
     run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
     reporter.event(f"run directory {run}")
@@ -381,6 +387,17 @@ def _slurm_run(job, store: Path, resume: bool, run_id: str | None) -> tuple[bool
     if mine:
         return True, own, f"run {own} has checkpoints in {store}: resuming it (restart {job.restarts} of the job)"
     return False, own, f"run {own}"
+
+
+def _snapshot_every(text: str) -> int | None:
+    """``--snapshot-every``: a number of steps (0: none), or ``auto`` (None)."""
+    value = text.strip().lower()
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise FieldError("snapshot_every", f"{printable(text)[:40]!r} is neither a number of steps nor 'auto'",
+                         hint="e.g. --snapshot-every 50, or auto (the default with --morph), or 0 for none")
+    return integer("snapshot_every", int(value), low=0, high=10**9)
 
 
 def _check_resume(resume: bool, resume_or_start: bool, run_dir: Path | None, ckpt_dir: Path | None) -> bool:
@@ -494,7 +511,6 @@ def _check_address(address: str, port: int) -> None:
 def _printable(text: str) -> str:
     """``text`` with control characters escaped (a name from the command line or a hosts file may hold
     terminal escapes)."""
-    from varuna_core.util.text import printable
 
     return printable(text)
 

@@ -273,6 +273,7 @@ class Attempt:
         self.publish_by: float | None = None  # (of a successor) when the old one must publish even if not warm
         self.publish_asked: float | None = None  # when the workers were asked to publish (monotonic)
         self.retiring: Attempt | None = None  # the attempt this one took over from: stopped after the first step
+        self.snapshot_recorded: int | None = None  # the newest snapshot written to events.jsonl
         self._retirement: threading.Thread | None = None
         self.handover_failed = False  # a rank reported that its publish or its take fell back to the store
         self.recorded: set[int] = set()  # the steps of this attempt written to metrics.jsonl
@@ -308,7 +309,7 @@ class Attempt:
             shelf_dir=self.opts.shelf_dir if self.handing_over else None,
             shelf_budget=self.opts.shelf_budget if self.handing_over else None,
             handover_copies=0 if self.handing_over and not self.opts.handover_copies else None,
-            snapshot_every=self.opts.snapshot_every or None if self.handing_over else None,
+            snapshot_every=_snapshots(self.opts.snapshot_every) if self.handing_over else None,
             manager=f"{self.manager_address(node.host)}:{self.listener.port}",
             ckpt_every=self.opts.ckpt_every or None, ckpt_keep=self.opts.ckpt_keep or None,
             ckpt_tempdir=str(self.opts.ckpt_tempdir) if self.opts.ckpt_tempdir else None,
@@ -624,6 +625,22 @@ class Attempt:
         if wait and self._retirement is not None:
             self._retirement.join(timeout=old.opts.grace + 20 if old is not None else 20)
 
+    def _record_snapshot(self, beats: dict[int, Beat]) -> None:
+        """A ``snapshot`` event for each snapshot once every rank reported it: its cost (the slowest rank's), the
+        interval to the next, and the bytes it holds on each host (a host's own files and its copy of another's)."""
+        steps = {b.get("snapshot") for b in beats.values()}
+        if len(beats) < self.world or len(steps) != 1 or None in steps or steps == {self.snapshot_recorded}:
+            return
+        step = steps.pop()
+        self.snapshot_recorded = step
+        held: dict[str, int] = {}
+        for beat in beats.values():
+            held[beat.host] = held.get(beat.host, 0) + (beat.get("snapshot_bytes") or 0)
+        self.files.event("snapshot", attempt=self.number, step=step,
+                         seconds=max(b.get("snapshot_seconds") or 0.0 for b in beats.values()),
+                         every=max(b.get("snapshot_every") or 0 for b in beats.values()),
+                         peer=all(b.get("snapshot_peer") for b in beats.values()), host_bytes=held)
+
     def snapshot(self) -> tuple[int, bool] | None:
         """The newest in-memory snapshot, as the workers reported it (a snapshot is reported once it is whole on
         every rank): its step, and whether each host's files are also on the next host; None if none."""
@@ -734,6 +751,7 @@ class Attempt:
                 self.files.event("handover_replica", attempt=self.number, bytes=taken["taken_replica"])
             self.status.state = "training"
             self._retire_now()  # the old configuration's state is no longer needed
+        self._record_snapshot(beats)
         total = next((b.get("total_steps") for b in beats.values() if b.get("total_steps")), None)
         self.status.total_steps = total or self.opts.total_steps
         self.status.samples_per_step = self.plan.batch_size
@@ -838,6 +856,11 @@ class Attempt:
             except queue.Empty:
                 break
             self._handle(node, event)
+
+
+def _snapshots(every: int | None) -> str | None:
+    """``VARUNA_SNAPSHOT_EVERY`` for ``--snapshot-every``: ``auto`` (None), N steps, or unset (0: none)."""
+    return "auto" if every is None else str(every) if every else None
 
 
 def _checkpointed_before_exit(beat: Beat | None) -> bool:

@@ -162,8 +162,9 @@ LIMITS: Mapping[str, tuple[float, float, bool]] = MappingProxyType({
     "straggler_threshold": (0.0, 100.0, True), "recheck_max": (1.0, 3600.0, False),
     "shelf_budget": (0, 2**62, False), "snapshot_every": (0, 10**9, False),
 })
-# None: keep every checkpoint, train until the script ends, a shelf as large as its tmpfs
-_OPTIONAL = frozenset({"ckpt_keep", "total_steps", "shelf_budget"})
+# None: keep every checkpoint, train until the script ends, a shelf as large as its tmpfs, snapshots as often as
+# they cost at most 2% of the training time
+_OPTIONAL = frozenset({"ckpt_keep", "total_steps", "shelf_budget", "snapshot_every"})
 
 
 def check_numbers(values: Mapping[str, Any]) -> None:
@@ -200,7 +201,7 @@ class LaunchOptions:
     shelf_dir: str = "/dev/shm"  # the tmpfs of each host's shelf
     shelf_budget: int | None = None  # bytes a host's shelf may hold (None: its tmpfs's free space)
     handover_copies: bool = True  # under dp > 1 each host keeps a copy of its replicas' published files
-    snapshot_every: int = 0  # with a handover: in-memory snapshots every N steps (0: none)
+    snapshot_every: int | None = None  # with a handover: in-memory snapshots every N steps (0: none, None: auto)
     resume: bool = False
     resume_or_start: bool = False  # with resume and run_id: start that run when the store holds nothing of it
     ckpt_every: int = 0

@@ -503,7 +503,8 @@ BEAT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "taken_replica": _optional(_count),
     "handover_failed": _optional(_text),
     "snapshot": _optional(_count), "snapshot_peer": _optional(_boolean), "snapshot_seconds": _optional(_real),
-    "snapshot_copied": _optional(_count), "snapshot_failed": _optional(_count),
+    "snapshot_copied": _optional(_count), "snapshot_failed": _optional(_count), "snapshot_bytes": _optional(_count),
+    "snapshot_every": _optional(_count),
 }
 _BEAT_REQUIRED = ("ts", "sender", "seq", "attempt", "rank")
 NOTICE_FIELDS: dict[str, Callable[[Any], Any]] = {

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import time
@@ -33,7 +34,7 @@ from ..errors import CheckpointError, HandoverError, VarunaError
 from ..launch.shelf import Shelf, fetch_into, shelf_key
 from ..util.text import printable
 
-__all__ = ["Snapshots", "SnapshotReport", "ring_source", "step_of"]
+__all__ = ["AUTO", "OVERHEAD", "Snapshots", "SnapshotReport", "every_for", "ring_source", "step_of"]
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,34 @@ class SnapshotReport:
     step: int
     seconds: float  # the whole snapshot on this rank: publish, peer copy, agreement
     copied: int  # bytes this rank pulled from the previous host
+    held: int  # bytes this rank put on its host's shelf for it: its own files and what it copied
     peer: bool  # every rank's files are also on another host (False on one host, or if a copy failed)
+    every: int  # steps to the next snapshot (chosen from this one's cost under AUTO)
+
+
+AUTO = None  # ``every``: as often as costs at most OVERHEAD of the training time, from each snapshot's cost
+OVERHEAD = 0.02  # the share of training time the automatic choice allows snapshots
+FIRST_AUTO = 3  # the step of the first automatic snapshot (the first steps are slower: not a step time to go by)
+MAX_EVERY = 10_000  # the automatic choice's longest interval
+RETRY = 50  # under AUTO, steps to the next try after a snapshot that failed (doubled while they keep failing)
+
+
+def every_for(seconds: float, step_time: float | None, budget: float = OVERHEAD) -> int:
+    """Steps between two snapshots so that one taking ``seconds`` costs at most ``budget`` of the training time
+    at ``step_time`` seconds a step (1 when the step time is unknown: measured again at the next one)."""
+    if not step_time or step_time <= 0 or not seconds > 0:
+        return 1
+    return max(1, min(MAX_EVERY, math.ceil(seconds / (budget * step_time))))
 
 
 class Snapshots:
     """Takes the snapshots of one rank (collective: every rank calls :meth:`take` at the same steps).
 
     Args:
-        every: a snapshot every ``every`` steps (0: none).
+        every: a snapshot every ``every`` steps (0: none), or :data:`AUTO`: the first at step
+            :data:`FIRST_AUTO`, then each after as many steps as keep its cost (the slowest rank's) within
+            :data:`OVERHEAD` of the step time (the median rank's), chosen again from every snapshot's cost; every
+            rank chooses the same from the same gathered numbers.
         rank: this rank.
         host: this rank's host as the launcher names it (``VARUNA_HOST``).
         shelf: this attempt's shelf on this host.
@@ -83,7 +104,7 @@ class Snapshots:
         all_gather: ``all_gather(obj)``: every rank's ``obj``, in rank order (collective).
     """
 
-    def __init__(self, every: int, *, rank: int, host: str, shelf: Shelf,
+    def __init__(self, every: int | None, *, rank: int, host: str, shelf: Shelf,
                  server: tuple[str, int] | None, job: str, token: str, attempt: int,
                  publish: Callable[[Callable[..., Any], bool], dict[str, int]],
                  all_gather: Callable[[Any], list[Any]]) -> None:
@@ -92,22 +113,33 @@ class Snapshots:
         self._publish, self._all_gather = publish, all_gather
         self._places: list[tuple[str, tuple[str, int] | None]] | None = None  # every rank's (host, server)
         self.last: int | None = None  # the newest whole snapshot
+        self.next: int | None = None  # under AUTO: the step of the next snapshot
         self.failed = False  # a snapshot failed: said once, then quietly retried at the next one
+        self.failures = 0  # snapshots that failed in a row (under AUTO, the next try is further away each time)
 
     def due(self, iteration: int) -> bool:
-        return bool(self.every) and iteration > 0 and iteration % self.every == 0 and iteration != self.last
+        if iteration <= 0 or iteration == self.last:
+            return False
+        if self.every is AUTO:
+            return iteration >= (self.next if self.next is not None else max(FIRST_AUTO, (self.last or 0) + 1))
+        return bool(self.every) and iteration % self.every == 0
 
-    def take(self, iteration: int, announce: Callable[[SnapshotReport], None] | None = None
-             ) -> SnapshotReport | None:
+    def take(self, iteration: int, announce: Callable[[SnapshotReport], None] | None = None,
+             step_time: float | None = None) -> SnapshotReport | None:
         """Snapshot step ``iteration`` (every rank at once); its report, or None if it failed (said, not raised:
         training goes on and the store keeps its checkpoints). ``announce(report)`` is called once the snapshot
-        is whole everywhere and before the one before it is dropped (the launcher hears of the new one first)."""
+        is whole everywhere and before the one before it is dropped (the launcher hears of the new one first).
+        ``step_time``: this rank's last step's time, for the automatic interval."""
         started = time.perf_counter()
         places = self._gather_places()
         try:
             owners = self._publish(self.shelf.reserve, True)
         except (CheckpointError, HandoverError) as exc:  # every rank raises alike (ShelfFullError among them)
             self._say(f"snapshot of step {iteration} not taken: {exc.message}")
+            # the next try, from what every rank knows alike (a rank that went by its own clock would meet the
+            # others in another collective): further and further apart while it keeps failing
+            self.failures += 1
+            self.next = iteration + min(MAX_EVERY, RETRY * 2 ** min(self.failures - 1, 16))
             return None
         copied, problem = 0, None
         try:
@@ -116,18 +148,32 @@ class Snapshots:
             problem = f"rank {self.rank}: {exc.message}"
         except OSError as exc:
             problem = f"rank {self.rank}: {printable(exc.strerror or exc)}"
-        problems = [p for p in self._all_gather(problem) if p]
+        sizes = self.shelf.manifest()  # this rank's own files (the small ones differ a little from step to step)
+        own = sum(sizes[n].size for n, r in owners.items() if r == self.rank and n in sizes)
+        gathered = self._all_gather((problem, time.perf_counter() - started, step_time))
+        problems = [p for p, _, _ in gathered if p]
         hosts = _hosts_in_order(places)
         peer = len(hosts) > 1 and not problems and all(server is not None for _, server in places)
         if problems:
             self._say(f"snapshot of step {iteration} has no copy on another host: {problems[0]}")
-        report = SnapshotReport(iteration, time.perf_counter() - started, copied, peer)
+        every = self.every
+        if every is AUTO:
+            times = sorted(t for _, _, t in gathered if t)
+            every = every_for(max(sec for _, sec, _ in gathered), times[len(times) // 2] if times else None)
+        self.next, self.failures = iteration + every, 0
+        report = SnapshotReport(iteration, time.perf_counter() - started, copied, own + copied, peer, every)
         if announce is not None:
             announce(report)
         previous, self.last = self.last, iteration
         if previous is not None and previous != iteration and self._first_on_host(places):
             self.shelf.remove(n for n in self.shelf.names() if step_of(n) == previous)
         return report
+
+    def drop(self) -> None:
+        """Every rank at once: take every snapshot off this host's shelf (a handover's publish that needs the room
+        supersedes them) and wait until every host has."""
+        self.shelf.remove(n for n in self.shelf.names() if step_of(n) is not None)
+        self._all_gather(None)
 
     # ------------------------------------------------------------------------------------------------------
 

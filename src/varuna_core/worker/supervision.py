@@ -42,7 +42,14 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 from ..env import WorkerEnv
-from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, CheckpointError, ConfigError, HandoverError
+from ..errors import (
+    EXIT_BAD_CHECKPOINT,
+    EXIT_CHECKPOINTED,
+    CheckpointError,
+    ConfigError,
+    HandoverError,
+    ShelfFullError,
+)
 from .beacon import Beacon
 from .morph import Morph
 from .snapshots import SnapshotReport, Snapshots
@@ -276,7 +283,8 @@ class Supervision:
 
     def _snapshots(self, told: WorkerEnv) -> Snapshots | None:
         """This rank's in-memory snapshots (``VARUNA_SNAPSHOT_EVERY``), which need the attempt's shelf."""
-        if not told.snapshot_every:
+        every = told.snapshot_interval
+        if every == 0:
             return None
         if self.morph is None:
             raise ConfigError("VARUNA_SNAPSHOT_EVERY is set but there is no shelf (VARUNA_SHELF_DIR, VARUNA_JOB_ID, "
@@ -294,7 +302,7 @@ class Supervision:
 
         morph = self.morph
         assert self._publish is not None and told.job_id is not None  # a morph has both
-        return Snapshots(told.snapshot_every, rank=self.rank, host=told.host or "localhost", shelf=morph.shelf,
+        return Snapshots(every, rank=self.rank, host=told.host or "localhost", shelf=morph.shelf,
                          server=told.shelf_server_address, job=told.job_id, token=told.job_token or "",
                          attempt=told.attempt or 0, publish=self._publish, all_gather=all_gather)
 
@@ -309,10 +317,11 @@ class Supervision:
         def announce(report: SnapshotReport) -> None:  # sent at once: the launcher recovers from what it heard of
             if beacon is not None:
                 beacon.progress(step=iteration, snapshot=report.step, snapshot_peer=report.peer,
-                                snapshot_seconds=round(report.seconds, 4), snapshot_copied=report.copied)
+                                snapshot_seconds=round(report.seconds, 4), snapshot_copied=report.copied,
+                                snapshot_bytes=report.held, snapshot_every=report.every)
                 beacon.flush()
 
-        if self.snapshots.take(iteration, announce) is None and beacon is not None:
+        if self.snapshots.take(iteration, announce, self._step_time) is None and beacon is not None:
             beacon.progress(step=iteration, snapshot_failed=iteration)
 
     def _run_user_handler(self) -> None:
@@ -387,7 +396,14 @@ class Supervision:
         morph = self.morph
         started = time.time()
         try:
-            owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0)
+            try:
+                owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0)
+            except ShelfFullError:  # (on every rank alike) the room the snapshots hold is the publish's now
+                if self.snapshots is None:
+                    raise
+                log.info("rank %d: the shelf is full; dropping the snapshots for the handover's publish", self.rank)
+                self.snapshots.drop()
+                owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0)
         except (CheckpointError, HandoverError) as exc:  # ShelfFullError is a HandoverError
             log.warning("rank %d: publishing step %d for a handover failed (%s); writing it to the store instead",
                         self.rank, iteration, exc.message)

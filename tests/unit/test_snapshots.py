@@ -1,0 +1,161 @@
+"""In-memory snapshots, the parts that need no process group: when one is due (every N steps, or as often as
+costs 2% of the training time), which host keeps whose copy, what the worker is told, and a snapshot whose publish
+or copy fails (said once, training goes on, the previous snapshot stays)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pytest
+
+from varuna_core.env import WorkerEnv
+from varuna_core.errors import ConfigError, HandoverError, ShelfFullError
+from varuna_core.launch.shelf import Shelf
+from varuna_core.worker.snapshots import AUTO, FIRST_AUTO, MAX_EVERY, Snapshots, every_for, ring_source, step_of
+
+
+def test_the_automatic_interval_keeps_snapshots_within_two_percent_of_the_training_time() -> None:
+    assert every_for(0.05, 0.05) == 50  # a snapshot as long as a step: one every 50 steps
+    assert every_for(0.001, 1.0) == 1  # cheaper than 2% of one step: every step
+    assert every_for(0.0101, 0.5) == 2  # rounded up: never over the budget
+    for seconds, step in ((0.3, 0.07), (1.7, 4.5), (12.0, 0.1)):
+        n = every_for(seconds, step)
+        assert seconds / (n * step) <= 0.02 and (n == 1 or seconds / ((n - 1) * step) > 0.02)
+    assert every_for(1e6, 1e-6) == MAX_EVERY
+    assert every_for(0.05, None) == 1 and every_for(0.05, 0.0) == 1  # no step time yet: measured again next time
+    assert every_for(float("nan"), 1.0) == 1
+
+
+def _snapshots(every, *, publish=None, gather=None, shelf=None) -> Snapshots:
+    return Snapshots(every, rank=0, host="h0", shelf=shelf, server=None, job="j", token="t", attempt=1,
+                     publish=publish or (lambda reserve, copies: {}), all_gather=gather or (lambda obj: [obj]))
+
+
+def test_a_fixed_interval_is_due_on_its_multiples_once() -> None:
+    snaps = _snapshots(5)
+    assert [i for i in range(0, 21) if snaps.due(i)] == [5, 10, 15, 20]
+    snaps.last = 10
+    assert not snaps.due(10)  # taken already (a step may start twice: resumed there)
+    assert not any(_snapshots(0).due(i) for i in range(50))
+
+
+def test_the_automatic_interval_starts_past_the_first_steps_and_then_follows_the_measured_cost() -> None:
+    snaps = _snapshots(AUTO)
+    snaps.last = 0
+    assert [i for i in range(10) if snaps.due(i)] == list(range(FIRST_AUTO, 10))
+    snaps.last, snaps.next = FIRST_AUTO, FIRST_AUTO + 40
+    assert not snaps.due(FIRST_AUTO + 39) and snaps.due(FIRST_AUTO + 40)
+    resumed = _snapshots(AUTO)
+    resumed.last = 700  # resumed at step 700: the first snapshot right after the first step there
+    assert not resumed.due(700) and resumed.due(701)
+
+
+def test_each_host_keeps_the_copy_of_the_host_before_it_in_rank_order() -> None:
+    hosts = ["a", "b", "c"]
+    assert [ring_source(hosts, h) for h in hosts] == ["c", "a", "b"]
+    assert ring_source(["a"], "a") is None and ring_source(["a", "b"], "z") is None
+    assert step_of("step_12/__0_0.distcp") == 12 and step_of("step_x/f") is None and step_of("other") is None
+    assert step_of("step_/f") is None and step_of("step_3") is None
+
+
+@pytest.mark.parametrize(("value", "interval"), [(None, 0), ("0", 0), ("auto", AUTO), (" 25 ", 25)])
+def test_the_worker_reads_its_interval(value, interval) -> None:
+    assert WorkerEnv(snapshot_every=value).snapshot_interval == interval
+
+
+@pytest.mark.parametrize("value", ["-3", "soon", "1e3", "Auto\n"])
+def test_a_bad_interval_is_refused_when_read(value) -> None:
+    with pytest.raises(ConfigError, match="VARUNA_SNAPSHOT_EVERY"):
+        WorkerEnv.from_environ({"VARUNA_SNAPSHOT_EVERY": value})
+
+
+@pytest.mark.parametrize("value", ["h:0", "h:99999", ":80", "nohost"])
+def test_a_bad_shelf_server_is_refused_when_read(value) -> None:
+    with pytest.raises(ConfigError, match="VARUNA_SHELF_SERVER"):
+        WorkerEnv.from_environ({"VARUNA_SHELF_SERVER": value})
+
+
+def test_a_snapshot_that_does_not_fit_is_said_once_and_training_goes_on(tmp_path, caplog) -> None:
+    calls = []
+
+    def full(reserve, copies):
+        calls.append(copies)
+        raise ShelfFullError("rank 0's state does not fit on its host's shelf", hint="use the store")
+
+    snaps = _snapshots(4, publish=full, shelf=Shelf("j-1", root=tmp_path))
+    with caplog.at_level(logging.WARNING):
+        assert snaps.take(4) is None and snaps.take(8) is None
+    said = [r.getMessage() for r in caplog.records if "not taken" in r.getMessage()]
+    assert len(said) == 1 and "does not fit" in said[0] and "training goes on" in said[0]
+    assert calls == [True, True]
+
+
+def test_a_failed_copy_keeps_the_snapshot_without_its_peer_and_the_previous_one_until_then(tmp_path) -> None:
+    """Two hosts; this rank's peer serves no shelf: the snapshot is kept (on this host only: ``peer`` False), and
+    the blobs of the snapshot before it are dropped only once it is whole."""
+    shelf = Shelf("j-1", root=tmp_path)
+    shelf.put("step_4/__0_0.distcp", b"old")
+    announced = []
+
+    def publish(reserve, copies):
+        with reserve(3) as space:
+            path = space.directory / "f"
+            path.write_bytes(b"new")
+            space.adopt("step_8/__0_0.distcp", path, sha256=hashlib.sha256(b"new").hexdigest())
+        return {"step_8/__0_0.distcp": 0, "step_8/__1_0.distcp": 1}
+
+    def gather(obj):
+        if isinstance(obj, tuple) and len(obj) == 2:  # (host, server) of each rank
+            return [obj, ("h1", None)]
+        return [obj, obj]
+
+    snaps = _snapshots(4, publish=publish, gather=gather, shelf=shelf)
+    snaps.server = ("127.0.0.1", 9)
+    snaps.last = 4
+    report = snaps.take(8, announced.append)
+    assert report is not None and not report.peer and report.held == 3 and announced == [report]
+    assert shelf.names() == ["step_8/__0_0.distcp"]
+
+
+def test_a_refused_copy_is_a_handover_error_naming_the_host(tmp_path) -> None:
+    snaps = _snapshots(4, shelf=Shelf("j-1", root=tmp_path))
+    snaps.server = ("127.0.0.1", 9)
+    places = [("h0", ("127.0.0.1", 9)), ("h1", ("127.0.0.1", 9))]  # nothing listens there
+    with pytest.raises(HandoverError, match="127.0.0.1:9"):
+        snaps._copy_previous_host(8, {"step_8/__1_0.distcp": 1}, places)
+
+
+def test_after_a_failed_automatic_snapshot_every_rank_tries_again_at_the_same_step(tmp_path) -> None:
+    """The next try depends only on what all ranks know alike (a rank that went by its own clock would enter the
+    snapshot's collective while the others train: both would wait for ever)."""
+
+    def full(reserve, copies):
+        raise ShelfFullError("does not fit", hint="use the store")
+
+    tries = []
+    for _ in range(2):  # two ranks, whatever their clocks
+        snaps = _snapshots(AUTO, publish=full, shelf=Shelf("j-1", root=tmp_path))
+        snaps.last = 0
+        steps = []
+        for i in range(1, 2000):
+            if snaps.due(i):
+                steps.append(i)
+                assert snaps.take(i, step_time=0.01 * i) is None
+        tries.append(steps)
+    assert tries[0] == tries[1] == [FIRST_AUTO, FIRST_AUTO + 50, FIRST_AUTO + 150, FIRST_AUTO + 350, FIRST_AUTO + 750,
+                                    FIRST_AUTO + 1550]
+
+
+def test_dropping_the_snapshots_frees_their_room_for_a_handovers_publish(tmp_path) -> None:
+    shelf = Shelf("j-1", root=tmp_path, budget=10_000)
+    for name in ("step_4/__0_0.distcp", "step_4/manifest.json", "step_8/__1_0.distcp"):
+        shelf.put(name, b"x" * 3000)
+    with pytest.raises(ShelfFullError):
+        with shelf.reserve(5000):
+            pass
+    met = []
+    snaps = _snapshots(4, shelf=shelf, gather=lambda obj: met.append(obj) or [obj])
+    snaps.drop()
+    assert shelf.names() == [] and met == [None]  # every rank waits for the others' room too
+    with shelf.reserve(5000):
+        pass
