@@ -12,7 +12,10 @@ error raised, as "eval_mode" or "eval_mode_error"), publish {at, job, roots} (af
 shelf at ``roots[rank]``: one root per rank, hosts that share no directory; the blob map as "owners"), take
 {step, job, token, owners, servers, local, staging, expect_error} (before training, take the published step from
 the shelf servers: ``servers[r]`` serves old rank r's root, ``local[str(rank)]`` the old rank whose root this rank
-reads directly; with expect_error, record the error and the parameters before and after, and stop).
+reads directly; with expect_error, record the error and the parameters before and after, and stop; without
+owners, a snapshot's: each blob from its writer's server, then from the next one, which keeps its copy), snapshot
+{every, job, token, roots} (in-memory snapshots every ``every`` steps into the shelf at ``roots[rank]``, served
+by a shelf server in this process; each one's report as "snapshots").
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+
 import pytest
 
 from varuna_core.env import WorkerEnv
@@ -33,7 +34,7 @@ def _snapshots(every, *, publish=None, gather=None, shelf=None) -> Snapshots:
 
 def test_a_fixed_interval_is_due_on_its_multiples_once() -> None:
     snaps = _snapshots(5)
-    assert [i for i in range(0, 21) if snaps.due(i)] == [5, 10, 15, 20]
+    assert [i for i in range(21) if snaps.due(i)] == [5, 10, 15, 20]
     snaps.last = 10
     assert not snaps.due(10)  # taken already (a step may start twice: resumed there)
     assert not any(_snapshots(0).due(i) for i in range(50))
@@ -121,7 +122,7 @@ def test_a_refused_copy_is_a_handover_error_naming_the_host(tmp_path) -> None:
     snaps = _snapshots(4, shelf=Shelf("j-1", root=tmp_path))
     snaps.server = ("127.0.0.1", 9)
     places = [("h0", ("127.0.0.1", 9)), ("h1", ("127.0.0.1", 9))]  # nothing listens there
-    with pytest.raises(HandoverError, match="127.0.0.1:9"):
+    with pytest.raises(HandoverError, match=r"127\.0\.0\.1:9"):
         snaps._copy_previous_host(8, {"step_8/__1_0.distcp": 1}, places)
 
 
@@ -150,9 +151,8 @@ def test_dropping_the_snapshots_frees_their_room_for_a_handovers_publish(tmp_pat
     shelf = Shelf("j-1", root=tmp_path, budget=10_000)
     for name in ("step_4/__0_0.distcp", "step_4/manifest.json", "step_8/__1_0.distcp"):
         shelf.put(name, b"x" * 3000)
-    with pytest.raises(ShelfFullError):
-        with shelf.reserve(5000):
-            pass
+    with pytest.raises(ShelfFullError), shelf.reserve(5000):
+        pass
     met = []
     snaps = _snapshots(4, shelf=shelf, gather=lambda obj: met.append(obj) or [obj])
     snaps.drop()

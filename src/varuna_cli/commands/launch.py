@@ -322,7 +322,7 @@ def launch(
             max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout, morph_timeout=morph_timeout,
             preempt_margin=preempt_margin, grace=grace, straggler_threshold=straggler_threshold,
             recheck_max=recheck_max, handover=handover, shelf_dir=shelf_dir, shelf_budget=shelf_budget,
-            handover_copies=handover_copies, snapshot_every=every if morph and handover or every else 0)
+            handover_copies=handover_copies, snapshot_every=every if (morph and handover) or every else 0)
     run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)
     reporter.event(f"run directory {run}")

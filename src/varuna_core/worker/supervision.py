@@ -25,7 +25,10 @@ The launcher's environment (see ``varuna launch --help``) asks for:
   ``SIGUSR1`` is, but every rank publishes its state on its host's shelf instead of writing the store, then exits
   with :data:`EXIT_CHECKPOINTED` (a publish that fails, e.g. a shelf that is full, falls back to the store with
   one line saying so). ``VARUNA_HANDOVER=wait``: the worker was started beside the old configuration; at its resume
-  point it tells the launcher it is warm, waits for the go, and takes its state from where the go says.
+  point it tells the launcher it is warm, waits for the go, and takes its state from where the go says;
+* ``VARUNA_SNAPSHOT_EVERY`` (``N`` or ``auto``; with a shelf): in-memory snapshots at the start of a step, every
+  rank at once (:mod:`varuna_core.worker.snapshots`), each reported to the launcher as soon as it is whole, which
+  a crash then goes on from.
 """
 
 from __future__ import annotations
