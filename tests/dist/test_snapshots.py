@@ -4,6 +4,7 @@ one host lost, a new rank takes the snapshot from the survivor alone and the run
 
 from __future__ import annotations
 
+import shutil
 import socket
 
 import pytest
@@ -75,3 +76,30 @@ def test_with_a_host_lost_the_snapshot_is_taken_from_the_other_and_the_run_goes_
     finally:
         server.close()
     assert_resumed(results, *uninterrupted(steps_as("0;1", step, "0", 2)), first=step)
+
+
+def test_a_damaged_file_of_the_snapshot_is_taken_from_its_copy_and_named(snapshotted, tmp_path) -> None:
+    roots, _, _ = snapshotted
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for root, host in zip(roots, hosts, strict=True):
+        shutil.copytree(root, host)
+    shelf = _shelf(str(hosts[1]))
+    damaged = next(n for n in shelf.names() if "/__1_" in n)  # a file rank 1 wrote, on its own host
+    with open(shelf._file(damaged), "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    servers = [ShelfServer(_shelf(str(h)), TOKEN) for h in hosts]
+    step = STEPS - 1
+    try:
+        take = {"step": step, "job": shelf_key(JOB, 1), "token": TOKEN,
+                "servers": [f"127.0.0.1:{s.port}" for s in servers], "roots": [str(h) for h in hosts],
+                "staging": str(tmp_path / "take" / "staging")}
+        run = _run(steps=step + 2, take=take)
+        results = run_ranks({"map": "0;1", "timeout": 30, "runs": [run]}, 2, tmp_path / "take", timeout=60)
+    finally:
+        for server in servers:
+            server.close()
+    assert_resumed(results, *uninterrupted(steps_as("0;1", step, "0;1", 2)), first=step)
+    logs = "".join(res.output for res in results)
+    assert damaged in logs and "sha256" in logs and "from another copy instead" in logs, logs[-3000:]

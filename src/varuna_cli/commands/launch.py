@@ -267,7 +267,7 @@ def launch(
     recheck_max: RecheckMax = DEFAULTS["recheck_max"], handover: Handover = DEFAULTS["handover"],
     shelf_dir: ShelfDir = DEFAULTS["shelf_dir"], shelf_budget: ShelfBudget = DEFAULTS["shelf_budget"],
     handover_copies: HandoverCopies = DEFAULTS["handover_copies"],
-    snapshot_every: SnapshotEvery = "auto",
+    snapshot_every: SnapshotEvery = "auto" if DEFAULTS["snapshot_every"] is None else str(DEFAULTS["snapshot_every"]),
     slurm: Slurm = None, preemption_source: PreemptionSource = None, preemption_endpoint: PreemptionEndpoint = None,
     preemption_interval: PreemptionInterval = SpotConfig.interval,
 ) -> None:

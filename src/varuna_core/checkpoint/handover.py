@@ -473,7 +473,7 @@ def _take_files(holders: dict[str, list[Any]], fetch: Fetch, step: int, director
                     left = {f: pending[f][1:] for f in batch if pending[f][1:]}
                     if len(left) < len(batch):
                         raise
-                    log.warning("%s; taking %s from a data-parallel replica's copy instead", exc.message,
+                    log.warning("%s; taking %s from another copy instead", exc.message,
                                 "it" if len(batch) == 1 else f"those {len(batch)} files")
                     for file in batch:
                         (directory / file).unlink(missing_ok=True)
