@@ -222,3 +222,26 @@ def test_workers_on_every_host_get_the_launchers_kernel_and_communication_settin
     assert forwarded_environ(environ) == {
         "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1", "NCCL_DEBUG": "INFO", "MKL_CBWR": "COMPATIBLE",
         "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+@pytest.mark.parametrize(("every", "morph", "handover", "snapshot", "newest", "want"), [
+    (None, True, True, (30, True), 25, True),  # auto (the default) recovers from a snapshot newer than the store
+    (7, True, True, (28, True), None, True),
+    (0, True, True, (30, True), None, False),  # none taken
+    (None, True, False, (30, True), None, False),  # restarts through the store: no shelves, no snapshots
+    (None, True, True, (30, True), 30, False),  # the store holds it as new: restart from the store as before
+    (None, True, True, None, None, False),
+])
+def test_a_crash_goes_on_from_a_snapshot_only_when_one_is_newer_than_the_store(every, morph, handover, snapshot,
+                                                                              newest, want) -> None:
+    from types import SimpleNamespace
+
+    from varuna_core.launch.attempt import Ending, Outcome
+    from varuna_core.launch.manager import Manager
+
+    manager = SimpleNamespace(opts=SimpleNamespace(snapshot_every=every, morph=morph, handover=handover),
+                              latest=lambda: newest)
+    attempt = SimpleNamespace(snapshot=lambda: snapshot)
+    crash = Outcome(Ending.CRASH, "lost the agent on h2", suspects=["h2"])
+    assert Manager._recoverable(manager, attempt, crash) is want
+    assert Manager._recoverable(manager, attempt, Outcome(Ending.CRASH, "x", refused=True)) is False

@@ -559,9 +559,9 @@ class Manager:
         """Whether a crash of ``attempt`` may go on from its newest in-memory snapshot: one was taken and it is
         newer than the store's newest checkpoint (whether every rank's files are still on a live host is known
         once the hosts are checked: :meth:`_recover`)."""
-        if not self.opts.snapshot_every or outcome.kind is not Ending.CRASH or outcome.refused \
-                or outcome.unstarted is not None:
-            return False
+        if self.opts.snapshot_every == 0 or not (self.opts.morph and self.opts.handover) \
+                or outcome.kind is not Ending.CRASH or outcome.refused or outcome.unstarted is not None:
+            return False  # (snapshot_every None: auto)
         snapshot, newest = attempt.snapshot(), self.latest()
         return snapshot is not None and (newest is None or newest < snapshot[0])
 
