@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-sim bench-ckpt bench-morph bench-chaos bench-gpu clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-gpu clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -105,6 +105,9 @@ bench-ckpt: setup ## checkpoint save/load throughput vs the disk, background-che
 # The training time a morph costs, by restart through a store and by handover through host memory, over SSH to two test hosts without a shared file system (needs root for network namespaces; BENCH_ARGS="--model small" for the example GPT alone; see benchmarks/README.md).
 bench-morph: setup ## time shrink, grow, depth change and preemption by restart and by handover (example GPT and a 1 GB GPT)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/morph_latency.py $(BENCH_ARGS)
+
+bench-snapshot: setup ## what in-memory snapshots cost the training: off, every step and auto, side by side on two SSH hosts
+	OMP_NUM_THREADS=1 $(PY) benchmarks/snapshot_overhead.py $(BENCH_ARGS)
 
 # Every kind of fault injected into one `varuna launch --morph` run over SSH at seeded random steps; the losses and final parameters compared with an uninterrupted run (needs root for network namespaces; see benchmarks/README.md).
 bench-chaos: setup ## inject crashes, lost hosts, hangs, preemptions and a corrupt checkpoint into one run; compare with an uninterrupted run

@@ -66,15 +66,17 @@ def run_once(model: Model, plan: Path, cluster, hosts: Path, store: Path, work: 
                     run, timeout=timeout)
     try:
         code = launch.wait()
+        output = launch.output()
     finally:
         launch.close()
     if code != 0:
-        raise RuntimeError(f"--snapshot-every {setting}: the job exited with {code}: {launch.output()[-2000:]}")
+        logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-1500:] for p in sorted((run / "logs").glob("*.log")))
+        raise RuntimeError(f"--snapshot-every {setting}: the job exited with {code}: {output[-1500:]}{logs}")
     reports = {r["step"]: r for r in launch.reports()}
     snapshots = [e for e in launch.events() if e["event"] == "snapshot"]
     shutil.rmtree(run, ignore_errors=True)
-    for host in cluster.hosts:  # each job starts from an empty store on every host
-        cluster.run(host, f"rm -rf {store}/*")
+    for step in store.glob("*"):  # each job starts from an empty store
+        shutil.rmtree(step, ignore_errors=True)
     return {"step_times": {s: r.get("step_time") for s, r in reports.items()}, "snapshots": snapshots}
 
 
@@ -145,7 +147,9 @@ def main() -> int:
     failed = None
     cluster = None
     try:
-        cluster = start_cluster(2, work / "hosts", private=(store, "/dev/shm"),
+        # each host's shelf is its own (a snapshot's copy must cross the link); the store, which only the script's
+        # final checkpoint writes, is one directory both hosts see
+        cluster = start_cluster(2, work / "hosts", private=("/dev/shm",),
                                 private_size="2g" if model is SMALL else "12g")
         hosts = work / "hosts.txt"
         hosts.write_text("".join(line + "\n" for line in cluster.hosts_file_lines(1)))
