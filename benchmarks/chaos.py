@@ -7,8 +7,12 @@ hosts reached with the real ssh client (``devtools/testhosts.py``: network names
 address; loopback aliases where namespaces are not permitted), with a checkpoint every ``--ckpt-every`` steps.
 The faults (``devtools/chaos.py`` says exactly what each does): SIGKILL of a worker, SIGKILL of a host's agent,
 SIGSTOP of a worker, a host removed from the hosts file and added back, a preemption notice for a host (offered
-again afterwards), and a corrupt newest checkpoint (a flipped byte, then a worker killed so that the restart
-meets it). Its surviving history (the attempts whose steps led to the final state, each with its layout) is then
+again afterwards), a corrupt newest checkpoint (a flipped byte, then a worker killed so that the restart
+meets it), and a whole host lost without notice (every process of it killed, its sshd too, and its own
+``/dev/shm`` with the snapshots on it; it boots again, empty, once the job trains without it). For each fault
+that ends an attempt unasked it reports how long the launcher took to notice, to train again, the steps lost and
+where the state came from (an in-memory snapshot, the store's checkpoint).
+Its surviving history (the attempts whose steps led to the final state, each with its layout) is then
 replayed through a store on local processes (``devtools/same_layouts.py``) and compared to the bit: every loss
 and every final parameter. The same job run without interruption on one layout is compared too: the largest
 relative differences of the losses and of the final parameters (per tensor, ``||a - b|| / ||b||``), with each
@@ -74,7 +78,8 @@ def main() -> int:
 
         chosen = load_plan(plan)
         log(f"profiled the example GPT; the planner's choice for 4 devices: pp={chosen.pp} x dp={chosen.dp}")
-        cluster = start_cluster(2, work / "hosts")
+        # each host's /dev/shm is its own (a lost host takes its snapshots with it); the store is shared
+        cluster = start_cluster(2, work / "hosts", private=("/dev/shm",))
         log(f"2 SSH hosts ({cluster.mode}): {', '.join(h.address for h in cluster.hosts)}")
         for r in range(args.rounds):
             seed = args.seed + r
@@ -116,11 +121,18 @@ def _print(results) -> None:
               f"({', '.join(map(str, r.chain or []))}) | {fmt(r.loss_max_rel_diff)} | {fmt(r.params_max_rel_diff)} "
               f"({r.params_worst or '-'}) | {fmt(r.params_max_abs_rel_diff)} | {r.seconds:.0f} |")
     print()
-    print("| round | step | fault | what was done | survived |")
-    print("| ---: | ---: | --- | --- | --- |")
+    print("| round | step | fault | what was done | survived | detected (s) | recovered (s) | steps lost "
+          "| state from |")
+    print("| ---: | ---: | --- | --- | --- | ---: | ---: | ---: | --- |")
+
+    def sec(x):
+        return f"{x:.1f}" if x is not None else "-"
+
     for i, r in enumerate(results, 1):
         for f in r.faults:
-            print(f"| {i} | {f.step} | {f.kind} | {f.detail} | {'yes' if f.survived else 'NO'} |")
+            print(f"| {i} | {f.step} | {f.kind} | {f.detail} | {'yes' if f.survived else 'NO'} | {sec(f.detected_s)} "
+                  f"| {sec(f.recovered_s)} | {f.steps_lost if f.steps_lost is not None else '-'} | "
+                  f"{f.source or '-'} |")
     for i, r in enumerate(results, 1):
         for problem in r.problems:
             print(f"round {i}: problem: {problem}")

@@ -12,7 +12,15 @@ checkpoint every few steps. While it trains, each fault of the schedule is injec
 * ``preempt``: ``varuna notify-preempt`` for one host; it is offered again (a new hosts file) once the job
   trains without it;
 * ``corrupt_checkpoint``: a byte of the newest complete checkpoint is flipped, then a worker is killed, so the
-  restart meets the corrupt checkpoint and must fall back to the one before it.
+  restart meets the corrupt checkpoint and must fall back to the one before it;
+* ``lose_host``: the whole host dies at once, without notice (every process of it SIGKILLed, its sshd too, and
+  with it what its private disks held, such as its ``/dev/shm`` with its snapshots, when the cluster has private
+  mounts); it boots again, empty, once the job trains without it, and the job grows back onto it.
+
+For each fault that ends an attempt unasked (all but ``remove_host`` and ``preempt``) the result also says how
+long the launcher took to notice (injection → the attempt's end), to recover (→ the first step of the next
+attempt that trains), how many steps were lost (the progress when injected, less the step the job went on from)
+and where the state came from (an in-memory snapshot, the store's checkpoint, or nothing: step 0).
 
 A fault is *survived* when an attempt started after it trains past the step it was injected at (for
 ``remove_host`` and ``preempt``: also after the host came back). At the end the job must exit 0, and every
@@ -38,7 +46,8 @@ from devtools.launching import ROOT, VARUNA, Launch, agent_pids, job_processes, 
 
 __all__ = ["KINDS", "Fault", "ChaosResult", "schedule", "run_chaos"]
 
-KINDS = ("kill_worker", "kill_agent", "stop_worker", "remove_host", "preempt", "corrupt_checkpoint")
+KINDS = ("kill_worker", "kill_agent", "stop_worker", "remove_host", "preempt", "corrupt_checkpoint", "lose_host")
+SUDDEN = ("kill_worker", "kill_agent", "stop_worker", "corrupt_checkpoint", "lose_host")  # nobody asked to stop
 TRAIN = ["examples/gpt/train.py", "--batch-size", "32", "--log-every", "10"]
 TAIL_STEPS = 300  # a morph by handover warms the new configuration up while the old one trains on
 
@@ -51,6 +60,12 @@ class Fault:
     detail: str = ""
     injected: float | None = None  # seconds since the job started
     survived: bool = False
+    at: float | None = None  # when it was injected (wall clock)
+    progress: int | None = None  # the highest step reported when it was injected
+    detected_s: float | None = None  # injection -> the end of the attempt it hit
+    recovered_s: float | None = None  # that end -> the first step of the next attempt that trained
+    steps_lost: int | None = None  # progress when injected, less the step the job went on from
+    source: str | None = None  # where the state came from: "snapshot step K", "store step K", "step 0"
 
 
 @dataclass
@@ -108,7 +123,8 @@ def schedule(seed: int, kinds: list[str], *, first: int, gap: int, ranks: int, h
     rng.shuffle(order)
     out, step = [], first
     for kind in order:
-        target = rng.randrange(hosts) if kind in ("kill_agent", "remove_host", "preempt") else rng.randrange(ranks)
+        target = rng.randrange(hosts) if kind in ("kill_agent", "remove_host", "preempt", "lose_host") \
+            else rng.randrange(ranks)
         out.append(Fault(kind, step, target))
         step += rng.randint(gap, gap + gap // 2)
     return out
@@ -146,9 +162,10 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
             launch.wait_for(lambda: _progress(launch) >= fault.step, timeout=timeout)  # noqa: B023 - waited for here
             say(f"step {_progress(launch)}: {fault.kind} (target {fault.target})")
             before = _trained_attempts(launch)
+            fault.at, fault.progress = time.time(), _progress(launch)
             fault.detail = _inject(fault, launch, cluster, hosts, lines, run_dir / "checkpoints")
             fault.injected = round(time.monotonic() - started, 1)
-            fault.survived = _await_recovery(launch, fault, before, hosts, lines, timeout)
+            fault.survived = _await_recovery(launch, fault, before, hosts, lines, timeout, cluster)
         code = launch.wait()
     except AssertionError as exc:  # the launcher died or hung: report it, do not raise
         text = str(exc)
@@ -172,6 +189,8 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
         loss_diff, (param_diff, abs_diff, worst) = _compare(launch, run_dir / "checkpoints", reference, steps,
                                                             problems)
     events = launch.events()
+    for fault in faults:
+        _timings(fault, events)
     chain, layout_losses, layout_params = None, None, None
     if replay_layouts and code == 0:
         from devtools.same_layouts import mismatches, replay, surviving_chain
@@ -220,6 +239,10 @@ def _inject(fault: Fault, launch: Launch, cluster, hosts: Path, lines: list[str]
         if done.returncode != 0:
             raise AssertionError(f"notify-preempt failed: {done.stderr}")
         return f"preemption of {name}"
+    if fault.kind == "lose_host":
+        host = cluster.hosts[fault.target]
+        cluster.crash(host)
+        return f"host {fault.target} ({host.address}) died: every process, its sshd and its private disks"
     if fault.kind == "corrupt_checkpoint":  # the worker dies first: no newer checkpoint can complete after
         killed = _signal_worker(job, fault.target, signal.SIGKILL)
         newest = _newest_complete(store)
@@ -286,16 +309,46 @@ def _trained_attempts(launch: Launch) -> int:
 
 
 def _await_recovery(launch: Launch, fault: Fault, before: int, hosts: Path, lines: list[str],
-                    timeout: float) -> bool:
-    """Wait until an attempt started after the fault trains past its step; bring a removed or preempted host
-    back first, and wait for the attempt that uses it again."""
+                    timeout: float, cluster=None) -> bool:
+    """Wait until an attempt started after the fault trains past its step; bring a removed, preempted or lost
+    host back first, and wait for the attempt that uses it again."""
     launch.wait_for(lambda: _trained_attempts(launch) > before and _progress(launch) > fault.step, timeout=timeout)
-    if fault.kind in ("remove_host", "preempt"):
+    if fault.kind in ("remove_host", "preempt", "lose_host"):
         again = _trained_attempts(launch)
         at = _progress(launch)
-        _write_hosts(hosts, lines, note=f"back after {fault.kind} at step {fault.step}")
+        if fault.kind == "lose_host":
+            cluster.boot(cluster.hosts[fault.target])  # the launcher's checks find it again
+        else:
+            _write_hosts(hosts, lines, note=f"back after {fault.kind} at step {fault.step}")
         launch.wait_for(lambda: _trained_attempts(launch) > again and _progress(launch) > at, timeout=timeout)
     return True
+
+
+def _timings(fault: Fault, events: list[dict]) -> None:
+    """Detection, recovery, steps lost and the state's source of a fault that ended an attempt unasked."""
+    if fault.kind not in SUDDEN or fault.at is None:
+        return
+    ended = next((e for e in events if e["event"] == "ending" and e["t"] >= fault.at and e["kind"] == "crash"), None)
+    if ended is None:
+        return
+    fault.detected_s = round(ended["t"] - fault.at, 2)
+    first = next((e for e in events if e["event"] == "first_step" and e["t"] > ended["t"]), None)
+    if first is None:
+        return
+    fault.recovered_s = round(first["t"] - ended["t"], 2)
+    recovering = next((e for e in events if e["event"] == "recovering" and ended["t"] <= e["t"] <= first["t"]), None)
+    go = next((e for e in events if e["event"] == "go" and e["attempt"] == first["attempt"]), None)
+    start = next((e for e in events if e["event"] == "starting" and e["attempt"] == first["attempt"]), None)
+    if recovering is not None:
+        resumed, fault.source = recovering["step"], f"snapshot step {recovering['step']}"
+    elif go is not None and go.get("step") is not None:
+        resumed, fault.source = go["step"], f"{go['source']} step {go['step']}"
+    elif start is not None and start.get("resume") is not None:
+        resumed, fault.source = start["resume"], f"store step {start['resume']}"
+    else:
+        resumed, fault.source = 0, "step 0"
+    if fault.progress is not None:
+        fault.steps_lost = max(0, fault.progress + 1 - resumed)
 
 
 # ----------------------------------------------------------------------------------------------------------
