@@ -133,13 +133,15 @@ def schedule(seed: int, kinds: list[str], *, first: int, gap: int, ranks: int, h
 def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str], steps: int | None = None,
               ckpt_every: int = 5, gap: int = 12, first: int = 10, slots: int = 2, heartbeat_timeout: float = 8,
               max_restarts: int = 4, timeout: float = 900, reference: Path | None = None,
-              uninterrupted: bool = True, replay_layouts: bool = False, say=lambda text: None) -> ChaosResult:
+              uninterrupted: bool = True, replay_layouts: bool = False, snapshot_every: str = "auto",
+              say=lambda text: None) -> ChaosResult:
     """Run the example GPT by ``plan`` over ``cluster``'s hosts with ``--morph``, inject the scheduled faults,
     and compare it with an uninterrupted run of the same plan on local processes (``reference``: a store of that
     run's final checkpoint and its launcher's run directory; when None it is made here, alongside the chaotic run,
     unless not ``uninterrupted``): a relative difference, the rounding of the other layouts the run went through.
     ``replay_layouts``: also replay the run's surviving history, its layouts over the same steps, and compare
-    to the bit (:mod:`devtools.same_layouts`)."""
+    to the bit (:mod:`devtools.same_layouts`). ``snapshot_every``: the launcher's ``--snapshot-every`` (``0``: a
+    crash always restarts from the store, e.g. to meet a corrupt checkpoint there)."""
     faults = schedule(seed, kinds, first=first, gap=gap, ranks=slots * len(cluster.hosts), hosts=len(cluster.hosts))
     # The tail after the last fault must outlast a whole morph (notice, pre-flight SSH check, checkpoint,
     # restart) when the last fault takes a host away and brings it back: steps take ~0.15 s, a morph seconds.
@@ -151,7 +153,7 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     run_dir = workdir / "run"
     args = [str(plan), "--run-dir", str(run_dir), "--hosts", str(hosts), "--morph", "--ckpt-every", str(ckpt_every),
             "--heartbeat-timeout", str(heartbeat_timeout), "--grace", "2", "--max-restarts", str(max_restarts),
-            *cluster.launcher_args(), "--", *TRAIN, "--steps", str(steps)]
+            "--snapshot-every", snapshot_every, *cluster.launcher_args(), "--", *TRAIN, "--steps", str(steps)]
     started = time.monotonic()
     pending = None if reference is not None or not uninterrupted else \
         _start_reference(plan, steps, workdir / "reference", timeout)
