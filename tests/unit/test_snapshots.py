@@ -159,3 +159,26 @@ def test_dropping_the_snapshots_frees_their_room_for_a_handovers_publish(tmp_pat
     assert shelf.names() == [] and met == [None]  # every rank waits for the others' room too
     with shelf.reserve(5000):
         pass
+
+
+def test_a_snapshot_that_would_leave_the_host_short_of_memory_is_skipped_and_said(tmp_path, caplog) -> None:
+    """A shelf lives in memory the training cannot get back: a snapshot that would leave less than a tenth of the
+    host's memory free (its own files and the copy of the previous host's, for each rank of the host) is not
+    taken."""
+    reserved = []
+
+    def publish(reserve, copies):
+        with reserve(300 * 2**20):  # this rank's state: 300 MiB
+            reserved.append(True)
+        return {}
+
+    def gather(obj):
+        return [obj, ("h0", None)] if isinstance(obj, tuple) and len(obj) == 2 else [obj, obj]
+
+    snaps = _snapshots(AUTO, publish=publish, gather=gather, shelf=Shelf("j-1", root=tmp_path))
+    snaps.memory = lambda: (1300 * 2**20, 4096 * 2**20)  # 2 ranks here x 2 x 300 MiB: 90 MiB short of 10% free
+    with caplog.at_level(logging.WARNING):
+        assert snaps.take(FIRST_AUTO) is None
+    assert reserved == [] and "needs about 1200 MiB of h0's memory" in caplog.text
+    snaps.memory = lambda: (1700 * 2**20, 4096 * 2**20)
+    assert snaps.take(FIRST_AUTO + 50) is not None and reserved == [True]

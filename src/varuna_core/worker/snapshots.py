@@ -26,11 +26,12 @@ import mmap
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, HandoverError, VarunaError
+from ..errors import CheckpointError, HandoverError, ShelfFullError, VarunaError
 from ..launch.shelf import Shelf, fetch_into, shelf_key
 from ..util.text import printable
 
@@ -75,6 +76,17 @@ OVERHEAD = 0.02  # the share of training time the automatic choice allows snapsh
 FIRST_AUTO = 3  # the step of the first automatic snapshot (the first steps are slower: not a step time to go by)
 MAX_EVERY = 10_000  # the automatic choice's longest interval
 RETRY = 50  # under AUTO, steps to the next try after a snapshot that failed (doubled while they keep failing)
+MIN_FREE = 0.10  # the share of the host's memory a snapshot leaves free (tmpfs pages cannot be reclaimed)
+
+
+def host_memory() -> tuple[int, int] | None:
+    """``(available, total)`` bytes of this host's memory (``/proc/meminfo``); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {k: v for k, _, v in (line.partition(":") for line in f)}
+        return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
 
 
 def every_for(seconds: float, step_time: float | None, budget: float = OVERHEAD) -> int:
@@ -116,6 +128,7 @@ class Snapshots:
         self.next: int | None = None  # under AUTO: the step of the next snapshot
         self.failed = False  # a snapshot failed: said once, then quietly retried at the next one
         self.failures = 0  # snapshots that failed in a row (under AUTO, the next try is further away each time)
+        self.memory: Callable[[], tuple[int, int] | None] = host_memory  # (available, total) of this host
 
     def due(self, iteration: int) -> bool:
         if iteration <= 0 or iteration == self.last:
@@ -132,8 +145,9 @@ class Snapshots:
         ``step_time``: this rank's last step's time, for the automatic interval."""
         started = time.perf_counter()
         places = self._gather_places()
+        mates = sum(h == self.host for h, _ in places)
         try:
-            owners = self._publish(self.shelf.reserve, True)
+            owners = self._publish(lambda nbytes: self._reserve(nbytes, mates), True)
         except (CheckpointError, HandoverError) as exc:  # every rank raises alike (ShelfFullError among them)
             self._say(f"snapshot of step {iteration} not taken: {exc.message}")
             # the next try, from what every rank knows alike (a rank that went by its own clock would meet the
@@ -168,6 +182,23 @@ class Snapshots:
         if previous is not None and previous != iteration and self._first_on_host(places):
             self.shelf.remove(n for n in self.shelf.names() if step_of(n) == previous)
         return report
+
+    def _reserve(self, nbytes: int, mates: int) -> AbstractContextManager[Any]:
+        """Room on the shelf for this rank's files, if the host keeps :data:`MIN_FREE` of its memory free with
+        this host's ranks' files and their copies of the previous host's (about as many bytes again) on it: a
+        shelf lives in memory that the training cannot get back (ShelfFullError, agreed by every rank: the
+        snapshot is skipped and said)."""
+        memory = self.memory()
+        if memory is not None:
+            available, total = memory
+            need = 2 * nbytes * max(1, mates)
+            if available - need < MIN_FREE * total:
+                raise ShelfFullError(f"a snapshot needs about {need / 2**20:.0f} MiB of {self.host}'s memory, which "
+                                     f"has {available / 2**20:.0f} MiB available of {total / 2**20:.0f} MiB (keeping "
+                                     f"{MIN_FREE:.0%} free for the training)",
+                                     hint="snapshots are skipped until there is room; --snapshot-every 0 turns them "
+                                          "off, --shelf-budget bounds them")
+        return self.shelf.reserve(nbytes)
 
     def drop(self) -> None:
         """Every rank at once: take every snapshot off this host's shelf (a handover's publish that needs the room
