@@ -655,12 +655,16 @@ class Attempt:
         """The attempt's hosts in the order of their first rank (the ring of the snapshots' copies)."""
         return list(dict.fromkeys(self.rank_host[r] for r in range(self.world)))
 
-    def end_workers(self) -> None:
+    def end_workers(self) -> list[str]:
         """SIGKILL every worker that is left, wherever it is (blocked in a collective with a lost peer too), and
-        keep the agents: their shelves hold the workers' snapshots for the next configuration."""
+        keep the agents: their shelves hold the workers' snapshots for the next configuration. Returns the hosts
+        whose agent is gone (it reported nothing since, or the command could not be sent to it)."""
         self.files.event("workers_ended", attempt=self.number)
+        gone = {self.agents[n].host.name for n in self.gone}
         for agent in self.agents:
-            agent.send(SignalCommand(signal="SIGKILL"))
+            if not agent.send(SignalCommand(signal="SIGKILL")):
+                gone.add(agent.host.name)
+        return sorted(gone)
 
     def _ask_to_checkpoint(self, why: str) -> bool:
         """SIGUSR1 to every worker; False (nothing sent) if some rank has not reported yet, i.e. has not installed

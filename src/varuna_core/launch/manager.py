@@ -255,6 +255,7 @@ class Manager:
         self._orphan: tuple[Attempt, Outcome] | None = None  # an old attempt still serving a handover's state
         self._retried: Outcome | None = None  # the handover tried a second time (once at most)
         self._wreck: Attempt | None = None  # a crashed attempt whose agents still serve its snapshot
+        self._wreck_gone: list[str] = []  # the hosts whose agent it lost
         self._warm: tuple[list[Host], Plan, str | None] = ([], plan, None)  # the successor's hosts, plan, why
         self._write_manager_file()
 
@@ -483,8 +484,8 @@ class Manager:
                         and outcome is not None and outcome.kind is Ending.CRASH and self._retried is not handover)
                 if not keep and outcome is not None and self._recoverable(attempt, outcome):
                     attempt.retire_now()
-                    attempt.end_workers()  # its agents stay: their shelves hold the snapshot the next one takes
-                    self._wreck = attempt
+                    # its agents stay: their shelves hold the snapshot the next one takes
+                    self._wreck, self._wreck_gone = attempt, attempt.end_workers()
                 else:
                     attempt.stop(retire=not keep)
                 self._orphan = (retiring, handover) if keep and retiring is not None and handover is not None \
@@ -566,18 +567,20 @@ class Manager:
         return snapshot is not None and (newest is None or newest < snapshot[0])
 
     def _recover(self, crash: Outcome, budget: RestartBudget) -> tuple[Outcome, Attempt] | None:
-        """After a crash whose attempt left its snapshot on its shelves (see :meth:`_recoverable`): every host is
-        checked (a crash seen first as a worker's exit may hide a lost host); if every rank's files are on a host
-        that answers (its own, or the next host's copy), a new configuration on the hosts that answer, warm, is
-        told to take that snapshot. None otherwise, or when it cannot start: the crash then restarts from the
-        store."""
+        """After a crash whose attempt left its snapshot on its shelves (see :meth:`_recoverable`): the hosts the
+        crash names and those whose agent is gone are checked (the others' agents just took the order to end
+        their workers; a host lost unnoticed is left out when the new configuration cannot start there); if
+        every rank's files are on a host that answers (its own, or the next host's copy), a new configuration on
+        the hosts that answer, warm, is told to take that snapshot. None otherwise, or when it cannot start: the
+        crash then restarts from the store."""
         wreck, self._wreck = self._wreck, None
         if wreck is None:
             return None
         snapshot = wreck.snapshot()
         assert snapshot is not None  # checked when it was kept
         step, copies = snapshot
-        hosts = self._reachable(crash.hosts or self._wanted())
+        suspects = sorted(set(crash.suspects or []) | set(self._wreck_gone))
+        hosts = self._reachable(crash.hosts or self._wanted(), suspects=suspects)
         up = {h.name for h in hosts}
         ring = wreck.host_order()
         lost = [h for h in ring if h not in up]
