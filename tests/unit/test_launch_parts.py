@@ -245,3 +245,28 @@ def test_a_crash_goes_on_from_a_snapshot_only_when_one_is_newer_than_the_store(e
     crash = Outcome(Ending.CRASH, "lost the agent on h2", suspects=["h2"])
     assert Manager._recoverable(manager, attempt, crash) is want
     assert Manager._recoverable(manager, attempt, Outcome(Ending.CRASH, "x", refused=True)) is False
+
+
+def test_every_snapshot_is_recorded_once_in_order_however_the_beats_interleave() -> None:
+    """A beat carries only its rank's newest snapshot: a poll may hear rank 0 at step 6 while rank 1 still says 3,
+    and the next poll rank 1 at 9 already. Each snapshot is written once, with the reports heard of it."""
+    from types import SimpleNamespace
+
+    from varuna_core.launch.attempt import Attempt
+    from varuna_core.launch.heartbeat import Beat
+
+    written = []
+    attempt = SimpleNamespace(world=2, number=1, snapshot_recorded=None, _snapshot_reports={},
+                              files=SimpleNamespace(event=lambda name, **f: written.append((name, f))))
+
+    def beats(*steps):
+        return {r: Beat(r, f"h{r}", s, 0.0, {"snapshot": s, "snapshot_bytes": 10 * (r + 1), "snapshot_peer": True,
+                                              "snapshot_seconds": 0.1 * (r + 1), "snapshot_every": 3})
+                for r, s in enumerate(steps)}
+
+    for polled in (beats(3, None), beats(3, 3), beats(3, 3), beats(6, 3), beats(9, 9), beats(9, 9)):
+        Attempt._record_snapshot(attempt, {r: b for r, b in polled.items() if b.step is not None})
+    assert [f["step"] for _, f in written] == [3, 6, 9]
+    assert written[0][1]["host_bytes"] == {"h0": 10, "h1": 20} and written[0][1]["seconds"] == 0.2
+    assert written[1][1]["ranks"] == 1 and written[1][1]["host_bytes"] == {"h0": 10}  # rank 1's 6 was not heard
+    assert written[2][1]["ranks"] == 2

@@ -274,6 +274,7 @@ class Attempt:
         self.publish_asked: float | None = None  # when the workers were asked to publish (monotonic)
         self.retiring: Attempt | None = None  # the attempt this one took over from: stopped after the first step
         self.snapshot_recorded: int | None = None  # the newest snapshot written to events.jsonl
+        self._snapshot_reports: dict[int, dict[int, Beat]] = {}  # snapshots not written yet: step -> rank's beat
         self._retirement: threading.Thread | None = None
         self.handover_failed = False  # a rank reported that its publish or its take fell back to the store
         self.recorded: set[int] = set()  # the steps of this attempt written to metrics.jsonl
@@ -626,20 +627,28 @@ class Attempt:
             self._retirement.join(timeout=old.opts.grace + 20 if old is not None else 20)
 
     def _record_snapshot(self, beats: dict[int, Beat]) -> None:
-        """A ``snapshot`` event for each snapshot once every rank reported it: its cost (the slowest rank's), the
-        interval to the next, and the bytes it holds on each host (a host's own files and its copy of another's)."""
-        steps = {b.get("snapshot") for b in beats.values()}
-        if len(beats) < self.world or len(steps) != 1 or None in steps or steps == {self.snapshot_recorded}:
-            return
-        step = steps.pop()
-        self.snapshot_recorded = step
-        held: dict[str, int] = {}
+        """A ``snapshot`` event for each snapshot, in step order: its cost (the slowest rank's), the interval to
+        the next, and the bytes it holds on each host (a host's own files and its copy of another's). Each rank's
+        report of a snapshot is kept as it is heard (a beat carries only its rank's newest), and the event is
+        written once every rank's is in, or with those heard when a newer snapshot is reported first."""
         for beat in beats.values():
-            held[beat.host] = held.get(beat.host, 0) + (beat.get("snapshot_bytes") or 0)
-        self.files.event("snapshot", attempt=self.number, step=step,
-                         seconds=max(b.get("snapshot_seconds") or 0.0 for b in beats.values()),
-                         every=max(b.get("snapshot_every") or 0 for b in beats.values()),
-                         peer=all(b.get("snapshot_peer") for b in beats.values()), host_bytes=held)
+            step = beat.get("snapshot")
+            if isinstance(step, int) and (self.snapshot_recorded is None or step > self.snapshot_recorded):
+                self._snapshot_reports.setdefault(step, {})[beat.rank] = beat
+        for step in sorted(self._snapshot_reports):
+            reports = self._snapshot_reports[step]
+            if len(reports) < self.world and step == max(self._snapshot_reports):
+                break  # the newest: wait for the other ranks' reports
+            del self._snapshot_reports[step]
+            self.snapshot_recorded = step
+            held: dict[str, int] = {}
+            for beat in reports.values():
+                held[beat.host] = held.get(beat.host, 0) + (beat.get("snapshot_bytes") or 0)
+            self.files.event("snapshot", attempt=self.number, step=step,
+                             seconds=max(b.get("snapshot_seconds") or 0.0 for b in reports.values()),
+                             every=max(b.get("snapshot_every") or 0 for b in reports.values()),
+                             peer=all(b.get("snapshot_peer") for b in reports.values()), host_bytes=held,
+                             ranks=len(reports))
 
     def snapshot(self) -> tuple[int, bool] | None:
         """The newest in-memory snapshot, as the workers reported it (a snapshot is reported once it is whole on
