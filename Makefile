@@ -31,7 +31,7 @@ setup: $(STAMP) ## create the venv and install torch, numpy and this project (ed
 
 # Re-runs only when pyproject.toml, the C++ sources or the set of subpackages change (or after `make clean`):
 # the editable install maps packages to src/ when it is made.
-$(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.hpp src/*/*/__init__.py)
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*.cpp csrc/*.hpp csrc/*.cu src/*/*/__init__.py)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install "$(TORCH)" numpy $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PIP) install -e ".[dev,hf]"

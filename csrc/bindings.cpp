@@ -12,6 +12,9 @@
 
 #include "schedule.hpp"
 #include "simulate.hpp"
+#ifdef VARUNA_WITH_CUDA
+#include "fused.hpp"
+#endif
 
 namespace py = pybind11;
 
@@ -238,6 +241,28 @@ py::list inflight(const std::string& name, int p, int m) {
     return out;
 }
 
+#ifdef VARUNA_WITH_CUDA
+// The CUDA kernels take device addresses as ints (fused.hpp); what they point to is the caller's to get right
+// (src/varuna_core/pipeline/fused.py checks every tensor first). Checked here: the counts and the type codes.
+varuna::fused::DType dtype_of(int code, const char* what) {
+    if (code < 0 || code > 2)
+        throw py::value_error(std::string(what) + " must be 0, 1 or 2, got " + std::to_string(code));
+    return static_cast<varuna::fused::DType>(code);
+}
+
+varuna::fused::TensorList tensor_list(uintptr_t table, int64_t n, int64_t chunks) {
+    if (n < 0 || chunks < 0 || chunks > 0x7fffffff || n > 0x7fffffff)
+        throw py::value_error("tensor list of " + std::to_string(n) + " tensors in " + std::to_string(chunks) +
+                              " chunks is out of range");
+    if (n > 0 && table == 0) throw py::value_error("the chunk table of a non-empty tensor list is null");
+    return {table, n, chunks};
+}
+
+void raise_if(const std::string& error, const char* what) {
+    if (!error.empty()) throw std::runtime_error(std::string(what) + " failed: " + error);
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(_native, mod) {
@@ -259,4 +284,59 @@ PYBIND11_MODULE(_native, mod) {
     mod.def("inflight", &inflight, py::arg("name"), py::arg("p"), py::arg("m"),
             "Per stage (held, graphs) from the static order of generate(name, p, m); equals\n"
             "varuna_core.ir.inflight.inflight.");
+#ifdef VARUNA_WITH_CUDA
+    mod.attr("CUDA") = true;
+    mod.attr("FUSED_CHUNK") = varuna::fused::kChunk;
+    mod.def(
+        "unscale_sq_norms",
+        [](uintptr_t table, int64_t n, int64_t chunks, int dtype, uintptr_t inv_scale, uintptr_t found_inf,
+           uintptr_t partials, uintptr_t sq_out, uintptr_t stream) {
+            const auto list = tensor_list(table, n, chunks);
+            const auto dt = dtype_of(dtype, "dtype");
+            std::string error;
+            {
+                py::gil_scoped_release release;
+                error = varuna::fused::unscale_sq_norms(list, dt, inv_scale, found_inf, partials, sq_out, stream);
+            }
+            raise_if(error, "unscale_sq_norms");
+        },
+        py::arg("table"), py::arg("n"), py::arg("chunks"), py::arg("dtype"), py::arg("inv_scale"),
+        py::arg("found_inf"), py::arg("partials"), py::arg("sq_out"), py::arg("stream"),
+        "CUDA: unscale in place (inv_scale 0: no unscale), flag non-finite values, per-tensor squared norms\n"
+        "(csrc/fused.hpp). Twin: varuna_core.pipeline.fused.unscale_sq_norms_torch.");
+    mod.def(
+        "pack_cast",
+        [](uintptr_t table, int64_t n, int64_t chunks, int src_dtype, uintptr_t dst, int dst_dtype,
+           uintptr_t stream) {
+            const auto list = tensor_list(table, n, chunks);
+            const auto s = dtype_of(src_dtype, "src_dtype"), d = dtype_of(dst_dtype, "dst_dtype");
+            std::string error;
+            {
+                py::gil_scoped_release release;
+                error = varuna::fused::pack_cast(list, s, dst, d, stream);
+            }
+            raise_if(error, "pack_cast");
+        },
+        py::arg("table"), py::arg("n"), py::arg("chunks"), py::arg("src_dtype"), py::arg("dst"),
+        py::arg("dst_dtype"), py::arg("stream"),
+        "CUDA: the tensors, cast, one after another into one buffer. Twin: varuna_core.pipeline.fused.pack_torch.");
+    mod.def(
+        "unpack_cast",
+        [](uintptr_t table, int64_t n, int64_t chunks, int dst_dtype, uintptr_t src, int src_dtype,
+           uintptr_t stream) {
+            const auto list = tensor_list(table, n, chunks);
+            const auto d = dtype_of(dst_dtype, "dst_dtype"), s = dtype_of(src_dtype, "src_dtype");
+            std::string error;
+            {
+                py::gil_scoped_release release;
+                error = varuna::fused::unpack_cast(list, d, src, s, stream);
+            }
+            raise_if(error, "unpack_cast");
+        },
+        py::arg("table"), py::arg("n"), py::arg("chunks"), py::arg("dst_dtype"), py::arg("src"),
+        py::arg("src_dtype"), py::arg("stream"),
+        "CUDA: slices of one buffer, cast, into the tensors. Twin: varuna_core.pipeline.fused.unpack_torch.");
+#else
+    mod.attr("CUDA") = false;
+#endif
 }

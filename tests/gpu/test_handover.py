@@ -120,3 +120,35 @@ def test_a_parked_stage_is_built_where_it_computes_and_held_in_host_memory(monke
     assert {p.device.type for p in warm.parameters()} == {"cuda"} and list(warm.parameters()) == params
     assert {n for n, p in warm.named_parameters() if not torch.equal(p.detach().cpu(), cold[n])} == set()
     assert loss > 0
+
+
+def test_snapshots_of_gpu_state_are_whole_and_replace_each_other(tmp_path) -> None:
+    """In-memory snapshots (``--snapshot-every``) of a CUDA run: each one publishes the state from the GPU through
+    the pinned staging onto the host's shelf without stopping the run, the older one is dropped once the newer is
+    whole, and a worker that takes the newest onto the GPU holds every tensor of that step and steps as the run
+    does."""
+    from varuna_core.worker.snapshots import Snapshots, step_of
+
+    run, run_opt = _varuna(0, DEVICE)
+    shelf = Shelf("gpu-snap", root=tmp_path / "shm")
+    snaps = Snapshots(2, rank=0, host="here", shelf=shelf, server=None, job="j", token="t", attempt=1,
+                      publish=lambda reserve, copies: run.publish_state(reserve, copies=copies),
+                      all_gather=lambda obj: [obj])
+    reports = []
+    for step in range(4):
+        if snaps.due(step):
+            reports.append(snaps.take(step))
+        train(run, run_opt, 1, lambda n, s, step=step: batch(n, step))
+    assert snaps.due(4)
+    reports.append(snaps.take(4))
+    assert [r.step for r in reports if r is not None] == [2, 4] and all(r.held > 0 for r in reports if r)
+    assert {step_of(n) for n in shelf.names()} - {None} == {4}  # step 2's blobs are gone
+    saved = _state(run, run_opt)
+
+    back, back_opt = _varuna(9, DEVICE)
+    assert _take(back, shelf, 4, tmp_path / "shm") == 4
+    assert {p.device.type for p in back.parameters()} == {DEVICE}
+    assert [n for n, t in _state(back, back_opt).items() if not torch.equal(t, saved[n])] == []
+    want, _ = run.step(batch(BATCH, 4))
+    got, _ = back.step(batch(BATCH, 4))
+    assert got == want

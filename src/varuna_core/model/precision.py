@@ -73,10 +73,14 @@ class LossScaler:
         by_kind: dict[tuple, list[torch.Tensor]] = {}
         for g in grads:
             by_kind.setdefault((g.device, g.dtype), []).append(g)
-        inv_scale = self.scale.double().reciprocal().float()
+        inv_scale = self.inv_scale()
         for group in by_kind.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
         return found_inf
+
+    def inv_scale(self) -> torch.Tensor:
+        """``1 / scale`` (float32 ``[1]`` on the scale's device), rounded once from float64 as the unscale uses it."""
+        return self.scale.double().reciprocal().float()
 
     def update(self, overflow: bool) -> None:
         """Apply the step's global overflow decision: halve (floored at ``min_scale``) or count a clean step."""

@@ -16,6 +16,7 @@ import torch.nn as nn
 from ..errors import ConfigError
 from ..model.precision import LossScaler
 from ..model.stage import TieSet
+from . import fused
 from .config import loss_weights
 from .executor import PipelineExecutor
 from .grads import GradBuffer, all_reduce_tensor
@@ -94,10 +95,20 @@ def finish_step(loss_sum: torch.Tensor, grad_buffer: GradBuffer, norm_params: li
     """Unscale (fp16), all-reduce loss / squared norm / overflow / flag with ``reduce``, update the loss scale, and
     zero (overflow) or clip the gradients."""
     grads = _attached_grads(grad_buffer.params)
-    found_inf = scaler.unscale_(grads) if scaler is not None and grads else None
-    norm_grads = _attached_grads(norm_params)
-    sq_norm = (torch.stack(torch._foreach_norm(norm_grads)).double().pow(2).sum() if norm_grads
-               else torch.zeros((), dtype=torch.float64, device=device))
+    found_inf: torch.Tensor | None
+    if fused.fused_grad_pass(grads):
+        # one pass over the gradients on the GPU: unscale, overflow flag and every tensor's squared norm
+        flag_inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+        sq = fused.unscale_sq_norms_cuda(grads, scaler.inv_scale() if scaler is not None else None, flag_inf)
+        found_inf = flag_inf if scaler is not None else None
+        counted = {id(p) for p in norm_params}
+        index = [i for i, p in enumerate(grad_buffer.params) if id(p) in counted]
+        sq_norm = (sq if len(index) == len(grads) else sq[torch.tensor(index, device=sq.device)]).sum()
+    else:
+        found_inf = scaler.unscale_(grads) if scaler is not None and grads else None
+        norm_grads = _attached_grads(norm_params)
+        sq_norm = (torch.stack(torch._foreach_norm(norm_grads)).double().pow(2).sum() if norm_grads
+                   else torch.zeros((), dtype=torch.float64, device=device))
     zero = torch.zeros((), dtype=torch.float64, device=loss_sum.device)
     totals = reduce(torch.stack([
         loss_sum.double(), sq_norm.to(loss_sum.device),

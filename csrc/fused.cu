@@ -1,0 +1,233 @@
+// CUDA kernels of varuna_core._native: one pass over a stage's gradients (unscale, non-finite check, per-tensor
+// squared norm) and the pack/cast of several tensors into one buffer. See fused.hpp for the contracts; the Python
+// twins are in src/varuna_core/pipeline/fused.py.
+//
+// Layout: one thread block per chunk of kChunk elements of one tensor (fused.hpp's chunk table); each thread reads
+// kPerThread elements, kThreads apart (coalesced), four loads in flight before any use. Every reduction has a fixed
+// shape (per thread in index order, then a warp's shuffle tree, then the warps in order), so results are bitwise
+// reproducible and a tensor's result is independent of the other tensors in the list.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "fused.hpp"
+
+namespace varuna::fused {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kPerThread = static_cast<int>(kChunk / kThreads);  // 32
+constexpr int kInFlight = 4;
+static_assert(kChunk % (kThreads * kInFlight) == 0, "a chunk is a whole number of rounds");
+
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<float> {
+    __device__ static float load(float v) { return v; }
+    __device__ static float store(float v) { return v; }
+};
+template <>
+struct Cvt<__half> {
+    __device__ static float load(__half v) { return __half2float(v); }
+    __device__ static __half store(float v) { return __float2half_rn(v); }  // torch's Half(float): nearest-even
+};
+template <>
+struct Cvt<__nv_bfloat16> {
+    __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+    __device__ static __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
+};
+
+// The tensor that chunk `b` belongs to: the largest i < n with first[i] <= b (empty tensors own no chunk).
+__device__ int64_t locate(const int64_t* first, int64_t n, int64_t b) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (first[mid] <= b) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+template <typename Acc>
+__device__ Acc block_sum(Acc v, Acc* shared) {
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    Acc total = 0;
+    if (threadIdx.x == 0)
+        for (int w = 0; w < kWarps; ++w) total += shared[w];
+    return total;  // meaningful on thread 0 only
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) unscale_sq_kernel(const int64_t* __restrict__ table, int64_t n,
+                                                             const float* __restrict__ inv_scale,
+                                                             float* __restrict__ found_inf,
+                                                             float* __restrict__ partials) {
+    __shared__ float shared[kWarps];
+    const int64_t b = blockIdx.x;
+    const int64_t i = locate(table + 2 * n, n, b);
+    T* __restrict__ x = reinterpret_cast<T*>(static_cast<uintptr_t>(table[i]));
+    const int64_t numel = table[n + i];
+    const int64_t start = (b - table[2 * n + i]) * kChunk;
+    const int64_t end = start + kChunk < numel ? start + kChunk : numel;
+    const bool scale = inv_scale != nullptr;
+    const float inv = scale ? *inv_scale : 1.0f;
+    float acc = 0.0f;
+    bool bad = false;
+    for (int round = 0; round < kPerThread; round += kInFlight) {
+        float v[kInFlight];
+#pragma unroll
+        for (int k = 0; k < kInFlight; ++k) {
+            const int64_t j = start + static_cast<int64_t>(round + k) * kThreads + threadIdx.x;
+            v[k] = j < end ? Cvt<T>::load(x[j]) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < kInFlight; ++k) {
+            const int64_t j = start + static_cast<int64_t>(round + k) * kThreads + threadIdx.x;
+            if (j < end) {
+                bad |= !isfinite(v[k]);
+                if (scale) {
+                    const T out = Cvt<T>::store(inv == 1.0f ? v[k] : v[k] * inv);
+                    x[j] = out;
+                    v[k] = Cvt<T>::load(out);
+                }
+                acc = __fmaf_rn(v[k], v[k], acc);
+            }
+        }
+    }
+    if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;
+    const float total = block_sum(acc, shared);
+    if (threadIdx.x == 0) partials[b] = total;
+}
+
+// One block per tensor: its chunks' partial sums, added in double in a fixed order.
+__global__ void __launch_bounds__(kThreads) sum_chunks_kernel(const int64_t* __restrict__ table, int64_t n,
+                                                             const float* __restrict__ partials,
+                                                             double* __restrict__ sq_out) {
+    __shared__ double shared[kWarps];
+    const int64_t i = blockIdx.x;
+    const int64_t first = table[2 * n + i], last = table[2 * n + i + 1];
+    double acc = 0.0;
+    for (int64_t c = first + threadIdx.x; c < last; c += kThreads) acc += static_cast<double>(partials[c]);
+    const double total = block_sum(acc, shared);
+    if (threadIdx.x == 0) sq_out[i] = total;
+}
+
+// Chunk `b` of tensor i copied, cast, to or from its slice of a packed buffer.
+template <typename S, typename D, bool kPack>
+__global__ void __launch_bounds__(kThreads) pack_kernel(const int64_t* __restrict__ table, int64_t n,
+                                                       void* __restrict__ buffer) {
+    const int64_t b = blockIdx.x;
+    const int64_t i = locate(table + 2 * n, n, b);
+    const int64_t numel = table[n + i];
+    const int64_t start = (b - table[2 * n + i]) * kChunk;
+    const int64_t end = start + kChunk < numel ? start + kChunk : numel;
+    const int64_t offset = table[3 * n + 1 + i];
+    const S* __restrict__ src;
+    D* __restrict__ dst;
+    if (kPack) {
+        src = reinterpret_cast<const S*>(static_cast<uintptr_t>(table[i]));
+        dst = static_cast<D*>(buffer) + offset;
+    } else {
+        src = static_cast<const S*>(buffer) + offset;
+        dst = reinterpret_cast<D*>(static_cast<uintptr_t>(table[i]));
+    }
+    for (int round = 0; round < kPerThread; round += kInFlight) {
+        float v[kInFlight];
+#pragma unroll
+        for (int k = 0; k < kInFlight; ++k) {
+            const int64_t j = start + static_cast<int64_t>(round + k) * kThreads + threadIdx.x;
+            v[k] = j < end ? Cvt<S>::load(src[j]) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < kInFlight; ++k) {
+            const int64_t j = start + static_cast<int64_t>(round + k) * kThreads + threadIdx.x;
+            if (j < end) dst[j] = Cvt<D>::store(v[k]);
+        }
+    }
+}
+
+std::string status() {
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? std::string() : std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
+}
+
+const int64_t* table_of(const TensorList& list) {
+    return reinterpret_cast<const int64_t*>(list.table);
+}
+
+template <typename S, typename D>
+void launch_pack(const TensorList& list, void* buffer, bool pack, cudaStream_t stream) {
+    const dim3 grid(static_cast<unsigned>(list.chunks));
+    if (pack)
+        pack_kernel<S, D, true><<<grid, kThreads, 0, stream>>>(table_of(list), list.n, buffer);
+    else
+        pack_kernel<S, D, false><<<grid, kThreads, 0, stream>>>(table_of(list), list.n, buffer);
+}
+
+template <typename S>
+void dispatch_dst(const TensorList& list, DType d, void* buffer, bool pack, cudaStream_t stream) {
+    switch (d) {
+        case DType::kFloat32: launch_pack<S, float>(list, buffer, pack, stream); break;
+        case DType::kFloat16: launch_pack<S, __half>(list, buffer, pack, stream); break;
+        case DType::kBFloat16: launch_pack<S, __nv_bfloat16>(list, buffer, pack, stream); break;
+    }
+}
+
+void dispatch_pack(const TensorList& list, DType s, DType d, void* buffer, bool pack, cudaStream_t stream) {
+    switch (s) {
+        case DType::kFloat32: dispatch_dst<float>(list, d, buffer, pack, stream); break;
+        case DType::kFloat16: dispatch_dst<__half>(list, d, buffer, pack, stream); break;
+        case DType::kBFloat16: dispatch_dst<__nv_bfloat16>(list, d, buffer, pack, stream); break;
+    }
+}
+
+}  // namespace
+
+std::string unscale_sq_norms(const TensorList& list, DType dtype, uintptr_t inv_scale, uintptr_t found_inf,
+                             uintptr_t partials, uintptr_t sq_out, uintptr_t stream) {
+    if (list.n == 0) return {};
+    const auto s = reinterpret_cast<cudaStream_t>(stream);
+    const auto* inv = reinterpret_cast<const float*>(inv_scale);
+    auto* inf = reinterpret_cast<float*>(found_inf);
+    auto* part = reinterpret_cast<float*>(partials);
+    if (list.chunks > 0) {
+        const dim3 grid(static_cast<unsigned>(list.chunks));
+        switch (dtype) {
+            case DType::kFloat32:
+                unscale_sq_kernel<float><<<grid, kThreads, 0, s>>>(table_of(list), list.n, inv, inf, part);
+                break;
+            case DType::kFloat16:
+                unscale_sq_kernel<__half><<<grid, kThreads, 0, s>>>(table_of(list), list.n, inv, inf, part);
+                break;
+            case DType::kBFloat16:
+                unscale_sq_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(table_of(list), list.n, inv, inf, part);
+                break;
+        }
+    }
+    sum_chunks_kernel<<<dim3(static_cast<unsigned>(list.n)), kThreads, 0, s>>>(
+        table_of(list), list.n, part, reinterpret_cast<double*>(sq_out));
+    return status();
+}
+
+std::string pack_cast(const TensorList& list, DType src_dtype, uintptr_t dst, DType dst_dtype, uintptr_t stream) {
+    if (list.chunks == 0) return {};
+    dispatch_pack(list, src_dtype, dst_dtype, reinterpret_cast<void*>(dst), true,
+                  reinterpret_cast<cudaStream_t>(stream));
+    return status();
+}
+
+std::string unpack_cast(const TensorList& list, DType dst_dtype, uintptr_t src, DType src_dtype, uintptr_t stream) {
+    if (list.chunks == 0) return {};
+    dispatch_pack(list, src_dtype, dst_dtype, reinterpret_cast<void*>(src), false,
+                  reinterpret_cast<cudaStream_t>(stream));
+    return status();
+}
+
+}  // namespace varuna::fused
