@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-gpu clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-gpu bench-kernels clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -118,6 +118,9 @@ bench-chaos: setup ## inject crashes, lost hosts, hangs, preemptions and a corru
 # No OMP_NUM_THREADS=1: one process, whose structure discovery runs on the CPU and uses every core.
 bench-gpu: setup ## ours vs plain PyTorch on one GPU: step time, tokens/s, MFU, predicted vs measured (BENCH_ARGS="--json")
 	$(PY) benchmarks/gpu.py $(BENCH_ARGS)
+
+bench-kernels: setup ## the extension's CUDA kernel vs torch's ops on one GPU, and vs the copy bandwidth
+	$(PY) benchmarks/cuda_kernels.py $(BENCH_ARGS)
 
 clean: ## remove caches and build output (keeps the venv; forces `setup` to re-run)
 	rm -rf build dist runs .pytest_cache .mypy_cache .ruff_cache src/*.egg-info $(STAMP)

@@ -1,8 +1,8 @@
-"""The extension's CUDA kernels against torch's own ops, side by side in one run on one GPU, and against the
+"""The extension's CUDA kernel against torch's own ops, side by side in one run on one GPU, and against the
 device's memory bandwidth measured in the same run (every case here is bound by memory, not arithmetic).
 
 A kernel earns its place only if it beats torch here; one that does not is dropped (``csrc/README.md`` records
-the decision and these numbers).
+the decisions and the numbers).
 
 Cases (``varuna_core.pipeline.fused``):
 
@@ -12,9 +12,9 @@ Cases (``varuna_core.pipeline.fused``):
   the gradients read and written once (the least any implementation moves).
 * **grad pass, no scaling** (bf16/fp32 training): the norm alone. torch: ``_foreach_norm``; ours: the kernel with no
   scale (read once; it also flags non-finite values).
-* **pack**: a cut's tensors cast to the wire dtype into one buffer. torch: the faster of
-  ``torch.cat([t.reshape(-1).to(d)])`` (two passes) and ``copy_`` of each tensor into its slice of one buffer (one
-  cast-copy per tensor); ours: ``pack_cuda``. **unpack**: the reverse. Bytes: read the sources, write the buffer.
+
+A pack/cast kernel (a cut's tensors cast into one send buffer, and back) was measured by this script at commit
+e77a8d1 and dropped: csrc/README.md has its numbers.
 
 Gradients: the parameter shapes of the example GPT (``examples/gpt``: 52 small tensors, launch-bound)
 and of a 1.21 B GPT (24 blocks of width 2048, as ``benchmarks/gpu.py``'s big model: bandwidth-bound), fp32 (the
@@ -106,32 +106,6 @@ def grad_cases(name: str, shapes, args, bandwidth: float) -> list[dict]:
     return rows
 
 
-def pack_cases(name: str, shapes, src: torch.dtype, dst: torch.dtype, args, bandwidth: float) -> list[dict]:
-    tensors = [torch.randn(s, device="cuda").to(src) for s in shapes]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    out_bytes = sum(t.numel() for t in tensors) * torch.empty(0, dtype=dst).element_size()
-    buffer = fused.pack_torch(tensors, dst)
-    def pack_into_views():
-        out = torch.empty(sum(t.numel() for t in tensors), dtype=dst, device="cuda")
-        at = 0
-        for t in tensors:
-            out[at:at + t.numel()].copy_(t.reshape(-1))
-            at += t.numel()
-        return out
-
-    t_theirs = min(timed(lambda: fused.pack_torch(tensors, dst), warmup=args.warmup, reps=args.reps,
-                         trials=args.trials),
-                   timed(pack_into_views, warmup=args.warmup, reps=args.reps, trials=args.trials))
-    t_ours = timed(lambda: fused.pack_cuda(tensors, dst), warmup=args.warmup, reps=args.reps, trials=args.trials)
-    rows = [row(f"pack {name}", len(tensors), nbytes, nbytes + out_bytes, t_theirs, t_ours, bandwidth)]
-    u_theirs = timed(lambda: fused.unpack_torch(buffer, tensors), warmup=args.warmup, reps=args.reps,
-                     trials=args.trials)
-    u_ours = timed(lambda: fused.unpack_cuda(buffer, tensors), warmup=args.warmup, reps=args.reps,
-                   trials=args.trials)
-    rows.append(row(f"unpack {name}", len(tensors), nbytes, nbytes + out_bytes, u_theirs, u_ours, bandwidth))
-    return rows
-
-
 def row(case: str, tensors: int, nbytes: int, moved: int, t_theirs: float, t_ours: float, bandwidth: float) -> dict:
     return {"case": case, "tensors": tensors, "MB": nbytes / 1e6, "torch_us": t_theirs * 1e6, "ours_us": t_ours * 1e6,
             "speedup": t_theirs / t_ours, "ours_of_bandwidth": moved / t_ours / bandwidth,
@@ -160,12 +134,6 @@ def main(argv: list[str] | None = None) -> int:
                                                  bandwidth)),
         ("1.21B GPT grads", lambda: grad_cases("1.21B GPT, 292 tensors", gpt_shapes(24, 2048, 50304, 1024), args,
                                                bandwidth)),
-        ("cut, 1 leaf", lambda: pack_cases("1 x [8,1024,2048] fp32->bf16", [(8, 1024, 2048)], torch.float32,
-                                           torch.bfloat16, args, bandwidth)),
-        ("cut, 3 leaves", lambda: pack_cases("3 x [8,1024,2048] fp32->bf16", [(8, 1024, 2048)] * 3, torch.float32,
-                                             torch.bfloat16, args, bandwidth)),
-        ("cut, small", lambda: pack_cases("4 x [4,64,64] fp32->fp32", [(4, 64, 64)] * 4, torch.float32,
-                                          torch.float32, args, bandwidth)),
     ]
     for what, case in cases:
         try:

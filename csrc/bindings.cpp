@@ -242,7 +242,7 @@ py::list inflight(const std::string& name, int p, int m) {
 }
 
 #ifdef VARUNA_WITH_CUDA
-// The CUDA kernels take device addresses as ints (fused.hpp); what they point to is the caller's to get right
+// The CUDA kernel takes device addresses as ints (fused.hpp); what they point to is the caller's to get right
 // (src/varuna_core/pipeline/fused.py checks every tensor first). Checked here: the counts and the type codes.
 varuna::fused::DType dtype_of(int code, const char* what) {
     if (code < 0 || code > 2)
@@ -304,38 +304,6 @@ PYBIND11_MODULE(_native, mod) {
         py::arg("found_inf"), py::arg("partials"), py::arg("sq_out"), py::arg("stream"),
         "CUDA: unscale in place (inv_scale 0: no unscale), flag non-finite values, per-tensor squared norms\n"
         "(csrc/fused.hpp). Twin: varuna_core.pipeline.fused.unscale_sq_norms_torch.");
-    mod.def(
-        "pack_cast",
-        [](uintptr_t table, int64_t n, int64_t chunks, int src_dtype, uintptr_t dst, int dst_dtype,
-           uintptr_t stream) {
-            const auto list = tensor_list(table, n, chunks);
-            const auto s = dtype_of(src_dtype, "src_dtype"), d = dtype_of(dst_dtype, "dst_dtype");
-            std::string error;
-            {
-                py::gil_scoped_release release;
-                error = varuna::fused::pack_cast(list, s, dst, d, stream);
-            }
-            raise_if(error, "pack_cast");
-        },
-        py::arg("table"), py::arg("n"), py::arg("chunks"), py::arg("src_dtype"), py::arg("dst"),
-        py::arg("dst_dtype"), py::arg("stream"),
-        "CUDA: the tensors, cast, one after another into one buffer. Twin: varuna_core.pipeline.fused.pack_torch.");
-    mod.def(
-        "unpack_cast",
-        [](uintptr_t table, int64_t n, int64_t chunks, int dst_dtype, uintptr_t src, int src_dtype,
-           uintptr_t stream) {
-            const auto list = tensor_list(table, n, chunks);
-            const auto d = dtype_of(dst_dtype, "dst_dtype"), s = dtype_of(src_dtype, "src_dtype");
-            std::string error;
-            {
-                py::gil_scoped_release release;
-                error = varuna::fused::unpack_cast(list, d, src, s, stream);
-            }
-            raise_if(error, "unpack_cast");
-        },
-        py::arg("table"), py::arg("n"), py::arg("chunks"), py::arg("dst_dtype"), py::arg("src"),
-        py::arg("src_dtype"), py::arg("stream"),
-        "CUDA: slices of one buffer, cast, into the tensors. Twin: varuna_core.pipeline.fused.unpack_torch.");
 #else
     mod.attr("CUDA") = false;
 #endif

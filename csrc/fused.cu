@@ -1,6 +1,6 @@
-// CUDA kernels of varuna_core._native: one pass over a stage's gradients (unscale, non-finite check, per-tensor
-// squared norm) and the pack/cast of several tensors into one buffer. See fused.hpp for the contracts; the Python
-// twins are in src/varuna_core/pipeline/fused.py.
+// The CUDA kernel of varuna_core._native: one pass over a stage's gradients (unscale, non-finite check, per-tensor
+// squared norm). See fused.hpp for the contract; the Python twin is in src/varuna_core/pipeline/fused.py. (A
+// pack/cast of several tensors into one buffer was measured here too and dropped: csrc/README.md.)
 //
 // Layout: one thread block per chunk of kChunk elements of one tensor (fused.hpp's chunk table); each thread reads
 // kPerThread elements, kThreads apart (coalesced), four loads in flight before any use. Every reduction has a fixed
@@ -119,40 +119,6 @@ __global__ void __launch_bounds__(kThreads) sum_chunks_kernel(const int64_t* __r
     if (threadIdx.x == 0) sq_out[i] = total;
 }
 
-// Chunk `b` of tensor i copied, cast, to or from its slice of a packed buffer.
-template <typename S, typename D, bool kPack>
-__global__ void __launch_bounds__(kThreads) pack_kernel(const int64_t* __restrict__ table, int64_t n,
-                                                       void* __restrict__ buffer) {
-    const int64_t b = blockIdx.x;
-    const int64_t i = locate(table + 2 * n, n, b);
-    const int64_t numel = table[n + i];
-    const int64_t start = (b - table[2 * n + i]) * kChunk;
-    const int64_t end = start + kChunk < numel ? start + kChunk : numel;
-    const int64_t offset = table[3 * n + 1 + i];
-    const S* __restrict__ src;
-    D* __restrict__ dst;
-    if (kPack) {
-        src = reinterpret_cast<const S*>(static_cast<uintptr_t>(table[i]));
-        dst = static_cast<D*>(buffer) + offset;
-    } else {
-        src = static_cast<const S*>(buffer) + offset;
-        dst = reinterpret_cast<D*>(static_cast<uintptr_t>(table[i]));
-    }
-    for (int round = 0; round < kPerThread; round += kInFlight) {
-        float v[kInFlight];
-#pragma unroll
-        for (int k = 0; k < kInFlight; ++k) {
-            const int64_t j = start + static_cast<int64_t>(round + k) * kThreads + threadIdx.x;
-            v[k] = j < end ? Cvt<S>::load(src[j]) : 0.0f;
-        }
-#pragma unroll
-        for (int k = 0; k < kInFlight; ++k) {
-            const int64_t j = start + static_cast<int64_t>(round + k) * kThreads + threadIdx.x;
-            if (j < end) dst[j] = Cvt<D>::store(v[k]);
-        }
-    }
-}
-
 std::string status() {
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? std::string() : std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
@@ -160,32 +126,6 @@ std::string status() {
 
 const int64_t* table_of(const TensorList& list) {
     return reinterpret_cast<const int64_t*>(list.table);
-}
-
-template <typename S, typename D>
-void launch_pack(const TensorList& list, void* buffer, bool pack, cudaStream_t stream) {
-    const dim3 grid(static_cast<unsigned>(list.chunks));
-    if (pack)
-        pack_kernel<S, D, true><<<grid, kThreads, 0, stream>>>(table_of(list), list.n, buffer);
-    else
-        pack_kernel<S, D, false><<<grid, kThreads, 0, stream>>>(table_of(list), list.n, buffer);
-}
-
-template <typename S>
-void dispatch_dst(const TensorList& list, DType d, void* buffer, bool pack, cudaStream_t stream) {
-    switch (d) {
-        case DType::kFloat32: launch_pack<S, float>(list, buffer, pack, stream); break;
-        case DType::kFloat16: launch_pack<S, __half>(list, buffer, pack, stream); break;
-        case DType::kBFloat16: launch_pack<S, __nv_bfloat16>(list, buffer, pack, stream); break;
-    }
-}
-
-void dispatch_pack(const TensorList& list, DType s, DType d, void* buffer, bool pack, cudaStream_t stream) {
-    switch (s) {
-        case DType::kFloat32: dispatch_dst<float>(list, d, buffer, pack, stream); break;
-        case DType::kFloat16: dispatch_dst<__half>(list, d, buffer, pack, stream); break;
-        case DType::kBFloat16: dispatch_dst<__nv_bfloat16>(list, d, buffer, pack, stream); break;
-    }
 }
 
 }  // namespace
@@ -213,20 +153,6 @@ std::string unscale_sq_norms(const TensorList& list, DType dtype, uintptr_t inv_
     }
     sum_chunks_kernel<<<dim3(static_cast<unsigned>(list.n)), kThreads, 0, s>>>(
         table_of(list), list.n, part, reinterpret_cast<double*>(sq_out));
-    return status();
-}
-
-std::string pack_cast(const TensorList& list, DType src_dtype, uintptr_t dst, DType dst_dtype, uintptr_t stream) {
-    if (list.chunks == 0) return {};
-    dispatch_pack(list, src_dtype, dst_dtype, reinterpret_cast<void*>(dst), true,
-                  reinterpret_cast<cudaStream_t>(stream));
-    return status();
-}
-
-std::string unpack_cast(const TensorList& list, DType dst_dtype, uintptr_t src, DType src_dtype, uintptr_t stream) {
-    if (list.chunks == 0) return {};
-    dispatch_pack(list, src_dtype, dst_dtype, reinterpret_cast<void*>(src), false,
-                  reinterpret_cast<cudaStream_t>(stream));
     return status();
 }
 

@@ -1,4 +1,4 @@
-// The CUDA kernels of varuna_core._native (fused.cu), declared without any CUDA header so that bindings.cpp, a
+// The CUDA kernel of varuna_core._native (fused.cu), declared without any CUDA header so that bindings.cpp, a
 // plain C++ file, can call them. Built only when CMake finds a CUDA compiler (VARUNA_WITH_CUDA); the Python twins
 // that the tests compare them with are in src/varuna_core/pipeline/fused.py.
 //
@@ -23,9 +23,8 @@ constexpr int64_t kChunk = 8192;
 //   table[0:n]        each tensor's address
 //   table[n:2n]       each tensor's element count
 //   table[2n:3n+1]    each tensor's first chunk (a prefix sum of ceil(numel / kChunk)); table[3n] = chunks
-//   table[3n+1:4n+1]  (pack_cast only) each tensor's first element in the packed buffer
 struct TensorList {
-    uintptr_t table;  // device int64[3n+1] or [4n+1]
+    uintptr_t table;  // device int64[3n+1]
     int64_t n;        // tensors
     int64_t chunks;   // total chunks (= table[3n], passed so the host sizes the grid without a copy back)
 };
@@ -39,13 +38,5 @@ struct TensorList {
 // Returns "" or the CUDA error's text.
 std::string unscale_sq_norms(const TensorList& list, DType dtype, uintptr_t inv_scale, uintptr_t found_inf,
                              uintptr_t partials, uintptr_t sq_out, uintptr_t stream);
-
-// Copy the tensors, each cast to `dst_dtype`, one after another into the contiguous buffer at `dst` (the offsets
-// are table[3n+1:4n+1]): what ``torch.cat([t.reshape(-1).to(dst_dtype) for t in tensors])`` gives, in one launch.
-std::string pack_cast(const TensorList& list, DType src_dtype, uintptr_t dst, DType dst_dtype, uintptr_t stream);
-
-// The inverse: slices of the buffer at `src`, each cast to `dst_dtype`, into the tensors of the list (whose
-// offsets are table[3n+1:4n+1]).
-std::string unpack_cast(const TensorList& list, DType dst_dtype, uintptr_t src, DType src_dtype, uintptr_t stream);
 
 }  // namespace varuna::fused

@@ -1,6 +1,6 @@
-"""``varuna_core.pipeline.fused`` without a GPU: the torch twins (the reference the CUDA kernels are compared with
-in tests/gpu/test_kernels.py), the chunk table that tells each CUDA thread block its tensor and elements (checked by
-walking it as the kernel does), and the clear refusals where the kernels are not built."""
+"""``varuna_core.pipeline.fused`` without a GPU: the torch twin (the reference the CUDA kernel is compared with in
+tests/gpu/test_kernels.py), the chunk table that tells each CUDA thread block its tensor and elements (checked by
+walking it as the kernel does), and the clear refusal where the kernel is not built."""
 
 from __future__ import annotations
 
@@ -27,20 +27,6 @@ def test_the_grad_pass_twin_unscales_flags_and_norms() -> None:
     assert fused.unscale_sq_norms_torch([], None, found).shape == (0,)
 
 
-def test_pack_twin_round_trips_with_a_cast() -> None:
-    tensors = [torch.arange(6.0).view(2, 3), torch.tensor([7.5]), torch.zeros(0, 4)]
-    buffer = fused.pack_torch(tensors, torch.bfloat16)
-    assert buffer.dtype == torch.bfloat16 and buffer.tolist() == [0, 1, 2, 3, 4, 5, 7.5]
-    back = [torch.empty_like(t) for t in tensors]
-    fused.unpack_torch(buffer, back)
-    assert all(torch.equal(a, b) for a, b in zip(back, tensors, strict=True))
-    with pytest.raises(ValueError, match="nothing to pack"):
-        fused.pack_torch([], torch.float32)
-    with pytest.raises(ValueError, match="does not hold"):
-        fused.unpack_torch(torch.zeros(8), back)
-    assert torch.equal(fused.pack(tensors, torch.float16), fused.pack_torch(tensors, torch.float16))
-
-
 def _walk(table: torch.Tensor, n: int, chunks: int, chunk: int) -> list[list[tuple[int, int]]]:
     """The element ranges each tensor's chunks cover, found as ``csrc/fused.cu`` finds them (the largest i < n
     with first[i] <= block)."""
@@ -65,14 +51,14 @@ def test_the_chunk_table_covers_every_element_once(sizes, monkeypatch) -> None:
     monkeypatch.setattr(fused, "_require", lambda: Native)
     fused._TABLES.clear()
     tensors = [torch.zeros(n) for n in sizes]
-    table, chunks = fused._table(tensors, torch.device("cpu"), torch.float32, offsets=True)
+    table, chunks = fused._table(tensors, torch.device("cpu"), torch.float32)
     n = len(sizes)
     rows = table.tolist()
+    assert len(rows) == 3 * n + 1
     assert rows[:n] == [t.data_ptr() for t in tensors] and rows[n:2 * n] == sizes
-    assert rows[3 * n + 1:] == [sum(sizes[:i]) for i in range(n)]  # each tensor's place in a packed buffer
     for size, ranges in zip(sizes, _walk(table, n, chunks, chunk), strict=True):
         assert [e for lo, hi in ranges for e in range(lo, hi)] == list(range(size))
-    again, _ = fused._table(tensors, torch.device("cpu"), torch.float32, offsets=True)
+    again, _ = fused._table(tensors, torch.device("cpu"), torch.float32)
     assert again is table  # cached by the addresses and sizes it encodes
     fused._TABLES.clear()
 
@@ -85,7 +71,7 @@ def test_the_table_cache_is_bounded(monkeypatch) -> None:
     fused._TABLES.clear()
     keep = [torch.zeros(i + 1) for i in range(fused._MAX_TABLES + 10)]
     for t in keep:
-        fused._table([t], torch.device("cpu"), torch.float32, offsets=False)
+        fused._table([t], torch.device("cpu"), torch.float32)
     assert len(fused._TABLES) == fused._MAX_TABLES
     fused._TABLES.clear()
 
@@ -95,10 +81,8 @@ def test_without_the_kernels_the_twins_run_and_the_kernels_refuse(monkeypatch) -
     grads = [torch.ones(3)]
     assert not fused.fused_grad_pass(grads)
     assert fused.unscale_sq_norms(grads, None, torch.zeros(1)).tolist() == pytest.approx([3.0], rel=1e-6)
-    for call in (lambda: fused.unscale_sq_norms_cuda(grads, None, torch.zeros(1)),
-                 lambda: fused.pack_cuda(grads, torch.float32), lambda: fused.unpack_cuda(grads[0], grads)):
-        with pytest.raises(RuntimeError, match="built without its CUDA kernels"):
-            call()
+    with pytest.raises(RuntimeError, match="built without its CUDA kernels"):
+        fused.unscale_sq_norms_cuda(grads, None, torch.zeros(1))
 
 
 def test_cpu_tensors_never_take_the_kernel_path() -> None:
@@ -115,4 +99,24 @@ def test_the_extension_says_whether_it_has_cuda_kernels() -> None:
     from varuna_core import _native as native
 
     assert isinstance(native.CUDA, bool)
-    assert native.CUDA == hasattr(native, "unscale_sq_norms") == hasattr(native, "pack_cast")
+    assert native.CUDA == hasattr(native, "unscale_sq_norms") == hasattr(native, "FUSED_CHUNK")
+
+
+def test_the_bound_kernel_checks_its_counts_and_fails_cleanly_without_a_gpu() -> None:
+    """Where the extension was built with nvcc (this holds on a machine with a CUDA toolkit and no GPU): bad counts
+    and type codes are refused before any launch, and a launch without a driver is a RuntimeError, not a crash."""
+    from varuna_core import _native as native
+
+    if not native.CUDA:
+        assert not hasattr(native, "unscale_sq_norms")
+        return
+    with pytest.raises(ValueError, match="out of range"):
+        native.unscale_sq_norms(8, -1, 0, 0, 0, 8, 8, 8, 0)
+    with pytest.raises(ValueError, match="must be 0, 1 or 2"):
+        native.unscale_sq_norms(8, 1, 1, 3, 0, 8, 8, 8, 0)
+    with pytest.raises(ValueError, match="null"):
+        native.unscale_sq_norms(0, 1, 1, 0, 0, 8, 8, 8, 0)
+    native.unscale_sq_norms(0, 0, 0, 0, 0, 0, 0, 0, 0)  # an empty list launches nothing
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="unscale_sq_norms failed: cuda"):
+            native.unscale_sq_norms(8, 1, 1, 0, 0, 8, 8, 8, 0)

@@ -1,18 +1,16 @@
-"""The CUDA kernels of ``varuna_core._native`` (``csrc/fused.cu``) and their torch twins.
+"""The CUDA kernel of ``varuna_core._native`` (``csrc/fused.cu``) and its torch twin: one pass over a stage's
+gradients for the step's end.
 
-Two operations of the step's GPU path, each with a torch twin that is the reference (and the path on the CPU,
-without the kernels, or under ``VARUNA_NO_NATIVE=1``):
+:func:`unscale_sq_norms` unscales the gradients in place (fp16 loss scaling), flags non-finite values and returns
+every tensor's squared norm (for global clipping and the reported norm) in one pass, where torch needs two
+(``torch._amp_foreach_non_finite_check_and_unscale_`` then ``torch._foreach_norm``). The unscaled values and the
+flag are bit for bit torch's; the squared norms are summed in another order (float within 8192 elements, then
+double), so they equal the twin's within a float sum's rounding, and are reproducible run to run and independent
+of the other tensors in the list.
 
-- :func:`unscale_sq_norms`: one pass over a stage's gradients that unscales them in place (fp16 loss scaling),
-  flags non-finite values and returns every tensor's squared norm, where torch needs two passes
-  (``torch._amp_foreach_non_finite_check_and_unscale_`` then ``torch._foreach_norm``). The unscaled values and the
-  flag are bit for bit torch's; the squared norms are summed in another order (float within 8192 elements, then
-  double), so they equal the twin's within a float sum's rounding, and are reproducible run to run.
-- :func:`pack` / :func:`unpack`: several tensors cast into one 1-D buffer and back, as
-  ``torch.cat([t.reshape(-1).to(dtype) ...])`` does, in one launch.
-
-Whether a kernel is used is measured, not assumed: ``benchmarks/cuda_kernels.py`` times each against its twin
-on the GPU, and only the ones that won are used by the step (see :data:`USE_FUSED_GRAD_PASS`).
+The twin is the reference, and the path on the CPU, without the kernel, or under ``VARUNA_NO_NATIVE=1``. The
+kernel is used because it was measured faster (``benchmarks/cuda_kernels.py``; ``csrc/README.md`` has the numbers,
+and those of a pack/cast kernel that was not faster than torch's and was dropped).
 """
 
 from __future__ import annotations
@@ -25,17 +23,11 @@ import torch
 
 from ..env import NO_NATIVE, flag
 
-__all__ = ["cuda_kernels", "unscale_sq_norms", "unscale_sq_norms_torch", "unscale_sq_norms_cuda", "pack",
-           "pack_torch", "pack_cuda", "unpack", "unpack_torch", "unpack_cuda", "fused_grad_pass",
-           "USE_FUSED_GRAD_PASS"]
+__all__ = ["cuda_kernels", "unscale_sq_norms", "unscale_sq_norms_torch", "unscale_sq_norms_cuda", "fused_grad_pass"]
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
 _MAX_TABLES = 32
-
-# The step uses the fused gradient pass on CUDA when the extension has it (see benchmarks/README.md's
-# "CUDA kernels" for the measurement that decided this).
-USE_FUSED_GRAD_PASS = True
 
 
 def cuda_kernels() -> Any | None:
@@ -53,7 +45,7 @@ def cuda_kernels() -> Any | None:
 def fused_grad_pass(grads: Sequence[torch.Tensor]) -> bool:
     """Whether the step's gradient pass over ``grads`` runs the CUDA kernel: all on a CUDA device, of a type
     the kernel reads, contiguous, and the kernel built."""
-    return (USE_FUSED_GRAD_PASS and bool(grads) and all(g.is_cuda and g.dtype in _DTYPE_CODE and g.is_contiguous()
+    return (bool(grads) and all(g.is_cuda and g.dtype in _DTYPE_CODE and g.is_contiguous()
                                                          for g in grads)
             and cuda_kernels() is not None)
 
@@ -103,7 +95,7 @@ def unscale_sq_norms_cuda(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor
         _check_tensors(group, device, dtype)
         if (inv_scale is not None and inv_scale.device != device) or found_inf.device != device:
             raise ValueError(f"inv_scale and found_inf must be on {device}, with the gradients")
-        table, chunks = _table(group, device, dtype, offsets=False)
+        table, chunks = _table(group, device, dtype)
         partials = torch.empty(chunks, dtype=torch.float32, device=device)
         sq = torch.empty(len(group), dtype=torch.float64, device=device)
         native.unscale_sq_norms(table.data_ptr(), len(group), chunks, _DTYPE_CODE[dtype],
@@ -123,80 +115,7 @@ def unscale_sq_norms(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor | No
     return unscale_sq_norms_torch(grads, inv_scale, found_inf)
 
 
-# --- several tensors in one buffer --------------------------------------------------------------------------------
-
-def pack_torch(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The twin: ``tensors`` flattened, cast to ``dtype`` and concatenated (a 1-D tensor on their device)."""
-    if not tensors:
-        raise ValueError("nothing to pack")
-    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
-
-
-def unpack_torch(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """The twin: consecutive slices of ``buffer`` copied, cast, into ``tensors``."""
-    at = 0
-    for t in tensors:
-        t.copy_(buffer[at:at + t.numel()].view(t.shape))
-        at += t.numel()
-    if at != buffer.numel():
-        raise ValueError(f"a buffer of {buffer.numel()} elements does not hold tensors of {at} in all")
-
-
-def pack_cuda(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The CUDA kernel: :func:`pack_torch` in one launch (the tensors of one device and one type)."""
-    native = _require()
-    if not tensors:
-        raise ValueError("nothing to pack")
-    device, src = tensors[0].device, tensors[0].dtype
-    _check_tensors(tensors, device, src)
-    _check_dtype(dtype)
-    table, chunks = _table(tensors, device, src, offsets=True)
-    out = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
-    native.pack_cast(table.data_ptr(), len(tensors), chunks, _DTYPE_CODE[src], out.data_ptr(), _DTYPE_CODE[dtype],
-                     torch.cuda.current_stream(device).cuda_stream)
-    return out
-
-
-def unpack_cuda(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """The CUDA kernel: :func:`unpack_torch` in one launch."""
-    native = _require()
-    if not tensors:
-        raise ValueError("nothing to unpack into")
-    device, dst = tensors[0].device, tensors[0].dtype
-    _check_tensors(tensors, device, dst)
-    _check_tensors([buffer], device, buffer.dtype)
-    total = sum(t.numel() for t in tensors)
-    if buffer.dim() != 1 or buffer.numel() != total:
-        raise ValueError(f"a buffer of shape {list(buffer.shape)} does not hold tensors of {total} elements")
-    table, chunks = _table(tensors, device, dst, offsets=True)
-    native.unpack_cast(table.data_ptr(), len(tensors), chunks, _DTYPE_CODE[dst], buffer.data_ptr(),
-                       _DTYPE_CODE[buffer.dtype], torch.cuda.current_stream(device).cuda_stream)
-
-
-def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """:func:`pack_cuda` where the kernels apply, else :func:`pack_torch`."""
-    if dtype in _DTYPE_CODE and _kernels_apply(tensors, [tensors[0].dtype] if tensors else []):
-        return pack_cuda(tensors, dtype)
-    return pack_torch(tensors, dtype)
-
-
-def unpack(buffer: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """:func:`unpack_cuda` where the kernels apply, else :func:`unpack_torch`."""
-    if buffer.dim() == 1 and _kernels_apply([*tensors, buffer], [tensors[0].dtype, buffer.dtype] if tensors else []):
-        unpack_cuda(buffer, tensors)
-    else:
-        unpack_torch(buffer, tensors)
-
-
 # --- shared checks and the chunk table ----------------------------------------------------------------------------
-
-def _kernels_apply(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> bool:
-    """All of ``tensors`` on one CUDA device, contiguous, of the ``dtypes`` the call allows (the kernels' types),
-    and the kernels built."""
-    return (bool(tensors) and tensors[0].is_cuda and len({t.device for t in tensors}) == 1
-            and all(t.dtype in dtypes and t.dtype in _DTYPE_CODE and t.is_contiguous() for t in tensors)
-            and cuda_kernels() is not None)
-
 
 def _require() -> Any:
     native = cuda_kernels()
@@ -229,12 +148,11 @@ def _check_tensors(tensors: Sequence[torch.Tensor], device: torch.device, dtype:
             raise ValueError(f"a non-contiguous tensor of shape {list(t.shape)}: the kernels read memory in order")
 
 
-def _table(tensors: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype, *,
-           offsets: bool) -> tuple[torch.Tensor, int]:
-    """The chunk table of ``csrc/fused.hpp`` on ``device`` (int64: addresses, sizes, first chunks, and with
-    ``offsets`` each tensor's place in a packed buffer) and the number of chunks. Cached by the addresses and
-    sizes it encodes (a gradient buffer's views keep theirs for the whole run), so a hit is always right."""
-    key = (device, dtype, offsets, tuple((t.data_ptr(), t.numel()) for t in tensors))
+def _table(tensors: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The chunk table of ``csrc/fused.hpp`` on ``device`` (int64: addresses, sizes, first chunks) and the number
+    of chunks. Cached by the addresses and sizes it encodes (a gradient buffer's views keep theirs for the whole
+    run), so a hit is always right."""
+    key = (device, dtype, tuple((t.data_ptr(), t.numel()) for t in tensors))
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
@@ -245,11 +163,6 @@ def _table(tensors: Sequence[torch.Tensor], device: torch.device, dtype: torch.d
     for n in numels:
         first.append(first[-1] + -(-n // chunk))
     rows = [t.data_ptr() for t in tensors] + numels + first
-    if offsets:
-        at = 0
-        for n in numels:
-            rows.append(at)
-            at += n
     entry = (torch.tensor(rows, dtype=torch.int64).to(device), first[-1])
     _TABLES[key] = entry
     if len(_TABLES) > _MAX_TABLES:
