@@ -107,6 +107,9 @@ PLAN_CASES = [
     (["--gpu-memory", "nan"], "cannot read 'nan' as a size"),
     (["--gpu-memory", "1e400"], "is not between 0 and"),
     (["--gpu-memory", "0"], "--gpu-memory must be ≥ 1, got 0"),
+    (["--host-memory", "lots"], "cannot read 'lots' as a size"),
+    (["--host-memory", "-1GiB"], "cannot read '-1GiB' as a size"),
+    (["--host-memory", "0"], "--host-memory must be ≥ 1, got 0"),
     (["--schedule", "bogus"], "unknown schedule 'bogus'"),
     (["--schedule", ","], "--schedule names no schedule"),
     (["--no-such-option"], "No such option"),
@@ -121,6 +124,21 @@ def test_plan_options(capsys, files, extra, needle) -> None:
                               "-o", out_path, *extra)  # the last value of an option given twice wins
     assert_one_error(code, err, needle=needle)
     assert not out_path.exists()
+
+
+def test_plan_says_when_snapshots_would_not_fit_a_node(capsys, files) -> None:
+    """The snapshots' footprint is printed; a node too small for it gets one warning line, and the plan is still
+    written (snapshots are skipped at run time, not required)."""
+    out_path = files["dir_path"] / "snap.yaml"
+    base = ["plan", files["profile.json"], "--gpus", "4", "--batch-size", "16", "-o", out_path]
+    code, out, err = run_main(capsys, *base)
+    assert code == 0 and "in-memory snapshots" in out and "warning" not in err
+    code, out, err = run_main(capsys, *base, "--host-memory", "1KiB")
+    assert code == 0 and out_path.exists()
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "in-memory snapshots need" in warnings[0] and "Traceback" not in err
+    code, _, err = run_main(capsys, *base, "--host-memory", "1TiB")
+    assert code == 0 and "warning" not in err
 
 
 @pytest.mark.parametrize(("profile", "needle"), [

@@ -16,7 +16,15 @@ from tests.profiles import make_profile
 from varuna_core.errors import ConfigError
 from varuna_core.ir.topology import Topology
 from varuna_core.planning.artifacts import Plan, load_plan, load_profile
-from varuna_core.planning.planner import PlanInfeasible, PlanRequest, _Prefix, _Seg, make_plan, partition_under_memory
+from varuna_core.planning.planner import (
+    PlanInfeasible,
+    PlanRequest,
+    _Prefix,
+    _Seg,
+    make_plan,
+    partition_under_memory,
+    snapshot_bytes_per_node,
+)
 from varuna_core.util.versioned_io import save_artifact, schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,6 +131,28 @@ def test_plan_is_consistent_and_balanced() -> None:
     assert all(alt.step_time >= plan.prediction.step_time for alt in plan.alternatives)
     assert all(alt.reason for alt in plan.alternatives)
     assert sum(len(n) for n in plan.nodes) == plan.pp * plan.dp
+
+
+@pytest.mark.parametrize(("nodes", "pp", "want"), [
+    ([[0, 1, 2, 3]], 4, 1 + 2 + 4 + 8),  # one node keeps no copy
+    ([[0], [1], [2], [3]], 4, 8 + 4),  # each node its stage and the one before's: the largest pair
+    ([[0, 1], [2, 3]], 2, 1 + 2),  # dp=2: the node before runs the same stages, nothing more to hold
+    ([[0, 1], [2, 3]], 4, 1 + 2 + 4 + 8),  # pp=4 over two nodes: each holds the other's half too
+    ([[0, 1, 2], [3, 4, 5]], 2, 1 + 2),  # a replica straddles the nodes: both stages on both anyway
+])
+def test_snapshot_memory_per_node(nodes, pp, want) -> None:
+    assert snapshot_bytes_per_node([1, 2, 4, 8][:pp], nodes, pp) == want
+
+
+def test_the_plan_accounts_for_the_snapshots_host_memory() -> None:
+    prof = make_profile([0.001, 0.004, 0.004, 0.004, 0.004, 0.002])
+    plan = make_plan(prof, PlanRequest(gpus=4, batch_size=64, gpus_per_node=1, schedules=("1f1b",)))
+    for stage in plan.stages:
+        a, b = stage.segments
+        assert stage.state_bytes == sum(s.param_bytes + s.optimizer_bytes for s in prof.segments[a:b]) > 0
+    per_stage = [st.state_bytes for st in plan.stages]
+    assert plan.snapshot_bytes_per_node == snapshot_bytes_per_node(per_stage, plan.nodes, plan.pp)
+    assert max(per_stage) <= plan.snapshot_bytes_per_node <= 2 * max(per_stage) * plan.dp
 
 
 def test_memory_limit_forces_deeper_pipelines() -> None:

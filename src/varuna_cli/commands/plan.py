@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from varuna_core.ir.schedule import ScheduleName
 
 OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--gpus-per-node",
-           "gpu_memory": "--gpu-memory", "schedules": "--schedule", "headroom": "--headroom", "top": "--top"}
+           "gpu_memory": "--gpu-memory", "schedules": "--schedule", "headroom": "--headroom", "top": "--top",
+           "host_memory": "--host-memory"}
 
 
 def plan(
@@ -28,6 +29,8 @@ def plan(
         "--gpus-per-node", help="Devices per node (default: all on one node).")] = None,
     gpu_memory: Annotated[str | None, typer.Option(
         "--gpu-memory", help="Memory per device, e.g. 80GiB (default: unlimited).")] = None,
+    host_memory: Annotated[str | None, typer.Option(
+        "--host-memory", help="Memory per node, e.g. 512GiB: says whether in-memory snapshots fit.")] = None,
     schedule: Annotated[str | None, typer.Option(
         "--schedule", help="Schedules to consider, comma-separated (default: varuna,1f1b,gpipe).")] = None,
     top: Annotated[int, typer.Option("--top", help="Alternatives to show and keep in the plan.")] = 5,
@@ -56,6 +59,9 @@ def plan(
 
     gpus, gpus_per_node = _devices(gpus, gpus_per_node, slurm)
     memory = parse_bytes(gpu_memory) if gpu_memory is not None else None
+    node_memory = parse_bytes(host_memory) if host_memory is not None else None
+    if node_memory is not None and node_memory < 1:
+        raise ConfigError(f"--host-memory must be ≥ 1, got {node_memory}", hint="give a node's memory, e.g. 512GiB")
     with named_as_options(OPTIONS):  # the request checks its numbers and names; the errors name our options
         req = PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=gpus_per_node, gpu_memory=memory,
                           schedules=_schedules(schedule), top=top, headroom=headroom)
@@ -75,11 +81,31 @@ def plan(
     err = Console(stderr=True)
     for note in result.assumptions:
         err.print(Text(f"note: {printable(note)}", style="dim"))
+    problem = snapshot_problem(result.snapshot_bytes_per_node, node_memory)
+    if problem:
+        err.print(Text(f"warning: {problem}", style="yellow"))
     if as_json:
         typer.echo(result.model_dump_json(indent=2))
         return
     _table(result)
     err.print(f"searched in {elapsed:.2f} s; wrote {printable(output)}", markup=False, highlight=False)
+
+
+def snapshot_problem(need: int, node_memory: int | None) -> str | None:
+    """Why the in-memory snapshots of a plan would not fit a node of ``node_memory`` bytes (None: they fit, or
+    no memory was given). A snapshot leaves ``MIN_FREE`` of the host's memory free, as the workers check."""
+    from varuna_core.ir.units import format_bytes
+    from varuna_core.worker.snapshots import MIN_FREE
+
+    if node_memory is None or not need:
+        return None
+    room = int(node_memory * (1 - MIN_FREE))
+    if need <= room:
+        return None
+    return (f"in-memory snapshots need {format_bytes(need)} on a node, more than the {format_bytes(room)} a node of "
+            f"{format_bytes(node_memory)} gives them ({MIN_FREE:.0%} stays free): `varuna launch --morph` would skip "
+            "them, and a host lost without notice would cost the steps since the last checkpoint (use more nodes "
+            "or larger ones; --snapshot-every 0 turns snapshots off)")
 
 
 def _devices(gpus: int | None, gpus_per_node: int | None, slurm: bool) -> tuple[int, int | None]:
@@ -143,6 +169,9 @@ def _table(result) -> None:
     out.print(f"partition (segments per stage): {stages}; stage_to_rank_map {result.stage_to_rank_map!r}",
               markup=False)
     _print_skips(out, result)
+    if result.snapshot_bytes_per_node:
+        out.print(f"in-memory snapshots (`varuna launch --morph`): {format_bytes(result.snapshot_bytes_per_node)} of "
+                  "host memory on the fullest node", markup=False)
     if result.alternatives:
         out.print(f"why this plan: {printable(_why(result))}", markup=False)
 

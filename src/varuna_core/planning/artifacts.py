@@ -308,6 +308,8 @@ class StagePlan(CheckedModel):
     busy: Seconds = Field(description="simulated compute time in one step (s)")
     memory_bytes: Bytes = Field(description="predicted peak memory per device, headroom included")
     held_microbatches: Index = Field(description="micro-batches whose state the stage holds at once")
+    state_bytes: Bytes = Field(0, description="what a checkpoint or an in-memory snapshot of the stage holds: "
+                               "its parameters and their optimizer state")
 
 
 Fraction = Annotated[float, Strict(), Field(ge=-BUBBLE_ROUNDING, le=1)]
@@ -373,6 +375,10 @@ class Plan(CheckedModel):
     profile_path: str | None = Field(None, description="the profile the plan was made from (absolute path): "
                                      "`varuna launch --morph` plans again from it when the device count changes")
     prediction: Prediction | None = Field(description="the simulated step (None: a layout given by hand)")
+    snapshot_bytes_per_node: Bytes = Field(
+        0, description="host memory the in-memory snapshots of `varuna launch --snapshot-every` take on the fullest "
+                       "node: the state of the stages its ranks run and of the stages of the node before it, whose "
+                       "copy it keeps (nodes in a ring; one node keeps no copy). 0: a layout given by hand")
     stages: list[StagePlan] = Field(default_factory=list, description="per stage (empty for a layout given by "
                                     "hand)")
     alternatives: list[Candidate] = Field(default_factory=list)

@@ -50,6 +50,7 @@ from .memory import stage_bytes
 from .simulate import StageCosts, inflight_counts, simulate_generated
 
 __all__ = ["PlanRequest", "make_plan", "plan_for", "layout_plan", "partition_under_memory", "PlanInfeasible",
+           "snapshot_bytes_per_node",
            "MAX_TOP", "MAX_CONCURRENT_SENDS"]
 
 MAX_TOP = 100  # alternatives a plan keeps
@@ -661,6 +662,18 @@ def layout_plan(*, pp: int, dp: int, microbatch_size: int, batch_size: int, gpus
                           f"{error['msg'].removeprefix('Value error, ')}") from None
 
 
+def snapshot_bytes_per_node(state_bytes: list[int], nodes: list[list[int]], pp: int) -> int:
+    """Host memory the in-memory snapshots take on the fullest node (``varuna_core.worker.snapshots``): a node holds
+    the state of every stage its ranks run once (replicas on one node share a copy; under data parallelism a
+    publish also keeps a copy of the files a stage's other replicas wrote) and a copy of what the node before it in
+    the ring holds and it lacks. Rank ``r`` runs stage ``r % pp`` (the clustered layout: a replica's stages on
+    consecutive ranks)."""
+    stages = [{rank % pp for rank in node} for node in nodes]
+    if len(stages) == 1:
+        return sum(state_bytes[s] for s in stages[0])
+    return max(sum(state_bytes[s] for s in here | stages[i - 1]) for i, here in enumerate(stages))
+
+
 def _nodes(world: int, per_node: int) -> list[list[int]]:
     """Ranks ``0..world-1`` on nodes of ``per_node`` devices, consecutively (a replica's stages stay together)."""
     return [list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)]
@@ -677,7 +690,8 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
                   activation_bytes=round(segs[b - 1].output_bytes) if b < len(segs) else 0,
                   skip_bytes=round(segs[b - 1].skip_bytes) if b < len(segs) else 0,
                   allreduce=c.allreduce - best.optimizer[s], optimizer=best.optimizer[s],
-                  busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0])
+                  busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0],
+                  state_bytes=sum(seg.param_bytes + seg.optimizer_bytes for seg in profile.segments[a:b]))
         for s, ((a, b), c) in enumerate(zip(best.partition.ranges, best.costs, strict=True))
     ]
 
@@ -695,6 +709,7 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
         prediction=Prediction(step_time=best.step, samples_per_second=req.batch_size / best.step,
                               bubble_fraction=best.bubble, pipeline_time=best.pipeline,
                               allreduce_time=best.allreduce),
+        snapshot_bytes_per_node=snapshot_bytes_per_node([st.state_bytes for st in stages], nodes, best.pp),
         stages=stages,
         alternatives=[candidate(c, _reason(c, best)) for c in others],
         assumptions=sorted(assumptions),
