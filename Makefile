@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-gpu bench-kernels clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-gpu bench-kernels clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -112,6 +112,9 @@ bench-snapshot: setup ## what in-memory snapshots cost the training: off, every 
 # Every kind of fault injected into one `varuna launch --morph` run over SSH at seeded random steps; the losses and final parameters compared with an uninterrupted run (needs root for network namespaces; see benchmarks/README.md).
 bench-chaos: setup ## inject crashes, lost hosts, hangs, preemptions and a corrupt checkpoint into one run; compare with an uninterrupted run
 	OMP_NUM_THREADS=1 $(PY) benchmarks/chaos.py $(BENCH_ARGS)
+
+bench-goodput: setup ## useful steps in a window under a seeded preemption trace: restart vs handover + snapshots
+	OMP_NUM_THREADS=1 $(PY) benchmarks/goodput.py $(BENCH_ARGS)
 
 # Step time, tokens/s and MFU on one GPU of ours (Varuna at pp=1 in one process) vs plain PyTorch, the example GPT and a
 # 1.2B GPT built on meta, and the profile's predicted step time vs the measured one (see benchmarks/README.md).

@@ -12,7 +12,16 @@ import pytest
 from varuna_core.env import WorkerEnv
 from varuna_core.errors import ConfigError, HandoverError, ShelfFullError
 from varuna_core.launch.shelf import Shelf
-from varuna_core.worker.snapshots import AUTO, FIRST_AUTO, MAX_EVERY, Snapshots, every_for, ring_source, step_of
+from varuna_core.worker.snapshots import (
+    AUTO,
+    FIRST_AUTO,
+    MAX_EVERY,
+    WARM_RETAKE,
+    Snapshots,
+    every_for,
+    ring_source,
+    step_of,
+)
 
 
 def test_the_automatic_interval_keeps_snapshots_within_two_percent_of_the_training_time() -> None:
@@ -49,6 +58,30 @@ def test_the_automatic_interval_starts_past_the_first_steps_and_then_follows_the
     resumed = _snapshots(AUTO)
     resumed.last = 700  # resumed at step 700: the first snapshot right after the first step there
     assert not resumed.due(700) and resumed.due(701)
+
+
+def test_a_process_snapshots_again_soon_after_its_first_whose_cost_is_not_the_steady_one(tmp_path) -> None:
+    """The first snapshot of a process costs what later ones do not (first use, first connection): 1.7 s against
+    0.1 s on the example GPT. Its interval would leave a thousand steps unprotected; the second comes within
+    WARM_RETAKE steps, and its cost sets the interval from then on, alike on every rank."""
+    costs = iter([1.7, 0.05, 0.05])
+
+    def publish(reserve, copies):
+        return {}
+
+    def gather(obj):
+        if isinstance(obj, tuple) and len(obj) == 3:  # (problem, seconds, step time): the slowest rank's cost
+            return [(None, next(costs), 0.05)]
+        return [obj]
+
+    snaps = _snapshots(AUTO, publish=publish, gather=gather, shelf=Shelf("j-1", root=tmp_path))
+    first = snaps.take(FIRST_AUTO, step_time=0.05)
+    assert first is not None and first.every == WARM_RETAKE < every_for(1.7, 0.05)
+    assert snaps.next == FIRST_AUTO + WARM_RETAKE
+    second = snaps.take(snaps.next, step_time=0.05)
+    assert second is not None and second.every == every_for(0.05, 0.05) == 50
+    third = snaps.take(snaps.next, step_time=0.05)
+    assert third is not None and third.every == 50
 
 
 def test_each_host_keeps_the_copy_of_the_host_before_it_in_rank_order() -> None:

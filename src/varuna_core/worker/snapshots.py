@@ -76,6 +76,12 @@ OVERHEAD = 0.02  # the share of training time the automatic choice allows snapsh
 FIRST_AUTO = 3  # the step of the first automatic snapshot (the first steps are slower: not a step time to go by)
 MAX_EVERY = 10_000  # the automatic choice's longest interval
 RETRY = 50  # under AUTO, steps to the next try after a snapshot that failed (doubled while they keep failing)
+# Under AUTO, the longest wait after a process's first snapshot. That one pays once for what later ones do not
+# (the checkpoint code's first use, the first connection to the next host's shelf server, memory touched for the
+# first time): 1.6-1.9 s where the next ones take 0.1 s on the example GPT over two test hosts. An interval chosen
+# from it left 1,000-1,500 steps unprotected (benchmarks/goodput.py found it: a host lost then cost every one of
+# them); the second snapshot comes this soon instead, and its cost sets the interval.
+WARM_RETAKE = 10
 MIN_FREE = 0.10  # the share of the host's memory a snapshot leaves free (tmpfs pages cannot be reclaimed)
 
 
@@ -129,6 +135,7 @@ class Snapshots:
         self.failed = False  # a snapshot failed: said once, then quietly retried at the next one
         self.failures = 0  # snapshots that failed in a row (under AUTO, the next try is further away each time)
         self.memory: Callable[[], tuple[int, int] | None] = host_memory  # (available, total) of this host
+        self.taken = 0  # whole snapshots this process took (the same on every rank)
 
     def due(self, iteration: int) -> bool:
         if iteration <= 0 or iteration == self.last:
@@ -174,7 +181,10 @@ class Snapshots:
         if every is AUTO:
             times = sorted(t for _, _, t in gathered if t)
             every = every_for(max(sec for _, sec, _ in gathered), times[len(times) // 2] if times else None)
+            if not self.taken:  # the first one's cost is not the steady one's: measure again soon
+                every = min(every, WARM_RETAKE)
         self.next, self.failures = iteration + every, 0
+        self.taken += 1
         report = SnapshotReport(iteration, time.perf_counter() - started, copied, own + copied, peer, every)
         if announce is not None:
             announce(report)
