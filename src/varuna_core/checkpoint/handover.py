@@ -55,7 +55,7 @@ from ..ir.topology import Topology
 from ..util.checks import integer
 from ..util.fs import atomic_write
 from ..util.text import printable
-from .io import FileSink
+from .io import FileSink, bounce_buffers
 from .layout import COMPLETE_FILE, MANIFEST_FILE, RUN_FILE, read_manifest, step_dir
 from .saveload import (
     _buffers,
@@ -216,9 +216,10 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
     names: list[str] = []
     try:
         with reserve(sum(t[3] for t in todo) + _SLACK * len(todo)) as space:
+            buffers = bounce_buffers()  # one pair for every copy, written one after another
             for peer, file, chunks, size, sha256 in todo:
                 path = Path(space.directory) / file
-                if _write_like(path, chunks, size, tensors) != sha256:
+                if _write_like(path, chunks, size, tensors, buffers) != sha256:
                     log.warning("rank %d: its copy of rank %d's %s differs from it (replicas out of step?): not "
                                 "kept", state.rank, peer, file)
                     path.unlink(missing_ok=True)
@@ -238,10 +239,10 @@ def _whole(tensor: Any, offsets: list[int], length: int) -> bool:
     return (tensor is not None and not any(offsets) and tensor.numel() * tensor.element_size() == length)
 
 
-def _write_like(path: Path, chunks: list, size: int, tensors: dict[str, Any]) -> str:
+def _write_like(path: Path, chunks: list, size: int, tensors: dict[str, Any], buffers: list[memoryview]) -> str:
     """Write ``size`` bytes at ``path``: each chunk's tensor at its offset, zeros between (as the writer's file
-    holds them); returns their sha256."""
-    sink = FileSink(path, durable=False)
+    holds them), through the bounce ``buffers``; returns their sha256."""
+    sink = FileSink(path, durable=False, buffers=buffers)
     staging: _DeviceStaging | None = None
 
     def pad(to: int) -> None:

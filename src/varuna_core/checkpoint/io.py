@@ -23,6 +23,7 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import mmap
 import os
 import sys
 import threading
@@ -414,10 +415,11 @@ def bounce_buffers() -> list[memoryview]:
 
 
 def _aligned(n: int) -> memoryview:
-    """``n`` writable bytes starting at a 4 KiB boundary (what ``O_DIRECT`` needs)."""
-    raw = bytearray(n + _ALIGN)
-    skip = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % _ALIGN
-    return memoryview(raw)[skip:skip + n]
+    """``n`` writable bytes starting at a page boundary (what ``O_DIRECT`` needs): an anonymous mapping, whose
+    pages the kernel provides as they are first written. (A zero-filled ``bytearray`` touched all of them: 64 MiB
+    per pair of buffers, which cost 50 ms per file where a writer made a pair per small file; the handover's
+    replica copies did, 1.3 s of a 1.5 s snapshot of the example GPT at dp=4.)"""
+    return memoryview(mmap.mmap(-1, n))
 
 
 def _write_all(fd: int, data: memoryview) -> None:
