@@ -216,9 +216,11 @@ def run_path(name: str, cluster, plan: Path, work: Path, trace: list[Event], arg
                 cluster.boot(h)
             except Exception:  # noqa: BLE001 - a host that never went down is up already
                 pass
-    ends = [e for e in launch.events() if e["event"] == "ending"]
+    every = launch.events()
+    ends = [e for e in every if e["event"] == "ending"]
     times = sorted(r["step_time"] for r in reports if r.get("step_time"))
-    return PathResult(name, end_steps, len(events), len(ends), sum(e["kind"] == "crash" for e in ends),
+    return PathResult(name, end_steps, len(events), sum(e["event"] == "starting" for e in every),
+                      sum(e["kind"] == "crash" for e in ends),
                       sum(e["kind"] in ("morph", "checkpointed") for e in ends), training,
                       step_time=times[len(times) // 2] if times else None, problems=problems)
 
