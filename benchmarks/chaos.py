@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -66,7 +65,7 @@ def main() -> int:
                 "and --ckpt-every ≥ 1")
 
     from devtools.chaos import run_chaos
-    from devtools.launching import make_plan, profile_example_gpt
+    from devtools.launching import end_bench, make_plan, profile_example_gpt
     from devtools.testhosts import start_cluster
 
     work = Path(tempfile.mkdtemp(prefix="chaos-bench-"))
@@ -92,12 +91,8 @@ def main() -> int:
                 f"{time.monotonic() - started:.0f}s")
             results.append(result)
     finally:
-        if cluster is not None:
-            cluster.close()
-        if args.keep:
-            shutil.copytree(work, args.keep, dirs_exist_ok=True)
-        shutil.rmtree(work, ignore_errors=True)
-    ok = all(r.exit_code == 0 and r.survived == r.injected == len(r.faults) and r.same_as_its_layouts and
+        end_bench(cluster, work, args.keep)
+        ok = all(r.exit_code == 0 and r.survived == r.injected == len(r.faults) and r.same_as_its_layouts and
              not r.problems for r in results)
     if args.json:
         print(json.dumps({"ok": ok, "rounds": [r.as_dict(TOLERANCE) for r in results]}, indent=2))

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -254,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                        hosts=2)
     log(f"trace (seed {args.seed}): " + "; ".join(f"{e.at}s {e.kind} h{e.host} down {e.down}s" for e in trace))
 
-    from devtools.launching import make_plan, profile_example_gpt
+    from devtools.launching import end_bench, make_plan, profile_example_gpt
     from devtools.testhosts import start_cluster
 
     work = Path(tempfile.mkdtemp(prefix="goodput-bench-"))
@@ -272,12 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             r = results[-1]
             log(f"{name}: step {r.steps} at the window's end, {r.attempts} attempts")
     finally:
-        if cluster is not None:
-            cluster.close()
-        if args.keep:
-            shutil.copytree(work, args.keep, dirs_exist_ok=True)
-        shutil.rmtree(work, ignore_errors=True)
-    clean = next(r for r in results if r.path == "uninterrupted")
+        end_bench(cluster, work, args.keep)
+        clean = next(r for r in results if r.path == "uninterrupted")
     summarize(results, clean.steps, clean.step_time or args.window / max(clean.steps, 1))
     ok = all(r.training_at_end and not r.problems for r in results)
     if args.json:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from devtools.procs import Proc, live_processes
 
-__all__ = ["ROOT", "VARUNA", "Launch", "LaunchFailed", "profile_example_gpt", "make_plan", "read_reports", "read_steps",
-           "read_events", "job_processes", "worker_pid", "agent_pids", "process_environ", "listening_addresses"]
+__all__ = ["ROOT", "VARUNA", "Launch", "LaunchFailed", "profile_example_gpt", "make_plan", "end_bench",
+           "read_reports", "read_steps", "read_events", "job_processes", "worker_pid", "agent_pids", "process_environ",
+           "listening_addresses"]
 
 ROOT = Path(__file__).resolve().parents[1]
 VARUNA = Path(sys.executable).parent / "varuna"
@@ -129,6 +130,18 @@ def make_plan(profile: Path, out: Path, *, pp: int | None = None, dp: int | None
     plan.profile_path = str(profile)
     save_plan(plan, out)
     return out
+
+
+def end_bench(cluster, work: Path, keep: str | None) -> None:
+    """A benchmark's end, whatever happened: its test hosts closed, its work directory copied to ``keep`` (if
+    given) and removed."""
+    import shutil
+
+    if cluster is not None:
+        cluster.close()
+    if keep:
+        shutil.copytree(work, keep, dirs_exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def _jsonl(path: Path) -> list[dict]:
