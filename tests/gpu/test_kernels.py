@@ -14,7 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.common import BATCH, DEVICE, ON_CPU, TOY, assert_equal_to_reference, reference, sgd, state_of, train
+from tests.gpu.common import (
+    BATCH,
+    DEVICE,
+    TOY,
+    assert_equal_to_reference,
+    needs_real_gpu,
+    reference,
+    sgd,
+    state_of,
+    train,
+)
 from tests.reference import Layout
 from varuna_core import Varuna
 from varuna_core.pipeline import fused
@@ -25,8 +35,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 @pytest.fixture(autouse=True)
 def _kernels():
-    if ON_CPU:
-        pytest.skip("VARUNA_GPU_TESTS_ON_CPU=1: the CUDA kernels need a real GPU")
+    needs_real_gpu("the extension's CUDA kernel")
     if fused.cuda_kernels() is None:
         pytest.fail("varuna_core._native has no CUDA kernels: build it where nvcc is found (csrc/README.md)",
                     pytrace=False)

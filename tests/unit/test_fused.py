@@ -80,7 +80,6 @@ def test_without_the_kernels_the_twins_run_and_the_kernels_refuse(monkeypatch) -
     monkeypatch.setattr(fused, "cuda_kernels", lambda: None)
     grads = [torch.ones(3)]
     assert not fused.fused_grad_pass(grads)
-    assert fused.unscale_sq_norms(grads, None, torch.zeros(1)).tolist() == pytest.approx([3.0], rel=1e-6)
     with pytest.raises(RuntimeError, match="built without its CUDA kernels"):
         fused.unscale_sq_norms_cuda(grads, None, torch.zeros(1))
 

@@ -1,7 +1,7 @@
 """The CUDA kernel of ``varuna_core._native`` (``csrc/fused.cu``) and its torch twin: one pass over a stage's
 gradients for the step's end.
 
-:func:`unscale_sq_norms` unscales the gradients in place (fp16 loss scaling), flags non-finite values and returns
+:func:`unscale_sq_norms_cuda` unscales the gradients in place (fp16 loss scaling), flags non-finite values and returns
 every tensor's squared norm (for global clipping and the reported norm) in one pass, where torch needs two
 (``torch._amp_foreach_non_finite_check_and_unscale_`` then ``torch._foreach_norm``). The unscaled values and the
 flag are bit for bit torch's; the squared norms are summed in another order (float within 8192 elements, then
@@ -23,7 +23,7 @@ import torch
 
 from ..env import NO_NATIVE, flag
 
-__all__ = ["cuda_kernels", "unscale_sq_norms", "unscale_sq_norms_torch", "unscale_sq_norms_cuda", "fused_grad_pass"]
+__all__ = ["cuda_kernels", "unscale_sq_norms_torch", "unscale_sq_norms_cuda", "fused_grad_pass"]
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
@@ -105,14 +105,6 @@ def unscale_sq_norms_cuda(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor
             return sq
         out[torch.tensor(idx, device=device)] = sq
     return out
-
-
-def unscale_sq_norms(grads: Sequence[torch.Tensor], inv_scale: torch.Tensor | None,
-                     found_inf: torch.Tensor) -> torch.Tensor:
-    """The kernel where :func:`fused_grad_pass` says so, else the twin."""
-    if fused_grad_pass(grads):
-        return unscale_sq_norms_cuda(grads, inv_scale, found_inf)
-    return unscale_sq_norms_torch(grads, inv_scale, found_inf)
 
 
 # --- shared checks and the chunk table ----------------------------------------------------------------------------
