@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from varuna_core.checkpoint.layout import COMPLETE_FILE, latest, scan, step_dir
+from varuna_core.checkpoint.layout import COMPLETE_FILE, latest, quick_check, scan, step_dir
 from varuna_core.checkpoint.saveload import load, save
 from varuna_core.checkpoint.state import CheckpointState
 from varuna_core.errors import CheckpointError
@@ -90,6 +90,22 @@ def test_latest_filters_runs_completeness_and_refused_steps(tmp_path) -> None:
     assert latest(scan(store), of_runs={"b"}).step == 2  # what scan found, as well as a path
     assert latest(store, of_runs={"c"}) is None
     assert latest(tmp_path / "missing") is None
+
+
+def test_the_quick_check_matches_a_listed_name_whole(tmp_path) -> None:
+    """`$` also matched before a final newline: a manifest listing `__0_0.distcp\n` (present under that name,
+    of its size) passed the check."""
+    from varuna_core.checkpoint.manifest import FileEntry, Manifest
+
+    store = _store(tmp_path, [(1, "a", True)])
+    name = "__0_0.distcp\n"
+    (store / "step_1" / name).write_bytes(b"x")
+    manifest = Manifest(step=1, run_id="a", created="2025-01-01", model="M", structure_hash="h", num_segments=1,
+                        pp=1, dp=1, stage_to_rank_map="0;", partition=[(0, 1)], precision="fp32", iteration=1,
+                        samples_seen=1, seed=0, parameters=[], files=[FileEntry(path=name, bytes=1, sha256="0")])
+    (store / "step_1" / "manifest.json").write_text(manifest.model_dump_json())
+    problem = quick_check(scan(store)[0])
+    assert problem is not None and "not a checkpoint file name" in problem
 
 
 def test_latest_with_the_quick_check_sets_aside_what_fails_once(tmp_path) -> None:

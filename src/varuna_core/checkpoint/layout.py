@@ -31,13 +31,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .manifest import Manifest
 
 __all__ = ["StepDir", "RUN_FILE", "COMPLETE_FILE", "MANIFEST_FILE", "scan", "step_dir", "read_run", "new_run_id",
-           "check_run_id", "latest", "runs", "list_runs", "describe_runs", "read_manifest", "quick_check"]
+           "check_run_id", "latest", "runs", "list_runs", "describe_runs", "read_manifest", "quick_check",
+           "is_checkpoint_file"]
 
 RUN_FILE = "RUN"
 COMPLETE_FILE = "COMPLETE"
 MANIFEST_FILE = "manifest.json"
 MANIFEST_LIMIT = 256 * 2**20  # bytes: a manifest lists files and parameters, never tensor data
-_DATA_RE = re.compile(r"^(__\d+_\d+\.distcp|dcp_metadata\.json)$")
+_DATA_RE = re.compile(r"__[0-9]+_[0-9]+\.distcp|dcp_metadata\.json")  # fullmatch: no newline, ASCII digits
 _STEP_RE = re.compile(r"^step_(\d{1,18})$")
 _RUN_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: a trailing newline is not part of a name
 MAX_RUNS_SHOWN = 5
@@ -52,6 +53,12 @@ class StepDir:
     path: Path
     complete: bool
     run: str | None
+
+
+def is_checkpoint_file(name: object) -> bool:
+    """``name`` is a file a manifest may list: ``dcp_metadata.json`` or ``__<rank>_<i>.distcp``, a plain name in
+    the step directory itself (no ``/``, no ``..``, nothing around it)."""
+    return isinstance(name, str) and _DATA_RE.fullmatch(name) is not None
 
 
 def step_dir(store: str | os.PathLike, step: int) -> Path:
@@ -210,7 +217,7 @@ def quick_check(entry: StepDir) -> str | None:
     if manifest.step != entry.step:
         return f"{entry.path.name}/{MANIFEST_FILE} records step {manifest.step}"
     for item in manifest.files:
-        if not _DATA_RE.match(item.path):
+        if not is_checkpoint_file(item.path):
             return f"{entry.path.name}/{MANIFEST_FILE} lists {item.path!r}, which is not a checkpoint file name"
         try:
             info = os.lstat(entry.path / item.path)
