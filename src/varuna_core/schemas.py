@@ -1,6 +1,6 @@
 """Floor L4 — the JSON Schemas in ``schemas/``, generated from the artifact models (a test keeps the two in
-sync). It sits on top because it names models of two floors: plans and profiles (``planning``) and checkpoint
-manifests (``checkpoint``).
+sync). It sits on top because it names models of two floors: plans and profiles (``planning``), and checkpoint
+manifests and ``PART`` markers (``checkpoint``).
 
 Regenerate after changing a model: ``python -m varuna_core.schemas [DIR]`` (default: the repository's
 ``schemas/``).
@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from .checkpoint.manifest import Manifest
+from .checkpoint.part import PartMarker
 from .planning.artifacts import Plan, Profile
 from .util.versioned_io import schema_text
 
@@ -22,6 +23,7 @@ SCHEMAS: dict[str, type[BaseModel]] = {
     "profile.schema.json": Profile,
     "plan.schema.json": Plan,
     "manifest.schema.json": Manifest,
+    "part.schema.json": PartMarker,
 }
 
 

@@ -28,8 +28,8 @@ FLOORS = {
 }
 # parts that must not import torch at all / at module level (transitively, through varuna_core modules)
 NO_TORCH = ("ir", "util.fs", "util.checks", "errors", "env")
-NO_TORCH_AT_IMPORT = ("ir", "planning", "launch", "checkpoint.layout", "checkpoint.manifest", "util", "errors",
-                      "env")
+NO_TORCH_AT_IMPORT = ("ir", "planning", "launch", "checkpoint.layout", "checkpoint.manifest", "checkpoint.part",
+                      "checkpoint.assemble", "util", "errors", "env")
 # L0 parts that may import only these parts of varuna_core
 L0_ALLOWED = {"errors": {"errors"}, "env": {"errors", "env", "util"}, "util": {"errors", "env", "util"},
               "ir": {"errors", "env", "util", "ir"}}

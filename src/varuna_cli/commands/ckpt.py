@@ -1,4 +1,4 @@
-"""``varuna ckpt list|inspect|verify|merge``: look into checkpoint stores without a cluster.
+"""``varuna ckpt list|inspect|verify|merge|assemble``: look into checkpoint stores without a cluster.
 
 ``DIR`` is a checkpoint store (the latest complete ``step_N`` is used) or one ``DIR/step_N``. Tables go to
 stdout; ``--json`` prints one JSON document instead. ``verify`` exits 1 naming the first problem.
@@ -7,6 +7,9 @@ Everything shown that comes from the checkpoint or its path (names, manifest fie
 :func:`_plain` before it meets Rich: a ``[/]`` in a directory name or a model name is text, not markup (it would
 crash the command), emoji codes are not expanded, and control characters are escaped (a terminal escape in a
 manifest never reaches the terminal). Plain lines (``verify``) pass through ``printable``.
+
+``assemble`` builds one complete checkpoint from the parts the hosts of a job hold in their own directories
+(local, or ``[user@]host:PATH`` over SSH); see :mod:`varuna_core.checkpoint.assemble`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ if TYPE_CHECKING:
 
 app = typer.Typer(
     name="ckpt",
-    help="List, inspect, verify and merge checkpoints (a store DIR, or one DIR/step_N).",
+    help="List, inspect, verify, merge and assemble checkpoints (a store DIR, or one DIR/step_N).",
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
@@ -237,3 +240,54 @@ def merge(
     if rep.optimizer_output:
         out.print(f"wrote {_plain(rep.optimizer_output)}: {rep.optimizer_tensors} tensors, "
                   f"{format_bytes(rep.optimizer_bytes)} (keys <parameter>/<state>)")
+
+
+@app.command("assemble")
+def assemble(
+    sources: Annotated[list[str], typer.Argument(
+        metavar="SOURCE", show_default=False,
+        help="Each host's checkpoint directory: a store (holding step_N/) or one step_N, local or "
+             "\\[user@]host:PATH over SSH.")],
+    out: Annotated[Path, typer.Option("-o", "--out", show_default=False,
+                                      help="The store to write <out>/step_N into (created if missing).")],
+    step: Annotated[int | None, typer.Option("--step", min=0, help="The step to assemble (default: the newest "
+                                                                   "the sources hold every file of).")] = None,
+    run: Annotated[str | None, typer.Option("--run", help="The run (needed when the sources hold several).")] = None,
+    ssh_port: Annotated[int | None, typer.Option("--ssh-port", min=1, max=65535, metavar="P",
+                                                 help="SSH port of the remote sources.")] = None,
+    ssh_identity: Annotated[Path | None, typer.Option("--ssh-identity", metavar="FILE",
+                                                      help="SSH private key for the remote sources.")] = None,
+    as_json: _Json = False,
+) -> None:
+    """Build one complete checkpoint from the parts the hosts hold in their own directories.
+
+    Every file the manifest lists is copied into OUT/step_N from a source that holds it, its sha256 checked.
+    A bad copy is reported and the next source tried; COMPLETE is written last.
+    Any host may be missing as long as the others hold every file; exits 1 naming the files none holds.
+    """
+    from rich.table import Table
+
+    from varuna_core.checkpoint.assemble import SSHOptions
+    from varuna_core.checkpoint.assemble import assemble as assemble_checkpoint
+    from varuna_core.ir.units import format_bytes
+
+    err = _console(stderr=True)
+
+    def warn(warning: str) -> None:  # as found: the warnings of a failed assemble say why; one line each
+        err.print(f"[yellow]warning[/yellow]: {_plain(warning)}", highlight=False, soft_wrap=True)
+
+    ssh = SSHOptions(port=ssh_port, identity=None if ssh_identity is None else str(ssh_identity))
+    rep = assemble_checkpoint(sources, out, step=step, run=run, ssh=ssh, on_warning=warn)
+    if as_json:
+        typer.echo(rep.model_dump_json(indent=2))
+        return
+    console = _console(highlight=False)
+    console.print(f"assembled {_plain(rep.output)}: step {rep.step} of run {_plain(rep.run or '(unrecorded)')}, "
+                  f"{len(rep.files)} files, {format_bytes(rep.bytes)}", soft_wrap=True)
+    table = Table()
+    for col in ("source", "files", "bytes"):
+        table.add_column(col, justify="left" if col == "source" else "right", overflow="fold")
+    for source in rep.sources:
+        files = str(source.files) if source.reachable else "[yellow]unreachable[/yellow]"
+        table.add_row(_plain(source.source), files, format_bytes(source.bytes))
+    console.print(table)

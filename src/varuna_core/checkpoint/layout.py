@@ -10,6 +10,10 @@ Why runs matter: a store reused by a second job must not let the jobs see each o
 own — retention (``keep``) would delete the new job's checkpoints in favour of an old run's higher steps, and a
 restart would resume the old run. So retention, "latest" and the overwrite of a leftover directory consider
 only one run's checkpoints; another run's directories are never touched. Torch-free (the launcher uses it).
+
+A directory that holds only part of a checkpoint (a host's own directory when each host keeps its checkpoints
+on its local disk) has a ``PART`` marker instead of ``COMPLETE`` (:mod:`varuna_core.checkpoint.part`): it is
+never complete, so nothing resumes from it; ``varuna ckpt assemble`` builds the whole checkpoint from such parts.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ from ..util.text import short_repr
 if TYPE_CHECKING:  # pragma: no cover
     from .manifest import Manifest
 
-__all__ = ["StepDir", "RUN_FILE", "COMPLETE_FILE", "MANIFEST_FILE", "scan", "step_dir", "read_run", "new_run_id",
-           "check_run_id", "latest", "runs", "list_runs", "describe_runs", "read_manifest", "quick_check",
-           "is_checkpoint_file"]
+__all__ = ["StepDir", "RUN_FILE", "COMPLETE_FILE", "MANIFEST_FILE", "PART_FILE", "scan", "step_dir", "read_run",
+           "new_run_id", "check_run_id", "latest", "runs", "list_runs", "describe_runs", "read_manifest",
+           "parse_manifest", "quick_check", "is_checkpoint_file"]
 
 RUN_FILE = "RUN"
 COMPLETE_FILE = "COMPLETE"
 MANIFEST_FILE = "manifest.json"
+PART_FILE = "PART"  # instead of COMPLETE: this directory holds part of the checkpoint (varuna_core.checkpoint.part)
 MANIFEST_LIMIT = 256 * 2**20  # bytes: a manifest lists files and parameters, never tensor data
 _DATA_RE = re.compile(r"__[0-9]+_[0-9]+\.distcp|dcp_metadata\.json")  # fullmatch: no newline, ASCII digits
 _STEP_RE = re.compile(r"^step_(\d{1,18})$")
@@ -190,17 +195,26 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     Raises:
         CheckpointError: missing, unreadable, too large, or not a valid manifest.
     """
+    path = Path(directory) / MANIFEST_FILE
+    data = read_regular(path, MANIFEST_LIMIT, what="checkpoint manifest", follow=False, error=CheckpointError)
+    return parse_manifest(data, str(path))
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """The manifest in ``data`` (the bytes of the ``manifest.json`` at ``where``, already bounded), validated.
+
+    Raises:
+        CheckpointError: not a valid manifest; the message names ``where``.
+    """
     from pydantic import ValidationError
 
     from .manifest import Manifest
 
-    path = Path(directory) / MANIFEST_FILE
-    data = read_regular(path, MANIFEST_LIMIT, what="checkpoint manifest", follow=False, error=CheckpointError)
     try:
         return Manifest.model_validate_json(data)
     except (ValidationError, ValueError, RecursionError) as exc:
         lines = str(exc).splitlines()
-        raise CheckpointError(f"{path} is not a valid manifest: {' '.join(x.strip() for x in lines[:3])}",
+        raise CheckpointError(f"{where} is not a valid manifest: {' '.join(x.strip() for x in lines[:3])}",
                               hint="the checkpoint is corrupt or not written by varuna; load another one") from None
 
 
