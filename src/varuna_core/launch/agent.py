@@ -28,7 +28,9 @@ A morph by handover (the spec's ``shelf``): the agent serves its attempt's shelf
 (:class:`~varuna_core.launch.shelf.ShelfServer`, on the address that routes to the master, authenticated with the
 job's token) where its workers publish their state before they exit, and keeps serving it after they exited,
 until the launcher stops it once the next configuration has taken a step; then it clears the shelf. So the
-published state lives in host memory that outlives the workers, owned by a process of the job.
+published state lives in host memory that outlives the workers, owned by a process of the job. With a ``store``
+(``--ckpt-local``: checkpoints on each host's own disk) it also serves that directory's checkpoint files, read
+only (:mod:`varuna_core.launch.local_store`), to ranks that resume from a checkpoint part of which is here.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class Agent:
         """Serve this attempt's shelf to the job's other hosts (on the address that routes to the master); its
         port, or None (an ``error`` event says why once the workers run: a publish then falls back to the
         store)."""
+        from .local_store import StoreFiles
         from .shelf import Shelf, ShelfServer
 
         spec = self.spec
@@ -205,7 +208,8 @@ class Agent:
             self.shelf = Shelf(spec.shelf.key, root=spec.shelf.root, budget=spec.shelf.budget)
             if not token:
                 raise HandoverError("the spec carries no job token")
-            self.shelf_server = ShelfServer(self.shelf, token, host=address or "0.0.0.0")
+            files = StoreFiles(spec.shelf.store).open if spec.shelf.store is not None else None
+            self.shelf_server = ShelfServer(self.shelf, token, host=address or "0.0.0.0", files=files)
         except (HandoverError, OSError) as exc:
             self.shelf_problem = f"no shelf server: {getattr(exc, 'message', None) or exc}"
             return None

@@ -110,6 +110,8 @@ class ShelfSpec(_Strict):
     root: Annotated[str, Field(min_length=1, max_length=4096)]  # a tmpfs directory (default /dev/shm)
     key: Annotated[str, Field(min_length=1, max_length=256)]  # the shelf's name: the job and attempt
     budget: Annotated[int, Field(ge=0)] | None = None  # bytes it may hold on this host (None: the tmpfs's free space)
+    # the checkpoint store on this host's own disk (--ckpt-local), served read only beside the shelf
+    store: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
 
 
 class SpotWatch(_Strict):
@@ -501,7 +503,7 @@ BEAT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "published_bytes": _optional(_count), "t_warm": _optional(_real), "t_taken": _optional(_real),
     "taken_local": _optional(_count), "taken_remote": _optional(_count), "taken_copies": _optional(_count),
     "taken_replica": _optional(_count),
-    "handover_failed": _optional(_text),
+    "handover_failed": _optional(_text), "local_ckpt": _optional(_count),
     "snapshot": _optional(_count), "snapshot_peer": _optional(_boolean), "snapshot_seconds": _optional(_real),
     "snapshot_copied": _optional(_count), "snapshot_failed": _optional(_count), "snapshot_bytes": _optional(_count),
     "snapshot_every": _optional(_count),

@@ -665,17 +665,20 @@ class ShelfServer:
         host, port: the address to listen on (port 0: any free port; :attr:`port` says which).
         timeout: seconds a peer may take to send its request, and to take each chunk of the reply.
         max_connections: connections served at once; more are refused (``busy``).
+        files: ``files(name)``, the entry and the open file of a name under ``ckpt/`` (a host's own checkpoint
+            store, :class:`~varuna_core.launch.local_store.StoreFiles`), served as blobs are; None: no such names.
     """
 
     def __init__(self, shelf: Shelf, token: str, host: str = "127.0.0.1", port: int = 0, *, timeout: float = 30.0,
-                 max_connections: int = 64) -> None:
+                 max_connections: int = 64,
+                 files: Callable[[str], tuple[Entry, BinaryIO]] | None = None) -> None:
         if not token:
             raise HandoverError("a shelf server needs the job's token")
         if not timeout > 0 or max_connections < 1:
             raise HandoverError(f"a shelf server needs timeout > 0 and max_connections >= 1, got {timeout} and "
                                 f"{max_connections}")
         self.shelf, self.timeout, self.max_connections = shelf, timeout, max_connections
-        self._token = token
+        self._token, self._files = token, files
         self._seen: dict[str, float] = {}  # nonce -> when it expires
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -803,13 +806,16 @@ class ShelfServer:
             self.served += 1
         return None
 
-    def _open(self, names: list[str], max_bytes: int) -> tuple[list[Entry], list[io.BufferedReader]]:
+    def _open(self, names: list[str], max_bytes: int) -> tuple[list[Entry], list[BinaryIO]]:
         """The blobs' entries and files; raises HandoverError (a blob not on the shelf) or ValueError."""
         entries: list[Entry] = []
-        files: list[io.BufferedReader] = []
+        files: list[BinaryIO] = []
         try:
             for name in names:
-                entry, stream = self.shelf.open(name)
+                if name.startswith("ckpt/") and self._files is not None:
+                    entry, stream = self._files(name)
+                else:
+                    entry, stream = self.shelf.open(name)
                 entries.append(entry)
                 files.append(stream)
             if sum(e.size for e in entries) > max_bytes:
