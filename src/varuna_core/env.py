@@ -86,6 +86,9 @@ class WorkerEnv:
     ckpt_every: int | None = None  # VARUNA_CKPT_EVERY: a checkpoint every N steps
     ckpt_keep: int | None = None  # VARUNA_CKPT_KEEP: how many of this run's checkpoints to keep
     ckpt_tempdir: str | None = None  # VARUNA_CKPT_TEMPDIR: staging directory of background checkpoints
+    # 1: VARUNA_CKPT_DIR is each host's own directory (no shared store): each host keeps its ranks' files and a
+    # copy of another host's (worker.local_store)
+    ckpt_local: int | None = None  # VARUNA_CKPT_LOCAL
     total_steps: int | None = None  # VARUNA_TOTAL_STEPS: for the launcher's ETA
     job_id: str | None = None  # VARUNA_JOB_ID
     job_token: str | None = None  # VARUNA_JOB_TOKEN: HMAC key of heartbeats and checkpoint reports (secret)
@@ -181,7 +184,7 @@ def _host_port(value: str, name: str) -> tuple[str, int]:
 
 
 _INTEGERS = {"resume_step": 0, "ckpt_every": 0, "ckpt_keep": 1, "total_steps": 0, "attempt": 0, "shelf_budget": 0,
-             "handover_copies": 0}
+             "handover_copies": 0, "ckpt_local": 0}
 _EXACT = {"run_id"}
 
 # Variables the launcher sets for every worker, and the `varuna launch` option that sets each (None: no option;
@@ -191,7 +194,7 @@ LAUNCHER_SET: dict[str, str | None] = {
     **{WorkerEnv.variable(f.name): None for f in fields(WorkerEnv)},
     PLAN: "the PLAN argument", "VARUNA_CKPT_DIR": "--ckpt-dir", "VARUNA_RUN_DIR": "--run-dir",
     "VARUNA_RESUME_STEP": "--resume", "VARUNA_CKPT_EVERY": "--ckpt-every", "VARUNA_CKPT_KEEP": "--ckpt-keep",
-    "VARUNA_CKPT_TEMPDIR": "--ckpt-tempdir", "VARUNA_TOTAL_STEPS": "--steps",
+    "VARUNA_CKPT_TEMPDIR": "--ckpt-tempdir", "VARUNA_TOTAL_STEPS": "--steps", "VARUNA_CKPT_LOCAL": "--ckpt-local",
     "VARUNA_SHELF_DIR": "--shelf-dir", "VARUNA_SHELF_BUDGET": "--shelf-budget",
     "VARUNA_HANDOVER_COPIES": "--no-handover-copies", "VARUNA_SNAPSHOT_EVERY": "--snapshot-every",
 }

@@ -308,6 +308,16 @@ def test_launch_bad_numbers(capsys, files, tmp_path, option, value, needle) -> N
     assert_one_error(code, err, needle=needle)
 
 
+@pytest.mark.parametrize(("extra", "needle"), [
+    ((), "--ckpt-local needs --morph with the handover"),
+    (("--morph", "--no-handover"), "--ckpt-local needs --morph with the handover"),
+    (("--morph", "--ckpt-tempdir", "/tmp"), "--ckpt-local and --ckpt-tempdir do not go together"),
+])
+def test_launch_ckpt_local_needs_the_shelves(capsys, files, tmp_path, extra, needle) -> None:
+    code, err = _launch(capsys, files, tmp_path, "--ckpt-local", *extra)
+    assert_one_error(code, err, needle=needle)
+
+
 @pytest.mark.parametrize(("text", "needle"), [
     (b"-oProxyCommand=touch /tmp/x\n", "starts with '-', which ssh would read as an option"),
     (b"alice@-p slots=2\n", "starts with '-'"),

@@ -3,13 +3,14 @@ detection, re-planning for another device count, and the SSH command line."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
 from tests.profiles import make_profile
 from varuna_core.errors import ConfigError
-from varuna_core.launch.attempt import JobFiles, place, worker_argv
+from varuna_core.launch.attempt import JobFiles, local_checkpoints_in, place, worker_argv
 from varuna_core.launch.heartbeat import Listener, send_notice
 from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts
 from varuna_core.launch.manager import replan
@@ -270,3 +271,21 @@ def test_every_snapshot_is_recorded_once_in_order_however_the_beats_interleave()
     assert written[0][1]["host_bytes"] == {"h0": 10, "h1": 20} and written[0][1]["seconds"] == 0.2
     assert written[1][1]["ranks"] == 1 and written[1][1]["host_bytes"] == {"h0": 10}  # rank 1's 6 was not heard
     assert written[2][1]["ranks"] == 2
+
+
+def test_the_checkpoints_in_the_hosts_stores_are_read_back_from_the_events(tmp_path) -> None:
+    """What --resume --ckpt-local continues from: the ``checkpoint_local`` events of each run, whatever else the
+    file holds (other events, broken or hostile lines)."""
+    events = tmp_path / "events.jsonl"
+    lines = [
+        {"event": "checkpoint_local", "step": 3, "run": "a"}, {"event": "checkpoint_local", "step": 6, "run": "a"},
+        {"event": "checkpoint_local", "step": 6, "run": "a"}, {"event": "checkpoint_local", "step": 4, "run": "b"},
+        {"event": "starting", "attempt": 1}, {"event": "checkpoint_local", "step": True, "run": "a"},
+        {"event": "checkpoint_local", "step": -1, "run": "a"}, {"event": "checkpoint_local", "step": 2**70, "run": "a"},
+        {"event": "checkpoint_local", "step": 9, "run": ["a"]}, {"event": "checkpoint_local", "step": "9", "run": "a"},
+        {"event": "other", "step": 12, "run": "a", "note": "checkpoint_local"},
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    events.write_text(text + '{"event": "checkpoint_local", "step": 99, "run"\n' + "[1, 2]\n" + "[" * 100000 + "\n")
+    assert local_checkpoints_in(events) == {"a": [3, 6], "b": [4]}
+    assert local_checkpoints_in(tmp_path / "missing.jsonl") == {}

@@ -257,6 +257,9 @@ def assemble(
                                                  help="SSH port of the remote sources.")] = None,
     ssh_identity: Annotated[Path | None, typer.Option("--ssh-identity", metavar="FILE",
                                                       help="SSH private key for the remote sources.")] = None,
+    ssh_option: Annotated[list[str] | None, typer.Option(
+        "--ssh-option", metavar="KEY=VALUE", help="Extra ssh -o option, e.g. UserKnownHostsFile=FILE "
+        "(repeatable).")] = None,
     as_json: _Json = False,
 ) -> None:
     """Build one complete checkpoint from the parts the hosts hold in their own directories.
@@ -276,7 +279,8 @@ def assemble(
     def warn(warning: str) -> None:  # as found: the warnings of a failed assemble say why; one line each
         err.print(f"[yellow]warning[/yellow]: {_plain(warning)}", highlight=False, soft_wrap=True)
 
-    ssh = SSHOptions(port=ssh_port, identity=None if ssh_identity is None else str(ssh_identity))
+    ssh = SSHOptions(port=ssh_port, identity=None if ssh_identity is None else str(ssh_identity),
+                     options=tuple(ssh_option or ()))
     rep = assemble_checkpoint(sources, out, step=step, run=run, ssh=ssh, on_warning=warn)
     if as_json:
         typer.echo(rep.model_dump_json(indent=2))

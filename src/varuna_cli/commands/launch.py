@@ -19,7 +19,15 @@ from varuna_core.env import LAUNCHER_SET
 from varuna_core.errors import ConfigError, FieldError, VarunaError
 from varuna_core.launch.exclusion import RECHECK_FIRST
 from varuna_core.launch.hosts import MAX_SLOTS
-from varuna_core.launch.options import DEFAULTS, HostRuntime, LaunchOptions, SpotConfig, SSHConfig, check_numbers
+from varuna_core.launch.options import (
+    DEFAULTS,
+    HostRuntime,
+    LaunchOptions,
+    SpotConfig,
+    SSHConfig,
+    check_ckpt_local,
+    check_numbers,
+)
 from varuna_core.util.checks import integer
 from varuna_core.util.text import printable
 
@@ -126,7 +134,7 @@ OPTION_OF = {"ckpt_every": "--ckpt-every", "ckpt_keep": "--ckpt-keep", "total_st
              "shelf_dir": "--shelf-dir", "shelf_budget": "--shelf-budget", "snapshot_every": "--snapshot-every",
              "gpus_per_node": "--gpus-per-node", "user": "--ssh-user", "port": "--ssh-port",
              "source": "--preemption-source", "endpoint": "--preemption-endpoint", "interval": "--preemption-interval",
-             "resume_or_start": "--resume-or-start"}
+             "resume_or_start": "--resume-or-start", "ckpt_local": "--ckpt-local"}
 
 
 def _check_places(python: str | None, dirs: dict[str, Path | None], identity: str | None = None) -> None:
@@ -197,6 +205,11 @@ CkptEvery = Annotated[int, typer.Option("--ckpt-every", help="Checkpoint every N
 CkptKeep = Annotated[int | None, typer.Option("--ckpt-keep", help="Keep the newest K checkpoints.")]
 CkptTempdir = Annotated[str | None, typer.Option(
     "--ckpt-tempdir", help="Fast local directory for background periodic checkpoints.")]
+CkptLocal = Annotated[bool, typer.Option(
+    "--ckpt-local", help="With --morph: --ckpt-dir is a directory on each host's own disk (the same path on every "
+    "host; no shared file system): each host keeps the checkpoint files its workers wrote and a copy of another "
+    "host's, so losing any one host loses no checkpoint; a restart reads each file from a host that has it, and "
+    "`varuna ckpt assemble` gathers a whole checkpoint from the hosts' directories.")]
 Steps = Annotated[int | None, typer.Option("--steps", help="Total steps, for the ETA (if the script does not set "
                                               "model.total_steps).")]
 Python = Annotated[str | None, typer.Option("--python", help="Interpreter on the hosts (default: this one).")]
@@ -258,7 +271,8 @@ def launch(
     run_id: RunId = DEFAULTS["run_id"],
     legacy_args: LegacyArgs = DEFAULTS["legacy_args"], ckpt_every: CkptEvery = DEFAULTS["ckpt_every"],
     ckpt_keep: CkptKeep = DEFAULTS["ckpt_keep"], ckpt_tempdir: CkptTempdir = DEFAULTS["ckpt_tempdir"],
-    steps: Steps = DEFAULTS["total_steps"], python: Python = None, ssh_user: SshUser = None,
+    ckpt_local: CkptLocal = DEFAULTS["ckpt_local"], steps: Steps = DEFAULTS["total_steps"], python: Python = None,
+    ssh_user: SshUser = None,
     ssh_port: SshPort = None, ssh_identity: SshIdentity = None, ssh_option: SshOption = None,
     max_restarts: MaxRestarts = DEFAULTS["max_restarts"],
     heartbeat_timeout: HeartbeatTimeout = DEFAULTS["heartbeat_timeout"],
@@ -285,6 +299,7 @@ def launch(
         if every and not (morph and handover):
             raise FieldError("snapshot_every", "needs --morph with the handover (snapshots live on the shelves)",
                              hint="add --morph, or drop --no-handover, or leave snapshots off (0)")
+        check_ckpt_local(ckpt_local, morph=morph, handover=handover, tempdir=ckpt_tempdir)
         if gpus_per_node is not None:
             integer("gpus_per_node", gpus_per_node, low=1, high=MAX_SLOTS)
         ssh_config = SSHConfig(user=ssh_user, port=ssh_port, identity=ssh_identity, options=tuple(ssh_option or ()))
@@ -308,7 +323,8 @@ def launch(
         reporter.event(job.describe() + (f"; {why}" if why else ""))
     else:
         host_list = _hosts(hosts, slots, the_plan.pp * the_plan.dp, gpus_per_node)
-    choose_run(store, resume, run_id, or_start=resume_or_start)  # another run's store: refused before anything starts
+    if not (ckpt_local and resume):  # (the hosts' own stores are not here: the run directory's events say)
+        choose_run(store, resume, run_id, or_start=resume_or_start)  # another run's store: refused before anything
     runtime = HostRuntime(python=python or sys.executable, code_dir=code)
     ssh = ssh_config if host_list is not None and job is None else None
     reporter = reporter or _reporter()
@@ -318,9 +334,10 @@ def launch(
             script=script, run_dir=run, ckpt_dir=store, runtime=runtime, ssh=ssh, run_id=run_id,
             slurm=job.config() if job is not None else None, spot=spot, env=env, legacy_args=legacy_args,
             morph=morph, morph_any_microbatch=morph_any_microbatch, resume=resume, resume_or_start=resume_or_start,
-            ckpt_every=ckpt_every, ckpt_keep=ckpt_keep, ckpt_tempdir=ckpt_tempdir, total_steps=steps,
-            max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout, morph_timeout=morph_timeout,
-            preempt_margin=preempt_margin, grace=grace, straggler_threshold=straggler_threshold,
+            ckpt_every=ckpt_every, ckpt_keep=ckpt_keep, ckpt_tempdir=ckpt_tempdir, ckpt_local=ckpt_local,
+            total_steps=steps, max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout,
+            morph_timeout=morph_timeout, preempt_margin=preempt_margin, grace=grace,
+            straggler_threshold=straggler_threshold,
             recheck_max=recheck_max, handover=handover, shelf_dir=shelf_dir, shelf_budget=shelf_budget,
             handover_copies=handover_copies, snapshot_every=every if (morph and handover) or every else 0)
     run.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Literal, Protocol, TextIO, overload
+from typing import Any, Literal, Protocol, TextIO, overload
 
 from pydantic import ValidationError
 
@@ -126,6 +126,41 @@ def worker_argv(script: list[str], python: str) -> list[str]:
     return [python, *script] if script[0].endswith(".py") else list(script)
 
 
+def local_checkpoints_in(events: Path, limit: int = 16 * 2**20) -> dict[str, list[int]]:
+    """The checkpoints in the hosts' own stores (``--ckpt-local``) that an earlier launcher recorded in ``events``
+    (``checkpoint_local``), by run: what ``--resume`` continues from, since no directory the launcher can see
+    holds them whole. Only the last ``limit`` bytes are read; a line that is not such an event is skipped."""
+    found: dict[str, list[int]] = {}
+    for event in _events_in(events, b'"checkpoint_local"', limit):
+        step, run = event.get("step"), event.get("run")
+        if event.get("event") == "checkpoint_local" and isinstance(run, str) and isinstance(step, int) \
+                and not isinstance(step, bool) and 0 <= step < 2**62:
+            found.setdefault(run, []).append(step)
+    return {run: sorted(set(steps)) for run, steps in found.items()}
+
+
+def _events_in(events: Path, marker: bytes, limit: int) -> list[dict[str, Any]]:
+    """The events (JSON objects) of the last ``limit`` bytes of ``events`` whose line holds ``marker``."""
+    try:
+        with open(events, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            data = f.read(limit)
+    except OSError:
+        return []
+    out = []
+    for line in data.splitlines():
+        if marker not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(event, dict):
+            out.append(event)
+    return out
+
+
 def _attempts_in(events: Path, limit: int = 16 * 2**20) -> int:
     """The highest attempt number an earlier launcher recorded in ``events`` (0: none). A requeued Slurm job runs
     again in the same run directory: its attempts are numbered on, so that their logs, plans and events stay
@@ -214,6 +249,7 @@ class Status:
     morphs: int = 0
     stragglers: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    local_checkpoints: list[int] = field(default_factory=list)  # --ckpt-local: steps every host holds its part of
 
     @property
     def samples_per_second(self) -> float | None:
@@ -314,6 +350,7 @@ class Attempt:
             manager=f"{self.manager_address(node.host)}:{self.listener.port}",
             ckpt_every=self.opts.ckpt_every or None, ckpt_keep=self.opts.ckpt_keep or None,
             ckpt_tempdir=str(self.opts.ckpt_tempdir) if self.opts.ckpt_tempdir else None,
+            ckpt_local=1 if self.opts.ckpt_local else None,
             total_steps=self.opts.total_steps or None, on_sigterm="checkpoint" if self.opts.slurm else None)
         legacy = None
         if self.opts.legacy_args:
@@ -336,7 +373,9 @@ class Attempt:
             plan=self.plan.model_dump(mode="json"),
             grace=self.opts.grace, legacy_args=legacy, scheduler_signals=self.opts.slurm is not None,
             shelf=ShelfSpec(root=self.opts.shelf_dir, key=shelf_key(self.job, self.number),
-                            budget=self.opts.shelf_budget) if self.handing_over else None,
+                            budget=self.opts.shelf_budget,
+                            store=str(self.opts.ckpt_dir) if self.opts.ckpt_local else None)
+            if self.handing_over else None,
             spot=SpotWatch(source=spot.source,  # type: ignore[arg-type]  # SpotConfig checked it against SOURCES
                            endpoint=spot.endpoint, interval=spot.interval, vm_name=spot.vm_name)
             if (spot := self.opts.spot) is not None else None)
@@ -650,6 +689,16 @@ class Attempt:
                              peer=all(b.get("snapshot_peer") for b in reports.values()), host_bytes=held,
                              ranks=len(reports))
 
+    def _record_local_checkpoint(self, beats: dict[int, Beat]) -> None:
+        """A checkpoint in the hosts' own stores (``--ckpt-local``), reported once every host has its part (every
+        rank reports it after the same agreement): remembered for a restart, and a ``checkpoint_local`` event."""
+        steps = [s for b in beats.values() if isinstance(s := b.get("local_ckpt"), int)]
+        if not steps or max(steps) in self.status.local_checkpoints:
+            return
+        step = max(steps)
+        self.status.local_checkpoints.append(step)
+        self.files.event("checkpoint_local", attempt=self.number, step=step, run=self.run_id)
+
     def snapshot(self) -> tuple[int, bool] | None:
         """The newest in-memory snapshot, as the workers reported it (a snapshot is reported once it is whole on
         every rank): its step, and whether each host's files are also on the next host; None if none."""
@@ -757,7 +806,7 @@ class Attempt:
             taken = {key: sum(b.get(key) or 0 for b in beats.values())
                      for key in ("taken_local", "taken_remote", "taken_copies", "taken_replica")}
             self.files.event("first_step", attempt=self.number, step=self.status.step, **timings,
-                             **(taken if self.retiring is not None else {}))
+                             **(taken if self.retiring is not None or any(taken.values()) else {}))
             if self.retiring is not None and taken["taken_replica"]:
                 self.reporter.event(f"{taken['taken_replica']} bytes of the state came from data-parallel replicas' "
                                     f"copies: the host that wrote them did not give them (see the workers' logs)")
@@ -765,6 +814,7 @@ class Attempt:
             self.status.state = "training"
             self._retire_now()  # the old configuration's state is no longer needed
         self._record_snapshot(beats)
+        self._record_local_checkpoint(beats)
         total = next((b.get("total_steps") for b in beats.values() if b.get("total_steps")), None)
         self.status.total_steps = total or self.opts.total_steps
         self.status.samples_per_step = self.plan.batch_size

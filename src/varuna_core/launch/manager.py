@@ -72,6 +72,7 @@ from .attempt import (
     Outcome,
     Reporter,
     Status,
+    local_checkpoints_in,
     place,
 )
 from .exclusion import RECHECK_FIRST, Exclusions
@@ -234,12 +235,22 @@ class Manager:
         self.desired = list(self.hosts)
         self.watcher = HostsWatcher(hosts_file, default_slots) if hosts_file is not None else None
         self.preempted: dict[str, float] = {}  # host name -> when (monotonic) it goes away
-        self.run_id, self.runs = choose_run(opts.ckpt_dir, opts.resume, opts.run_id, or_start=opts.resume_or_start)
+        recorded = local_checkpoints_in(opts.run_dir / "events.jsonl") if opts.ckpt_local else {}
+        if opts.ckpt_local and opts.resume:  # the hosts' stores are not here: the run's events say what they hold
+            if opts.run_id is None and len(recorded) > 1:
+                raise ConfigError(f"--resume: {opts.run_dir}/events.jsonl records checkpoints of {len(recorded)} runs "
+                                  f"in the hosts' own stores ({', '.join(sorted(recorded)[:5])})",
+                                  hint="say which one to continue with --run-id ID")
+            self.run_id = opts.run_id or (next(iter(recorded)) if recorded else new_run_id())
+            self.runs: set[str | None] = {self.run_id}
+        else:
+            self.run_id, self.runs = choose_run(opts.ckpt_dir, opts.resume, opts.run_id,
+                                                or_start=opts.resume_or_start)
         self.job = uuid.uuid4().hex
         self.token = secrets.token_hex(32)
         self.files = JobFiles(opts.run_dir)
         self.listener = Listener(self.job, self.token, bind="127.0.0.1" if self.local else "0.0.0.0")
-        self.status = Status()
+        self.status = Status(local_checkpoints=list(recorded.get(self.run_id, [])) if opts.resume else [])
         self.sigterms = 0  # SIGTERMs received: 1 = checkpoint and stop, 2 = stop now
         self.stop_why = "SIGTERM"  # what asked the job to stop (also SIGUSR1, a preemption notice)
         self.warned = False  # the stop came from the scheduler's warning signal (SIGUSR1): requeue under Slurm
@@ -268,6 +279,9 @@ class Manager:
     def latest(self) -> int | None:
         """The step of this run's newest checkpoint that looks loadable; the ones that do not (or that the
         workers refused) are set aside with the reason, once."""
+        if self.opts.ckpt_local:  # no directory here holds them whole: the ones every host reported its part of
+            usable = [s for s in self.status.local_checkpoints if s not in self.refused]
+            return max(usable) if usable else None
         known = set(self.refused)
         found = latest(self.opts.ckpt_dir, of_runs=self.runs, refused=self.refused, check=True)
         for step, problem in self.refused.items():  # newest first: the order they were looked at

@@ -181,6 +181,17 @@ def check_numbers(values: Mapping[str, Any]) -> None:
             real(name, value, low=low, high=high, low_open=low_open)
 
 
+def check_ckpt_local(ckpt_local: bool, *, morph: bool, handover: bool, tempdir: str | None) -> None:
+    """Checkpoints on the hosts' own disks need the shelves (a :class:`~varuna_core.errors.FieldError` naming
+    ``ckpt_local`` otherwise): they are written through a snapshot, and read from another host through its agent."""
+    if ckpt_local and not (morph and handover):
+        raise FieldError("ckpt_local", "needs --morph with the handover (the copies and the reads of another host's "
+                         "files go through the hosts' shelves)", hint="add --morph, or drop --no-handover")
+    if ckpt_local and tempdir:
+        raise FieldError("ckpt_local", "and --ckpt-tempdir do not go together (a checkpoint on the hosts' own disks "
+                         "is staged in host memory already)", hint="drop --ckpt-tempdir")
+
+
 @dataclass
 class LaunchOptions:
     """Everything ``varuna launch`` was asked to do (see its ``--help`` for each). Checks its numbers when made
@@ -207,6 +218,7 @@ class LaunchOptions:
     ckpt_every: int = 0
     ckpt_keep: int | None = None
     ckpt_tempdir: str | None = None
+    ckpt_local: bool = False  # ckpt_dir is each host's own directory: each keeps its files and a copy of another's
     total_steps: int | None = None
     max_restarts: int = 3
     backoff: float = 2.0
@@ -226,6 +238,7 @@ class LaunchOptions:
         if self.snapshot_every and not (self.morph and self.handover):
             raise FieldError("snapshot_every", "needs --morph with the handover (snapshots live on the shelves)",
                              hint="add --morph, or drop --no-handover, or leave snapshots off (0)")
+        check_ckpt_local(self.ckpt_local, morph=self.morph, handover=self.handover, tempdir=self.ckpt_tempdir)
         if not self.shelf_dir or not os.path.isabs(self.shelf_dir) or "\0" in self.shelf_dir:
             raise FieldError("shelf_dir", f"{short_repr(self.shelf_dir)} is not an absolute path",
                              hint="a tmpfs directory present on every host, e.g. /dev/shm")

@@ -137,6 +137,11 @@ class Snapshots:
         self.memory: Callable[[], tuple[int, int] | None] = host_memory  # (available, total) of this host
         self.taken = 0  # whole snapshots this process took (the same on every rank)
 
+    @property
+    def all_gather(self) -> Callable[[Any], list[Any]]:
+        """The collective these snapshots agree by: ``all_gather(obj)``, every rank's ``obj`` in rank order."""
+        return self._all_gather
+
     def due(self, iteration: int) -> bool:
         if iteration <= 0 or iteration == self.last:
             return False

@@ -54,6 +54,7 @@ from ..errors import (
     ShelfFullError,
 )
 from .beacon import Beacon
+from .local_store import LocalStore
 from .morph import Morph
 from .snapshots import SnapshotReport, Snapshots
 
@@ -161,6 +162,7 @@ class Supervision:
         if self.morph is not None and self._main_thread:
             signal.signal(signal.SIGUSR2, self._on_usr2)
         self.snapshots = self._snapshots(told)
+        self.local_store = self._local_store(told)
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         """The first SIGTERM asks for a checkpoint; the next one ends the process as SIGTERM does by default."""
@@ -215,6 +217,15 @@ class Supervision:
         if self.resume_step is None or self.resumed or self.ckpt_dir is None:  # no store: refused when made
             return
         self.resumed = True
+        if self.local_store is not None:
+            self.last_saved = self._load_local(self.resume_step)
+            taken = self.local_store.taken
+            log.info("rank %d resumed from step %d of the hosts' stores %s (%d bytes from this host's, %d from "
+                     "others')", self.rank, self.last_saved, self.ckpt_dir, taken["local"], taken["remote"])
+            if self.beacon is not None:
+                self.beacon.progress(step=self._now().iteration, t_resumed=time.time(), taken_local=taken["local"],
+                                     taken_remote=taken["remote"])
+            return
         try:
             step = self._load(self.ckpt_dir, self.resume_step)
         except CheckpointError as exc:
@@ -277,6 +288,9 @@ class Supervision:
             pending.result()
 
     def _periodic(self, iteration: int) -> None:
+        if self.local_store is not None:
+            self._write_local(iteration)
+            return
         if self._pending is not None:
             self._pending.result()  # one background checkpoint at a time
             self._pending = None
@@ -287,12 +301,13 @@ class Supervision:
     def _snapshots(self, told: WorkerEnv) -> Snapshots | None:
         """This rank's in-memory snapshots (``VARUNA_SNAPSHOT_EVERY``), which need the attempt's shelf."""
         every = told.snapshot_interval
-        if every == 0:
+        if every == 0 and not told.ckpt_local:
             return None
         if self.morph is None:
-            raise ConfigError("VARUNA_SNAPSHOT_EVERY is set but there is no shelf (VARUNA_SHELF_DIR, VARUNA_JOB_ID, "
+            what = WorkerEnv.variable("ckpt_local" if every == 0 else "snapshot_every")
+            raise ConfigError(f"{what} is set but there is no shelf (VARUNA_SHELF_DIR, VARUNA_JOB_ID, "
                               "VARUNA_JOB_TOKEN)", hint="varuna launch --morph sets them; without the handover "
-                              "(--no-handover) there are no snapshots")
+                              "(--no-handover) there are no snapshots and no checkpoints on the hosts' own disks")
 
         def all_gather(obj: Any) -> list[Any]:
             import torch.distributed as dist
@@ -309,12 +324,40 @@ class Supervision:
                          server=told.shelf_server_address, job=told.job_id, token=told.job_token or "",
                          attempt=told.attempt or 0, publish=self._publish, all_gather=all_gather)
 
-    def _snapshot(self, iteration: int) -> None:
-        """Every rank at once: a snapshot of this step in host memory, with its copy on the next host."""
-        assert self.snapshots is not None
-        if self._pending is not None:  # a background checkpoint reads the same tensors: one thing at a time
-            self._pending.result()
-            self._pending = None
+    def _local_store(self, told: WorkerEnv) -> LocalStore | None:
+        """This rank's checkpoints in its host's own store (``VARUNA_CKPT_LOCAL``), written through a snapshot."""
+        if not told.ckpt_local or self.ckpt_dir is None:
+            return None
+        assert self.snapshots is not None and self.morph is not None and told.job_id is not None  # made above
+        return LocalStore(self.ckpt_dir, rank=self.rank, host=told.host or "localhost", keep=self.keep,
+                          snapshots=self.snapshots, shelf=self.morph.shelf, server=told.shelf_server_address,
+                          job=told.job_id, token=told.job_token or "", attempt=told.attempt or 0,
+                          all_gather=self.snapshots.all_gather)
+
+    def _write_local(self, iteration: int) -> bool:
+        """Every rank at once: checkpoint this step into the hosts' own stores; whether it was written."""
+        assert self.local_store is not None
+        if not self.local_store.write(iteration, self._announcer(iteration), self._step_time):
+            if self.beacon is not None:
+                self.beacon.progress(step=iteration, snapshot_failed=iteration)
+            return False
+        self.last_saved = iteration
+        if self.beacon is not None:
+            self.beacon.progress(step=iteration, local_ckpt=iteration)
+            self.beacon.flush()
+        return True
+
+    def _load_local(self, step: int) -> int:
+        """Every rank at once: restore checkpoint ``step`` from the hosts' own stores (its files from this host's,
+        else from a host that holds them); raises ResumeRefused on every rank if it cannot."""
+        assert self.local_store is not None and self._take is not None and self.morph is not None
+        try:
+            locate, fetch = self.local_store.sources(step)
+            return self._take(step, locate, fetch, self.morph.staging, None, None)
+        except (CheckpointError, HandoverError) as exc:
+            raise ResumeRefused(exc.message, hint="the launcher falls back to an earlier checkpoint") from None
+
+    def _announcer(self, iteration: int) -> Callable[[SnapshotReport], None]:
         beacon = self.beacon
 
         def announce(report: SnapshotReport) -> None:  # sent at once: the launcher recovers from what it heard of
@@ -324,8 +367,17 @@ class Supervision:
                                 snapshot_bytes=report.held, snapshot_every=report.every)
                 beacon.flush()
 
-        if self.snapshots.take(iteration, announce, self._step_time) is None and beacon is not None:
-            beacon.progress(step=iteration, snapshot_failed=iteration)
+        return announce
+
+    def _snapshot(self, iteration: int) -> None:
+        """Every rank at once: a snapshot of this step in host memory, with its copy on the next host."""
+        assert self.snapshots is not None
+        if self._pending is not None:  # a background checkpoint reads the same tensors: one thing at a time
+            self._pending.result()
+            self._pending = None
+        if self.snapshots.take(iteration, self._announcer(iteration), self._step_time) is None \
+                and self.beacon is not None:
+            self.beacon.progress(step=iteration, snapshot_failed=iteration)
 
     def _run_user_handler(self) -> None:
         """Every rank, at the same step boundary: the script's handler (it usually checkpoints and exits). If it
@@ -383,6 +435,10 @@ class Supervision:
         if self.ckpt_dir is None or step is None:
             raise ResumeRefused(f"cannot load step {step} from the store ({why}): no store is known",
                                 hint="varuna launch sets VARUNA_CKPT_DIR")
+        if self.local_store is not None:
+            self.last_saved = self._load_local(step)
+            log.info("rank %d resumed from step %d of the hosts' stores %s (%s)", self.rank, step, self.ckpt_dir, why)
+            return
         try:
             self.last_saved = self._load(self.ckpt_dir, step)
         except CheckpointError as exc:
@@ -431,7 +487,11 @@ class Supervision:
             self._pending.result()
             self._pending = None
         iteration = self._now().iteration
-        if iteration != self.last_saved:
+        if iteration != self.last_saved and self.local_store is not None:
+            if not self._write_local(iteration):
+                log.warning("rank %d: the checkpoint of step %d asked for could not be written; stopping anyway "
+                            "(the job continues from its previous checkpoint)", self.rank, iteration)
+        elif iteration != self.last_saved:
             self._save(self.ckpt_dir, keep=self.keep)
         log.info("rank %d: checkpointed step %d on request; stopping", self.rank, iteration)
         if self.beacon is not None:
