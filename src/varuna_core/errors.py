@@ -104,7 +104,10 @@ class ShapeMismatchError(VarunaError):
 
 
 class CommTimeoutError(VarunaError):
-    """A point-to-point or collective wait that did not finish within the timeout."""
+    """A point-to-point or collective wait that did not finish within the timeout, or whose connection failed
+    before it (``peer_lost``: the peer died or closed it)."""
+
+    peer_lost = False
 
 
 def format_error(exc: VarunaError) -> str:

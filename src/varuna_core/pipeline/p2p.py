@@ -84,7 +84,10 @@ def post_recv(
     for leaf, spec in enumerate(specs):
         buf = torch.empty(spec.shape_for(n), dtype=spec.torch_dtype, device=at, pin_memory=staged)
         tensors.append(buf)
-        works.append(dist.irecv(buf, src=src, group=group, tag=_tag(mb, kind, leaf)))
+        try:
+            works.append(dist.irecv(buf, src=src, group=group, tag=_tag(mb, kind, leaf)))
+        except RuntimeError as exc:  # the connection to src failed already: gloo says so as the receive is posted
+            raise _connection_failed(lambda: what, src, exc) from None
     return Pending(tensors, works, src, what, device if staged else None)
 
 
@@ -94,7 +97,10 @@ def send(tensors: list[torch.Tensor], *, dst: int, mb: int, kind: int, group) ->
     works = []
     for leaf, t in enumerate(tensors):
         wire = t.contiguous().to("cpu") if staged_through_host(t.device, group) else t.contiguous()
-        works.append(dist.isend(wire, dst=dst, group=group, tag=_tag(mb, kind, leaf)))
+        try:
+            works.append(dist.isend(wire, dst=dst, group=group, tag=_tag(mb, kind, leaf)))
+        except RuntimeError as exc:  # the connection to dst failed already
+            raise _connection_failed(lambda: f"sending micro-batch {mb} to rank {dst}", dst, exc) from None
     return works
 
 
@@ -116,7 +122,6 @@ def wait_all(works: list[Any], *, timeout: float, describe: Callable[[], str], p
             work.wait(delta)
         except RuntimeError as exc:  # torch.distributed.DistError is one
             timed_out = time.monotonic() - started >= timeout * _DEADLINE_REACHED
-            text = str(exc)
             root = _report_failure(peer)
             blame = ""
             if root is not None and root != peer:
@@ -127,11 +132,21 @@ def wait_all(works: list[Any], *, timeout: float, describe: Callable[[], str], p
                     hint=f"check the log of rank {root if root is not None else peer}; set VARUNA_TIMEOUT "
                     "(seconds) if steps are legitimately slow",
                 ) from None
-            who = f"rank {root}" if root is not None else "a peer"
-            raise CommTimeoutError(
-                f"{describe()}: the connection failed ({text.splitlines()[0][:160]}){blame}",
-                hint=f"{who} crashed or was killed: check its log",
-            ) from None
+            raise _connection_failed(describe, peer, exc, root) from None
+
+
+def _connection_failed(describe: Callable[[], str], peer: int | None, exc: BaseException,
+                       root: int | None = -1) -> CommTimeoutError:
+    """The error of a wait or a post whose connection failed before its deadline (a peer died or closed it),
+    naming the rank that failed first (``root``; -1: found here) and marked ``peer_lost``."""
+    if root == -1:
+        root = _report_failure(peer)
+    blame = f"; rank {root} failed first" if root is not None and root != peer else ""
+    who = f"rank {root}" if root is not None else "a peer"
+    error = CommTimeoutError(f"{describe()}: the connection failed ({str(exc).splitlines()[0][:160]}){blame}",
+                             hint=f"{who} crashed or was killed: check its log")
+    error.peer_lost = True
+    return error
 
 
 def _report_failure(peer: int | None) -> int | None:
