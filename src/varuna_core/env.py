@@ -89,6 +89,9 @@ class WorkerEnv:
     # 1: VARUNA_CKPT_DIR is each host's own directory (no shared store): each host keeps its ranks' files and a
     # copy of another host's (worker.local_store)
     ckpt_local: int | None = None  # VARUNA_CKPT_LOCAL
+    # 1: the launcher regroups the survivors of a lost replica in their processes (worker.regroup): a worker that
+    # loses a peer waits for its decision instead of exiting
+    regroup: int | None = None  # VARUNA_REGROUP
     total_steps: int | None = None  # VARUNA_TOTAL_STEPS: for the launcher's ETA
     job_id: str | None = None  # VARUNA_JOB_ID
     job_token: str | None = None  # VARUNA_JOB_TOKEN: HMAC key of heartbeats and checkpoint reports (secret)
@@ -184,7 +187,7 @@ def _host_port(value: str, name: str) -> tuple[str, int]:
 
 
 _INTEGERS = {"resume_step": 0, "ckpt_every": 0, "ckpt_keep": 1, "total_steps": 0, "attempt": 0, "shelf_budget": 0,
-             "handover_copies": 0, "ckpt_local": 0}
+             "handover_copies": 0, "ckpt_local": 0, "regroup": 0}
 _EXACT = {"run_id"}
 
 # Variables the launcher sets for every worker, and the `varuna launch` option that sets each (None: no option;

@@ -14,6 +14,8 @@ Typical use (every rank runs the same script, e.g. under ``torchrun``)::
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import os
 import time
@@ -21,10 +23,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .env import WorkerEnv
-from .errors import ConfigError
+from .errors import CommTimeoutError, ConfigError, HandoverError
 from .ir.partition import Partition
 from .ir.topology import Topology
 from .model.discovery import Structure, discover, dry_forward, make_batch_fn
@@ -71,6 +74,7 @@ from .pipeline.tracing import ChromeTrace
 from .pipeline.validate import check_slicing, reference_run
 from .util.heap import release_free_memory
 from .worker.excepthook import install_excepthook
+from .worker.regroup import EXIT_LEFT, Regrouper, global_views, peer_lost
 from .worker.supervision import Supervision
 
 __all__ = ["Varuna"]
@@ -207,6 +211,8 @@ class Varuna(nn.Module):
                               is_last=self.stage_slice.is_last, input_batch_dims=self.input_batch_dims,
                               world_size=self.world_size, reference=reference, rng=self._validation_rng)
         self._supervise(told)
+        self._regrouper = Regrouper.launched(told, self.timeout)
+        self._sliced: tuple[Mapping[str, Any], dict] | None = None  # the last global batch replica_slice() shared
         log.info(
             "rank %d: stage %d/%d (segments %s), replica %d/%d, %d micro-batches of ≤%d, schedule %s, %.1f MB params",
             self.rank, self.stage, self.pp, self.partition.to_string(), self.replica, self.dp,
@@ -226,11 +232,15 @@ class Varuna(nn.Module):
         self.stage, self.replica = self.topology.coords(self.rank)
         self.pp, self.dp = self.topology.pp, self.topology.dp
         self.batch_size, self.chunk_size = config.batch_size, config.chunk_size
+        self._lay_out()
+        self.schedule_name = config.schedule
+
+    def _lay_out(self) -> None:
+        """This replica's share of the global batch and its micro-batches, for the current replica set."""
         layout = batch_layout(self.batch_size, self.chunk_size, self.dp, self.replica)
         self.replica_batch_size, self._replica_range = layout.replica_batch_size, layout.replica_range
         self.microbatch_sizes, self._microbatch_ids = layout.microbatch_sizes, layout.microbatch_ids
         self.num_microbatches = len(self.microbatch_sizes)
-        self.schedule_name = config.schedule
 
     def _prepare(self, model: nn.Module, config: Config, dummy_inputs: Any, input_batch_dims: Any,
                  from_cache: bool, validate: bool | None, init: Any, weights: Any, shared_weights: Any) -> Any:
@@ -357,6 +367,16 @@ class Varuna(nn.Module):
         check_clip(clip_grad_max_norm)
         self._modes.check("step()")  # the model in another mode than it was sliced for: [Note: discovery mode]
         self.supervision.before_step()  # may checkpoint (periodic, or agreed on demand: then it exits)
+        while True:
+            before = self._before_step() if self._regrouper is not None and self.dp > 1 else None
+            try:
+                return self._step(inputs, clip_grad_max_norm)
+            except CommTimeoutError as exc:  # a peer lost with its host: go on without its replica (worker.regroup)
+                if before is None or not peer_lost(exc):
+                    raise
+                inputs = self._regroup(exc, inputs, before)
+
+    def _step(self, inputs: Mapping[str, Any], clip_grad_max_norm: float | None) -> tuple[float, bool]:
         microbatches = split_inputs(inputs, self.input_batch_dims, self.microbatch_sizes,
                                     expected=self.replica_batch_size)
         weights = loss_weights(self.microbatch_sizes, self.batch_size, self.loss_reduction)
@@ -385,6 +405,66 @@ class Varuna(nn.Module):
         self.iteration += 1
         self.supervision.after_step(result.loss, requested_anywhere=result.flags)
         return result.loss, result.overflow
+
+    def _before_step(self) -> tuple[Any, list[torch.Tensor]]:
+        """What a step changes besides the gradients, as it was before it: the loss scaler's state and the buffers
+        the forward writes (put back if the step is redone after a regroup)."""
+        scaler = copy.deepcopy(self.scaler.__dict__) if self.scaler is not None else None
+        return scaler, [t.detach().clone() for t in self.stage_slice.buffer_writes.live()]
+
+    def _regroup(self, exc: CommTimeoutError, inputs: Mapping[str, Any],
+                 before: tuple[Any, list[torch.Tensor]]) -> dict[str, Any]:
+        """A peer was lost in this step: leave the process group, undo the step, and once the launcher says how
+        the survivors go on, join their new group and return this replica's share of the same global batch, to
+        redo the step with (see :mod:`varuna_core.worker.regroup`). Re-raises ``exc`` when it cannot."""
+        assert self._regrouper is not None
+        views = global_views(inputs, self._sliced)
+        with contextlib.suppress(Exception):  # closes this rank's connections: the survivors waiting on it fail too
+            dist.destroy_process_group()
+        if views is None:
+            log.warning("rank %d: a peer was lost, but the inputs are not the share replica_slice() made of a global "
+                        "batch: the lost replicas' examples cannot be taken over here (the job restarts instead)",
+                        self.rank)
+            raise exc
+        self.grad_buffer.zero()
+        scaler, buffers = before
+        if self.scaler is not None:
+            self.scaler.__dict__.update(scaler)
+        for live, saved in zip(self.stage_slice.buffer_writes.live(), buffers, strict=True):
+            live.copy_(saved)
+        log.warning("rank %d: a peer was lost in step %d (%s); waiting for the launcher's regroup", self.rank,
+                    self.iteration, str(exc).splitlines()[0][:200])
+        self.supervision.regroup_asked(self.iteration)
+        try:
+            regroup = self._regrouper.wait(self.iteration)
+        except HandoverError as error:
+            log.warning("rank %d: %s", self.rank, error.message)
+            raise exc from None
+        rank = regroup.ranks[self.rank] if self.rank < len(regroup.ranks) else None
+        if rank is None:
+            log.warning("rank %d leaves the job at step %d: its replica lost a stage", self.rank, self.iteration)
+            self.supervision.left()
+            raise SystemExit(EXIT_LEFT)
+        world = sum(r is not None for r in regroup.ranks)
+        topology = Topology.parse(regroup.stage_to_rank_map, world)
+        if topology.pp != self.pp or topology.coords(rank)[0] != self.stage:
+            log.warning("rank %d: the regroup would move it off stage %d; giving up", self.rank, self.stage)
+            raise exc
+        self._regrouper.join(regroup, rank, "nccl" if self.device.type == "cuda" else "gloo")
+        old = self.rank
+        self.world_size, self.rank, self.topology = world, rank, topology
+        self.stage, self.replica = topology.coords(rank)
+        self.dp = topology.dp
+        self._lay_out()
+        self.groups = build_groups(self.topology, self.ties, self.stage, self.replica, self.world_size, self.timeout)
+        self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, self.schedule_name,
+                                         self.timeout, self.precision)
+        self._grad_sync = GradSync(self.groups, self._tied, self.grad_buffer, timeout=self.timeout, rank=self.rank,
+                                   stage=self.stage)
+        self.supervision.regrouped(rank, self.replica, self.iteration)
+        log.warning("rank %d is rank %d of %d (stage %d, replica %d of %d) from step %d on", old, rank, world,
+                    self.stage, self.replica, self.dp, self.iteration)
+        return replica_share(views, self.input_batch_dims, self.batch_size, self.replica_range)
 
     def checkpoint(self, global_store: str | os.PathLike, step: int | None = None,
                    tempdir: str | os.PathLike | None = None, shard: bool = True, background: bool = False,
@@ -500,7 +580,9 @@ class Varuna(nn.Module):
     def replica_slice(self, inputs: Mapping[str, Any]) -> dict:
         """This replica's share of a global batch of ``batch_size`` examples, sliced along each input's batch
         dim (unbatched inputs are passed whole)."""
-        return replica_share(inputs, self.input_batch_dims, self.batch_size, self.replica_range)
+        share = replica_share(inputs, self.input_batch_dims, self.batch_size, self.replica_range)
+        self._sliced = (inputs, share)  # a lost replica's examples are taken from it after a regroup: _regroup
+        return share
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # views are kept, values zeroed
         self.grad_buffer.zero()

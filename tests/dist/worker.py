@@ -15,7 +15,9 @@ the shelf servers: ``servers[r]`` serves old rank r's root, ``local[str(rank)]``
 reads directly; with expect_error, record the error and the parameters before and after, and stop; without
 owners, a snapshot's: each blob from its writer's server, then from the next one, which keeps its copy), snapshot
 {every, job, token, roots} (in-memory snapshots every ``every`` steps into the shelf at ``roots[rank]``, served
-by a shelf server in this process; each one's report as "snapshots").
+by a shelf server in this process; each one's report as "snapshots"), regroup {step, lose, ranks, map} (rank
+``lose`` dies before step ``step``; the survivors regroup in-process as the launcher's decision, put in the store by
+rank 0, says).
 """
 
 from __future__ import annotations
@@ -128,6 +130,9 @@ def run_one(run: dict, spec: dict) -> dict:
 
             hooks.append(next(m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)
                               and next(m.parameters()).device.type != "meta").register_forward_hook(kill_on_second_call))
+        regroup = run.get("regroup")
+        if regroup and step == regroup["step"]:
+            lose_for_regroup(vm, regroup)
         full = make_batch(run["batch"], 100 + step)
         if run.get("bad_seq") and step == run["bad_seq"]:
             full = {k: v[:, :-1] for k, v in full.items()}
@@ -207,6 +212,22 @@ def run_one(run: dict, spec: dict) -> dict:
             result["eval_mode_error"] = f"{type(exc).__name__}: {exc}"
         vm.train()
     return result
+
+
+def lose_for_regroup(vm, spec: dict) -> None:
+    """Step ``spec["step"]``: rank ``spec["lose"]`` dies before it; rank 0 plays the launcher first, putting the
+    regroup of the survivors (new ranks ``spec["ranks"]``, map ``spec["map"]``) in the job's store."""
+    import torch.distributed as dist
+
+    from varuna_core.launch.protocol import Regroup, encode_regroup, regroup_key
+
+    if vm.rank == spec["lose"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if vm.rank == 0:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        message = Regroup(attempt=int(os.environ["VARUNA_ATTEMPT"]), number=1, step=spec["step"],
+                          ranks=spec["ranks"], stage_to_rank_map=spec["map"], prefix="regroup-1/")
+        store.set(regroup_key(1), encode_regroup(message, os.environ["VARUNA_JOB_TOKEN"]))
 
 
 def publish_handover(vm, spec: dict) -> dict[str, int]:

@@ -56,7 +56,8 @@ __all__ = [
     "SignalledEvent", "GoneEvent", "AgentEvent", "MAX_NOTICE_SECONDS", "MAX_ENDPOINT",
     "SignalCommand", "StopCommand", "HandoverCommand", "AgentCommand", "ShelfSpec", "GO_KEY", "MAX_GO", "Go",
     "ShelfHolder",
-    "encode_go", "decode_go", "parse_spec", "parse_event", "parse_command", "grace_seconds",
+    "encode_go", "decode_go", "Regroup", "regroup_key", "encode_regroup", "decode_regroup",
+    "parse_spec", "parse_event", "parse_command", "grace_seconds",
     "describe",
     # heartbeat datagrams
     "MAX_DATAGRAM", "MAX_STEPS", "MAX_KEY", "MAX_TEXT", "BadField", "BEAT_FIELDS", "NOTICE_FIELDS",
@@ -334,6 +335,7 @@ def parse_command(line: str | bytes) -> SignalCommand | StopCommand | HandoverCo
 # The go of a handover (launcher -> node 0's agent -> the job's store -> the new configuration's warm workers)
 
 _GO_PREFIX = b"varuna-handover-go\0"
+_REGROUP_PREFIX = b"varuna-regroup\0"
 
 
 class ShelfHolder(_Strict):
@@ -397,6 +399,73 @@ def decode_go(text: str | bytes, token: str, attempt: int) -> Go:
     if go.attempt != attempt:
         raise ValueError(f"the go message is for attempt {go.attempt}, not this worker's attempt {attempt}")
     return go
+
+
+class Regroup(_Strict):
+    """What the surviving workers of attempt ``attempt`` are told after a host holding only whole data-parallel
+    replicas was lost (DESIGN.md §3.8, "a lost replica stops nobody"): the ``number``-th regroup of the attempt.
+    Every survivor redoes step ``step`` in a new process group (the job's store, under the key prefix ``prefix``)
+    of ``len([r for r in ranks if r is not None])`` ranks: old rank ``i`` becomes ``ranks[i]``, or leaves (None:
+    its replica lost a stage), placed by ``stage_to_rank_map``; each keeps its stage."""
+
+    attempt: Annotated[int, Field(ge=0)]
+    number: Annotated[int, Field(ge=1, le=MAX_RANK)]
+    step: Annotated[int, Field(ge=0)]
+    ranks: Annotated[list[Rank | None], Field(min_length=1, max_length=MAX_RANK)]
+    stage_to_rank_map: Annotated[str, Field(min_length=1, max_length=MAX_GO)]
+    prefix: Annotated[str, Field(min_length=1, max_length=256)]
+
+    @model_validator(mode="after")
+    def _ranks(self) -> Regroup:
+        kept = sorted(r for r in self.ranks if r is not None)
+        if kept != list(range(len(kept))) or not kept:
+            raise ValueError("the new ranks are not 0 .. n-1, each once")
+        return self
+
+
+def regroup_key(number: int) -> str:
+    """Where node 0's agent puts the ``number``-th regroup message of an attempt in the job's store."""
+    return f"varuna/regroup/{int(number)}"
+
+
+def encode_regroup(regroup: Regroup, token: str) -> str:
+    """``regroup`` signed with the job's token (its own prefix: a go's signature does not pass for it)."""
+    return _seal(regroup.model_dump_json(), token, _REGROUP_PREFIX)
+
+
+def decode_regroup(text: str | bytes, token: str, attempt: int, number: int) -> Regroup:
+    """The regroup in ``text`` if it is signed with ``token`` and is the ``number``-th of ``attempt``; ValueError
+    (one line) if not."""
+    payload = _unseal(text, token, _REGROUP_PREFIX, "regroup")
+    try:
+        regroup = Regroup.model_validate_json(payload)
+    except ValidationError as exc:
+        raise ValueError(f"the regroup message is malformed: {describe(exc)}") from None
+    if (regroup.attempt, regroup.number) != (attempt, number):
+        raise ValueError(f"the regroup message is number {regroup.number} of attempt {regroup.attempt}, not number "
+                         f"{number} of this worker's attempt {attempt}")
+    return regroup
+
+
+def _seal(payload: str, token: str, prefix: bytes) -> str:
+    mac = hmac.new(token.encode(), prefix + payload.encode(), hashlib.sha256).hexdigest()
+    return json.dumps({"p": payload, "mac": mac}, separators=(",", ":"))
+
+
+def _unseal(text: str | bytes, token: str, prefix: bytes, what: str) -> str:
+    """The payload of a sealed message, checked; ValueError naming ``what``."""
+    if len(text) > MAX_GO:
+        raise ValueError(f"the {what} message is over {MAX_GO} bytes")
+    try:
+        outer = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValueError(f"the {what} message is not JSON") from None
+    if not isinstance(outer, dict) or not isinstance(outer.get("p"), str) or not isinstance(outer.get("mac"), str):
+        raise ValueError(f"the {what} message is not {{p, mac}}")
+    want = hmac.new(token.encode(), prefix + outer["p"].encode(errors="surrogatepass"), hashlib.sha256).hexdigest()
+    if not outer["mac"].isascii() or not hmac.compare_digest(want, outer["mac"]):
+        raise ValueError(f"the {what} message is not signed with the job's token")
+    return str(outer["p"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -503,7 +572,8 @@ BEAT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "published_bytes": _optional(_count), "t_warm": _optional(_real), "t_taken": _optional(_real),
     "taken_local": _optional(_count), "taken_remote": _optional(_count), "taken_copies": _optional(_count),
     "taken_replica": _optional(_count),
-    "handover_failed": _optional(_text), "local_ckpt": _optional(_count),
+    "handover_failed": _optional(_text), "local_ckpt": _optional(_count), "regroup_asked": _optional(_count),
+    "regrouped": _optional(_count),
     "snapshot": _optional(_count), "snapshot_peer": _optional(_boolean), "snapshot_seconds": _optional(_real),
     "snapshot_copied": _optional(_count), "snapshot_failed": _optional(_count), "snapshot_bytes": _optional(_count),
     "snapshot_every": _optional(_count),

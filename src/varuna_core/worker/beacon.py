@@ -61,6 +61,12 @@ class Beacon:
                 del self._steps[:-MAX_STEPS]
         self._wake.set()
 
+    def regrouped(self, rank: int) -> None:
+        """This worker is ``rank`` of a regrouped process group: its beats say so from now on."""
+        with self._lock:
+            self.rank = rank
+            self._state = {**self._state, "rank": rank}
+
     def flush(self) -> None:
         """Send the current state now, from the caller's thread (before the process exits)."""
         self._send()

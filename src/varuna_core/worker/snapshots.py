@@ -137,6 +137,10 @@ class Snapshots:
         self.memory: Callable[[], tuple[int, int] | None] = host_memory  # (available, total) of this host
         self.taken = 0  # whole snapshots this process took (the same on every rank)
 
+    def regrouped(self, rank: int) -> None:
+        """This worker is ``rank`` of a smaller process group now: the hosts of the ranks are gathered again."""
+        self.rank, self._places = rank, None
+
     @property
     def all_gather(self) -> Callable[[Any], list[Any]]:
         """The collective these snapshots agree by: ``all_gather(obj)``, every rank's ``obj`` in rank order."""

@@ -260,6 +260,30 @@ class Supervision:
         if self.snapshots is not None and self.snapshots.due(iteration):
             self._snapshot(iteration)
 
+    def regroup_asked(self, iteration: int) -> None:
+        """A peer was lost in step ``iteration``: tell the launcher at once (it decides how the survivors go on)."""
+        if self.beacon is not None:
+            self.beacon.progress(step=iteration, regroup_asked=iteration)
+            self.beacon.flush()
+
+    def regrouped(self, rank: int, replica: int, iteration: int) -> None:
+        """This worker is now ``rank`` (``replica`` of its stage) of the regrouped process group: what its
+        heartbeats, snapshots and checkpoints say from now on."""
+        self.rank, self.replica = rank, replica
+        if self.beacon is not None:
+            self.beacon.regrouped(rank)
+            self.beacon.progress(step=iteration, regrouped=iteration, replica=replica)
+            self.beacon.flush()
+        if self.snapshots is not None:
+            self.snapshots.regrouped(rank)
+        if self.local_store is not None:
+            self.local_store.rank = rank
+
+    def left(self) -> None:
+        """This worker leaves the job at a regroup (its replica lost a stage): its last words to the launcher."""
+        if self.beacon is not None:
+            self.beacon.flush()
+
     def flag(self) -> float:
         """This rank's request, summed over ranks by the step's all-reduce: :data:`STORE_FLAG` if it was asked to
         checkpoint and stop, :data:`HANDOVER_FLAG` if to publish and stop (and it can), else 0."""
