@@ -13,7 +13,9 @@ the final checkpoint, must equal the replay's exactly.
 
 The chain is read from the launcher's records (``events.jsonl``, ``metrics.jsonl``, ``plans/attempt<K>.yaml``):
 an attempt started at the step of its ``go`` (a handover) or its ``resume`` (a checkpoint), else at 0; the state
-at step ``s > 0`` was produced by the latest earlier attempt that computed step ``s - 1``. Consecutive links with
+at step ``s > 0`` was produced by the latest earlier attempt that computed step ``s - 1``. An attempt whose
+workers regrouped after losing a host (a ``regroup`` event) is two links: its plan up to the step redone, the
+regrouped plan from there. Consecutive links with
 the same plan are replayed as one (a restart on one layout reproduces the run to the last bit).
 """
 
@@ -65,7 +67,21 @@ def surviving_chain(events: list[dict], reports: list[dict], run_dir: Path, last
             break
         attempt, end = producer(first, attempt), first
     chain.reverse()
-    return chain
+    return _split_at_regroups(chain, events, run_dir)
+
+
+def _split_at_regroups(chain: list[Link], events: list[dict], run_dir: Path) -> list[Link]:
+    """An attempt whose survivors regrouped after losing a host ran two layouts: its plan up to the step they
+    redid, then the regrouped plan (``plans/attempt<K>-regroup<N>.yaml``) from that step on."""
+    regroups = sorted((e for e in events if e["event"] == "regroup"), key=lambda e: (e["attempt"], e["number"]))
+    out: list[Link] = []
+    for link in chain:
+        pieces = [(link.first, link.plan)]
+        pieces += [(e["step"], run_dir / "plans" / f"attempt{link.attempt}-regroup{e['number']}.yaml")
+                   for e in regroups if e["attempt"] == link.attempt and link.first < e["step"] < link.end]
+        for i, (first, plan) in enumerate(pieces):
+            out.append(Link(link.attempt, plan, first, pieces[i + 1][0] if i + 1 < len(pieces) else link.end))
+    return out
 
 
 def _merged(chain: list[Link]) -> list[Link]:
@@ -109,7 +125,6 @@ def mismatches(chain: list[Link], reports: list[dict],
                expected: dict[int, float]) -> list[tuple[int, int, float, float | None]]:
     """``(attempt, step, loss, replayed loss)`` of every step that an attempt of the chain reported, within its
     link, and that differs from the replay (other attempts' steps were not kept: they started from elsewhere)."""
-    links = {link.attempt: link for link in chain}
     return [(r["attempt"], r["step"], r["loss"], expected.get(r["step"])) for r in reports
-            if (link := links.get(r["attempt"])) is not None and link.first <= r["step"] < link.end
+            if any(link.attempt == r["attempt"] and link.first <= r["step"] < link.end for link in chain)
             and r["loss"] != expected.get(r["step"])]

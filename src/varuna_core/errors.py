@@ -24,12 +24,14 @@ __all__ = [
     "InternalError",
     "format_error",
     "EXIT_CHECKPOINTED",
+    "EXIT_LEFT",
     "EXIT_BAD_CHECKPOINT",
 ]
 
 # Exit codes of a worker that the launcher reads (the CLI's own: 0 ok, 1 failed, 2 bad input, 130 interrupted).
 EXIT_CHECKPOINTED = 75  # checkpointed on demand and stopped (EX_TEMPFAIL)
 EXIT_BAD_CHECKPOINT = 76  # the checkpoint to resume from was refused: resume from an earlier one
+EXIT_LEFT = 77  # left the job at a regroup: its replica lost a stage (worker.regroup), not a crash
 
 
 class VarunaError(Exception):

@@ -104,3 +104,54 @@ def test_a_connection_found_failed_as_a_message_is_posted_is_a_lost_peer(monkeyp
     with pytest.raises(CommTimeoutError, match="sending micro-batch 2 to rank 1: the connection failed") as info:
         send([torch.zeros(2)], dst=1, mb=2, kind=0, group=None)
     assert peer_lost(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The launcher's side
+
+@pytest.mark.parametrize(("layout", "world", "lost", "ranks", "new_map"), [
+    ("0,2;1,3", 4, {2, 3}, [0, 1, None, None], "0;1"),  # a host held replica 1 whole
+    ("0,2;1,3", 4, {1}, [None, None, 0, 1], "0;1"),  # replica 0 lost a stage: its stage-0 worker leaves
+    ("0,2,4;1,3,5", 6, {4}, [0, 1, 2, 3, None, None], "0,2;1,3"),
+    ("0,1;2,3", 4, {0}, [None, 0, None, 1], "0;1"),  # replicas numbered across the hosts
+    ("0,3;1,4;2,5", 6, {4, 5}, [0, 1, 2, None, None, None], "0;1;2"),
+])
+def test_the_whole_replicas_left_go_on_renumbered_in_order(layout, world, lost, ranks, new_map) -> None:
+    from varuna_core.launch.regroup import plan_regroup
+
+    plan = plan_regroup(layout, world, lost)
+    assert plan is not None and (plan.ranks, plan.stage_to_rank_map) == (ranks, new_map)
+    assert plan.world == sum(r is not None for r in ranks) and plan.pp == layout.count(";") + 1
+    assert sorted(plan.leaving(lost)) == sorted(r for r, new in enumerate(ranks) if new is None and r not in lost)
+
+
+@pytest.mark.parametrize(("layout", "world", "lost"), [
+    ("0;1", 2, {1}),  # one replica: nothing whole is left
+    ("0,2;1,3", 4, {0, 3}),  # each replica lost a stage
+    ("0,2;1,3", 4, set()),  # nothing lost
+    ("0,2;1,3", 4, {7}),  # not a rank of the job
+])
+def test_no_regroup_without_a_whole_replica_left(layout, world, lost) -> None:
+    from varuna_core.launch.regroup import plan_regroup
+
+    assert plan_regroup(layout, world, lost) is None
+
+
+def test_the_regrouped_plan_is_a_valid_plan_of_the_same_stages(tmp_path) -> None:
+    from tests.profiles import make_profile
+    from varuna_core.launch.regroup import plan_regroup, regrouped_plan
+    from varuna_core.planning.artifacts import load_plan, save_plan
+    from varuna_core.planning.planner import PlanRequest, plan_for
+
+    profile = make_profile([1e-3] * 6, sizes=(1, 2, 4, 8))
+    plan = plan_for(profile, PlanRequest(gpus=4, batch_size=32, gpus_per_node=2), pp=2, dp=2, microbatch_size=4,
+                    schedule="varuna")
+    regroup = plan_regroup(plan.stage_to_rank_map, 4, {2, 3})
+    assert regroup is not None
+    after = regrouped_plan(plan, regroup, [[0, 1], []], "host b lost at step 7")
+    assert (after.pp, after.dp, after.gpus, after.nodes) == (2, 1, 2, [[0, 1]])
+    assert (after.partition, after.microbatch_size, after.schedule) == (plan.partition, plan.microbatch_size,
+                                                                        plan.schedule)
+    assert after.num_microbatches == 8 and "host b lost at step 7" in after.assumptions[-1]
+    save_plan(after, tmp_path / "plan.yaml")
+    assert load_plan(tmp_path / "plan.yaml") == after

@@ -234,6 +234,11 @@ Handover = Annotated[bool, typer.Option(
     "--handover/--no-handover", help="With --morph: start the new configuration's workers while the old ones train, "
     "then hand the state over through the hosts' memory (no shared file system needed); --no-handover restarts "
     "through the checkpoint store.")]
+Regroup = Annotated[bool, typer.Option(
+    "--regroup/--no-regroup", help="With a handover under data parallelism: when a host is lost without notice and "
+    "every stage keeps a whole replica elsewhere, the workers of the whole replicas left go on in their own "
+    "processes (the step in flight redone, the lost replicas' examples taken over); --no-regroup recovers the job "
+    "as after any crash.")]
 ShelfDir = Annotated[str, typer.Option(
     "--shelf-dir", help="A tmpfs directory on every host where a handover keeps the published state.")]
 HandoverCopies = Annotated[bool, typer.Option(
@@ -279,6 +284,7 @@ def launch(
     morph_timeout: MorphTimeout = DEFAULTS["morph_timeout"], preempt_margin: PreemptMargin = DEFAULTS["preempt_margin"],
     grace: Grace = DEFAULTS["grace"], straggler_threshold: StragglerThreshold = DEFAULTS["straggler_threshold"],
     recheck_max: RecheckMax = DEFAULTS["recheck_max"], handover: Handover = DEFAULTS["handover"],
+    regroup: Regroup = DEFAULTS["regroup"],
     shelf_dir: ShelfDir = DEFAULTS["shelf_dir"], shelf_budget: ShelfBudget = DEFAULTS["shelf_budget"],
     handover_copies: HandoverCopies = DEFAULTS["handover_copies"],
     snapshot_every: SnapshotEvery = "auto" if DEFAULTS["snapshot_every"] is None else str(DEFAULTS["snapshot_every"]),
@@ -338,7 +344,8 @@ def launch(
             total_steps=steps, max_restarts=max_restarts, heartbeat_timeout=heartbeat_timeout,
             morph_timeout=morph_timeout, preempt_margin=preempt_margin, grace=grace,
             straggler_threshold=straggler_threshold,
-            recheck_max=recheck_max, handover=handover, shelf_dir=shelf_dir, shelf_budget=shelf_budget,
+            recheck_max=recheck_max, handover=handover, regroup=regroup, shelf_dir=shelf_dir,
+            shelf_budget=shelf_budget,
             handover_copies=handover_copies, snapshot_every=every if (morph and handover) or every else 0)
     run.mkdir(parents=True, exist_ok=True)
     opts.ckpt_dir.mkdir(parents=True, exist_ok=True)

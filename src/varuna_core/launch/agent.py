@@ -215,12 +215,13 @@ class Agent:
             return None
         return self.shelf_server.port
 
-    def handover(self, message: str) -> None:
-        """Put the launcher's go message where the warm workers wait for it (node 0 hosts the job's store)."""
+    def handover(self, message: str, key: str = GO_KEY) -> None:
+        """Put the launcher's go (or regroup) message where the workers wait for it (node 0 hosts the job's
+        store)."""
         if self.store is None:
             _error("a handover message reached an agent that does not host the job's store")
             return
-        self.store.set(GO_KEY, message)
+        self.store.set(key, message)
 
     def _watch_spot(self, watch: SpotWatch) -> None:
         """Report the cloud's notices for this VM as ``preempt`` events (the launcher checkpoints and morphs)."""
@@ -414,7 +415,7 @@ def main() -> None:
         if isinstance(cmd, SignalCommand):
             agent.signal(cmd.signal)
         elif isinstance(cmd, HandoverCommand):
-            agent.handover(cmd.message)
+            agent.handover(cmd.message, cmd.key)
         elif isinstance(cmd, StopCommand):
             agent.stop(cmd.grace_or(spec.grace))
             break

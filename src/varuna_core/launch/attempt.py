@@ -36,8 +36,8 @@ from typing import Any, Literal, Protocol, TextIO, overload
 from pydantic import ValidationError
 
 from ..env import WorkerEnv
-from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, ConfigError, VarunaError
-from ..planning.artifacts import Plan
+from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, EXIT_LEFT, ConfigError, VarunaError
+from ..planning.artifacts import Plan, save_plan
 from .heartbeat import Beat, Listener
 from .hosts import Host
 from .options import LaunchOptions, forwarded_environ
@@ -52,6 +52,7 @@ from .protocol import (
     LogEvent,
     PreemptEvent,
     ReadyEvent,
+    Regroup,
     ShelfSpec,
     SignalCommand,
     SignalledEvent,
@@ -60,7 +61,10 @@ from .protocol import (
     StoreEvent,
     WorkerSlot,
     describe,
+    encode_regroup,
+    regroup_key,
 )
+from .regroup import REGROUP_WAIT, RegroupPlan, plan_regroup, regrouped_plan
 from .shelf import shelf_key
 from .ssh import AgentEvents, AgentHandle
 from .stragglers import Straggler, StragglerDetector
@@ -324,16 +328,28 @@ class Attempt:
         self.gone: set[int] = set()
         self.rank_host = {rank: node.host.name for node in nodes for rank, _ in node.ranks}
         self.node_ranks = {node.index: {rank for rank, _ in node.ranks} for node in nodes}
+        # a regroup renumbers the workers: an agent names its workers by their first rank, the heartbeats by their
+        # current one (None: lost, or left the job)
+        self.renumber: dict[int, int | None] = {rank: rank for rank in self.rank_host}
+        self.regroups = 0  # regroups of this attempt so far
+        self._regrouping: float | None = None  # when the launcher began to wait for the survivors' steps
+        self._regroup_failed = False  # a regroup was not possible: the next loss ends the attempt as before
+        self._written_off: set[int] = set()  # nodes lost and regrouped around
+        self._last_regroup_step = -1
+        self._on_regroup: Callable[[list[str], Plan], None] | None = None
+        self._new_stragglers(plan)
+        self.started_at = time.monotonic()
+        self.first_step_seen = False
+        self.signalled: str | None = None  # the scheduler's signal an agent reported, and where
+        self.scheduler_signal: str | None = None  # that signal's name (SIGUSR1: Slurm's warning, SIGTERM: the end)
+
+    def _new_stragglers(self, plan: Plan) -> None:
         stage_of = {}
         for s, ranks in enumerate(plan.stage_to_rank_map.rstrip(";").split(";")):
             for r in ranks.split(","):
                 stage_of[int(r)] = s
         self.stragglers = StragglerDetector(stage_of, [st.busy for st in plan.stages] or None,
-                                            threshold=opts.straggler_threshold)
-        self.started_at = time.monotonic()
-        self.first_step_seen = False
-        self.signalled: str | None = None  # the scheduler's signal an agent reported, and where
-        self.scheduler_signal: str | None = None  # that signal's name (SIGUSR1: Slurm's warning, SIGTERM: the end)
+                                            threshold=self.opts.straggler_threshold)
 
     # ------------------------------------------------------------------------------------------------------
     # Start
@@ -351,6 +367,7 @@ class Attempt:
             ckpt_every=self.opts.ckpt_every or None, ckpt_keep=self.opts.ckpt_keep or None,
             ckpt_tempdir=str(self.opts.ckpt_tempdir) if self.opts.ckpt_tempdir else None,
             ckpt_local=1 if self.opts.ckpt_local else None,
+            regroup=1 if self.handing_over and self.opts.regroup and self.plan.dp > 1 else None,
             total_steps=self.opts.total_steps or None, on_sigterm="checkpoint" if self.opts.slurm else None)
         legacy = None
         if self.opts.legacy_args:
@@ -467,7 +484,8 @@ class Attempt:
 
     def run(self, changes: Callable[[], tuple[list[Host], str] | None],
             terminating: Callable[[], tuple[int, str]] = lambda: (0, ""),
-            warmup: Callable[[list[Host]], Attempt | None] | None = None) -> Outcome:
+            warmup: Callable[[list[Host]], Attempt | None] | None = None,
+            regrouped: Callable[[list[str], Plan], None] | None = None) -> Outcome:
         """Watch the workers until the attempt ends. ``changes()`` says whether the set of hosts should change
         (the new hosts and why); ``terminating()`` whether the launcher must stop (1: after an on-demand
         checkpoint, 2: now) and why (e.g. ``SIGTERM``). A scheduler's signal reported by an agent counts as 1.
@@ -478,7 +496,11 @@ class Attempt:
         through the store). Once every new worker is warm (or the successor's ``publish_by`` comes), the workers
         are asked to publish their state on their hosts' shelves and stop (SIGUSR2); the outcome then carries
         the successor. A successor that fails while warming is stopped and reported, and the morph goes
-        through the store."""
+        through the store.
+
+        ``regrouped(hosts, plan)``: the workers of ``hosts`` were lost and the others went on as ``plan``
+        (:meth:`_regroup`)."""
+        self._on_regroup = regrouped
         request: Outcome | None = None  # what the attempt ends as once the workers have checkpointed and stopped
         asked_at: float | None = None
         try:
@@ -755,13 +777,18 @@ class Attempt:
             self.reporter.event(f"agent on {self.agents[node].host.name} reported rank {rank}, which it "
                                 f"does not run: ignored")
             return
+        current = self.renumber.get(rank) if rank is not None else None
         if isinstance(event, LogEvent):
-            self.files.log_line(event.rank, event.line)
+            self.files.log_line(event.rank, event.line)  # a worker's log keeps its first rank's name
             said = event.line.split("] ", 1)[-1] if event.line.startswith("[rank ") else event.line
-            if said.startswith("error: "):
-                self.errors[event.rank] = said[len("error: "):][:500]
+            if said.startswith("error: ") and current is not None:
+                self.errors[current] = said[len("error: "):][:500]
         elif isinstance(event, ExitEvent):
-            self.exits[event.rank] = event.code
+            if current is not None:
+                self.exits[current] = event.code
+            elif event.code not in (0, EXIT_LEFT):  # (a worker that left, or one of a host already lost)
+                self.reporter.event(f"worker {event.rank} on {self.agents[node].host.name}, no longer part of the "
+                                    f"job, exited with {_describe(event.code)}")
         elif isinstance(event, GoneEvent):
             self.gone.add(node)
         elif isinstance(event, ReadyEvent):
@@ -843,8 +870,11 @@ class Attempt:
 
     def _ended(self, request: Outcome | None) -> Outcome | None:
         hosts = request.hosts if request else None
-        lost = [self.agents[n].host.name for n in self.gone
-                if any(r not in self.exits for r, _ in self.nodes[n].ranks)]
+        nodes = [n for n in sorted(self.gone) if n not in self._written_off and any(
+            (c := self.renumber.get(r)) is not None and c not in self.exits for r, _ in self.nodes[n].ranks)]
+        lost = [self.agents[n].host.name for n in nodes]
+        if lost and self._regroup(nodes, request):
+            return None  # the survivors go on (or are being asked how far they got)
         if lost:
             return Outcome(Ending.CRASH, f"lost the agent on {', '.join(lost)} (host down or SSH dropped)", hosts=hosts,
                            suspects=lost)
@@ -893,6 +923,91 @@ class Attempt:
             return Outcome(Ending.CHECKPOINTED,
                            "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)", step=step)
         return Outcome(Ending.CRASH, "some workers finished while others stopped to checkpoint", step=step, suspects=[])
+
+    # ------------------------------------------------------------------------------------------------------
+    # A lost replica stops nobody
+
+    def _regroup(self, nodes: list[int], request: Outcome | None) -> bool:
+        """The agents of ``nodes`` are gone: whether the survivors go on without them in their own processes (see
+        :mod:`varuna_core.launch.regroup`). True while the launcher waits for every survivor to say at which step
+        it lost its peer (at most :data:`REGROUP_WAIT` seconds), and once the decision is sent; False when the
+        attempt must end as a crash (the survivors are then ended and the job recovers as before)."""
+        lost = {c for n in nodes for r, _ in self.nodes[n].ranks if (c := self.renumber.get(r)) is not None}
+        plan = plan_regroup(self.plan.stage_to_rank_map, self.world, lost)
+        if (plan is None or self._regroup_failed or not (self.handing_over and self.opts.regroup)
+                or request is not None or self.successor is not None or not self.first_step_seen or 0 in nodes):
+            return False  # (node 0's agent keeps the job's store: without it, nobody can be told)
+        now = time.monotonic()
+        if self._regrouping is None:
+            self._regrouping = now
+            self.reporter.event(f"lost the agent on {', '.join(self.agents[n].host.name for n in nodes)}: asking "
+                                f"the {self.world - len(lost)} workers left how far they got")
+        step = self._survivors_step(set(range(self.world)) - lost)
+        if step is None:
+            if now - self._regrouping <= REGROUP_WAIT:
+                return True
+            self._regroup_failed = True
+            self.reporter.event(f"the workers left did not all say within {REGROUP_WAIT:g}s at which step they lost "
+                                f"their peers: ending them")
+            return False
+        if step < 0:
+            self._regroup_failed = True
+            self.reporter.event("the workers left lost their peers at different steps: ending them")
+            return False
+        if not self._send_regroup(plan, step, nodes, lost, now - self._regrouping):
+            self._regroup_failed = True
+            return False
+        return True
+
+    def _survivors_step(self, survivors: set[int]) -> int | None:
+        """The step every rank of ``survivors`` reported losing its peer in (``regroup_asked``, sent since the
+        loss); None while some have not said, -1 if they differ."""
+        beats = self.beats()
+        steps = set()
+        for r in survivors:
+            beat = beats.get(r)
+            asked = beat.get("regroup_asked") if beat is not None else None
+            if not isinstance(asked, int) or asked <= self._last_regroup_step:
+                return None
+            steps.add(asked)
+        return steps.pop() if len(steps) == 1 else -1
+
+    def _send_regroup(self, plan: RegroupPlan, step: int, nodes: list[int], lost: set[int], waited: float) -> bool:
+        """Tell the survivors (through node 0's agent, which keeps the job's store) and follow their new
+        numbering from now on; False if the new layout cannot be described (nothing was sent)."""
+        hosts = ", ".join(self.agents[n].host.name for n in nodes)
+        renumber = {first: (plan.ranks[c] if c is not None else None) for first, c in self.renumber.items()}
+        placed = [sorted(c for r, _ in node.ranks if (c := renumber.get(r)) is not None) for node in self.nodes]
+        try:
+            layout = regrouped_plan(self.plan, plan, placed, f"{hosts} lost at step {step}")
+        except ValueError as exc:  # pydantic's ValidationError is one
+            self.reporter.event(f"no regroup: the layout left is not a plan ({exc})".splitlines()[0])
+            return False
+        self.regroups += 1
+        message = Regroup(attempt=self.number, number=self.regroups, step=step, ranks=plan.ranks,
+                          stage_to_rank_map=plan.stage_to_rank_map, prefix=f"varuna/regroup-{self.regroups}/")
+        self.agents[0].send(HandoverCommand(message=encode_regroup(message, self.token),
+                                            key=regroup_key(self.regroups)))
+        leaving = plan.leaving(lost)
+        self.files.event("regroup", attempt=self.number, number=self.regroups, step=step, lost=sorted(lost),
+                         hosts=[self.agents[n].host.name for n in nodes], leaving=leaving, pp=plan.pp, dp=plan.dp,
+                         stage_to_rank_map=plan.stage_to_rank_map, waited=round(waited, 3))
+        self.reporter.event(f"{hosts} lost: the {plan.world} workers of the whole replicas left go on in their "
+                            f"processes as pp={plan.pp} × dp={plan.dp}, redoing step {step}"
+                            + (f" ({len(leaving)} whose replica lost a stage leave)" if leaving else ""))
+        self.renumber = renumber
+        self.rank_host = {new: self.rank_host[old] for old, new in enumerate(plan.ranks) if new is not None}
+        self.world = plan.world
+        self.exits, self.errors = {}, {}
+        self._written_off |= set(nodes)
+        self.plan = layout
+        save_plan(self.plan, self.opts.run_dir / "plans" / f"attempt{self.number}-regroup{self.regroups}.yaml")
+        self._new_stragglers(self.plan)
+        self.status.dp = plan.dp
+        self._regrouping, self._last_regroup_step = None, step
+        if self._on_regroup is not None:
+            self._on_regroup([self.agents[n].host.name for n in nodes], self.plan)
+        return True
 
     # ------------------------------------------------------------------------------------------------------
     # Stop

@@ -480,7 +480,8 @@ class Manager:
                     return Outcome(Ending.TERMINATED, f"on {self.stop_why}, before the attempt started")
             self.current, self.highest = number, max(self.highest, number)
             outcome = attempt.run(lambda: self._changes(), lambda: (self.sigterms, self.stop_why),
-                                  warmup=self._warmup if self.opts.morph and self.opts.handover else None)
+                                  warmup=self._warmup if self.opts.morph and self.opts.handover else None,
+                                  regrouped=self._regrouped)
             if attempt.scheduler_signal == "SIGUSR1":
                 self.warned = True
             self.status.state = "stopping"
@@ -776,6 +777,15 @@ class Manager:
                                      cancel=self._closing)
         order = {h.name: i for i, h in enumerate(hosts)}
         return sorted(problems, key=lambda p: order[p.host.name])
+
+    def _regrouped(self, lost: list[str], plan: Plan) -> None:
+        """The workers left of the running attempt went on as ``plan`` without ``lost``: those hosts are left out
+        (checked again in the background: the job grows onto them when they answer, by a handover)."""
+        self.plan = plan
+        for host in [h for h in self.hosts if h.name in lost]:
+            self._leave_out(host, "lost without notice; the workers of the whole replicas left went on without it")
+        self.hosts = [h for h in self.hosts if h.name not in lost]
+        self.status.morphs += 1
 
     def _leave_out(self, host: Host, reason: str, at_start: bool = False) -> None:
         """Leave ``host`` out of the job until a check in the background finds it answering (reported once); see

@@ -219,6 +219,7 @@ class LaunchOptions:
     ckpt_keep: int | None = None
     ckpt_tempdir: str | None = None
     ckpt_local: bool = False  # ckpt_dir is each host's own directory: each keeps its files and a copy of another's
+    regroup: bool = True  # with a handover: the survivors of a lost host that held whole replicas go on in-process
     total_steps: int | None = None
     max_restarts: int = 3
     backoff: float = 2.0

@@ -280,11 +280,13 @@ class StopCommand(_Command):
 
 
 class HandoverCommand(_Command):
-    """Node 0's agent puts ``message`` (a signed :func:`encode_go`) into the job's store under
-    :data:`GO_KEY`, where the new configuration's warm workers wait for it."""
+    """Node 0's agent puts ``message`` into the job's store under ``key``: a signed :func:`encode_go` under
+    :data:`GO_KEY`, where the new configuration's warm workers wait for it, or a signed :func:`encode_regroup`
+    under its :func:`regroup_key`, where the survivors of a lost replica wait for it."""
 
     cmd: Literal["handover"] = "handover"
     message: Annotated[str, Field(max_length=MAX_GO)]
+    key: Annotated[str, Field(pattern=r"^(varuna/handover/go|varuna/regroup/[1-9][0-9]{0,6})$")] = GO_KEY
 
 
 AgentCommand = Annotated[SignalCommand | StopCommand | HandoverCommand, Field(discriminator="cmd")]

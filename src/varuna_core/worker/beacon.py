@@ -48,6 +48,7 @@ class Beacon:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # one datagram at a time, in the order of their sequence numbers
         self._warned: set[str] = set()
+        self._silent = False
         self._wake = threading.Event()
         self._sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET, socket.SOCK_DGRAM)
         self._thread = threading.Thread(target=self._run, name="varuna-heartbeat", daemon=True)
@@ -98,8 +99,15 @@ class Beacon:
         body["steps"] = steps
         return body
 
+    def silence(self) -> None:
+        """Send nothing more: this worker left the job (a regroup), and its rank is another worker's now."""
+        with self._lock:
+            self._silent = True
+
     def _send(self) -> None:
         with self._lock:
+            if self._silent:
+                return
             state, records, self._steps = self._state, self._steps, []
         body = self._clean(state, records)
         with self._send_lock:

@@ -39,14 +39,13 @@ from typing import Any
 import torch
 
 from ..env import WorkerEnv
-from ..errors import CommTimeoutError, HandoverError
+from ..errors import EXIT_LEFT, CommTimeoutError, HandoverError
 from ..launch.protocol import Regroup, decode_regroup, regroup_key
 
-__all__ = ["EXIT_LEFT", "Regrouper", "global_views", "peer_lost"]
+__all__ = ["EXIT_LEFT", "Regrouper", "global_views", "peer_lost"]  # EXIT_LEFT: from errors, for the workers' use
 
 log = logging.getLogger(__name__)
 
-EXIT_LEFT = 77  # a worker left the job at a regroup (its replica lost a stage): not a crash
 WAIT = 60.0  # seconds a survivor waits for the launcher's decision before it gives up (and exits)
 
 

@@ -280,9 +280,10 @@ class Supervision:
             self.local_store.rank = rank
 
     def left(self) -> None:
-        """This worker leaves the job at a regroup (its replica lost a stage): its last words to the launcher."""
+        """This worker leaves the job at a regroup (its replica lost a stage): it says nothing more, since its
+        rank is another worker's now (its exit reaches the launcher through its agent)."""
         if self.beacon is not None:
-            self.beacon.flush()
+            self.beacon.silence()
 
     def flag(self) -> float:
         """This rank's request, summed over ranks by the step's all-reduce: :data:`STORE_FLAG` if it was asked to
