@@ -190,9 +190,9 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
         reference = reference or _finish_reference(pending)
         loss_diff, (param_diff, abs_diff, worst) = _compare(launch, run_dir / "checkpoints", reference, steps,
                                                             problems)
-    events = launch.events()
+    events, reports = launch.events(), launch.reports()
     for fault in faults:
-        _timings(fault, events)
+        _timings(fault, events, reports)
     chain, layout_losses, layout_params = None, None, None
     if replay_layouts and code == 0:
         from devtools.same_layouts import mismatches, replay, surviving_chain
@@ -307,7 +307,9 @@ def _progress(launch: Launch) -> int:
 
 
 def _trained_attempts(launch: Launch) -> int:
-    return sum(e["event"] == "first_step" for e in launch.events())
+    """Attempts that trained, and regroups (the survivors of a lost host going on in their processes: a new
+    layout that trains, without a new attempt)."""
+    return sum(e["event"] in ("first_step", "regroup") for e in launch.events())
 
 
 def _await_recovery(launch: Launch, fault: Fault, before: int, hosts: Path, lines: list[str],
@@ -326,11 +328,15 @@ def _await_recovery(launch: Launch, fault: Fault, before: int, hosts: Path, line
     return True
 
 
-def _timings(fault: Fault, events: list[dict]) -> None:
+def _timings(fault: Fault, events: list[dict], reports: list[dict]) -> None:
     """Detection, recovery, steps lost and the state's source of a fault that ended an attempt unasked."""
     if fault.kind not in SUDDEN or fault.at is None:
         return
     ended = next((e for e in events if e["event"] == "ending" and e["t"] >= fault.at and e["kind"] == "crash"), None)
+    regroup = next((e for e in events if e["event"] == "regroup" and e["t"] >= fault.at), None)
+    if regroup is not None and (ended is None or regroup["t"] < ended["t"]):
+        _regroup_timings(fault, regroup, reports)
+        return
     if ended is None:
         return
     fault.detected_s = round(ended["t"] - fault.at, 2)
@@ -351,6 +357,20 @@ def _timings(fault: Fault, events: list[dict]) -> None:
         resumed, fault.source = 0, "step 0"
     if fault.progress is not None:
         fault.steps_lost = max(0, fault.progress + 1 - resumed)
+
+
+def _regroup_timings(fault: Fault, regroup: dict, reports: list[dict]) -> None:
+    """A fault the survivors regrouped around: noticed when the launcher lost the agent (the decision's time less
+    its wait for the survivors), recovered at the first record of the step they redid; one step lost (the one in
+    flight), no state moved."""
+    noticed = regroup["t"] - regroup["waited"]
+    fault.detected_s = round(noticed - fault.at, 2)
+    redone = [r["t"] for r in reports if r["step"] == regroup["step"] and r["t"] > noticed]
+    if redone:
+        fault.recovered_s = round(min(redone) - noticed, 2)
+    fault.source = f"regroup at step {regroup['step']} (dp={regroup['dp']}, no process started)"
+    if fault.progress is not None:
+        fault.steps_lost = max(0, fault.progress + 1 - regroup["step"])
 
 
 # ----------------------------------------------------------------------------------------------------------
