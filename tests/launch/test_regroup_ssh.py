@@ -32,6 +32,7 @@ def test_the_survivors_of_a_lost_host_go_on_in_their_processes(cluster, plan4, t
     hosts.write_text("".join(line + "\n" for line in cluster.hosts_file_lines(2)))
     run = tmp_path / "run"
     launch = Launch([str(plan4), "--run-dir", str(run), "--hosts", str(hosts), "--morph", "--snapshot-every", "0",
+                     "--recheck-max", "2",
                      "--grace", "2", *cluster.launcher_args(), "--", *TRAIN, "--steps", "100000"], run, timeout=300)
     try:
         launch.wait_for(lambda: max((r["step"] for r in launch.reports()), default=-1) >= 4, 200)
