@@ -73,6 +73,7 @@ from .pipeline.reduce import (
 from .pipeline.tracing import ChromeTrace
 from .pipeline.validate import check_slicing, reference_run
 from .util.heap import release_free_memory
+from .util.sockets import shut_down, socket_inodes
 from .worker.excepthook import install_excepthook
 from .worker.regroup import EXIT_LEFT, Regrouper, global_views, peer_lost
 from .worker.supervision import Supervision
@@ -178,6 +179,7 @@ class Varuna(nn.Module):
     ) -> None:
         super().__init__()
         install_excepthook()
+        sockets_before = set(socket_inodes())  # the process groups' connections are those made from here on
         told = WorkerEnv.from_environ()  # what varuna launch told this worker: read once, handed to who needs it
         self._job_token = told.job_token  # signs a background checkpoint's reports between ranks
         config = resolve_config(
@@ -200,6 +202,7 @@ class Varuna(nn.Module):
             raise
         agree_started(None, rank=self.rank, world_size=self.world_size)
         self._connect(model)
+        self._group_sockets = set(socket_inodes()) - sockets_before  # cut when a peer is lost: _regroup
         release_free_memory()  # the other stages' tensors of a model built for real, the validation's run
         schedule = config.schedule
         self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, schedule, self.timeout,
@@ -419,7 +422,11 @@ class Varuna(nn.Module):
         redo the step with (see :mod:`varuna_core.worker.regroup`). Re-raises ``exc`` when it cannot."""
         assert self._regrouper is not None
         views = global_views(inputs, self._sliced)
-        with contextlib.suppress(Exception):  # closes this rank's connections: the survivors waiting on it fail too
+        # every transfer of the group ends at once, on both sides: the survivors waiting on this rank fail too
+        cut = shut_down(self._group_sockets, keep_port=self._regrouper.master[1])
+        log.info("rank %d: cut %d connections of its process group", self.rank, cut)
+        self.groups.release()
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
         if views is None:
             log.warning("rank %d: a peer was lost, but the inputs are not the share replica_slice() made of a global "
@@ -450,6 +457,7 @@ class Varuna(nn.Module):
         if topology.pp != self.pp or topology.coords(rank)[0] != self.stage:
             log.warning("rank %d: the regroup would move it off stage %d; giving up", self.rank, self.stage)
             raise exc
+        sockets = set(socket_inodes())
         self._regrouper.join(regroup, rank, "nccl" if self.device.type == "cuda" else "gloo")
         old = self.rank
         self.world_size, self.rank, self.topology = world, rank, topology
@@ -457,6 +465,7 @@ class Varuna(nn.Module):
         self.dp = topology.dp
         self._lay_out()
         self.groups = build_groups(self.topology, self.ties, self.stage, self.replica, self.world_size, self.timeout)
+        self._group_sockets = set(socket_inodes()) - sockets
         self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, self.schedule_name,
                                          self.timeout, self.precision)
         self._grad_sync = GradSync(self.groups, self._tied, self.grad_buffer, timeout=self.timeout, rank=self.rank,

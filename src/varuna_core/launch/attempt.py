@@ -336,6 +336,7 @@ class Attempt:
         self._regroup_failed = False  # a regroup was not possible: the next loss ends the attempt as before
         self._written_off: set[int] = set()  # nodes lost and regrouped around
         self._last_regroup_step = -1
+        self._lost_now: set[int] = set()  # the ranks lost with a host while the survivors are asked how far they got
         self._on_regroup: Callable[[list[str], Plan], None] | None = None
         self._new_stragglers(plan)
         self.started_at = time.monotonic()
@@ -856,7 +857,7 @@ class Attempt:
         """Why the attempt must be given up for lack of news, and the host that fell silent; or None."""
         now = time.monotonic()
         beats = self.beats()
-        running = [r for r in range(self.world) if r not in self.exits]
+        running = [r for r in range(self.world) if r not in self.exits and r not in self._lost_now]
         for r in running:
             beat = beats.get(r)
             if beat is None:
@@ -938,6 +939,7 @@ class Attempt:
                 or request is not None or self.successor is not None or not self.first_step_seen or 0 in nodes):
             return False  # (node 0's agent keeps the job's store: without it, nobody can be told)
         now = time.monotonic()
+        self._lost_now = lost  # their heartbeats stopped with them: not what ends the attempt while it waits
         if self._regrouping is None:
             self._regrouping = now
             self.reporter.event(f"lost the agent on {', '.join(self.agents[n].host.name for n in nodes)}: asking "
@@ -946,16 +948,16 @@ class Attempt:
         if step is None:
             if now - self._regrouping <= REGROUP_WAIT:
                 return True
-            self._regroup_failed = True
+            self._regroup_failed, self._lost_now = True, set()
             self.reporter.event(f"the workers left did not all say within {REGROUP_WAIT:g}s at which step they lost "
                                 f"their peers: ending them")
             return False
         if step < 0:
-            self._regroup_failed = True
+            self._regroup_failed, self._lost_now = True, set()
             self.reporter.event("the workers left lost their peers at different steps: ending them")
             return False
         if not self._send_regroup(plan, step, nodes, lost, now - self._regrouping):
-            self._regroup_failed = True
+            self._regroup_failed, self._lost_now = True, set()
             return False
         return True
 
@@ -1004,7 +1006,7 @@ class Attempt:
         save_plan(self.plan, self.opts.run_dir / "plans" / f"attempt{self.number}-regroup{self.regroups}.yaml")
         self._new_stragglers(self.plan)
         self.status.dp = plan.dp
-        self._regrouping, self._last_regroup_step = None, step
+        self._regrouping, self._last_regroup_step, self._lost_now = None, step, set()
         if self._on_regroup is not None:
             self._on_regroup([self.agents[n].host.name for n in nodes], self.plan)
         return True

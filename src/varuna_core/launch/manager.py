@@ -649,7 +649,8 @@ class Manager:
                 ready = old.agents[node.index].ready
                 port = ready.shelf_port if ready is not None else None
                 address = (ready.address if ready is not None else None) or node.host.address
-                holders += [(rank, node.host.name, address, port) for rank, _ in node.ranks]
+                holders += [(rank, node.host.name, address, port)  # the ranks it has now (after any regroup)
+                            for first, _ in node.ranks if (rank := old.renumber.get(first)) is not None]
             missing = sorted({h for _, h, _, port in holders if port is None})
             if not missing:
                 go = Go(attempt=attempt.number, source="shelf", step=step, shelf=shelf_key(self.job, old.number),
