@@ -51,7 +51,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import CheckpointError, ConfigError
-from ..util.fs import MiB, describe_mode, open_regular
+from ..util.fs import MiB, describe_mode, fsync_dir, open_regular
 from ..util.text import one_line, short_repr
 from . import layout
 from .layout import COMPLETE_FILE, MANIFEST_FILE, PART_FILE, RUN_FILE, check_run_id, is_checkpoint_file
@@ -722,13 +722,6 @@ def _write_small(directory: Path, name: str, data: bytes) -> None:
         os.fsync(out.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _check_out(out: Path) -> None:
     if os.path.lexists(out) and not out.is_dir():
@@ -764,12 +757,12 @@ def _build(plan: _Plan, out: Path, warnings: list[str]) -> tuple[Path, list[tupl
         if plan.manifest.run_id is not None:
             _write_small(work, RUN_FILE, f"{plan.manifest.run_id}\n".encode())
         _write_small(work, MANIFEST_FILE, plan.manifest_bytes)
-        _fsync_dir(work)
+        fsync_dir(work)
         _write_small(work, COMPLETE_FILE, f"{plan.step}\n".encode())
         os.chmod(work, 0o755)
         _target(out, plan.step)  # nobody made it meanwhile
         os.rename(work, target)
-        _fsync_dir(out)
+        fsync_dir(out)
     except BaseException as exc:
         shutil.rmtree(work, ignore_errors=True)
         if created:

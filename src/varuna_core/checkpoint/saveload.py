@@ -71,7 +71,7 @@ from pydantic import ValidationError
 from ..errors import CheckpointError, ConfigError, VarunaError
 from ..model.rng import MASK64
 from ..util.checks import integer
-from ..util.fs import atomic_write
+from ..util.fs import atomic_write, fsync_dir
 from .io import copy_file
 from .layout import (
     COMPLETE_FILE,
@@ -382,7 +382,7 @@ def _copy_and_complete(job: _Background) -> int:
             size = copy_file(job.local / entry["path"], job.final / entry["path"], durable=True)
             if size != entry["bytes"]:
                 raise CheckpointError(f"copying {entry['path']} gave {size} bytes of {entry['bytes']}")
-        _fsync_dir(job.final)  # durable before this rank reports done: COMPLETE and retention rely on it
+        fsync_dir(job.final)  # durable before this rank reports done: COMPLETE and retention rely on it
     except (OSError, VarunaError) as exc:
         failure = f"rank {job.rank}: {_reason(exc)}"
     finally:
@@ -521,7 +521,7 @@ def _complete(final: Path, manifest: Manifest, run: str, keep: int | None) -> No
     """Rank 0: write the manifest, then ``COMPLETE``, durably; then apply retention to this run."""
     atomic_write(final / MANIFEST_FILE, manifest.model_dump_json(indent=2), durable=True)
     atomic_write(final / COMPLETE_FILE, f"{manifest.step}\n", durable=True)
-    _fsync_dir(final)
+    fsync_dir(final)
     with _state_lock:
         _writing.discard(final)
     _retain(final.parent, run, keep, manifest.step)
@@ -545,13 +545,6 @@ def _retain(store: Path, run: str, keep: int | None, completed: int) -> None:
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _reason(exc: BaseException) -> str:

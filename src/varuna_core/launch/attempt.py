@@ -169,22 +169,9 @@ def _attempts_in(events: Path, limit: int = 16 * 2**20) -> int:
     """The highest attempt number an earlier launcher recorded in ``events`` (0: none). A requeued Slurm job runs
     again in the same run directory: its attempts are numbered on, so that their logs, plans and events stay
     apart. Only the last ``limit`` bytes are read; a line that is not an event is skipped."""
-    try:
-        with open(events, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit))
-            data = f.read(limit)
-    except OSError:
-        return 0
     highest = 0
-    for line in data.splitlines():
-        if b'"starting"' not in line:
-            continue
-        try:
-            event = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        attempt = event.get("attempt") if isinstance(event, dict) and event.get("event") == "starting" else None
+    for event in _events_in(events, b'"starting"', limit):
+        attempt = event.get("attempt") if event.get("event") == "starting" else None
         if isinstance(attempt, int) and not isinstance(attempt, bool) and 0 < attempt < 2**31:
             highest = max(highest, attempt)
     return highest

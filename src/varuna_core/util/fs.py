@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, VarunaError
 
-__all__ = ["read_regular", "read_text", "open_regular", "atomic_write", "describe_mode", "MiB"]
+__all__ = ["read_regular", "read_text", "open_regular", "atomic_write", "fsync_dir", "describe_mode", "MiB"]
 
 MiB = 2**20
 
@@ -117,6 +117,15 @@ def read_text(path: str | os.PathLike[str], limit: int, *, what: str = "file",
         line = data.count(b"\n", 0, exc.start) + 1
         raise error(f"{what} {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line})",
                     hint="is it the right file?") from None
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the entries of directory ``path`` (files created, renamed or removed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644, durable: bool = False) -> None:

@@ -56,7 +56,7 @@ from ..checkpoint.part import read_part, write_part
 from ..errors import CheckpointError, HandoverError, VarunaError
 from ..launch.local_store import store_name
 from ..launch.shelf import Shelf, fetch_into, shelf_key
-from ..util.fs import atomic_write, open_regular
+from ..util.fs import atomic_write, fsync_dir, open_regular
 from ..util.text import printable
 from .snapshots import SnapshotReport, Snapshots, step_of
 
@@ -200,7 +200,7 @@ class LocalStore:
             atomic_write(staging / COMPLETE_FILE, f"{iteration}\n", durable=True)
         else:
             write_part(staging, step=iteration, run_id=run, host=self.host, files=held)
-        _fsync(staging)
+        fsync_dir(staging)
         final = step_dir(self.store, iteration)
         if final.is_symlink() or final.exists():
             owner = read_run(final) if final.is_dir() and not final.is_symlink() else None
@@ -209,7 +209,7 @@ class LocalStore:
                                       f"refusing to replace it", hint="give the job another --ckpt-dir")
             _delete(final)
         os.rename(staging, final)
-        _fsync(self.store)
+        fsync_dir(self.store)
         self._retain(run, iteration)
 
     def _retain(self, run: str, newest: int) -> None:
@@ -336,11 +336,4 @@ def _delete(directory: Path) -> None:
         return
     shutil.rmtree(doomed, ignore_errors=True)
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
