@@ -288,6 +288,11 @@ class Outcome:
     copies: bool = False  # recovery from a snapshot: each host's files are also on the next host (the go says so)
 
 
+# seconds the launcher waits, after ranks failed plainly, for news of the cause (an agent lost with its host, a
+# rank killed): a rank whose peer died fails within milliseconds of it, sometimes before the loss is reported
+SYMPTOM_WAIT = 1.0
+
+
 class Attempt:
     """Start the agents of one configuration and watch them (see :meth:`run`)."""
 
@@ -324,6 +329,7 @@ class Attempt:
         self._written_off: set[int] = set()  # nodes lost and regrouped around
         self._last_regroup_step = -1
         self._lost_now: set[int] = set()  # the ranks lost with a host while the survivors are asked how far they got
+        self._failed_at: float | None = None  # when a rank first failed plainly (see _symptom)
         self._on_regroup: Callable[[list[str], Plan], None] | None = None
         self._new_stragglers(plan)
         self.started_at = time.monotonic()
@@ -889,6 +895,8 @@ class Attempt:
                 return Outcome(request.kind, f"{request.message}; {late}", hosts=request.hosts, step=step)
             return Outcome(Ending.CHECKPOINTED, f"the workers checkpointed and stopped (SIGUSR1 from outside the "
                            f"launcher); {late}", step=step)
+        if bad and self._symptom(bad):
+            return None  # a failure that may be the symptom of a host lost a moment ago: let its news arrive
         if bad:
             first = next(iter(bad))  # exits are recorded in the order they happened
             what = f"rank {first} on {self.rank_host[first]} exited with {_describe(bad[first])}"
@@ -911,6 +919,18 @@ class Attempt:
             return Outcome(Ending.CHECKPOINTED,
                            "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)", step=step)
         return Outcome(Ending.CRASH, "some workers finished while others stopped to checkpoint", step=step, suspects=[])
+
+    def _symptom(self, bad: dict[int, int]) -> bool:
+        """Whether to wait a moment before ending the attempt for the failed ranks ``bad``: when every one of them
+        exited with a plain failure (code 1, as a rank whose peer died does), for at most :data:`SYMPTOM_WAIT`
+        seconds, since the cause (an agent lost with its host, a rank killed) may be reported just after it; the
+        crash is then told by its cause."""
+        if any(code != 1 for code in bad.values()):
+            return False
+        now = time.monotonic()
+        if self._failed_at is None:
+            self._failed_at = now
+        return now - self._failed_at < SYMPTOM_WAIT
 
     # ------------------------------------------------------------------------------------------------------
     # A lost replica stops nobody
