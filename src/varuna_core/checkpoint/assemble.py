@@ -32,6 +32,7 @@ Torch-free, and independent of the launcher. Nothing here prints: :func:`assembl
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import hashlib
 import os
@@ -174,20 +175,22 @@ class _StepView:
     manifest: int | None = None  # size of manifest.json (None: none that is a regular file)
 
 
-class _Source:
-    """A directory holding ``step_<N>/`` directories, or one ``step_<N>`` directory."""
+class _Source(abc.ABC):
+    """A directory holding ``step_<N>/`` directories, or one ``step_<N>`` directory (on this machine, or over SSH:
+    the two subclasses)."""
 
     label: str
     remote = False
     single: bool  # the source is one step_<N> directory, not a store
 
+    @abc.abstractmethod
     def listing(self, warnings: list[str]) -> dict[int, _StepView]:
-        raise NotImplementedError
+        """The step directories this source holds, and what is in each."""
 
+    @abc.abstractmethod
     def stream(self, step: int, name: str, limit: int, sink: Callable[[bytes], None]) -> int:
         """Pass the bytes of ``step``'s file ``name`` to ``sink``; never more than ``limit`` of them (a source that
         has more fails). Returns how many were passed."""
-        raise NotImplementedError
 
     def read(self, step: int, name: str, limit: int) -> bytes:
         parts: list[bytes] = []
