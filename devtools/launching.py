@@ -180,10 +180,16 @@ def process_environ(pid: int) -> list[bytes]:
 
 
 def worker_pid(job: str, rank: int, script: str = "train.py") -> int | None:
-    """The pid of rank ``rank``'s worker (a process running ``script``) of ``job``, if it is alive."""
-    for pid, cmd in job_processes(job):
-        if script in cmd and f"RANK={rank}".encode() in process_environ(pid):
-            return pid
+    """The pid of rank ``rank``'s worker (a process running ``script``) of ``job``, if it is alive: started as
+    an interpreter (``RANK`` in its environment) or forked by the host's fork server (named after its rank; its
+    environment as the kernel shows it is the server's)."""
+    needle = f"VARUNA_JOB_ID={job}".encode()
+    for p in live_processes():
+        if needle not in p.environ():
+            continue
+        cmd = p.cmdline()
+        if script in cmd and (f"RANK={rank}".encode() in p.environ() or p.comm() == f"varuna-r{rank}"):
+            return p.pid
     return None
 
 

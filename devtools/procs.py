@@ -23,6 +23,13 @@ class Proc:
         except OSError:
             return []
 
+    def comm(self) -> str:
+        """Its name (what ``top`` shows; a worker forked by a fork server is named ``varuna-r<rank>``)."""
+        try:
+            return Path(f"/proc/{self.pid}/comm").read_text().strip()
+        except OSError:
+            return ""
+
     def cmdline(self) -> str:
         """Its command line, arguments joined by spaces."""
         try:

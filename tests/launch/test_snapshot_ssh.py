@@ -42,7 +42,9 @@ def test_a_host_lost_without_notice_costs_the_steps_since_the_snapshot_and_no_st
                      "--steps", "100000"], run, timeout=300)
     survivor = lines[0].split()[0]
     try:
-        launch.wait_for(lambda: max((r["step"] for r in launch.reports()), default=-1) >= 2 * EVERY + 1)
+        # once both hosts' fork servers serve (the new configuration's workers are then forked, not started)
+        launch.wait_for(lambda: max((r["step"] for r in launch.reports()), default=-1) >= 2 * EVERY + 1
+                        and len({e["host"] for e in launch.events() if e["event"] == "fork_server" and e["pid"]}) == 2)
         cluster.crash(cluster.hosts[1])
         new = launch.wait_for(lambda: next((e for e in launch.events() if e["event"] == "starting"
                                             and e["attempt"] > 1 and e["hosts"] == [survivor]

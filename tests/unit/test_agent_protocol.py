@@ -59,7 +59,10 @@ def test_only_well_formed_events_count(line) -> None:
 @pytest.mark.parametrize("event", [
     {"event": "ready", "pid": 12, "interface": "lo", "address": "127.0.0.1", "shelf_port": 41000},
     {"event": "ready", "pid": 12, "interface": None, "address": None, "shelf_port": None},
-    {"event": "store", "port": 29500}, {"event": "started", "rank": 3, "pid": 99},
+    {"event": "store", "port": 29500}, {"event": "started", "rank": 3, "pid": 99, "forked": False},
+    {"event": "started", "rank": 3, "pid": 99, "forked": True},
+    {"event": "forkserver", "pid": 77, "seconds": 2.5, "message": None},
+    {"event": "forkserver", "pid": None, "seconds": 0.0, "message": "no fork server: it did not start"},
     {"event": "log", "rank": 0, "line": "[/] step 1"}, {"event": "exit", "rank": 1, "code": -9},
     {"event": "error", "message": "boom"}, {"event": "stopped"},
     {"event": "preempt", "source": "gcp", "seconds": 0.0, "detail": "preempted"},

@@ -61,6 +61,8 @@ from .protocol import (
     AgentSpec,
     ErrorEvent,
     ExitEvent,
+    ForkServerCommand,
+    ForkServerEvent,
     HandoverCommand,
     LogEvent,
     PreemptEvent,
@@ -81,6 +83,7 @@ if TYPE_CHECKING:
 
     import torch.distributed as dist
 
+    from .forkserver import ForkClient, ForkedProcess, ForkedStore
     from .protocol import SpotWatch
     from .shelf import Shelf, ShelfServer
     from .spot import Notice, SpotWatcher
@@ -142,8 +145,11 @@ def _die_with_parent() -> None:
 class Agent:
     def __init__(self, spec: AgentSpec) -> None:
         self.spec = spec
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.store: dist.TCPStore | None = None
+        self.procs: dict[int, subprocess.Popen[bytes] | ForkedProcess] = {}
+        self.store: dist.TCPStore | ForkedStore | None = None  # (the latter: hosted by the fork server)
+        self.forks: ForkClient | None = None  # the host's fork server, if the spec asks for it and one runs
+        self.no_fork: str | None = None  # why the fork server does not start this attempt's other workers
+        self.base_env: dict[str, str] = {}  # the workers' environment but for their ranks (a fork server's)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"varuna-agent-{spec.job[:8]}-"))
         self.stopping = threading.Event()
         self.pumps: list[threading.Thread] = []
@@ -162,6 +168,8 @@ class Agent:
         server = None  # where the other hosts reach this shelf: the address that routes to the master
         if shelf_port is not None and address:
             server = f"[{address}]:{shelf_port}" if ":" in address else f"{address}:{shelf_port}"
+        if spec.fork_server:
+            self.forks = self._fork_client()
         if spec.store:
             port = self._start_store(spec.master_port)
             emit(StoreEvent(port=port))
@@ -172,19 +180,29 @@ class Agent:
         if spec.plan is not None:
             plan_path = str(self.tmp / "plan.json")
             Path(plan_path).write_text(json.dumps(spec.plan))
-        # every worker is forked before any thread exists here, so preexec_fn is safe
+        # every worker is started before any thread exists here (the fork server's reader starts after), so
+        # preexec_fn is safe
         for worker in spec.workers:
             env = worker_env(spec, worker, port, interface, plan_path, server)
-            try:
-                proc = subprocess.Popen(self._argv(worker), cwd=spec.cwd or None, env=env,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
-            except OSError as exc:
-                _error(f"cannot start {spec.argv[0]!r}: {exc.strerror or exc}")
-                self.stop(0)
-                return
+            if not self.base_env:
+                self.base_env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "GROUP_RANK")}
+            proc: subprocess.Popen[bytes] | ForkedProcess | None = self._fork(worker, env)
+            if proc is None:
+                try:
+                    proc = subprocess.Popen(self._argv(worker), cwd=spec.cwd or None, env=env,
+                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=_die_with_parent)
+                except OSError as exc:
+                    _error(f"cannot start {spec.argv[0]!r}: {exc.strerror or exc}")
+                    if self.forks is not None:  # (the exit codes of those it forked come through it)
+                        self.forks.start_reader()
+                    self.stop(0)
+                    return
             self.procs[worker.rank] = proc
-            emit(StartedEvent(rank=worker.rank, pid=proc.pid))
+            emit(StartedEvent(rank=worker.rank, pid=proc.pid, forked=not isinstance(proc, subprocess.Popen)))
+        if self.forks is not None:
+            self.forks.start_reader()
         for rank, proc in self.procs.items():
             pump = threading.Thread(target=self._pump, args=(rank, proc), name=f"rank{rank}", daemon=True)
             pump.start()
@@ -221,7 +239,10 @@ class Agent:
         if self.store is None:
             _error("a handover message reached an agent that does not host the job's store")
             return
-        self.store.set(key, message)
+        try:
+            self.store.set(key, message)
+        except Exception as exc:  # noqa: BLE001  (the store's host is gone: the workers time out and say so)
+            _error(f"cannot put the {key} message into the job's store: {exc}")
 
     def _watch_spot(self, watch: SpotWatch) -> None:
         """Report the cloud's notices for this VM as ``preempt`` events (the launcher checkpoints and morphs)."""
@@ -238,16 +259,78 @@ class Agent:
             _error(f"no spot notices: {exc}")
 
     def _start_store(self, port: int | None) -> int:
-        """Host the job's TCPStore (node 0); its port."""
+        """Host the job's TCPStore (node 0): in a child of the fork server if there is one (torch is imported
+        there already), else here; its port."""
         import datetime
 
+        self.listen = _store_socket(self.spec.master_addr, int(port or 0))
+        if self.forks is not None:
+            from .forkserver import ForkServerError
+
+            try:
+                self.store = self.forks.store(self.listen, self.spec.master_addr, 600.0)
+                return int(self.listen.getsockname()[1])
+            except (ForkServerError, OSError) as exc:
+                _error(f"the fork server cannot host the job's store ({exc}): the agent hosts it")
         import torch.distributed as dist
 
-        self.listen = _store_socket(self.spec.master_addr, int(port or 0))
         self.store = store = dist.TCPStore(
             self.spec.master_addr, self.listen.getsockname()[1], len(self.spec.workers), is_master=True,
             wait_for_workers=False, timeout=datetime.timedelta(seconds=600), master_listen_fd=self.listen.fileno())
         return store.port
+
+    def _fork_client(self) -> ForkClient | None:
+        """The connection to this job's fork server on this host, if one runs and serves this job."""
+        from .forkserver import ForkClient, ForkServerError, socket_path
+
+        token = self.spec.env.get(JOB_TOKEN)
+        if not token:
+            return None
+        try:
+            return ForkClient.connect(socket_path(self.spec.job, self.spec.host), token)
+        except (ForkServerError, OSError) as exc:
+            _error(f"the fork server does not serve this job ({exc}): the workers start as new interpreters")
+            return None
+
+    def _fork(self, worker: WorkerSlot, env: dict[str, str]) -> ForkedProcess | None:
+        """``worker`` forked by the host's fork server; None when there is none or it cannot (said once)."""
+        if self.forks is None or self.no_fork is not None:
+            return None
+        from .forkserver import ForkServerError
+
+        argv = self._argv(worker)
+        why = self.forks.usable_for(argv, env)
+        if why is None:
+            try:
+                return self.forks.spawn(argv, env, self.spec.cwd, f"varuna-r{worker.rank}")
+            except (ForkServerError, OSError) as exc:
+                why = str(exc)
+        # (the connection stays: the server ends what it forked for this agent when it closes)
+        self.no_fork = why
+        _error(f"the fork server cannot start rank {worker.rank} ({why}): the workers from here on start as new "
+               f"interpreters")
+        return None
+
+    def prepare_fork_server(self) -> None:
+        """Make sure this job's fork server runs on this host and keep a connection to it (which keeps it alive);
+        report it (``forkserver`` event). In a thread: the server's imports take seconds."""
+        from .forkserver import ForkServerError, socket_path, start_server
+
+        if self.forks is not None:
+            emit(ForkServerEvent(pid=self.forks.pid))
+            return
+        token = self.spec.env.get(JOB_TOKEN)
+        argv = self._argv(self.spec.workers[0]) if self.spec.workers else list(self.spec.argv)
+        began = time.monotonic()
+        try:
+            if not token or not self.base_env:
+                raise ForkServerError("the spec carries no job token" if not token else "no worker ran here")
+            self.forks = start_server(socket_path(self.spec.job, self.spec.host), token, argv, self.base_env,
+                                      self.spec.cwd)
+        except (ForkServerError, OSError) as exc:
+            emit(ForkServerEvent(message=f"no fork server: {exc}"[:MAX_LINE]))
+            return
+        emit(ForkServerEvent(pid=self.forks.pid, seconds=round(time.monotonic() - began, 3)))
 
     def _argv(self, worker: WorkerSlot) -> list[str]:
         argv = list(self.spec.argv)
@@ -258,7 +341,7 @@ class Agent:
                      f"--batch-size={legacy.batch_size}"]
         return argv
 
-    def _pump(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+    def _pump(self, rank: int, proc: subprocess.Popen[bytes] | ForkedProcess) -> None:
         """Forward the worker's output line by line (a line longer than :data:`MAX_LINE` bytes in pieces of that
         size, so that output without newlines cannot grow memory), then its exit code (after the last line)."""
         stdout = proc.stdout
@@ -285,12 +368,17 @@ class Agent:
                 except ProcessLookupError:
                     pass
 
-    def stop(self, grace: float) -> None:
+    def stop(self, grace: float, last: bool = False) -> None:
         """SIGTERM every worker's process group, SIGKILL whatever is left after ``grace`` seconds. Under a
-        scheduler a worker's first SIGTERM only asks for a checkpoint: it gets a second one."""
-        if self.stopping.is_set():
-            return
-        self.stopping.set()
+        scheduler a worker's first SIGTERM only asks for a checkpoint: it gets a second one. ``last``: the job
+        ends, and the host's fork server leaves too."""
+        if not self.stopping.is_set():
+            self.stopping.set()
+            self._stop_workers(grace)
+        if last and self.forks is not None:  # (after the workers: it takes the workers it forked with it)
+            self.forks.quit()
+
+    def _stop_workers(self, grace: float) -> None:
         if self.spot is not None:
             self.spot.stop(timeout=0)
         live = [p for p in self.procs.values() if p.poll() is None]
@@ -416,11 +504,14 @@ def main() -> None:
             agent.signal(cmd.signal)
         elif isinstance(cmd, HandoverCommand):
             agent.handover(cmd.message, cmd.key)
+        elif isinstance(cmd, ForkServerCommand):
+            if spec.fork_server:
+                threading.Thread(target=agent.prepare_fork_server, name="forkserver", daemon=True).start()
         elif isinstance(cmd, StopCommand):
-            agent.stop(cmd.grace_or(spec.grace))
+            agent.stop(cmd.grace_or(spec.grace), last=cmd.last)
             break
-    else:  # stdin closed: the launcher is gone
-        agent.stop(spec.grace)
+    else:  # stdin closed: the launcher is gone (the fork server goes too: nothing of the job outlives it)
+        agent.stop(spec.grace, last=True)
     _finish(agent)
 
 
@@ -449,6 +540,8 @@ def _finish(agent: Agent) -> None:
         agent.shelf_server.close()
     if agent.shelf is not None:
         agent.shelf.clear()
+    if agent.forks is not None:  # (the store's host, a child of the server, leaves with the connection)
+        agent.forks.close()
     emit(StoppedEvent())
     sys.stdout.flush()
     os._exit(0)

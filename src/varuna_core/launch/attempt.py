@@ -46,6 +46,8 @@ from .protocol import (
     AgentSpec,
     ErrorEvent,
     ExitEvent,
+    ForkServerCommand,
+    ForkServerEvent,
     GoneEvent,
     HandoverCommand,
     LegacyArgs,
@@ -57,6 +59,7 @@ from .protocol import (
     SignalCommand,
     SignalledEvent,
     SpotWatch,
+    StartedEvent,
     StopCommand,
     StoreEvent,
     WorkerSlot,
@@ -334,6 +337,7 @@ class Attempt:
         self._new_stragglers(plan)
         self.started_at = time.monotonic()
         self.first_step_seen = False
+        self.forked: set[int] = set()  # the ranks the hosts' fork servers started
         self.signalled: str | None = None  # the scheduler's signal an agent reported, and where
         self.scheduler_signal: str | None = None  # that signal's name (SIGUSR1: Slurm's warning, SIGTERM: the end)
 
@@ -389,7 +393,8 @@ class Attempt:
             if self.handing_over else None,
             spot=SpotWatch(source=spot.source,  # type: ignore[arg-type]  # SpotConfig checked it against SOURCES
                            endpoint=spot.endpoint, interval=spot.interval, vm_name=spot.vm_name)
-            if (spot := self.opts.spot) is not None else None)
+            if (spot := self.opts.spot) is not None else None,
+            fork_server=self.handing_over and self.opts.fork_server)
 
     @property
     def handing_over(self) -> bool:
@@ -783,6 +788,16 @@ class Attempt:
             elif event.code not in (0, EXIT_LEFT):  # (a worker that left, or one of a host already lost)
                 self.reporter.event(f"worker {event.rank} on {self.agents[node].host.name}, no longer part of the "
                                     f"job, exited with {_describe(event.code)}")
+        elif isinstance(event, StartedEvent):
+            if event.forked:
+                self.forked.add(event.rank)
+        elif isinstance(event, ForkServerEvent):
+            host = self.agents[node].host.name
+            self.files.event("fork_server", attempt=self.number, host=host, pid=event.pid, seconds=event.seconds,
+                             message=event.message)
+            if event.message:
+                self.reporter.event(f"{host}: {event.message} (the workers of later attempts start as new "
+                                    f"interpreters)")
         elif isinstance(event, GoneEvent):
             self.gone.add(node)
         elif isinstance(event, ReadyEvent):
@@ -827,7 +842,11 @@ class Attempt:
             taken = {key: sum(b.get(key) or 0 for b in beats.values())
                      for key in ("taken_local", "taken_remote", "taken_copies", "taken_replica")}
             self.files.event("first_step", attempt=self.number, step=self.status.step, **timings,
-                             **(taken if self.retiring is not None or any(taken.values()) else {}))
+                             **(taken if self.retiring is not None or any(taken.values()) else {}),
+                             forked=len(self.forked))
+            if self.handing_over and self.opts.fork_server:
+                for agent in self.agents:  # the later attempts' workers: forked, not started
+                    agent.send(ForkServerCommand())
             if self.retiring is not None and taken["taken_replica"]:
                 self.reporter.event(f"{taken['taken_replica']} bytes of the state came from data-parallel replicas' "
                                     f"copies: the host that wrote them did not give them (see the workers' logs)")
@@ -1021,15 +1040,15 @@ class Attempt:
     # ------------------------------------------------------------------------------------------------------
     # Stop
 
-    def stop(self, grace: float | None = None, *, retire: bool = True) -> None:
+    def stop(self, grace: float | None = None, *, retire: bool = True, last: bool = False) -> None:
         """Stop every agent (its workers get SIGTERM, then SIGKILL after ``grace``) and wait for them; and the
         attempt this one took over from, if it still serves its shelves (unless not ``retire``: the launcher may
-        hand that state over again)."""
+        hand that state over again). ``last``: the job ends (the hosts' fork servers leave too)."""
         if retire:
             self._retire_now(wait=True)
         grace = self.opts.grace if grace is None else grace
         for agent in self.agents:
-            agent.send(StopCommand(grace=grace))
+            agent.send(StopCommand(grace=grace, last=last))
         deadline = time.monotonic() + grace + 15
         for agent in self.agents:
             agent.close()

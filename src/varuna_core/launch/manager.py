@@ -502,7 +502,8 @@ class Manager:
                     # its agents stay: their shelves hold the snapshot the next one takes
                     self._wreck, self._wreck_gone = attempt, attempt.end_workers()
                 else:
-                    attempt.stop(retire=not keep)
+                    attempt.stop(retire=not keep, last=outcome is not None and outcome.kind in (
+                        Ending.DONE, Ending.TERMINATED, Ending.INTERRUPTED))
                 self._orphan = (retiring, handover) if keep and retiring is not None and handover is not None \
                     else None
                 self.files.event("stopped", attempt=number)

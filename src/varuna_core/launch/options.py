@@ -220,6 +220,7 @@ class LaunchOptions:
     ckpt_tempdir: str | None = None
     ckpt_local: bool = False  # ckpt_dir is each host's own directory: each keeps its files and a copy of another's
     regroup: bool = True  # with a handover: the survivors of a lost host that held whole replicas go on in-process
+    fork_server: bool = True  # with a handover: later attempts' workers are forked by a pre-imported server per host
     total_steps: int | None = None
     max_restarts: int = 3
     backoff: float = 2.0

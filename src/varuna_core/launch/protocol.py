@@ -53,9 +53,9 @@ __all__ = [
     # the node agent's protocol
     "MAX_LINE", "MAX_EVENT", "MAX_SPEC", "WorkerSlot", "LegacyArgs", "SpotWatch", "AgentSpec", "ReadyEvent",
     "StoreEvent", "StartedEvent", "LogEvent", "ExitEvent", "ErrorEvent", "StoppedEvent", "PreemptEvent",
-    "SignalledEvent", "GoneEvent", "AgentEvent", "MAX_NOTICE_SECONDS", "MAX_ENDPOINT",
-    "SignalCommand", "StopCommand", "HandoverCommand", "AgentCommand", "ShelfSpec", "GO_KEY", "MAX_GO", "Go",
-    "ShelfHolder",
+    "SignalledEvent", "ForkServerEvent", "GoneEvent", "AgentEvent", "MAX_NOTICE_SECONDS", "MAX_ENDPOINT",
+    "SignalCommand", "StopCommand", "HandoverCommand", "ForkServerCommand", "AgentCommand", "ShelfSpec", "GO_KEY",
+    "MAX_GO", "Go", "ShelfHolder",
     "encode_go", "decode_go", "Regroup", "regroup_key", "encode_regroup", "decode_regroup",
     "parse_spec", "parse_event", "parse_command", "grace_seconds",
     "describe",
@@ -146,6 +146,9 @@ class AgentSpec(_Strict):
     # the node runs under a scheduler (Slurm) that signals every process of the job: a SIGTERM or SIGUSR1 the
     # agent gets is the scheduler's warning, reported to the launcher, and does not stop the workers
     scheduler_signals: bool = False
+    # fork the workers (and node 0's store host) from this job's fork server on the host when one runs there, and
+    # start one when told (:mod:`varuna_core.launch.forkserver`)
+    fork_server: bool = False
 
     @model_validator(mode="after")
     def _workers_fit(self) -> AgentSpec:
@@ -182,6 +185,17 @@ class StartedEvent(_Event):
     event: Literal["started"] = "started"
     rank: Rank
     pid: int
+    forked: bool = False  # by the host's fork server (else a new interpreter)
+
+
+class ForkServerEvent(_Event):
+    """The job's fork server on the agent's host serves (``pid``; ``seconds`` to start it, 0 if it ran already),
+    or cannot (``message``: the workers of later attempts then start as new interpreters)."""
+
+    event: Literal["forkserver"] = "forkserver"
+    pid: int | None = None
+    seconds: Annotated[float, Field(ge=0.0, le=86400.0, allow_inf_nan=False)] = 0.0
+    message: Annotated[str | None, Field(max_length=MAX_LINE)] = None
 
 
 class LogEvent(_Event):
@@ -234,7 +248,7 @@ class GoneEvent(_Event):
 
 
 AgentEvent = Annotated[ReadyEvent | StoreEvent | StartedEvent | LogEvent | ExitEvent | ErrorEvent | StoppedEvent
-                       | PreemptEvent | SignalledEvent, Field(discriminator="event")]
+                       | PreemptEvent | SignalledEvent | ForkServerEvent, Field(discriminator="event")]
 _EVENTS: TypeAdapter[AgentEvent] = TypeAdapter(AgentEvent)
 
 
@@ -274,6 +288,7 @@ class StopCommand(_Command):
 
     cmd: Literal["stop"] = "stop"
     grace: Annotated[float | None, BeforeValidator(_lenient_grace)] = None
+    last: bool = False  # the job ends: the host's fork server leaves too
 
     def grace_or(self, default: float) -> float:
         return default if self.grace is None else self.grace
@@ -289,7 +304,15 @@ class HandoverCommand(_Command):
     key: Annotated[str, Field(pattern=r"^(varuna/handover/go|varuna/regroup/[1-9][0-9]{0,6})$")] = GO_KEY
 
 
-AgentCommand = Annotated[SignalCommand | StopCommand | HandoverCommand, Field(discriminator="cmd")]
+class ForkServerCommand(_Command):
+    """Start the job's fork server on this host unless one runs, and keep it for the next attempts (sent once the
+    attempt trains: its imports then do not slow the workers' start)."""
+
+    cmd: Literal["forkserver"] = "forkserver"
+
+
+AgentCommand = Annotated[SignalCommand | StopCommand | HandoverCommand | ForkServerCommand,
+                         Field(discriminator="cmd")]
 _COMMANDS: TypeAdapter[AgentCommand] = TypeAdapter(AgentCommand)
 
 
@@ -313,7 +336,7 @@ def parse_spec(line: str | bytes) -> AgentSpec:
 
 
 def parse_event(raw: str | bytes) -> ReadyEvent | StoreEvent | StartedEvent | LogEvent | ExitEvent | ErrorEvent | \
-        StoppedEvent | PreemptEvent | SignalledEvent | None:
+        StoppedEvent | PreemptEvent | SignalledEvent | ForkServerEvent | None:
     """The event in one line of an agent's output, or None if the line is not a well-formed event: a JSON
     object whose ``event`` is a known kind, with every field of that kind present and of its type (``bool`` is
     not an ``int``), ports and ranks in range, a log line at most :data:`MAX_LINE` characters."""
@@ -325,7 +348,7 @@ def parse_event(raw: str | bytes) -> ReadyEvent | StoreEvent | StartedEvent | Lo
         return None
 
 
-def parse_command(line: str | bytes) -> SignalCommand | StopCommand | HandoverCommand:
+def parse_command(line: str | bytes) -> SignalCommand | StopCommand | HandoverCommand | ForkServerCommand:
     """A command to the agent. Raises ValueError (one line) if ``line`` is not one."""
     try:
         return _COMMANDS.validate_json(line)
