@@ -149,6 +149,7 @@ class Agent:
         self.store: dist.TCPStore | ForkedStore | None = None  # (the latter: hosted by the fork server)
         self.forks: ForkClient | None = None  # the host's fork server, if the spec asks for it and one runs
         self.no_fork: str | None = None  # why the fork server does not start this attempt's other workers
+        self.preparing: threading.Thread | None = None  # starting the fork server
         self.base_env: dict[str, str] = {}  # the workers' environment but for their ranks (a fork server's)
         self.tmp = Path(tempfile.mkdtemp(prefix=f"varuna-agent-{spec.job[:8]}-"))
         self.stopping = threading.Event()
@@ -375,8 +376,11 @@ class Agent:
         if not self.stopping.is_set():
             self.stopping.set()
             self._stop_workers(grace)
-        if last and self.forks is not None:  # (after the workers: it takes the workers it forked with it)
-            self.forks.quit()
+        if last:  # (after the workers: it takes the workers it forked with it)
+            if self.preparing is not None:  # a server coming up now would stay for its linger
+                self.preparing.join(timeout=30)
+            if self.forks is not None:
+                self.forks.quit()
 
     def _stop_workers(self, grace: float) -> None:
         if self.spot is not None:
@@ -505,8 +509,9 @@ def main() -> None:
         elif isinstance(cmd, HandoverCommand):
             agent.handover(cmd.message, cmd.key)
         elif isinstance(cmd, ForkServerCommand):
-            if spec.fork_server:
-                threading.Thread(target=agent.prepare_fork_server, name="forkserver", daemon=True).start()
+            if spec.fork_server and agent.preparing is None:
+                agent.preparing = threading.Thread(target=agent.prepare_fork_server, name="forkserver", daemon=True)
+                agent.preparing.start()
         elif isinstance(cmd, StopCommand):
             agent.stop(cmd.grace_or(spec.grace), last=cmd.last)
             break

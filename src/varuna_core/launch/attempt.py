@@ -680,7 +680,10 @@ class Attempt:
     def _retire_now(self, wait: bool = False) -> None:
         old = self.retiring
         if old is not None and self._retirement is None:
-            self._retirement = threading.Thread(target=old.stop, name="retire", daemon=True)
+            # a host the job leaves with the old configuration keeps no fork server
+            leaving = {n.host.name for n in old.nodes} - {n.host.name for n in self.nodes}
+            self._retirement = threading.Thread(target=lambda: old.stop(leaving=leaving), name="retire",
+                                                daemon=True)
             self._retirement.start()
             self.files.event("retired", attempt=old.number)
         if wait and self._retirement is not None:
@@ -1040,15 +1043,17 @@ class Attempt:
     # ------------------------------------------------------------------------------------------------------
     # Stop
 
-    def stop(self, grace: float | None = None, *, retire: bool = True, last: bool = False) -> None:
+    def stop(self, grace: float | None = None, *, retire: bool = True, last: bool = False,
+             leaving: set[str] | None = None) -> None:
         """Stop every agent (its workers get SIGTERM, then SIGKILL after ``grace``) and wait for them; and the
         attempt this one took over from, if it still serves its shelves (unless not ``retire``: the launcher may
-        hand that state over again). ``last``: the job ends (the hosts' fork servers leave too)."""
+        hand that state over again). ``last``: the job ends, or (``leaving``) leaves these hosts: their fork
+        servers leave too."""
         if retire:
             self._retire_now(wait=True)
         grace = self.opts.grace if grace is None else grace
         for agent in self.agents:
-            agent.send(StopCommand(grace=grace, last=last))
+            agent.send(StopCommand(grace=grace, last=last or agent.host.name in (leaving or ())))
         deadline = time.monotonic() + grace + 15
         for agent in self.agents:
             agent.close()
