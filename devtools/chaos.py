@@ -162,6 +162,7 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     try:
         for fault in faults:
             launch.wait_for(lambda: _progress(launch) >= fault.step, timeout=timeout)  # noqa: B023 - waited for here
+            launch.wait_for(lambda: _fork_servers_up(launch), timeout=timeout)
             say(f"step {_progress(launch)}: {fault.kind} (target {fault.target})")
             before = _trained_attempts(launch)
             fault.at, fault.progress = time.time(), _progress(launch)
@@ -304,6 +305,23 @@ def _newest_complete(store: Path) -> int:
 def _progress(launch: Launch) -> int:
     reports = launch.reports()
     return max((r["step"] for r in reports), default=-1)
+
+
+def _fork_servers_up(launch: Launch) -> bool:
+    """Whether every host of the newest attempt that trained has reported its fork server (served, or why not):
+    a fault then meets the job in its steady state, as one that comes hours into a run does, not while the
+    servers still import (a few seconds after the job's first step)."""
+    events = launch.events()
+    trained = {e["attempt"] for e in events if e["event"] == "first_step"}
+    starts = [e for e in events if e["event"] == "starting" and e["attempt"] in trained]
+    if not starts:
+        return False
+    hosts = set(starts[-1]["hosts"])
+    regroups = [e for e in events if e["event"] == "regroup" and e["attempt"] == starts[-1]["attempt"]]
+    for regroup in regroups:
+        hosts -= set(regroup["hosts"])
+    told = {e["host"] for e in events if e["event"] == "fork_server" and e["attempt"] == starts[-1]["attempt"]}
+    return hosts <= told
 
 
 def _trained_attempts(launch: Launch) -> int:

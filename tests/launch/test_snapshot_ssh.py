@@ -3,7 +3,7 @@
 other's; when the second host dies at once (every process of it, its sshd and its memory with it), the first
 goes on alone from the newest snapshot — its own part from its own shelf, the lost host's part from its copy —
 with no checkpoint in any store, and every step's loss and the final parameters equal the same layouts replayed
-through a store."""
+through a store. The new worker is forked by the survivor's fork server (started once the job trained)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def test_a_host_lost_without_notice_costs_the_steps_since_the_snapshot_and_no_st
     first = next(e for e in events if e["event"] == "first_step" and e["attempt"] == new["attempt"])
     # the lost host's part came from the survivor's copy of it, linked in place: nothing over the wire
     assert first["taken_remote"] == 0 and first["taken_local"] > 0 and first["taken_copies"] > 0, first
+    assert first["forked"] == 1, first  # the new worker was forked by the survivor's fork server
     assert not [e for e in events if e["event"] in ("handover_lost", "snapshot_lost", "checkpoint_refused")], events
     assert job_processes(launch.job()) == []
     left = cluster.run(cluster.hosts[0], "ls -A /dev/shm").stdout.split()
