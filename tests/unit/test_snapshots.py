@@ -60,6 +60,19 @@ def test_the_automatic_interval_starts_past_the_first_steps_and_then_follows_the
     assert not resumed.due(700) and resumed.due(701)
 
 
+def test_after_a_regroup_the_next_automatic_snapshot_is_taken_at_the_next_step() -> None:
+    """The snapshots before a regroup name their files by the old ranks, which the launcher no longer follows: the
+    survivors take a new one at once rather than 100 steps later (a fixed interval keeps its multiples)."""
+    snaps = _snapshots(AUTO)
+    snaps.last, snaps.next = 13, 213
+    assert not snaps.due(73)
+    snaps.regrouped(1)
+    assert snaps.rank == 1 and snaps.due(73)
+    fixed = _snapshots(5)
+    fixed.regrouped(1)
+    assert not fixed.due(73) and fixed.due(75)
+
+
 def test_a_process_snapshots_again_soon_after_its_first_whose_cost_is_not_the_steady_one(tmp_path) -> None:
     """The first snapshot of a process costs what later ones do not (first use, first connection): 1.7 s against
     0.1 s on the example GPT. Its interval would leave a thousand steps unprotected; the second comes within

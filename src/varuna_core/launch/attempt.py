@@ -725,11 +725,13 @@ class Attempt:
 
     def snapshot(self) -> tuple[int, bool] | None:
         """The newest in-memory snapshot, as the workers reported it (a snapshot is reported once it is whole on
-        every rank): its step, and whether each host's files are also on the next host; None if none."""
+        every rank): its step, and whether each host's files are also on the next host; None if none. One taken
+        before a regroup is not one: its files are named by the ranks before it (the workers take the next one at
+        the step after the regroup)."""
         best: tuple[int, bool] | None = None
         for beat in self.beats().values():
             step = beat.get("snapshot")
-            if isinstance(step, int) and (best is None or step > best[0]):
+            if isinstance(step, int) and step > self._last_regroup_step and (best is None or step > best[0]):
                 best = (step, bool(beat.get("snapshot_peer")))
         return best
 

@@ -138,8 +138,13 @@ class Snapshots:
         self.taken = 0  # whole snapshots this process took (the same on every rank)
 
     def regrouped(self, rank: int) -> None:
-        """This worker is ``rank`` of a smaller process group now: the hosts of the ranks are gathered again."""
+        """This worker is ``rank`` of a smaller process group now: the hosts of the ranks are gathered again, and
+        under :data:`AUTO` the next snapshot is taken at the next step (every survivor regroups at the same one).
+        The snapshots taken before name their files by the old ranks, which the launcher no longer follows: a
+        recovery uses only those taken since."""
         self.rank, self._places = rank, None
+        if self.every is AUTO:
+            self.next = None
 
     @property
     def all_gather(self) -> Callable[[Any], list[Any]]:
