@@ -115,6 +115,9 @@ class ChaosResult:
         return out
 
 
+HOST_FAULTS = ("kill_agent", "remove_host", "preempt", "lose_host")  # the faults that hit a host, not a rank
+
+
 def schedule(seed: int, kinds: list[str], *, first: int, gap: int, ranks: int, hosts: int) -> list[Fault]:
     """One fault of each of ``kinds`` in a seeded random order, the first at step ``first``, then every ``gap``
     to ``gap * 1.5`` steps, each hitting a seeded random rank or host."""
@@ -123,7 +126,7 @@ def schedule(seed: int, kinds: list[str], *, first: int, gap: int, ranks: int, h
     rng.shuffle(order)
     out, step = [], first
     for kind in order:
-        target = rng.randrange(hosts) if kind in ("kill_agent", "remove_host", "preempt", "lose_host") \
+        target = rng.randrange(hosts) if kind in HOST_FAULTS \
             else rng.randrange(ranks)
         out.append(Fault(kind, step, target))
         step += rng.randint(gap, gap + gap // 2)
@@ -160,9 +163,13 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     launch = Launch(args, run_dir, timeout)
     problems: list[str] = []
     try:
+        late = 0  # steps trained while waiting for the fork servers: the later faults come as much later
         for fault in faults:
+            fault.step += late
             launch.wait_for(lambda: _progress(launch) >= fault.step, timeout=timeout)  # noqa: B023 - waited for here
-            launch.wait_for(lambda: _fork_servers_up(launch), timeout=timeout)
+            target = lines[fault.target].split()[0] if fault.kind in HOST_FAULTS else None
+            launch.wait_for(lambda: _fork_servers_up(launch, target), timeout=timeout)  # noqa: B023
+            late += max(0, _progress(launch) - fault.step)
             say(f"step {_progress(launch)}: {fault.kind} (target {fault.target})")
             before = _trained_attempts(launch)
             fault.at, fault.progress = time.time(), _progress(launch)
@@ -307,21 +314,30 @@ def _progress(launch: Launch) -> int:
     return max((r["step"] for r in reports), default=-1)
 
 
-def _fork_servers_up(launch: Launch) -> bool:
-    """Whether every host of the newest attempt that trained has reported its fork server (served, or why not):
-    a fault then meets the job in its steady state, as one that comes hours into a run does, not while the
-    servers still import (a few seconds after the job's first step)."""
-    events = launch.events()
+def _training_hosts(events: list[dict]) -> tuple[int, set[str]] | None:
+    """The newest attempt that trained and the hosts it trains on now (less those a regroup left out)."""
     trained = {e["attempt"] for e in events if e["event"] == "first_step"}
     starts = [e for e in events if e["event"] == "starting" and e["attempt"] in trained]
     if not starts:
-        return False
+        return None
     hosts = set(starts[-1]["hosts"])
-    regroups = [e for e in events if e["event"] == "regroup" and e["attempt"] == starts[-1]["attempt"]]
-    for regroup in regroups:
+    for regroup in (e for e in events if e["event"] == "regroup" and e["attempt"] == starts[-1]["attempt"]):
         hosts -= set(regroup["hosts"])
-    told = {e["host"] for e in events if e["event"] == "fork_server" and e["attempt"] == starts[-1]["attempt"]}
-    return hosts <= told
+    return starts[-1]["attempt"], hosts
+
+
+def _fork_servers_up(launch: Launch, host: str | None = None) -> bool:
+    """Whether every host of the newest attempt that trained has reported its fork server (served, or why not),
+    and ``host`` (a host fault's target) is one of them: a fault then meets the job in its steady state, as one
+    that comes hours into a run does, not while the servers still import (a few seconds after the job's first
+    step), and a host fault meets a host the job uses (one left out after an earlier fault is taken back first)."""
+    events = launch.events()
+    training = _training_hosts(events)
+    if training is None:
+        return False
+    attempt, hosts = training
+    told = {e["host"] for e in events if e["event"] == "fork_server" and e["attempt"] == attempt}
+    return hosts <= told and (host is None or host in hosts)
 
 
 def _trained_attempts(launch: Launch) -> int:
