@@ -401,6 +401,8 @@ AFTER_HELLO_REFUSED = {
     "cwd-not-a-string": (_fork_request(cwd=7), "cwd"),
     "store-without-host": ({"op": "store", "id": 1, "timeout": 60}, "host"),
     "store-timeout-nan": ({"op": "store", "id": 1, "host": "127.0.0.1", "timeout": float("nan")}, "timeout"),
+    # a reply that would be longer than a message may be: told in a bounded one
+    "long-interpreter": (_fork_request(argv=["é" * 60000, "w.py"]), "runs"),
 }
 
 

@@ -74,6 +74,7 @@ IMPORT_TIME = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOTO_", "KMP_", "G
 LINGER = 60.0  # seconds the server waits for an agent when none is connected
 MAX_MESSAGE = 192 * 1024  # one request's JSON (argv and environment); a bigger one is refused by the agent
 MAX_FDS = 2
+MAX_ERROR = 1000  # characters of a refusal's reason (it may quote the request): every reply fits a message
 READY_TIMEOUT = 120.0  # seconds an agent waits for a server it started to listen (its imports included)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -326,7 +327,7 @@ class _Server:
         except ForkServerError as exc:
             for fd in fds:
                 os.close(fd)
-            self._reply(conn, {"id": ident, "error": str(exc)})
+            self._reply(conn, {"id": ident, "error": str(exc)[:MAX_ERROR]})
             return None
         pid = os.fork()
         if pid == 0:
@@ -340,9 +341,11 @@ class _Server:
         return None
 
     def _reply(self, conn: _Conn, message: dict[str, Any]) -> None:
+        """Answer ``conn``; a reply that cannot go (the agent is gone or stalled, or the reply is over the size
+        limit) closes that connection, never the server."""
         try:
             _send(conn.sock, message)
-        except OSError:
+        except (OSError, ForkServerError):
             self._drop(conn)
 
     def _reap(self) -> None:
