@@ -486,6 +486,30 @@ def test_what_a_connection_asked_for_dies_when_it_closes(servers: Servers, tmp_p
         proc.stdout.close()
 
 
+SLOW_START = '''
+import os, time
+_setsid = os.setsid
+def setsid():  # a forked child that is slow to reach its own session (a loaded machine)
+    time.sleep(1.0)
+    return _setsid()
+os.setsid = setsid
+'''
+
+
+def test_a_worker_dies_with_its_connection_even_before_it_has_its_own_session(servers: Servers,
+                                                                             tmp_path: Path) -> None:
+    _script(tmp_path / "mods", "slowstart.py", SLOW_START)
+    script = _script(tmp_path, "sleeper.py", "import time\ntime.sleep(600)\n")
+    env = _env(PYTHONPATH=str(tmp_path / "mods"))
+    _, path = servers.start(env, preload=("json", "slowstart"))
+    agent = _connect(path)
+    proc = agent.spawn([PYTHON, str(script)], env, None, None)
+    agent.close()  # at once: the child has not left the server's process group yet
+    assert _wait_gone(proc.pid), "a worker outlived the connection that asked for it"
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
 def test_quit_ends_the_server_and_its_workers_and_removes_the_socket(servers: Servers, tmp_path: Path) -> None:
     script = _script(tmp_path, "sleeper.py", "import time\nprint('up', flush=True)\ntime.sleep(600)\n")
     client, path = servers.start()

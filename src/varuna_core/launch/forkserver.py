@@ -76,6 +76,7 @@ MAX_MESSAGE = 192 * 1024  # one request's JSON (argv and environment); a bigger 
 MAX_FDS = 2
 MAX_ERROR = 1000  # characters of a refusal's reason (it may quote the request): every reply fits a message
 READY_TIMEOUT = 120.0  # seconds an agent waits for a server it started to listen (its imports included)
+READY_CHILD = 10.0  # seconds the server waits for a child it forked to lead its own process group
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 _CHALLENGE = b"varuna-fork-server-v1\0"
@@ -227,6 +228,7 @@ class _Server:
         self.wake_r, self.wake_w = socket.socketpair()
         self.idle_since: float | None = time.monotonic()
         self.done = False
+        self.pid = os.getpid()
 
     def serve(self) -> _Order | None:
         for s in (self.listener, self.wake_r, self.wake_w):
@@ -329,10 +331,16 @@ class _Server:
                 os.close(fd)
             self._reply(conn, {"id": ident, "error": str(exc)[:MAX_ERROR]})
             return None
+        ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            self._in_child(order)
+            os.close(ready_r)
+            self._in_child(order, ready_w)
             return order
+        os.close(ready_w)
+        # the child leads its own process group before its pid is told to anyone, so that ending it by group (as
+        # the agent and _drop do) cannot miss it; it closes the pipe's end when it does (or when it dies)
+        _wait_closed(ready_r, READY_CHILD)
         for fd in fds:
             os.close(fd)
         conn.children.add(pid)
@@ -361,8 +369,12 @@ class _Server:
                 conn.children.discard(pid)
                 self._reply(conn, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
-    def _in_child(self, order: _Order) -> None:
-        """In a forked child: leave nothing of the server open but what the order needs."""
+    def _in_child(self, order: _Order, ready: int) -> None:
+        """In a forked child: its own session and process group, dying with the server (then the server may go on:
+        ``ready`` is closed); leave nothing of the server open but what the order needs."""
+        os.setsid()
+        _die_with_parent(self.pid)
+        os.close(ready)
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
@@ -383,10 +395,27 @@ class _Server:
 
 
 def _killpg(pid: int, sig: int) -> None:
+    """Signal the process group ``pid`` leads, or the process alone if it leads none (it did not get that far)."""
     try:
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    except PermissionError:
         pass
+
+
+def _wait_closed(fd: int, timeout: float) -> None:
+    """Wait until the other end of the pipe ``fd`` reads from is closed (at most ``timeout`` seconds); close it."""
+    import select
+
+    try:
+        if select.select([fd], [], [], timeout)[0]:
+            os.read(fd, 1)
+    finally:
+        os.close(fd)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -410,7 +439,7 @@ def _set_name(name: str) -> None:
         pass
 
 
-def _become_worker(order: _Order, server: int) -> None:
+def _become_worker(order: _Order) -> None:
     """Turn this forked child into ``python SCRIPT ARGS`` (see the module's docstring) and run the script as
     ``__main__``; returns when the script does (the interpreter then exits as a fresh one would)."""
     import faulthandler
@@ -418,8 +447,6 @@ def _become_worker(order: _Order, server: int) -> None:
     import random
     import runpy
 
-    os.setsid()
-    _die_with_parent(server)
     out = order.fds[0]
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -466,15 +493,13 @@ def _become_worker(order: _Order, server: int) -> None:
         raise SystemExit(1) from None
 
 
-def _become_store(order: _Order, server: int) -> None:
+def _become_store(order: _Order) -> None:
     """Host the job's TCPStore on the agent's listening socket; put what the agent sends on its control socket
     into it (``{"key", "value"}``, answered ``{"ok"}``); leave when the agent closes it."""
     import datetime
 
     import torch.distributed as dist
 
-    os.setsid()
-    _die_with_parent(server)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
@@ -551,9 +576,9 @@ def main() -> None:
     if order is None:
         os._exit(0)  # (no teardown of torch's modules: the agent waits for this process to be gone)
     if order.kind == "store":
-        _become_store(order, me)
+        _become_store(order)
     else:
-        _become_worker(order, me)
+        _become_worker(order)
 
 
 def _bind(path: Path) -> socket.socket | None:
