@@ -336,6 +336,7 @@ BEFORE_HELLO = {
     "deep": b"[" * 100000,
     "over-the-limit": b"{" + b" " * (MAX_MESSAGE + 16) + b"}",
     "empty-object": b"{}",
+    "mac-not-ascii": {"op": "hello", "mac": "é" * 64},
 }
 
 
@@ -426,6 +427,45 @@ def test_an_invalid_request_is_answered_with_why(servers: Servers, tmp_path: Pat
     assert json.loads(sock.recv(MAX_MESSAGE + 1)) == {"id": 2, "error": "only a .py script can be forked"}
     sock.close()
     assert _alive(client.pid)
+    _serves(path, tmp_path)
+
+
+@contextlib.contextmanager
+def _descriptor_room(pid: int, room: int) -> Iterator[None]:
+    """Meanwhile process ``pid`` may open only ``room`` more descriptors (its RLIMIT_NOFILE, set from here)."""
+    import resource
+
+    used = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    free = [fd for fd in range(max(used) + room + 2) if fd not in used]
+    old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (free[room], old[1]))
+    try:
+        yield
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+
+
+def test_a_server_out_of_descriptors_refuses_what_it_cannot_do_and_serves_on(servers: Servers,
+                                                                            tmp_path: Path) -> None:
+    client, path = servers.start()
+    sock = _authed(path)
+    with _descriptor_room(client.pid, 1):  # room for the worker's output as it arrives, none for the fork's pipe
+        read, write = os.pipe()
+        _send_raw(sock, _fork_request(), [write])
+        for fd in (read, write):
+            os.close(fd)
+        reply = json.loads(sock.recv(MAX_MESSAGE + 1))
+        assert reply["id"] == 1 and "pid" not in reply and "cannot fork" in reply["error"]
+    with _descriptor_room(client.pid, 0):  # no room to accept a connection
+        late = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        late.settimeout(DEADLINE)
+        late.connect(str(path))  # (queued: the server cannot take it yet)
+        for ident in (2, 3):  # two round trips: the server has tried to accept it in between
+            _send_raw(sock, _fork_request(id=ident, argv=[PYTHON, "w.sh"]))
+            assert json.loads(sock.recv(MAX_MESSAGE + 1))["id"] == ident
+    assert "challenge" in json.loads(late.recv(MAX_MESSAGE + 1))  # taken once there is room again
+    for s in (sock, late):
+        s.close()
     _serves(path, tmp_path)
 
 

@@ -265,7 +265,7 @@ class _Server:
     def _accept(self) -> None:
         try:
             sock, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
+        except OSError:  # (none waiting, or out of descriptors: it stays queued until there is room)
             return
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _, uid, _ = struct.unpack("3i", creds)
@@ -277,11 +277,11 @@ class _Server:
         conn = _Conn(sock, secrets.token_bytes(32))
         try:
             _send(sock, {"challenge": conn.nonce.hex(), "pid": os.getpid()})
+            self.sel.register(sock, selectors.EVENT_READ)
         except OSError:
             sock.close()
             return
         self.conns[sock.fileno()] = conn
-        self.sel.register(sock, selectors.EVENT_READ)
 
     def _drop(self, conn: _Conn) -> None:
         """Close ``conn`` and kill what it asked for: its agent is gone (or spoke nonsense)."""
@@ -306,7 +306,7 @@ class _Server:
                 os.close(fd)
             mac = message.get("mac")
             want = hmac.new(self.key, _CHALLENGE + conn.nonce, hashlib.sha256).hexdigest()
-            if op != "hello" or not isinstance(mac, str) or not hmac.compare_digest(mac, want):
+            if op != "hello" or not isinstance(mac, str) or not hmac.compare_digest(mac.encode(), want.encode()):
                 self._drop(conn)
                 return None
             conn.authed = True
@@ -331,8 +331,13 @@ class _Server:
                 os.close(fd)
             self._reply(conn, {"id": ident, "error": str(exc)[:MAX_ERROR]})
             return None
-        ready_r, ready_w = os.pipe()
-        pid = os.fork()
+        try:
+            pid, ready_r, ready_w = _fork()
+        except OSError as exc:  # (out of descriptors or processes: this request fails, the server goes on)
+            for fd in fds:
+                os.close(fd)
+            self._reply(conn, {"id": ident, "error": f"the fork server cannot fork now ({exc.strerror or exc})"})
+            return None
         if pid == 0:
             os.close(ready_r)
             self._in_child(order, ready_w)
@@ -405,6 +410,17 @@ def _killpg(pid: int, sig: int) -> None:
             pass
     except PermissionError:
         pass
+
+
+def _fork() -> tuple[int, int, int]:
+    """``os.fork()`` with a pipe the child closes once it leads its own process group: the pid and the pipe."""
+    ready_r, ready_w = os.pipe()
+    try:
+        return os.fork(), ready_r, ready_w
+    except OSError:
+        os.close(ready_r)
+        os.close(ready_w)
+        raise
 
 
 def _wait_closed(fd: int, timeout: float) -> None:
