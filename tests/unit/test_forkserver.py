@@ -186,16 +186,25 @@ def _fresh(argv: list[str], env: dict[str, str], cwd: Path | str | None = None, 
 # ----------------------------------------------------------------------------------------------------------
 # Exit codes and output
 
-EXITS = {
+EXITS: dict[str, tuple[str | None, int]] = {
     "normal.py": ("print('to stdout')\nimport sys\nprint('to stderr', file=sys.stderr)\n", 0),
     "exit3.py": ("print('leaving')\nraise SystemExit(3)\n", 3),
+    "raises.py": (("import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)\n"
+                   "def inner():\n    raise ValueError('boom')\ninner()\n"), 1),
+    "syntax.py": ("print('never')\nx = (\n", 1),
+    "interrupted.py": ("print('before')\nraise KeyboardInterrupt\n", -signal.SIGINT),
+    "missing.py": (None, 2),
+    "doc.py": (('"""The docstring."""\nimport sys\nprint(__doc__, __spec__, __package__, sys.argv)\n'
+                'raise SystemExit("a message")\n'), 1),
 }
 
 
 @pytest.mark.parametrize("name", sorted(EXITS))
 def test_exit_codes_and_output_are_those_of_a_fresh_interpreter(servers: Servers, tmp_path: Path, name: str) -> None:
     body, code = EXITS[name]
-    _script(tmp_path / "scripts", name, body)
+    (tmp_path / "scripts").mkdir()
+    if body is not None:
+        _script(tmp_path / "scripts", name, body)
     env = _env(PYTHONUNBUFFERED="1")  # (stdout and stderr interleave in one order)
     client, _ = servers.start(env)
     argv = [PYTHON, f"scripts/{name}"]
@@ -205,6 +214,11 @@ def test_exit_codes_and_output_are_those_of_a_fresh_interpreter(servers: Servers
     assert forked_code == code
     assert "forkserver" not in forked_out and "runpy" not in forked_out
     assert forked_out == fresh_out
+    if name == "raises.py":  # both streams arrive; the traceback starts at the script
+        lines = forked_out.splitlines()
+        assert lines[:3] == ["to stdout", "to stderr", "Traceback (most recent call last):"]
+        assert lines[3].startswith(f'  File "{tmp_path / "scripts" / name}", line 6, in <module>')
+        assert lines[-1] == "ValueError: boom"
 
 
 def test_a_worker_killed_by_a_signal_reports_it_as_subprocess_does(servers: Servers, tmp_path: Path) -> None:

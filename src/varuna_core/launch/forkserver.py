@@ -461,7 +461,6 @@ def _become_worker(order: _Order) -> None:
     import faulthandler
     import io
     import random
-    import runpy
 
     out = order.fds[0]
     null = os.open(os.devnull, os.O_RDONLY)
@@ -494,18 +493,46 @@ def _become_worker(order: _Order) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()
-    script = order.argv[1]
-    sys.argv = order.argv[1:]
+    _run_script(order.argv)
+
+
+def _run_script(argv: list[str]) -> None:
+    """Run ``argv[1]`` as the interpreter's start runs ``python SCRIPT ARGS``: in a new ``__main__`` module that
+    stays ``sys.modules["__main__"]``, whose ``__file__`` is the script's absolute path (``sys.argv[0]`` as given),
+    ``sys.path[0]`` its real directory, compiled without this module's ``__future__`` flags. An uncaught exception
+    is told from the script's frames on (a SyntaxError in it without any) and ends the process with 1, a
+    KeyboardInterrupt with SIGINT; a script that cannot be read ends it with 2."""
+    import builtins
+    import importlib.machinery
+    import io
+    import types
+
+    script = argv[1]
+    path = os.path.abspath(script)
+    sys.argv = argv[1:]
+    sys.orig_argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     try:
-        runpy.run_path(script, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+        with io.open_code(path) as file:
+            source = file.read()
+    except OSError as exc:
+        sys.stderr.write(f"{argv[0]}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}\n")
+        raise SystemExit(2) from None
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __annotations__={},
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
+    except SystemExit:
         raise
-    except BaseException as exc:  # noqa: BLE001  (told as a fresh interpreter tells it: from the script's frame)
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != script:
-            tb = tb.tb_next
-        sys.excepthook(type(exc), exc, tb or exc.__traceback__)
+    except BaseException as exc:  # (told as a fresh interpreter tells it)
+        here = exc.__traceback__
+        tb = here.tb_next if here is not None else None  # (the first frame is this function's)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        if isinstance(exc, KeyboardInterrupt):  # leaves by SIGINT once the interpreter is torn down
+            sys.excepthook = lambda *_: None
+            raise
         raise SystemExit(1) from None
 
 
