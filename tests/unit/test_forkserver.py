@@ -234,6 +234,27 @@ def test_a_worker_killed_by_a_signal_reports_it_as_subprocess_does(servers: Serv
     proc.stdout.close()
 
 
+class _FiledLate(ForkedProcess):
+    """A worker that spawn files only once it has exited and its exit report has had time to be read (the order
+    a loaded machine may give the reader's thread and spawn)."""
+
+    def __init__(self, pid: int, stdout: object, argv: list[str]) -> None:
+        assert _wait_gone(pid)
+        time.sleep(0.5)
+        super().__init__(pid, stdout, argv)
+
+
+def test_an_exit_reported_before_spawn_filed_its_worker_is_kept(servers: Servers, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    script = _script(tmp_path, "quick.py", "raise SystemExit(7)\n")
+    client, _ = servers.start()  # (its reader runs)
+    monkeypatch.setattr(forkserver, "ForkedProcess", _FiledLate)
+    proc = client.spawn([PYTHON, str(script)], _env(), None, None)
+    assert proc.wait(DEADLINE) == 7
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Fresh random states
 

@@ -711,6 +711,10 @@ class ForkClient:
         self._replies: dict[int, dict[str, Any]] = {}
         self._cond = threading.Condition()
         self.closed = False
+        # exit reports that came before their worker was filed (the reader's thread can read a worker's exit
+        # between the reply with its pid and spawn's filing of it), and the lock that orders the two
+        self._early: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def connect(cls, path: Path, token: str, timeout: float = 5.0) -> ForkClient | None:
@@ -770,9 +774,14 @@ class ForkClient:
     def _take(self, message: dict[str, Any]) -> int | None:
         """File an exit report; the id of a reply."""
         if "exit" in message:
-            proc = self.procs.get(message["exit"])
-            if proc is not None and isinstance(message.get("code"), int):
-                proc._exited(message["code"])
+            pid, code = message["exit"], message.get("code")
+            if isinstance(pid, int) and isinstance(code, int):
+                with self._lock:
+                    proc = self.procs.get(pid)
+                    if proc is None:
+                        self._early[pid] = code
+                if proc is not None:
+                    proc._exited(code)
             return None
         return message.get("id") if isinstance(message.get("id"), int) else None
 
@@ -791,7 +800,13 @@ class ForkClient:
             os.close(r)
             raise ForkServerError(str(reply.get("error", "refused"))[:300])
         proc = ForkedProcess(int(reply["pid"]), os.fdopen(r, "rb"), argv)
-        self.procs[proc.pid] = proc
+        with self._lock:
+            self.procs[proc.pid] = proc
+            code = self._early.pop(proc.pid, None)
+            if code is None and self.closed:  # (the reader has told every worker filed before it ended)
+                code = -signal.SIGKILL
+        if code is not None:
+            proc._exited(code)
         return proc
 
     def store(self, listening: socket.socket, host: str, timeout: float) -> ForkedStore:
@@ -826,7 +841,9 @@ class ForkClient:
             with self._cond:
                 self.closed = True
                 self._cond.notify_all()
-            for proc in self.procs.values():  # the server's children die with it (PR_SET_PDEATHSIG)
+            with self._lock:
+                procs = list(self.procs.values())
+            for proc in procs:  # the server's children die with it (PR_SET_PDEATHSIG)
                 proc._exited(-signal.SIGKILL)
 
         self._reader = threading.Thread(target=read, name="forkserver", daemon=True)
