@@ -592,7 +592,7 @@ def test_quit_ends_the_server_and_its_workers_and_removes_the_socket(servers: Se
     assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
     assert path.exists()
     client.quit()
-    assert not _alive(client.pid)  # (quit waits for it)
+    assert _wait_gone(client.pid)
     assert not path.exists()
     assert _wait_gone(proc.pid)
     assert proc.wait(DEADLINE) == -signal.SIGKILL
@@ -651,6 +651,10 @@ def test_when_the_server_dies_its_workers_die_and_the_client_says_so(servers: Se
     assert done.stdout is not None and done.stdout.read() == b""
     running = client.spawn([PYTHON, str(sleeper)], _env(), None, None)
     assert running.stdout is not None and running.stdout.readline() == b"up\n"
+    assert _wait_gone(done.pid)
+    for _ in range(2):  # (two round trips: the server has reaped the first worker and reported it meanwhile)
+        with pytest.raises(ForkServerError):
+            client.spawn([PYTHON, str(tmp_path / "run.sh")], _env(), None, None)
     os.kill(client.pid, signal.SIGKILL)
     assert _wait_gone(running.pid), "a worker outlived its server"
     client.start_reader()
