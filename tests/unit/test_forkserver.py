@@ -184,6 +184,132 @@ def _fresh(argv: list[str], env: dict[str, str], cwd: Path | str | None = None, 
 
 
 # ----------------------------------------------------------------------------------------------------------
+# A forked worker is a fresh interpreter
+
+PROBE = r'''"""The probe's docstring."""
+import faulthandler, json, os, signal, sys, warnings
+
+def annotated(x: int) -> None:
+    pass
+
+def stream(name):
+    s = getattr(sys, name)
+    return {"buffer": type(s.buffer).__name__, "name": s.name, "mode": s.mode, "encoding": s.encoding,
+            "errors": s.errors, "line_buffering": s.line_buffering, "write_through": s.write_through,
+            "fileno": s.fileno(), "original": getattr(sys, "__%s__" % name) is s}
+
+SIGNALS = ("SIGINT", "SIGTERM", "SIGCHLD", "SIGPIPE", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXFSZ", "SIGALRM")
+report = {
+    "argv": sys.argv, "orig_argv": sys.orig_argv, "executable": sys.executable, "path": sys.path,
+    "cwd": os.getcwd(), "name": __name__, "file": __file__, "package": __package__,
+    "main": sys.modules["__main__"].__dict__ is globals(), "globals": sorted(globals()), "doc": __doc__,
+    "loader": type(__loader__).__name__, "spec": repr(__spec__), "cached": __cached__,
+    "builtins": type(__builtins__).__name__, "annotation": type(annotated.__annotations__["x"]).__name__,
+    "flags": str(sys.flags), "warnings": [str(f) for f in warnings.filters],
+    "session_leader": os.getsid(0) == os.getpid() == os.getpgid(0),
+    "environ": dict(os.environ), "stdin": sys.stdin.read(),
+    "signals": {n: str(signal.getsignal(getattr(signal, n))) for n in SIGNALS},
+    "faulthandler": faulthandler.is_enabled(),
+    "streams": {n: stream(n) for n in ("stdin", "stdout", "stderr")},
+}
+sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
+sys.stdout.flush()
+print("printed, never flushed")
+os._exit(0)
+'''
+
+
+@contextlib.contextmanager
+def _ignoring(signals: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """This process ignores ``signals`` meanwhile (as the node agent ignores SIGINT and SIGHUP): what it starts
+    inherits that."""
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _probe_tree(tmp_path: Path) -> tuple[Path, str]:
+    """The probe behind a symbolic link (``sys.path[0]`` is the real directory, ``__file__`` the given path made
+    absolute): the working directory and the script's path relative to it."""
+    real = _script(tmp_path / "real", "probe.py", PROBE)
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / "probe.py").symlink_to(real)
+    return tmp_path, "link/probe.py"
+
+
+@pytest.mark.parametrize("as_agent", [False, True], ids=["plain", "as-the-agent-starts-workers"])
+def test_a_forked_worker_is_the_fresh_interpreter_subprocess_starts(servers: Servers, tmp_path: Path,
+                                                                    as_agent: bool) -> None:
+    # as the agent: PYTHONUNBUFFERED and PYTHONFAULTHANDLER set, SIGINT and SIGHUP ignored by the parent
+    env = _env(PYTHONUNBUFFERED="1" if as_agent else None, PYTHONFAULTHANDLER="1" if as_agent else None,
+               RANK="3", PROBE_VALUE="a b\tc ünïcode")
+    cwd, script = _probe_tree(tmp_path)
+    argv = [PYTHON, script, "--flag=1", "two words", "ünï"]
+    ignored = (signal.SIGINT, signal.SIGHUP) if as_agent else ()
+    with _ignoring(ignored):
+        client, _ = servers.start(env, cwd=str(tmp_path / "real"))  # (the server's own directory is another)
+        fresh_out, fresh_code = _fresh(argv, env, cwd)
+    forked_out, forked_code = _forked(client, argv, env, cwd)
+
+    assert (fresh_code, forked_code) == (0, 0)
+    fresh_lines, forked_lines = fresh_out.splitlines(), forked_out.splitlines()
+    fresh, forked = json.loads(fresh_lines[0]), json.loads(forked_lines[0])
+    # the environment is exactly what was passed, but for what the interpreter adds itself (the same in both)
+    assert {k: v for k, v in forked["environ"].items() if k in env} == env
+    assert forked["environ"] == fresh["environ"]
+    assert forked["stdin"] == ""
+    assert forked["name"] == "__main__" and forked["main"] and forked["session_leader"]
+    assert forked["annotation"] == "type"  # (compiled without the server module's __future__ annotations)
+    assert forked["file"] == str(cwd / script)
+    assert forked["argv"] == argv[1:]
+    assert forked["path"][0] == str(tmp_path / "real")
+    assert forked["cwd"] == str(cwd)
+    assert forked["faulthandler"] is as_agent
+    assert forked["streams"]["stdout"]["write_through"] is as_agent
+    if as_agent:  # unbuffered: a print without a flush arrives even when the process leaves by os._exit
+        assert forked_lines[1:] == ["printed, never flushed"]
+        assert forked["signals"]["SIGINT"] == forked["signals"]["SIGHUP"] == str(signal.SIG_IGN)
+    assert forked == fresh
+    assert forked_lines[1:] == fresh_lines[1:]
+
+
+ENV_TOUCH = '''
+import os
+os.environ.setdefault("PROBE_ADDED", "by the import")
+os.environ["PROBE_CHANGED"] = os.path.abspath(os.environ["PROBE_CHANGED"])
+os.environ.pop("PROBE_REMOVED", None)
+'''
+
+ENV_REPORT = '''
+import json, os, sys
+import envtouch
+print(json.dumps(dict(os.environ), sort_keys=True))
+'''
+
+
+def test_what_the_preloaded_imports_put_in_the_environment_is_there_as_in_a_fresh_worker(servers: Servers,
+                                                                                          tmp_path: Path) -> None:
+    # torch's import sets TORCHINDUCTOR_CACHE_DIR (to an absolute path); a worker importing it itself has it
+    _script(tmp_path / "mods", "envtouch.py", ENV_TOUCH)
+    script = _script(tmp_path, "report.py", ENV_REPORT)
+    env = _env(PYTHONPATH=str(tmp_path / "mods"), PROBE_CHANGED="relative", PROBE_REMOVED="x")
+    client, _ = servers.start(env, cwd=str(tmp_path), preload=("json", "envtouch"))
+    fresh_out, _ = _fresh([PYTHON, str(script)], env, tmp_path)
+    forked_out, code = _forked(client, [PYTHON, str(script)], env, tmp_path)
+    assert code == 0
+    fresh, forked = json.loads(fresh_out), json.loads(forked_out)
+    assert fresh["PROBE_ADDED"] == "by the import" and "PROBE_REMOVED" not in fresh
+    assert forked == fresh
+    # a worker that sets the variable itself keeps its own value
+    own = {**env, "PROBE_ADDED": "mine"}
+    forked_out, code = _forked(client, [PYTHON, str(script)], own, tmp_path)
+    assert json.loads(forked_out)["PROBE_ADDED"] == "mine"
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Exit codes and output
 
 EXITS: dict[str, tuple[str | None, int]] = {

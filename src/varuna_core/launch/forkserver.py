@@ -8,13 +8,16 @@ in a morph it is most of the warm start. So once a job's first configuration tra
 on that host asks it for its workers (and node 0's for the store host) instead of starting interpreters. A
 forked worker begins where a fresh one would be after its imports, and behaves as a fresh one:
 
-* its own session and process group (the agent ends it by group, as any worker), ``PR_SET_PDEATHSIG`` to the
-  server, and the server kills every process an agent asked for when that agent's connection closes — so
-  nothing outlives the agent that owns it, as with ``subprocess``;
-* the environment, argv, working directory, stdin (``/dev/null``) and stdout/stderr (the agent's pipe, passed
-  over the socket) of a fresh ``python SCRIPT ARGS``; ``sys.path[0]`` the script's directory;
-  ``PYTHONUNBUFFERED`` and ``PYTHONFAULTHANDLER`` as the interpreter's start would apply them; signal handlers
-  as a fresh interpreter has them;
+* its own session and process group (the agent ends it by group, as any worker; it leads them before its pid
+  is told), ``PR_SET_PDEATHSIG`` to the server, and the server kills every process an agent asked for when that
+  agent's connection closes — so nothing outlives the agent that owns it, as with ``subprocess``;
+* the environment (with what the preloaded imports put there, as they would in the worker), argv
+  (``sys.orig_argv`` too), working directory, stdin (``/dev/null``) and stdout/stderr (the agent's pipe, passed
+  over the socket) of a fresh ``python SCRIPT ARGS``; ``sys.path[0]`` the script's real directory, ``__main__``
+  and ``__file__`` (absolute) as the interpreter sets them; ``sys.stdin``/``stdout``/``stderr`` made as the
+  interpreter made the server's (``PYTHONUNBUFFERED``, ``PYTHONIOENCODING``, ...); ``PYTHONFAULTHANDLER`` as the
+  interpreter's start applies it; every signal's handler as the server's start found it (SIGINT and SIGHUP
+  ignored where the agent ignores them); an uncaught exception told from the script's frames;
 * fresh random states: Python's ``random``, numpy's global one and torch's default generators are reseeded from
   the OS (an unseeded fresh process would not share them with its siblings). What stays shared is
   ``str`` hashing's seed (``PYTHONHASHSEED``), the same in every worker forked by one server;
@@ -219,9 +222,12 @@ class _Server:
     pipe for SIGCHLD. :meth:`serve` returns only in a forked child, with what that child is to become."""
 
     def __init__(self, listener: socket.socket, token: str, python: str, imports: dict[str, str],
-                 linger: float = LINGER) -> None:
+                 linger: float = LINGER, dispositions: dict[int, Any] | None = None) -> None:
         self.listener, self.key, self.python, self.imports = listener, token.encode(), python, imports
         self.linger = linger
+        # every signal's handler as the interpreter's start left them (SIGINT and SIGHUP ignored when the agent
+        # that started the server ignores them, as the workers it starts then do): what a forked child gets back
+        self.dispositions = dispositions if dispositions is not None else _dispositions()
         self.sel = selectors.DefaultSelector()
         self.conns: dict[int, _Conn] = {}
         self.owner: dict[int, _Conn] = {}  # child pid -> the connection that asked for it
@@ -381,9 +387,9 @@ class _Server:
         _die_with_parent(self.pid)
         os.close(ready)
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, handler in self.dispositions.items():  # (as the interpreter's start left them)
+            if handler is not None and signal.getsignal(sig) != handler:
+                signal.signal(sig, handler)
         self.sel.close()
         for conn in self.conns.values():
             conn.sock.close()
@@ -434,6 +440,11 @@ def _wait_closed(fd: int, timeout: float) -> None:
         os.close(fd)
 
 
+def _dispositions() -> dict[int, Any]:
+    """Every signal's handler now (None where Python does not know it)."""
+    return {sig: signal.getsignal(sig) for sig in signal.valid_signals()}
+
+
 def _die_with_parent(parent: int) -> None:
     import ctypes
 
@@ -455,11 +466,10 @@ def _set_name(name: str) -> None:
         pass
 
 
-def _become_worker(order: _Order) -> None:
+def _become_worker(order: _Order, changes: Mapping[str, tuple[str | None, str | None]]) -> None:
     """Turn this forked child into ``python SCRIPT ARGS`` (see the module's docstring) and run the script as
     ``__main__``; returns when the script does (the interpreter then exits as a fresh one would)."""
     import faulthandler
-    import io
     import random
 
     out = order.fds[0]
@@ -470,20 +480,12 @@ def _become_worker(order: _Order) -> None:
     os.close(null)
     os.close(out)
     os.environ.clear()
-    os.environ.update(order.env)
+    os.environ.update(_after_imports(order.env, changes))
     if order.cwd:
         os.chdir(order.cwd)
     if order.name:
         _set_name(order.name)
-    unbuffered = bool(order.env.get("PYTHONUNBUFFERED"))
-    streams = {"stdin": io.TextIOWrapper(io.FileIO(0, "r", closefd=False)),
-               "stdout": io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=unbuffered,
-                                          line_buffering=not unbuffered),
-               "stderr": io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
-                                          write_through=True)}
-    for name, stream in streams.items():  # (the originals too, as a fresh interpreter has them)
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
+    _new_stdio()
     if order.env.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
     random.seed()
@@ -494,6 +496,41 @@ def _become_worker(order: _Order) -> None:
     if torch is not None:
         torch.seed()
     _run_script(order.argv)
+
+
+def _after_imports(env: Mapping[str, str], changes: Mapping[str, tuple[str | None, str | None]]) -> dict[str, str]:
+    """``env`` as the preloaded modules' imports leave it in a fresh interpreter (torch's sets
+    ``TORCHINDUCTOR_CACHE_DIR``): each change they made to the server's environment (``key: (before, after)``, None
+    for absent), where ``env`` had the value the server had before them."""
+    result = dict(env)
+    for key, (was, now) in changes.items():
+        if result.get(key) == was:
+            if now is None:
+                result.pop(key, None)
+            else:
+                result[key] = now
+    return result
+
+
+def _new_stdio() -> None:
+    """``sys.stdin``, ``stdout`` and ``stderr`` (and their ``__originals__``) new on descriptors 0 to 2, made as the
+    interpreter's start made the server's own: buffered or not, encoding, error handler, line buffering, names and
+    modes alike (the server's ``PYTHON*`` variables are the worker's, and its streams were pipes as the worker's
+    are)."""
+    import io
+
+    for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, f"__{name}__")
+        buffered = not isinstance(old.buffer, io.RawIOBase)
+        # (never closed: the interpreter's own, as the server's were; Any: the interpreter sets names and modes
+        # that the type checker takes for read-only properties)
+        buffer: Any = open(fd, "wb" if fd else "rb", buffering=-1 if buffered else 0, closefd=False)  # noqa: SIM115
+        (buffer.raw if buffered else buffer).name = (old.buffer.raw if buffered else old.buffer).name
+        stream: Any = io.TextIOWrapper(buffer, encoding=old.encoding, errors=old.errors, newline="\n",
+                                       line_buffering=old.line_buffering, write_through=old.write_through)
+        stream.mode = old.mode
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
 
 
 def _run_script(argv: list[str]) -> None:
@@ -590,17 +627,21 @@ def main() -> None:
     token = sys.stdin.readline(4096).strip()
     if not token:
         parser.error("no job token on stdin")
+    dispositions = _dispositions()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     import importlib
 
-    imports = import_environ(os.environ)  # (before the imports: torch puts variables of its own there)
+    before = dict(os.environ)
+    imports = import_environ(before)  # (before the imports: torch puts variables of its own there)
     for name in filter(None, args.preload.split(",")):
         importlib.import_module(name)
+    changes = {k: (before.get(k), os.environ.get(k))  # what the imports did to the environment (see _after_imports)
+               for k in {*before, *os.environ} if before.get(k) != os.environ.get(k)}
     listener = _bind(path)
     if listener is None:
         return  # another server of this job already listens there
-    server = _Server(listener, token, python, imports, linger=args.linger)
+    server = _Server(listener, token, python, imports, linger=args.linger, dispositions=dispositions)
     sys.stdout.write("listening\n")
     sys.stdout.flush()
     null = os.open(os.devnull, os.O_RDWR)
@@ -621,7 +662,7 @@ def main() -> None:
     if order.kind == "store":
         _become_store(order)
     else:
-        _become_worker(order)
+        _become_worker(order, changes)
 
 
 def _bind(path: Path) -> socket.socket | None:
