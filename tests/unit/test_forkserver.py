@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -130,6 +131,17 @@ class Servers:
             if not _wait_gone(client.pid, 10):
                 os.kill(client.pid, signal.SIGKILL)
                 pytest.fail(f"the fork server {client.pid} at {path} did not leave when told to")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _temporary_directory() -> Iterator[None]:
+    """The servers' sockets and their lock files (which stay) in a directory of this module's, not in this user's
+    shared one; a short path, as a socket's must be."""
+    base = tempfile.mkdtemp(prefix="vfs-", dir="/tmp")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", base)
+        yield
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture
