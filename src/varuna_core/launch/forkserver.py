@@ -8,13 +8,16 @@ in a morph it is most of the warm start. So once a job's first configuration tra
 on that host asks it for its workers (and node 0's for the store host) instead of starting interpreters. A
 forked worker begins where a fresh one would be after its imports, and behaves as a fresh one:
 
-* its own session and process group (the agent ends it by group, as any worker), ``PR_SET_PDEATHSIG`` to the
-  server, and the server kills every process an agent asked for when that agent's connection closes — so
-  nothing outlives the agent that owns it, as with ``subprocess``;
-* the environment, argv, working directory, stdin (``/dev/null``) and stdout/stderr (the agent's pipe, passed
-  over the socket) of a fresh ``python SCRIPT ARGS``; ``sys.path[0]`` the script's directory;
-  ``PYTHONUNBUFFERED`` and ``PYTHONFAULTHANDLER`` as the interpreter's start would apply them; signal handlers
-  as a fresh interpreter has them;
+* its own session and process group (the agent ends it by group, as any worker; it leads them before its pid
+  is told), ``PR_SET_PDEATHSIG`` to the server, and the server kills every process an agent asked for when that
+  agent's connection closes — so nothing outlives the agent that owns it, as with ``subprocess``;
+* the environment (with what the preloaded imports put there, as they would in the worker), argv
+  (``sys.orig_argv`` too), working directory, stdin (``/dev/null``) and stdout/stderr (the agent's pipe, passed
+  over the socket) of a fresh ``python SCRIPT ARGS``; ``sys.path[0]`` the script's real directory, ``__main__``
+  and ``__file__`` (absolute) as the interpreter sets them; ``sys.stdin``/``stdout``/``stderr`` made as the
+  interpreter made the server's (``PYTHONUNBUFFERED``, ``PYTHONIOENCODING``, ...); ``PYTHONFAULTHANDLER`` as the
+  interpreter's start applies it; every signal's handler as the server's start found it (SIGINT and SIGHUP
+  ignored where the agent ignores them); an uncaught exception told from the script's frames;
 * fresh random states: Python's ``random``, numpy's global one and torch's default generators are reseeded from
   the OS (an unseeded fresh process would not share them with its siblings). What stays shared is
   ``str`` hashing's seed (``PYTHONHASHSEED``), the same in every worker forked by one server;
@@ -74,7 +77,9 @@ IMPORT_TIME = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOTO_", "KMP_", "G
 LINGER = 60.0  # seconds the server waits for an agent when none is connected
 MAX_MESSAGE = 192 * 1024  # one request's JSON (argv and environment); a bigger one is refused by the agent
 MAX_FDS = 2
+MAX_ERROR = 1000  # characters of a refusal's reason (it may quote the request): every reply fits a message
 READY_TIMEOUT = 120.0  # seconds an agent waits for a server it started to listen (its imports included)
+READY_CHILD = 10.0  # seconds the server waits for a child it forked to lead its own process group
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 _CHALLENGE = b"varuna-fork-server-v1\0"
@@ -217,15 +222,19 @@ class _Server:
     pipe for SIGCHLD. :meth:`serve` returns only in a forked child, with what that child is to become."""
 
     def __init__(self, listener: socket.socket, token: str, python: str, imports: dict[str, str],
-                 linger: float = LINGER) -> None:
+                 linger: float = LINGER, dispositions: dict[int, Any] | None = None) -> None:
         self.listener, self.key, self.python, self.imports = listener, token.encode(), python, imports
         self.linger = linger
+        # every signal's handler as the interpreter's start left them (SIGINT and SIGHUP ignored when the agent
+        # that started the server ignores them, as the workers it starts then do): what a forked child gets back
+        self.dispositions = dispositions if dispositions is not None else _dispositions()
         self.sel = selectors.DefaultSelector()
         self.conns: dict[int, _Conn] = {}
         self.owner: dict[int, _Conn] = {}  # child pid -> the connection that asked for it
         self.wake_r, self.wake_w = socket.socketpair()
         self.idle_since: float | None = time.monotonic()
         self.done = False
+        self.pid = os.getpid()
 
     def serve(self) -> _Order | None:
         for s in (self.listener, self.wake_r, self.wake_w):
@@ -262,7 +271,7 @@ class _Server:
     def _accept(self) -> None:
         try:
             sock, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
+        except OSError:  # (none waiting, or out of descriptors: it stays queued until there is room)
             return
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _, uid, _ = struct.unpack("3i", creds)
@@ -274,11 +283,11 @@ class _Server:
         conn = _Conn(sock, secrets.token_bytes(32))
         try:
             _send(sock, {"challenge": conn.nonce.hex(), "pid": os.getpid()})
+            self.sel.register(sock, selectors.EVENT_READ)
         except OSError:
             sock.close()
             return
         self.conns[sock.fileno()] = conn
-        self.sel.register(sock, selectors.EVENT_READ)
 
     def _drop(self, conn: _Conn) -> None:
         """Close ``conn`` and kill what it asked for: its agent is gone (or spoke nonsense)."""
@@ -303,7 +312,7 @@ class _Server:
                 os.close(fd)
             mac = message.get("mac")
             want = hmac.new(self.key, _CHALLENGE + conn.nonce, hashlib.sha256).hexdigest()
-            if op != "hello" or not isinstance(mac, str) or not hmac.compare_digest(mac, want):
+            if op != "hello" or not isinstance(mac, str) or not hmac.compare_digest(mac.encode(), want.encode()):
                 self._drop(conn)
                 return None
             conn.authed = True
@@ -326,12 +335,23 @@ class _Server:
         except ForkServerError as exc:
             for fd in fds:
                 os.close(fd)
-            self._reply(conn, {"id": ident, "error": str(exc)})
+            self._reply(conn, {"id": ident, "error": str(exc)[:MAX_ERROR]})
             return None
-        pid = os.fork()
+        try:
+            pid, ready_r, ready_w = _fork()
+        except OSError as exc:  # (out of descriptors or processes: this request fails, the server goes on)
+            for fd in fds:
+                os.close(fd)
+            self._reply(conn, {"id": ident, "error": f"the fork server cannot fork now ({exc.strerror or exc})"})
+            return None
         if pid == 0:
-            self._in_child(order)
+            os.close(ready_r)
+            self._in_child(order, ready_w)
             return order
+        os.close(ready_w)
+        # the child leads its own process group before its pid is told to anyone, so that ending it by group (as
+        # the agent and _drop do) cannot miss it; it closes the pipe's end when it does (or when it dies)
+        _wait_closed(ready_r, READY_CHILD)
         for fd in fds:
             os.close(fd)
         conn.children.add(pid)
@@ -340,9 +360,11 @@ class _Server:
         return None
 
     def _reply(self, conn: _Conn, message: dict[str, Any]) -> None:
+        """Answer ``conn``; a reply that cannot go (the agent is gone or stalled, or the reply is over the size
+        limit) closes that connection, never the server."""
         try:
             _send(conn.sock, message)
-        except OSError:
+        except (OSError, ForkServerError):
             self._drop(conn)
 
     def _reap(self) -> None:
@@ -358,12 +380,16 @@ class _Server:
                 conn.children.discard(pid)
                 self._reply(conn, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
-    def _in_child(self, order: _Order) -> None:
-        """In a forked child: leave nothing of the server open but what the order needs."""
+    def _in_child(self, order: _Order, ready: int) -> None:
+        """In a forked child: its own session and process group, dying with the server (then the server may go on:
+        ``ready`` is closed); leave nothing of the server open but what the order needs."""
+        os.setsid()
+        _die_with_parent(self.pid)
+        os.close(ready)
         signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, handler in self.dispositions.items():  # (as the interpreter's start left them)
+            if handler is not None and signal.getsignal(sig) != handler:
+                signal.signal(sig, handler)
         self.sel.close()
         for conn in self.conns.values():
             conn.sock.close()
@@ -380,10 +406,43 @@ class _Server:
 
 
 def _killpg(pid: int, sig: int) -> None:
+    """Signal the process group ``pid`` leads, or the process alone if it leads none (it did not get that far)."""
     try:
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
+    except ProcessLookupError:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    except PermissionError:
         pass
+
+
+def _fork() -> tuple[int, int, int]:
+    """``os.fork()`` with a pipe the child closes once it leads its own process group: the pid and the pipe."""
+    ready_r, ready_w = os.pipe()
+    try:
+        return os.fork(), ready_r, ready_w
+    except OSError:
+        os.close(ready_r)
+        os.close(ready_w)
+        raise
+
+
+def _wait_closed(fd: int, timeout: float) -> None:
+    """Wait until the other end of the pipe ``fd`` reads from is closed (at most ``timeout`` seconds); close it."""
+    import select
+
+    try:
+        if select.select([fd], [], [], timeout)[0]:
+            os.read(fd, 1)
+    finally:
+        os.close(fd)
+
+
+def _dispositions() -> dict[int, Any]:
+    """Every signal's handler now (None where Python does not know it)."""
+    return {sig: signal.getsignal(sig) for sig in signal.valid_signals()}
 
 
 def _die_with_parent(parent: int) -> None:
@@ -407,16 +466,12 @@ def _set_name(name: str) -> None:
         pass
 
 
-def _become_worker(order: _Order, server: int) -> None:
+def _become_worker(order: _Order, changes: Mapping[str, tuple[str | None, str | None]]) -> None:
     """Turn this forked child into ``python SCRIPT ARGS`` (see the module's docstring) and run the script as
     ``__main__``; returns when the script does (the interpreter then exits as a fresh one would)."""
     import faulthandler
-    import io
     import random
-    import runpy
 
-    os.setsid()
-    _die_with_parent(server)
     out = order.fds[0]
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -425,20 +480,12 @@ def _become_worker(order: _Order, server: int) -> None:
     os.close(null)
     os.close(out)
     os.environ.clear()
-    os.environ.update(order.env)
+    os.environ.update(_after_imports(order.env, changes))
     if order.cwd:
         os.chdir(order.cwd)
     if order.name:
         _set_name(order.name)
-    unbuffered = bool(order.env.get("PYTHONUNBUFFERED"))
-    streams = {"stdin": io.TextIOWrapper(io.FileIO(0, "r", closefd=False)),
-               "stdout": io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=unbuffered,
-                                          line_buffering=not unbuffered),
-               "stderr": io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
-                                          write_through=True)}
-    for name, stream in streams.items():  # (the originals too, as a fresh interpreter has them)
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
+    _new_stdio()
     if order.env.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()
     random.seed()
@@ -448,30 +495,91 @@ def _become_worker(order: _Order, server: int) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.seed()
-    script = order.argv[1]
-    sys.argv = order.argv[1:]
+    _run_script(order.argv)
+
+
+def _after_imports(env: Mapping[str, str], changes: Mapping[str, tuple[str | None, str | None]]) -> dict[str, str]:
+    """``env`` as the preloaded modules' imports leave it in a fresh interpreter (torch's sets
+    ``TORCHINDUCTOR_CACHE_DIR``): each change they made to the server's environment (``key: (before, after)``, None
+    for absent), where ``env`` had the value the server had before them."""
+    result = dict(env)
+    for key, (was, now) in changes.items():
+        if result.get(key) == was:
+            if now is None:
+                result.pop(key, None)
+            else:
+                result[key] = now
+    return result
+
+
+def _new_stdio() -> None:
+    """``sys.stdin``, ``stdout`` and ``stderr`` (and their ``__originals__``) new on descriptors 0 to 2, made as the
+    interpreter's start made the server's own: buffered or not, encoding, error handler, line buffering, names and
+    modes alike (the server's ``PYTHON*`` variables are the worker's, and its streams were pipes as the worker's
+    are)."""
+    import io
+
+    for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, f"__{name}__")
+        buffered = not isinstance(old.buffer, io.RawIOBase)
+        # (never closed: the interpreter's own, as the server's were; Any: the interpreter sets names and modes
+        # that the type checker takes for read-only properties)
+        buffer: Any = open(fd, "wb" if fd else "rb", buffering=-1 if buffered else 0, closefd=False)  # noqa: SIM115
+        (buffer.raw if buffered else buffer).name = (old.buffer.raw if buffered else old.buffer).name
+        stream: Any = io.TextIOWrapper(buffer, encoding=old.encoding, errors=old.errors, newline="\n",
+                                       line_buffering=old.line_buffering, write_through=old.write_through)
+        stream.mode = old.mode
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _run_script(argv: list[str]) -> None:
+    """Run ``argv[1]`` as the interpreter's start runs ``python SCRIPT ARGS``: in a new ``__main__`` module that
+    stays ``sys.modules["__main__"]``, whose ``__file__`` is the script's absolute path (``sys.argv[0]`` as given),
+    ``sys.path[0]`` its real directory, compiled without this module's ``__future__`` flags. An uncaught exception
+    is told from the script's frames on (a SyntaxError in it without any) and ends the process with 1, a
+    KeyboardInterrupt with SIGINT; a script that cannot be read ends it with 2."""
+    import builtins
+    import importlib.machinery
+    import io
+    import types
+
+    script = argv[1]
+    path = os.path.abspath(script)
+    sys.argv = argv[1:]
+    sys.orig_argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     try:
-        runpy.run_path(script, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+        with io.open_code(path) as file:
+            source = file.read()
+    except OSError as exc:
+        sys.stderr.write(f"{argv[0]}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}\n")
+        raise SystemExit(2) from None
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins, __annotations__={},
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)
+    except SystemExit:
         raise
-    except BaseException as exc:  # noqa: BLE001  (told as a fresh interpreter tells it: from the script's frame)
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != script:
-            tb = tb.tb_next
-        sys.excepthook(type(exc), exc, tb or exc.__traceback__)
+    except BaseException as exc:  # (told as a fresh interpreter tells it)
+        here = exc.__traceback__
+        tb = here.tb_next if here is not None else None  # (the first frame is this function's)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        if isinstance(exc, KeyboardInterrupt):  # leaves by SIGINT once the interpreter is torn down
+            sys.excepthook = lambda *_: None
+            raise
         raise SystemExit(1) from None
 
 
-def _become_store(order: _Order, server: int) -> None:
+def _become_store(order: _Order) -> None:
     """Host the job's TCPStore on the agent's listening socket; put what the agent sends on its control socket
     into it (``{"key", "value"}``, answered ``{"ok"}``); leave when the agent closes it."""
     import datetime
 
     import torch.distributed as dist
 
-    os.setsid()
-    _die_with_parent(server)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
@@ -519,17 +627,21 @@ def main() -> None:
     token = sys.stdin.readline(4096).strip()
     if not token:
         parser.error("no job token on stdin")
+    dispositions = _dispositions()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     import importlib
 
-    imports = import_environ(os.environ)  # (before the imports: torch puts variables of its own there)
+    before = dict(os.environ)
+    imports = import_environ(before)  # (before the imports: torch puts variables of its own there)
     for name in filter(None, args.preload.split(",")):
         importlib.import_module(name)
+    changes = {k: (before.get(k), os.environ.get(k))  # what the imports did to the environment (see _after_imports)
+               for k in {*before, *os.environ} if before.get(k) != os.environ.get(k)}
     listener = _bind(path)
     if listener is None:
         return  # another server of this job already listens there
-    server = _Server(listener, token, python, imports, linger=args.linger)
+    server = _Server(listener, token, python, imports, linger=args.linger, dispositions=dispositions)
     sys.stdout.write("listening\n")
     sys.stdout.flush()
     null = os.open(os.devnull, os.O_RDWR)
@@ -548,9 +660,9 @@ def main() -> None:
     if order is None:
         os._exit(0)  # (no teardown of torch's modules: the agent waits for this process to be gone)
     if order.kind == "store":
-        _become_store(order, me)
+        _become_store(order)
     else:
-        _become_worker(order, me)
+        _become_worker(order, changes)
 
 
 def _bind(path: Path) -> socket.socket | None:
@@ -640,6 +752,10 @@ class ForkClient:
         self._replies: dict[int, dict[str, Any]] = {}
         self._cond = threading.Condition()
         self.closed = False
+        # exit reports that came before their worker was filed (the reader's thread can read a worker's exit
+        # between the reply with its pid and spawn's filing of it), and the lock that orders the two
+        self._early: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def connect(cls, path: Path, token: str, timeout: float = 5.0) -> ForkClient | None:
@@ -699,9 +815,14 @@ class ForkClient:
     def _take(self, message: dict[str, Any]) -> int | None:
         """File an exit report; the id of a reply."""
         if "exit" in message:
-            proc = self.procs.get(message["exit"])
-            if proc is not None and isinstance(message.get("code"), int):
-                proc._exited(message["code"])
+            pid, code = message["exit"], message.get("code")
+            if isinstance(pid, int) and isinstance(code, int):
+                with self._lock:
+                    proc = self.procs.get(pid)
+                    if proc is None:
+                        self._early[pid] = code
+                if proc is not None:
+                    proc._exited(code)
             return None
         return message.get("id") if isinstance(message.get("id"), int) else None
 
@@ -720,7 +841,13 @@ class ForkClient:
             os.close(r)
             raise ForkServerError(str(reply.get("error", "refused"))[:300])
         proc = ForkedProcess(int(reply["pid"]), os.fdopen(r, "rb"), argv)
-        self.procs[proc.pid] = proc
+        with self._lock:
+            self.procs[proc.pid] = proc
+            code = self._early.pop(proc.pid, None)
+            if code is None and self.closed:  # (the reader has told every worker filed before it ended)
+                code = -signal.SIGKILL
+        if code is not None:
+            proc._exited(code)
         return proc
 
     def store(self, listening: socket.socket, host: str, timeout: float) -> ForkedStore:
@@ -755,7 +882,9 @@ class ForkClient:
             with self._cond:
                 self.closed = True
                 self._cond.notify_all()
-            for proc in self.procs.values():  # the server's children die with it (PR_SET_PDEATHSIG)
+            with self._lock:
+                procs = list(self.procs.values())
+            for proc in procs:  # the server's children die with it (PR_SET_PDEATHSIG)
                 proc._exited(-signal.SIGKILL)
 
         self._reader = threading.Thread(target=read, name="forkserver", daemon=True)
