@@ -133,13 +133,17 @@ class Servers:
                 pytest.fail(f"the fork server {client.pid} at {path} did not leave when told to")
 
 
+PRIVATE_DIR = forkserver._private_dir
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _temporary_directory() -> Iterator[None]:
-    """The servers' sockets and their lock files (which stay) in a directory of this module's, not in this user's
-    shared one; a short path, as a socket's must be."""
+    """The servers' sockets and their lock in a directory of this module's, not in this user's shared one; a short
+    path, as a socket's must be. (Not by moving the temporary directory: pytest's own would follow it here and be
+    removed under the next module's tests.)"""
     base = tempfile.mkdtemp(prefix="vfs-", dir="/tmp")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tempfile, "tempdir", base)
+        patch.setattr(forkserver, "_private_dir", lambda: Path(base))
         yield
     shutil.rmtree(base, ignore_errors=True)
 
@@ -810,6 +814,7 @@ def test_when_the_server_dies_its_workers_die_and_the_client_says_so(servers: Se
 
 def test_the_socket_path_is_per_job_and_host_in_a_private_directory(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forkserver, "_private_dir", PRIVATE_DIR)  # the real one, under a temporary directory
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     path = socket_path("job-a", "host-a")
     assert path == socket_path("job-a", "host-a")

@@ -44,6 +44,7 @@ the workers it forks).
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import hmac
 import json
@@ -73,7 +74,7 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "varuna_core.varuna")
 # a server started with other values would not be the worker a fresh interpreter is
 IMPORT_TIME = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOTO_", "KMP_", "GOMP_", "BLIS_", "VECLIB_",
                "NUMEXPR_", "TORCH", "PYTORCH_", "CUDA_", "NVIDIA_", "HIP_", "ROCR_", "MALLOC_", "GLIBC_",
-               "VIRTUAL_ENV", "PATH", "LANG", "LC_", "TZ")
+               "VIRTUAL_ENV", "PATH", "LANG", "LC_", "TZ", "TMP", "TEMP")  # (tempfile keeps its directory)
 LINGER = 60.0  # seconds the server waits for an agent when none is connected
 MAX_MESSAGE = 192 * 1024  # one request's JSON (argv and environment); a bigger one is refused by the agent
 MAX_FDS = 2
@@ -669,7 +670,8 @@ def _bind(path: Path) -> socket.socket | None:
     """A listening socket at ``path``; None if a live server already answers there (a stale file is replaced)."""
     import fcntl
 
-    with open(path.with_suffix(".lock"), "w") as lock:
+    # one lock for the directory (held for the bind only), not one file per job and host left behind by each
+    with open(path.parent / "fork.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -683,6 +685,7 @@ def _bind(path: Path) -> socket.socket | None:
             path.unlink()
         except FileNotFoundError:
             pass
+        _sweep(path.parent)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         old = os.umask(0o077)
         try:
@@ -691,6 +694,23 @@ def _bind(path: Path) -> socket.socket | None:
             os.umask(old)
         sock.listen(64)
         return sock
+
+
+def _sweep(directory: Path) -> None:
+    """Remove the sockets of servers that are gone (killed, or lost with their host's memory) from ``directory``
+    (under its lock): nothing listens on them, and nothing would ever remove them."""
+    for stale in directory.glob("fork-*.sock"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(stale))
+        except ConnectionRefusedError:
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        except OSError:
+            pass
+        finally:
+            probe.close()
 
 
 # ----------------------------------------------------------------------------------------------------------
