@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+import time
 
 import pytest
 
@@ -162,6 +164,109 @@ def test_a_failed_copy_keeps_the_snapshot_without_its_peer_and_the_previous_one_
     report = snaps.take(8, announced.append)
     assert report is not None and not report.peer and report.held == 3 and announced == [report]
     assert shelf.names() == ["step_8/__0_0.distcp"]
+
+
+def _two_host_snapshots(tmp_path, copy):
+    """This rank (0, on h0) and rank 1 on h1, both serving shelves; ``copy`` stands for the pull from h1."""
+    shelf = Shelf("j-1", root=tmp_path)
+    shelf.put("step_4/__0_0.distcp", b"old")
+
+    def publish(reserve, copies):
+        with reserve(3) as space:
+            path = space.directory / "f"
+            path.write_bytes(b"new")
+            space.adopt("step_8/__0_0.distcp", path, sha256=hashlib.sha256(b"new").hexdigest())
+        return {"step_8/__0_0.distcp": 0, "step_8/__1_0.distcp": 1}
+
+    def gather(obj):
+        if isinstance(obj, tuple) and len(obj) == 2:  # (host, server) of each rank
+            return [obj, ("h1", ("127.0.0.1", 9))]
+        return [obj, obj]
+
+    snaps = _snapshots(4, publish=publish, gather=gather, shelf=shelf)
+    snaps.server, snaps.last = ("127.0.0.1", 9), 4
+    snaps._copy_previous_host = copy
+    return snaps, shelf
+
+
+def test_the_peer_copy_runs_while_the_next_step_computes_and_its_start_makes_the_snapshot_whole(tmp_path) -> None:
+    """The copy of step k while step k + 1 runs: start() returns with the copy still running in another thread;
+    nothing is announced and the snapshot before stays until finish() (the next step's start) has waited for it;
+    then the report says what was copied, and the training paid only for what the step did not cover."""
+    release, threads = threading.Event(), []
+
+    def copy(step, owners, places):
+        threads.append(threading.current_thread())
+        assert release.wait(10)
+        return 1234
+
+    announced = []
+    snaps, shelf = _two_host_snapshots(tmp_path, copy)
+    began = time.perf_counter()
+    assert snaps.start(8, announced.append, overlap=True) and snaps.pending
+    in_start = time.perf_counter() - began
+    assert announced == [] and "step_4/__0_0.distcp" in shelf.names()  # not whole yet: the old one stays
+    time.sleep(0.3)  # the next step computes
+    release.set()
+    began = time.perf_counter()
+    report = snaps.finish()
+    in_finish = time.perf_counter() - began
+    assert threads and threads[0] is not threading.current_thread()
+    assert report is not None and report.copied == 1234 and report.peer and announced == [report]
+    # its cost is the time spent in the two calls, not the step's that ran between them
+    assert report.seconds <= in_start + in_finish and not snaps.pending and snaps.last == 8
+    assert shelf.names() == ["step_8/__0_0.distcp"]
+    assert snaps.finish() is None  # nothing pending: nothing to agree on
+
+
+def test_without_overlap_and_in_take_the_copy_is_made_before_the_call_returns(tmp_path) -> None:
+    threads = []
+
+    def copy(step, owners, places):
+        threads.append(threading.current_thread())
+        return 7
+
+    snaps, _ = _two_host_snapshots(tmp_path, copy)
+    report = snaps.take(8)
+    assert report is not None and report.copied == 7 and threads == [threading.current_thread()]
+
+
+def test_a_copy_that_fails_in_its_thread_leaves_a_snapshot_without_its_peer_said_once(tmp_path, caplog) -> None:
+    def copy(step, owners, places):
+        raise RuntimeError("the wire broke")
+
+    snaps, _ = _two_host_snapshots(tmp_path, copy)
+    with caplog.at_level(logging.WARNING):
+        assert snaps.start(8, overlap=True)
+        report = snaps.finish()
+    assert report is not None and not report.peer
+    assert any("no copy on another host" in r.getMessage() and "the wire broke" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_regroup_forgets_the_pending_snapshot_and_keeps_the_whole_one_before(tmp_path) -> None:
+    """Its ranks are not the job's any more: it is never announced, and the snapshot before it stays."""
+    release = threading.Event()
+
+    def copy(step, owners, places):
+        release.wait(10)
+        return 1
+
+    announced = []
+    snaps, shelf = _two_host_snapshots(tmp_path, copy)
+    assert snaps.start(8, announced.append, overlap=True)
+    release.set()
+    snaps.regrouped(0)
+    assert not snaps.pending and snaps.finish() is None and announced == [] and snaps.last == 4
+    assert "step_4/__0_0.distcp" in shelf.names()
+
+
+def test_a_new_snapshot_finishes_the_pending_one_first(tmp_path) -> None:
+    snaps, _ = _two_host_snapshots(tmp_path, lambda step, owners, places: 5)
+    announced = []
+    assert snaps.start(8, announced.append, overlap=True)
+    snaps.take(12, announced.append)
+    assert [r.step for r in announced] == [8, 12]
 
 
 def test_a_refused_copy_is_a_handover_error_naming_the_host(tmp_path) -> None:

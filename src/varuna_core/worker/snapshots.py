@@ -6,8 +6,10 @@ hashed as written, adopted as blobs ``step_<k>/<file>`` of the attempt's shelf, 
 replicas' files where a replica lives on another host) that does not stop the worker, followed by the **peer
 copy**: the hosts, in the order of their first rank, form a ring, and the ranks of each host pull over the shelves'
 wire (authenticated with the job's token, hash-checked as they arrive) the blobs that the previous host's ranks
-wrote and that this host does not hold already, sharing them out among themselves. Every rank then agrees that
-the snapshot is whole; only then does each host drop the blobs of the snapshot before it (so a host lost while a
+wrote and that this host does not hold already, sharing them out among themselves — in a thread, while the next
+step computes (the copy of step ``k`` while step ``k + 1`` runs: it only moves bytes between the shelves' servers,
+which the step does not touch). At the next step's start every rank waits for its copy and agrees that the snapshot
+is whole; only then does each host drop the blobs of the snapshot before it (so a host lost while a
 snapshot is written still leaves the previous one, whole, on the others). Memory per host: this host's state and
 the previous host's, twice while a snapshot is written; bounded by the shelf's budget (``--shelf-budget``).
 
@@ -24,6 +26,7 @@ import logging
 import math
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -64,7 +67,8 @@ class SnapshotReport:
     """One snapshot, as this rank saw it."""
 
     step: int
-    seconds: float  # the whole snapshot on this rank: publish, peer copy, agreement
+    seconds: float  # what the training waited for on this rank: publish, the peer copy's part the step did not cover,
+    # agreement
     copied: int  # bytes this rank pulled from the previous host
     held: int  # bytes this rank put on its host's shelf for it: its own files and what it copied
     peer: bool  # every rank's files are also on another host (False on one host, or if a copy failed)
@@ -103,6 +107,34 @@ def every_for(seconds: float, step_time: float | None, budget: float = OVERHEAD)
     return max(1, min(MAX_EVERY, math.ceil(seconds / (budget * step_time))))
 
 
+@dataclass
+class _PeerCopy:
+    """A snapshot published on its host's shelf whose copy of the previous host's files is pulled (in a thread
+    while the next step computes, or at once), waiting for :meth:`Snapshots.finish`."""
+
+    iteration: int
+    started: float  # perf_counter at its start
+    owners: dict[str, int]  # blob -> the rank that wrote it (every rank's)
+    places: list[tuple[str, tuple[str, int] | None]]  # every rank's (host, shelf server)
+    announce: Callable[[SnapshotReport], None] | None
+    step_time: float | None
+    thread: threading.Thread | None = None
+    spent: float = 0.0  # seconds the training waited for it so far
+    copied: int = 0  # bytes pulled
+    problem: str | None = None  # why the copy failed (the snapshot then has no copy on another host)
+
+    def run(self, copy: Callable[[int, dict[str, int], list[tuple[str, tuple[str, int] | None]]], int],
+            rank: int) -> None:
+        try:
+            self.copied = copy(self.iteration, self.owners, self.places)
+        except VarunaError as exc:
+            self.problem = f"rank {rank}: {exc.message}"
+        except OSError as exc:
+            self.problem = f"rank {rank}: {printable(exc.strerror or exc)}"
+        except Exception as exc:  # noqa: BLE001  (in a thread: anything else is this snapshot's problem too)
+            self.problem = f"rank {rank}: {printable(repr(exc))[:300]}"
+
+
 class Snapshots:
     """Takes the snapshots of one rank (collective: every rank calls :meth:`take` at the same steps).
 
@@ -136,12 +168,14 @@ class Snapshots:
         self.failures = 0  # snapshots that failed in a row (under AUTO, the next try is further away each time)
         self.memory: Callable[[], tuple[int, int] | None] = host_memory  # (available, total) of this host
         self.taken = 0  # whole snapshots this process took (the same on every rank)
+        self._pending: _PeerCopy | None = None  # started, not yet whole (its peer copy may run in a thread)
 
     def regrouped(self, rank: int) -> None:
         """This worker is ``rank`` of a smaller process group now: the hosts of the ranks are gathered again, and
         under :data:`AUTO` the next snapshot is taken at the next step (every survivor regroups at the same one).
         The snapshots taken before name their files by the old ranks, which the launcher no longer follows: a
         recovery uses only those taken since."""
+        self.abandon()
         self.rank, self._places = rank, None
         if self.every is AUTO:
             self.next = None
@@ -160,10 +194,28 @@ class Snapshots:
 
     def take(self, iteration: int, announce: Callable[[SnapshotReport], None] | None = None,
              step_time: float | None = None) -> SnapshotReport | None:
-        """Snapshot step ``iteration`` (every rank at once); its report, or None if it failed (said, not raised:
-        training goes on and the store keeps its checkpoints). ``announce(report)`` is called once the snapshot
-        is whole everywhere and before the one before it is dropped (the launcher hears of the new one first).
-        ``step_time``: this rank's last step's time, for the automatic interval."""
+        """Snapshot step ``iteration`` (every rank at once) and wait until it is whole: :meth:`start` then
+        :meth:`finish`; its report, or None if it failed (said, not raised)."""
+        if not self.start(iteration, announce, step_time):
+            return None
+        return self.finish()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a snapshot was started and not finished (its peer copy may still run)."""
+        return self._pending is not None
+
+    def start(self, iteration: int, announce: Callable[[SnapshotReport], None] | None = None,
+              step_time: float | None = None, *, overlap: bool = False) -> bool:
+        """Begin the snapshot of step ``iteration`` (every rank at once; one still pending is finished first):
+        publish this rank's state onto its host's shelf, then pull its share of the previous host's files — in a
+        thread while the next step computes when ``overlap`` (it only moves bytes between the shelves' servers, and
+        the step does not touch the shelf), else here. :meth:`finish` (every rank, at the next step's start) waits
+        for the copy and makes the snapshot whole. False when the publish failed (every rank alike: said, not
+        raised; training goes on and the store keeps its checkpoints). ``announce(report)`` is called once the
+        snapshot is whole everywhere and before the one before it is dropped (the launcher hears of the new one
+        first). ``step_time``: this rank's last step's time, for the automatic interval."""
+        self.finish()
         started = time.perf_counter()
         places = self._gather_places()
         mates = sum(h == self.host for h, _ in places)
@@ -175,17 +227,34 @@ class Snapshots:
             # others in another collective): further and further apart while it keeps failing
             self.failures += 1
             self.next = iteration + min(MAX_EVERY, RETRY * 2 ** min(self.failures - 1, 16))
+            return False
+        copy = _PeerCopy(iteration, started, owners, places, announce, step_time)
+        if overlap and ring_source(_hosts_in_order(places), self.host) is not None:
+            copy.thread = threading.Thread(target=copy.run, args=(self._copy_previous_host, self.rank),
+                                           name=f"snapshot-{iteration}", daemon=True)
+            copy.thread.start()
+        else:
+            copy.run(self._copy_previous_host, self.rank)
+        copy.spent = time.perf_counter() - started
+        self._pending = copy
+        return True
+
+    def finish(self) -> SnapshotReport | None:
+        """Every rank at once: wait for the pending snapshot's peer copy, agree that it is whole (or that it has no
+        copy on another host), choose the next interval and drop the snapshot before it; its report, or None if
+        none was pending. Its cost is what the training waited for: the publish, the copy's part that the step
+        did not cover, the agreement."""
+        copy, self._pending = self._pending, None
+        if copy is None:
             return None
-        copied, problem = 0, None
-        try:
-            copied = self._copy_previous_host(iteration, owners, places)
-        except VarunaError as exc:
-            problem = f"rank {self.rank}: {exc.message}"
-        except OSError as exc:
-            problem = f"rank {self.rank}: {printable(exc.strerror or exc)}"
+        waiting = time.perf_counter()
+        if copy.thread is not None:
+            copy.thread.join()
+        iteration, places = copy.iteration, copy.places
         sizes = self.shelf.manifest()  # this rank's own files (the small ones differ a little from step to step)
-        own = sum(sizes[n].size for n, r in owners.items() if r == self.rank and n in sizes)
-        gathered = self._all_gather((problem, time.perf_counter() - started, step_time))
+        own = sum(sizes[n].size for n, r in copy.owners.items() if r == self.rank and n in sizes)
+        spent = copy.spent + time.perf_counter() - waiting
+        gathered = self._all_gather((copy.problem, spent, copy.step_time))
         problems = [p for p, _, _ in gathered if p]
         hosts = _hosts_in_order(places)
         peer = len(hosts) > 1 and not problems and all(server is not None for _, server in places)
@@ -199,13 +268,21 @@ class Snapshots:
                 every = min(every, WARM_RETAKE)
         self.next, self.failures = iteration + every, 0
         self.taken += 1
-        report = SnapshotReport(iteration, time.perf_counter() - started, copied, own + copied, peer, every)
-        if announce is not None:
-            announce(report)
+        seconds = copy.spent + time.perf_counter() - waiting
+        report = SnapshotReport(iteration, seconds, copy.copied, own + copy.copied, peer, every)
+        if copy.announce is not None:
+            copy.announce(report)
         previous, self.last = self.last, iteration
         if previous is not None and previous != iteration and self._first_on_host(places):
             self.shelf.remove(n for n in self.shelf.names() if step_of(n) == previous)
         return report
+
+    def abandon(self) -> None:
+        """Forget the pending snapshot (this rank alone; its copy is waited for): its ranks are not the job's any
+        more (a regroup). The one before it stays the newest whole one."""
+        copy, self._pending = self._pending, None
+        if copy is not None and copy.thread is not None:
+            copy.thread.join()
 
     def _reserve(self, nbytes: int, mates: int) -> AbstractContextManager[Any]:
         """Room on the shelf for this rank's files, if the host keeps :data:`MIN_FREE` of its memory free with
@@ -227,6 +304,7 @@ class Snapshots:
     def drop(self) -> None:
         """Every rank at once: take every snapshot off this host's shelf (a handover's publish that needs the room
         supersedes them) and wait until every host has."""
+        self.finish()
         self.shelf.remove(n for n in self.shelf.names() if step_of(n) is not None)
         self._all_gather(None)
 

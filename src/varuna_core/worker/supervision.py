@@ -244,6 +244,8 @@ class Supervision:
         if self.snapshots is not None and self.snapshots.last is None:
             self.snapshots.last = self._now().iteration  # the step it started from: held where it came from
         self._check_background()
+        if self.snapshots is not None and self.snapshots.pending:  # the last step covered its peer copy
+            self.snapshots.finish()
         now = time.perf_counter()
         self._step_time = None if self._last_step_start is None else now - self._last_step_start
         self._last_step_start = now
@@ -395,12 +397,14 @@ class Supervision:
         return announce
 
     def _snapshot(self, iteration: int) -> None:
-        """Every rank at once: a snapshot of this step in host memory, with its copy on the next host."""
+        """Every rank at once: a snapshot of this step in host memory, with its copy on the next host (made whole at
+        the next step's start)."""
         assert self.snapshots is not None
         if self._pending is not None:  # a background checkpoint reads the same tensors: one thing at a time
             self._pending.result()
             self._pending = None
-        if self.snapshots.take(iteration, self._announcer(iteration), self._step_time) is None \
+        # the peer copy runs while the next step computes; that step's start makes the snapshot whole
+        if not self.snapshots.start(iteration, self._announcer(iteration), self._step_time, overlap=True) \
                 and self.beacon is not None:
             self.beacon.progress(step=iteration, snapshot_failed=iteration)
 
