@@ -195,7 +195,7 @@ def test_the_peer_copy_runs_while_the_next_step_computes_and_its_start_makes_the
     then the report says what was copied, and the training paid only for what the step did not cover."""
     release, threads = threading.Event(), []
 
-    def copy(step, owners, places):
+    def copy(step, owners, places, cancelled):
         threads.append(threading.current_thread())
         assert release.wait(10)
         return 1234
@@ -222,7 +222,7 @@ def test_the_peer_copy_runs_while_the_next_step_computes_and_its_start_makes_the
 def test_without_overlap_and_in_take_the_copy_is_made_before_the_call_returns(tmp_path) -> None:
     threads = []
 
-    def copy(step, owners, places):
+    def copy(step, owners, places, cancelled):
         threads.append(threading.current_thread())
         return 7
 
@@ -232,7 +232,7 @@ def test_without_overlap_and_in_take_the_copy_is_made_before_the_call_returns(tm
 
 
 def test_a_copy_that_fails_in_its_thread_leaves_a_snapshot_without_its_peer_said_once(tmp_path, caplog) -> None:
-    def copy(step, owners, places):
+    def copy(step, owners, places, cancelled):
         raise RuntimeError("the wire broke")
 
     snaps, _ = _two_host_snapshots(tmp_path, copy)
@@ -248,21 +248,23 @@ def test_a_regroup_forgets_the_pending_snapshot_and_keeps_the_whole_one_before(t
     """Its ranks are not the job's any more: it is never announced, and the snapshot before it stays."""
     release = threading.Event()
 
-    def copy(step, owners, places):
+    def copy(step, owners, places, cancelled):
         release.wait(10)
         return 1
 
     announced = []
     snaps, shelf = _two_host_snapshots(tmp_path, copy)
     assert snaps.start(8, announced.append, overlap=True)
+    copy_ = snaps._pending
+    snaps.regrouped(0)  # (not waiting for the copy, which may wait on the lost host)
+    assert copy_ is not None and copy_.cancelled.is_set() and copy_.thread.is_alive()
     release.set()
-    snaps.regrouped(0)
     assert not snaps.pending and snaps.finish() is None and announced == [] and snaps.last == 4
     assert "step_4/__0_0.distcp" in shelf.names()
 
 
 def test_a_new_snapshot_finishes_the_pending_one_first(tmp_path) -> None:
-    snaps, _ = _two_host_snapshots(tmp_path, lambda step, owners, places: 5)
+    snaps, _ = _two_host_snapshots(tmp_path, lambda step, owners, places, cancelled: 5)
     announced = []
     assert snaps.start(8, announced.append, overlap=True)
     snaps.take(12, announced.append)

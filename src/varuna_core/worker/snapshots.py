@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -122,11 +122,12 @@ class _PeerCopy:
     spent: float = 0.0  # seconds the training waited for it so far
     copied: int = 0  # bytes pulled
     problem: str | None = None  # why the copy failed (the snapshot then has no copy on another host)
+    cancelled: threading.Event = field(default_factory=threading.Event)  # abandoned: adopt nothing more
 
-    def run(self, copy: Callable[[int, dict[str, int], list[tuple[str, tuple[str, int] | None]]], int],
-            rank: int) -> None:
+    def run(self, copy: Callable[[int, dict[str, int], list[tuple[str, tuple[str, int] | None]], threading.Event],
+                                 int], rank: int) -> None:
         try:
-            self.copied = copy(self.iteration, self.owners, self.places)
+            self.copied = copy(self.iteration, self.owners, self.places, self.cancelled)
         except VarunaError as exc:
             self.problem = f"rank {rank}: {exc.message}"
         except OSError as exc:
@@ -278,11 +279,12 @@ class Snapshots:
         return report
 
     def abandon(self) -> None:
-        """Forget the pending snapshot (this rank alone; its copy is waited for): its ranks are not the job's any
-        more (a regroup). The one before it stays the newest whole one."""
+        """Forget the pending snapshot (this rank alone): its ranks are not the job's any more (a regroup). Its
+        copy is not waited for — it may wait on the host whose loss caused the regroup — but told to put nothing
+        more on the shelf. The one before it stays the newest whole one."""
         copy, self._pending = self._pending, None
-        if copy is not None and copy.thread is not None:
-            copy.thread.join()
+        if copy is not None:
+            copy.cancelled.set()
 
     def _reserve(self, nbytes: int, mates: int) -> AbstractContextManager[Any]:
         """Room on the shelf for this rank's files, if the host keeps :data:`MIN_FREE` of its memory free with
@@ -320,8 +322,10 @@ class Snapshots:
         return next(r for r, (h, _) in enumerate(places) if h == self.host) == self.rank
 
     def _copy_previous_host(self, step: int, owners: dict[str, int],
-                            places: list[tuple[str, tuple[str, int] | None]]) -> int:
-        """Pull this rank's share of the previous host's blobs of ``step`` onto this host's shelf; bytes pulled."""
+                            places: list[tuple[str, tuple[str, int] | None]],
+                            cancelled: threading.Event | None = None) -> int:
+        """Pull this rank's share of the previous host's blobs of ``step`` onto this host's shelf; bytes pulled
+        (none adopted once ``cancelled`` is set)."""
         source = ring_source(_hosts_in_order(places), self.host)
         if source is None:
             return 0
@@ -337,10 +341,12 @@ class Snapshots:
         address, port = servers[source]
         total = 0
         for start in range(0, len(mine), _BATCH):
-            total += self._pull(address, port, mine[start:start + _BATCH])
+            if cancelled is not None and cancelled.is_set():
+                break
+            total += self._pull(address, port, mine[start:start + _BATCH], cancelled)
         return total
 
-    def _pull(self, address: str, port: int, names: list[str]) -> int:
+    def _pull(self, address: str, port: int, names: list[str], cancelled: threading.Event | None = None) -> int:
         """Fetch ``names`` from a shelf server into room on this host's shelf and adopt each as a blob."""
         job = shelf_key(self.job, self.attempt)
         budget = self.shelf.budget if self.shelf.budget is not None else 1 << 62
@@ -366,6 +372,8 @@ class Snapshots:
                     if buffer is not None:
                         with contextlib.suppress(BufferError):
                             buffer.close()
+            if cancelled is not None and cancelled.is_set():
+                return 0  # (what it fetched goes with the room it had)
             for name, entry in entries.items():
                 space.adopt(name, files[name][0], entry.meta, sha256=entry.sha256)
         return sum(e.size for e in entries.values())
