@@ -10,7 +10,7 @@ import pytest
 
 from tests.profiles import make_profile
 from varuna_core.errors import ConfigError
-from varuna_core.launch.attempt import JobFiles, local_checkpoints_in, place, worker_argv
+from varuna_core.launch.attempt import JobFiles, crash_cause, local_checkpoints_in, place, worker_argv
 from varuna_core.launch.heartbeat import Listener, send_notice
 from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts
 from varuna_core.launch.manager import replan
@@ -289,3 +289,12 @@ def test_the_checkpoints_in_the_hosts_stores_are_read_back_from_the_events(tmp_p
     events.write_text(text + '{"event": "checkpoint_local", "step": 99, "run"\n' + "[1, 2]\n" + "[" * 100000 + "\n")
     assert local_checkpoints_in(events) == {"a": [3, 6], "b": [4]}
     assert local_checkpoints_in(tmp_path / "missing.jsonl") == {}
+
+
+def test_a_crash_is_told_by_its_cause_even_when_a_symptom_was_heard_first() -> None:
+    """A rank whose peer was killed exits with code 1 at once, and under load its exit may reach the launcher before
+    the killed rank's: the crash names the killed rank (the suite once named the survivor)."""
+    assert crash_cause({0: 1, 1: -9}) == 1
+    assert crash_cause({1: -9, 0: 1}) == 1
+    assert crash_cause({2: 1, 0: 1}) == 2  # only symptoms: the first heard
+    assert crash_cause({3: 1, 1: 3, 0: -9}) == 1  # the first cause heard

@@ -73,7 +73,7 @@ from .ssh import AgentEvents, AgentHandle
 from .stragglers import Straggler, StragglerDetector
 
 __all__ = ["Ending", "LaunchError", "AgentStartError", "NoMorph", "Node", "place", "JobFiles", "Outcome", "Attempt",
-           "Status", "Reporter", "worker_argv"]
+           "Status", "Reporter", "worker_argv", "crash_cause"]
 
 log = logging.getLogger(__name__)
 
@@ -922,7 +922,7 @@ class Attempt:
         if bad and self._symptom(bad):
             return None  # a failure that may be the symptom of a host lost a moment ago: let its news arrive
         if bad:
-            first = next(iter(bad))  # exits are recorded in the order they happened
+            first = crash_cause(bad)
             what = f"rank {first} on {self.rank_host[first]} exited with {_describe(bad[first])}"
             refused = bad[first] == EXIT_BAD_CHECKPOINT and self.resume is not None
             if refused:
@@ -1069,6 +1069,13 @@ class Attempt:
             except queue.Empty:
                 break
             self._handle(node, event)
+
+
+def crash_cause(bad: dict[int, int]) -> int:
+    """The rank a crash is told by, of the failed ranks' exit codes ``bad`` (in the order the exits were heard):
+    the first that did not fail plainly — the cause, which may be heard after its symptoms, since a rank whose
+    peer died exits with code 1 at once — else the first to fail."""
+    return next((rank for rank, code in bad.items() if code != 1), next(iter(bad)))
 
 
 def _snapshots(every: int | None) -> str | None:
