@@ -137,14 +137,16 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
               ckpt_every: int = 5, gap: int = 12, first: int = 10, slots: int = 2, heartbeat_timeout: float = 8,
               max_restarts: int = 4, timeout: float = 900, reference: Path | None = None,
               uninterrupted: bool = True, replay_layouts: bool = False, snapshot_every: str = "auto",
-              say=lambda text: None) -> ChaosResult:
+              steady: bool = True, say=lambda text: None) -> ChaosResult:
     """Run the example GPT by ``plan`` over ``cluster``'s hosts with ``--morph``, inject the scheduled faults,
     and compare it with an uninterrupted run of the same plan on local processes (``reference``: a store of that
     run's final checkpoint and its launcher's run directory; when None it is made here, alongside the chaotic run,
     unless not ``uninterrupted``): a relative difference, the rounding of the other layouts the run went through.
     ``replay_layouts``: also replay the run's surviving history, its layouts over the same steps, and compare
     to the bit (:mod:`devtools.same_layouts`). ``snapshot_every``: the launcher's ``--snapshot-every`` (``0``: a
-    crash always restarts from the store, e.g. to meet a corrupt checkpoint there)."""
+    crash always restarts from the store, e.g. to meet a corrupt checkpoint there). ``steady``: each fault waits
+    until the hosts' fork servers serve (what a recovery's time is measured in); a host fault always waits until its
+    host is in the job."""
     faults = schedule(seed, kinds, first=first, gap=gap, ranks=slots * len(cluster.hosts), hosts=len(cluster.hosts))
     # The tail after the last fault must outlast a whole morph (notice, pre-flight SSH check, checkpoint,
     # restart) when the last fault takes a host away and brings it back: steps take ~0.15 s, a morph seconds.
@@ -168,7 +170,7 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
             fault.step += late
             launch.wait_for(lambda: _progress(launch) >= fault.step, timeout=timeout)  # noqa: B023 - waited for here
             target = lines[fault.target].split()[0] if fault.kind in HOST_FAULTS else None
-            launch.wait_for(lambda: _fork_servers_up(launch, target), timeout=timeout)  # noqa: B023
+            launch.wait_for(lambda: _fork_servers_up(launch, target, servers=steady), timeout=timeout)  # noqa: B023
             late += max(0, _progress(launch) - fault.step)
             say(f"step {_progress(launch)}: {fault.kind} (target {fault.target})")
             before = _trained_attempts(launch)
@@ -326,7 +328,7 @@ def _training_hosts(events: list[dict]) -> tuple[int, set[str]] | None:
     return starts[-1]["attempt"], hosts
 
 
-def _fork_servers_up(launch: Launch, host: str | None = None) -> bool:
+def _fork_servers_up(launch: Launch, host: str | None = None, *, servers: bool = True) -> bool:
     """Whether every host of the newest attempt that trained has reported its fork server (served, or why not),
     and ``host`` (a host fault's target) is one of them: a fault then meets the job in its steady state, as one
     that comes hours into a run does, not while the servers still import (a few seconds after the job's first
@@ -337,7 +339,7 @@ def _fork_servers_up(launch: Launch, host: str | None = None) -> bool:
         return False
     attempt, hosts = training
     told = {e["host"] for e in events if e["event"] == "fork_server" and e["attempt"] == attempt}
-    return hosts <= told and (host is None or host in hosts)
+    return (not servers or hosts <= told) and (host is None or host in hosts)
 
 
 def _trained_attempts(launch: Launch) -> int:

@@ -40,6 +40,7 @@ def test_a_pipeline_across_two_hosts_survives_every_fault_with_the_same_numbers(
 
     result = run_chaos(cluster, plan2, tmp_path, seed=3, slots=1, gap=8, first=10, heartbeat_timeout=5,
                        max_restarts=1, timeout=400, uninterrupted=False, replay_layouts=True, snapshot_every="0",
+                       steady=False,
                        kinds=["stop_worker", "remove_host", "kill_agent", "preempt", "corrupt_checkpoint"])
     assert not result.problems, result.problems
     assert result.exit_code == 0 and result.injected == result.survived == 5, result.faults
