@@ -219,6 +219,19 @@ def test_the_peer_copy_runs_while_the_next_step_computes_and_its_start_makes_the
     assert snaps.finish() is None  # nothing pending: nothing to agree on
 
 
+def test_an_overlapped_copy_is_charged_for_how_much_it_slowed_the_step_it_ran_beside(tmp_path) -> None:
+    """On shared cores the copy slows the step it overlaps: that loss counts in the snapshot's cost (which sets the
+    automatic interval), not only the time the next step's start waited for it."""
+    snaps, _ = _two_host_snapshots(tmp_path, lambda step, owners, places, cancelled: 5)
+    assert snaps.start(8, step_time=0.1, overlap=True)
+    report = snaps.finish(overlapped=0.4)  # the step beside the copy took 0.4 s against 0.1 s before
+    assert report is not None and report.seconds >= 0.3
+    began = time.perf_counter()
+    assert snaps.start(12, step_time=0.1, overlap=True)
+    second = snaps.finish(overlapped=0.05)  # a faster step is not a credit: only the calls' own time counts
+    assert second is not None and second.seconds <= time.perf_counter() - began
+
+
 def test_without_overlap_and_in_take_the_copy_is_made_before_the_call_returns(tmp_path) -> None:
     threads = []
 

@@ -240,14 +240,17 @@ class Snapshots:
         self._pending = copy
         return True
 
-    def finish(self) -> SnapshotReport | None:
+    def finish(self, overlapped: float | None = None) -> SnapshotReport | None:
         """Every rank at once: wait for the pending snapshot's peer copy, agree that it is whole (or that it has no
         copy on another host), choose the next interval and drop the snapshot before it; its report, or None if
-        none was pending. Its cost is what the training waited for: the publish, the copy's part that the step
-        did not cover, the agreement."""
+        none was pending. Its cost is what the training lost to it: the publish, the copy's part that the step
+        did not cover, the agreement, and by how much the step it overlapped (``overlapped`` seconds) was slower
+        than the one before (the copy shares the host's cores and memory with it)."""
         copy, self._pending = self._pending, None
         if copy is None:
             return None
+        if overlapped is not None and copy.step_time is not None and copy.thread is not None:
+            copy.spent += max(0.0, overlapped - copy.step_time)
         waiting = time.perf_counter()
         if copy.thread is not None:
             copy.thread.join()

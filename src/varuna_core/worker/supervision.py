@@ -244,11 +244,11 @@ class Supervision:
         if self.snapshots is not None and self.snapshots.last is None:
             self.snapshots.last = self._now().iteration  # the step it started from: held where it came from
         self._check_background()
-        if self.snapshots is not None and self.snapshots.pending:  # the last step covered its peer copy
-            self.snapshots.finish()
         now = time.perf_counter()
         self._step_time = None if self._last_step_start is None else now - self._last_step_start
         self._last_step_start = now
+        if self.snapshots is not None and self.snapshots.pending:  # the last step covered its peer copy
+            self.snapshots.finish(self._step_time)
         if self.stop_agreed == "handover":
             self._publish_and_exit()
         elif self.stop_agreed:
