@@ -139,35 +139,9 @@ def test_a_snapshot_that_does_not_fit_is_said_once_and_training_goes_on(tmp_path
     assert calls == [True, True]
 
 
-def test_a_failed_copy_keeps_the_snapshot_without_its_peer_and_the_previous_one_until_then(tmp_path) -> None:
-    """Two hosts; this rank's peer serves no shelf: the snapshot is kept (on this host only: ``peer`` False), and
-    the blobs of the snapshot before it are dropped only once it is whole."""
-    shelf = Shelf("j-1", root=tmp_path)
-    shelf.put("step_4/__0_0.distcp", b"old")
-    announced = []
-
-    def publish(reserve, copies):
-        with reserve(3) as space:
-            path = space.directory / "f"
-            path.write_bytes(b"new")
-            space.adopt("step_8/__0_0.distcp", path, sha256=hashlib.sha256(b"new").hexdigest())
-        return {"step_8/__0_0.distcp": 0, "step_8/__1_0.distcp": 1}
-
-    def gather(obj):
-        if isinstance(obj, tuple) and len(obj) == 2:  # (host, server) of each rank
-            return [obj, ("h1", None)]
-        return [obj, obj]
-
-    snaps = _snapshots(4, publish=publish, gather=gather, shelf=shelf)
-    snaps.server = ("127.0.0.1", 9)
-    snaps.last = 4
-    report = snaps.take(8, announced.append)
-    assert report is not None and not report.peer and report.held == 3 and announced == [report]
-    assert shelf.names() == ["step_8/__0_0.distcp"]
-
-
-def _two_host_snapshots(tmp_path, copy):
-    """This rank (0, on h0) and rank 1 on h1, both serving shelves; ``copy`` stands for the pull from h1."""
+def _two_host_snapshots(tmp_path, copy=None, peer=("127.0.0.1", 9)):
+    """This rank (0, on h0) and rank 1 on h1 serving its shelf at ``peer`` (None: no shelf); ``copy`` stands for the
+    pull from h1 (None: the real one)."""
     shelf = Shelf("j-1", root=tmp_path)
     shelf.put("step_4/__0_0.distcp", b"old")
 
@@ -180,13 +154,24 @@ def _two_host_snapshots(tmp_path, copy):
 
     def gather(obj):
         if isinstance(obj, tuple) and len(obj) == 2:  # (host, server) of each rank
-            return [obj, ("h1", ("127.0.0.1", 9))]
+            return [obj, ("h1", peer)]
         return [obj, obj]
 
     snaps = _snapshots(4, publish=publish, gather=gather, shelf=shelf)
     snaps.server, snaps.last = ("127.0.0.1", 9), 4
-    snaps._copy_previous_host = copy
+    if copy is not None:
+        snaps._copy_previous_host = copy
     return snaps, shelf
+
+
+def test_a_failed_copy_keeps_the_snapshot_without_its_peer_and_the_previous_one_until_then(tmp_path) -> None:
+    """Two hosts; this rank's peer serves no shelf: the snapshot is kept (on this host only: ``peer`` False), and
+    the blobs of the snapshot before it are dropped only once it is whole."""
+    announced = []
+    snaps, shelf = _two_host_snapshots(tmp_path, peer=None)
+    report = snaps.take(8, announced.append)
+    assert report is not None and not report.peer and report.held == 3 and announced == [report]
+    assert shelf.names() == ["step_8/__0_0.distcp"]
 
 
 def test_the_peer_copy_runs_while_the_next_step_computes_and_its_start_makes_the_snapshot_whole(tmp_path) -> None:
