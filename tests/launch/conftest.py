@@ -15,6 +15,16 @@ from devtools.launching import ROOT, VARUNA, Launch, job_processes, make_plan, p
 TRAIN = ["examples/gpt/train.py", "--batch-size", "32", "--log-every", "10"]
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two SSH test hosts for one test module (a module that needs private disks on them defines its own)."""
+    from devtools.testhosts import start_cluster
+
+    cl = start_cluster(2, tmp_path_factory.mktemp("hosts"))
+    yield cl
+    cl.close()
+
+
 @pytest.fixture(scope="session")
 def gpt_profile(tmp_path_factory) -> Path:
     """A profile of the example GPT (few repeats: the tests need its structure, not precise times)."""

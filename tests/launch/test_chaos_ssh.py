@@ -9,17 +9,9 @@ import json
 
 import pytest
 
-from devtools.testhosts import start_cluster
 from tests.launch.conftest import job_processes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cl = start_cluster(2, tmp_path_factory.mktemp("hosts"))
-    yield cl
-    cl.close()
 
 
 def test_a_pipeline_across_two_hosts_survives_every_fault_with_the_same_numbers(cluster, plan2, tmp_path) -> None:

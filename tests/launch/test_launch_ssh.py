@@ -17,17 +17,9 @@ import pytest
 from devtools.chaos import _params_diff
 from devtools.launching import Launch, worker_pid
 from devtools.same_layouts import mismatches, replay, surviving_chain
-from devtools.testhosts import start_cluster
 from tests.launch.conftest import ROOT, TRAIN, VARUNA, interrupt_and_expect_nothing_left, job_processes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cl = start_cluster(2, tmp_path_factory.mktemp("hosts"))
-    yield cl
-    cl.close()
 
 
 def hosts_file(path: Path, lines: list[str]) -> Path:

@@ -14,17 +14,9 @@ import pytest
 from devtools.chaos import _params_diff
 from devtools.launching import Launch
 from devtools.same_layouts import mismatches, replay, surviving_chain
-from devtools.testhosts import start_cluster
 from tests.launch.conftest import TRAIN, job_processes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(360)]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cl = start_cluster(2, tmp_path_factory.mktemp("hosts"))
-    yield cl
-    cl.close()
 
 
 def test_the_survivors_of_a_lost_host_go_on_in_their_processes(cluster, plan4, tmp_path) -> None:
