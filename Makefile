@@ -43,7 +43,7 @@ lint: setup ## ruff and mypy, with zero findings (`make test` runs it first)
 	$(VENV)/bin/mypy
 
 test: setup lint ## lint, then run the test suite (PYTEST_ARGS="-k env" to select, TEST_WORKERS=0 to run it serially)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The CUDA paths on one GPU (tests/gpu, which `make test` does not collect): parity with a plain CUDA process in every
 # precision and schedule, meta builds, checkpoints across devices, the memory model against the GPU's own accounting,

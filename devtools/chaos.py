@@ -137,7 +137,7 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
               ckpt_every: int = 5, gap: int = 12, first: int = 10, slots: int = 2, heartbeat_timeout: float = 8,
               max_restarts: int = 4, timeout: float = 900, reference: Path | None = None,
               uninterrupted: bool = True, replay_layouts: bool = False, snapshot_every: str = "auto",
-              steady: bool = True, say=lambda text: None) -> ChaosResult:
+              steady: bool = True, stop_after: int | None = None, say=lambda text: None) -> ChaosResult:
     """Run the example GPT by ``plan`` over ``cluster``'s hosts with ``--morph``, inject the scheduled faults,
     and compare it with an uninterrupted run of the same plan on local processes (``reference``: a store of that
     run's final checkpoint and its launcher's run directory; when None it is made here, alongside the chaotic run,
@@ -146,7 +146,11 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     to the bit (:mod:`devtools.same_layouts`). ``snapshot_every``: the launcher's ``--snapshot-every`` (``0``: a
     crash always restarts from the store, e.g. to meet a corrupt checkpoint there). ``steady``: each fault waits
     until the hosts' fork servers serve (what a recovery's time is measured in); a host fault always waits until its
-    host is in the job."""
+    host is in the job. ``stop_after``: once the last fault is survived and this many more steps trained, stop the
+    launcher with SIGTERM (its checkpoint then ends the run, exit code 143) instead of training the tail that a
+    morph begun by the last fault might need; the run is then compared only with its replayed layouts."""
+    if stop_after is not None and (uninterrupted or reference is not None):
+        raise ValueError("stop_after ends the run early: only its replayed layouts can be compared with it")
     faults = schedule(seed, kinds, first=first, gap=gap, ranks=slots * len(cluster.hosts), hosts=len(cluster.hosts))
     # The tail after the last fault must outlast a whole morph (notice, pre-flight SSH check, checkpoint,
     # restart) when the last fault takes a host away and brings it back: steps take ~0.15 s, a morph seconds.
@@ -178,6 +182,10 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
             fault.detail = _inject(fault, launch, cluster, hosts, lines, run_dir / "checkpoints")
             fault.injected = round(time.monotonic() - started, 1)
             fault.survived = _await_recovery(launch, fault, before, hosts, lines, timeout, cluster)
+        if stop_after is not None:
+            at = _progress(launch)
+            launch.wait_for(lambda: _progress(launch) >= at + stop_after, timeout=timeout)
+            launch.proc.send_signal(signal.SIGTERM)
         code = launch.wait()
     except AssertionError as exc:  # the launcher died or hung: report it, do not raise
         text = str(exc)
@@ -191,10 +199,19 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     finally:
         launch.close()
     seconds = time.monotonic() - started
-    if code != 0:
+    clean = 143 if stop_after is not None else 0
+    if code != clean:
         problems.append(f"the launcher exited with {code}")
+    last = steps
+    if stop_after is not None and code == clean:
+        last = next((e["checkpoint"] for e in launch.events() if e["event"] == "terminated"), None)
+        if last is None:
+            problems.append("the launcher stopped by SIGTERM reported no checkpoint")
+            code = None
+        else:
+            steps = last
     for fault in faults:
-        fault.survived = fault.survived and code == 0
+        fault.survived = fault.survived and code == clean
     loss_diff, param_diff, abs_diff, worst = None, None, None, None
     if reference is not None or pending is not None:
         reference = reference or _finish_reference(pending)
@@ -204,7 +221,7 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     for fault in faults:
         _timings(fault, events, reports)
     chain, layout_losses, layout_params = None, None, None
-    if replay_layouts and code == 0:
+    if replay_layouts and code == clean:
         from devtools.same_layouts import mismatches, replay, surviving_chain
 
         reports = launch.reports()
