@@ -47,6 +47,7 @@ _EXPORTS = {
     "meta_init": "model.materialize",
     "load_weights": "model.weights",
     "WeightSource": "model.weights",
+    "register_elementwise_optimizer": "pipeline.shard",
 }
 
 __all__ = ["__version__", *_EXPORTS]  # noqa: PLE0604 - _EXPORTS' keys are strings

@@ -70,6 +70,7 @@ from .pipeline.reduce import (
     loss_scaler,
     norm_params,
 )
+from .pipeline.shard import OptimizerShards, ShardLayout, check_shardable
 from .pipeline.tracing import ChromeTrace
 from .pipeline.validate import check_slicing, reference_run
 from .util.heap import release_free_memory
@@ -146,6 +147,14 @@ class Varuna(nn.Module):
             micro-batch's share of the global loss (e.g. a sum over tokens divided by the global number of
             tokens: Hugging Face's ``num_items_in_batch``, for masked-LM or padded batches whose examples hold
             different numbers of tokens) and the micro-batches are added up.
+        shard_optimizer: shard each stage's optimizer state over its data-parallel replicas (ZeRO-1, see
+            :mod:`varuna_core.pipeline.shard`): gradients are reduce-scattered, the optimizer set with
+            :meth:`set_optimizer` steps this replica's pieces of the parameters, and the updated pieces are
+            all-gathered (the same bytes on the wire as the all-reduce). A rank then holds ``1/dp`` of the
+            optimizer state. The optimizer's update must be element-wise (``SGD``, ``Adam``, ``AdamW``, ...; see
+            :data:`~varuna_core.pipeline.shard.ELEMENTWISE`); with one replica it changes nothing. A lost replica
+            then takes its shard with it: a job recovers from a snapshot or checkpoint instead of regrouping.
+            Default: the plan's choice, else False.
     """
 
     def __init__(
@@ -176,6 +185,7 @@ class Varuna(nn.Module):
         loss_reduction: str = "mean",
         init: Callable[[nn.Module], Any] | None = None,
         weights: str | os.PathLike | None = None,
+        shard_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
         install_excepthook()
@@ -186,7 +196,8 @@ class Varuna(nn.Module):
             model, stage_to_rank_map, batch_size, chunk_size, fp16=fp16, schedule=schedule, partition=partition,
             timeout=timeout, bucket_mb=bucket_mb, precision=precision, seed=seed,
             plan=plan if plan is not None else told.plan, trace=trace, trace_step=trace_step, cutpoints=cutpoints,
-            loss_reduction=loss_reduction)
+            loss_reduction=loss_reduction, shard_optimizer=shard_optimizer)
+        self.shard_optimizer = config.shard_optimizer
         self.loss_reduction, self.precision, self.plan = config.loss_reduction, config.precision, config.plan
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
@@ -317,6 +328,7 @@ class Varuna(nn.Module):
         self._norm_params = norm_params(self.grad_buffer, self.ties, self._tied, self.stage)
         self.scaler = LossScaler(device=self.device) if self.precision == "fp16" else None
         self.optimizer: torch.optim.Optimizer | None = None
+        self._shards: OptimizerShards | None = None  # shard_optimizer with replicas: set_optimizer
         self.iteration = 0
         self.grad_norm: float | None = None
         self.total_steps: int | None = None  # optional: lets `varuna launch` show an ETA
@@ -350,6 +362,17 @@ class Varuna(nn.Module):
         self.scaler = loss_scaler(self.precision, loss_scale, init_loss_scale, min_loss_scale, self.device,
                                   self.scaler)
         check_optimizer(optimizer, self.stage_slice.param_names)
+        if self._shards is not None:
+            self._shards.close()
+            self._shards = None
+        if self.shard_optimizer:
+            check_shardable(optimizer)  # with one replica too: the same script may run with several
+        if self.shard_optimizer and self.dp > 1:
+            self._shards = OptimizerShards(
+                ShardLayout(self.grad_buffer.kinds(), self.dp, self.replica), optimizer, group=self.groups.dp,
+                ranks=list(self.topology.stage_ranks[self.stage]), bucket_bytes=self.grad_buffer.bucket_bytes,
+                timeout=self.timeout, describe=lambda what: f"rank {self.rank} (stage {self.stage}) {what}")
+        self._grad_sync.shards = self._shards
         self.optimizer = optimizer
         self.supervision.resume()  # under `varuna launch` with VARUNA_RESUME_STEP: continue from there
 
@@ -371,7 +394,9 @@ class Varuna(nn.Module):
         self._modes.check("step()")  # the model in another mode than it was sliced for: [Note: discovery mode]
         self.supervision.before_step()  # may checkpoint (periodic, or agreed on demand: then it exits)
         while True:
-            before = self._before_step() if self._regrouper is not None and self.dp > 1 else None
+            # a sharded optimizer's lost replica takes its shard of the state along: no regroup, a recovery
+            regroups = self._regrouper is not None and self.dp > 1 and self._shards is None
+            before = self._before_step() if regroups else None
             try:
                 return self._step(inputs, clip_grad_max_norm)
             except CommTimeoutError as exc:  # a peer lost with its host: go on without its replica (worker.regroup)
@@ -383,6 +408,8 @@ class Varuna(nn.Module):
         microbatches = split_inputs(inputs, self.input_batch_dims, self.microbatch_sizes,
                                     expected=self.replica_batch_size)
         weights = loss_weights(self.microbatch_sizes, self.batch_size, self.loss_reduction)
+        if self._shards is not None:  # the buffer holds partial sums after a reduce-scatter: nothing to add to
+            self.grad_buffer.zero()
         self.grad_buffer.attach()
         trace_dir = self.trace_dir if self.iteration == self.trace_step else None
         tracer = self.executor.add_observer(self._chrome_trace()) if trace_dir is not None else None
@@ -400,7 +427,7 @@ class Varuna(nn.Module):
             observer.on_sync(synced, time.perf_counter())
         result = finish_step(
             loss_sum, self.grad_buffer, self._norm_params, self.scaler, dp=self.dp, device=self.device,
-            clip_grad_max_norm=clip_grad_max_norm, reduce=self._global_sum,
+            clip_grad_max_norm=clip_grad_max_norm, reduce=self._global_sum, shards=self._shards,
             flag=self.supervision.flag(),  # some rank got SIGUSR1 (SIGUSR2): all checkpoint (publish) next step
         )
         sync_written_buffers(self.stage_slice, self.groups, self.topology, self.stage)  # [Note: replica buffers]
@@ -546,9 +573,14 @@ class Varuna(nn.Module):
     def _checkpoint_state(self):
         """What a checkpoint saves and restores of this rank, for the checkpoint floor (which knows nothing of
         this class): the live model, parameters and optimizer, and plain values."""
-        from .checkpoint.state import CheckpointState
+        from .checkpoint.state import CheckpointState, OptimPiece
 
-        return CheckpointState(
+        pieces = None
+        if self._shards is not None:  # a tied weight's state is written from its first stage (as its norm counts)
+            saved = {id(p) for p in self._norm_params}
+            pieces = {id(p): OptimPiece(param, offsets, save=id(p) in saved)
+                      for p, param, offsets in self._shards.boxes()}
+        return CheckpointState(pieces=pieces,
             rank=self.rank, world_size=self.world_size, replica=self.replica, device=self.device,
             timeout=self.timeout, module=self.module, params=list(self.stage_slice.param_names),
             weight_groups=self.weight_groups, optimizer=self.optimizer, structure_hash=self.structure.key,

@@ -44,6 +44,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def make_optimizer(name: str, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adamw-groups":  # weight decay on matrices only, and another learning rate for the rest
+        params = list(params)
+        return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 3e-3}],
+                                 lr=1e-2)
+    if name == "lbfgs":
+        return torch.optim.LBFGS(params)
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
@@ -95,7 +102,8 @@ def run_one(run: dict, spec: dict) -> dict:
                 timeout=spec.get("timeout", 60), precision=run.get("precision"),
                 seed=None if run.get("unseeded") else run.get("varuna_seed", 1234),
                 input_batch_dims=batch_dims, plan=run.get("plan"), trace=run.get("trace"), trace_step=1,
-                cutpoints=cutpoints, loss_reduction=loss_reduction, init=init, weights=run.get("weights"))
+                cutpoints=cutpoints, loss_reduction=loss_reduction, init=init, weights=run.get("weights"),
+                shard_optimizer=run.get("shard"))
     opt = make_optimizer(run["optimizer"], vm.parameters())
     vm.set_optimizer(opt, init_loss_scale=run.get("init_loss_scale", 2**20))
     losses, norms, overflows, scales = [], [], [], []
@@ -191,6 +199,8 @@ def run_one(run: dict, spec: dict) -> dict:
         "held_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta"),
         "stage_bytes": vm.parameter_bytes(), "full_bytes": full_bytes,
         "stage": vm.stage, "replica": vm.replica, "schedule": vm.schedule_name, "chunk": vm.chunk_size,
+        "optim_bytes": sum(v.numel() * v.element_size() for state in opt.state.values() for v in state.values()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0),
         "partition": torch.tensor(vm.partition.ranges),
         "seed": vm.seed, "initial_seed": torch.initial_seed(), "run_id": vm.run_id,
     }

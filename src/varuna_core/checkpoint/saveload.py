@@ -72,6 +72,7 @@ from ..errors import CheckpointError, ConfigError, VarunaError
 from ..model.rng import MASK64
 from ..util.checks import integer
 from ..util.fs import atomic_write, fsync_dir
+from .chunks import chunk
 from .io import copy_file
 from .layout import (
     COMPLETE_FILE,
@@ -140,19 +141,42 @@ def _state_dict(state: CheckpointState, *, write_model: bool) -> dict[str, torch
     sd: dict[str, torch.Tensor] = {f"rng/rank{state.rank}": torch.get_rng_state()}
     if state.device.type == "cuda":
         sd[f"rng_cuda/rank{state.rank}"] = torch.cuda.get_rng_state(state.device)
-    if not write_model:
-        return sd
     for key, p in _keys(state):
-        sd[f"model/{key}"] = p.detach()
-        slots = state.optimizer.state.get(p, {}) if state.optimizer is not None else {}
-        for name, value in slots.items():
-            if isinstance(value, torch.Tensor):
+        if write_model:
+            sd[f"model/{key}"] = p.detach()
+        if write_model or state.pieces is not None:  # a sharded optimizer's box is on this replica only
+            for name, value in _optim_slots(state, p):
                 sd[f"optim/{key}/{name}"] = value
-            elif isinstance(value, (int, float)):
-                sd[f"optim/{key}/{name}"] = torch.tensor(value)
-    for name, b in _buffers(state).items():
-        sd[f"buffer/{name}"] = b
+    if write_model:
+        for name, b in _buffers(state).items():
+            sd[f"buffer/{name}"] = b
     return sd
+
+
+def _optim_slots(state: CheckpointState, p: torch.nn.Parameter) -> list[tuple[str, torch.Tensor]]:
+    """The optimizer state of ``p`` this rank writes, as ``(slot, tensor)``: numbers as 0-d tensors; under a
+    sharded optimizer, a slot of the box's shape as that box of the parameter's shape (:mod:`.chunks`)."""
+    if state.optimizer is None:
+        return []
+    held, piece = p, None
+    if state.pieces is not None:
+        piece = state.pieces.get(id(p))
+        if piece is None or not piece.save:
+            return []
+        held = piece.param
+    out = []
+    for name, value in state.optimizer.state.get(held, {}).items():
+        if isinstance(value, torch.Tensor):
+            if piece is not None and value.dim() > 0:
+                if value.shape != held.shape:
+                    raise CheckpointError(f"the sharded optimizer's state {name!r} of {list(p.shape)} parameter has "
+                                          f"shape {list(value.shape)}, not its piece's {list(held.shape)}",
+                                          hint="shard only optimizers whose state is element-wise")
+                value = chunk(value, piece.offsets, p.shape)
+            out.append((name, value))
+        elif isinstance(value, (int, float)):
+            out.append((name, torch.tensor(value)))
+    return out
 
 
 def _optimizer_info(state: CheckpointState) -> dict | None:
@@ -806,13 +830,19 @@ class _Targets:
             else None
         for key, p in params:
             target[f"model/{key}"] = fresh(p)
-            if optim is not None:
+            piece = state.pieces.get(id(p)) if state.pieces is not None else None
+            if optim is not None and (state.pieces is None or piece is not None):
                 prefix = f"optim/{key}/"
                 slots: dict[str, torch.Tensor] = {}
                 for name, meta in metadata.items():
                     if name.startswith(prefix):
-                        tensor = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype, device=p.device)
-                        target[name] = slots[name[len(prefix):]] = tensor
+                        if piece is not None and len(meta.size) > 0:  # the box this replica's optimizer holds
+                            tensor = torch.zeros(piece.param.shape, dtype=meta.properties.dtype, device=p.device)
+                            target[name] = chunk(tensor, piece.offsets, meta.size)
+                        else:
+                            tensor = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype, device=p.device)
+                            target[name] = tensor
+                        slots[name[len(prefix):]] = tensor
                 optim[id(p)] = slots
         for name, b in buffers.items():
             target[f"buffer/{name}"] = fresh(b)
@@ -835,7 +865,10 @@ class _Targets:
                     b.copy_(self.target[f"buffer/{name}"])
         if self.optim is not None and state.optimizer is not None:  # optim: built for this run's optimizer
             for _, p in self.params:
-                state.optimizer.state[p] = dict(self.optim.get(id(p), {}))
+                if state.pieces is None:
+                    state.optimizer.state[p] = dict(self.optim.get(id(p), {}))
+                elif id(p) in state.pieces:
+                    state.optimizer.state[state.pieces[id(p)].param] = dict(self.optim.get(id(p), {}))
             for group, updates in zip(state.optimizer.param_groups, groups, strict=True):
                 group.update(updates)
         for key in self.rng_keys:

@@ -22,7 +22,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["CheckpointState"]
+__all__ = ["CheckpointState", "OptimPiece"]
+
+
+@dataclass(frozen=True)
+class OptimPiece:
+    """The box of a parameter whose optimizer state this rank holds, under a sharded optimizer
+    (:mod:`varuna_core.pipeline.shard`): ``param`` is the Parameter the optimizer steps (a view of the box),
+    ``offsets`` where the box starts in the whole parameter. ``save``: this rank writes it (a tied weight's state is
+    written from its first stage's copies only; the others load it)."""
+
+    param: torch.nn.Parameter
+    offsets: tuple[int, ...]
+    save: bool = True
 
 
 @dataclass
@@ -54,6 +66,9 @@ class CheckpointState:
         run_id: the run this state belongs to; a load adopts the checkpoint's.
         loss_scaler: the loss scaler's ``state_dict()`` (None without loss scaling); a load replaces it by the
             checkpoint's when the checkpoint has one.
+        pieces: under a sharded optimizer, ``id(parameter) -> OptimPiece`` for each parameter of which this rank
+            holds the optimizer state of a box (a parameter absent: another replica holds all of it); its state is
+            saved and loaded as that box of ``optim/<name>/<state>``. None: the optimizer steps the parameters.
         job_token: the job's secret under ``varuna launch`` (:class:`~varuna_core.env.WorkerEnv`), which signs a
             background save's reports between ranks; None otherwise.
         restored: set by a load once the live tensors hold the checkpoint's.
@@ -81,6 +96,7 @@ class CheckpointState:
     seed: int
     run_id: str
     loss_scaler: dict[str, Any] | None = None
+    pieces: dict[int, OptimPiece] | None = None
     job_token: str | None = dataclasses.field(default=None, repr=False)  # a secret: never in a repr or a log
     restored: bool = False
 

@@ -57,11 +57,13 @@ class Config:
     trace_step: int
     cutpoints: Literal["auto"] | None
     loss_reduction: Literal["mean", "sum"]
+    shard_optimizer: bool = False
 
 
 def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_size: Any, *, fp16: bool,
                    schedule: str, partition: Any, timeout: Any, bucket_mb: Any, precision: str | None, seed: Any,
-                   plan: Any, trace: Any, trace_step: Any, cutpoints: str | None, loss_reduction: str) -> Config:
+                   plan: Any, trace: Any, trace_step: Any, cutpoints: str | None, loss_reduction: str,
+                   shard_optimizer: bool | None = None) -> Config:
     """Check every argument that needs no process group or model structure; apply the plan."""
     batch_size, chunk_size, timeout, bucket_mb, trace_step, seed = _check_arguments(
         batch_size, chunk_size, timeout, bucket_mb, trace_step, seed, plan)
@@ -74,6 +76,13 @@ def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_si
     if loaded is not None:
         stage_to_rank_map, chunk_size, schedule, partition = _apply_plan(
             loaded, stage_to_rank_map, batch_size, chunk_size, schedule, partition)
+    if shard_optimizer is None:
+        shard_optimizer = loaded.shard_optimizer if loaded is not None else False
+    elif not isinstance(shard_optimizer, bool):
+        raise ConfigError(f"shard_optimizer must be True, False or None (the plan's), got {shard_optimizer!r}")
+    elif loaded is not None and shard_optimizer != loaded.shard_optimizer:
+        log.warning("shard_optimizer=%s differs from the plan's %s: its memory predictions do not apply",
+                    shard_optimizer, loaded.shard_optimizer)
     if not isinstance(stage_to_rank_map, str):
         raise TopologyError(f"stage_to_rank_map must be a string like '0,2;1,3', got {stage_to_rank_map!r}")
     return Config(
@@ -81,7 +90,7 @@ def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_si
         schedule=check_schedule(schedule), partition=partition, precision=resolved_precision, plan=loaded,
         timeout=float(timeout) if timeout is not None else default_timeout(), bucket_mb=bucket_mb, seed=seed,
         trace_dir=trace if trace is not None else env.text(env.TRACE), trace_step=trace_step, cutpoints=cuts,
-        loss_reduction=reduction,
+        loss_reduction=reduction, shard_optimizer=shard_optimizer,
     )
 
 

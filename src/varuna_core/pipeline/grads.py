@@ -42,14 +42,20 @@ class GradBuffer:
     def allocated(self) -> bool:
         return bool(self.flats) or not self.params
 
-    def _allocate(self) -> None:
-        """The flat buffers, at the first backward rather than at start-up: the peers allocate gradients then
-        too, and a stage's gradients are as large as its parameters, which start-up memory must not hold twice."""
+    def kinds(self) -> list[list[nn.Parameter]]:
+        """The parameters of each flat buffer (one per dtype and device, in order of first appearance), in buffer
+        order."""
         by_kind: dict[tuple, list[nn.Parameter]] = {}
         for p in self.params:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
+        return list(by_kind.values())
+
+    def _allocate(self) -> None:
+        """The flat buffers, at the first backward rather than at start-up: the peers allocate gradients then
+        too, and a stage's gradients are as large as its parameters, which start-up memory must not hold twice."""
         view_of: dict[int, torch.Tensor] = {}
-        for (dtype, device), group in by_kind.items():
+        for group in self.kinds():
+            dtype, device = group[0].dtype, group[0].device
             flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
             offset = 0
             for p in group:

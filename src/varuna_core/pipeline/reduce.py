@@ -22,6 +22,7 @@ from .executor import PipelineExecutor
 from .grads import GradBuffer, all_reduce_tensor
 from .groups import Groups
 from .microbatch import batch_size_of, microbatch_sizes, split_inputs
+from .shard import OptimizerShards
 
 __all__ = ["GradSync", "StepResult", "check_clip", "norm_params", "finish_step", "global_sum", "evaluate_loss",
            "loss_scaler", "check_optimizer"]
@@ -46,19 +47,22 @@ def check_clip(clip_grad_max_norm: float | None) -> None:
 
 
 class GradSync:
-    """Sums the gradients of each tied weight over its stages, then the stage's over its replicas."""
+    """Sums the gradients of each tied weight over its stages, then the stage's over its replicas: all-reduced, or
+    with a sharded optimizer (``shards``) reduce-scattered to each replica's pieces."""
 
     def __init__(self, groups: Groups, tied: dict[str, nn.Parameter], grad_buffer: GradBuffer, *, timeout: float,
-                 rank: int, stage: int) -> None:
+                 rank: int, stage: int, shards: OptimizerShards | None = None) -> None:
         self.groups, self.tied, self.grad_buffer = groups, tied, grad_buffer
-        self.timeout, self.rank, self.stage = timeout, rank, stage
+        self.timeout, self.rank, self.stage, self.shards = timeout, rank, stage, shards
 
     def __call__(self) -> None:
         for tie, group in self.groups.ties:
             all_reduce_tensor(_attached_grads([self.tied[tie.canonical]])[0], group, timeout=self.timeout,
                               describe=lambda: f"rank {self.rank} summing gradients of tied weight "
                               f"{tie.canonical!r}")  # noqa: B023 - called (on a failure) before the next tie
-        if self.groups.dp is not None:
+        if self.shards is not None:
+            self.shards.reduce_scatter(self.grad_buffer.flats)
+        elif self.groups.dp is not None:
             self.grad_buffer.all_reduce(
                 self.groups.dp, timeout=self.timeout,
                 describe=lambda: f"rank {self.rank} (stage {self.stage}) data-parallel all-reduce")
@@ -91,22 +95,31 @@ def global_sum(value: torch.Tensor, *, world_size: int, timeout: float, rank: in
 
 def finish_step(loss_sum: torch.Tensor, grad_buffer: GradBuffer, norm_params: list[nn.Parameter],
                 scaler: LossScaler | None, *, flag: float, dp: int, device: torch.device,
-                clip_grad_max_norm: float | None, reduce: Callable[[torch.Tensor], torch.Tensor]) -> StepResult:
+                clip_grad_max_norm: float | None, reduce: Callable[[torch.Tensor], torch.Tensor],
+                shards: OptimizerShards | None = None) -> StepResult:
     """Unscale (fp16), all-reduce loss / squared norm / overflow / flag with ``reduce``, update the loss scale, and
-    zero (overflow) or clip the gradients."""
-    grads = _attached_grads(grad_buffer.params)
+    zero (overflow) or clip the gradients. With a sharded optimizer (``shards``) only this replica's pieces hold
+    reduced gradients: they are unscaled, counted in the norm (each element then once over the replicas, so the
+    sum is not divided by ``dp``) and clipped."""
+    counted = {id(p) for p in norm_params}
+    if shards is None:
+        grads = _attached_grads(grad_buffer.params)
+        norm_mask = [id(p) in counted for p in grad_buffer.params]
+    else:
+        grads = shards.grads()
+        norm_mask = [id(p) in counted for p, _ in shards.layout.owned()]
+        dp = 1
     found_inf: torch.Tensor | None
-    if fused.fused_grad_pass(grads):
+    if grads and fused.fused_grad_pass(grads):
         # one pass over the gradients on the GPU: unscale, overflow flag and every tensor's squared norm
         flag_inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
         sq = fused.unscale_sq_norms_cuda(grads, scaler.inv_scale() if scaler is not None else None, flag_inf)
         found_inf = flag_inf if scaler is not None else None
-        counted = {id(p) for p in norm_params}
-        index = [i for i, p in enumerate(grad_buffer.params) if id(p) in counted]
+        index = [i for i, counts in enumerate(norm_mask) if counts]
         sq_norm = (sq if len(index) == len(grads) else sq[torch.tensor(index, device=sq.device)]).sum()
     else:
         found_inf = scaler.unscale_(grads) if scaler is not None and grads else None
-        norm_grads = _attached_grads(norm_params)
+        norm_grads = [g for g, counts in zip(grads, norm_mask, strict=True) if counts]
         sq_norm = (torch.stack(torch._foreach_norm(norm_grads)).double().pow(2).sum() if norm_grads
                    else torch.zeros((), dtype=torch.float64, device=device))
     zero = torch.zeros((), dtype=torch.float64, device=loss_sum.device)

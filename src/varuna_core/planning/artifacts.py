@@ -36,7 +36,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, Strict, field_validator, model_validator
+from pydantic import Field, Strict, StrictBool, field_validator, model_validator
 
 from ..errors import ConfigError, TopologyError
 from ..ir.units import MAX_BYTES
@@ -375,6 +375,9 @@ class Plan(CheckedModel):
     profile_path: str | None = Field(None, description="the profile the plan was made from (absolute path): "
                                      "`varuna launch --morph` plans again from it when the device count changes")
     prediction: Prediction | None = Field(description="the simulated step (None: a layout given by hand)")
+    shard_optimizer: StrictBool = Field(
+        False, description="the optimizer state of each stage is sharded over its data-parallel replicas "
+                           "(Varuna(..., shard_optimizer=True)): each rank holds 1/dp of it")
     snapshot_bytes_per_node: Bytes = Field(
         0, description="host memory the in-memory snapshots of `varuna launch --snapshot-every` take on the fullest "
                        "node: the state of the stages its ranks run and of the stages of the node before it, whose "
