@@ -131,3 +131,26 @@ def test_checkpoints_reshard_between_sharded_and_unsharded_layouts(tmp_path) -> 
     results = run_ranks({"map": "0,3;1,4;2,5", "timeout": 60, "runs": [third]}, 6, tmp_path / "c")
     expected = uninterrupted(layout("0,2;1,3", 3) + layout("0;1;2;3", 2) + layout("0,3;1,4;2,5", 2))
     assert_resumed(results, *expected, first=5)
+
+
+@pytest.mark.parametrize(("resume_map", "shard"), [("0;1", False), ("0,1", True)])
+def test_a_sharded_state_is_handed_over_through_host_memory(resume_map, shard, tmp_path) -> None:
+    """A morph's handover of a sharded run (two replicas publishing into two shelves, as two hosts): taken under
+    another layout unsharded, and under the same layout sharded again, the run goes on as if uninterrupted."""
+    from tests.dist.test_checkpoint import assert_resumed, steps_as, uninterrupted
+    from tests.dist.test_handover import JOB, _serve, _take
+
+    roots = [str(tmp_path / "host0"), str(tmp_path / "host1")]
+    run = {"schedule": "1f1b", "optimizer": "adamw", "batch": BATCH, "chunk": 2, "shard": True}
+    published = _ok(run_ranks({"map": "0,1", "timeout": 30, "runs": [
+        {**run, "steps": 2, "publish": {"at": 2, "job": JOB, "roots": roots}}]}, 2, tmp_path / "publish"))
+    owners = published[0][0]["owners"]
+    servers = _serve(roots)
+    try:
+        take = _take(servers, owners, tmp_path, "take", roots=roots, local={"0": 0, "1": 1})
+        results = run_ranks({"map": resume_map, "timeout": 30, "runs": [{**run, "shard": shard, "steps": 4,
+                                                                          "take": take}]}, 2, tmp_path / "take")
+    finally:
+        for server in servers:
+            server.close()
+    assert_resumed(results, *uninterrupted(steps_as("0,1", 2, resume_map, 2)), first=2)

@@ -430,14 +430,22 @@ def _holders(locate: Callable[[str], Any], holder_of: Callable[[int], Any] | Non
 def _link_files(holders: dict[str, list[Any]], link: Link, step: int, directory: Path,
                 expected: dict[str, tuple[int, str]]) -> dict[str, int]:
     """Link the blobs of ``holders`` that a holder on this host has (the writer's, else a replica's copy) into
-    ``directory``; returns ``{file: bytes of its data}`` for those linked (the others are to be fetched)."""
+    ``directory``; returns ``{file: bytes of its data}`` for those linked (the others are to be fetched). A holder
+    on this host that lacks the blob (a replica keeps no copy of what it cannot write itself: a sharded
+    optimizer's box of another replica) is dropped from the file's holders, and the next one tried; the blob
+    is refused by name only when no holder is left."""
     linked: dict[str, int] = {}
     for file, candidates in holders.items():
         name = blob_name(step, file)
-        for holder in candidates:
+        for holder in list(candidates):
             try:
                 got = link(holder, name, directory / file)
             except VarunaError as exc:
+                candidates.remove(holder)
+                if candidates:
+                    log.info("blob %s is not on this host's shelf (%s): taking it from another holder",
+                             printable(name), exc.message)
+                    continue
                 raise HandoverError(f"taking blob {printable(name)} from this host's shelf failed: {exc.message}",
                                     hint=_FALL_BACK) from None
             if got is None:
