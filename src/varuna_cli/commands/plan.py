@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--gpus-per-node",
            "gpu_memory": "--gpu-memory", "schedules": "--schedule", "headroom": "--headroom", "top": "--top",
-           "host_memory": "--host-memory"}
+           "host_memory": "--host-memory",
+           "shard_optimizer": "--shard-optimizer"}
 
 
 def plan(
@@ -35,6 +36,10 @@ def plan(
         "--schedule", help="Schedules to consider, comma-separated (default: varuna,1f1b,gpipe).")] = None,
     top: Annotated[int, typer.Option("--top", help="Alternatives to show and keep in the plan.")] = 5,
     headroom: Annotated[float, typer.Option("--headroom", help="Fraction of memory kept free.")] = 0.1,
+    shard_optimizer: Annotated[bool | None, typer.Option(
+        "--shard-optimizer/--no-shard-optimizer",
+        help="Shard the optimizer state over the data-parallel replicas, or never (default: consider both; "
+             "sharded wins where the whole state does not fit, or when it is predicted >1% faster).")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the plan (.yaml or .json).")] = Path(
         "plan.yaml"),
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
@@ -64,7 +69,8 @@ def plan(
         raise ConfigError(f"--host-memory must be ≥ 1, got {node_memory}", hint="give a node's memory, e.g. 512GiB")
     with named_as_options(OPTIONS):  # the request checks its numbers and names; the errors name our options
         req = PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=gpus_per_node, gpu_memory=memory,
-                          schedules=_schedules(schedule), top=top, headroom=headroom)
+                          schedules=_schedules(schedule), top=top, headroom=headroom,
+                          shard_optimizer=shard_optimizer)
     check_writable(output, "plan")
     prof = load_profile(profile)
     started = time.perf_counter()
@@ -154,12 +160,12 @@ def _table(result) -> None:
         ("samples/s", "right"), ("bubble", "right"), ("memory", "right"))
     for col, just in columns:
         table.add_column(col, justify=just, no_wrap=True)
-    table.add_row(*map(Text, ("plan", f"{result.pp}×{result.dp}", f"{result.microbatch_size}×{result.num_microbatches}",
+    table.add_row(*map(Text, ("plan", _layout(result), f"{result.microbatch_size}×{result.num_microbatches}",
                               result.schedule, f"{p.step_time * 1e3:.4g}", f"{p.samples_per_second:.4g}",
                               f"{p.bubble_fraction:.0%}", format_bytes(max(s.memory_bytes for s in result.stages)))),
                   style="bold")
     for i, alt in enumerate(result.alternatives, 1):
-        table.add_row(*map(Text, (f"#{i + 1}", f"{alt.pp}×{alt.dp}", f"{alt.microbatch_size}×{alt.num_microbatches}",
+        table.add_row(*map(Text, (f"#{i + 1}", _layout(alt), f"{alt.microbatch_size}×{alt.num_microbatches}",
                                   alt.schedule, f"{alt.step_time * 1e3:.4g}", f"{alt.samples_per_second:.4g}",
                                   f"{alt.bubble_fraction:.0%}", format_bytes(alt.peak_memory_bytes))))
     out.print(table)
@@ -169,11 +175,24 @@ def _table(result) -> None:
     out.print(f"partition (segments per stage): {stages}; stage_to_rank_map {result.stage_to_rank_map!r}",
               markup=False)
     _print_skips(out, result)
+    _print_sharding(out, result)
     if result.snapshot_bytes_per_node:
         out.print(f"in-memory snapshots (`varuna launch --morph`): {format_bytes(result.snapshot_bytes_per_node)} of "
                   "host memory on the fullest node", markup=False)
     if result.alternatives:
         out.print(f"why this plan: {printable(_why(result))}", markup=False)
+
+
+def _layout(row) -> str:
+    """``pp×dp``, marked ``z`` where the optimizer state is sharded over the replicas (a plan or a candidate)."""
+    return f"{row.pp}×{row.dp}{' z' if row.shard_optimizer else ''}"
+
+
+def _print_sharding(out, result) -> None:
+    """Whether the plan shards the optimizer state over the replicas, and what a rank then holds of it."""
+    if result.shard_optimizer:
+        out.print(f"optimizer state sharded over the {result.dp} replicas of each stage (z: Varuna(..., "
+                  f"shard_optimizer=True)): each rank holds 1/{result.dp} of its stage's", markup=False)
 
 
 def _print_skips(out, result) -> None:
@@ -227,7 +246,8 @@ def show(
     if max_steps and len(lines) > max_steps + 1:
         hidden = len(lines) - max_steps - 1
         lines = lines[: max_steps + 1] + [f"... {hidden} more steps (--max-steps 0 shows all)"]
-    typer.echo(f"{result.schedule}: {result.pp} stages, {result.num_microbatches} micro-batches per replica")
+    typer.echo(f"{result.schedule}: {result.pp} stages, {result.num_microbatches} micro-batches per replica"
+               f"{f', optimizer state sharded over the {result.dp} replicas' if result.shard_optimizer else ''}")
     typer.echo("\n".join(lines))
     if any(st.skip_bytes for st in result.stages):
         from rich.console import Console

@@ -331,6 +331,7 @@ class Candidate(CheckedModel):
     microbatch_size: Count
     num_microbatches: Count
     schedule: str
+    shard_optimizer: StrictBool = Field(False, description="the optimizer state sharded over the dp replicas")
     step_time: Seconds
     samples_per_second: Seconds
     bubble_fraction: Fraction

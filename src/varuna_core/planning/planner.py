@@ -54,6 +54,8 @@ __all__ = ["PlanRequest", "make_plan", "plan_for", "layout_plan", "partition_und
            "MAX_TOP", "MAX_CONCURRENT_SENDS"]
 
 MAX_TOP = 100  # alternatives a plan keeps
+SHARD_GAIN = 0.01  # a sharded optimizer must be predicted this much faster to win over a whole one that fits
+SHARD_BUCKET = 25 * 2**20  # the runtime's default bucket: the all-gather's scratch (and 1/dp of it, the ring's)
 MAX_CONCURRENT_SENDS = 1024
 
 
@@ -79,6 +81,11 @@ class PlanRequest:
         top: alternatives to keep.
         microbatch_sizes: the micro-batch sizes to consider (default: the profiled ones). A morph keeps the
             running size, so that the numerics of the run do not change with the device count.
+        shard_optimizer: shard the optimizer state over the replicas (``True``), never (``False``), or consider
+            both wherever ``dp > 1`` (``None``): sharding is chosen when it fits where the whole state does not, or
+            is predicted faster by more than :data:`SHARD_GAIN` (its optimizer steps ``1/dp`` of the elements). On a
+            tie the state stays whole: then a lost replica costs the job nothing (the survivors regroup), where a
+            sharded one took its shard with it.
     """
 
     gpus: int
@@ -90,6 +97,7 @@ class PlanRequest:
     max_concurrent_sends: int = 4
     top: int = 5
     microbatch_sizes: tuple[int, ...] | None = None
+    shard_optimizer: bool | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -112,6 +120,9 @@ class PlanRequest:
             if not sizes:
                 raise FieldError("microbatch_sizes", "names no size", hint="leave it out to use the profiled ones")
             put("microbatch_sizes", sizes)
+        if self.shard_optimizer is not None and not isinstance(self.shard_optimizer, bool):
+            raise FieldError("shard_optimizer", f"must be True, False or None (consider both), got "
+                             f"{self.shard_optimizer!r:.80}")
 
     @staticmethod
     def _names(schedules: object) -> tuple[ScheduleName, ...]:
@@ -141,6 +152,7 @@ class _Seg:
     saved_bytes: float
     static_bytes: int  # parameters + gradients + optimizer state
     grad_bytes: int
+    optimizer_bytes: int = 0
     optimizer_time: float = 0.0
     skip_bytes: float = 0.0  # of output_bytes: tensors skipping over the cut
 
@@ -168,7 +180,7 @@ def _segments_at(profile: Profile, n: float) -> list[_Seg]:
             output_bytes=_interp(ms, n, lambda m: m.output_bytes),
             saved_bytes=_interp(ms, n, lambda m: m.saved_bytes),
             static_bytes=seg.param_bytes + seg.grad_bytes + seg.optimizer_bytes,
-            grad_bytes=seg.grad_bytes,
+            grad_bytes=seg.grad_bytes, optimizer_bytes=seg.optimizer_bytes,
             optimizer_time=seg.optimizer_time,
             skip_bytes=_interp(ms, n, lambda m: m.skip_bytes),
         ))
@@ -192,7 +204,9 @@ class _Prefix:
         self.rec = [0.0]    # forward with graph (= recompute)
         self.grads = [0.0]  # gradient bytes
         self.opt = [0.0]    # optimizer step time
+        self.optb = [0.0]   # optimizer state bytes
         for x in segs:
+            self.optb.append(self.optb[-1] + x.optimizer_bytes)
             self.opt.append(self.opt[-1] + x.optimizer_time)
             self.rec.append(self.rec[-1] + x.recompute)
             self.grads.append(self.grads[-1] + x.grad_bytes)
@@ -205,13 +219,24 @@ class _Prefix:
         table = self.full if recompute else self.plain
         return table[b] - table[a]
 
+    def static_bytes(self, a: int, b: int, shards: int = 1) -> float:
+        """Parameters, gradients and optimizer state of segments ``[a, b)`` on one rank; with the optimizer
+        sharded over ``shards`` replicas, ``1/shards`` of the state, plus the collectives' scratch (one bucket for
+        the all-gather, a replica's share of one for the reduce-scatter)."""
+        static = self.static[b] - self.static[a]
+        if shards <= 1:
+            return static
+        grads = self.grads[b] - self.grads[a]
+        return static - (self.optb[b] - self.optb[a]) * (1 - 1 / shards) + min(SHARD_BUCKET, grads) * (1 + 1 / shards)
+
     def memory(self, a: int, b: int, *, held: int, graphs: int, recvs: tuple[int, int], headroom: float,
-               num_mb: int, recompute: bool) -> float:
+               num_mb: int, recompute: bool, shards: int = 1) -> float:
         """Peak bytes of a stage running segments ``[a, b)`` (the memory model, :mod:`.memory`); ``recvs``: its
         receive windows (activations, gradients), :func:`~varuna_core.ir.inflight.receive_windows`; ``num_mb``:
-        micro-batches per step; ``recompute``: whether the stage recomputes."""
+        micro-batches per step; ``recompute``: whether the stage recomputes; ``shards``: the replicas its optimizer
+        state is sharded over (1: whole)."""
         segs = self.segs
-        return stage_bytes(static=self.static[b] - self.static[a], saved=self.saved[b] - self.saved[a],
+        return stage_bytes(static=self.static_bytes(a, b, shards), saved=self.saved[b] - self.saved[a],
                            input_bytes=segs[a - 1].output_bytes if a > 0 else 0.0,
                            output_bytes=segs[b - 1].output_bytes if b < len(segs) else 0.0,
                            held=held, graphs=graphs, act_recvs=recvs[0], grad_recvs=recvs[1], headroom=headroom,
@@ -219,16 +244,16 @@ class _Prefix:
 
     def stage_memory(self, a: int, b: int, s: int, *, counts: Sequence[tuple[int, int]],
                      windows: Sequence[tuple[int, int]], recompute: Sequence[bool], num_mb: int,
-                     headroom: float) -> float:
+                     headroom: float, shards: int = 1) -> float:
         """:meth:`memory` of stage ``s`` of a schedule with these in-flight ``counts``, receive ``windows`` and
         ``recompute`` stages."""
         return self.memory(a, b, held=counts[s][0], graphs=counts[s][1], recvs=windows[s], headroom=headroom,
-                           num_mb=num_mb, recompute=recompute[s])
+                           num_mb=num_mb, recompute=recompute[s], shards=shards)
 
 
 def partition_under_memory(
     segs: Sequence[_Seg], pp: int, *, recompute_stages: Sequence[bool], counts: Sequence[tuple[int, int]],
-    limit: int | None, headroom: float, num_mb: int, prefix: _Prefix | None = None,
+    limit: int | None, headroom: float, num_mb: int, prefix: _Prefix | None = None, shards: int = 1,
 ) -> Partition | None:
     """Contiguous partition into ``pp`` stages minimising the slowest stage's compute, each stage within
     ``limit`` bytes; ``None`` if no partition fits.
@@ -253,7 +278,7 @@ def partition_under_memory(
             b = bisect.bisect_right(table, table[a] + bound * (1 + 1e-12), a + 1, last_allowed + 1) - 1
             if limit is not None:
                 while b > a and pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute_stages,
-                                                 num_mb=num_mb, headroom=headroom) > limit:
+                                                 num_mb=num_mb, headroom=headroom, shards=shards) > limit:
                     b -= 1
             if b <= a:
                 return None
@@ -342,6 +367,7 @@ class _Scored:
     boundary: list[bool]
     dp_inter: bool
     lower_bound: float
+    shard: bool = False  # the optimizer state sharded over the dp replicas
     costs: list[StageCosts] = dataclasses.field(default_factory=list)
     optimizer: list[float] = dataclasses.field(default_factory=list)
     memory: list[int] = dataclasses.field(default_factory=list)
@@ -387,7 +413,7 @@ class _Tables:
         return self._allreduce[key]
 
     def partition(self, pp: int, mbs: int, recompute: list[bool], counts: Sequence[tuple[int, int]], num_mb: int,
-                  req: PlanRequest) -> Partition | None:
+                  req: PlanRequest, shards: int = 1) -> Partition | None:
         """The time-optimal partition ignoring memory is shared by every schedule with the same recompute
         pattern; only when it does not fit is the memory-constrained search run for this schedule."""
         key = (pp, mbs, tuple(recompute))
@@ -401,10 +427,12 @@ class _Tables:
         pre = self.prefix(mbs)
         windows = receive_windows([held for held, _ in counts])
         if all(pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute, num_mb=num_mb,
-                                headroom=req.headroom) <= req.gpu_memory for s, (a, b) in enumerate(free.ranges)):
+                                headroom=req.headroom, shards=shards) <= req.gpu_memory
+               for s, (a, b) in enumerate(free.ranges)):
             return free
         return partition_under_memory(self.segs(mbs), pp, recompute_stages=recompute, counts=counts,
-                                      limit=req.gpu_memory, headroom=req.headroom, num_mb=num_mb, prefix=pre)
+                                      limit=req.gpu_memory, headroom=req.headroom, num_mb=num_mb, prefix=pre,
+                                      shards=shards)
 
 
 def _stage_times(pre: _Prefix, a: int, b: int, recompute: bool) -> tuple[float, float, float]:
@@ -417,16 +445,19 @@ def _stage_times(pre: _Prefix, a: int, b: int, recompute: bool) -> tuple[float, 
 
 
 def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
-             schedule: str) -> tuple[_Scored | None, int | None]:
+             schedule: str, shard: bool = False) -> tuple[_Scored | None, int | None]:
     """Partition one configuration and bound its step time from below (no simulation yet); returns
-    (candidate or None, the smallest memory it would need if it did not fit)."""
+    (candidate or None, the smallest memory it would need if it did not fit). ``shard``: the optimizer state
+    sharded over the ``dp`` replicas (less memory; each replica steps ``1/dp`` of the state; the reduce-scatter
+    and all-gather move the all-reduce's bytes)."""
+    shards = dp if shard else 1
     replica_batch = math.ceil(req.batch_size / dp)
     num_mb = math.ceil(replica_batch / mbs)
     last = replica_batch - (num_mb - 1) * mbs
     segs = tables.segs(mbs)
     counts = inflight_counts(schedule, pp, num_mb)
     recompute = list(recompute_stages(schedule, pp))
-    part = tables.partition(pp, mbs, recompute, counts, num_mb, req)
+    part = tables.partition(pp, mbs, recompute, counts, num_mb, req, shards)
     if part is None:
         if pp > len(segs):
             return None, None
@@ -436,7 +467,7 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
         assert free is not None  # without a memory limit, pp <= segments always has a partition
         windows = receive_windows([held for held, _ in counts])
         need = max(int(pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute,
-                                        num_mb=num_mb, headroom=req.headroom))
+                                        num_mb=num_mb, headroom=req.headroom, shards=shards))
                    for s, (a, b) in enumerate(free.ranges))
         return None, need
     boundary, dp_inter = _crossings(pp, dp, req.gpus_per_node or req.gpus)
@@ -445,12 +476,13 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
     for s, (a, b) in enumerate(part.ranges):
         f, r, bw = _stage_times(pre, a, b, recompute[s])
         fl, rl, bl = _stage_times(pre_last, a, b, recompute[s])
-        allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], dp, dp_inter) + (pre.opt[b] - pre.opt[a])
+        allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], dp, dp_inter) + (pre.opt[b] - pre.opt[a]) / shards
         busy = (num_mb - 1) * (f + r + bw) + fl + rl + bl
         lower = max(lower, fill + busy + allreduce)  # it cannot start before the first activation reaches it
         if s < pp - 1:
             fill += f + tables.p2p(segs[b - 1].output_bytes, boundary[s])
-    return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, boundary, dp_inter, lower), None
+    return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, boundary, dp_inter, lower,
+                   shard), None
 
 
 def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
@@ -466,13 +498,15 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
         send_act_l = tables.p2p(segs_last[b - 1].output_bytes, c.boundary[s]) if s < pp - 1 else 0.0
         send_grad = tables.p2p(segs[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
         send_grad_l = tables.p2p(segs_last[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
+        # sharded: a reduce-scatter and an all-gather, the all-reduce's bytes in the same ring steps
         allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], c.dp, c.dp_inter)
-        c.optimizer.append(pre.opt[b] - pre.opt[a])
+        c.optimizer.append((pre.opt[b] - pre.opt[a]) / (c.dp if c.shard else 1))
         # after its last action a stage all-reduces its gradients, then steps its optimizer
         c.costs.append(StageCosts(f, r, bw, send_act, send_grad, allreduce + c.optimizer[-1], fl, rl, bl,
                                   send_act_l, send_grad_l))
         c.memory.append(int(pre.stage_memory(a, b, s, counts=c.counts, windows=windows, recompute=c.recompute,
-                                             num_mb=c.num_mb, headroom=req.headroom)))
+                                             num_mb=c.num_mb, headroom=req.headroom,
+                                             shards=c.dp if c.shard else 1)))
     sim = simulate_generated(c.schedule, c.pp, c.num_mb, c.costs, max_concurrent_sends=req.max_concurrent_sends)
     # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
     step = sim.step_time + tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
@@ -484,6 +518,12 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
 def _reason(c: _Scored, best: _Scored) -> str:
     """Why ``c`` lost to ``best``, in a few words: its step-time gap and the component that explains most of it."""
     slower = c.step / best.step - 1.0
+    if (c.pp, c.dp, c.mbs, c.schedule) == (best.pp, best.dp, best.mbs, best.schedule) and c.shard != best.shard:
+        if c.shard:
+            return (f"{slower:+.0%} with the optimizer state sharded (a lost replica would then stop the job "
+                    f"until it recovers; the state fits whole)")
+        return f"{slower:+.0%} with the optimizer state whole"
+
     if slower < 0.005:
         more = max(c.memory) - max(best.memory)
         if more > 0:
@@ -517,7 +557,7 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     scored = _score_best(prepared, tables, req)
     if not scored:
         _raise_nothing_fits(profile, req, smallest)
-    scored.sort(key=lambda c: (c.step, c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule)))
+    scored.sort(key=lambda c: (_preference(c), c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule), c.shard))
     best = scored[0]
     if best.pp in clamped:
         assumptions.add(f"the global batch of {req.batch_size} is smaller than the {req.gpus // best.pp} replicas "
@@ -570,26 +610,45 @@ def _prepare_all(tables: _Tables, profile: Profile,
                     MAX_MICROBATCHES:  # a plan holds at most that many (see varuna_core.planning.artifacts)
                 continue
             for schedule in req.schedules:
-                result, need = _prepare(tables, req, pp, dp, mbs, schedule)
-                if result is not None:
-                    prepared.append(result)
-                elif need is not None and (smallest is None or need < smallest[0]):
-                    smallest = (need, f"pp={pp}, dp={dp}, micro-batch {mbs}, {schedule}")
+                for shard in _shard_choices(req, dp):
+                    result, need = _prepare(tables, req, pp, dp, mbs, schedule, shard)
+                    if result is not None:
+                        prepared.append(result)
+                    elif need is not None and (smallest is None or need < smallest[0]):
+                        what = f"pp={pp}, dp={dp}, micro-batch {mbs}, {schedule}"
+                        smallest = (need, what + (", optimizer sharded" if shard else ""))
     return prepared, smallest, clamped
+
+
+def _shard_choices(req: PlanRequest, dp: int) -> tuple[bool, ...]:
+    """Whether to try the optimizer state whole, sharded, or both, at ``dp`` replicas."""
+    if dp < 2 or req.shard_optimizer is False:
+        return (False,)
+    return (True,) if req.shard_optimizer else (False, True)
+
+
+def _preference(c: _Scored) -> float:
+    """What the search ranks by: the step time, a sharded optimizer's charged :data:`SHARD_GAIN` more (on a tie
+    the state stays whole, see :class:`PlanRequest`)."""
+    return c.step * (1 + SHARD_GAIN) if c.shard else c.step
 
 
 def _score_best(prepared: list[_Scored], tables: _Tables, req: PlanRequest) -> list[_Scored]:
     """Simulate in order of a lower bound on the step time; once the bound exceeds the k-th best simulated step,
     nothing later can enter the top k. The winner and alternatives are exactly those of a full search."""
-    prepared.sort(key=lambda c: c.lower_bound)
+
+    def bound(c: _Scored) -> float:
+        return c.lower_bound * (1 + SHARD_GAIN) if c.shard else c.lower_bound
+
+    prepared.sort(key=bound)
     keep = 1 + req.top
     scored: list[_Scored] = []
-    best_steps: list[float] = []  # the k smallest simulated steps, sorted
+    best_steps: list[float] = []  # the k smallest ranked steps (_preference), sorted
     for cand in prepared:
-        if len(best_steps) >= keep and cand.lower_bound > best_steps[keep - 1]:
+        if len(best_steps) >= keep and bound(cand) > best_steps[keep - 1]:
             break
         scored.append(_score(cand, tables, req))
-        bisect.insort(best_steps, cand.step)
+        bisect.insort(best_steps, _preference(cand))
         del best_steps[keep:]
     return scored
 
@@ -610,7 +669,8 @@ def _raise_nothing_fits(profile: Profile, req: PlanRequest, smallest: tuple[int,
     )
 
 
-def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch_size: int, schedule: str) -> Plan:
+def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch_size: int, schedule: str,
+             shard_optimizer: bool = False) -> Plan:
     """The plan of one given configuration (no search): for benchmarks and for forcing a layout.
 
     Raises:
@@ -623,7 +683,7 @@ def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch
     check_schedule(schedule)
     assumptions: set[str] = set()
     tables = _Tables(profile)
-    result, need = _prepare(tables, req, pp, dp, microbatch_size, schedule)
+    result, need = _prepare(tables, req, pp, dp, microbatch_size, schedule, shard_optimizer and dp > 1)
     if result is not None:
         result = _score(result, tables, req)
     if result is None:
@@ -697,14 +757,16 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
 
     def candidate(c: _Scored, reason: str) -> Candidate:
         return Candidate(pp=c.pp, dp=c.dp, microbatch_size=c.mbs, num_microbatches=c.num_mb, schedule=c.schedule,
-                         step_time=c.step, samples_per_second=req.batch_size / c.step, bubble_fraction=c.bubble,
+                         shard_optimizer=c.shard, step_time=c.step, samples_per_second=req.batch_size / c.step,
+                         bubble_fraction=c.bubble,
                          peak_memory_bytes=max(c.memory), reason=reason)
 
     return Plan(
         model=profile.model, profile_hash=profile.structure_hash, num_segments=profile.num_segments,
         gpus=req.gpus, gpus_per_node=per_node, batch_size=req.batch_size, pp=best.pp, dp=best.dp,
         microbatch_size=best.mbs, num_microbatches=best.num_mb, schedule=best.schedule,
-        partition=list(best.partition.ranges), stage_to_rank_map=topology.to_string(), nodes=nodes,
+        shard_optimizer=best.shard, partition=list(best.partition.ranges),
+        stage_to_rank_map=topology.to_string(), nodes=nodes,
         memory_limit=req.gpu_memory, schedules=list(req.schedules), headroom=req.headroom,
         prediction=Prediction(step_time=best.step, samples_per_second=req.batch_size / best.step,
                               bubble_fraction=best.bubble, pipeline_time=best.pipeline,
