@@ -154,3 +154,18 @@ def test_a_sharded_state_is_handed_over_through_host_memory(resume_map, shard, t
         for server in servers:
             server.close()
     assert_resumed(results, *uninterrupted(steps_as("0,1", 2, resume_map, 2)), first=2)
+
+
+def test_bf16_a_meta_built_model_and_evaluate_equal_the_unsharded_run(tmp_path) -> None:
+    """The example GPT built on meta (each rank allocates its stage), in bf16 autocast, evaluated after training:
+    sharded and unsharded give the same losses, parameters and evaluation, bit for bit (two replicas)."""
+    run = {"model": "GPT", "meta": True, "precision": "bf16", "schedule": "varuna", "optimizer": "adamw-groups",
+           "batch": BATCH, "chunk": CHUNK, "steps": 4, "evaluate": 5}
+    runs = [{**run, "shard": True}, {**run, "shard": False}]
+    per_rank = _ok(run_ranks({"map": "0,2;1,3", "timeout": 120, "runs": runs}, 4, tmp_path, timeout=300))
+    for rank, (sharded, whole) in enumerate(per_rank):
+        assert torch.equal(sharded["losses"], whole["losses"]), (rank, sharded["losses"], whole["losses"])
+        assert sharded["eval"] == whole["eval"], rank
+        for name, value in sharded["params"].items():
+            assert torch.equal(value, whole["params"][name]), (rank, name)
+        assert sharded["optim_bytes"] < whole["optim_bytes"]
