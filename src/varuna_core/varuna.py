@@ -401,6 +401,11 @@ class Varuna(nn.Module):
                 return self._step(inputs, clip_grad_max_norm)
             except CommTimeoutError as exc:  # a peer lost with its host: go on without its replica (worker.regroup)
                 if before is None or not peer_lost(exc):
+                    if self._regrouper is not None and self._shards is not None and peer_lost(exc):
+                        log.warning("rank %d: a peer was lost in step %d; the optimizer state is sharded over the "
+                                    "replicas, so the lost one's shard is gone: the job recovers from a snapshot "
+                                    "or checkpoint instead of going on without it", self.rank, self.iteration)
+                        self.supervision.regroup_refused(self.iteration)
                     raise
                 inputs = self._regroup(exc, inputs, before)
 

@@ -169,3 +169,20 @@ def test_bf16_a_meta_built_model_and_evaluate_equal_the_unsharded_run(tmp_path) 
         for name, value in sharded["params"].items():
             assert torch.equal(value, whole["params"][name]), (rank, name)
         assert sharded["optim_bytes"] < whole["optim_bytes"]
+
+
+def test_a_lost_replica_of_a_sharded_run_ends_the_survivors_at_once(tmp_path) -> None:
+    """Under `varuna launch` a lost replica's survivors regroup without it; with the optimizer state sharded, its
+    shard went with it: the survivors say so (the launcher then ends them and recovers from a snapshot) and fail
+    at once with the peer named, instead of waiting for a regroup."""
+    from tests.dist.test_regroup import ENV
+
+    run = {"schedule": "1f1b", "optimizer": "adamw", "batch": BATCH, "chunk": 2, "steps": 5, "shard": True,
+           "regroup": {"step": 2, "lose": 3, "ranks": [0, 1, None, None], "map": "0;1"}}
+    results = run_ranks({"map": "0,2;1,3", "timeout": 30, "runs": [run]}, 4, tmp_path, env=ENV, timeout=120)
+    assert results[3].returncode == -9
+    for rank in (0, 1, 2):
+        assert results[rank].returncode == 1 and results[rank].error.startswith("CommTimeoutError"), \
+            (rank, results[rank].error)
+    logs = " ".join((tmp_path / f"rank{r}.log").read_text() for r in (0, 1, 2))
+    assert "the optimizer state is sharded over the replicas" in logs, logs[-3000:]

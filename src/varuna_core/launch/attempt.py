@@ -975,7 +975,13 @@ class Attempt:
             self._regrouping = now
             self.reporter.event(f"lost the agent on {', '.join(self.agents[n].host.name for n in nodes)}: asking "
                                 f"the {self.world - len(lost)} workers left how far they got")
-        step = self._survivors_step(set(range(self.world)) - lost)
+        survivors = set(range(self.world)) - lost
+        if self._refusing(survivors):
+            self._regroup_failed, self._lost_now = True, set()
+            self.reporter.event("the workers left cannot go on without the lost ones (their optimizer state is "
+                                "sharded over the replicas): ending them")
+            return False
+        step = self._survivors_step(survivors)
         if step is None:
             if now - self._regrouping <= REGROUP_WAIT:
                 return True
@@ -991,6 +997,17 @@ class Attempt:
             self._regroup_failed, self._lost_now = True, set()
             return False
         return True
+
+    def _refusing(self, survivors: set[int]) -> bool:
+        """Whether a rank of ``survivors`` said, since the loss, that it cannot go on without its lost peers
+        (``regroup_refused``)."""
+        beats = self.beats()
+        for r in survivors:
+            beat = beats.get(r)
+            refused = beat.get("regroup_refused") if beat is not None else None
+            if isinstance(refused, int) and refused > self._last_regroup_step:
+                return True
+        return False
 
     def _survivors_step(self, survivors: set[int]) -> int | None:
         """The step every rank of ``survivors`` reported losing its peer in (``regroup_asked``, sent since the

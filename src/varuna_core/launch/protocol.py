@@ -598,6 +598,7 @@ BEAT_FIELDS: dict[str, Callable[[Any], Any]] = {
     "taken_local": _optional(_count), "taken_remote": _optional(_count), "taken_copies": _optional(_count),
     "taken_replica": _optional(_count),
     "handover_failed": _optional(_text), "local_ckpt": _optional(_count), "regroup_asked": _optional(_count),
+    "regroup_refused": _optional(_count),
     "regrouped": _optional(_count),
     "snapshot": _optional(_count), "snapshot_peer": _optional(_boolean), "snapshot_seconds": _optional(_real),
     "snapshot_copied": _optional(_count), "snapshot_failed": _optional(_count), "snapshot_bytes": _optional(_count),

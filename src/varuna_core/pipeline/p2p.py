@@ -22,7 +22,7 @@ from ..errors import CommTimeoutError, ShapeMismatchError
 from ..model.payload import TensorSpec, ValueSpec
 
 __all__ = [
-    "ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post_recv", "send", "wait_all", "check_value",
+    "ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post", "post_recv", "send", "wait_all", "check_value",
     "wire_leaves", "staged_through_host",
 ]
 
@@ -102,6 +102,15 @@ def send(tensors: list[torch.Tensor], *, dst: int, mb: int, kind: int, group) ->
         except RuntimeError as exc:  # the connection to dst failed already
             raise _connection_failed(lambda: f"sending micro-batch {mb} to rank {dst}", dst, exc) from None
     return works
+
+
+def post(op: Callable[[], Any], *, describe: Callable[[], str], peer: int) -> Any:
+    """``op()``, the posting of a send or receive to or from global rank ``peer``; gloo raises at once when the
+    connection to the peer failed already, which becomes the error a failed wait gives (naming the peer)."""
+    try:
+        return op()
+    except RuntimeError as exc:
+        raise _connection_failed(describe, peer, exc) from None
 
 
 def wait_all(works: list[Any], *, timeout: float, describe: Callable[[], str], peer: int | None) -> None:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
-from .p2p import staged_through_host, wait_all
+from .p2p import post, staged_through_host, wait_all
 
 __all__ = ["ELEMENTWISE", "Piece", "ShardLayout", "OptimizerShards", "check_shardable",
            "register_elementwise_optimizer"]
@@ -299,9 +299,11 @@ class OptimizerShards:
         nxt, prv = self.ranks[(me + 1) % d], self.ranks[(me - 1) % d]
         works = []
         if send.numel():
-            works.append(dist.isend(send, dst=nxt, group=self.group))
+            works.append(post(lambda: dist.isend(send, dst=nxt, group=self.group), peer=nxt,
+                              describe=lambda: self.describe(what)))
         if recv.numel():
-            works.append(dist.irecv(recv, src=prv, group=self.group))
+            works.append(post(lambda: dist.irecv(recv, src=prv, group=self.group), peer=prv,
+                              describe=lambda: self.describe(what)))
         wait_all(works, timeout=self.timeout, describe=lambda: self.describe(what), peer=prv)
 
     def _reduce_scatter_bucket(self, chunks: list[torch.Tensor]) -> None:

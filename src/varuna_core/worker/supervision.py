@@ -268,6 +268,14 @@ class Supervision:
             self.beacon.progress(step=iteration, regroup_asked=iteration)
             self.beacon.flush()
 
+    def regroup_refused(self, iteration: int) -> None:
+        """A peer was lost in step ``iteration`` and this worker cannot go on without it (its replica held a shard
+        of the optimizer state): tell the launcher at once, so that it ends the survivors instead of waiting for
+        them to ask for a regroup."""
+        if self.beacon is not None:
+            self.beacon.progress(step=iteration, regroup_refused=iteration)
+            self.beacon.flush()
+
     def regrouped(self, rank: int, replica: int, iteration: int) -> None:
         """This worker is now ``rank`` (``replica`` of its stage) of the regrouped process group: what its
         heartbeats, snapshots and checkpoints say from now on."""
