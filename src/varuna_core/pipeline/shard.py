@@ -297,13 +297,16 @@ class OptimizerShards:
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor, what: str) -> None:
         d, me = self.dp, self.layout.replica
         nxt, prv = self.ranks[(me + 1) % d], self.ranks[(me - 1) % d]
-        works = []
+        ops = []
         if send.numel():
-            works.append(post(lambda: dist.isend(send, dst=nxt, group=self.group), peer=nxt,
-                              describe=lambda: self.describe(what)))
+            ops.append(dist.P2POp(dist.isend, send, peer=nxt, group=self.group))
         if recv.numel():
-            works.append(post(lambda: dist.irecv(recv, src=prv, group=self.group), peer=prv,
-                              describe=lambda: self.describe(what)))
+            ops.append(dist.P2POp(dist.irecv, recv, peer=prv, group=self.group))
+        if not ops:
+            return
+        # one batch: under NCCL a send and a receive between the same two ranks (dp = 2) must be issued together,
+        # or both sides' sends would wait on their stream for receives queued behind them
+        works = post(lambda: dist.batch_isend_irecv(ops), peer=prv, describe=lambda: self.describe(what))
         wait_all(works, timeout=self.timeout, describe=lambda: self.describe(what), peer=prv)
 
     def _reduce_scatter_bucket(self, chunks: list[torch.Tensor]) -> None:
