@@ -119,3 +119,14 @@ def test_shard_optimizer_in_one_process_changes_nothing_but_refuses_what_it_cann
 def test_shard_optimizer_must_be_a_bool() -> None:
     with pytest.raises(ConfigError, match="shard_optimizer must be True, False or None"):
         Varuna(ToyLM(), "0", batch(2), batch_size=8, chunk_size=3, shared_weights=SHARED, shard_optimizer="yes")
+
+
+def test_a_box_is_never_taken_for_a_whole_tensor_a_replica_could_copy() -> None:
+    """A replica keeps copies of its mates' handover files written from its own tensors; a sharded optimizer's box
+    of the same size and dtype as a mate's box at offset 0 must not pass for it (it holds other elements)."""
+    from varuna_core.checkpoint.chunks import chunk
+    from varuna_core.checkpoint.handover import _whole
+
+    mine = chunk(torch.zeros(2, 3), (2, 0), (4, 3))  # rows 2-3 of a 4x3 state; a mate holds rows 0-1
+    assert not _whole(mine, [0, 0], 2 * 3 * 4)
+    assert _whole(torch.zeros(4, 3), [0, 0], 4 * 3 * 4)

@@ -55,6 +55,7 @@ from ..ir.topology import Topology
 from ..util.checks import integer
 from ..util.fs import atomic_write
 from ..util.text import printable
+from .chunks import Chunk
 from .io import FileSink, bounce_buffers
 from .layout import COMPLETE_FILE, MANIFEST_FILE, RUN_FILE, read_manifest, step_dir
 from .saveload import (
@@ -235,8 +236,10 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
 
 
 def _whole(tensor: Any, offsets: list[int], length: int) -> bool:
-    """Whether a stored chunk is the whole of ``tensor`` (a replica has it), and not a rank's own state."""
-    return (tensor is not None and not any(offsets) and tensor.numel() * tensor.element_size() == length)
+    """Whether a stored chunk is the whole of ``tensor`` (a replica has it), and not a rank's own state. A sharded
+    optimizer's box (:class:`~.chunks.Chunk`) is never whole: a replica holds only its own."""
+    return (tensor is not None and not isinstance(tensor, Chunk) and not any(offsets)
+            and tensor.numel() * tensor.element_size() == length)
 
 
 def _write_like(path: Path, chunks: list, size: int, tensors: dict[str, Any], buffers: list[memoryview]) -> str:
