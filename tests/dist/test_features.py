@@ -3,7 +3,6 @@ agreement, a dead worker, and evaluation of sequence-first inputs."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -24,15 +23,16 @@ def _ok(results):
     return [res.result["runs"] for res in results]
 
 
-def clipped_reference(optimizer: str, stage_map: str):
-    """Losses, norms before clipping and final parameters of one plain process that adds as the pipeline does."""
+def clipped_reference(optimizer: str, stage_map: str, clip: float | None = CLIP, size: int = BATCH):
+    """Losses, norms before clipping and final parameters and buffers of one plain process that adds as the
+    pipeline does (``clip``: by the global norm; ``size``: the global batch)."""
     torch.manual_seed(0)
     pp, dp = shape_of(stage_map)
     norms: list[float] = []
     buffers: dict[str, torch.Tensor] = {}
     losses, params = train_reference(ToyLM(), lambda ps: make_optimizer(optimizer, ps), STEPS,
-                                     lambda step: batch(BATCH, seed=100 + step), Layout(BATCH, CHUNK, dp, pp),
-                                     ties=TIES, clip=CLIP, norms=norms, buffers=buffers)
+                                     lambda step: batch(size, seed=100 + step), Layout(size, CHUNK, dp, pp),
+                                     ties=TIES, clip=clip, norms=norms, buffers=buffers)
     return losses, torch.tensor(norms, dtype=torch.float64), {**params, **buffers}
 
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from tests.dist.harness import run_ranks
-from tests.dist.test_parity import TIES, assert_equal_buffers, rel_diff, shape_of
-from tests.dist.worker import make_optimizer
-from tests.models import ToyLM, batch
-from tests.reference import Layout, train_reference
+from tests.dist.test_features import _ok, clipped_reference
+from tests.dist.test_parity import assert_equal_buffers, rel_diff, shape_of
+from tests.reference import Layout
 
 pytestmark = pytest.mark.dist
 
@@ -28,27 +27,10 @@ TOPOLOGIES = {  # name -> (stage_to_rank_map, world, partition, global batch); m
 }
 
 
-def reference(optimizer: str, stage_map: str, clip: float | None, size: int = BATCH):
-    torch.manual_seed(0)
-    pp, dp = shape_of(stage_map)
-    norms: list[float] = []
-    buffers: dict[str, torch.Tensor] = {}
-    losses, params = train_reference(ToyLM(), lambda ps: make_optimizer(optimizer, ps), STEPS,
-                                     lambda step: batch(size, seed=100 + step), Layout(size, CHUNK, dp, pp),
-                                     ties=TIES, clip=clip, norms=norms, buffers=buffers)
-    return losses, {**params, **buffers}
-
-
-def _ok(results):
-    for rank, res in enumerate(results):
-        assert res.returncode == 0, f"rank {rank}: {res.error or res.output[-3000:]}"
-    return [res.result["runs"] for res in results]
-
-
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
 def test_a_sharded_optimizer_trains_as_one_process(name, tmp_path) -> None:
     stage_map, world, partition, size = TOPOLOGIES[name]
-    pp, dp = shape_of(stage_map)
+    _, dp = shape_of(stage_map)
     runs = [{"schedule": "varuna", "optimizer": "adamw-groups", "clip": CLIP},
             {"schedule": "1f1b", "optimizer": "sgd"},
             {"schedule": "gpipe", "optimizer": "adamw-groups", "shard": False}]
@@ -56,7 +38,7 @@ def test_a_sharded_optimizer_trains_as_one_process(name, tmp_path) -> None:
             for r in runs]
     per_rank = _ok(run_ranks({"map": stage_map, "timeout": 60, "runs": runs}, world, tmp_path))
     for i, run in enumerate(runs[:2]):
-        losses, state = reference(run["optimizer"], stage_map, run.get("clip"), size)
+        losses, _, state = clipped_reference(run["optimizer"], stage_map, run.get("clip"), size)
         # dp = 2: each sum over the replicas has two terms, exact in any order (tests/reference.py). dp = 4: the
         # ring adds the replicas in another order than the reference; clipping: the squared norm is summed over
         # the ranks in the collective's order (float64), and its last bit may round one element the other way
