@@ -158,7 +158,7 @@ def _snap(target: int, kind: list[nn.Parameter], offsets: list[int]) -> int:
     for p, offset in zip(kind, offsets, strict=True):
         if offset <= target < offset + p.numel():
             dim = _cut_dim(p.shape)
-            row = p.numel() if dim is None else p.stride(dim) if p.is_contiguous() else p.numel() // p.shape[dim]
+            row = p.numel() if dim is None else p.numel() // p.shape[dim]  # elements per row (along dim)
             return offset + round((target - offset) / row) * row
     return target  # at the end of the buffer
 
@@ -179,7 +179,6 @@ class OptimizerShards:
         optimizer: the user's, over the stage's parameters (checked by :func:`check_shardable`); its
             ``param_groups`` are rewritten to hold the pieces, and state it already holds is cut to them.
         group, ranks: the stage's data-parallel group and its global ranks in replica order.
-        flats: ``() -> [flat gradient buffer per kind]`` (allocated at the first backward).
         bucket_bytes: the most bytes one collective moves at once (per replica: ``bucket_bytes / dp``).
         timeout, describe: bounded waits, named as the rest of the step's communication.
     """
