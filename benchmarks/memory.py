@@ -110,7 +110,8 @@ DEFAULT_DP1 = [c for c in CONTENDERS if c not in SHARDED]  # --dp 1
 DEFAULT_DP = ["ours-meta", "ours-sharded", DEEPSPEED, DEEPSPEED_ZERO1]  # --dp > 1: sharded and unsharded
 TARGET_STARTUP = 0.35  # start-up peak above the baseline, as a fraction of the whole model, at pp=4
 # Varuna's default bucket_mb: the sharded state may differ from 1/dp of the whole by at most this much, and
-# DeepSpeed's reduce and all-gather buckets get the same size (its default is 5e8 elements = 2 GB in fp32).
+# DeepSpeed's reduce and all-gather buckets get the same size (its default is 5e8 elements = 2 GB in fp32). They
+# reach ZeRO-1's reduction; the pipeline engine's stage-0 all-reduce passes its own MEMORY_OPT_ALLREDUCE_SIZE (5e8).
 BUCKET_MB = 25.0
 OVER_CAP_EXIT = 75  # a worker's exit code when its own watch saw its RSS pass the cap (measured mode)
 MB = 2**20
