@@ -1,6 +1,7 @@
-"""Peak memory per rank at start-up and during training, ours vs DeepSpeed and torch pipelining, at pp=4.
+"""Peak memory per rank at start-up and during training, ours vs DeepSpeed and torch pipelining, at pp=4; and with
+``--dp D`` at pp=2 x dp=D, ours with and without a sharded optimizer (ZeRO-1) vs DeepSpeed with ZeRO stage 0 and 1.
 
-Two parts, in one invocation (issue 15, item 6):
+Two parts, in one invocation:
 
 1. **Side by side.** One GPT of the example family (``examples/gpt/model.py``; >= 1 GB of fp32 parameters by
    default), 4 pipeline stages on 4 local processes (gloo, one thread each), built and trained for ``--steps``
@@ -27,9 +28,25 @@ Two parts, in one invocation (issue 15, item 6):
    layers. ``--seq`` runs it at a long sequence, where activations dominate and the ``varuna`` schedule's
    recompute should let ours fit more than the peers' 1F1B.
 
+**Data parallelism** (``--dp D``, D > 1): the layout becomes pp=2 x dp=D on 2·D processes, placed as
+``Topology.clustered`` places them (stage ``s`` on ranks ``s, s+2, s+4, ...``: ``"0,2;1,3"`` at dp=2), the same
+map for every contender (DeepSpeed gets it as a ``ProcessTopology`` with axes ``data, pipe``), and the global
+batch is D x (micro-batch x micro-batches), each replica training its slice. Two more contenders shard the
+optimizer state over a stage's replicas:
+
+       ours-sharded     ours-meta with Varuna(..., shard_optimizer=True)
+       deepspeed-zero1  the deepspeed contender with "zero_optimization": {"stage": 1}
+
+and ``ours-meta`` and ``deepspeed`` (ZeRO stage 0) are their unsharded baselines (the default contenders at
+dp > 1; torch-meta runs at dp=1 only). Every rank also reports its optimizer-state bytes (the tensors in
+``optimizer.state``, see :func:`state_bytes`). Targets: ours-sharded's state per rank is 1/dp of ours-meta's
+(within one 25 MB bucket), its training peak is below deepspeed-zero1's, and under a cap it fits more layers
+than ours-meta and at least as many as deepspeed-zero1.
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory.py                # ~10 min, tables on stdout
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory.py --quick        # ~2 min, a 200 MB model
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory.py --only search --seq 1024 --search-n-embd 256 --cap-mb 600
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory.py --dp 2 --install-deepspeed   # pp=2 x dp=2, ZeRO-1
 
 The script doubles as its own worker (``--worker SPEC OUT``, internal).
 """
@@ -69,19 +86,33 @@ from pipeline_vs_peers import (  # noqa: E402 - found through the sys.path entry
     pip_command,
 )
 
+from varuna_core.ir.topology import Topology  # noqa: E402
 from varuna_core.util.procs import run_workers  # noqa: E402
 
-PP = 4
+PP_ALONE = 4  # pipeline stages without data parallelism (--dp 1)
+PP_WITH_DP = 2  # pipeline stages with --dp D > 1: pp=2 x dp=D
 DEEPSPEED = "deepspeed"
+DEEPSPEED_ZERO1 = "deepspeed-zero1"
+ZERO_STAGE = {DEEPSPEED: 0, DEEPSPEED_ZERO1: 1}  # DeepSpeed's pipeline engine allows stages 0 and 1 only
 CONTENDERS: dict[str, str] = {
     "ours-cpu": "ours, built on CPU",
     "ours-meta": "ours, built on meta",
     "ours-weights": "ours, meta + weights per stage",
+    "ours-sharded": "ours, meta + sharded optimizer",
     DEEPSPEED: "DeepSpeed PipelineModule (LayerSpec)",
+    DEEPSPEED_ZERO1: "DeepSpeed PipelineModule, ZeRO-1",
     "torch-meta": "torch pipelining, meta-built stage",
 }
 OURS = [c for c in CONTENDERS if c.startswith("ours-")]
+SHARDED = ("ours-sharded", DEEPSPEED_ZERO1)  # they shard over replicas: --dp > 1 only
+DP1_ONLY = ("torch-meta",)  # a pipeline without data parallelism here
+DEFAULT_DP1 = [c for c in CONTENDERS if c not in SHARDED]  # --dp 1
+DEFAULT_DP = ["ours-meta", "ours-sharded", DEEPSPEED, DEEPSPEED_ZERO1]  # --dp > 1: sharded and unsharded
 TARGET_STARTUP = 0.35  # start-up peak above the baseline, as a fraction of the whole model, at pp=4
+# Varuna's default bucket_mb: the sharded state may differ from 1/dp of the whole by at most this much, and
+# DeepSpeed's reduce and all-gather buckets get the same size (its default is 5e8 elements = 2 GB in fp32). They
+# reach ZeRO-1's reduction; the pipeline engine's stage-0 all-reduce passes its own MEMORY_OPT_ALLREDUCE_SIZE (5e8).
+BUCKET_MB = 25.0
 OVER_CAP_EXIT = 75  # a worker's exit code when its own watch saw its RSS pass the cap (measured mode)
 MB = 2**20
 SHARD_BYTES = 256 * MB  # shard size of the weights directory written for ours-weights
@@ -103,27 +134,33 @@ FIXED_MB = 100.0
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Peak memory per rank at start-up and during training (pp=4), ours vs DeepSpeed and torch "
-        "pipelining, and the largest model each trains under a per-rank memory cap.",
+        description="Peak memory per rank at start-up and during training (pp=4; pp=2 x dp=D with --dp D), ours vs "
+        "DeepSpeed and torch pipelining, and the largest model each trains under a per-rank memory cap.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--quick", action="store_true",
                    help="a ~200 MB model (n_layer 16, n_embd 512), a search at width 256 under --cap-mb 500 with at "
                    "most 2 runs per contender, without ours-cpu")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas: 1 = pp=4 on 4 processes; D > 1 = pp=2 x dp=D on 2*D processes "
+                   "(stage s on ranks s, s+2, ...), a global batch of D x micro-batch x micro-batches, and the "
+                   f"sharded contenders ({', '.join(SHARDED)})")
     p.add_argument("--n-layer", type=int, default=None, help="blocks of the side-by-side GPT (default 24; quick 16)")
     p.add_argument("--n-embd", type=int, default=None, help="width (default 1024; quick 512)")
     p.add_argument("--n-head", type=int, default=None, help="attention heads (default 16; quick 8)")
     p.add_argument("--block-size", type=int, default=32, help="sequence length of the side-by-side runs")
     p.add_argument("--microbatch-size", type=int, default=1, help="examples per micro-batch")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (>= 4, torch's 1F1B needs it)")
+    p.add_argument("--microbatches", type=int, default=4,
+                   help="micro-batches per step and replica (>= the stages, torch's 1F1B needs it)")
     p.add_argument("--steps", type=int, default=3, help="training steps per run")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="adamw: 2 state tensors per parameter (created at the first step); sgd: none")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--schedule", choices=("varuna", "1f1b", "gpipe"), default="varuna", help="ours' schedule")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
+    p.add_argument("--contenders", default=None,
+                   help=f"comma-separated subset of: {', '.join(CONTENDERS)} (default with --dp 1: "
+                   f"{', '.join(DEFAULT_DP1)}; with --dp > 1: {', '.join(DEFAULT_DP)})")
     p.add_argument("--only", choices=("side-by-side", "search"), default=None, help="run one part only")
     p.add_argument("--cap-mb", type=float, default=None, help="per-rank memory cap of the search (default 1000; "
                    "quick 500)")
@@ -143,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-probes", type=int, default=None, help="runs per contender in the search (default 5; "
                    "quick 2)")
     p.add_argument("--max-layers", type=int, default=256, help="largest n_layer the search tries")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run (4 processes) may take")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one run (all its processes) may take")
     p.add_argument("--install-deepspeed", action="store_true",
                    help="pip-install DeepSpeed first if it is missing (DS_BUILD_OPS=0, torch pinned as installed)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
@@ -155,8 +192,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, (default, quick) in PRESETS.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else default)
+    if args.dp < 1:
+        p.error(f"--dp must be >= 1, got {args.dp}")
+    args.pp = pp_for(args.dp)
     try:
-        args.contender_list = _contender_list(args.contenders)
+        args.contender_list = _contender_list(args.contenders or ",".join(DEFAULT_DP1 if args.dp == 1 else DEFAULT_DP))
         default = SEARCH_QUICK if args.quick else SEARCH_DEFAULT
         args.search_list = (_contender_list(args.search_contenders) if args.search_contenders else
                             [c for c in args.contender_list if c in default] or args.contender_list)
@@ -177,23 +217,43 @@ def _contender_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def pp_for(dp: int) -> int:
+    """The pipeline depth of a run with ``dp`` replicas: 4 alone, 2 with data parallelism."""
+    return PP_ALONE if dp == 1 else PP_WITH_DP
+
+
+def rank_map(pp: int, dp: int) -> str:
+    """The stage-to-rank map every contender runs on: ``Topology.clustered`` (``"0,2;1,3;"`` at pp=2 x dp=2)."""
+    return Topology.clustered(pp, dp).to_string()
+
+
+def coords(rank: int, pp: int) -> tuple[int, int]:
+    """(stage, replica) of ``rank`` in :func:`rank_map`'s layout (rank = replica * pp + stage)."""
+    return rank % pp, rank // pp
+
+
 def _check_args(args: argparse.Namespace) -> str | None:
-    """Why the flags cannot describe a balanced 4-stage run, or None."""
-    if args.n_layer < PP or args.n_layer % PP:
-        return f"--n-layer must be a positive multiple of {PP} (the same number of blocks on every stage)"
+    """Why the flags cannot describe a balanced run of ``args.pp`` stages x ``args.dp`` replicas, or None."""
+    pp, chosen = args.pp, dict.fromkeys(args.contender_list + args.search_list)
+    if args.dp == 1 and any(c in SHARDED for c in chosen):
+        return f"{', '.join(c for c in chosen if c in SHARDED)} shard over replicas: give --dp 2 or more"
+    if args.dp > 1 and any(c in DP1_ONLY for c in chosen):
+        return f"{', '.join(c for c in chosen if c in DP1_ONLY)} runs without data parallelism here: drop it or --dp"
+    if args.n_layer < pp or args.n_layer % pp:
+        return f"--n-layer must be a positive multiple of {pp} (the same number of blocks on every stage)"
     for flag, width in (("--n-embd", args.n_embd), ("--search-n-embd", args.search_n_embd)):
         if width < 1 or width % args.n_head:
             return f"{flag} ({width}) must be a positive multiple of --n-head ({args.n_head})"
-    if args.microbatches < PP:
-        return f"--microbatches must be at least {PP} (torch's Schedule1F1B requires M >= stages)"
+    if args.microbatches < pp:
+        return f"--microbatches must be at least {pp} (torch's Schedule1F1B requires M >= stages)"
     if min(args.steps, args.microbatch_size, args.block_size, args.seq, args.max_probes) < 1:
         return "--steps, --microbatch-size, --block-size, --seq and --max-probes must be >= 1"
     if args.cap_mb <= 0:
         return "--cap-mb must be positive"
     if args.search_start is not None and args.search_start < 1:
         return "--search-start must be >= 1"
-    if args.max_layers < PP:
-        return f"--max-layers must be at least {PP}"
+    if args.max_layers < pp:
+        return f"--max-layers must be at least {pp}"
     return None
 
 
@@ -303,13 +363,35 @@ class Job:
     cfg: Any
 
     @property
+    def pp(self) -> int:
+        return self.spec["pp"]
+
+    @property
+    def dp(self) -> int:
+        return self.spec["dp"]
+
+    @property
+    def stage(self) -> int:
+        return coords(self.rank, self.pp)[0]
+
+    @property
+    def replica(self) -> int:
+        return coords(self.rank, self.pp)[1]
+
+    @property
     def k(self) -> int:
         """Blocks per stage."""
-        return self.spec["n_layer"] // PP
+        return self.spec["n_layer"] // self.pp
+
+    @property
+    def replica_batch(self) -> int:
+        """Examples per step and replica (micro-batches x micro-batch size)."""
+        return self.spec["microbatches"] * self.spec["microbatch_size"]
 
     @property
     def batch_size(self) -> int:
-        return self.spec["microbatches"] * self.spec["microbatch_size"]
+        """The global batch: every replica's examples."""
+        return self.dp * self.replica_batch
 
     def make_optimizer(self, params: list):
         import torch
@@ -355,13 +437,13 @@ def _worker_run(spec: dict, watch: RssWatch, torch) -> dict:
     from model import GPTConfig
 
     rank = int(os.environ["RANK"])
-    _init_process_group(spec["contender"], rank, float(spec["timeout"]))
+    _init_process_group(spec["contender"], rank, spec["pp"] * spec["dp"], float(spec["timeout"]))
     ds = CharDataset.load()
     cfg = GPTConfig(vocab_size=ds.vocab_size, block_size=spec["block_size"], n_layer=spec["n_layer"],
                     n_head=spec["n_head"], n_embd=spec["n_embd"], dropout=0.0)
     job = Job(spec=spec, rank=rank, ds=ds, cfg=cfg)
     t0 = time.perf_counter()
-    step, stage_params = SETUPS[spec["contender"]](job)
+    step, stage_params, optimizer_state = SETUPS[spec["contender"]](job)
     setup_s = time.perf_counter() - t0
     dist.barrier()
     startup = {"startup_peak_mb": peak_mb(), "startup_anon_peak_mb": watch.peak_anon_mb,
@@ -369,43 +451,60 @@ def _worker_run(spec: dict, watch: RssWatch, torch) -> dict:
     hwm_reset = reset_peak()
     watch.reset("training")
     losses, t1 = [], time.perf_counter()
-    for i in range(spec["steps"]):
+    for i in range(spec["steps"]):  # every rank draws the global batch; a contender's step trains its replica's slice
         gen = torch.Generator().manual_seed(spec["seed"] * 1_000_003 + i)
         losses.append(step(ds.get_batch("train", job.batch_size, spec["block_size"], gen)))
     dist.barrier()
     train_peak = peak_mb() if hwm_reset else max(watch.peak_rss_mb, status_mb("VmRSS") or 0.0)
     return {
-        "rank": rank, "contender": spec["contender"], **startup,
+        "rank": rank, "stage": job.stage, "replica": job.replica, "contender": spec["contender"], **startup,
+        "optimizer_state_bytes": optimizer_state(),
         "train_peak_mb": train_peak, "train_anon_peak_mb": watch.peak_anon_mb, "hwm_reset": hwm_reset,
         "stage_params": stage_params, "losses": losses, "setup_s": setup_s, "train_s": time.perf_counter() - t1,
         "torch": torch.__version__,
     }
 
 
-def _init_process_group(contender: str, rank: int, timeout: float) -> None:
+def _init_process_group(contender: str, rank: int, world: int, timeout: float) -> None:
     import datetime
 
     import torch.distributed as dist
 
-    if contender == DEEPSPEED:
+    if contender in ZERO_STAGE:
         os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is imported; without it, it looks for a GPU
         import deepspeed
 
         deepspeed.init_distributed("gloo", timeout=datetime.timedelta(seconds=timeout), verbose=False)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=PP, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
 
 
-def ours_partition(n_layer: int) -> list[tuple[int, int]]:
+def ours_partition(n_layer: int, pp: int) -> list[tuple[int, int]]:
     """Our segments per stage for the split every contender uses: stage 0 = embeddings + blocks[:k], stage s =
     blocks[s*k:(s+1)*k], the last stage also ln_f + head (segment 0 is the embedding, segment i block i-1, the
     last segment the last block + ln_f + lm_head; see examples/gpt/model.py)."""
-    k = n_layer // PP
-    return [(0, k + 1)] + [(s * k + 1, (s + 1) * k + 1) for s in range(1, PP)]
+    k = n_layer // pp
+    return [(0, k + 1)] + [(s * k + 1, (s + 1) * k + 1) for s in range(1, pp)]
+
+
+def deepspeed_parts(n_layer: int, pp: int) -> list[int]:
+    """DeepSpeed's ``PipelineModule.parts`` for the same split, over its layers [embeddings, blocks..., head]."""
+    k = n_layer // pp
+    return [0] + [s * k + 1 for s in range(1, pp)] + [n_layer + 2]
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of the optimizer's state: every tensor of more than 0 dimensions in ``optimizer.state``'s values
+    (AdamW's ``exp_avg`` and ``exp_avg_sq``; not the 0-d ``step``)."""
+    import torch
+
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
 def _setup_ours(job: Job, how: str):
-    """(step, stage parameters) of ours: the GPT built on CPU or on meta (+ weights), then Varuna(...)."""
+    """(step, stage parameters, optimizer-state bytes) of ours: the GPT built on CPU or on meta (+ weights), then
+    Varuna(...); ``how`` "sharded" is "meta" with the optimizer state sharded over the stage's replicas."""
     import torch
     from model import GPT, SHARED_WEIGHTS
 
@@ -420,14 +519,21 @@ def _setup_ours(job: Job, how: str):
         with varuna_core.meta_init():
             gpt = GPT(job.cfg)
     extra: dict[str, Any] = {"weights": spec["weights"]} if how == "weights" else {}
+    if how == "sharded":
+        extra["shard_optimizer"] = True
     if how != "cpu" and hasattr(GPT, "init_module"):
         extra["init"] = GPT.init_module  # GPT's own distributions, per module (its qv_bias has no reset_parameters)
     dummy = job.ds.get_batch("train", spec["microbatch_size"], spec["block_size"],
                              torch.Generator().manual_seed(spec["seed"]))
-    model = Varuna(gpt, ";".join(str(r) for r in range(PP)), dummy, batch_size=job.batch_size,
+    model = Varuna(gpt, rank_map(job.pp, job.dp), dummy, batch_size=job.batch_size,
                    chunk_size=spec["microbatch_size"], shared_weights=SHARED_WEIGHTS, seed=spec["seed"],
-                   schedule=spec["schedule"], partition=ours_partition(spec["n_layer"]), from_cache=False,
-                   timeout=spec["timeout"], **extra)
+                   schedule=spec["schedule"], partition=ours_partition(spec["n_layer"], job.pp), from_cache=False,
+                   timeout=spec["timeout"], bucket_mb=BUCKET_MB, **extra)
+    if (model.stage, model.replica) != (job.stage, job.replica):
+        raise RuntimeError(f"Varuna placed rank {job.rank} at stage {model.stage}, replica {model.replica}, not at "
+                           f"{job.stage}, {job.replica}")
+    if how == "sharded" and not model.shard_optimizer:
+        raise RuntimeError("Varuna(..., shard_optimizer=True) did not turn sharding on")
     del gpt
     named = list(model.named_parameters())
     on_meta = [n for n, p in named if p.is_meta]
@@ -439,13 +545,14 @@ def _setup_ours(job: Job, how: str):
     model.set_optimizer(optimizer)
 
     def step(batch: dict) -> float:
-        loss, overflow = model.step(batch)
+        loss, overflow = model.step(model.replica_slice(batch))
         if not overflow:
             optimizer.step()
         optimizer.zero_grad()
         return float(loss)
 
-    return step, sum(p.numel() for p in params)
+    # With shard_optimizer, the optimizer's param_groups hold this replica's pieces, and so does its state.
+    return step, sum(p.numel() for p in params), lambda: state_bytes(optimizer)
 
 
 def init_gpt_(module, n_layer: int) -> None:
@@ -510,49 +617,73 @@ def peer_layers():
 
 
 def _setup_deepspeed(job: Job):
-    """(step, stage parameters) of DeepSpeed's PipelineModule over LayerSpecs + engine.train_batch()."""
+    """(step, stage parameters, optimizer-state bytes) of DeepSpeed's PipelineModule over LayerSpecs +
+    engine.train_batch(), with ZeRO stage 0 or 1 (by the contender's name) on the map every contender uses."""
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import ProcessTopology
 
     Embeddings, Block, Head, loss_fn = peer_layers()
-    cfg, k, L, mbs = job.cfg, job.k, job.spec["n_layer"], job.spec["microbatch_size"]
+    cfg, L, mbs = job.cfg, job.spec["n_layer"], job.spec["microbatch_size"]
+    zero = ZERO_STAGE[job.spec["contender"]]
     specs = [LayerSpec(Embeddings, cfg), *(LayerSpec(Block, cfg) for _ in range(L)), LayerSpec(Head, cfg)]
+    # rank = replica * pp + stage, as rank_map(): the last axis varies fastest. DeepSpeed's own default
+    # (num_stages=pp) would put a stage's replicas on consecutive ranks instead; the memory is the same.
+    topology = ProcessTopology(axes=["data", "pipe"], dims=[job.dp, job.pp])
     # "type:^block$" balances the blocks: k per stage, the embeddings on the first, the head on the last stage.
-    module = PipelineModule(specs, num_stages=PP, loss_fn=loss_fn, partition_method="type:^block$")
-    expected = [0] + [s * k + 1 for s in range(1, PP)] + [L + 2]
+    module = PipelineModule(specs, topology=topology, loss_fn=loss_fn, partition_method="type:^block$")
+    expected = deepspeed_parts(L, job.pp)
     if list(module.parts) != expected:
         raise RuntimeError(f"DeepSpeed split the layers at {module.parts}, not {expected}")
     params = list(module.parameters())
+    bucket = int(BUCKET_MB * MB) // 4  # elements of fp32: the same buckets as ours
     config = {
         "train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": job.spec["microbatches"],
         "train_batch_size": job.batch_size, "steps_per_print": 10**9, "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 0}, "fp16": {"enabled": False}, "bf16": {"enabled": False},
+        "zero_optimization": {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "fp16": {"enabled": False}, "bf16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,  # torch's SGD under ZeRO (AdamW is on DeepSpeed's list)
     }
     engine, *_ = deepspeed.initialize(model=module, optimizer=job.make_optimizer(params), config=config)
+    placed = (engine.stage_id, engine.grid.get_data_parallel_rank())
+    if placed != (job.stage, job.replica):
+        raise RuntimeError(f"DeepSpeed placed rank {job.rank} at stage, replica {placed}, not at "
+                           f"{(job.stage, job.replica)}")
+    first = job.replica * job.replica_batch
 
     def step(batch: dict) -> float:
-        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs), strict=True)
+        idx, targets = (batch[k][first:first + job.replica_batch] for k in ("idx", "targets"))
+        micro = zip(idx.split(mbs), targets.split(mbs), strict=True)
         return float(engine.train_batch(iter(micro)))
 
-    return step, sum(p.numel() for p in params)
+    def optimizer_state() -> int:
+        # ZeRO-1: engine.optimizer is DeepSpeedZeroOptimizer; the user's AdamW inside it (.optimizer) steps this
+        # replica's flat fp32 partition of each parameter group, and its .state holds that partition's exp_avg
+        # and exp_avg_sq: what is counted. Not counted: the fp32 copy of the partition ZeRO steps
+        # (single_partition_of_fp32_groups, 1/dp of the stage's parameters, kept even when training in fp32).
+        # Stage 0 in fp32: engine.optimizer is the user's optimizer itself.
+        inner = engine.optimizer.optimizer if zero else engine.optimizer
+        return state_bytes(inner)
+
+    return step, sum(p.numel() for p in params), optimizer_state
 
 
 def _setup_torch(job: Job):
-    """(step, stage parameters) of torch.distributed.pipelining: the stage built on meta, allocated with
-    ``to_empty`` and initialised, in a PipelineStage with Schedule1F1B."""
+    """(step, stage parameters, optimizer-state bytes) of torch.distributed.pipelining: the stage built on meta,
+    allocated with ``to_empty`` and initialised, in a PipelineStage with Schedule1F1B."""
     import torch
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     Embeddings, Block, Head, loss_fn = peer_layers()
-    rank, cfg = job.rank, job.cfg
+    rank, cfg, pp = job.rank, job.cfg, job.pp
 
     class Stage(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.embed = Embeddings(cfg) if rank == 0 else None
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(job.k))
-            self.head = Head(cfg) if rank == PP - 1 else None
+            self.head = Head(cfg) if rank == pp - 1 else None
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = self.embed(x) if self.embed is not None else x
@@ -565,7 +696,7 @@ def _setup_torch(job: Job):
     stage_slice.to_empty(device="cpu")
     init_gpt_(stage_slice, cfg.n_layer)
     params = list(stage_slice.parameters())
-    stage = PipelineStage(stage_slice, rank, PP, torch.device("cpu"))
+    stage = PipelineStage(stage_slice, rank, pp, torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=job.spec["microbatches"], loss_fn=loss_fn)
     optimizer = job.make_optimizer(params)
 
@@ -573,7 +704,7 @@ def _setup_torch(job: Job):
         loss = None
         if rank == 0:
             schedule.step(batch["idx"])
-        elif rank == PP - 1:
+        elif rank == pp - 1:
             losses: list = []
             schedule.step(target=batch["targets"], losses=losses, return_outputs=False)
             loss = float(torch.stack([x.detach() for x in losses]).mean())
@@ -583,14 +714,16 @@ def _setup_torch(job: Job):
         optimizer.zero_grad()
         return loss
 
-    return step, sum(p.numel() for p in params)
+    return step, sum(p.numel() for p in params), lambda: state_bytes(optimizer)
 
 
 SETUPS: dict[str, Callable] = {
     "ours-cpu": lambda job: _setup_ours(job, "cpu"),
     "ours-meta": lambda job: _setup_ours(job, "meta"),
     "ours-weights": lambda job: _setup_ours(job, "weights"),
+    "ours-sharded": lambda job: _setup_ours(job, "sharded"),
     DEEPSPEED: _setup_deepspeed,
+    DEEPSPEED_ZERO1: _setup_deepspeed,
     "torch-meta": _setup_torch,
 }
 
@@ -866,24 +999,25 @@ class Run:
 
 
 def run_ranks(spec: dict, workdir: Path, tag: str, timeout: float, cap: CgroupCap | MeasuredCap | None) -> Run:
-    """Run the 4 ranks of one contender in fresh processes (in capped cgroups, or watched, with a ``cap``)."""
+    """Run the pp x dp ranks of one contender in fresh processes (in capped cgroups, or watched, with a ``cap``)."""
     t0 = time.perf_counter()
+    world = spec["pp"] * spec["dp"]
     if isinstance(cap, MeasuredCap):
         spec = dict(spec, watch_cap_mb=cap.cap_mb)
     spec_path = workdir / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    outs = [workdir / f"{tag}.rank{rank}.json" for rank in range(PP)]
+    outs = [workdir / f"{tag}.rank{rank}.json" for rank in range(world)]
     for out in outs:
         for path in (out, Path(f"{out}.overcap"), Path(f"{out}.overcap.tmp")):
             path.unlink(missing_ok=True)
-    dirs = cap.prepare(tag, PP) if isinstance(cap, CgroupCap) else []
+    dirs = cap.prepare(tag, world) if isinstance(cap, CgroupCap) else []
 
     def argv(rank: int) -> list[str]:
         prefix = CgroupCap.argv_prefix(dirs[rank]) if dirs else []
         return [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), str(outs[rank])]
 
     try:
-        outcome = run_workers(argv, PP, log_dir=workdir, log_name=f"{tag}.rank{{rank}}.log", timeout=timeout,
+        outcome = run_workers(argv, world, log_dir=workdir, log_name=f"{tag}.rank{{rank}}.log", timeout=timeout,
                               env={"MKL_NUM_THREADS": "1", "VARUNA_TIMEOUT": str(int(timeout))}, cwd=ROOT,
                               agent_store=False, die_with_parent=True, poll=0.1)
     finally:
@@ -891,7 +1025,7 @@ def run_ranks(spec: dict, workdir: Path, tag: str, timeout: float, cap: CgroupCa
     run = _judge(outcome, outs, cgroup, cap)
     run.seconds, run.cgroup = time.perf_counter() - t0, cgroup
     if run.error:
-        for rank in range(PP):
+        for rank in range(world):
             text = _read(workdir / f"{tag}.rank{rank}.log")
             log(f"--- {tag} rank {rank} log (last 2000 chars) ---\n{text[-2000:]}")
     return run
@@ -932,9 +1066,9 @@ def _read_json(path: Path) -> dict | None:
 
 def base_spec(args: argparse.Namespace) -> dict:
     """What every run shares (the model size and sequence length are added per run)."""
-    return {"n_head": args.n_head, "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
-            "steps": args.steps, "optimizer": args.optimizer, "lr": args.lr, "schedule": args.schedule,
-            "seed": args.seed, "timeout": args.timeout}
+    return {"pp": args.pp, "dp": args.dp, "n_head": args.n_head, "microbatch_size": args.microbatch_size,
+            "microbatches": args.microbatches, "steps": args.steps, "optimizer": args.optimizer, "lr": args.lr,
+            "schedule": args.schedule, "seed": args.seed, "timeout": args.timeout}
 
 
 def run_contender(args, name: str, cfg: dict, workdir: Path, tag: str, cap=None) -> Run:
@@ -960,7 +1094,8 @@ def side_by_side(args, names: list[str], workdir: Path, t0: float) -> dict:
     cfg = gpt_config(args.n_layer, args.n_embd, args.n_head, args.block_size)
     params = model_params(cfg)
     model_mb = params * 4 / MB
-    log(f"side by side: GPT {cfg}, {params / 1e6:.1f}M parameters = {model_mb:.0f} MB fp32, pp={PP}")
+    log(f"side by side: GPT {cfg}, {params / 1e6:.1f}M parameters = {model_mb:.0f} MB fp32, pp={args.pp} x "
+        f"dp={args.dp}")
     rows = []
     for name in names:
         log(f"[{time.perf_counter() - t0:6.1f}s] {CONTENDERS[name]} ...")
@@ -971,7 +1106,8 @@ def side_by_side(args, names: list[str], workdir: Path, t0: float) -> dict:
             log(f"  failed: {run.error}")
         else:
             log(f"  start-up peak {max(row['startup_peak_mb']):.0f} MB ({row['startup_above_baseline_x']:.2f}x above "
-                f"baseline), training peak {max(row['train_peak_mb']):.0f} MB, {run.seconds:.0f}s")
+                f"baseline), training peak {max(row['train_peak_mb']):.0f} MB, optimizer state "
+                f"{max(row['optimizer_state_mb']):.0f} MB, {run.seconds:.0f}s")
     return {"config": cfg, "params": params, "model_mb": model_mb, "contenders": rows}
 
 
@@ -982,15 +1118,17 @@ def summarize(name: str, run: Run, model_mb: float) -> dict:
         return row
     ranks = run.ranks
     per = {k: [r[k] for r in ranks] for k in ("baseline_mb", "startup_peak_mb", "startup_anon_peak_mb",
-                                               "train_peak_mb", "train_anon_peak_mb", "stage_params", "setup_s")}
+                                               "train_peak_mb", "train_anon_peak_mb", "stage_params", "setup_s",
+                                               "stage", "replica")}
     above = [r["startup_peak_mb"] - r["baseline_mb"] for r in ranks]
     row.update(per)
+    row["optimizer_state_mb"] = [r["optimizer_state_bytes"] / MB for r in ranks]
     row.update(
         startup_x=max(per["startup_peak_mb"]) / model_mb,
         startup_above_baseline_x=max(above) / model_mb,
         train_x=max(per["train_peak_mb"]) / model_mb,
         train_above_baseline_x=max(r["train_peak_mb"] - r["baseline_mb"] for r in ranks) / model_mb,
-        losses=ranks[-1]["losses"],
+        losses=ranks[-1]["losses"],  # the last rank runs a last stage (rank = replica * pp + stage)
         hwm_reset=all(r["hwm_reset"] for r in ranks),
         torch=ranks[0]["torch"],
     )
@@ -1078,8 +1216,8 @@ def search(args, names: list[str], cap, workdir: Path, t0: float, side: dict | N
     for name in names:
         start = args.search_start or (_estimate_from_side(side, name, args, scale) if scale else 8)
         rows.append(_search_one(args, name, cfg0, cap, workdir, t0, start))
-    return {"config": {k: v for k, v in cfg0.items() if k != "n_layer"}, "cap_mb": args.cap_mb, "cap_mode": cap.mode,
-            "cap": cap.describe(), "contenders": rows}
+    return {"config": {k: v for k, v in cfg0.items() if k != "n_layer"}, "pp": args.pp, "dp": args.dp,
+            "cap_mb": args.cap_mb, "cap_mode": cap.mode, "cap": cap.describe(), "contenders": rows}
 
 
 def _layer_params(cfg: dict) -> int:
@@ -1092,9 +1230,10 @@ def _estimate_from_side(side: dict, name: str, args, scale: float) -> int:
     row = next((r for r in side["contenders"] if r["key"] == name and not r["error"]), None)
     if row is None:
         return 8
-    worst = max(range(PP), key=lambda k: max(row["startup_peak_mb"][k], row["train_peak_mb"][k]))
+    worst = max(range(len(row["train_peak_mb"])), key=lambda k: max(row["startup_peak_mb"][k],
+                                                                     row["train_peak_mb"][k]))
     peak = max(row["startup_peak_mb"][worst], row["train_peak_mb"][worst])
-    return estimate_layers(peak, row["baseline_mb"][worst], side["config"]["n_layer"], args.cap_mb, PP, scale)
+    return estimate_layers(peak, row["baseline_mb"][worst], side["config"]["n_layer"], args.cap_mb, args.pp, scale)
 
 
 def _search_one(args, name: str, cfg0: dict, cap, workdir: Path, t0: float, start: int) -> dict:
@@ -1115,7 +1254,7 @@ def _search_one(args, name: str, cfg0: dict, cap, workdir: Path, t0: float, star
 
     row: dict[str, Any] = {"key": name, "contender": CONTENDERS[name], "start": start, "error": None}
     try:
-        row.update(search_largest(fits, start=start, step=PP, low=PP, high=args.max_layers,
+        row.update(search_largest(fits, start=start, step=args.pp, low=args.pp, high=args.max_layers,
                                   max_probes=args.max_probes))
     except ProbeError as e:
         row["error"] = str(e)
@@ -1133,25 +1272,28 @@ def _search_one(args, name: str, cfg0: dict, cap, workdir: Path, t0: float, star
 
 def build_report(args, side: dict | None, found: dict | None, elapsed: float, meta: dict) -> dict:
     return {
-        "config": {"pp": PP, "dp": 1, "backend": "gloo", "threads_per_process": 1, "steps": args.steps,
+        "config": {"pp": args.pp, "dp": args.dp, "stage_to_rank_map": rank_map(args.pp, args.dp), "backend": "gloo",
+                   "threads_per_process": 1, "steps": args.steps,
                    "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
                    "optimizer": args.optimizer, "schedule_ours": args.schedule, "seed": args.seed,
                    "quick": args.quick, **meta},
         "method": "baseline = VmRSS right after `import torch`; start-up peak = VmHWM when the model, pipeline and "
                   "optimizer are built (after a barrier); training peak = VmHWM over the training steps after "
                   "resetting it (/proc/self/clear_refs 5); anon = the sampled peak of RssAnon+RssShmem; "
-                  "x model = MB / the whole model's fp32 parameter MB; the worst rank is shown",
+                  "x model = MB / the whole model's fp32 parameter MB; the worst rank is shown; optimizer state = "
+                  "the bytes of the tensors in optimizer.state after the last step",
         "side_by_side": side,
         "search": found,
-        "targets": targets(side, found),
+        "targets": targets(side, found, args.pp, args.dp),
         "elapsed_s": elapsed,
     }
 
 
-def targets(side: dict | None, found: dict | None) -> dict:
-    """The issue's targets: start-up above baseline <= 0.35x at pp=4; ours fits at least as large a model."""
+def targets(side: dict | None, found: dict | None, pp: int = PP_ALONE, dp: int = 1) -> dict:
+    """The targets: start-up above baseline <= 0.35x at pp=4; ours fits at least as large a model; with
+    replicas, those of the sharded optimizer (:func:`sharding_targets`)."""
     out: dict[str, Any] = {}
-    if side:
+    if side and pp == PP_ALONE:
         out["startup_above_baseline_x"] = {r["key"]: r.get("startup_above_baseline_x") for r in side["contenders"]}
         out["startup_target_x"] = TARGET_STARTUP
         out["model_mb"] = side["model_mb"]
@@ -1163,6 +1305,33 @@ def targets(side: dict | None, found: dict | None) -> dict:
         out["largest_n_layer"] = largest
         out["ours_fits_at_least_every_peer"] = (best is not None and all(v is None or best >= v
                                                                            for v in peers.values()))
+    if dp > 1:
+        out.update(sharding_targets(side, found, dp))
+    return out
+
+
+def sharding_targets(side: dict | None, found: dict | None, dp: int) -> dict:
+    """The sharded optimizer's targets, where both sides of a comparison ran: ours-sharded's optimizer state on
+    every rank is 1/dp of ours-meta's on that rank (the same stage) within one bucket; its training peak (the
+    worst rank) is below deepspeed-zero1's; under the cap it fits more layers than ours-meta and at least as
+    many as deepspeed-zero1."""
+    out: dict[str, Any] = {}
+    rows = {r["key"]: r for r in (side["contenders"] if side else []) if not r["error"]}
+    sharded, whole, zero1 = rows.get("ours-sharded"), rows.get("ours-meta"), rows.get(DEEPSPEED_ZERO1)
+    if sharded and whole:
+        off = max(abs(s - w / dp) for s, w in zip(sharded["optimizer_state_mb"], whole["optimizer_state_mb"],
+                                                 strict=True))
+        out["sharded_state_off_mb"] = off
+        out["sharded_state_is_1_over_dp"] = off <= BUCKET_MB
+    if sharded and zero1:
+        out["train_peak_mb"] = {k: max(rows[k]["train_peak_mb"]) for k in ("ours-sharded", DEEPSPEED_ZERO1)}
+        out["sharded_peak_below_zero1"] = max(sharded["train_peak_mb"]) < max(zero1["train_peak_mb"])
+    largest = {r["key"]: r.get("largest") for r in (found["contenders"] if found else []) if not r["error"]}
+    if largest.get("ours-sharded") is not None:
+        if "ours-meta" in largest:
+            out["sharded_fits_more_than_unsharded"] = largest["ours-sharded"] > (largest["ours-meta"] or 0)
+        if DEEPSPEED_ZERO1 in largest:
+            out["sharded_fits_at_least_zero1"] = largest["ours-sharded"] >= (largest[DEEPSPEED_ZERO1] or 0)
     return out
 
 
@@ -1181,8 +1350,36 @@ def _ranks(values: list[float], spec: str = ".0f") -> str:
     return " / ".join(format(v, spec) for v in values)
 
 
+def _rank_names(world: int) -> str:
+    """``r0 / r1 / ... `` for a column header."""
+    return " / ".join(f"r{k}" for k in range(world))
+
+
+def state_lines(side: dict) -> list[str]:
+    """Optimizer state per rank next to the training peak, each also as a ratio to the unsharded ours-meta's
+    (the worst rank of each)."""
+    rows = [r for r in side["contenders"] if not r["error"]]
+    if not rows:
+        return []
+    base = next((r for r in rows if r["key"] == "ours-meta"), None)
+
+    def ratio(r: dict, key: str) -> str:
+        return f"{max(r[key]) / max(base[key]):.2f}" if base and max(base[key]) > 0 else "-"
+
+    table = [[r["contender"], _ranks(r["optimizer_state_mb"]), f"**{max(r['optimizer_state_mb']):.0f}**",
+              ratio(r, "optimizer_state_mb"), f"**{max(r['train_peak_mb']):.0f}**", ratio(r, "train_peak_mb")]
+             for r in rows]
+    world = len(rows[0]["optimizer_state_mb"])
+    note = ("optimizer state (tensors in optimizer.state after the last step) and training peak, worst rank; "
+            "'x ours-meta' divides by the unsharded ours':")
+    return [note, ""] + md_table(
+        ["contender", f"optimizer state MB {_rank_names(world)}", "max state MB", "state x ours-meta",
+         "training peak MB (max)", "peak x ours-meta"], table)
+
+
 def side_lines(side: dict, steps: int) -> list[str]:
-    """The side-by-side tables: peaks per rank, fractions of the whole model, then the anonymous peaks."""
+    """The side-by-side tables: peaks per rank, fractions of the whole model, the optimizer state, then the
+    anonymous peaks."""
     cfg = side["config"]
     head = (f"side by side: GPT n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}, n_head {cfg['n_head']}, sequence "
             f"{cfg['block_size']}: {side['params'] / 1e6:.1f}M parameters = {side['model_mb']:.0f} MB fp32 (the "
@@ -1198,16 +1395,18 @@ def side_lines(side: dict, steps: int) -> list[str]:
                      f"{_fmt(r['losses'][0], '.3f')} / {_fmt(r['losses'][-1], '.3f')}"])
         anon.append([r["contender"], _ranks(r["startup_anon_peak_mb"]), _ranks(r["train_anon_peak_mb"]),
                      _ranks(r["setup_s"], ".1f")])
+    world = next((len(r["train_peak_mb"]) for r in side["contenders"] if not r["error"]), 0)
     lines = [head, ""] + md_table(
-        ["contender", "baseline MB", "start-up peak MB r0 / r1 / r2 / r3", "start-up x model",
-         "above baseline x model", "training peak MB r0 / r1 / r2 / r3", "training x model", "params/rank (M)",
+        ["contender", "baseline MB", f"start-up peak MB {_rank_names(world)}", "start-up x model",
+         "above baseline x model", f"training peak MB {_rank_names(world)}", "training x model", "params/rank (M)",
          f"loss step 1 / {steps}"], rows)
+    lines += [""] + state_lines(side)
     if anon:
         note = ("anonymous memory only (RssAnon + RssShmem sampled every 10 ms: without mapped files such as weight "
                 "shards), and the time to build:")
         lines += ["", note, ""]
-        lines += md_table(["contender", "start-up anon peak MB", "training anon peak MB", "build s r0 / r1 / r2 / r3"],
-                          anon)
+        lines += md_table(["contender", "start-up anon peak MB", "training anon peak MB",
+                           f"build s {_rank_names(world)}"], anon)
     return lines
 
 
@@ -1229,7 +1428,7 @@ def search_lines(found: dict) -> list[str]:
         if r["error"]:
             answer = "failed: " + r["error"].replace("|", "/")
         elif largest is None:
-            answer = (f"none (even {PP} layers exceed the cap)" if r.get("resolved") else
+            answer = (f"none (even {found['pp']} layers exceed the cap)" if r.get("resolved") else
                       f"< {r['smallest_over']} (out of runs)")
         else:
             answer = f"**{largest}**" + ("" if r.get("resolved") else " (at least; out of runs)")
@@ -1241,8 +1440,9 @@ def search_lines(found: dict) -> list[str]:
 
 def print_report(report: dict) -> None:
     cfg = report["config"]
-    out = [f"pp={PP} x dp=1 on {cfg.get('cpus')} CPUs, gloo, 1 thread/process; {cfg['steps']} steps of "
-           f"{cfg['microbatches']} micro-batches of {cfg['microbatch_size']}; {cfg['optimizer']}; ours' schedule "
+    out = [f"pp={cfg['pp']} x dp={cfg['dp']} (stage-to-rank map {cfg['stage_to_rank_map']!r}) on {cfg.get('cpus')} "
+           f"CPUs, gloo, 1 thread/process; {cfg['steps']} steps of {cfg['microbatches']} micro-batches of "
+           f"{cfg['microbatch_size']} per replica; {cfg['optimizer']}; ours' schedule "
            f"{cfg['schedule_ours']}; torch {cfg.get('torch')}" + (f", DeepSpeed {cfg['deepspeed']}"
                                                                     if cfg.get("deepspeed") else ""),
            f"method: {report['method']}", ""]
@@ -1267,6 +1467,27 @@ def target_lines(t: dict) -> list[str]:
         parts = [f"{CONTENDERS[k]} {'-' if v is None else v}" for k, v in t["largest_n_layer"].items()]
         verdict = "ok" if t["ours_fits_at_least_every_peer"] else "MISS"
         lines.append(f"target ours fits at least as many layers as every peer: {verdict} ({'; '.join(parts)})")
+    return lines + sharding_target_lines(t)
+
+
+def sharding_target_lines(t: dict) -> list[str]:
+    """The sharded optimizer's targets that were measured (see :func:`sharding_targets`)."""
+    def ok(key: str) -> str:
+        return "ok" if t[key] else "MISS"
+
+    lines = []
+    if "sharded_state_is_1_over_dp" in t:
+        lines.append(f"target ours-sharded optimizer state per rank = 1/dp of ours-meta's (+- {BUCKET_MB:.0f} MB): "
+                     f"{ok('sharded_state_is_1_over_dp')} (worst rank off by {t['sharded_state_off_mb']:.1f} MB)")
+    if "sharded_peak_below_zero1" in t:
+        peaks = t["train_peak_mb"]
+        lines.append(f"target ours-sharded training peak < deepspeed-zero1's: {ok('sharded_peak_below_zero1')} "
+                     f"({peaks['ours-sharded']:.0f} vs {peaks[DEEPSPEED_ZERO1]:.0f} MB)")
+    if "sharded_fits_more_than_unsharded" in t:
+        lines.append(f"target ours-sharded fits more layers than ours-meta: {ok('sharded_fits_more_than_unsharded')}")
+    if "sharded_fits_at_least_zero1" in t:
+        lines.append(f"target ours-sharded fits at least as many layers as deepspeed-zero1: "
+                     f"{ok('sharded_fits_at_least_zero1')}")
     return lines
 
 
@@ -1275,9 +1496,9 @@ def target_lines(t: dict) -> list[str]:
 
 
 def available(names: list[str], install: bool) -> list[str] | None:
-    """``names`` without DeepSpeed when it is missing (one line says how to install it), or with it installed
-    first with ``install``; None when installing failed."""
-    if DEEPSPEED not in names or importlib.util.find_spec("deepspeed") is not None:
+    """``names`` without the DeepSpeed contenders when it is missing (one line says how to install it), or with it
+    installed first with ``install``; None when installing failed."""
+    if not any(n in ZERO_STAGE for n in names) or importlib.util.find_spec("deepspeed") is not None:
         return names
     if install:
         error = install_deepspeed()
@@ -1285,9 +1506,10 @@ def available(names: list[str], install: bool) -> list[str] | None:
             return names
         log(f"error: {error}")
         return None
-    log(f"{DEEPSPEED} skipped: DeepSpeed is not installed (install it with `{DS_INSTALL.format(pip=pip_command())}`, "
+    skipped = ", ".join(n for n in names if n in ZERO_STAGE)
+    log(f"{skipped} skipped: DeepSpeed is not installed (install it with `{DS_INSTALL.format(pip=pip_command())}`, "
         f"or pass --install-deepspeed)")
-    return [n for n in names if n != DEEPSPEED]
+    return [n for n in names if n not in ZERO_STAGE]
 
 
 @contextlib.contextmanager
@@ -1304,7 +1526,8 @@ def workdir_for(keep: str | None) -> Iterator[Path]:
 def run_parts(args, usable: list[str], workdir: Path) -> dict:
     """The side-by-side part, then the search (as ``--only`` says), and the report of both."""
     meta = {"cpus": os.cpu_count(), "torch": importlib.metadata.version("torch"),
-            "deepspeed": importlib.metadata.version("deepspeed") if DEEPSPEED in usable else None}
+            "deepspeed": (importlib.metadata.version("deepspeed") if any(n in ZERO_STAGE for n in usable)
+                          else None)}
     t0 = time.perf_counter()
     side = found = cap = None
     try:

@@ -28,7 +28,8 @@ def test_defaults_and_quick_presets(bench):
     args = bench.parse_args([])
     assert (args.n_layer, args.n_embd, args.n_head, args.search_n_embd) == (24, 1024, 16, 512)
     assert (args.cap_mb, args.max_probes, args.seq) == (1000.0, 5, args.block_size)
-    assert args.contender_list == list(bench.CONTENDERS)
+    assert args.contender_list == [c for c in bench.CONTENDERS if c not in bench.SHARDED]
+    assert (args.dp, args.pp) == (1, 4)
     assert "ours-weights" not in args.search_list and "ours-meta" in args.search_list  # same training memory
     quick = bench.parse_args(["--quick"])
     assert (quick.n_layer, quick.n_embd, quick.search_n_embd, quick.cap_mb, quick.max_probes) == (16, 512, 256,
@@ -52,6 +53,8 @@ def test_contender_lists(bench):
     ["--n-layer", "6"], ["--n-layer", "0"], ["--n-embd", "100"], ["--search-n-embd", "100"],
     ["--microbatches", "3"], ["--steps", "0"], ["--cap-mb", "0"], ["--contenders", "ours-gpu"],
     ["--search-contenders", "nope"], ["--max-layers", "2"], ["--seq", "0"],
+    ["--dp", "0"], ["--contenders", "ours-sharded"], ["--search-contenders", "deepspeed-zero1"],
+    ["--dp", "2", "--contenders", "torch-meta"], ["--dp", "2", "--n-layer", "5"], ["--dp", "2", "--max-layers", "1"],
 ])
 def test_bad_flags_are_refused(bench, argv):
     with pytest.raises(SystemExit):
@@ -60,8 +63,73 @@ def test_bad_flags_are_refused(bench, argv):
 
 def test_ours_partition_matches_the_peers_split(bench):
     # stage 0 = embeddings + 6 blocks, then 6 blocks per stage; the last segment holds ln_f and the head
-    assert bench.ours_partition(24) == [(0, 7), (7, 13), (13, 19), (19, 25)]
-    assert bench.ours_partition(4) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert bench.ours_partition(24, 4) == [(0, 7), (7, 13), (13, 19), (19, 25)]
+    assert bench.ours_partition(4, 4) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert bench.ours_partition(24, 2) == [(0, 13), (13, 25)]
+    # DeepSpeed's layers are [embeddings, 24 blocks, head]: its cuts fall on the same blocks
+    assert bench.deepspeed_parts(24, 4) == [0, 7, 13, 19, 26]
+    assert bench.deepspeed_parts(24, 2) == [0, 13, 26]
+
+
+def test_data_parallel_layout(bench):
+    """--dp D > 1: pp=2 x dp=D, stage s on ranks s, s+2, ... (the clustered map), the sharded contenders by
+    default; --dp 1 keeps pp=4 on one rank per stage."""
+    args = bench.parse_args(["--dp", "2"])
+    assert (args.pp, args.dp) == (2, 2)
+    assert args.contender_list == ["ours-meta", "ours-sharded", "deepspeed", "deepspeed-zero1"]
+    assert args.search_list == args.contender_list
+    spec = bench.base_spec(args)
+    assert (spec["pp"], spec["dp"]) == (2, 2)
+    assert bench.rank_map(2, 2) == "0,2;1,3;"
+    assert bench.rank_map(2, 4) == "0,2,4,6;1,3,5,7;"
+    assert bench.rank_map(4, 1) == "0;1;2;3;"
+    for pp, dp in ((2, 2), (2, 4), (4, 1)):
+        stages = [ranks.split(",") for ranks in bench.rank_map(pp, dp).rstrip(";").split(";")]
+        for rank in range(pp * dp):
+            stage, replica = bench.coords(rank, pp)
+            assert stages[stage][replica] == str(rank)
+    job = bench.Job(spec=dict(spec, n_layer=24, microbatches=4, microbatch_size=2), rank=3, ds=None, cfg=None)
+    assert (job.stage, job.replica, job.k, job.replica_batch, job.batch_size) == (1, 1, 12, 8, 16)
+    chosen = bench.parse_args(["--dp", "2", "--only", "search",
+                               "--search-contenders", "ours-meta,ours-sharded,deepspeed-zero1"])
+    assert chosen.search_list == ["ours-meta", "ours-sharded", "deepspeed-zero1"]
+    assert bench.parse_args(["--dp", "4", "--n-layer", "6", "--microbatches", "2"]).pp == 2  # 3 blocks per stage
+
+
+def test_state_bytes_counts_tensors_of_the_state(bench):
+    import torch
+
+    w = torch.nn.Parameter(torch.zeros(3, 4))
+    opt = torch.optim.AdamW([w])
+    assert bench.state_bytes(opt) == 0  # AdamW creates its state at the first step
+    w.grad = torch.ones(3, 4)
+    opt.step()
+    assert bench.state_bytes(opt) == 2 * 12 * 4  # exp_avg and exp_avg_sq; the 0-d step is not counted
+
+
+def _row(key, state, peak, error=None):
+    return {"key": key, "contender": key, "error": error, "optimizer_state_mb": state, "train_peak_mb": peak}
+
+
+def test_sharding_targets(bench):
+    side = {"contenders": [_row("ours-meta", [400, 400, 300, 300], [2000, 2000, 1900, 1900]),
+                           _row("ours-sharded", [200, 201, 150, 149], [1700, 1710, 1600, 1600]),
+                           _row("deepspeed-zero1", [200, 200, 150, 150], [1800, 1800, 1750, 1750])]}
+    found = {"contenders": [{"key": "ours-meta", "largest": 20, "error": None},
+                            {"key": "ours-sharded", "largest": 28, "error": None},
+                            {"key": "deepspeed-zero1", "largest": 24, "error": None}]}
+    t = bench.sharding_targets(side, found, 2)
+    assert t["sharded_state_is_1_over_dp"] and t["sharded_state_off_mb"] == pytest.approx(1)
+    assert t["sharded_peak_below_zero1"] and t["train_peak_mb"] == {"ours-sharded": 1710, "deepspeed-zero1": 1800}
+    assert t["sharded_fits_more_than_unsharded"] and t["sharded_fits_at_least_zero1"]
+    side["contenders"][1] = _row("ours-sharded", [400, 400, 150, 150], [1900, 1900, 1600, 1600])  # not sharded
+    found["contenders"][1]["largest"] = 20
+    t = bench.sharding_targets(side, found, 2)
+    assert not t["sharded_state_is_1_over_dp"] and not t["sharded_fits_more_than_unsharded"]
+    assert t["sharded_fits_at_least_zero1"] is False and any("MISS" in line for line in bench.sharding_target_lines(t))
+    side["contenders"][2] = _row("deepspeed-zero1", None, None, error="boom")  # a failed run is no comparison
+    assert "sharded_peak_below_zero1" not in bench.sharding_targets(side, None, 2)
+    assert bench.targets(side, None, 2, 2).get("startup_above_baseline_x") is None  # the 0.35x target is pp=4's
 
 
 # ---------------------------------------------------------------------------------------------------------- /proc
