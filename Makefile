@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-gpu bench-kernels clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-gpu bench-kernels clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -93,6 +93,12 @@ bench: setup ## compare our pipeline step time with torch pipelining and DeepSpe
 # largest model each trains under a per-rank cap (cgroup v2 memory.max, else measured peaks; see benchmarks/README.md).
 bench-memory: setup ## memory per rank at start-up/training and the largest model under a cap, ours vs peers (BENCH_ARGS="--quick")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py --install-deepspeed $(BENCH_ARGS)
+
+# A sharded optimizer's step time and bytes per step against the all-reduce at dp=2, on the loopback and over a 200 Mbit/s
+# link (network namespaces, needs root; see benchmarks/README.md).
+bench-shard: setup ## sharded optimizer vs all-reduce at dp=2: step time and bytes, loopback and 200 Mbit/s
+	OMP_NUM_THREADS=1 $(PY) benchmarks/shard_speed.py $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/shard_speed.py --network slow --rate 200mbit $(BENCH_ARGS)
 
 # The planner's predicted step time vs measured runs: a sleep model on up to 8 local processes, and the example GPT (see benchmarks/README.md).
 bench-sim: setup ## compare the planner's predicted step time with measured runs (BENCH_ARGS="--quick")
