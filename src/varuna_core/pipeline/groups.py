@@ -38,7 +38,7 @@ from ..util.text import printable
 
 __all__ = ["intended_world", "ensure_process_group", "collective_device", "resolve_device", "Groups",
            "build_groups", "tie_params", "sync_initial_state", "sync_written_buffers", "agree_seed_and_run",
-           "agree_started", "broadcast_coalesced"]
+           "agree_started", "broadcast_coalesced", "coalesced_batches"]
 
 _RUN_ID_BYTES = 64
 
@@ -310,13 +310,40 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], *, src: int, group) -> None:
-    """Broadcast ``tensors`` from ``src`` in one message per dtype and device."""
+BROADCAST_BUCKET = 25 * 2**20  # bytes flattened into one message (the gradient buckets' default size)
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], *, src: int, group, bucket_bytes: int = BROADCAST_BUCKET) -> None:
+    """Broadcast ``tensors`` from ``src``: per dtype and device, small ones flattened together into messages of at
+    most ``bucket_bytes``, a contiguous one of that size or more in place. Flattening a stage's whole state at once
+    (as this did) held a second copy of it at start-up: a peak of twice the stage under data parallelism."""
+    for batch in coalesced_batches(tensors, bucket_bytes):
+        if len(batch) == 1 and batch[0].is_contiguous():
+            dist.broadcast(batch[0], src=src, group=group)
+            continue
+        flat = torch._utils._flatten_dense_tensors(batch)
+        dist.broadcast(flat, src=src, group=group)
+        for t, synced in zip(batch, torch._utils._unflatten_dense_tensors(flat, batch), strict=True):
+            t.copy_(synced)
+
+
+def coalesced_batches(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by dtype and device, each group in order and cut into batches of at most
+    ``bucket_bytes`` (a tensor of that size or more alone), the same on every rank."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
+    out: list[list[torch.Tensor]] = []
     for group_tensors in by_kind.values():
-        flat = torch._utils._flatten_dense_tensors(group_tensors)
-        dist.broadcast(flat, src=src, group=group)
-        for t, synced in zip(group_tensors, torch._utils._unflatten_dense_tensors(flat, group_tensors), strict=True):
-            t.copy_(synced)
+        batch: list[torch.Tensor] = []
+        size = 0
+        for t in group_tensors:
+            nbytes = t.numel() * t.element_size()
+            if batch and size + nbytes > bucket_bytes:
+                out.append(batch)
+                batch, size = [], 0
+            batch.append(t)
+            size += nbytes
+        if batch:
+            out.append(batch)
+    return out
