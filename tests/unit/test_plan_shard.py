@@ -83,3 +83,32 @@ def test_the_cli_asks_for_it_and_shows_it(tmp_path) -> None:
     shown = subprocess.run([str(varuna), "plan", "show", str(out)], capture_output=True, text=True, cwd=ROOT,
                            timeout=120)
     assert shown.returncode == 0 and "optimizer state sharded over the 2 replicas" in shown.stdout, shown.stdout
+
+
+def test_a_morph_keeps_the_runs_choice_where_it_fits(tmp_path) -> None:
+    """Re-planned for a morph, a job whose optimizer state was whole stays whole (its lost replicas regroup, its
+    replicas keep copies of each other's handover files), even where the search alone would shard it; it is
+    sharded only where the whole state does not fit."""
+    from varuna_core.launch.manager import replan
+
+    profile = _profile()
+    for seg in profile.segments:
+        seg.optimizer_time = 0.5  # a slow optimizer step: sharding halves it, which a free search takes
+    path = tmp_path / "profile.json"
+    save_artifact(profile, path)
+    free = make_plan(profile, PlanRequest(gpus=2, batch_size=8, schedules=("1f1b",)))
+    assert free.shard_optimizer
+    whole = make_plan(profile, PlanRequest(gpus=1, batch_size=8, schedules=("1f1b",), microbatch_sizes=(4,)))
+    whole.profile_path = str(path)
+    grown, _ = replan(whole, 2, 2)
+    assert (grown.dp, grown.shard_optimizer) == (2, False)
+    # one segment (no deeper pipeline to fall back on) and a limit the whole state misses by a byte at dp=2
+    single = make_profile([1.0], param_bytes=MB, bandwidth=1e12, latency=1e-6)
+    save_artifact(single, path)
+    limit = plan_for(single, PlanRequest(gpus=2, batch_size=8, headroom=0.0), pp=1, dp=2, microbatch_size=4,
+                     schedule="1f1b").stages[0].memory_bytes - 1
+    tight = whole.model_copy(update={"memory_limit": limit, "headroom": 0.0, "num_segments": 1,
+                                     "partition": [(0, 1)], "profile_hash": single.structure_hash})
+    grown, _ = replan(tight, 2, 2)
+    assert (grown.pp, grown.dp, grown.shard_optimizer) == (1, 2, True)
+    assert max(st.memory_bytes for st in grown.stages) <= limit

@@ -164,15 +164,24 @@ def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True
         request = PlanRequest(gpus=devices, batch_size=plan.batch_size, gpus_per_node=min(per_node, devices),
                               gpu_memory=plan.memory_limit,
                               schedules=tuple(map(check_schedule, plan.schedules)), headroom=plan.headroom)
+
+        def search(req: PlanRequest) -> Plan:
+            """The plan keeping the run's choice of a sharded optimizer where one fits (a job that was not sharded
+            keeps its regroup and its replicas' copies), else either."""
+            try:
+                return make_plan(profile, dataclasses.replace(req, shard_optimizer=plan.shard_optimizer))
+            except (ConfigError, PlanInfeasible):
+                return make_plan(profile, req)
+
         note = ""
         if keep_microbatch:
             try:
-                new = make_plan(profile, dataclasses.replace(request, microbatch_sizes=(plan.microbatch_size,)))
+                new = search(dataclasses.replace(request, microbatch_sizes=(plan.microbatch_size,)))
                 new.profile_path = profile_path
                 return new, f"re-planned from {profile_path}, micro-batch {plan.microbatch_size} kept"
             except (ConfigError, PlanInfeasible) as exc:
                 note = f" (micro-batch {plan.microbatch_size} does not fit: {exc.message})"
-        new = make_plan(profile, request)
+        new = search(request)
         new.profile_path = profile_path
         return new, f"re-planned from {profile_path}{note}"
     from ..ir.topology import Topology
