@@ -1,5 +1,5 @@
 """The optimizer sharded over the data-parallel replicas (``shard_optimizer=True``) trains as one process: every
-loss, parameter and buffer equal to the plain reference (``tests/reference.py``), with two parameter groups of
+loss, parameter and buffer equal to the plain reference (``tests/reference.py``) to 1e-5, with two parameter groups of
 AdamW, SGD with momentum, global clipping, the tied embedding across stages, uneven partitions and an fp16
 overflow; and each rank holds its share of the optimizer state."""
 
@@ -18,6 +18,7 @@ from tests.reference import Layout
 pytestmark = pytest.mark.dist
 
 BATCH, CHUNK, STEPS, CLIP = 8, 3, 3, 0.5
+TOL = 1e-5  # a sharded optimizer against whole-tensor steps (see test_a_sharded_optimizer_trains_as_one_process)
 
 TOPOLOGIES = {  # name -> (stage_to_rank_map, world, partition, global batch); micro-batches of 3 (or fewer)
     "1x2": ("0,1", 2, None, 8),
@@ -39,16 +40,18 @@ def test_a_sharded_optimizer_trains_as_one_process(name, tmp_path) -> None:
     per_rank = _ok(run_ranks({"map": stage_map, "timeout": 60, "runs": runs}, world, tmp_path))
     for i, run in enumerate(runs[:2]):
         losses, _, state = clipped_reference(run["optimizer"], stage_map, run.get("clip"), size)
-        # dp = 2: each sum over the replicas has two terms, exact in any order (tests/reference.py). dp = 4: the
-        # ring adds the replicas in another order than the reference; clipping: the squared norm is summed over
-        # the ranks in the collective's order (float64), and its last bit may round one element the other way
-        tol = 0.0 if dp <= 2 and run.get("clip") is None else 1e-5
+        # Not bit for bit: the optimizer steps pieces where the reference steps whole tensors, and a CPU's
+        # vectorised kernels may round an element of a fused op (lerp, addcmul) in their vector body in one and in
+        # their scalar tail in the other (which elements fall where depends on the length). Also: the ring adds
+        # replicas in another order than the reference at dp = 4, and the clipping norm's float64 sum over ranks
+        # may round one element the other way. Hence the issue's 1e-5.
+        tol = TOL
         for rank, got in enumerate(r[i] for r in per_rank):
             label = f"{name} {run['optimizer']} {run['schedule']} rank {rank}"
             assert rel_diff(got["losses"], losses) <= tol, (label, got["losses"], losses)
             for pname, value in got["params"].items():
                 assert rel_diff(value, state[pname]) <= tol, (label, pname, rel_diff(value, state[pname]))
-            assert_equal_buffers(got, state, label)
+            assert_equal_buffers(got, state, label, TOL)
     # each rank holds its replica's share of its stage's optimizer state: 1/dp of the unsharded, give or take
     # the rows a boundary was moved by (ToyLM's rows: at most 32 floats, two moments)
     for rank, got in enumerate(per_rank):
@@ -75,8 +78,9 @@ def test_an_overflow_in_fp16_skips_the_step_on_every_rank(tmp_path) -> None:
 
 def test_checkpoints_reshard_between_sharded_and_unsharded_layouts(tmp_path) -> None:
     """Sharded at 2x2 -> unsharded at 4x1 -> sharded at 3x2 (uneven): every resumed loss and the final parameters
-    and buffers equal one process that trained straight through under those layouts, bit for bit; and `ckpt merge
-    --optimizer` of the sharded checkpoint gives the unsharded one's file, tensor for tensor."""
+    and buffers equal one process that trained straight through under those layouts (to 1e-5: a piece's update may
+    round differently from the whole tensor's, see above); and `ckpt merge --optimizer` of the sharded checkpoint
+    gives the unsharded run's state, tensor for tensor (to the same rounding), under the same names."""
     from safetensors.torch import load_file
 
     from tests.dist.test_checkpoint import assert_resumed, uninterrupted
@@ -99,7 +103,7 @@ def test_checkpoints_reshard_between_sharded_and_unsharded_layouts(tmp_path) -> 
         outputs.append(load_file(str(optimizer_output_path(tmp_path / f"{store.name}.safetensors"))))
     assert outputs[0].keys() == outputs[1].keys() and any(k.endswith("exp_avg") for k in outputs[0])
     for key, value in outputs[0].items():
-        assert torch.equal(value, outputs[1][key]), key
+        assert value.shape == outputs[1][key].shape and rel_diff(value, outputs[1][key]) <= TOL, key
 
     def layout(stage_map: str, steps: int) -> list[Layout]:
         return [Layout(BATCH, chunk, *reversed(shape_of(stage_map)))] * steps
@@ -107,12 +111,12 @@ def test_checkpoints_reshard_between_sharded_and_unsharded_layouts(tmp_path) -> 
     second = {"schedule": "varuna", "optimizer": "adamw", "batch": BATCH, "chunk": chunk, "steps": 5,
               "load": str(sharded), "save": {"dir": str(tmp_path / "second"), "at": 5}}
     results = run_ranks({"map": "0;1;2;3", "timeout": 60, "runs": [second]}, 4, tmp_path / "b")
-    assert_resumed(results, *uninterrupted(layout("0,2;1,3", 3) + layout("0;1;2;3", 2)), first=3)
+    assert_resumed(results, *uninterrupted(layout("0,2;1,3", 3) + layout("0;1;2;3", 2)), first=3, tol=TOL)
     third = {"schedule": "gpipe", "optimizer": "adamw", "batch": BATCH, "chunk": chunk, "steps": 7, "shard": True,
              "load": str(tmp_path / "second"), "partition": [(0, 1), (1, 4), (4, 5)]}
     results = run_ranks({"map": "0,3;1,4;2,5", "timeout": 60, "runs": [third]}, 6, tmp_path / "c")
     expected = uninterrupted(layout("0,2;1,3", 3) + layout("0;1;2;3", 2) + layout("0,3;1,4;2,5", 2))
-    assert_resumed(results, *expected, first=5)
+    assert_resumed(results, *expected, first=5, tol=TOL)
 
 
 @pytest.mark.parametrize(("resume_map", "shard"), [("0;1", False), ("0,1", True)])
@@ -135,22 +139,29 @@ def test_a_sharded_state_is_handed_over_through_host_memory(resume_map, shard, t
     finally:
         for server in servers:
             server.close()
-    assert_resumed(results, *uninterrupted(steps_as("0,1", 2, resume_map, 2)), first=2)
+    assert_resumed(results, *uninterrupted(steps_as("0,1", 2, resume_map, 2)), first=2, tol=TOL)
 
 
-def test_bf16_a_meta_built_model_and_evaluate_equal_the_unsharded_run(tmp_path) -> None:
-    """The example GPT built on meta (each rank allocates its stage), in bf16 autocast, evaluated after training:
-    sharded and unsharded give the same losses, parameters and evaluation, bit for bit (two replicas)."""
-    run = {"model": "GPT", "meta": True, "precision": "bf16", "schedule": "varuna", "optimizer": "adamw-groups",
-           "batch": BATCH, "chunk": CHUNK, "steps": 4, "evaluate": 5}
-    runs = [{**run, "shard": True}, {**run, "shard": False}]
+def test_a_meta_built_model_evaluate_and_bf16_agree_with_the_unsharded_run(tmp_path) -> None:
+    """The example GPT built on meta (each rank allocates its stage), evaluated after training: sharded and
+    unsharded give the same losses, parameters and evaluation (to 1e-5, see above). In bf16 autocast, one step:
+    the same loss, bit for bit (the same forward), and parameters one fp32 update apart at most (a last-bit
+    difference of a weight can flip its bf16 rounding, which later steps would amplify: not compared)."""
+    base = {"model": "GPT", "meta": True, "schedule": "varuna", "optimizer": "adamw-groups", "batch": BATCH,
+            "chunk": CHUNK}
+    runs = [{**base, "steps": 4, "evaluate": 5, "shard": True}, {**base, "steps": 4, "evaluate": 5, "shard": False},
+            {**base, "steps": 1, "precision": "bf16", "shard": True},
+            {**base, "steps": 1, "precision": "bf16", "shard": False}]
     per_rank = _ok(run_ranks({"map": "0,2;1,3", "timeout": 120, "runs": runs}, 4, tmp_path, timeout=300))
-    for rank, (sharded, whole) in enumerate(per_rank):
-        assert torch.equal(sharded["losses"], whole["losses"]), (rank, sharded["losses"], whole["losses"])
-        assert sharded["eval"] == whole["eval"], rank
+    for rank, (sharded, whole, sharded16, whole16) in enumerate(per_rank):
+        assert rel_diff(sharded["losses"], whole["losses"]) <= TOL, (rank, sharded["losses"], whole["losses"])
+        assert abs(sharded["eval"] - whole["eval"]) <= TOL * abs(whole["eval"]), rank
         for name, value in sharded["params"].items():
-            assert torch.equal(value, whole["params"][name]), (rank, name)
+            assert rel_diff(value, whole["params"][name]) <= TOL, (rank, name)
         assert sharded["optim_bytes"] < whole["optim_bytes"]
+        assert torch.equal(sharded16["losses"], whole16["losses"]), rank
+        for name, value in sharded16["params"].items():
+            assert rel_diff(value, whole16["params"][name]) <= TOL, (rank, name)
 
 
 def test_a_lost_replica_of_a_sharded_run_ends_the_survivors_at_once(tmp_path) -> None:
