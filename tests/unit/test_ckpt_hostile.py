@@ -135,6 +135,16 @@ def _overlap(doc: dict, directory: Path) -> None:
     _chunk(doc, TWIN)["offset"] = _chunk(doc)["offset"]
 
 
+def _overlapping_boxes(doc: dict, directory: Path) -> None:
+    """Two boxes of the same rows, their volumes adding up to the tensor's, their bytes apart in the file."""
+    chunk = _chunk(doc)
+    rows, cols = doc["tensors"][KEY]["size"]
+    half = chunk["length"] // 2
+    first = {**chunk, "offsets": [0, 0], "sizes": [rows // 2, cols], "length": half}
+    second = {**first, "offset": chunk["offset"] + half}
+    doc["tensors"][KEY]["chunks"] = [first, second]
+
+
 def _tensor(field: str, value):
     def edit(doc: dict, directory: Path) -> None:
         doc["tensors"][KEY][field] = value
@@ -161,6 +171,7 @@ CASES = {
     "wrong_length": (_edit_index(_set("length", 516)), "516 bytes for a chunk of 512"),
     "overlapping_chunks": (_edit_index(_overlap), "shares bytes"),
     "box_outside": (_edit_index(_set("offsets", [1, 0])), "reaches outside"),
+    "overlapping_boxes": (_edit_index(_overlapping_boxes), "cover the same elements"),
     "bool_as_int": (_edit_index(_set("offset", True)), "non-negative integer, got True"),
     "float_as_int": (_edit_index(_set("length", 512.0)), "non-negative integer, got 512.0"),
     "unknown_dtype": (_edit_index(_tensor("dtype", "float8_quux")), "unsupported dtype"),

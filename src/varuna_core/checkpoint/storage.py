@@ -493,6 +493,7 @@ class _Index:
         if volume != _product(size):
             raise _invalid(self.path, f"{field}: its chunks hold {volume:,} elements, its size {size} "
                                       f"{_product(size):,}")
+        _check_boxes(self.path, field, chunks)
         return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(size), chunks=chunks)
 
     def _location(self, chunk: dict[str, Any], where: str, nbytes: int) -> Location:
@@ -548,6 +549,26 @@ class _Index:
         if type(value) is not int or not 0 <= value <= _MAX_INT:  # type(): JSON's true is no size
             raise _invalid(self.path, f"{field}: expected a non-negative integer, got {_show(value)}")
         return value
+
+
+MAX_CHUNKS = 1024  # boxes of one tensor: one per data-parallel replica that holds a piece of it, at most
+
+
+def _check_boxes(path: Path, field: str, chunks: list[ChunkStorageMetadata]) -> None:
+    """No two chunks of a tensor cover the same element: with their volumes adding up to the tensor's, they then
+    cover each element once (two overlapping boxes would load one region twice and leave another at zero)."""
+    if len(chunks) > MAX_CHUNKS:
+        raise _invalid(path, f"{field}: {len(chunks):,} chunks, more than the {MAX_CHUNKS} any layout writes")
+    boxes = sorted((tuple(c.offsets), tuple(c.sizes), i) for i, c in enumerate(chunks))
+    for j, (start, sizes, i) in enumerate(boxes):
+        if not all(sizes):
+            continue
+        for other, other_sizes, k in boxes[j + 1:]:
+            if start and other[0] >= start[0] + sizes[0]:
+                break  # sorted by the first dimension's start: no later box meets this one
+            if all(other_sizes) and all(o < s + n and s < o + m for s, n, o, m in
+                                        zip(start, sizes, other, other_sizes, strict=True)):
+                raise _invalid(path, f"{field}.chunks[{i}] and chunks[{k}] cover the same elements")
 
 
 _KINDS: dict[type, str] = {dict: "an object", list: "a list", str: "a string", object: "a value"}
