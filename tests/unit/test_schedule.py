@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from varuna_core.errors import ConfigError, ScheduleError
-from varuna_core.ir.inflight import inflight, inflight_named
+from varuna_core.ir.inflight import inflight, inflight_named, pending_weights
 from varuna_core.ir.schedule import (
     SCHEDULE_NAMES,
     Action,
@@ -22,7 +22,10 @@ from varuna_core.ir.schedule import (
 )
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parents[1] / "golden" / "schedules"
-GOLDEN_CASES = [("varuna", 4, 10), ("varuna", 2, 5), ("varuna", 1, 3), ("1f1b", 4, 8), ("1f1b", 3, 2), ("gpipe", 3, 4)]
+GOLDEN_CASES = [("varuna", 4, 10), ("varuna", 2, 5), ("varuna", 1, 3), ("1f1b", 4, 8), ("1f1b", 3, 2), ("gpipe", 3, 4),
+                ("zb", 4, 8), ("zb", 3, 2), ("varuna-zb", 4, 8), ("varuna-zb", 2, 5)]
+SPLIT = ("zb", "varuna-zb")  # the schedules that split the backward into B and W
+RECOMPUTE = ("varuna", "varuna-zb")
 
 # Output of the original genschedule for 4 stages x 10 micro-batches (verified in varuna-original.md §3.1).
 VARUNA_4x10 = [
@@ -74,6 +77,44 @@ def test_1f1b_explicit() -> None:
     assert [_short(small, s) for s in range(3)] == ["F0 F1 B0 B1", "F0 F1 B0 B1", "F0 B0 F1 B1"]
 
 
+def test_zb_explicit() -> None:
+    """ZB-H1: 1F1B's order with stage s's W s places behind their B, and the drain's B, W pairs."""
+    schedule = generate("zb", 4, 8)
+    assert _short(schedule, 0) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
+    assert _short(schedule, 1) == "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7"
+    assert _short(schedule, 3) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"
+    recomputing = generate("varuna-zb", 2, 3)  # the same order, with R right before each B but on the last stage
+    assert [_short(recomputing, s) for s in range(2)] == ["F0 F1 R0 B0 W0 F2 R1 B1 W1 R2 B2 W2",
+                                                         "F0 B0 F1 B1 W0 F2 B2 W1 W2"]
+
+
+@pytest.mark.parametrize("name", SPLIT)
+def test_split_schedules_hold_what_the_docstring_says(name: str) -> None:
+    """Graphs as 1F1B (or one at a time under recompute), and at most s+1 micro-batches waiting for W on
+    stage s: no stage holds more than 1F1B's first stage."""
+    for p in range(1, 9):
+        for m in range(1, 17):
+            schedule = generate(name, p, m)
+            graphs = [g for _, g in inflight(schedule)]
+            assert graphs == ([g for _, g in inflight(generate("1f1b", p, m))] if name == "zb" else [1] * p)
+            pending = pending_weights(schedule)
+            assert all(1 <= n <= s + 1 for s, n in enumerate(pending)), (name, p, m, pending)
+            if m >= p:
+                assert pending == [s + 1 for s in range(p)], (name, p, m, pending)
+            assert pending_weights(generate("1f1b", p, m)) == [0] * p
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    (("0F0 0B0 0W0", "1F0 1B0"), "stage 1 misses W of micro-batch 0"),
+    (("0F0 0B0 0W0 0W0", "1F0 1B0 1W0"), "stage 0 has 2 times W of micro-batch 0"),
+    (("0F0 0W0 0B0", "1F0 1B0 1W0"), "W of micro-batch 0 at position 1, before its B"),
+])
+def test_a_split_schedule_needs_one_w_after_each_b(text: tuple[str, ...], match: str) -> None:
+    with pytest.raises(ScheduleError, match=match) as info:
+        validate(_make("split", 1, *text))
+    assert "one W after each B" in info.value.hint
+
+
 def test_gpipe_explicit() -> None:
     schedule = generate("gpipe", 3, 4)
     assert all(_short(schedule, s) == "F0 F1 F2 F3 B0 B1 B2 B3" for s in range(3))
@@ -92,10 +133,11 @@ def test_all_sizes_validate(name: str) -> None:
             for s in range(stages):
                 acts = schedule.stage_actions(s)
                 assert all(a.stage == s for a in acts)
-                for op in (Op.F, Op.B):
+                for op in (Op.F, Op.B, Op.W) if name in SPLIT else (Op.F, Op.B):
                     assert sorted(a.mb for a in acts if a.op is op) == list(range(mbs))
+                assert schedule.splits_backward == (name in SPLIT)
                 uses_r = schedule.uses_recompute(s)
-                assert uses_r == (name == "varuna" and s < stages - 1)
+                assert uses_r == (name in RECOMPUTE and s < stages - 1)
                 if uses_r:
                     assert sorted(a.mb for a in acts if a.op is Op.R) == list(range(mbs))
 
@@ -271,11 +313,11 @@ def test_recompute_stages_and_inflight_by_name_match_the_generated_schedule(name
 
 
 def test_recompute_stages_of_an_unknown_schedule() -> None:
-    with pytest.raises(ConfigError, match="unknown schedule 'zb'"):
-        recompute_stages("zb", 2)
+    with pytest.raises(ConfigError, match="unknown schedule 'zb-h2'"):
+        recompute_stages("zb-h2", 2)
 
 
-@pytest.mark.parametrize("name", ["zb", "", "VARUNA", None, 3, ["varuna"], "x" * 500])
+@pytest.mark.parametrize("name", ["zb-h2", "", "VARUNA", None, 3, ["varuna"], "x" * 500])
 def test_one_check_of_a_schedule_name_refuses_the_same_everywhere(name) -> None:
     """The argument, the request, the plan and the executor all say what check_schedule says."""
     from varuna_core.planning.planner import PlanRequest, layout_plan

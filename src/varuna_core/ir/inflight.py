@@ -1,6 +1,7 @@
 """How many micro-batches each stage holds at once under a schedule (its static order).
 
-``held``: micro-batches between their ``F`` and their ``B`` (their stashed input or graph is kept);
+``held``: micro-batches between their ``F`` and their ``B`` (their stashed input or graph is kept; under a
+schedule that splits the backward, what ``W`` still needs is counted by :func:`pending_weights`);
 ``graphs``: micro-batches whose autograd graph is alive (``R``..``B`` on stages that recompute, else
 ``F``..``B``). The planner's memory model (:mod:`varuna_core.planning.memory`) multiplies these by the profiled
 activation sizes.
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 from .schedule import Op, Schedule, generate
 
-__all__ = ["inflight", "inflight_named", "posted_receives", "receive_windows", "unwaited_sends"]
+__all__ = ["inflight", "inflight_named", "pending_weights", "posted_receives", "receive_windows", "unwaited_sends"]
 
 
 def inflight(schedule: Schedule) -> list[tuple[int, int]]:
@@ -69,6 +70,20 @@ def inflight(schedule: Schedule) -> list[tuple[int, int]]:
             peak_held = max(peak_held, held)
             peak_graphs = max(peak_graphs, graphs)
         out.append((peak_held, peak_graphs))
+    return out
+
+
+def pending_weights(schedule: Schedule) -> list[int]:
+    """Per stage, the peak count of micro-batches between their ``B`` and their ``W`` (0 for a schedule that does
+    not split the backward): each keeps what its weights' gradients need, the inputs and output gradients of
+    the split modules (:mod:`varuna_core.model.split`), which the memory model charges per micro-batch."""
+    out = []
+    for stage in schedule.actions:
+        pending = peak = 0
+        for a in stage:
+            pending += 1 if a.op is Op.B and schedule.splits_backward else -1 if a.op is Op.W else 0
+            peak = max(peak, pending)
+        out.append(peak)
     return out
 
 

@@ -24,10 +24,10 @@ from varuna_core.util.text import short_repr
 __all__ = ["Op", "Action", "Schedule", "ScheduleName", "SCHEDULE_NAMES", "check_schedule", "generate",
            "recompute_stages", "validate"]
 
-ScheduleName = Literal["varuna", "1f1b", "gpipe"]
+ScheduleName = Literal["varuna", "1f1b", "gpipe", "zb", "varuna-zb"]
 SCHEDULE_NAMES: tuple[ScheduleName, ...] = get_args(ScheduleName)
 
-_ACTION_RE = re.compile(r"^(\d+)([FRB])(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)([FRBW])(\d+)$")
 _HEADER_RE = re.compile(r"^#\s*(.*?)\s+stages=(\d+)\s+microbatches=(\d+)\s*$")
 _STAGE_LINE_RE = re.compile(r"^(\d+)\s*:(.*)$")
 _MAX_PROBLEMS = 10
@@ -37,12 +37,16 @@ class Op(str, enum.Enum):
     """What a stage does with one micro-batch.
 
     ``R`` exists because Varuna runs forwards without an autograd graph (saving activation memory) and
-    rebuilds the graph from the stashed stage input right before the backward.
+    rebuilds the graph from the stashed stage input right before the backward. ``W`` exists in the schedules
+    that split the backward (zero-bubble, :mod:`varuna_core.model.split`): there ``B`` computes only the
+    gradient of the stage's input (what the previous stage waits for) and ``W`` the weights' gradients, which
+    nobody waits for and which fill the stage's idle slots. Without ``W`` actions, ``B`` is the whole backward.
     """
 
     F = "F"
     R = "R"
     B = "B"
+    W = "W"
 
 
 class Action(NamedTuple):
@@ -60,13 +64,13 @@ class Action(NamedTuple):
         """Parse the ``str()`` form back, so schedules can be written and edited by hand.
 
         Raises:
-            ScheduleError: if ``text`` is not ``<stage><F|R|B><mb>``.
+            ScheduleError: if ``text`` is not ``<stage><F|R|B|W><mb>``.
         """
         match = _ACTION_RE.match(text.strip()) if isinstance(text, str) else None
         if match is None:
             raise ScheduleError(
                 f"cannot parse action {text!r}",
-                hint="write <stage><F|R|B><micro-batch>, e.g. '2F0' for stage 2, forward, micro-batch 0",
+                hint="write <stage><F|R|B|W><micro-batch>, e.g. '2F0' for stage 2, forward, micro-batch 0",
             )
         return cls(int(match.group(1)), Op(match.group(2)), int(match.group(3)))
 
@@ -131,6 +135,12 @@ class Schedule:
     def uses_recompute(self, stage: int) -> bool:
         """True if ``stage`` recomputes: its forwards then run without a graph and R rebuilds it before B."""
         return any(a.op is Op.R for a in self.stage_actions(stage))
+
+    @property
+    def splits_backward(self) -> bool:
+        """True if the backward is split: ``B`` computes the input gradient and ``W`` the weights' (every stage
+        then runs one ``W`` per micro-batch, which :func:`validate` checks)."""
+        return any(a.op is Op.W for stage in self.actions for a in stage)
 
     @property
     def recompute_stages(self) -> tuple[bool, ...]:
@@ -290,6 +300,56 @@ def _varuna(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]:
             queues[stage][queue].append(mb)
 
 
+def _zero_bubble(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]:
+    """ZB-H1 (Qi et al., ICLR'24): 1F1B's order with the backward split and stage ``s``'s ``W`` actions ``s``
+    places behind their ``B``: warm-up forwards, then ``F``, ``B`` (and ``W`` of the oldest micro-batch from the
+    ``s``-th on), then the drain's ``B``, ``W`` pairs and the ``s`` deferred ``W``. The deferred ``W`` fill the
+    drain, where 1F1B waits for gradients: with equal times the bubble is ``(S-1)·(F+B-W)`` instead of 1F1B's
+    ``(S-1)·(F+B+W)``, two thirds less, for every ``M``. A stage holds 1F1B's graphs (``S-s``, to their ``B``)
+    and up to ``s+1`` micro-batches waiting for their ``W`` (the inputs and output gradients of the split
+    modules only), so no stage holds more than 1F1B's first stage does.
+    """
+    return _split_one_f_one_b(num_stages, num_mb, recompute=False)
+
+
+def _varuna_zero_bubble(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]:
+    """The zero-bubble order with Varuna's recompute: every stage but the last runs its forwards without a graph
+    and rebuilds it right before the backward (``F`` … ``R``, ``B``, with ``W`` deferred as in ``zb``). A stage
+    then holds one graph at a time (from ``R`` to ``B``), its stashed inputs and up to ``s+1`` micro-batches
+    waiting for their ``W``; the recompute costs a forward per micro-batch, which the deferred ``W`` partly
+    hide. The runtime's opportunistic forward ([Note: opportunistic forward]) applies to its ``R`` as to
+    ``varuna``'s.
+    """
+    return _split_one_f_one_b(num_stages, num_mb, recompute=True)
+
+
+def _split_one_f_one_b(num_stages: int, num_mb: int, *, recompute: bool) -> tuple[tuple[Action, ...], ...]:
+    """Per stage ``s``: ``min(S-1-s, M)`` warm-up ``F``; then ``F``, [``R``], ``B`` for each further micro-batch,
+    each followed by the oldest ``W`` once ``s`` are pending; then [``R``], ``B``, ``W`` for the rest; then the
+    ``W`` still pending. (In unit times: the ``zb`` of the module's golden files.)"""
+    out = []
+    for s in range(num_stages):
+        rebuilds = recompute and s < num_stages - 1
+        warmup = min(num_stages - 1 - s, num_mb)
+        acts = [Action(s, Op.F, mb) for mb in range(warmup)]
+        weights = 0  # W actions placed so far (in micro-batch order)
+
+        def backward(mb: int) -> list[Action]:
+            return ([Action(s, Op.R, mb)] if rebuilds else []) + [Action(s, Op.B, mb)]  # noqa: B023 - used at once
+
+        for i in range(num_mb - warmup):
+            acts += [Action(s, Op.F, warmup + i), *backward(i)]
+            if i >= s:
+                acts.append(Action(s, Op.W, weights))
+                weights += 1
+        for mb in range(num_mb - warmup, num_mb):
+            acts += [*backward(mb), Action(s, Op.W, weights)]
+            weights += 1
+        acts += [Action(s, Op.W, mb) for mb in range(weights, num_mb)]
+        out.append(tuple(acts))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Generator:
     """A named schedule: its builder ``(S, M) -> actions`` and which stages it makes recompute ``(s, S) -> bool``."""
@@ -303,6 +363,8 @@ _GENERATORS = {
     "varuna": _Generator(_varuna, lambda stage, num_stages: stage < num_stages - 1),
     "1f1b": _Generator(_one_f_one_b, lambda stage, num_stages: False),
     "gpipe": _Generator(_gpipe, lambda stage, num_stages: False),
+    "zb": _Generator(_zero_bubble, lambda stage, num_stages: False),
+    "varuna-zb": _Generator(_varuna_zero_bubble, lambda stage, num_stages: stage < num_stages - 1),
 }
 
 
@@ -323,6 +385,8 @@ def _deps(action: Action, num_stages: int, recomputed: set[tuple[int, int]]) -> 
         return [Action(s - 1, Op.F, mb)] if s > 0 else []
     if op is Op.R:
         return [Action(s, Op.F, mb)]
+    if op is Op.W:
+        return [Action(s, Op.B, mb)]
     deps = [Action(s, Op.F, mb)]
     if (s, mb) in recomputed:
         deps.append(Action(s, Op.R, mb))
@@ -391,6 +455,7 @@ def _structure_problems(schedule: Schedule) -> list[str]:
     """Everything wrong with the action lists themselves, independent of timing."""
     problems: list[str] = []
     num_mb = schedule.num_microbatches
+    split = schedule.splits_backward  # then every stage runs one W per micro-batch, after its B
     for s, stage in enumerate(schedule.actions):
         where: dict[tuple[Op, int], list[int]] = collections.defaultdict(list)
         for p, action in enumerate(stage):
@@ -406,6 +471,14 @@ def _structure_problems(schedule: Schedule) -> list[str]:
                 if count != 1:
                     what = "misses" if count == 0 else f"has {count} times"
                     problems.append(f"stage {s} {what} {op.value} of micro-batch {mb} (expected exactly one)")
+            weights = where[(Op.W, mb)]
+            if split and len(weights) != 1:
+                what = "misses" if not weights else f"has {len(weights)} times"
+                problems.append(f"stage {s} {what} W of micro-batch {mb} (expected exactly one: the schedule "
+                                "splits the backward)")
+            elif split and len(where[(Op.B, mb)]) == 1 and weights[0] < where[(Op.B, mb)][0]:
+                problems.append(f"stage {s} runs W of micro-batch {mb} at position {weights[0]}, before its B "
+                                f"(position {where[(Op.B, mb)][0]})")
             rec = where[(Op.R, mb)]
             if len(rec) > 1:
                 problems.append(f"stage {s} recomputes micro-batch {mb} {len(rec)} times (at most once allowed)")
@@ -435,7 +508,8 @@ def validate(schedule: Schedule) -> None:
         text = "\n  ".join(shown) + (f"\n  ... and {more} more" if more else "")
         raise ScheduleError(
             f"{title} is malformed:\n  {text}\n{_render(schedule, sim)}",
-            hint="every stage needs exactly one F and one B per micro-batch, and at most one R between them",
+            hint="every stage needs exactly one F and one B per micro-batch, at most one R between them, and, "
+                 "if any stage runs W, one W after each B",
         )
     if sim.stuck:
         recomputed = {(a.stage, a.mb) for stage in schedule.actions for a in stage if a.op is Op.R}

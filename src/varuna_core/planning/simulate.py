@@ -49,7 +49,9 @@ class StageCosts:
     """Durations (seconds) for one stage. ``*_last`` apply to the last micro-batch, which may be smaller.
 
     ``forward`` is the time of this stage's ``F`` as the schedule runs it: without autograd when the stage
-    recomputes (``varuna``), with it otherwise.
+    recomputes (``varuna``), with it otherwise. ``backward`` is the time of its ``B``: the whole backward, or
+    under a schedule that splits it (``zb``, ``varuna-zb``) the input gradient only, with ``weight`` the time of
+    its ``W`` (the weights' gradients).
     """
 
     forward: float
@@ -63,12 +65,16 @@ class StageCosts:
     backward_last: float | None = None
     send_activation_last: float | None = None
     send_gradient_last: float | None = None
+    weight: float = 0.0
+    weight_last: float | None = None
 
     def duration(self, op: Op, last: bool) -> float:
         if op is Op.F:
             return self.forward_last if last and self.forward_last is not None else self.forward
         if op is Op.R:
             return self.recompute_last if last and self.recompute_last is not None else self.recompute
+        if op is Op.W:
+            return self.weight_last if last and self.weight_last is not None else self.weight
         return self.backward_last if last and self.backward_last is not None else self.backward
 
     def send(self, gradient: bool, last: bool) -> float:
@@ -77,14 +83,14 @@ class StageCosts:
         return self.send_activation_last if last and self.send_activation_last is not None else self.send_activation
 
     def as_tuple(self) -> tuple[float, ...]:
-        """The 11 numbers in the order the native simulator takes them (``None`` → the full-size value)."""
+        """The 13 numbers in the order the native simulator takes them (``None`` → the full-size value)."""
         def pick(x: float | None, full: float) -> float:
             return full if x is None else x
 
         return (self.forward, self.recompute, self.backward, self.send_activation, self.send_gradient,
                 self.allreduce, pick(self.forward_last, self.forward), pick(self.recompute_last, self.recompute),
                 pick(self.backward_last, self.backward), pick(self.send_activation_last, self.send_activation),
-                pick(self.send_gradient_last, self.send_gradient))
+                pick(self.send_gradient_last, self.send_gradient), self.weight, pick(self.weight_last, self.weight))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,8 +228,8 @@ def inflight_counts(name: str, num_stages: int, num_mb: int) -> list[tuple[int, 
     return [(held, graphs) for held, graphs in native.inflight(name, num_stages, num_mb)]
 
 
-_OP_CODE = {Op.F: 0, Op.R: 1, Op.B: 2}
-_OP_NAME = ("F", "R", "B")
+_OP_CODE = {Op.F: 0, Op.R: 1, Op.B: 2, Op.W: 3}
+_OP_NAME = ("F", "R", "B", "W")
 
 
 def _result(step: float, pipe: float, busy: Sequence[float],
