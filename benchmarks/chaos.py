@@ -24,6 +24,7 @@ Reports faults injected and survived, attempts, restarts, morphs, checkpoints se
 Exit code 0 when every fault was survived and the run equals its layouts replayed to the bit, 1 otherwise.
 
     python benchmarks/chaos.py [--seed 1] [--rounds 2] [--kinds kill_worker,preempt,...] [--json]
+    python benchmarks/chaos.py --rounds 1 --kinds lose_host --pp 4 --dp 1 --no-reference   # last copies lost
 """
 
 from __future__ import annotations
@@ -57,12 +58,21 @@ def main() -> int:
     p.add_argument("--ckpt-every", type=int, default=5, help="steps between periodic checkpoints")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--keep", default=None, help="copy the work directory (runs, logs, checkpoints) here")
+    p.add_argument("--pp", type=int, default=None, help="plan this many stages (with --dp) instead of the "
+                   "planner's choice for 4 devices: --pp 4 --dp 1 has one copy of each stage, so a lost host "
+                   "loses its stages' last copies")
+    p.add_argument("--dp", type=int, default=None, help="replicas of each stage (with --pp; pp x dp = 4)")
+    p.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run beside the chaotic "
+                   "one (it shares the cores and doubles every start's time); only the replayed layouts are "
+                   "compared")
     args = p.parse_args()
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds or args.rounds < 1 or args.gap < 2 or args.ckpt_every < 1:
         p.error(f"unknown fault kinds {unknown}" if unknown else "need at least one kind, --rounds ≥ 1, --gap ≥ 2 "
                 "and --ckpt-every ≥ 1")
+    if (args.pp is None) != (args.dp is None) or (args.pp is not None and args.pp * args.dp != 4):
+        p.error("give --pp and --dp together, with pp x dp = 4 (two hosts of two slots)")
 
     from devtools.chaos import run_chaos
     from devtools.launching import end_bench, make_plan, profile_example_gpt
@@ -72,11 +82,13 @@ def main() -> int:
     cluster = None
     results = []
     try:
-        plan = make_plan(profile_example_gpt(work / "profile.json"), work / "plan.yaml", gpus=4)
+        plan = make_plan(profile_example_gpt(work / "profile.json"), work / "plan.yaml", gpus=4, pp=args.pp,
+                         dp=args.dp)
         from varuna_core.planning.artifacts import load_plan
 
         chosen = load_plan(plan)
-        log(f"profiled the example GPT; the planner's choice for 4 devices: pp={chosen.pp} x dp={chosen.dp}")
+        whose = "the planner's choice" if args.pp is None else "the shape asked"
+        log(f"profiled the example GPT; {whose} for 4 devices: pp={chosen.pp} x dp={chosen.dp}")
         # each host's /dev/shm is its own (a lost host takes its snapshots with it); the store is shared
         cluster = start_cluster(2, work / "hosts", private=("/dev/shm",))
         log(f"2 SSH hosts ({cluster.mode}): {', '.join(h.address for h in cluster.hosts)}")
@@ -86,6 +98,7 @@ def main() -> int:
             started = time.monotonic()
             result = run_chaos(cluster, plan, work / f"round{r + 1}", seed=seed, kinds=kinds, gap=args.gap,
                                ckpt_every=args.ckpt_every, timeout=1800, replay_layouts=True,
+                               uninterrupted=not args.no_reference,
                                say=lambda m: log(f"  {m}"))
             log(f"round {r + 1}: {result.survived}/{result.injected} survived, exit {result.exit_code}, "
                 f"{time.monotonic() - started:.0f}s")
