@@ -112,7 +112,10 @@ class Varuna(nn.Module):
         shared_weights: ``[(name_a, name_b)]`` parameter names that hold one tied weight. A parameter object
             used by two stages is detected without being listed.
         from_cache: reuse the structure discovery of an identical model and inputs.
-        schedule: ``"varuna"`` (recompute, opportunistic forwards), ``"1f1b"`` or ``"gpipe"``.
+        schedule: ``"varuna"`` (recompute, opportunistic forwards), ``"1f1b"``, ``"gpipe"``, or a zero-bubble
+            schedule that splits each backward into the input's gradient (``B``) and the weights' (``W``, run where
+            the stage would wait): ``"zb"`` (ZB-H1: 1F1B's memory, two thirds of its bubble gone at equal times)
+            or ``"varuna-zb"`` (the same with Varuna's recompute).
         partition: segment ranges per stage (``[(0, 3), (3, 5)]``, counts ``[3, 2]`` or ``"0-2,3-4"``);
             default balances parameter bytes.
         input_batch_dims: per input name, the dim holding the examples (``None``: not batched).

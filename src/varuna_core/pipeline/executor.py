@@ -25,6 +25,13 @@ whatever the timing: results do not depend on it. The simulator applies the same
 receive's ``is_completed()``: gloo's point-to-point handles report completion only once waited for, so on gloo
 (CPU) the forward never moves and the static order runs; NCCL's handles report it.
 
+[Note: split backward] Under a schedule with ``W`` actions (``zb``, ``varuna-zb``), every forward that builds a
+graph (``F`` without recompute, or ``R``) runs under :func:`~varuna_core.model.split.splitting`: the split modules'
+nodes then compute only their input's gradient in ``B`` and leave their weights' work in the micro-batch's
+:class:`~varuna_core.model.split.WeightGrads`, which ``B`` hands on (the graph itself is freed as usual) and ``W``
+runs. The schedule's validator guarantees one ``W`` after each ``B``, so no deferred work outlives the run; the
+weights' gradients are complete when the actions end, before the gradient synchronisation.
+
 A recompute draws the same dropout masks as its forward because both seed each segment from (seed, step,
 micro-batch, segment) (see [Note: deterministic dropout] in :mod:`varuna_core.model.rng`); the original restored a
 saved state and then left the live stream at the recomputed micro-batch's state. And it runs on a copy of the
@@ -49,6 +56,7 @@ from ..ir.topology import Topology
 from ..model.buffer_writes import Snapshot
 from ..model.payload import ValueSpec, flatten
 from ..model.precision import autocast
+from ..model.split import WeightGrads, splitting
 from ..model.stage import StageSlice
 from . import p2p
 from .microbatch import to_device
@@ -67,6 +75,7 @@ class _MicroState:
     outputs: list[torch.Tensor] | None = None  # tensor leaves of the outgoing value (or [loss])
     attributes: list | None = None  # under recompute: the module attributes as F found them ([Note: module state])
     buffers: Snapshot | None = None  # written buffers as the forward found them, for the recompute
+    weights: WeightGrads | None = None  # under a split backward: what this micro-batch's W runs
 
 
 @dataclasses.dataclass
@@ -83,6 +92,7 @@ class _Step:
     capture: list | None
     actions: list[Action]  # in the order they run ([Note: opportunistic forward] may move forwards up)
     recompute: bool  # this stage's forwards keep no graph: a recompute (R) precedes each backward
+    split: bool  # the backward is split: B computes the input gradient, W the weights' ([Note: split backward])
     cap: int  # fewer micro-batches than this held: a forward may move before a recompute
     state: dict[int, _MicroState]
     loss_sum: torch.Tensor
@@ -96,6 +106,7 @@ class _Step:
     sends: tuple[list, list] = dataclasses.field(default_factory=lambda: ([], []))  # per direction: works per value
     kept: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # most unwaited sent values per direction
     held: int = 0  # micro-batches forwarded and not yet backwarded
+    deferred: dict[int, WeightGrads] = dataclasses.field(default_factory=dict)  # B ran, W not yet: per micro-batch
     busy: float = 0.0  # seconds inside actions
 
     def rng_key(self, mb: int) -> tuple[int, int, int] | None:
@@ -111,7 +122,7 @@ class PipelineExecutor:
         stage: this rank's :class:`StageSlice`.
         topology: rank ↔ (stage, replica).
         rank: this process's global rank.
-        schedule: schedule name (``varuna``, ``1f1b``, ``gpipe``).
+        schedule: schedule name (one of :data:`~varuna_core.ir.schedule.SCHEDULE_NAMES`).
         timeout: seconds any wait may take.
         precision: ``fp32``, ``bf16`` or ``fp16`` (autocast around every forward and recompute).
         observers: told about every action and run (see :mod:`varuna_core.pipeline.tracing`); more can be
@@ -253,11 +264,12 @@ class PipelineExecutor:
         else:  # an evaluation posts activation receives in the training window (its memory stays below a step's)
             actions = [Action(s, Op.F, mb) for mb in range(num)]
             recompute = False
+        split = train and sched.splits_backward
         order = ([a.mb for a in actions if a.op is Op.F] if self.prev_rank is not None else [],
                  [a.mb for a in actions if a.op is Op.B] if self.next_rank is not None else [])
         return _Step(
             microbatches=microbatches, sizes=sizes, weights=weights, train=train, rng=rng, rng_ids=rng_ids,
-            loss_scale=loss_scale, capture=capture, actions=actions, recompute=recompute,
+            loss_scale=loss_scale, capture=capture, actions=actions, recompute=recompute, split=split,
             cap=self._caps[num] if train and recompute else 0,
             windows=self._windows[num], send_caps=self._send_caps[num], order=order,
             state={mb: _MicroState() for mb in range(num)},
@@ -323,6 +335,8 @@ class PipelineExecutor:
             self._do_forward(step, action)
         elif action.op is Op.R:
             self._do_recompute(step, action)
+        elif action.op is Op.W:
+            self._do_weights(step, action)
         else:
             self._do_backward(step, action)
         step.held += 1 if action.op is Op.F else -1 if action.op is Op.B else 0
@@ -410,13 +424,30 @@ class PipelineExecutor:
         mb = action.mb
         started, waited_before = time.perf_counter(), self._waited
         pending = self._take(step, p2p.GRADIENT, mb) if self.next_rank is not None else None
-        self._backward(step, step.state[mb], pending, action)
+        st = step.state[mb]
+        self._backward(step, st, pending, action)
         self._computed += time.perf_counter() - started - (self._waited - waited_before)
+        if st.weights is not None:  # what W needs outlives the graph: [Note: split backward]
+            step.deferred[mb] = st.weights
         step.state[mb] = _MicroState()
+
+    def _do_weights(self, step: _Step, action: Action) -> None:
+        """W: the weights' gradients of micro-batch ``mb``, deferred by its B ([Note: split backward])."""
+        weights = step.deferred.pop(action.mb, None)
+        if weights is None:
+            raise InternalError(f"{self._who()} reached {action}, whose B has not run (or ran without the split)")
+        started = time.perf_counter()
+        weights.run()
+        self._computed += time.perf_counter() - started
 
     def _timed_forward(self, step: _Step, mb: int, incoming: list[torch.Tensor] | None, *, grad: bool) -> Any:
         started = time.perf_counter()
-        out = self._forward(step.microbatches[mb], incoming, step.sizes[mb], grad=grad, rng=step.rng_key(mb))
+        with contextlib.ExitStack() as split:
+            if grad and step.split:  # the graph this builds defers its weights' gradients to W
+                st = step.state[mb]
+                st.weights = WeightGrads()
+                split.enter_context(splitting(st.weights))
+            out = self._forward(step.microbatches[mb], incoming, step.sizes[mb], grad=grad, rng=step.rng_key(mb))
         self._computed += time.perf_counter() - started
         return out
 

@@ -17,7 +17,7 @@ from .simulate import StageCosts, simulate
 
 __all__ = ["check_drawable", "simulated_timeline", "load_trace", "draw_plan", "draw_timelines"]
 
-_COLORS = {"F": "#4C72B0", "R": "#DD8452", "B": "#55A868"}
+_COLORS = {"F": "#4C72B0", "R": "#DD8452", "B": "#55A868", "W": "#8172B3"}
 
 
 def check_drawable(plan: Plan) -> None:
@@ -39,7 +39,7 @@ def simulated_timeline(plan: Plan) -> list[tuple[int, str, int, float, float]]:
 
 
 TRACE_LIMIT = 256 * 2**20  # bytes of one rank's trace file
-_ACTION = re.compile(r"^(\d{1,6})([FRB])(\d{1,9})$")
+_ACTION = re.compile(r"^(\d{1,6})([FRBW])(\d{1,9})$")
 
 
 def load_trace(path: str | Path, replica: int = 0) -> list[tuple[int, str, int, float, float]]:
@@ -103,7 +103,7 @@ def draw_timelines(panels: Iterable[tuple[str, list[tuple[int, str, int, float, 
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("time (ms)")
-    fig.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper right", ncol=3)
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], loc="upper right", ncol=len(_COLORS))
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
