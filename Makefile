@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-gpu bench-kernels clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-gpu bench-kernels clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -101,6 +101,11 @@ bench-shard: setup ## sharded optimizer vs all-reduce at dp=2: step time and byt
 	OMP_NUM_THREADS=1 $(PY) benchmarks/shard_speed.py --network slow --rate 200mbit $(BENCH_ARGS)
 
 # The planner's predicted step time vs measured runs: a sleep model on up to 8 local processes, and the example GPT (see benchmarks/README.md).
+# Step time of every schedule on a model whose F, B and W sleep set times (pp 2, 4, 8; M = pp, 2pp, 4pp), against the
+# simulator and the theoretical bubble (see benchmarks/README.md).
+bench-bubbles: setup ## each schedule's bubble on a model of known F, B and W times: measured vs simulated vs theory
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bubbles.py $(BENCH_ARGS)
+
 bench-sim: setup ## compare the planner's predicted step time with measured runs (BENCH_ARGS="--quick")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/sim_accuracy.py $(BENCH_ARGS)
 
