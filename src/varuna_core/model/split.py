@@ -337,6 +337,7 @@ class _Region:
         self.state: dict[int, str] = {}  # id(leaf) -> _DEFERRED or _DIRECT
         self.kept: dict[int, torch.Tensor] = {}  # the leaves of `state`, alive while the ids are used
         self.casts: dict[int, tuple[torch.Tensor, Any]] = {}  # id(leaf) -> (cached-cast stand-in, autocast's node)
+        self.edges: dict[int, tuple[torch.Tensor, GradientEdge]] = {}  # id(t) -> (t, its gradient edge)
         self.anchor = torch.empty(0, requires_grad=True)
         self.anchor_node = get_gradient_edge(self.anchor).node
 
@@ -348,6 +349,15 @@ class _Region:
             self.state[key] = current = state
             self.kept[key] = leaf
         return current
+
+    def edge(self, t: torch.Tensor) -> GradientEdge:
+        """``get_gradient_edge(t)``, once per tensor of the block (for a leaf it makes a view to find the
+        accumulator: µs that every linear call would pay)."""
+        key = id(t)
+        known = self.edges.get(key)
+        if known is None or known[0] is not t:
+            known = self.edges[key] = (t, get_gradient_edge(t))
+        return known[1]
 
     def deferring(self) -> bool:
         """In a split node's backward: whether this backward is one that W completes (a plain one)."""
@@ -590,16 +600,19 @@ class _SplitMode(TorchFunctionMode):
     def _alias(self, leaf: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """``source`` (``leaf``, deferred, or what autocast made of it) as an alias whose backward queues the
         gradient it receives for W, to ``source``'s gradient edge."""
-        site = _AliasSite(self.region, id(leaf), get_gradient_edge(source))
+        site = _AliasSite(self.region, id(leaf), self.region.edge(source))
         return _Alias.apply(site, self.region.anchor, source.detach())
 
     # -- F.linear ------------------------------------------------------------------------------------------
 
     def _linear(self, args: tuple, kwargs: dict) -> Any:
-        bound = _bind(args, kwargs, ("input", "weight", "bias"), (None, None, None))
-        if bound is None:
-            return _PLAIN
-        x, weight, bias = bound
+        if len(args) == 3 and not kwargs:  # as nn.Linear calls it
+            x, weight, bias = args
+        else:
+            bound = _bind(args, kwargs, ("input", "weight", "bias"), (None, None, None))
+            if bound is None:
+                return _PLAIN
+            x, weight, bias = bound
         if not (_is_plain(x) and _is_plain(weight) and (bias is None or _is_plain(bias))):
             return _PLAIN
         if not (weight.is_leaf and weight.requires_grad and weight.dim() == 2 and weight.dtype in _SPLIT_DTYPES
@@ -649,8 +662,8 @@ class _SplitMode(TorchFunctionMode):
                 bias_c = self._alias(bias, bias_c)
         weight_t = weight_c.detach().t()
         site = _LinearSite(region, (id(weight), id(bias)) if bias_deferred else (id(weight),),
-                           get_gradient_edge(weight_c), _col_major(weight_t),
-                           get_gradient_edge(bias_c) if bias_deferred else None,
+                           region.edge(weight_c), _col_major(weight_t),
+                           region.edge(bias_c) if bias_deferred else None,
                            bias.shape if bias_deferred and bias is not None else None)
         if x_c.dim() == 2:  # addmm(bias, input, weight.t()) or mm(input, weight.t())
             return _SplitMatmul.apply(site, region.anchor, x_c, weight_t, core_bias)
@@ -689,7 +702,7 @@ class _SplitMode(TorchFunctionMode):
             padding_idx += rows
         if self.region.mark(weight, _DEFERRED) != _DEFERRED:
             return _PLAIN
-        site = _EmbeddingSite(self.region, id(weight), get_gradient_edge(weight), rows, int(padding_idx),
+        site = _EmbeddingSite(self.region, id(weight), self.region.edge(weight), rows, int(padding_idx),
                               bool(scale_grad_by_freq))
         return _SplitEmbedding.apply(site, self.region.anchor, weight.detach(), indices)
 
