@@ -614,7 +614,7 @@ def test_example_gpt(amp) -> None:
     assert split["entries"][0] == 2 + 2 * 4 + 1  # wte, wpe, 4 Linears per block, the head
 
 
-def test_example_gpt_cut_into_stages() -> None:
+def test_example_gpt_cut_into_stages(monkeypatch) -> None:
     """The GPT sliced into 3 stages, each stage's forward under ``splitting`` and its W right after its B (the
     stages after the first enter their own mode before the incoming cut, inside the block): gradients equal the
     unsplit pipeline's bit for bit."""
@@ -626,7 +626,11 @@ def test_example_gpt_cut_into_stages() -> None:
     ranges = [(0, 1), (1, 2), (2, 3)]
     loss, reference, _ = pipelined(seeded(_tiny_gpt), ranges, inputs, shared=shared)
     stores: list[WeightGrads] = []
+    ran: list[int] = []
+    run = WeightGrads.run
+    monkeypatch.setattr(WeightGrads, "run", lambda self: (ran.append(len(self)), run(self))[1])
     split_loss, grads, _ = pipelined(seeded(_tiny_gpt), ranges, inputs, shared=shared, split=stores)
     assert len(stores) == 3 and split_loss == loss
+    assert ran == [4 + 1, 4, 2]  # the last stage (a block, the head), the middle one (a block), the first (wte, wpe)
     assert sorted(reference) == sorted(grads)
     assert_same([reference[n] for n in sorted(reference)], [grads[n] for n in sorted(grads)])

@@ -100,13 +100,16 @@ _EMBEDDING = F.embedding
 _PLAIN_TYPES = (torch.Tensor, nn.Parameter)  # tensor subclasses (DTensor, fakes, ...) are never split
 _SPLIT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-# Calls that read a tensor's metadata (or detach it): not a use that gradients flow through.
+# Calls that read a tensor's metadata, detach it or make a new tensor like it: not a use gradients flow through
+# (the stage's placeholder watch makes ``empty_like`` copies of real tensors on meta, for instance).
 _METADATA_FUNCS: frozenset = frozenset(
-    getattr(torch.Tensor, name) for name in (
+    [getattr(torch.Tensor, name) for name in (
         "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
         "is_floating_point", "is_complex", "element_size", "data_ptr", "untyped_storage", "get_device",
-        "detach", "__len__", "__hash__", "__format__", "__repr__", "__bool__",
-    ) if hasattr(torch.Tensor, name))
+        "detach", "__len__", "__hash__", "__format__", "__repr__", "__bool__", "new_empty", "new_zeros",
+        "new_ones", "new_full", "new_tensor",
+    ) if hasattr(torch.Tensor, name)]
+    + [torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like])
 _METADATA_PROPS: frozenset = frozenset(
     getattr(torch._C.TensorBase, name).__get__ for name in (
         "shape", "dtype", "device", "layout", "requires_grad", "is_leaf", "grad", "grad_fn", "data", "ndim",
