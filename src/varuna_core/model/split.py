@@ -61,6 +61,8 @@ unsplit graph; an op missing from that list (:data:`_LOW_PRECISION`) would sum i
 
 *Memory.* After B the graph is freed as usual. A :class:`WeightGrads` keeps per split call the op's input (as the
 matmul saw it: flattened, cast) and its output gradient, per alias the gradient: :attr:`WeightGrads.nbytes`.
+Under autocast a split weight's cast exists twice until the forward leaves autocast (autocast's cached copy and
+the stand-in the split node saves, which B frees as the unsplit node frees the cast it saves).
 
 *Backwards.* Only a plain ``backward`` over the graph (no ``inputs=``) defers: ``autograd.grad`` or
 ``backward(inputs=...)`` through a split node computes the input gradient and queues nothing (a split weight is
