@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-gpu bench-kernels clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-split bench-gpu bench-kernels clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -126,6 +126,11 @@ bench-chaos: setup ## inject crashes, lost hosts, hangs, preemptions and a corru
 
 bench-goodput: setup ## useful steps in a window under a seeded preemption trace: restart vs handover + snapshots
 	OMP_NUM_THREADS=1 $(PY) benchmarks/goodput.py $(BENCH_ARGS)
+
+# Per segment of the example GPT (micro-batch 4, one thread): the unsplit backward vs B and W of the split one, and
+# the bytes W keeps per micro-batch (see benchmarks/README.md).
+bench-split: setup ## what splitting the backward into B and W costs per segment (BENCH_ARGS="--json", "--n-embd 256")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/split_cost.py $(BENCH_ARGS)
 
 # Step time, tokens/s and MFU on one GPU of ours (Varuna at pp=1 in one process) vs plain PyTorch, the example GPT and a
 # 1.2B GPT built on meta, and the profile's predicted step time vs the measured one (see benchmarks/README.md).
