@@ -30,7 +30,7 @@ def _wrap(stage_map="0", **kw):
     return Varuna(ToyLM(), stage_map, batch(2), **args)
 
 
-@pytest.mark.parametrize("schedule", ["varuna", "1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["varuna", "1f1b", "gpipe", "zb", "varuna-zb"])
 def test_single_process_matches_plain_training(schedule) -> None:
     """Bit for bit: one stage adds its micro-batches' gradients as the reference does (``tests/reference.py``)."""
     threads = torch.get_num_threads()
@@ -85,6 +85,28 @@ def test_observers_see_every_action_the_run_and_the_gradient_sync() -> None:
         ("run", True), ("sync", True)]
     vm.step(batch(8, seed=2))  # detached after the block
     assert len(recorder.events) == 8
+
+
+@pytest.mark.parametrize("schedule", ["zb", "varuna-zb"])
+def test_a_split_schedule_computes_the_weights_gradients_in_w(schedule) -> None:
+    """Under a split schedule a Linear's weight gets its gradient in the W action, after B, once per micro-batch;
+    under 1F1B inside B. (What W computes is tests/unit/test_split.py's; this is the executor running it.)"""
+    from varuna_core.pipeline.tracing import ActionObserver
+
+    events: list[str] = []
+
+    class Recorder(ActionObserver):
+        def on_action(self, timing) -> None:
+            events.append(timing.name)
+
+    for name, expected in ((schedule, ["0F0", "0B0", "grad", "0W0"]), ("1f1b", ["0F0", "grad", "0B0"])):
+        vm = _wrap(schedule=name)
+        dict(vm.named_parameters())["blocks.0.fc1.weight"].register_hook(lambda g: events.append("grad"))
+        events.clear()
+        with vm.executor.observing(Recorder()):
+            vm.step(batch(8, seed=1))
+        assert events[:len(expected)] == expected, (name, events)
+        assert events.count("grad") == 3  # one per micro-batch
 
 
 def test_evaluate_any_batch_size() -> None:
