@@ -55,6 +55,7 @@ __all__ = ["PlanRequest", "make_plan", "plan_for", "layout_plan", "partition_und
 
 MAX_TOP = 100  # alternatives a plan keeps
 SHARD_GAIN = 0.01  # a sharded optimizer must be predicted this much faster to win over a whole one that fits
+TIE = 1e-9  # predicted steps closer than this (relative) are equal: equal schedules summed in another order
 SHARD_BUCKET = 25 * 2**20  # the runtime's default bucket: the all-gather's scratch (and 1/dp of it, the ring's)
 MAX_CONCURRENT_SENDS = 1024
 
@@ -557,13 +558,22 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     scored = _score_best(prepared, tables, req)
     if not scored:
         _raise_nothing_fits(profile, req, smallest)
-    scored.sort(key=lambda c: (_preference(c), c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule), c.shard))
-    best = scored[0]
+    scored.sort(key=lambda c: (_preference(c), *_simplicity(c)))
+    fastest = _preference(scored[0])
+    best = min((c for c in scored if _preference(c) <= fastest * (1 + TIE)), key=_simplicity)
+    scored.remove(best)
     if best.pp in clamped:
         assumptions.add(f"the global batch of {req.batch_size} is smaller than the {req.gpus // best.pp} replicas "
                         f"{req.gpus} devices allow at pp={best.pp}: {best.dp} replica(s) used, "
                         f"{req.gpus - best.pp * best.dp} device(s) idle")
-    return _to_plan(profile, req, best, scored[1: 1 + req.top], assumptions)
+    return _to_plan(profile, req, best, scored[: req.top], assumptions)
+
+
+def _simplicity(c: _Scored) -> tuple[int, int, int, int, bool]:
+    """How the search breaks a tie (steps within :data:`TIE`): the shallower pipeline, more replicas, smaller
+    micro-batches, the schedule first in :data:`~varuna_core.ir.schedule.SCHEDULE_NAMES`, the optimizer state
+    whole."""
+    return c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule), c.shard
 
 
 def _check_microbatches(profile: Profile, req: PlanRequest) -> None:
@@ -645,7 +655,7 @@ def _score_best(prepared: list[_Scored], tables: _Tables, req: PlanRequest) -> l
     scored: list[_Scored] = []
     best_steps: list[float] = []  # the k smallest ranked steps (_preference), sorted
     for cand in prepared:
-        if len(best_steps) >= keep and bound(cand) > best_steps[keep - 1]:
+        if len(best_steps) >= keep and bound(cand) > best_steps[keep - 1] * (1 + TIE):  # ties: see _simplicity
             break
         scored.append(_score(cand, tables, req))
         bisect.insort(best_steps, _preference(cand))
