@@ -73,6 +73,49 @@ def test_schema_file_is_in_sync() -> None:
     assert on_disk == schema_text(Profile), "regenerate schemas/: python -m varuna_core.schemas"
 
 
+def test_a_profile_from_before_the_split_backward_loads(tmp_path) -> None:
+    """Profiles written before the profiler measured B, W and the bytes W keeps have no such keys: they load, and
+    say they cannot plan a split schedule."""
+    from tests.profiles import make_profile
+    from varuna_core.planning.artifacts import load_profile
+
+    data = json.loads(make_profile([0.001] * 3).model_dump_json())
+    for seg in data["segments"]:
+        for m in seg["measures"]:
+            for key in ("split_backward", "weight", "weight_bytes"):
+                del m[key]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    old = load_profile(path)
+    assert not old.splits_backward and old.segments[2].measures[0].weight is None
+    split = make_profile([0.001] * 3, split=0.25, weight_per_example=100)
+    path.write_text(split.model_dump_json())
+    assert load_profile(path) == split and split.splits_backward
+    assert split.segments[1].measures[1].weight_bytes == 200
+
+
+SPLIT_HOLES = [  # (segment, fields taken out of its first measure, what loading says)
+    (1, ("weight",), r"segments\[1\].measures\[0\] \(micro-batch 1\) has split_backward and weight_bytes but not"),
+    (2, ("split_backward", "weight", "weight_bytes"),
+     r"segments\[2\].measures\[0\] \(micro-batch 1\) lacks the split backward's measures and segments\[0\]"),
+]
+
+
+@pytest.mark.parametrize(("segment", "drop", "message"), SPLIT_HOLES)
+def test_the_split_backward_is_measured_everywhere_or_nowhere(tmp_path, segment, drop, message) -> None:
+    """A plan of a split schedule from B and W of only a part of the model would charge the rest nothing."""
+    from tests.profiles import make_profile
+    from varuna_core.planning.artifacts import load_profile
+
+    data = json.loads(make_profile([0.001] * 3, split=0.5).model_dump_json())
+    for key in drop:
+        data["segments"][segment]["measures"][0][key] = None
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=message):
+        load_profile(path)
+
+
 @pytest.mark.parametrize(
     ("reference", "message"),
     [
