@@ -11,7 +11,8 @@ from torch import nn
 
 from tests.profiles import make_profile
 from varuna_core import CutPoint, ModelSpec
-from varuna_core.ir.inflight import receive_windows
+from varuna_core.ir.inflight import pending_weights, pending_weights_named, receive_windows
+from varuna_core.ir.schedule import SCHEDULE_NAMES, generate
 from varuna_core.planning.memory import stage_bytes
 from varuna_core.planning.planner import PlanRequest, plan_for
 from varuna_core.planning.simulate import inflight_counts
@@ -96,3 +97,23 @@ def test_a_recompute_keeps_its_own_outputs() -> None:
              "act_recvs": 3, "grad_recvs": 3, "headroom": 0.0, "microbatches": 4}
     assert stage_bytes(**terms, recompute=True) == 3 + 3 + 2  # posted receives, unwaited sends, the recomputes'
     assert stage_bytes(**terms, recompute=False) == 3 + 4  # posted receives, the 4 values sent
+
+
+# --- a split backward (zb, varuna-zb): what W needs waits from B to W ----------------------------------------
+
+
+def test_the_micro_batches_waiting_for_their_W_are_charged_what_W_keeps() -> None:
+    terms = {"static": 0.0, "saved": 0.0, "input_bytes": 0.0, "output_bytes": 0.0, "held": 3, "graphs": 2,
+             "act_recvs": 3, "grad_recvs": 3, "headroom": 0.5, "microbatches": 4}
+    assert stage_bytes(**terms) == 0.0
+    assert stage_bytes(**terms, pending=3, weight_bytes=10.0) == 3 * 10.0 * 1.5
+    assert stage_bytes(**terms, pending=0, weight_bytes=10.0) == 0.0  # no split, nothing waits
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_the_pending_weights_by_name_are_those_of_the_generated_schedule(name) -> None:
+    """The planner's closed form (it asks for every configuration) against the count over the schedule itself."""
+    for stages in range(1, 9):
+        for mbs in range(1, 24):
+            assert pending_weights_named(name, stages, mbs) == pending_weights(generate(name, stages, mbs)), \
+                (stages, mbs)
