@@ -335,7 +335,14 @@ class StagePlan(CheckedModel):
     forward: Seconds = Field(description="predicted F time per full micro-batch (s)")
     recompute: Seconds = Field(
         description="predicted R time per full micro-batch (s); 0 when the stage does not recompute")
-    backward: Seconds = Field(description="predicted B time per full micro-batch (s)")
+    backward: Seconds = Field(description="predicted B time per full micro-batch (s): the whole backward, or under a "
+                                          "schedule that splits it (zb, varuna-zb) the input gradient only")
+    weight: Seconds = Field(0.0, description="predicted W time per full micro-batch (s): the weights' gradients "
+                            "under a schedule that splits the backward; 0 when it does not")
+    weight_bytes: Bytes = Field(0, description="bytes one full micro-batch keeps from its B to its W under a schedule "
+                                "that splits the backward (what the weights' gradients need); 0 when it does not")
+    pending_weights: Index = Field(0, description="micro-batches waiting for their W at once (each keeping "
+                                   "weight_bytes); 0 when the backward is not split")
     send_activation: Seconds = Field(0.0, description="predicted time to send one activation to the next stage (s)")
     activation_bytes: Bytes = Field(0, description="bytes sent to the next stage per full micro-batch")
     skip_bytes: Bytes = Field(0, description="of activation_bytes, the tensors skipping over the stage's "
@@ -510,8 +517,12 @@ def _check_partition(p: Plan, partition: list[tuple[int, int]]) -> None:
 def _check_stages(p: Plan) -> None:
     """Each stage's predictions agree with its place in the pipeline and with the plan: the last stage sends no
     activation and the first no gradient; the tensors skipping a cut are part of what crosses it; a stage holds
-    at most the micro-batches of a step, in at most the memory the plan had to fit."""
+    at most the micro-batches of a step, in at most the memory the plan had to fit; only a schedule that splits
+    the backward has W times and bytes."""
+    from ..ir.schedule import generate
+
     last = p.pp - 1
+    split = bool(p.stages) and generate(p.schedule, 1, 1).splits_backward
     for s, st in enumerate(p.stages):
         if s == last and (st.activation_bytes or st.skip_bytes or st.send_activation):
             raise ValueError(f"stages[{s}] is the last stage, which sends nothing to a next one, but has "
@@ -523,9 +534,13 @@ def _check_stages(p: Plan) -> None:
         if s == 0 and st.send_gradient:
             raise ValueError(f"stages[0] is the first stage, which sends no gradient to a previous one, but has "
                              f"send_gradient {st.send_gradient:g}")
-        if st.held_microbatches > p.num_microbatches:
-            raise ValueError(f"stages[{s}]: held_microbatches {st.held_microbatches} is more than the "
-                             f"num_microbatches {p.num_microbatches} of a step")
+        if max(st.held_microbatches, st.pending_weights) > p.num_microbatches:
+            raise ValueError(f"stages[{s}]: held_microbatches {st.held_microbatches} or pending_weights "
+                             f"{st.pending_weights} is more than the num_microbatches {p.num_microbatches} of a step")
+        if (st.weight or st.weight_bytes or st.pending_weights) and not split:
+            raise ValueError(f"stages[{s}] has weight {st.weight:g}, weight_bytes {st.weight_bytes} and "
+                             f"pending_weights {st.pending_weights}, but schedule {p.schedule} does not split the "
+                             f"backward into B and W (all must be 0)")
         if p.memory_limit is not None and st.memory_bytes > p.memory_limit:
             raise ValueError(f"stages[{s}]: memory_bytes {st.memory_bytes} is more than memory_limit "
                              f"{p.memory_limit}, which the plan had to fit")
