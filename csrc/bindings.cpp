@@ -58,7 +58,7 @@ std::vector<StageCostRow> parse_costs(py::handle obj, size_t num_stages) {
         if (PySequence_Fast_GET_SIZE(row.ptr()) != varuna::kNumCosts)
             throw py::value_error("stage " + std::to_string(s) + " has " +
                                   std::to_string(PySequence_Fast_GET_SIZE(row.ptr())) +
-                                  " cost numbers, expected 11 (StageCosts.as_tuple())");
+                                  " cost numbers, expected 13 (StageCosts.as_tuple())");
         PyObject** items = PySequence_Fast_ITEMS(row.ptr());
         for (int k = 0; k < varuna::kNumCosts; ++k) {
             const double v = PyFloat_AsDouble(items[k]);
@@ -98,8 +98,8 @@ void parse_actions(py::handle obj, int64_t m, ParsedActions& out) {
                 throw py::value_error("an action must be an (op, micro-batch) pair");
             PyObject** fields = PySequence_Fast_ITEMS(pair.ptr());
             const int64_t op = as_int(fields[0], "op");
-            if (op < 0 || op > 2)
-                throw py::value_error("op must be 0 (F), 1 (R) or 2 (B), got " + std::to_string(op));
+            if (op < varuna::kF || op > varuna::kW)
+                throw py::value_error("op must be 0 (F), 1 (R), 2 (B) or 3 (W), got " + std::to_string(op));
             const int64_t mb = as_int(fields[1], "micro-batch");
             out.actions[s][i].op = static_cast<int32_t>(op);
             mbs[s][i] = mb;
@@ -268,15 +268,18 @@ void raise_if(const std::string& error, const char* what) {
 PYBIND11_MODULE(_native, mod) {
     mod.doc() =
         "C++ twins of varuna_core.ir.schedule.generate, varuna_core.planning.simulate.simulate_python and "
-        "varuna_core.ir.inflight.inflight (see csrc/README.md). Ops are coded F=0, R=1, B=2.";
+        "varuna_core.ir.inflight.inflight (see csrc/README.md). Ops are coded F=0, R=1, B=2, W=3; a stage's costs "
+        "are the 13 numbers of StageCosts.as_tuple().";
     mod.def("generate", &generate, py::arg("name"), py::arg("p"), py::arg("m"),
             "Per-stage [(op, mb), ...] of the named schedule; equals varuna_core.ir.schedule.generate.\n"
             "ValueError on an unknown name or a size below 1.");
     mod.def("simulate_actions", &simulate_actions, py::arg("actions"), py::arg("m"), py::arg("costs"),
             py::arg("max_sends"), py::arg("opportunistic"), py::arg("timeline"),
-            "Simulate per-stage [(op, mb), ...] with per-stage StageCosts.as_tuple() costs.\n"
+            "Simulate per-stage [(op, mb), ...] (op F=0, R=1, B=2, W=3) with per-stage StageCosts.as_tuple()\n"
+            "costs (13 numbers each).\n"
             "Returns (step_time, pipeline_time, busy, timeline or None); timeline entries are\n"
-            "(stage, op, mb, start, end). ValueError on deadlock or when len(costs) != stages.");
+            "(stage, op, mb, start, end). ValueError on deadlock, an op outside 0..3, or when len(costs) != stages\n"
+            "or a row does not hold 13 numbers.");
     mod.def("simulate_generated", &simulate_generated, py::arg("name"), py::arg("p"), py::arg("m"),
             py::arg("costs"), py::arg("max_sends"), py::arg("opportunistic"),
             "simulate_actions(generate(name, p, m), m, costs, max_sends, opportunistic, False)[:3] without\n"

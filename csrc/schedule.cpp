@@ -1,4 +1,4 @@
-// C++ port of the generators in src/varuna_core/schedule.py. Must produce exactly the same action lists
+// C++ port of the generators in src/varuna_core/ir/schedule.py. Must produce exactly the same action lists
 // (tests/unit/test_native.py checks every name for 1..10 stages x 1..40 micro-batches).
 #include "schedule.hpp"
 
@@ -30,6 +30,34 @@ void one_f_one_b(int p, int m, Actions& out) {
             acts.push_back({kB, i});
         }
         for (int mb = m - warmup; mb < m; ++mb) acts.push_back({kB, mb});
+    }
+}
+
+// _split_one_f_one_b (the generators "zb" and "varuna-zb"): per stage s, min(p-1-s, m) warm-up F; then F, [R],
+// B for each further micro-batch, each followed by the oldest pending W once i >= s; then [R], B, W for the
+// rest; then the W still pending. R (with recompute) on every stage but the last.
+void split_one_f_one_b(int p, int m, bool recompute, Actions& out) {
+    for (int s = 0; s < p; ++s) {
+        StageActions& acts = out[s];
+        const bool rebuilds = recompute && s < p - 1;
+        acts.reserve((rebuilds ? 4 : 3) * static_cast<size_t>(m));
+        const int warmup = std::min(p - 1 - s, m);
+        for (int mb = 0; mb < warmup; ++mb) acts.push_back({kF, mb});
+        int weights = 0;  // W actions placed so far (in micro-batch order)
+        auto backward = [&](int mb) {
+            if (rebuilds) acts.push_back({kR, mb});
+            acts.push_back({kB, mb});
+        };
+        for (int i = 0; i < m - warmup; ++i) {
+            acts.push_back({kF, warmup + i});
+            backward(i);
+            if (i >= s) acts.push_back({kW, weights++});
+        }
+        for (int mb = m - warmup; mb < m; ++mb) {
+            backward(mb);
+            acts.push_back({kW, weights++});
+        }
+        for (int mb = weights; mb < m; ++mb) acts.push_back({kW, mb});
     }
 }
 
@@ -104,12 +132,13 @@ void varuna_schedule(int p, int m, Actions& out) {
 }  // namespace
 
 bool is_schedule_name(const std::string& name) {
-    return name == "varuna" || name == "1f1b" || name == "gpipe";
+    return name == "varuna" || name == "1f1b" || name == "gpipe" || name == "zb" || name == "varuna-zb";
 }
 
 void generate(const std::string& name, int num_stages, int num_mb, Actions& out) {
     if (!is_schedule_name(name))
-        throw std::invalid_argument("unknown schedule '" + name + "' (choose one of varuna, 1f1b, gpipe)");
+        throw std::invalid_argument("unknown schedule '" + name +
+                                    "' (choose one of varuna, 1f1b, gpipe, zb, varuna-zb)");
     if (num_stages < 1 || num_mb < 1)
         throw std::invalid_argument("cannot build a " + name + " schedule with " + std::to_string(num_stages) +
                                     " stages and " + std::to_string(num_mb) +
@@ -120,8 +149,10 @@ void generate(const std::string& name, int num_stages, int num_mb, Actions& out)
         varuna_schedule(num_stages, num_mb, out);
     else if (name == "1f1b")
         one_f_one_b(num_stages, num_mb, out);
-    else
+    else if (name == "gpipe")
         gpipe(num_stages, num_mb, out);
+    else
+        split_one_f_one_b(num_stages, num_mb, name == "varuna-zb", out);
 }
 
 std::vector<std::pair<int, int>> inflight(const Actions& actions) {
@@ -136,10 +167,10 @@ std::vector<std::pair<int, int>> inflight(const Actions& actions) {
             } else if (a.op == kR) {
                 ++rebuilt;
                 has_r = true;
-            } else {
+            } else if (a.op == kB) {
                 --live;
                 --rebuilt;
-            }
+            }  // kW: counts in neither
             held = std::max(held, live);
             graphs = std::max(graphs, rebuilt);
         }

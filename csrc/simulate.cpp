@@ -45,7 +45,7 @@ thread_local Workspace workspace;
 // Python's max(a, b): a unless b > a.
 inline double py_max(double a, double b) { return b > a ? b : a; }
 
-const char kOpLetter[3] = {'F', 'R', 'B'};
+const char kOpLetter[4] = {'F', 'R', 'B', 'W'};
 
 }  // namespace
 
@@ -107,7 +107,7 @@ void simulate(Actions& actions, const KeySpace& keys, const std::vector<StageCos
             t = py_max(free_at[s], ws.grad_arrival[i]);
             return true;
         }
-        t = free_at[s];
+        t = free_at[s];  // R, W, and F/B at the pipeline's ends: only the stage's own order
         return true;
     };
 
@@ -180,6 +180,8 @@ void simulate(Actions& actions, const KeySpace& keys, const std::vector<StageCos
             duration = last ? c[kForwardLast] : c[kForward];
         else if (a.op == kR)
             duration = last ? c[kRecomputeLast] : c[kRecompute];
+        else if (a.op == kW)
+            duration = last ? c[kWeightLast] : c[kWeight];
         else
             duration = last ? c[kBackwardLast] : c[kBackward];
         const double finish = t + duration;
@@ -188,7 +190,7 @@ void simulate(Actions& actions, const KeySpace& keys, const std::vector<StageCos
         end[s] = finish;
         pos[s] += 1;
         if (a.op == kF) ws.held[s] += 1;
-        else if (a.op == kB) ws.held[s] -= 1;
+        else if (a.op == kB) ws.held[s] -= 1;  // R and W leave it
         if (timeline != nullptr) {
             const int64_t mb = keys.key_to_mb != nullptr ? keys.key_to_mb[a.mb] : a.mb;
             timeline->push_back({s, a.op, mb, t, finish});
@@ -197,6 +199,7 @@ void simulate(Actions& actions, const KeySpace& keys, const std::vector<StageCos
             send(s, s + 1, a.mb, false, finish, last ? c[kSendActivationLast] : c[kSendActivation]);
         else if (a.op == kB && s > 0)
             send(s, s - 1, a.mb, true, finish, last ? c[kSendGradientLast] : c[kSendGradient]);
+        // R and W send nothing
         push(s);
     }
 

@@ -23,7 +23,9 @@ enum CostIndex : int {
     kBackwardLast,
     kSendActivationLast,
     kSendGradientLast,
-    kNumCosts
+    kWeight,      // W: the weights' gradient of a split backward
+    kWeightLast,
+    kNumCosts  // 13
 };
 
 using StageCostRow = std::array<double, kNumCosts>;
@@ -49,7 +51,7 @@ struct KeySpace {
     const int64_t* key_to_mb = nullptr;  // key -> micro-batch; nullptr means identity
 };
 
-// Simulates ``actions`` (one ordered list per stage; ops must be 0..2, keys in range: the caller checks).
+// Simulates ``actions`` (one ordered list per stage; ops must be 0..3, keys in range: the caller checks).
 // ``actions`` is modified: the opportunistic rule moves forwards within a stage's list, as the reference
 // does with its ``pending`` lists. ``costs.size()`` must equal ``actions.size()`` (caller checks).
 // Throws std::invalid_argument naming the stuck actions if some stage never finishes.

@@ -13,11 +13,12 @@ import pytest
 from varuna_core import _native as native  # the extension itself, whatever VARUNA_NO_NATIVE says
 from varuna_core.env import NO_NATIVE
 from varuna_core.ir.inflight import inflight, inflight_named
-from varuna_core.ir.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate
+from varuna_core.ir.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate, validate
 from varuna_core.planning.simulate import StageCosts, inflight_counts, simulate, simulate_generated, simulate_python
 
-OP_CODE = {Op.F: 0, Op.R: 1, Op.B: 2}
-OP_NAME = ("F", "R", "B")
+OP_CODE = {Op.F: 0, Op.R: 1, Op.B: 2, Op.W: 3}
+OP_NAME = ("F", "R", "B", "W")
+SPLIT = ("zb", "varuna-zb")  # the schedules with W actions
 
 
 def _codes(schedule: Schedule) -> list[list[tuple[int, int]]]:
@@ -51,14 +52,14 @@ def _random_costs(rng: random.Random, p: int, *, ties: bool, last_differs: bool)
 
     out = []
     for _ in range(p):
-        f, r, b = draw(1, 4), draw(1, 4), draw(2, 8)
+        f, r, b, w = draw(1, 4), draw(1, 4), draw(2, 8), draw(1, 4)
         sa, sg = draw(0, 3), draw(0, 3)
         last = {}
         if last_differs:
             last = dict(forward_last=f * rng.uniform(0.2, 1.0), recompute_last=r * rng.uniform(0.2, 1.0),
                         backward_last=b * rng.uniform(0.2, 1.0), send_activation_last=sa * rng.uniform(0.2, 1.0),
-                        send_gradient_last=sg * rng.uniform(0.2, 1.0))
-        out.append(StageCosts(f, r, b, sa, sg, draw(0, 5), **last))
+                        send_gradient_last=sg * rng.uniform(0.2, 1.0), weight_last=w * rng.uniform(0.2, 1.0))
+        out.append(StageCosts(f, r, b, sa, sg, draw(0, 5), weight=w, **last))
     return out
 
 
@@ -73,7 +74,8 @@ def test_generate_parity(name: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "p", "m"), [("pipedream", 2, 2), ("varuna", 0, 3), ("1f1b", 2, 0),
-                                              ("gpipe", -1, 1), ("", 1, 1)])
+                                              ("gpipe", -1, 1), ("", 1, 1), ("zb", 0, 2), ("varuna-zb", 2, 0),
+                                              ("zb-h2", 2, 2)])
 def test_generate_rejects_bad_input(name: str, p: int, m: int) -> None:
     with pytest.raises(ValueError):
         native.generate(name, p, m)
@@ -101,9 +103,10 @@ def test_simulate_last_microbatch_costs() -> None:
     rng = random.Random(7)
     for name in SCHEDULE_NAMES:
         costs = [StageCosts(2.0, 1.5, 4.0, 0.5, 0.7, 1.0, forward_last=0.5, recompute_last=0.25, backward_last=1.0,
-                            send_activation_last=0.1, send_gradient_last=0.2) for _ in range(4)]
+                            send_activation_last=0.1, send_gradient_last=0.2, weight=1.25, weight_last=0.3)
+                 for _ in range(4)]
         ref = _assert_same(generate(name, 4, 6), costs, 2, name == "varuna")
-        plain = simulate_python(generate(name, 4, 6), [StageCosts(2.0, 1.5, 4.0, 0.5, 0.7, 1.0)] * 4,
+        plain = simulate_python(generate(name, 4, 6), [StageCosts(2.0, 1.5, 4.0, 0.5, 0.7, 1.0, weight=1.25)] * 4,
                                 opportunistic=name == "varuna")
         assert ref.pipeline_time < plain.pipeline_time  # the *_last values were used
         _assert_same(generate(name, 5, 9), _random_costs(rng, 5, ties=False, last_differs=True), 1, True)
@@ -197,10 +200,93 @@ def test_simulate_rejects_bad_costs() -> None:
         native.simulate_actions(actions, 4, [StageCosts(1, 1, 1).as_tuple()] * 2, 1, False, False)
     with pytest.raises(ValueError, match="2 stage costs for 3 stages"):
         native.simulate_generated("1f1b", 3, 4, [StageCosts(1, 1, 1).as_tuple()] * 2, 1, False)
-    with pytest.raises(ValueError, match="expected 11"):
+    with pytest.raises(ValueError, match="expected 13"):
         native.simulate_generated("1f1b", 3, 4, [(1.0, 2.0, 3.0)] * 3, 1, False)
-    with pytest.raises(ValueError):
-        native.simulate_actions([[(3, 0)]], 1, [StageCosts(1, 1, 1).as_tuple()], 1, False, False)
+    eleven = StageCosts(1, 1, 1).as_tuple()[:11]  # the rows before W had costs
+    with pytest.raises(ValueError, match="stage 0 has 11 cost numbers, expected 13"):
+        native.simulate_generated("zb", 3, 4, [eleven] * 3, 1, False)
+    with pytest.raises(ValueError, match="has 14 cost numbers, expected 13"):
+        native.simulate_actions(actions, 4, [StageCosts(1, 1, 1).as_tuple() + (1.0,)] * 3, 1, False, False)
+    for op in (4, -1):
+        with pytest.raises(ValueError, match=r"op must be 0 \(F\), 1 \(R\), 2 \(B\) or 3 \(W\)"):
+            native.simulate_actions([[(op, 0)]], 1, [StageCosts(1, 1, 1).as_tuple()], 1, False, False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_simulate_weight_costs_random_split_schedules(seed: int) -> None:
+    """zb and varuna-zb on random heterogeneous costs with distinct weight/weight_last: both simulators give the
+    same results and timelines, and every W takes its stage's weight (weight_last for the last micro-batch)."""
+    rng = random.Random(100 + seed)
+    for _ in range(8):
+        name, p, m = rng.choice(SPLIT), rng.randint(1, 8), rng.randint(1, 24)
+        schedule = generate(name, p, m)
+        costs = [StageCosts(rng.uniform(0.5, 1) * k, rng.uniform(0.5, 1) * k, rng.uniform(0.5, 1) * k,
+                            rng.uniform(0, 0.5), rng.uniform(0, 0.5), rng.uniform(0, 2),
+                            weight=rng.uniform(0.2, 1.5) * k, weight_last=rng.uniform(0.05, 0.2) * k)
+                 for k in (rng.choice((1.0, 2.0, 5.0)) for _ in range(p))]
+        for sends in (1, 4):
+            for opportunistic in (False, True):
+                ref = _assert_same(schedule, costs, sends, opportunistic)
+                assert ref.timeline is not None
+                weights = [(s, mb, end - start) for s, op, mb, start, end in ref.timeline if op == "W"]
+                assert sorted((s, mb) for s, mb, _ in weights) == [(s, mb) for s in range(p) for mb in range(m)]
+                for s, mb, took in weights:
+                    c = costs[s]
+                    assert took == pytest.approx(c.weight_last if mb == m - 1 else c.weight, rel=1e-9)
+                native_busy = native.simulate_generated(name, p, m, [c.as_tuple() for c in costs], sends,
+                                                        opportunistic)[2]
+                assert native_busy == pytest.approx(list(ref.busy), rel=1e-12, abs=0.0)
+                for s, c in enumerate(costs):  # every action's cost once; the W ones included
+                    rec = schedule.uses_recompute(s)
+                    expected = ((m - 1) * (c.forward + c.backward + c.weight + (c.recompute if rec else 0.0))
+                                + c.duration(Op.F, True) + c.duration(Op.B, True) + c.duration(Op.W, True)
+                                + (c.duration(Op.R, True) if rec else 0.0))
+                    assert ref.busy[s] == pytest.approx(expected, rel=1e-9), (name, p, m, s)
+
+
+HAND_WRITTEN_W = """
+# hand-w stages=2 microbatches=3
+0: 0F0 0R0 0B0 0W0 0F1 0F2 0R1 0B1 0R2 0B2 0W1 0W2
+1: 1F0 1B0 1W0 1F1 1B1 1F2 1B2 1W2 1W1
+"""
+
+
+def test_simulate_hand_written_schedule_with_w() -> None:
+    """A hand-written schedule with W (out of micro-batch order on stage 1) and R: identical in both simulators.
+    Stage 0 holds two micro-batches at its peak although its W0 comes before: W does not lower the count that
+    caps the opportunistic forward, so F1 runs before R0 (its gradient is not back yet)."""
+    schedule = Schedule.from_text(HAND_WRITTEN_W)
+    validate(schedule)
+    assert inflight(schedule) == [(2, 1), (1, 1)]
+    costs = [StageCosts(1.0, 1.0, 2.0, 0.5, 0.5, 0.25, weight=1.5, weight_last=0.75),
+             StageCosts(2.0, 0.0, 3.0, 0.5, 0.5, 0.5, weight=1.25, weight_last=0.5)]
+    for sends in (1, 2):
+        static = _assert_same(schedule, costs, sends, False)
+        swapped = _assert_same(schedule, costs, sends, True)
+        assert static.timeline is not None and swapped.timeline is not None
+
+        def order(result, s):
+            return " ".join(f"{op}{mb}" for st, op, mb, _, _ in sorted(result.timeline, key=lambda e: e[3])
+                            if st == s)
+
+        assert order(static, 0) == "F0 R0 B0 W0 F1 F2 R1 B1 R2 B2 W1 W2"
+        assert order(swapped, 0) == "F0 F1 R0 B0 W0 F2 R1 B1 R2 B2 W1 W2"
+        assert order(static, 1) == order(swapped, 1) == "F0 B0 W0 F1 B1 F2 B2 W2 W1"
+        assert [end - start for s, op, mb, start, end in static.timeline if (s, op) == (1, "W")] == [1.25, 0.5, 1.25]
+
+
+def test_timeline_has_w_entries() -> None:
+    """The native timeline codes W as 3, and simulate() names it "W", as the reference does."""
+    schedule = generate("varuna-zb", 3, 5)
+    costs = [StageCosts(1.0, 0.5, 1.0, 0.1, 0.1, weight=0.75)] * 3
+    _, _, _, raw = native.simulate_actions(_codes(schedule), 5, [c.as_tuple() for c in costs], 4, True, True)
+    assert raw is not None and sum(1 for _, op, _, _, _ in raw if op == 3) == 15
+    for backend in ("native", "python"):
+        line = simulate(schedule, costs, timeline=True, backend=backend).timeline
+        assert line is not None
+        weights = [(s, mb) for s, op, mb, _, _ in line if op == "W"]
+        assert sorted(weights) == [(s, mb) for s in range(3) for mb in range(5)], backend
+        assert {op for _, op, _, _, _ in line} == {"F", "R", "B", "W"}, backend
 
 
 # ---------------------------------------------------------------------------------------------- inflight
@@ -237,6 +323,22 @@ def test_balanced_bubble_closed_form(name: str, p: int, m: int) -> None:
         assert result.pipeline_time == pytest.approx(3.0 * (m + p - 1), rel=1e-12)
     _, pipe, busy = native.simulate_generated(name, p, m, [c.as_tuple() for c in costs], 4, False)
     assert 1.0 - sum(busy) / (p * pipe) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_split_backward_closed_form(p: int, k: int) -> None:
+    """F = B = W = 1, free communication: zb's pipeline takes 3M + (S-1) (its bubble is (S-1)(F+B-W)), 1F1B's
+    with the whole backward (2) 3M + 3(S-1), for M in {S, 2S, 4S}."""
+    m = k * p
+    zb = [StageCosts(forward=1.0, recompute=0.0, backward=1.0, weight=1.0)] * p
+    one_f_one_b = [StageCosts(forward=1.0, recompute=0.0, backward=2.0)] * p
+    for backend in ("python", "native"):
+        assert simulate(generate("zb", p, m), zb, backend=backend).pipeline_time == 3 * m + (p - 1), backend
+        assert simulate(generate("1f1b", p, m), one_f_one_b, backend=backend).pipeline_time == 3 * m + 3 * (p - 1)
+    assert native.simulate_generated("zb", p, m, [c.as_tuple() for c in zb], 4, False)[1] == 3 * m + (p - 1)
+    assert native.simulate_generated("1f1b", p, m, [c.as_tuple() for c in one_f_one_b], 4, False)[1] == (
+        3 * m + 3 * (p - 1))
 
 
 # ---------------------------------------------------------------------------------------------- the switch

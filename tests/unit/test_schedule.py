@@ -312,6 +312,15 @@ def test_recompute_stages_and_inflight_by_name_match_the_generated_schedule(name
             assert inflight_named(name, p, m) == inflight(schedule), (name, p, m)
 
 
+def test_inflight_does_not_count_w() -> None:
+    """held and graphs span F..B (R..B under recompute): a W, even one before the stage's peak, lowers neither."""
+    schedule = _make("w-early", 1, "0F0 0B0 0W0 0F1 0F2 0B1 0W1 0B2 0W2")
+    assert inflight(schedule) == [(2, 2)]
+    assert pending_weights(schedule) == [1]
+    recomputing = _make("w-early-r", 1, "0F0 0R0 0B0 0W0 0F1 0F2 0R1 0B1 0W1 0R2 0B2 0W2")
+    assert inflight(recomputing) == [(2, 1)]
+
+
 def test_recompute_stages_of_an_unknown_schedule() -> None:
     with pytest.raises(ConfigError, match="unknown schedule 'zb-h2'"):
         recompute_stages("zb-h2", 2)

@@ -65,9 +65,10 @@ def inflight(schedule: Schedule) -> list[tuple[int, int]]:
                     graphs += 1
             elif a.op is Op.R:
                 graphs += 1
-            else:
+            elif a.op is Op.B:
                 held -= 1
                 graphs -= 1
+            # W: what it still needs is not a held micro-batch (pending_weights counts it)
             peak_held = max(peak_held, held)
             peak_graphs = max(peak_graphs, graphs)
         out.append((peak_held, peak_graphs))
