@@ -111,12 +111,10 @@ def test_the_micro_batches_waiting_for_their_W_are_charged_what_W_keeps() -> Non
 
 
 @pytest.mark.parametrize("split", ["zb", "varuna-zb"])
-def test_a_split_schedule_is_charged_the_pending_weights(split, monkeypatch) -> None:
+def test_a_split_schedule_is_charged_the_pending_weights(split) -> None:
     """The middle stage of 3 has up to 2 micro-batches waiting for their W, each keeping its 2 segments'
     weight_bytes: that is what the same plan costs more than with nothing kept for W. zb holds 1F1B's graphs and
     inputs, so that is also all it needs more than 1f1b."""
-    monkeypatch.setenv("VARUNA_NO_NATIVE", "1")  # the native simulator learns W on its own branch
-
     def middle(schedule: str, weight_per_example: int):
         prof = make_profile([0.001] * 6, param_bytes=10**6, saved_per_example=10**5, out_per_example=10**4,
                             split=0.5, weight_per_example=weight_per_example)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 import random
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import pytest
 import yaml
 
 from tests.profiles import make_profile
-from varuna_core.env import NO_NATIVE
 from varuna_core.errors import ConfigError
 from varuna_core.ir.topology import Topology
 from varuna_core.ir.units import format_bytes
@@ -31,30 +29,9 @@ from varuna_core.planning.planner import (
     plan_for,
     snapshot_bytes_per_node,
 )
-from varuna_core.planning.simulate import StageCosts, native_module
 from varuna_core.util.versioned_io import save_artifact, schema_text
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _native_knows_split() -> bool:
-    native = native_module()
-    if native is None:
-        return False
-    try:
-        native.simulate_generated("zb", 2, 2, [StageCosts(1.0, 0.0, 1.0, weight=1.0).as_tuple()] * 2, 4, True)
-        native.inflight("zb", 2, 2)
-    except ValueError:  # a native module built before it learnt the schedules that split the backward
-        return False
-    return True
-
-
-@pytest.fixture
-def split_simulator(monkeypatch):
-    """The simulator that can run ``zb``: the native one where it knows W, else the Python reference."""
-    if not _native_knows_split():
-        monkeypatch.setenv(NO_NATIVE, "1")
-    return {} if _native_knows_split() else {NO_NATIVE: "1"}
 
 
 def _segs(costs, static=0):
@@ -239,7 +216,7 @@ def _pipeline_profile(**split):
     return make_profile([0.002] * 8, param_bytes=10**8, **split)
 
 
-def test_zb_wins_over_1f1b_when_its_step_is_faster_within_memory(split_simulator) -> None:
+def test_zb_wins_over_1f1b_when_its_step_is_faster_within_memory() -> None:
     prof = _pipeline_profile(split=0.5, weight_per_example=10**7)
     req = PlanRequest(gpus=4, batch_size=32, schedules=("1f1b", "zb"), microbatch_sizes=(1,))
     plan = make_plan(prof, req)
@@ -259,7 +236,7 @@ def test_zb_wins_over_1f1b_when_its_step_is_faster_within_memory(split_simulator
     assert all(st.weight == st.weight_bytes == st.pending_weights == 0 for st in tight.stages)
 
 
-def test_a_plan_of_a_schedule_that_does_not_split_has_no_W(split_simulator) -> None:
+def test_a_plan_of_a_schedule_that_does_not_split_has_no_W() -> None:
     plan = make_plan(_pipeline_profile(split=0.5, weight_per_example=10**4),
                      PlanRequest(gpus=4, batch_size=32, schedules=("zb",), microbatch_sizes=(1,)))
     data = plan.model_dump(mode="json")
@@ -269,14 +246,14 @@ def test_a_plan_of_a_schedule_that_does_not_split_has_no_W(split_simulator) -> N
         Plan.model_validate(data)
 
 
-def test_the_default_search_considers_the_split_schedules_when_the_profile_has_them(split_simulator) -> None:
+def test_the_default_search_considers_the_split_schedules_when_the_profile_has_them() -> None:
     plan = make_plan(_pipeline_profile(split=0.5, weight_per_example=10**4),
                      PlanRequest(gpus=4, batch_size=32, microbatch_sizes=(1,)))
     assert plan.schedules == ["varuna", "1f1b", "gpipe", "zb", "varuna-zb"]
     assert plan.schedule == "zb" and not any("not considered" in note for note in plan.assumptions)
 
 
-def test_equal_steps_go_to_the_simpler_schedule(split_simulator) -> None:
+def test_equal_steps_go_to_the_simpler_schedule() -> None:
     """With W free (B is the whole backward), zb runs 1F1B's order at 1F1B's times: a tie, which 1f1b wins
     (first in SCHEDULE_NAMES), though the two sums differ in their last bits."""
     prof = _pipeline_profile(split=1.0, weight_per_example=10**4)
@@ -307,10 +284,9 @@ def test_plan_schema_in_sync() -> None:
     assert (ROOT / "schemas" / "plan.schema.json").read_text() == schema_text(Plan)
 
 
-def _cli(*args, env=None):
+def _cli(*args):
     varuna = Path(sys.executable).with_name("varuna")
-    return subprocess.run([str(varuna), *args], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                          env=dict(os.environ, **(env or {})))
+    return subprocess.run([str(varuna), *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
 def test_cli_plan_show_and_png(tmp_path) -> None:
@@ -351,7 +327,7 @@ def _colour_pixels(png: Path, colour: str) -> int:
     return sum(count for count, pixel in counts if pixel == rgb)
 
 
-def test_cli_plan_and_show_of_a_split_schedule_say_and_draw_B_and_W(tmp_path, split_simulator) -> None:
+def test_cli_plan_and_show_of_a_split_schedule_say_and_draw_B_and_W(tmp_path) -> None:
     from varuna_core.planning.timeline import _COLORS, simulated_timeline
 
     profile_path = tmp_path / "profile.json"
@@ -360,11 +336,11 @@ def test_cli_plan_and_show_of_a_split_schedule_say_and_draw_B_and_W(tmp_path, sp
     shown = {}
     for schedule in ("zb", "1f1b"):
         out = _cli("plan", str(profile_path), "--gpus", "4", "--batch-size", "16", "--schedule", schedule,
-                   "-o", str(tmp_path / f"{schedule}.yaml"), env=split_simulator)
+                   "-o", str(tmp_path / f"{schedule}.yaml"))
         assert out.returncode == 0, out.stderr
         assert (said in out.stdout) == (schedule == "zb"), out.stdout
         shown[schedule] = _cli("plan", "show", str(tmp_path / f"{schedule}.yaml"), "--png",
-                               str(tmp_path / f"{schedule}.png"), env=split_simulator)
+                               str(tmp_path / f"{schedule}.png"))
         assert shown[schedule].returncode == 0, shown[schedule].stderr
         assert (said in shown[schedule].stdout) == (schedule == "zb")
     plan = load_plan(tmp_path / "zb.yaml")
