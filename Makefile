@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-gpu bench-kernels clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-split bench-gpu bench-kernels clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -101,6 +101,11 @@ bench-shard: setup ## sharded optimizer vs all-reduce at dp=2: step time and byt
 	OMP_NUM_THREADS=1 $(PY) benchmarks/shard_speed.py --network slow --rate 200mbit $(BENCH_ARGS)
 
 # The planner's predicted step time vs measured runs: a sleep model on up to 8 local processes, and the example GPT (see benchmarks/README.md).
+# Step time of every schedule on a model whose F, B and W sleep set times (pp 2, 4, 8; M = pp, 2pp, 4pp), against the
+# simulator and the theoretical bubble (see benchmarks/README.md).
+bench-bubbles: setup ## each schedule's bubble on a model of known F, B and W times: measured vs simulated vs theory
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bubbles.py $(BENCH_ARGS)
+
 bench-sim: setup ## compare the planner's predicted step time with measured runs (BENCH_ARGS="--quick")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/sim_accuracy.py $(BENCH_ARGS)
 
@@ -121,6 +126,11 @@ bench-chaos: setup ## inject crashes, lost hosts, hangs, preemptions and a corru
 
 bench-goodput: setup ## useful steps in a window under a seeded preemption trace: restart vs handover + snapshots
 	OMP_NUM_THREADS=1 $(PY) benchmarks/goodput.py $(BENCH_ARGS)
+
+# Per segment of the example GPT (micro-batch 4, one thread): the unsplit backward vs B and W of the split one, and
+# the bytes W keeps per micro-batch (see benchmarks/README.md).
+bench-split: setup ## what splitting the backward into B and W costs per segment (BENCH_ARGS="--json", "--n-embd 256")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/split_cost.py $(BENCH_ARGS)
 
 # Step time, tokens/s and MFU on one GPU of ours (Varuna at pp=1 in one process) vs plain PyTorch, the example GPT and a
 # 1.2B GPT built on meta, and the profile's predicted step time vs the measured one (see benchmarks/README.md).

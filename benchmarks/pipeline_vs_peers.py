@@ -2,8 +2,9 @@
 
 One invocation measures every contender, side by side, on the same model, split and data:
 
-    ours 1f1b, ours varuna, ours gpipe            Varuna(model, "0;1", ..., schedule=..., partition=...)
-    torch Schedule1F1B, torch ScheduleGPipe       PipelineStage (manual frontend) + the torch schedule
+    ours 1f1b, varuna, gpipe, zb, varuna-zb       Varuna(model, "0;1", ..., schedule=..., partition=...)
+    torch Schedule1F1B, ScheduleGPipe,            PipelineStage (manual frontend) + the torch schedule
+      ScheduleInterleavedZeroBubble               (zero-bubble: one stage per rank, its split backward)
     DeepSpeed 1F1B                                deepspeed.pipe.PipelineModule + engine.train_batch()
 
 Each contender runs in a fresh pair of worker processes (2 pipeline stages, 1 replica, gloo, one thread
@@ -76,8 +77,11 @@ CONTENDERS: dict[str, str] = {
     "ours-1f1b": "ours 1f1b",
     "ours-varuna": "ours varuna",
     "ours-gpipe": "ours gpipe",
+    "ours-zb": "ours zb",
+    "ours-varuna-zb": "ours varuna-zb",
     "torch-1f1b": "torch Schedule1F1B",
     "torch-gpipe": "torch ScheduleGPipe",
+    "torch-zb": "torch ScheduleInterleavedZeroBubble",
     DEEPSPEED: "DeepSpeed 1F1B",
 }
 BASELINE = "torch-1f1b"
@@ -86,6 +90,7 @@ BASELINE = "torch-1f1b"
 PAIRS = [
     ("ours-varuna", "ours-1f1b"), ("ours-varuna", "ours-gpipe"),
     ("ours-gpipe", "torch-gpipe"), ("ours-varuna", DEEPSPEED), ("ours-1f1b", DEEPSPEED),
+    ("ours-zb", "ours-1f1b"), ("ours-varuna-zb", "ours-varuna"), ("ours-zb", "torch-zb"),
     ("ours-varuna", "torch-1f1b"), ("ours-1f1b", "torch-1f1b"),
 ]
 WORLD = 2
@@ -431,17 +436,28 @@ def _torch_stages(job: _Job, gpt):
 
 
 def _setup_torch(job: _Job):
-    """(step, params, param names) of torch.distributed.pipelining's PipelineStage + Schedule1F1B/GPipe."""
+    """(step, params, param names) of torch.distributed.pipelining's PipelineStage + Schedule1F1B, ScheduleGPipe
+    or ScheduleInterleavedZeroBubble (a multi-stage schedule, here with one stage per rank: ZB-H1's order, its
+    backward split by walking the autograd graph)."""
     import torch
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+    )
 
     rank, world = job.rank, job.world
     submodule, loss_fn = _torch_stages(job, job.gpt)
     job.gpt = None
     param_names = [n for n, _ in submodule.named_parameters()]
     stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
-    schedule_cls = Schedule1F1B if job.spec["contender"] == "torch-1f1b" else ScheduleGPipe
-    schedule = schedule_cls(stage, n_microbatches=job.M, loss_fn=loss_fn)
+    contender = job.spec["contender"]
+    if contender == "torch-zb":
+        schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=job.M, loss_fn=loss_fn)
+    else:
+        schedule_cls = Schedule1F1B if contender == "torch-1f1b" else ScheduleGPipe
+        schedule = schedule_cls(stage, n_microbatches=job.M, loss_fn=loss_fn)
     params = list(submodule.parameters())
     optimizer = torch.optim.SGD(params, lr=job.spec["lr"])
     last = rank == world - 1

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 
 from varuna_core.ir.partition import Partition
 from varuna_core.model.discovery import discover, extract_loss, make_batch_fn
+from varuna_core.model.split import WeightGrads, splitting
 from varuna_core.model.stage import StageSlice, find_tie_sets, weight_groups
 
 
@@ -24,8 +25,11 @@ def reference(make_model: Callable[[], nn.Module], inputs: dict) -> tuple[float,
 
 
 def pipelined(make_model: Callable[[], nn.Module], ranges: list[tuple[int, int]], inputs: dict,
-              placeholders: str = "meta", shared=None) -> tuple[float, dict[str, torch.Tensor], list[StageSlice]]:
-    """Loss and gradients of the model cut into stages of segment ranges ``ranges`` (tied copies summed)."""
+              placeholders: str = "meta", shared=None,
+              split: list[WeightGrads] | None = None) -> tuple[float, dict[str, torch.Tensor], list[StageSlice]]:
+    """Loss and gradients of the model cut into stages of segment ranges ``ranges`` (tied copies summed). With
+    ``split`` (a list), each stage's forward runs under ``splitting`` with a store appended to it, whose W runs
+    right after the stage's backward."""
     probe = make_model()
     fn, dims = make_batch_fn(inputs, None)
     structure = discover(probe, fn, dims, use_cache=False)
@@ -41,19 +45,28 @@ def pipelined(make_model: Callable[[], nn.Module], ranges: list[tuple[int, int]]
         if value is not None:
             received = pytree.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point())
                                        if isinstance(t, torch.Tensor) else t, value)
-        out = stage.forward(inputs, received, n)
+        if split is None:
+            out = stage.forward(inputs, received, n)
+        else:
+            split.append(WeightGrads())
+            with splitting(split[-1]):
+                out = stage.forward(inputs, received, n)
         stages.append(stage)
         ins.append(received)
         outs.append(out)
         value = out
     loss = outs[-1]
     loss.backward()
+    if split is not None:
+        split[-1].run()
     for s in range(len(stages) - 2, -1, -1):
         sent = [t for t in pytree.tree_leaves(outs[s]) if isinstance(t, torch.Tensor)]
         got = [t for t in pytree.tree_leaves(ins[s + 1]) if isinstance(t, torch.Tensor)]
         pairs = [(o, g.grad if g.grad is not None else torch.zeros_like(g)) for o, g in zip(sent, got, strict=True)
                  if o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if split is not None:
+            split[s].run()
     grads: dict[str, torch.Tensor] = {}
     for stage in stages:
         canonical = {name: tie.canonical for tie in stage.ties for name in tie.names}
