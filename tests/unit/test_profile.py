@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.specs import sleep
+from varuna_core import CutPoint
 from varuna_core.errors import ConfigError
 from varuna_core.model.spec import ModelSpec, load_spec
 from varuna_core.planning.artifacts import Profile
@@ -46,11 +48,54 @@ def test_sleep_model_times_and_sizes(nproc) -> None:
             assert _close(m.recompute, fwd), (seg.index, m.recompute)
             assert _close(m.backward, bwd), (seg.index, m.backward)
             assert m.output_bytes == (0 if seg.index == 2 else m.microbatch_size * h * 4)
+            # split: the sleep's backward stays in B; W is the Linear's weight and bias gradients, which keep the
+            # Linear's input and output gradient ([n, h] float32 each) from B to W
+            assert _close(m.split_backward, bwd), (seg.index, m.split_backward)
+            assert m.weight is not None and m.weight.p10 < 0.005, (seg.index, m.weight)
+            assert m.weight_bytes == 2 * m.microbatch_size * h * 4
     if nproc == 2:
         ops = sorted((c.op, c.group_size) for c in result.comm)
         assert ops == [("allreduce", 2), ("p2p", 2)]
         for curve in result.comm:
             assert len(curve.sizes) >= 6 and curve.fit.bandwidth > 0 and curve.link == "intra"
+
+
+class _Wide(torch.nn.Module):
+    """Two segments of two large Linears each (a ReLU between): compute, not Python, takes the time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.ReLU(), torch.nn.Linear(WIDE, WIDE))
+        self.cut = CutPoint()
+        self.second = torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.ReLU(), torch.nn.Linear(WIDE, WIDE))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.second(self.cut(self.first(x))) - y) ** 2).mean()
+
+
+WIDE, ROWS = 512, 16
+
+
+def _wide_batch(n: int) -> dict:
+    g = torch.Generator().manual_seed(n)
+    return {"x": torch.randn(n, ROWS, WIDE, generator=g), "y": torch.randn(n, ROWS, WIDE, generator=g)}
+
+
+def test_the_split_backward_is_measured() -> None:
+    """B and W of the backward split as zb runs it: together about the unsplit backward (the same matmuls; the
+    fastest repeats, within a factor of 2 either way on a loaded machine), W keeping each Linear's input and output
+    gradient from B on."""
+    result = profile(ModelSpec(build=_Wide, batch=_wide_batch, name="wide"), microbatch_sizes=[2, 4], repeats=3,
+                     warmup=1)
+    assert result.splits_backward
+    for seg in result.segments:
+        for m in seg.measures:
+            assert m.split_backward is not None and m.weight is not None
+            split = m.split_backward.p10 + m.weight.p10
+            assert 0.5 * m.backward.p10 <= split <= 2 * m.backward.p10, (seg.index, m)
+            assert m.weight.p10 > 0.1 * m.backward.p10  # two weights' gradients: about half the matmuls
+            activation = m.microbatch_size * ROWS * WIDE * 4
+            assert m.weight_bytes == 2 * 2 * activation  # 2 Linears: input and output gradient each
 
 
 def test_memory_limit_ends_the_sweep_for_all_segments() -> None:
