@@ -19,8 +19,8 @@ steps (per step the slowest rank counts; the median is reported), and is compare
   profile of this model, and the error is the schedule model's.
 
 It also prints, per ``(pp, M)``, the share of its unsplit twin's bubble that each split schedule removes (bubble
-= measured step − ideal; ``zb`` against ``1f1b``, ``varuna-zb`` against ``varuna``). The issue's targets: ``zb`` removes ≥ 2/3 at ``M = 2pp``; the simulator within 3% on
-every row.
+= measured step − ideal; ``zb`` against ``1f1b``, ``varuna-zb`` against ``varuna``). The targets: ``zb`` removes
+≥ 2/3 at ``M = 2pp``; the simulator within 3% on every row.
 
     python benchmarks/bubbles.py [--unit 0.02] [--pp 2,4,8] [--steps 3] [--json]
 
