@@ -20,15 +20,22 @@ def _stat(x: float) -> Stat:
 def make_profile(
     forward: list[float], *, sizes=(1, 2, 4, 8), param_bytes: int = 10**6, saved_per_example: int = 10**5,
     out_per_example: int = 10**4, bandwidth: float = 1e9, latency: float = 1e-4, with_comm: bool = True,
+    split: float | None = None, weight_per_example: int = 0,
 ) -> Profile:
-    """Segment ``i`` takes ``forward[i] · n`` forward (recompute the same, backward twice) for ``n`` examples."""
+    """Segment ``i`` takes ``forward[i] · n`` forward (recompute the same, backward twice) for ``n`` examples.
+
+    ``split``: with it, the profile has the split backward's measures: B takes ``split`` of the backward and W the
+    rest, and W keeps ``weight_per_example · n`` bytes; without it, it has none (a profile of an older profiler)."""
     segments = []
     n_seg = len(forward)
     for i, f in enumerate(forward):
         measures = [
             SegmentMeasure(microbatch_size=n, forward=_stat(f * n), recompute=_stat(f * n), backward=_stat(2 * f * n),
                            output_bytes=0 if i == n_seg - 1 else out_per_example * n,
-                           saved_bytes=saved_per_example * n)
+                           saved_bytes=saved_per_example * n,
+                           **({} if split is None else {
+                               "split_backward": _stat(split * 2 * f * n), "weight": _stat((1 - split) * 2 * f * n),
+                               "weight_bytes": weight_per_example * n}))
             for n in sizes
         ]
         segments.append(SegmentProfile(index=i, input_cut=f"c{i - 1}" if i else None,

@@ -158,7 +158,7 @@ def _planned(nstages, chunk_size, batch_size, devices, per_node, profile_path: P
 def _at_depth(profile, request, pp: int):
     """The fastest plan with ``pp`` stages over the request's micro-batch sizes and schedules."""
     from varuna_core.errors import VarunaError
-    from varuna_core.planning.planner import plan_for
+    from varuna_core.planning.planner import plan_for, schedules_for
 
     if pp > min(request.gpus, profile.num_segments):
         raise ConfigError(f"--nstages {pp} is more than the {request.gpus} devices or the profile's "
@@ -166,7 +166,7 @@ def _at_depth(profile, request, pp: int):
     dp = min(request.gpus // pp, request.batch_size)
     best, why = None, None
     for mbs in request.microbatch_sizes or profile.microbatch_sizes:
-        for schedule in request.schedules:
+        for schedule in schedules_for(profile, request):
             try:
                 plan = plan_for(profile, request, pp=pp, dp=dp, microbatch_size=mbs, schedule=schedule)
             except VarunaError as exc:

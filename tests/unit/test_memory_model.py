@@ -11,7 +11,8 @@ from torch import nn
 
 from tests.profiles import make_profile
 from varuna_core import CutPoint, ModelSpec
-from varuna_core.ir.inflight import receive_windows
+from varuna_core.ir.inflight import pending_weights, pending_weights_named, receive_windows
+from varuna_core.ir.schedule import SCHEDULE_NAMES, generate
 from varuna_core.planning.memory import stage_bytes
 from varuna_core.planning.planner import PlanRequest, plan_for
 from varuna_core.planning.simulate import inflight_counts
@@ -96,3 +97,45 @@ def test_a_recompute_keeps_its_own_outputs() -> None:
              "act_recvs": 3, "grad_recvs": 3, "headroom": 0.0, "microbatches": 4}
     assert stage_bytes(**terms, recompute=True) == 3 + 3 + 2  # posted receives, unwaited sends, the recomputes'
     assert stage_bytes(**terms, recompute=False) == 3 + 4  # posted receives, the 4 values sent
+
+
+# --- a split backward (zb, varuna-zb): what W needs waits from B to W ----------------------------------------
+
+
+def test_the_micro_batches_waiting_for_their_W_are_charged_what_W_keeps() -> None:
+    terms = {"static": 0.0, "saved": 0.0, "input_bytes": 0.0, "output_bytes": 0.0, "held": 3, "graphs": 2,
+             "act_recvs": 3, "grad_recvs": 3, "headroom": 0.5, "microbatches": 4}
+    assert stage_bytes(**terms) == 0.0
+    assert stage_bytes(**terms, pending=3, weight_bytes=10.0) == 3 * 10.0 * 1.5
+    assert stage_bytes(**terms, pending=0, weight_bytes=10.0) == 0.0  # no split, nothing waits
+
+
+@pytest.mark.parametrize("split", ["zb", "varuna-zb"])
+def test_a_split_schedule_is_charged_the_pending_weights(split) -> None:
+    """The middle stage of 3 has up to 2 micro-batches waiting for their W, each keeping its 2 segments'
+    weight_bytes: that is what the same plan costs more than with nothing kept for W. zb holds 1F1B's graphs and
+    inputs, so that is also all it needs more than 1f1b."""
+    def middle(schedule: str, weight_per_example: int):
+        prof = make_profile([0.001] * 6, param_bytes=10**6, saved_per_example=10**5, out_per_example=10**4,
+                            split=0.5, weight_per_example=weight_per_example)
+        plan = plan_for(prof, PlanRequest(gpus=3, batch_size=32, headroom=0.0), pp=3, dp=1, microbatch_size=2,
+                        schedule=schedule)
+        assert plan.partition == [(0, 2), (2, 4), (4, 6)]
+        return plan.stages[1]
+
+    stage = middle(split, 3 * 10**4)
+    assert (stage.pending_weights, stage.weight_bytes) == (2, 2 * 2 * 3 * 10**4)
+    assert stage.memory_bytes - middle(split, 0).memory_bytes == 2 * stage.weight_bytes
+    if split == "zb":
+        plain = middle("1f1b", 3 * 10**4)
+        assert stage.memory_bytes - plain.memory_bytes == 2 * stage.weight_bytes
+        assert plain.pending_weights == plain.weight_bytes == 0
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_the_pending_weights_by_name_are_those_of_the_generated_schedule(name) -> None:
+    """The planner's closed form (it asks for every configuration) against the count over the schedule itself."""
+    for stages in range(1, 9):
+        for mbs in range(1, 24):
+            assert pending_weights_named(name, stages, mbs) == pending_weights(generate(name, stages, mbs)), \
+                (stages, mbs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -15,14 +16,17 @@ import yaml
 from tests.profiles import make_profile
 from varuna_core.errors import ConfigError
 from varuna_core.ir.topology import Topology
+from varuna_core.ir.units import format_bytes
 from varuna_core.planning.artifacts import Plan, load_plan, load_profile
 from varuna_core.planning.planner import (
+    TIE,
     PlanInfeasible,
     PlanRequest,
     _Prefix,
     _Seg,
     make_plan,
     partition_under_memory,
+    plan_for,
     snapshot_bytes_per_node,
 )
 from varuna_core.util.versioned_io import save_artifact, schema_text
@@ -35,7 +39,7 @@ def _segs(costs, static=0):
                  grad_bytes=static) for c in costs]
 
 
-def _direct_memory(segs, start, stop, *, held, graphs, recvs, num_mb, recompute):
+def _direct_memory(segs, start, stop, *, held, graphs, recvs, num_mb, recompute, pending=0):
     """The memory model written out with plain sums (the planner uses prefix sums): an independent reference.
     ``recvs``: the stage's receive windows (activations, gradients). Per direction the runtime keeps a window of
     posted receives and as many sent values unwaited (the neighbour's window, which equals it), so the input-sized
@@ -49,7 +53,8 @@ def _direct_memory(segs, start, stop, *, held, graphs, recvs, num_mb, recompute)
     inputs = min(num_mb, recvs[0] + held + recvs[0])
     sent = min(num_mb, recvs[1]) + graphs if recompute else min(num_mb, recvs[1] + graphs)
     outputs = recvs[1] + sent
-    return static + graphs * saved + inputs * input_bytes + outputs * output_bytes
+    weights = pending * sum(s.weight_bytes for s in segs[start:stop])  # B to W, under a split backward
+    return static + graphs * saved + inputs * input_bytes + outputs * output_bytes + weights
 
 
 def _windows(counts):
@@ -65,7 +70,8 @@ def test_the_planners_prefix_sums_equal_the_memory_model_summed_directly() -> No
     for _ in range(200):
         n = rng.randint(1, 12)
         segs = [_Seg(forward=1.0, recompute=1.0, backward=2.0, output_bytes=rng.uniform(0, 1e6),
-                     saved_bytes=rng.uniform(0, 1e7), static_bytes=rng.uniform(0, 1e8), grad_bytes=0.0)
+                     saved_bytes=rng.uniform(0, 1e7), static_bytes=rng.uniform(0, 1e8), grad_bytes=0.0,
+                     weight_bytes=rng.uniform(0, 1e6))
                 for _ in range(n)]
         prefix = _Prefix(segs)
         a = rng.randrange(n)
@@ -73,10 +79,11 @@ def test_the_planners_prefix_sums_equal_the_memory_model_summed_directly() -> No
         num_mb, recompute, headroom = rng.randint(1, 16), rng.random() < 0.5, rng.random()
         held, graphs = rng.randint(0, num_mb), rng.randint(0, num_mb)
         recvs = (rng.randint(0, num_mb), rng.randint(0, num_mb))
+        pending = rng.choice([0, rng.randint(1, num_mb)])
         want = _direct_memory(segs, a, b, held=held, graphs=graphs, recvs=recvs, num_mb=num_mb,
-                              recompute=recompute) * (1 + headroom)
+                              recompute=recompute, pending=pending) * (1 + headroom)
         got = prefix.memory(a, b, held=held, graphs=graphs, recvs=recvs, headroom=headroom, num_mb=num_mb,
-                            recompute=recompute)
+                            recompute=recompute, pending=pending)
         assert got == pytest.approx(want, rel=1e-12)
 
 
@@ -128,7 +135,8 @@ def test_plan_is_consistent_and_balanced() -> None:
     assert all(a < b for a, b in plan.partition)
     assert plan.prediction.samples_per_second == pytest.approx(64 / plan.prediction.step_time)
     assert len(plan.alternatives) == 5
-    assert all(alt.step_time >= plan.prediction.step_time for alt in plan.alternatives)
+    # an alternative may tie (within TIE: the same schedule summed in another order), never be faster
+    assert all(alt.step_time >= plan.prediction.step_time * (1 - TIE) for alt in plan.alternatives)
     assert all(alt.reason for alt in plan.alternatives)
     assert sum(len(n) for n in plan.nodes) == plan.pp * plan.dp
 
@@ -177,9 +185,87 @@ def test_batch_smaller_than_devices_is_explained() -> None:
 
 
 def test_unknown_schedule_lists_the_valid_ones() -> None:
-    with pytest.raises(ConfigError, match="unknown schedule 'zb'") as info:
-        make_plan(make_profile([0.001] * 2), PlanRequest(gpus=2, batch_size=8, schedules=("zb",)))
-    assert "varuna, 1f1b, gpipe" in info.value.hint
+    with pytest.raises(ConfigError, match="unknown schedule 'zigzag'") as info:
+        make_plan(make_profile([0.001] * 2), PlanRequest(gpus=2, batch_size=8, schedules=("zigzag",)))
+    assert "varuna, 1f1b, gpipe, zb, varuna-zb" in info.value.hint
+
+
+# --- schedules that split the backward (zb, varuna-zb) -----------------------------------------------------
+
+
+def test_a_profile_without_B_and_W_leaves_the_split_schedules_out() -> None:
+    """An older profile has no B and W times: the default search considers the other schedules and says so."""
+    plan = make_plan(make_profile([0.001, 0.003, 0.003, 0.002]), PlanRequest(gpus=4, batch_size=16))
+    assert plan.schedules == ["varuna", "1f1b", "gpipe"]
+    assert any("zb, varuna-zb" in note and "not considered" in note for note in plan.assumptions), plan.assumptions
+
+
+@pytest.mark.parametrize("schedule", ["zb", "varuna-zb"])
+def test_a_split_schedule_asked_for_without_B_and_W_is_refused(schedule) -> None:
+    prof = make_profile([0.001] * 4)
+    with pytest.raises(ConfigError, match=f"schedule {schedule} splits the backward into B") as info:
+        make_plan(prof, PlanRequest(gpus=2, batch_size=8, schedules=("1f1b", schedule)))
+    assert "profile the model again with `varuna profile`" in info.value.hint and info.value.exit_code == 2
+    with pytest.raises(ConfigError, match="has no B and W measures"):
+        plan_for(prof, PlanRequest(gpus=2, batch_size=8), pp=2, dp=1, microbatch_size=2, schedule=schedule)
+
+
+def _pipeline_profile(**split):
+    """8 equal segments with 400 MB of state each, on a link so slow that data parallelism never pays: the
+    search pipelines, where the schedule's bubble decides."""
+    return make_profile([0.002] * 8, param_bytes=10**8, **split)
+
+
+def test_zb_wins_over_1f1b_when_its_step_is_faster_within_memory() -> None:
+    prof = _pipeline_profile(split=0.5, weight_per_example=10**7)
+    req = PlanRequest(gpus=4, batch_size=32, schedules=("1f1b", "zb"), microbatch_sizes=(1,))
+    plan = make_plan(prof, req)
+    assert (plan.schedule, plan.pp, plan.schedules) == ("zb", 4, ["1f1b", "zb"])
+    one_f_one_b = next(alt for alt in plan.alternatives if alt.schedule == "1f1b" and alt.pp == 4)
+    assert one_f_one_b.step_time > plan.prediction.step_time * 1.05 and "bubble" in one_f_one_b.reason
+    for st in plan.stages:  # B and W from the profile: half the backward each; stage s waits for s+1 W at once
+        a, b = st.segments
+        assert st.backward == pytest.approx((b - a) * 0.002) and st.weight == pytest.approx((b - a) * 0.002)
+        assert st.weight_bytes == (b - a) * 10**7 and st.pending_weights == st.stage + 1
+    # zb's memory is 1F1B's plus what the pending W keep: fits in 970 MB, not in 900 MB
+    assert max(st.memory_bytes for st in plan.stages) < 970_000_000 < one_f_one_b.peak_memory_bytes + 10**8
+    assert make_plan(prof, dataclasses.replace(req, gpu_memory=970_000_000)).schedule == "zb"
+    tight = make_plan(prof, dataclasses.replace(req, gpu_memory=900_000_000))
+    assert (tight.schedule, tight.pp) == ("1f1b", 4)
+    assert max(st.memory_bytes for st in tight.stages) <= 900_000_000
+    assert all(st.weight == st.weight_bytes == st.pending_weights == 0 for st in tight.stages)
+
+
+def test_a_plan_of_a_schedule_that_does_not_split_has_no_W() -> None:
+    plan = make_plan(_pipeline_profile(split=0.5, weight_per_example=10**4),
+                     PlanRequest(gpus=4, batch_size=32, schedules=("zb",), microbatch_sizes=(1,)))
+    data = plan.model_dump(mode="json")
+    data["schedule"], data["schedules"] = "1f1b", ["1f1b"]
+    with pytest.raises(ValueError, match=r"stages\[0\] has weight 0.004, weight_bytes 20000 and pending_weights 1, "
+                                         r"but schedule 1f1b does not split the backward"):
+        Plan.model_validate(data)
+
+
+def test_the_default_search_considers_the_split_schedules_when_the_profile_has_them() -> None:
+    plan = make_plan(_pipeline_profile(split=0.5, weight_per_example=10**4),
+                     PlanRequest(gpus=4, batch_size=32, microbatch_sizes=(1,)))
+    assert plan.schedules == ["varuna", "1f1b", "gpipe", "zb", "varuna-zb"]
+    assert plan.schedule == "zb" and not any("not considered" in note for note in plan.assumptions)
+
+
+def test_equal_steps_go_to_the_simpler_schedule() -> None:
+    """With W free (B is the whole backward), zb runs 1F1B's order at 1F1B's times: a tie, which 1f1b wins
+    (first in SCHEDULE_NAMES), though the two sums differ in their last bits."""
+    prof = _pipeline_profile(split=1.0, weight_per_example=10**4)
+    req = PlanRequest(gpus=4, batch_size=32, schedules=("zb", "1f1b"), microbatch_sizes=(1,))
+    plan = make_plan(prof, req)
+    assert (plan.schedule, plan.pp) == ("1f1b", 4)
+    runner = plan.alternatives[0]
+    assert (runner.schedule, runner.pp) == ("zb", 4)
+    assert runner.step_time == pytest.approx(plan.prediction.step_time, rel=1e-9) and runner.reason.startswith("ties")
+    # at one stage every schedule is the same: the tie goes to the first of them, whatever the rounding
+    single = make_plan(prof, PlanRequest(gpus=1, batch_size=8, microbatch_sizes=(1, 2)))
+    assert (single.pp, single.microbatch_size, single.schedule) == (1, 1, "varuna")
 
 
 def test_profile_of_another_format_version(tmp_path) -> None:
@@ -230,3 +316,42 @@ def test_cli_plan_bad_inputs(tmp_path) -> None:
     assert out.returncode == 2 and "varuna, 1f1b, gpipe" in out.stderr
     out = _cli("plan", str(tmp_path / "missing.json"), "--gpus", "2", "--batch-size", "8")
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def _colour_pixels(png: Path, colour: str) -> int:
+    from PIL import Image
+
+    rgb = tuple(int(colour[i: i + 2], 16) for i in (1, 3, 5))
+    with Image.open(png) as image:
+        counts = image.convert("RGB").getcolors(maxcolors=2**24) or []
+    return sum(count for count, pixel in counts if pixel == rgb)
+
+
+def test_cli_plan_and_show_of_a_split_schedule_say_and_draw_B_and_W(tmp_path) -> None:
+    from varuna_core.planning.timeline import _COLORS, simulated_timeline
+
+    profile_path = tmp_path / "profile.json"
+    save_artifact(_pipeline_profile(split=0.5, weight_per_example=10**7), profile_path)
+    said = "zb splits the backward into B (input gradient) and W (weights' gradients)"
+    shown = {}
+    for schedule in ("zb", "1f1b"):
+        out = _cli("plan", str(profile_path), "--gpus", "4", "--batch-size", "16", "--schedule", schedule,
+                   "-o", str(tmp_path / f"{schedule}.yaml"))
+        assert out.returncode == 0, out.stderr
+        assert (said in out.stdout) == (schedule == "zb"), out.stdout
+        shown[schedule] = _cli("plan", "show", str(tmp_path / f"{schedule}.yaml"), "--png",
+                               str(tmp_path / f"{schedule}.png"))
+        assert shown[schedule].returncode == 0, shown[schedule].stderr
+        assert (said in shown[schedule].stdout) == (schedule == "zb")
+    plan = load_plan(tmp_path / "zb.yaml")
+    assert plan.pp == 4 and [st.pending_weights for st in plan.stages] == [1, 2, 3, 4]
+    text = " ".join(shown["zb"].stdout.split())  # as printed, wrapped at the terminal's width
+    for st in plan.stages:
+        assert (f"stage {st.stage}: B {st.backward * 1e3:.3g} ms, W {st.weight * 1e3:.3g} ms; keeps "
+                f"{format_bytes(st.weight_bytes)}, up to {st.pending_weights} at once") in text, text
+    weights = [(end - start) for _, op, _, start, end in simulated_timeline(plan) if op == "W"]
+    assert len(weights) == plan.pp * plan.num_microbatches
+    assert weights == pytest.approx([st.weight for st in plan.stages for _ in range(plan.num_microbatches)])
+    # the W bars: beyond the legend's patch (in both drawings), zb's drawing is full of them and 1f1b's has none
+    w = _COLORS["W"]
+    assert _colour_pixels(tmp_path / "zb.png", w) > 10 * _colour_pixels(tmp_path / "1f1b.png", w) > 0

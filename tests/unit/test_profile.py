@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.specs import sleep
+from varuna_core import CutPoint
 from varuna_core.errors import ConfigError
 from varuna_core.model.spec import ModelSpec, load_spec
 from varuna_core.planning.artifacts import Profile
@@ -46,11 +48,54 @@ def test_sleep_model_times_and_sizes(nproc) -> None:
             assert _close(m.recompute, fwd), (seg.index, m.recompute)
             assert _close(m.backward, bwd), (seg.index, m.backward)
             assert m.output_bytes == (0 if seg.index == 2 else m.microbatch_size * h * 4)
+            # split: the sleep's backward stays in B; W is the Linear's weight and bias gradients, which keep the
+            # Linear's input and output gradient ([n, h] float32 each) from B to W
+            assert _close(m.split_backward, bwd), (seg.index, m.split_backward)
+            assert m.weight is not None and m.weight.p10 < 0.005, (seg.index, m.weight)
+            assert m.weight_bytes == 2 * m.microbatch_size * h * 4
     if nproc == 2:
         ops = sorted((c.op, c.group_size) for c in result.comm)
         assert ops == [("allreduce", 2), ("p2p", 2)]
         for curve in result.comm:
             assert len(curve.sizes) >= 6 and curve.fit.bandwidth > 0 and curve.link == "intra"
+
+
+class _Wide(torch.nn.Module):
+    """Two segments of two large Linears each (a ReLU between): compute, not Python, takes the time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.ReLU(), torch.nn.Linear(WIDE, WIDE))
+        self.cut = CutPoint()
+        self.second = torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.ReLU(), torch.nn.Linear(WIDE, WIDE))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.second(self.cut(self.first(x))) - y) ** 2).mean()
+
+
+WIDE, ROWS = 512, 16
+
+
+def _wide_batch(n: int) -> dict:
+    g = torch.Generator().manual_seed(n)
+    return {"x": torch.randn(n, ROWS, WIDE, generator=g), "y": torch.randn(n, ROWS, WIDE, generator=g)}
+
+
+def test_the_split_backward_is_measured() -> None:
+    """B and W of the backward split as zb runs it: together about the unsplit backward (the same matmuls; the
+    fastest repeats, within a factor of 2 either way on a loaded machine), W keeping each Linear's input and output
+    gradient from B on."""
+    result = profile(ModelSpec(build=_Wide, batch=_wide_batch, name="wide"), microbatch_sizes=[2, 4], repeats=3,
+                     warmup=1)
+    assert result.splits_backward
+    for seg in result.segments:
+        for m in seg.measures:
+            assert m.split_backward is not None and m.weight is not None
+            split = m.split_backward.p10 + m.weight.p10
+            assert 0.5 * m.backward.p10 <= split <= 2 * m.backward.p10, (seg.index, m)
+            assert m.weight.p10 > 0.1 * m.backward.p10  # two weights' gradients: about half the matmuls
+            activation = m.microbatch_size * ROWS * WIDE * 4
+            assert m.weight_bytes == 2 * 2 * activation  # 2 Linears: input and output gradient each
 
 
 def test_memory_limit_ends_the_sweep_for_all_segments() -> None:
@@ -71,6 +116,49 @@ def test_changed_model_is_measured_again(monkeypatch) -> None:
 def test_schema_file_is_in_sync() -> None:
     on_disk = (ROOT / "schemas" / "profile.schema.json").read_text()
     assert on_disk == schema_text(Profile), "regenerate schemas/: python -m varuna_core.schemas"
+
+
+def test_a_profile_from_before_the_split_backward_loads(tmp_path) -> None:
+    """Profiles written before the profiler measured B, W and the bytes W keeps have no such keys: they load, and
+    say they cannot plan a split schedule."""
+    from tests.profiles import make_profile
+    from varuna_core.planning.artifacts import load_profile
+
+    data = json.loads(make_profile([0.001] * 3).model_dump_json())
+    for seg in data["segments"]:
+        for m in seg["measures"]:
+            for key in ("split_backward", "weight", "weight_bytes"):
+                del m[key]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    old = load_profile(path)
+    assert not old.splits_backward and old.segments[2].measures[0].weight is None
+    split = make_profile([0.001] * 3, split=0.25, weight_per_example=100)
+    path.write_text(split.model_dump_json())
+    assert load_profile(path) == split and split.splits_backward
+    assert split.segments[1].measures[1].weight_bytes == 200
+
+
+SPLIT_HOLES = [  # (segment, fields taken out of its first measure, what loading says)
+    (1, ("weight",), r"segments\[1\].measures\[0\] \(micro-batch 1\) has split_backward and weight_bytes but not"),
+    (2, ("split_backward", "weight", "weight_bytes"),
+     r"segments\[2\].measures\[0\] \(micro-batch 1\) lacks the split backward's measures and segments\[0\]"),
+]
+
+
+@pytest.mark.parametrize(("segment", "drop", "message"), SPLIT_HOLES)
+def test_the_split_backward_is_measured_everywhere_or_nowhere(tmp_path, segment, drop, message) -> None:
+    """A plan of a split schedule from B and W of only a part of the model would charge the rest nothing."""
+    from tests.profiles import make_profile
+    from varuna_core.planning.artifacts import load_profile
+
+    data = json.loads(make_profile([0.001] * 3, split=0.5).model_dump_json())
+    for key in drop:
+        data["segments"][segment]["measures"][0][key] = None
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=message):
+        load_profile(path)
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,8 @@ def plan(
     host_memory: Annotated[str | None, typer.Option(
         "--host-memory", help="Memory per node, e.g. 512GiB: says whether in-memory snapshots fit.")] = None,
     schedule: Annotated[str | None, typer.Option(
-        "--schedule", help="Schedules to consider, comma-separated (default: varuna,1f1b,gpipe).")] = None,
+        "--schedule", help="Schedules to consider, comma-separated (default: all; zb and varuna-zb only with a "
+                           "profile that measured their B and W).")] = None,
     top: Annotated[int, typer.Option("--top", help="Alternatives to show and keep in the plan.")] = 5,
     headroom: Annotated[float, typer.Option("--headroom", help="Fraction of memory kept free.")] = 0.1,
     shard_optimizer: Annotated[bool | None, typer.Option(
@@ -132,12 +133,11 @@ def _devices(gpus: int | None, gpus_per_node: int | None, slurm: bool) -> tuple[
     return found.total, min(found.slots)
 
 
-def _schedules(text: str | None) -> tuple[ScheduleName, ...]:
-    """The schedule names ``--schedule`` lists, comma-separated (the request checks them, after its numbers)."""
-    from varuna_core.ir.schedule import SCHEDULE_NAMES
-
+def _schedules(text: str | None) -> tuple[ScheduleName, ...] | None:
+    """The schedule names ``--schedule`` lists, comma-separated (the request checks them, after its numbers);
+    ``None`` without the option: every schedule the profile allows."""
     if text is None:
-        return SCHEDULE_NAMES
+        return None
     return cast("tuple[ScheduleName, ...]", tuple(x.strip() for x in text.split(",") if x.strip()))
 
 
@@ -175,6 +175,7 @@ def _table(result) -> None:
     out.print(f"partition (segments per stage): {stages}; stage_to_rank_map {result.stage_to_rank_map!r}",
               markup=False)
     _print_skips(out, result)
+    _print_split(out, result)
     _print_sharding(out, result)
     if result.snapshot_bytes_per_node:
         out.print(f"in-memory snapshots (`varuna launch --morph`): {format_bytes(result.snapshot_bytes_per_node)} of "
@@ -193,6 +194,19 @@ def _print_sharding(out, result) -> None:
     if result.shard_optimizer:
         out.print(f"optimizer state sharded over the {result.dp} replicas of each stage (z: Varuna(..., "
                   f"shard_optimizer=True)): each rank holds 1/{result.dp} of its stage's", markup=False)
+
+
+def _print_split(out, result) -> None:
+    """Under a schedule that splits the backward, what B and W cost per stage and what W keeps meanwhile."""
+    from varuna_core.ir.units import format_bytes
+
+    if not any(st.pending_weights for st in result.stages):
+        return
+    out.print(f"{result.schedule} splits the backward into B (input gradient) and W (weights' gradients); per "
+              f"micro-batch, and what a micro-batch keeps from its B to its W:", markup=False, highlight=False)
+    for st in result.stages:
+        out.print(f"  stage {st.stage}: B {st.backward * 1e3:.3g} ms, W {st.weight * 1e3:.3g} ms; keeps "
+                  f"{format_bytes(st.weight_bytes)}, up to {st.pending_weights} at once", markup=False, highlight=False)
 
 
 def _print_skips(out, result) -> None:
@@ -249,10 +263,11 @@ def show(
     typer.echo(f"{result.schedule}: {result.pp} stages, {result.num_microbatches} micro-batches per replica"
                f"{f', optimizer state sharded over the {result.dp} replicas' if result.shard_optimizer else ''}")
     typer.echo("\n".join(lines))
-    if any(st.skip_bytes for st in result.stages):
+    if any(st.skip_bytes or st.pending_weights for st in result.stages):
         from rich.console import Console
 
         _print_skips(Console(), result)
+        _print_split(Console(), result)
     if png:
         from varuna_core.planning.timeline import draw_plan
 

@@ -48,7 +48,8 @@ from __future__ import annotations
 
 from .schedule import Op, Schedule, generate
 
-__all__ = ["inflight", "inflight_named", "pending_weights", "posted_receives", "receive_windows", "unwaited_sends"]
+__all__ = ["inflight", "inflight_named", "pending_weights", "pending_weights_named", "posted_receives",
+           "receive_windows", "unwaited_sends"]
 
 
 def inflight(schedule: Schedule) -> list[tuple[int, int]]:
@@ -106,6 +107,33 @@ def inflight_named(name: str, num_stages: int, num_mb: int) -> list[tuple[int, i
     if closed is None or num_stages < 1 or num_mb < 1:
         return inflight(generate(name, num_stages, num_mb))
     return [closed(s, num_stages, num_mb) for s in range(num_stages)]
+
+
+def _split_pending(stage: int, num_stages: int, num_mb: int) -> int:
+    """Peak of :func:`pending_weights` for the zero-bubble order (``zb``, ``varuna-zb``; the ``R`` of the latter
+    changes nothing between ``B`` and ``W``). Stage ``s`` warms up with ``w = min(S-1-s, M)`` forwards; in its
+    steady ``F``, ``B`` pairs a ``W`` follows from the ``s``-th ``B`` on, so ``min(s+1, M-w)`` wait at most; the last
+    stage has no drain, the others' drain ``B``, ``W`` pairs add one to the ``min(s, M-w)`` left waiting."""
+    warmup = min(num_stages - 1 - stage, num_mb)
+    if warmup == 0:
+        return min(stage + 1, num_mb)
+    return min(stage, num_mb - warmup) + 1
+
+
+def pending_weights_named(name: str, num_stages: int, num_mb: int) -> list[int]:
+    """``pending_weights(generate(name, num_stages, num_mb))``, without building the schedule when a closed form is
+    known (the planner asks it for every configuration it tries).
+
+    Raises:
+        ConfigError: unknown ``name``.
+        ScheduleError: a size below 1.
+    """
+    if num_stages >= 1 and num_mb >= 1:
+        if name in ("zb", "varuna-zb"):
+            return [_split_pending(s, num_stages, num_mb) for s in range(num_stages)]
+        if name in _CLOSED_FORMS or name == "varuna":  # no W actions
+            return [0] * num_stages
+    return pending_weights(generate(name, num_stages, num_mb))
 
 
 def receive_windows(held: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:

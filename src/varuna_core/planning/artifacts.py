@@ -23,9 +23,10 @@ and the planner rely on, and refuses the rest with one line naming the file and 
   ``activation_bytes`` or ``skip_bytes``), a stage's ``skip_bytes`` are at most its ``activation_bytes``, it holds
   at most ``num_microbatches`` and fits ``memory_limit``; its schedule is one of ``schedules`` and every
   alternative fits ``gpus``. A profile measured every segment at every listed micro-batch size, its ``skip_bytes``
-  are at most its ``output_bytes``, its last segment sends nothing, its percentiles are ordered and a p2p
-  curve has two ranks. Anything else would crash or hang a worker far from the file that caused it, or make
-  the planner charge what never happens.
+  are at most its ``output_bytes``, its last segment sends nothing, its percentiles are ordered, a p2p
+  curve has two ranks, and the split backward's measures (B, W, the bytes W keeps) are in every measure or in
+  none (profiles made before the profiler measured them have none, and load). Anything else would crash or hang
+  a worker far from the file that caused it, or make the planner charge what never happens.
 """
 
 from __future__ import annotations
@@ -94,6 +95,15 @@ class SegmentMeasure(CheckedModel):
     forward: Stat = Field(description="forward without autograd (the varuna schedule's F)")
     recompute: Stat = Field(description="forward that records the graph (1F1B/GPipe F, varuna R)")
     backward: Stat = Field(description="backward of the segment, from the output gradient to input and weights")
+    split_backward: Stat | None = Field(
+        None, description="B of a split backward (the zb and varuna-zb schedules): the input gradient of the split "
+                          "modules and the whole backward of the others, after a forward under the split (None: a "
+                          "profile made before the profiler measured it)")
+    weight: Stat | None = Field(
+        None, description="W of a split backward: the weights' gradients B deferred (None: not measured)")
+    weight_bytes: Bytes | None = Field(
+        None, description="bytes one micro-batch keeps alive from its B to its W, for the weights' gradients (the "
+                          "split modules' inputs and output gradients; None: not measured)")
     output_bytes: Bytes = Field(description="bytes of the value leaving the segment at its cut (0 for the last)")
     skip_bytes: Bytes = Field(0, description="of output_bytes, the tensors that skip over the cut to a later "
                               "segment, carried with the cut's value (see skip routing in the docs)")
@@ -185,10 +195,17 @@ class Profile(CheckedModel):
     environment: Environment
     created: str = Field(description="ISO 8601 time of the measurement")
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether every measure has the split backward's B and W (``split_backward``, ``weight``,
+        ``weight_bytes``): the planner considers the schedules that split the backward only then."""
+        return self.segments[0].measures[0].split_backward is not None
+
     @model_validator(mode="after")
     def _consistent(self) -> Profile:
         _check_segments(self)
         _check_measures(self)
+        _check_split(self)
         _check_profile_bytes(self)
         _check_comm(self)
         return self
@@ -245,14 +262,35 @@ def _check_profile_bytes(p: Profile) -> None:
             if m.skip_bytes > m.output_bytes:
                 raise ValueError(f"{where}: skip_bytes {m.skip_bytes} is more than output_bytes {m.output_bytes}, "
                                  f"of which the skipping tensors are a part")
-            for name in ("forward", "recompute", "backward"):
+            for name in ("forward", "recompute", "backward", "split_backward", "weight"):
                 stat = getattr(m, name)
-                if not stat.p10 <= stat.median <= stat.p90:
+                if stat is not None and not stat.p10 <= stat.median <= stat.p90:
                     raise ValueError(f"{where}: {name} has p10 {stat.p10:g}, median {stat.median:g} and p90 "
                                      f"{stat.p90:g}, not in increasing order")
         if seg.index == last and seg.skips:
             raise ValueError(f"segments[{last}] is the last segment but lists {len(seg.skips)} skips: it has no "
                              f"outgoing cut to carry them")
+
+
+_SPLIT_FIELDS = ("split_backward", "weight", "weight_bytes")
+
+
+def _check_split(p: Profile) -> None:
+    """The split backward's measures (B, W and the bytes W keeps) are in every measure or in none: the planner
+    would otherwise plan a split schedule from a part of the model."""
+    first = p.segments[0].measures[0].split_backward is not None
+    for seg in p.segments:
+        for j, m in enumerate(seg.measures):
+            where = f"segments[{seg.index}].measures[{j}] (micro-batch {m.microbatch_size})"
+            have = [name for name in _SPLIT_FIELDS if getattr(m, name) is not None]
+            if have and len(have) < len(_SPLIT_FIELDS):
+                lacks = [name for name in _SPLIT_FIELDS if name not in have]
+                raise ValueError(f"{where} has {' and '.join(have)} but not {' and '.join(lacks)}: a split "
+                                 f"backward is measured whole ({', '.join(_SPLIT_FIELDS)})")
+            if bool(have) != first:
+                raise ValueError(f"{where} {'has' if have else 'lacks'} the split backward's measures and "
+                                 f"segments[0].measures[0] {'lacks' if have else 'has'} them: they are measured "
+                                 f"for every segment and micro-batch size, or for none")
 
 
 def _check_comm(p: Profile) -> None:
@@ -297,7 +335,14 @@ class StagePlan(CheckedModel):
     forward: Seconds = Field(description="predicted F time per full micro-batch (s)")
     recompute: Seconds = Field(
         description="predicted R time per full micro-batch (s); 0 when the stage does not recompute")
-    backward: Seconds = Field(description="predicted B time per full micro-batch (s)")
+    backward: Seconds = Field(description="predicted B time per full micro-batch (s): the whole backward, or under a "
+                                          "schedule that splits it (zb, varuna-zb) the input gradient only")
+    weight: Seconds = Field(0.0, description="predicted W time per full micro-batch (s): the weights' gradients "
+                            "under a schedule that splits the backward; 0 when it does not")
+    weight_bytes: Bytes = Field(0, description="bytes one full micro-batch keeps from its B to its W under a schedule "
+                                "that splits the backward (what the weights' gradients need); 0 when it does not")
+    pending_weights: Index = Field(0, description="micro-batches waiting for their W at once (each keeping "
+                                   "weight_bytes); 0 when the backward is not split")
     send_activation: Seconds = Field(0.0, description="predicted time to send one activation to the next stage (s)")
     activation_bytes: Bytes = Field(0, description="bytes sent to the next stage per full micro-batch")
     skip_bytes: Bytes = Field(0, description="of activation_bytes, the tensors skipping over the stage's "
@@ -472,8 +517,12 @@ def _check_partition(p: Plan, partition: list[tuple[int, int]]) -> None:
 def _check_stages(p: Plan) -> None:
     """Each stage's predictions agree with its place in the pipeline and with the plan: the last stage sends no
     activation and the first no gradient; the tensors skipping a cut are part of what crosses it; a stage holds
-    at most the micro-batches of a step, in at most the memory the plan had to fit."""
+    at most the micro-batches of a step, in at most the memory the plan had to fit; only a schedule that splits
+    the backward has W times and bytes."""
+    from ..ir.schedule import generate
+
     last = p.pp - 1
+    split = bool(p.stages) and generate(p.schedule, 1, 1).splits_backward
     for s, st in enumerate(p.stages):
         if s == last and (st.activation_bytes or st.skip_bytes or st.send_activation):
             raise ValueError(f"stages[{s}] is the last stage, which sends nothing to a next one, but has "
@@ -485,9 +534,13 @@ def _check_stages(p: Plan) -> None:
         if s == 0 and st.send_gradient:
             raise ValueError(f"stages[0] is the first stage, which sends no gradient to a previous one, but has "
                              f"send_gradient {st.send_gradient:g}")
-        if st.held_microbatches > p.num_microbatches:
-            raise ValueError(f"stages[{s}]: held_microbatches {st.held_microbatches} is more than the "
-                             f"num_microbatches {p.num_microbatches} of a step")
+        if max(st.held_microbatches, st.pending_weights) > p.num_microbatches:
+            raise ValueError(f"stages[{s}]: held_microbatches {st.held_microbatches} or pending_weights "
+                             f"{st.pending_weights} is more than the num_microbatches {p.num_microbatches} of a step")
+        if (st.weight or st.weight_bytes or st.pending_weights) and not split:
+            raise ValueError(f"stages[{s}] has weight {st.weight:g}, weight_bytes {st.weight_bytes} and "
+                             f"pending_weights {st.pending_weights}, but schedule {p.schedule} does not split the "
+                             f"backward into B and W (all must be 0)")
         if p.memory_limit is not None and st.memory_bytes > p.memory_limit:
             raise ValueError(f"stages[{s}]: memory_bytes {st.memory_bytes} is more than memory_limit "
                              f"{p.memory_limit}, which the plan had to fit")

@@ -14,6 +14,13 @@ For every candidate (pp, dp = ⌊gpus / pp⌋, a profiled micro-batch size, a sc
    the C++ simulator when built) with point-to-point times from the profile's network fits (intra- or inter-node
    depending on where neighbouring stages are placed) and the data-parallel all-reduce of each stage's gradients.
 
+The schedules that split the backward (``zb``, ``varuna-zb``) are costed with the profile's ``B`` and ``W`` times
+(a stage's compute per micro-batch is then ``F (+ R) + B + W``) and charged what each micro-batch keeps from its
+``B`` to its ``W``; a profile without those measures (made before the profiler took them) leaves them out of a
+default search, and a request that names one is refused (:func:`schedules_for`). On equal predicted steps the
+simpler configuration wins: shallower, wider, smaller micro-batches, then the schedule first in
+:data:`~varuna_core.ir.schedule.SCHEDULE_NAMES` (``1f1b`` before ``zb``).
+
 The fastest predicted step wins; the next ones are kept as alternatives with the reason each lost. This module
 imports no torch, so ``varuna plan`` starts fast and runs anywhere.
 """
@@ -28,9 +35,9 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from ..errors import ConfigError, FieldError, VarunaError
-from ..ir.inflight import receive_windows
+from ..ir.inflight import pending_weights_named, receive_windows
 from ..ir.partition import Partition
-from ..ir.schedule import SCHEDULE_NAMES, ScheduleName, check_schedule, recompute_stages
+from ..ir.schedule import SCHEDULE_NAMES, ScheduleName, check_schedule, generate, recompute_stages
 from ..ir.topology import Topology
 from ..ir.units import MAX_BYTES
 from ..util.checks import integer, real
@@ -50,11 +57,12 @@ from .memory import stage_bytes
 from .simulate import StageCosts, inflight_counts, simulate_generated
 
 __all__ = ["PlanRequest", "make_plan", "plan_for", "layout_plan", "partition_under_memory", "PlanInfeasible",
-           "snapshot_bytes_per_node",
+           "snapshot_bytes_per_node", "schedules_for", "splits_backward",
            "MAX_TOP", "MAX_CONCURRENT_SENDS"]
 
 MAX_TOP = 100  # alternatives a plan keeps
 SHARD_GAIN = 0.01  # a sharded optimizer must be predicted this much faster to win over a whole one that fits
+TIE = 1e-9  # predicted steps closer than this (relative) are equal: equal schedules summed in another order
 SHARD_BUCKET = 25 * 2**20  # the runtime's default bucket: the all-gather's scratch (and 1/dp of it, the ring's)
 MAX_CONCURRENT_SENDS = 1024
 
@@ -75,7 +83,9 @@ class PlanRequest:
         batch_size: global batch (fixed; the micro-batch count follows from it).
         gpus_per_node: devices per node (placement: a replica's stages on consecutive ranks).
         gpu_memory: bytes per device, or ``None`` for no limit.
-        schedules: schedules to consider (each once, in the order given).
+        schedules: schedules to consider (each once, in the order given); ``None``: every schedule the profile
+            allows, those that split the backward (``zb``, ``varuna-zb``) only when it measured their ``B`` and ``W``
+            (:func:`schedules_for`).
         headroom: fraction of memory kept free (allocator fragmentation, CUDA context).
         max_concurrent_sends: the runtime's in-flight messages per stage and direction.
         top: alternatives to keep.
@@ -92,7 +102,7 @@ class PlanRequest:
     batch_size: int
     gpus_per_node: int | None = None
     gpu_memory: int | None = None
-    schedules: tuple[ScheduleName, ...] = SCHEDULE_NAMES
+    schedules: tuple[ScheduleName, ...] | None = None
     headroom: float = 0.1
     max_concurrent_sends: int = 4
     top: int = 5
@@ -109,7 +119,8 @@ class PlanRequest:
             put("gpus_per_node", integer("gpus_per_node", self.gpus_per_node, low=1, high=MAX_DEVICES))
         if self.gpu_memory is not None:  # two checks: "must be ≥ 1" says more than a range of 19 digits
             put("gpu_memory", integer("gpu_memory", integer("gpu_memory", self.gpu_memory, low=1), high=MAX_BYTES))
-        put("schedules", self._names(self.schedules))
+        if self.schedules is not None:
+            put("schedules", self._names(self.schedules))
         put("headroom", real("headroom", self.headroom, low=0, high=1, high_open=True))
         put("max_concurrent_sends", integer("max_concurrent_sends", self.max_concurrent_sends, low=1,
                                             high=MAX_CONCURRENT_SENDS))
@@ -139,6 +150,30 @@ def _sequence(name: str, value: object) -> tuple[object, ...]:
     return tuple(value)
 
 
+def splits_backward(schedule: str) -> bool:
+    """Whether the named schedule splits the backward into ``B`` and ``W`` (``zb``, ``varuna-zb``)."""
+    return generate(schedule, 1, 1).splits_backward
+
+
+def schedules_for(profile: Profile, req: PlanRequest) -> tuple[ScheduleName, ...]:
+    """The schedules a search of ``profile`` considers: the request's, or when it names none every schedule, less
+    those that split the backward where the profile has no ``B`` and ``W`` measures (older profiles).
+
+    Raises:
+        ConfigError: the request names a schedule that splits the backward and the profile did not measure it.
+    """
+    if req.schedules is None:
+        return tuple(name for name in SCHEDULE_NAMES if profile.splits_backward or not splits_backward(name))
+    split = [name for name in req.schedules if splits_backward(name)]
+    if split and not profile.splits_backward:
+        plain = ", ".join(name for name in SCHEDULE_NAMES if not splits_backward(name))
+        raise ConfigError(
+            f"schedule {', '.join(split)} splits the backward into B (input gradient) and W (weights' gradients), "
+            f"but the profile of {profile.model} has no B and W measures (it was made before `varuna profile` "
+            f"measured them)", hint=f"profile the model again with `varuna profile`, or choose among {plain}")
+    return req.schedules
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Per-segment numbers at a micro-batch size
 
@@ -155,6 +190,9 @@ class _Seg:
     optimizer_bytes: int = 0
     optimizer_time: float = 0.0
     skip_bytes: float = 0.0  # of output_bytes: tensors skipping over the cut
+    split_backward: float = 0.0  # B of a split backward (0: not measured)
+    weight: float = 0.0  # W of a split backward
+    weight_bytes: float = 0.0  # what one micro-batch keeps from its B to its W
 
 
 def _interp(measures: Sequence[SegmentMeasure], n: float, get: Callable[[SegmentMeasure], float]) -> float:
@@ -171,6 +209,7 @@ def _interp(measures: Sequence[SegmentMeasure], n: float, get: Callable[[Segment
 
 def _segments_at(profile: Profile, n: float) -> list[_Seg]:
     out = []
+    split = profile.splits_backward
     for seg in profile.segments:
         ms = seg.measures
         out.append(_Seg(
@@ -183,6 +222,10 @@ def _segments_at(profile: Profile, n: float) -> list[_Seg]:
             grad_bytes=seg.grad_bytes, optimizer_bytes=seg.optimizer_bytes,
             optimizer_time=seg.optimizer_time,
             skip_bytes=_interp(ms, n, lambda m: m.skip_bytes),
+            split_backward=_interp(ms, n, lambda m: m.split_backward.median if m.split_backward else 0.0)
+            if split else 0.0,
+            weight=_interp(ms, n, lambda m: m.weight.median if m.weight else 0.0) if split else 0.0,
+            weight_bytes=_interp(ms, n, lambda m: m.weight_bytes or 0) if split else 0.0,
         ))
     return out
 
@@ -199,6 +242,11 @@ class _Prefix:
         self.segs = segs
         self.plain = [0.0]  # recompute (= forward with graph) + backward
         self.full = [0.0]   # forward + recompute + backward
+        self.plain_split = [0.0]  # the same with the backward split: recompute + B + W
+        self.full_split = [0.0]   # forward + recompute + B + W
+        self.split_b = [0.0]  # B of a split backward
+        self.weight = [0.0]   # W
+        self.weight_bytes = [0.0]  # what a micro-batch keeps from its B to its W
         self.static = [0.0]
         self.saved = [0.0]
         self.rec = [0.0]    # forward with graph (= recompute)
@@ -212,11 +260,23 @@ class _Prefix:
             self.grads.append(self.grads[-1] + x.grad_bytes)
             self.plain.append(self.plain[-1] + x.recompute + x.backward)
             self.full.append(self.full[-1] + x.forward + x.recompute + x.backward)
+            self.plain_split.append(self.plain_split[-1] + x.recompute + x.split_backward + x.weight)
+            self.full_split.append(self.full_split[-1] + x.forward + x.recompute + x.split_backward + x.weight)
+            self.split_b.append(self.split_b[-1] + x.split_backward)
+            self.weight.append(self.weight[-1] + x.weight)
+            self.weight_bytes.append(self.weight_bytes[-1] + x.weight_bytes)
             self.static.append(self.static[-1] + x.static_bytes)
             self.saved.append(self.saved[-1] + x.saved_bytes)
 
-    def cost(self, a: int, b: int, recompute: bool) -> float:
-        table = self.full if recompute else self.plain
+    def table(self, recompute: bool, split: bool = False) -> list[float]:
+        """The prefix sums of a stage's compute per micro-batch: with or without recompute, the backward whole
+        or split into B and W."""
+        if split:
+            return self.full_split if recompute else self.plain_split
+        return self.full if recompute else self.plain
+
+    def cost(self, a: int, b: int, recompute: bool, split: bool = False) -> float:
+        table = self.table(recompute, split)
         return table[b] - table[a]
 
     def static_bytes(self, a: int, b: int, shards: int = 1) -> float:
@@ -230,33 +290,38 @@ class _Prefix:
         return static - (self.optb[b] - self.optb[a]) * (1 - 1 / shards) + min(SHARD_BUCKET, grads) * (1 + 1 / shards)
 
     def memory(self, a: int, b: int, *, held: int, graphs: int, recvs: tuple[int, int], headroom: float,
-               num_mb: int, recompute: bool, shards: int = 1) -> float:
+               num_mb: int, recompute: bool, shards: int = 1, pending: int = 0) -> float:
         """Peak bytes of a stage running segments ``[a, b)`` (the memory model, :mod:`.memory`); ``recvs``: its
         receive windows (activations, gradients), :func:`~varuna_core.ir.inflight.receive_windows`; ``num_mb``:
         micro-batches per step; ``recompute``: whether the stage recomputes; ``shards``: the replicas its optimizer
-        state is sharded over (1: whole)."""
+        state is sharded over (1: whole); ``pending``: micro-batches waiting for their ``W`` at once (a schedule
+        that splits the backward)."""
         segs = self.segs
         return stage_bytes(static=self.static_bytes(a, b, shards), saved=self.saved[b] - self.saved[a],
                            input_bytes=segs[a - 1].output_bytes if a > 0 else 0.0,
                            output_bytes=segs[b - 1].output_bytes if b < len(segs) else 0.0,
                            held=held, graphs=graphs, act_recvs=recvs[0], grad_recvs=recvs[1], headroom=headroom,
-                           microbatches=num_mb, recompute=recompute)
+                           microbatches=num_mb, recompute=recompute, pending=pending,
+                           weight_bytes=self.weight_bytes[b] - self.weight_bytes[a] if pending else 0.0)
 
     def stage_memory(self, a: int, b: int, s: int, *, counts: Sequence[tuple[int, int]],
                      windows: Sequence[tuple[int, int]], recompute: Sequence[bool], num_mb: int,
-                     headroom: float, shards: int = 1) -> float:
-        """:meth:`memory` of stage ``s`` of a schedule with these in-flight ``counts``, receive ``windows`` and
-        ``recompute`` stages."""
+                     headroom: float, shards: int = 1, pending: Sequence[int] | None = None) -> float:
+        """:meth:`memory` of stage ``s`` of a schedule with these in-flight ``counts``, receive ``windows``,
+        ``recompute`` stages and micro-batches ``pending`` their ``W`` (``None``: the backward is not split)."""
         return self.memory(a, b, held=counts[s][0], graphs=counts[s][1], recvs=windows[s], headroom=headroom,
-                           num_mb=num_mb, recompute=recompute[s], shards=shards)
+                           num_mb=num_mb, recompute=recompute[s], shards=shards,
+                           pending=pending[s] if pending is not None else 0)
 
 
 def partition_under_memory(
     segs: Sequence[_Seg], pp: int, *, recompute_stages: Sequence[bool], counts: Sequence[tuple[int, int]],
     limit: int | None, headroom: float, num_mb: int, prefix: _Prefix | None = None, shards: int = 1,
+    pending: Sequence[int] | None = None,
 ) -> Partition | None:
     """Contiguous partition into ``pp`` stages minimising the slowest stage's compute, each stage within
-    ``limit`` bytes; ``None`` if no partition fits.
+    ``limit`` bytes; ``None`` if no partition fits. ``pending``: per stage, the micro-batches waiting for their
+    ``W`` at once under a schedule that splits the backward (its compute is then ``B + W``); ``None``: no split.
 
     Bisection on the bottleneck ``T`` between ``max(total / pp, largest segment)`` and that plus the largest
     segment (the optimum lies there); for a given ``T`` the greedy that gives each stage as many segments as
@@ -268,17 +333,18 @@ def partition_under_memory(
         return None
     pre = prefix or _Prefix(segs)
     windows = receive_windows([held for held, _ in counts])
+    split = pending is not None
 
     def greedy(bound: float) -> list[tuple[int, int]] | None:
         ranges, a = [], 0
         for s in range(pp):
-            rec = recompute_stages[s]
-            table = pre.full if rec else pre.plain
+            table = pre.table(recompute_stages[s], split)
             last_allowed = n - (pp - s - 1)
             b = bisect.bisect_right(table, table[a] + bound * (1 + 1e-12), a + 1, last_allowed + 1) - 1
             if limit is not None:
                 while b > a and pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute_stages,
-                                                 num_mb=num_mb, headroom=headroom, shards=shards) > limit:
+                                                 num_mb=num_mb, headroom=headroom, shards=shards,
+                                                 pending=pending) > limit:
                     b -= 1
             if b <= a:
                 return None
@@ -287,11 +353,11 @@ def partition_under_memory(
         return ranges if a == n else None
 
     def bottleneck(ranges: list[tuple[int, int]]) -> float:
-        return max(pre.cost(a, b, recompute_stages[s]) for s, (a, b) in enumerate(ranges))
+        return max(pre.cost(a, b, recompute_stages[s], split) for s, (a, b) in enumerate(ranges))
 
     any_rec = any(recompute_stages)
-    lo = max(pre.cost(0, n, False) / pp, max(pre.cost(k, k + 1, False) for k in range(n)))
-    hi = pre.cost(0, n, any_rec) + 1.0
+    lo = max(pre.cost(0, n, False, split) / pp, max(pre.cost(k, k + 1, False, split) for k in range(n)))
+    hi = pre.cost(0, n, any_rec, split) + 1.0
     best = greedy(hi)
     if best is None:
         return None
@@ -368,6 +434,7 @@ class _Scored:
     dp_inter: bool
     lower_bound: float
     shard: bool = False  # the optimizer state sharded over the dp replicas
+    pending: list[int] | None = None  # per stage, micro-batches waiting for their W (None: the backward is whole)
     costs: list[StageCosts] = dataclasses.field(default_factory=list)
     optimizer: list[float] = dataclasses.field(default_factory=list)
     memory: list[int] = dataclasses.field(default_factory=list)
@@ -386,7 +453,7 @@ class _Tables:
         self.profile = profile
         self._segs: dict[float, list[_Seg]] = {}
         self._prefix: dict[float, _Prefix] = {}
-        self._free: dict[tuple[int, int, tuple[bool, ...]], Partition | None] = {}
+        self._free: dict[tuple[int, int, tuple[bool, ...], bool], Partition | None] = {}
         self._p2p: dict[tuple[float, bool], float] = {}
         self._allreduce: dict[tuple[float, int, bool], float] = {}
 
@@ -413,35 +480,41 @@ class _Tables:
         return self._allreduce[key]
 
     def partition(self, pp: int, mbs: int, recompute: list[bool], counts: Sequence[tuple[int, int]], num_mb: int,
-                  req: PlanRequest, shards: int = 1) -> Partition | None:
+                  req: PlanRequest, shards: int = 1, pending: Sequence[int] | None = None) -> Partition | None:
         """The time-optimal partition ignoring memory is shared by every schedule with the same recompute
-        pattern; only when it does not fit is the memory-constrained search run for this schedule."""
-        key = (pp, mbs, tuple(recompute))
+        pattern and the backward split or not; only when it does not fit is the memory-constrained search run for
+        this schedule."""
+        key = (pp, mbs, tuple(recompute), pending is not None)
         free = self._free.get(key)
         if free is None:
             free = self._free[key] = partition_under_memory(
                 self.segs(mbs), pp, recompute_stages=recompute, counts=counts, limit=None,
-                headroom=req.headroom, num_mb=num_mb, prefix=self.prefix(mbs))
+                headroom=req.headroom, num_mb=num_mb, prefix=self.prefix(mbs), pending=pending)
         if free is None or req.gpu_memory is None:
             return free
         pre = self.prefix(mbs)
         windows = receive_windows([held for held, _ in counts])
         if all(pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute, num_mb=num_mb,
-                                headroom=req.headroom, shards=shards) <= req.gpu_memory
+                                headroom=req.headroom, shards=shards, pending=pending) <= req.gpu_memory
                for s, (a, b) in enumerate(free.ranges)):
             return free
         return partition_under_memory(self.segs(mbs), pp, recompute_stages=recompute, counts=counts,
                                       limit=req.gpu_memory, headroom=req.headroom, num_mb=num_mb, prefix=pre,
-                                      shards=shards)
+                                      shards=shards, pending=pending)
 
 
-def _stage_times(pre: _Prefix, a: int, b: int, recompute: bool) -> tuple[float, float, float]:
-    """(F, R, B) of a stage per micro-batch: F is the no-grad forward when the stage recomputes."""
+def _stage_times(pre: _Prefix, a: int, b: int, recompute: bool,
+                 split: bool = False) -> tuple[float, float, float, float]:
+    """(F, R, B, W) of a stage per micro-batch: F is the no-grad forward when the stage recomputes; with the
+    backward split, B is its input gradient and W its weights' gradients, else B is the whole backward and W 0."""
     fwd_grad = pre.rec[b] - pre.rec[a]
-    bwd = (pre.plain[b] - pre.plain[a]) - fwd_grad
+    if split:
+        bwd, weight = pre.split_b[b] - pre.split_b[a], pre.weight[b] - pre.weight[a]
+    else:
+        bwd, weight = (pre.plain[b] - pre.plain[a]) - fwd_grad, 0.0
     if recompute:
-        return (pre.full[b] - pre.full[a]) - (pre.plain[b] - pre.plain[a]), fwd_grad, bwd
-    return fwd_grad, 0.0, bwd
+        return (pre.full[b] - pre.full[a]) - (pre.plain[b] - pre.plain[a]), fwd_grad, bwd, weight
+    return fwd_grad, 0.0, bwd, weight
 
 
 def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
@@ -457,32 +530,33 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
     segs = tables.segs(mbs)
     counts = inflight_counts(schedule, pp, num_mb)
     recompute = list(recompute_stages(schedule, pp))
-    part = tables.partition(pp, mbs, recompute, counts, num_mb, req, shards)
+    pending = pending_weights_named(schedule, pp, num_mb) if splits_backward(schedule) else None
+    part = tables.partition(pp, mbs, recompute, counts, num_mb, req, shards, pending)
     if part is None:
         if pp > len(segs):
             return None, None
         pre = tables.prefix(mbs)
         free = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts,
-                                      limit=None, headroom=req.headroom, num_mb=num_mb, prefix=pre)
+                                      limit=None, headroom=req.headroom, num_mb=num_mb, prefix=pre, pending=pending)
         assert free is not None  # without a memory limit, pp <= segments always has a partition
         windows = receive_windows([held for held, _ in counts])
         need = max(int(pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute,
-                                        num_mb=num_mb, headroom=req.headroom, shards=shards))
+                                        num_mb=num_mb, headroom=req.headroom, shards=shards, pending=pending))
                    for s, (a, b) in enumerate(free.ranges))
         return None, need
     boundary, dp_inter = _crossings(pp, dp, req.gpus_per_node or req.gpus)
     pre, pre_last = tables.prefix(mbs), tables.prefix(last)
     lower = fill = 0.0
     for s, (a, b) in enumerate(part.ranges):
-        f, r, bw = _stage_times(pre, a, b, recompute[s])
-        fl, rl, bl = _stage_times(pre_last, a, b, recompute[s])
+        f, r, bw, w = _stage_times(pre, a, b, recompute[s], pending is not None)
+        fl, rl, bl, wl = _stage_times(pre_last, a, b, recompute[s], pending is not None)
         allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], dp, dp_inter) + (pre.opt[b] - pre.opt[a]) / shards
-        busy = (num_mb - 1) * (f + r + bw) + fl + rl + bl
+        busy = (num_mb - 1) * (f + r + bw + w) + fl + rl + bl + wl
         lower = max(lower, fill + busy + allreduce)  # it cannot start before the first activation reaches it
         if s < pp - 1:
             fill += f + tables.p2p(segs[b - 1].output_bytes, boundary[s])
     return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, boundary, dp_inter, lower,
-                   shard), None
+                   shard, pending), None
 
 
 def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
@@ -491,9 +565,10 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     pre, pre_last = tables.prefix(c.mbs), tables.prefix(c.last)
     pp = c.pp
     windows = receive_windows([held for held, _ in c.counts])
+    split = c.pending is not None
     for s, (a, b) in enumerate(c.partition.ranges):
-        f, r, bw = _stage_times(pre, a, b, c.recompute[s])
-        fl, rl, bl = _stage_times(pre_last, a, b, c.recompute[s])
+        f, r, bw, w = _stage_times(pre, a, b, c.recompute[s], split)
+        fl, rl, bl, wl = _stage_times(pre_last, a, b, c.recompute[s], split)
         send_act = tables.p2p(segs[b - 1].output_bytes, c.boundary[s]) if s < pp - 1 else 0.0
         send_act_l = tables.p2p(segs_last[b - 1].output_bytes, c.boundary[s]) if s < pp - 1 else 0.0
         send_grad = tables.p2p(segs[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
@@ -503,10 +578,10 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
         c.optimizer.append((pre.opt[b] - pre.opt[a]) / (c.dp if c.shard else 1))
         # after its last action a stage all-reduces its gradients, then steps its optimizer
         c.costs.append(StageCosts(f, r, bw, send_act, send_grad, allreduce + c.optimizer[-1], fl, rl, bl,
-                                  send_act_l, send_grad_l))
+                                  send_act_l, send_grad_l, weight=w, weight_last=wl))
         c.memory.append(int(pre.stage_memory(a, b, s, counts=c.counts, windows=windows, recompute=c.recompute,
                                              num_mb=c.num_mb, headroom=req.headroom,
-                                             shards=c.dp if c.shard else 1)))
+                                             shards=c.dp if c.shard else 1, pending=c.pending)))
     sim = simulate_generated(c.schedule, c.pp, c.num_mb, c.costs, max_concurrent_sends=req.max_concurrent_sends)
     # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
     step = sim.step_time + tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
@@ -551,19 +626,29 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
         PlanInfeasible: nothing fits in ``gpu_memory``; names the smallest memory that would, and with what.
     """
     _check_microbatches(profile, req)
+    schedules = schedules_for(profile, req)
     assumptions = _assumptions(profile, req)
     tables = _Tables(profile)
-    prepared, smallest, clamped = _prepare_all(tables, profile, req)
+    prepared, smallest, clamped = _prepare_all(tables, profile, req, schedules)
     scored = _score_best(prepared, tables, req)
     if not scored:
         _raise_nothing_fits(profile, req, smallest)
-    scored.sort(key=lambda c: (_preference(c), c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule), c.shard))
-    best = scored[0]
+    scored.sort(key=lambda c: (_preference(c), *_simplicity(c)))
+    fastest = _preference(scored[0])
+    best = min((c for c in scored if _preference(c) <= fastest * (1 + TIE)), key=_simplicity)
+    scored.remove(best)
     if best.pp in clamped:
         assumptions.add(f"the global batch of {req.batch_size} is smaller than the {req.gpus // best.pp} replicas "
                         f"{req.gpus} devices allow at pp={best.pp}: {best.dp} replica(s) used, "
                         f"{req.gpus - best.pp * best.dp} device(s) idle")
-    return _to_plan(profile, req, best, scored[1: 1 + req.top], assumptions)
+    return _to_plan(profile, req, best, scored[: req.top], assumptions, schedules)
+
+
+def _simplicity(c: _Scored) -> tuple[int, int, int, int, bool]:
+    """How the search breaks a tie (steps within :data:`TIE`): the shallower pipeline, more replicas, smaller
+    micro-batches, the schedule first in :data:`~varuna_core.ir.schedule.SCHEDULE_NAMES` (``1f1b`` before ``zb``:
+    a split backward keeps the weights' inputs longer for nothing), the optimizer state whole."""
+    return c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule), c.shard
 
 
 def _check_microbatches(profile: Profile, req: PlanRequest) -> None:
@@ -589,12 +674,15 @@ def _assumptions(profile: Profile, req: PlanRequest) -> set[str]:
         assumptions.add("inter-node links are taken to be as fast as the measured intra-node ones")
     if req.gpu_memory is None:
         assumptions.add("no --gpu-memory given: memory is not limited")
+    if req.schedules is None and not profile.splits_backward:
+        assumptions.add("the profile has no B and W measures of a split backward: the zero-bubble schedules (zb, "
+                        "varuna-zb) were not considered (profile again with `varuna profile` to measure them)")
     assumptions.add("d = ⌊gpus / pp⌋ replicas; leftover devices idle")
     return assumptions
 
 
-def _prepare_all(tables: _Tables, profile: Profile,
-                 req: PlanRequest) -> tuple[list[_Scored], tuple[int, str] | None, set[int]]:
+def _prepare_all(tables: _Tables, profile: Profile, req: PlanRequest,
+                 schedules: tuple[ScheduleName, ...]) -> tuple[list[_Scored], tuple[int, str] | None, set[int]]:
     """Partition and bound every configuration; returns the ones that fit, the smallest memory need of those
     that did not (and which it was), and the depths whose data-parallel width the batch clamped."""
     prepared: list[_Scored] = []
@@ -609,7 +697,7 @@ def _prepare_all(tables: _Tables, profile: Profile,
             if mbs > math.ceil(req.batch_size / dp) or math.ceil(math.ceil(req.batch_size / dp) / mbs) > \
                     MAX_MICROBATCHES:  # a plan holds at most that many (see varuna_core.planning.artifacts)
                 continue
-            for schedule in req.schedules:
+            for schedule in schedules:
                 for shard in _shard_choices(req, dp):
                     result, need = _prepare(tables, req, pp, dp, mbs, schedule, shard)
                     if result is not None:
@@ -645,7 +733,7 @@ def _score_best(prepared: list[_Scored], tables: _Tables, req: PlanRequest) -> l
     scored: list[_Scored] = []
     best_steps: list[float] = []  # the k smallest ranked steps (_preference), sorted
     for cand in prepared:
-        if len(best_steps) >= keep and bound(cand) > best_steps[keep - 1]:
+        if len(best_steps) >= keep and bound(cand) > best_steps[keep - 1] * (1 + TIE):  # ties: see _simplicity
             break
         scored.append(_score(cand, tables, req))
         bisect.insort(best_steps, _preference(cand))
@@ -680,7 +768,9 @@ def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch
         raise ConfigError(f"pp={pp} × dp={dp} needs {pp * dp} devices, more than the request's {req.gpus}")
     if pp > profile.num_segments:
         raise ConfigError(f"pp={pp} exceeds the profile's {profile.num_segments} segments")
-    check_schedule(schedule)
+    name = check_schedule(schedule)
+    schedules_for(profile, dataclasses.replace(req, schedules=(name,)))  # refuses a split without B and W measures
+    schedules = schedules_for(profile, req)
     assumptions: set[str] = set()
     tables = _Tables(profile)
     result, need = _prepare(tables, req, pp, dp, microbatch_size, schedule, shard_optimizer and dp > 1)
@@ -689,7 +779,7 @@ def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch
     if result is None:
         raise PlanInfeasible(f"pp={pp}, dp={dp}, micro-batch {microbatch_size}, {schedule} needs {need} bytes per "
                              f"device, more than {req.gpu_memory}")
-    return _to_plan(profile, req, result, [], assumptions)
+    return _to_plan(profile, req, result, [], assumptions, schedules if name in schedules else (*schedules, name))
 
 
 def layout_plan(*, pp: int, dp: int, microbatch_size: int, batch_size: int, gpus: int, gpus_per_node: int,
@@ -739,13 +829,17 @@ def _nodes(world: int, per_node: int) -> list[list[int]]:
     return [list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)]
 
 
-def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Scored], assumptions: set[str]) -> Plan:
+def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Scored], assumptions: set[str],
+             schedules: Sequence[ScheduleName]) -> Plan:
     per_node = req.gpus_per_node or req.gpus
     topology = Topology.clustered(best.pp, best.dp)
     nodes = _nodes(best.pp * best.dp, per_node)
     segs = _segments_at(profile, best.mbs)
+    pending = best.pending or [0] * best.pp
     stages = [
         StagePlan(stage=s, segments=(a, b), forward=c.forward, recompute=c.recompute, backward=c.backward,
+                  weight=c.weight, pending_weights=pending[s],
+                  weight_bytes=round(sum(seg.weight_bytes for seg in segs[a:b])) if best.pending is not None else 0,
                   send_activation=c.send_activation, send_gradient=c.send_gradient,
                   activation_bytes=round(segs[b - 1].output_bytes) if b < len(segs) else 0,
                   skip_bytes=round(segs[b - 1].skip_bytes) if b < len(segs) else 0,
@@ -767,7 +861,7 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
         microbatch_size=best.mbs, num_microbatches=best.num_mb, schedule=best.schedule,
         shard_optimizer=best.shard, partition=list(best.partition.ranges),
         stage_to_rank_map=topology.to_string(), nodes=nodes,
-        memory_limit=req.gpu_memory, schedules=list(req.schedules), headroom=req.headroom,
+        memory_limit=req.gpu_memory, schedules=list(schedules), headroom=req.headroom,
         prediction=Prediction(step_time=best.step, samples_per_second=req.batch_size / best.step,
                               bubble_fraction=best.bubble, pipeline_time=best.pipeline,
                               allreduce_time=best.allreduce),

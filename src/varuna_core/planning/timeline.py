@@ -29,10 +29,10 @@ def check_drawable(plan: Plan) -> None:
 
 def simulated_timeline(plan: Plan) -> list[tuple[int, str, int, float, float]]:
     """``(stage, op, mb, start, end)`` of one step as the planner's simulation predicts it (every micro-batch at
-    full size)."""
+    full size; under a schedule that splits the backward, ``B`` and ``W`` with their own times)."""
     check_drawable(plan)
     costs = [StageCosts(s.forward, s.recompute, s.backward, s.send_activation, s.send_gradient,
-                        s.allreduce + s.optimizer)
+                        s.allreduce + s.optimizer, weight=s.weight)
              for s in plan.stages]
     result = simulate(generate(plan.schedule, plan.pp, plan.num_microbatches), costs, timeline=True)
     return list(result.timeline or ())

@@ -8,6 +8,11 @@ recorded shape at its incoming cut, and timed for
 * ``recompute``: a forward that records the graph (1F1B/GPipe's F and varuna's R), during which saved-tensor
   hooks count the bytes autograd keeps for the backward,
 * ``backward``: from a random output gradient (or the loss) to the input gradient and weight gradients,
+* for the schedules that split the backward (``zb``, ``varuna-zb``), after a forward under
+  :func:`~varuna_core.model.split.splitting` as the runtime runs it: ``split_backward`` (``B``: the split modules'
+  input gradients and the other modules' whole backward), ``weight`` (``W``: the
+  :class:`~varuna_core.model.split.WeightGrads` run) and ``weight_bytes`` (what the store keeps alive from ``B`` to
+  ``W``),
 
 with warm-up runs first and the median and spread of the timed repeats kept. Segments are spread over
 ``nproc`` local processes that measure in parallel (the original needed exactly one process per segment and
@@ -47,6 +52,7 @@ from ..model.lazy_values import ValueSource
 from ..model.payload import TensorSpec, flatten
 from ..model.precision import autocast
 from ..model.spec import ModelSpec, load_spec
+from ..model.split import WeightGrads, splitting
 from ..model.stage import StageSlice, find_tie_sets, weight_groups
 from ..planning.artifacts import (
     CommCurve,
@@ -292,8 +298,9 @@ def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int
     device = bench.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    forward, recompute, backward = [], [], []
+    forward, recompute, backward, split_backward, weight = [], [], [], [], []
     saved = [0]
+    weight_bytes = 0
     out = None
     for i in range(warmup + repeats):
         timed = i >= warmup
@@ -310,16 +317,38 @@ def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int
                 f"(limit {memory_limit:,})")
         roots, grads = bench.output_grads(out)
         t_b, _ = _time(functools.partial(bench.backward, roots, grads), device)
+        for p in bench.params:
+            p.grad = None
+        t_sb, t_w, weight_bytes = _split_backward(bench, inputs, n)
         if timed:
             forward.append(t_f)
             recompute.append(t_r)
             backward.append(t_b)
+            split_backward.append(t_sb)
+            weight.append(t_w)
         for p in bench.params:
             p.grad = None
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     return SegmentMeasure(microbatch_size=n, forward=_stat(forward), recompute=_stat(recompute),
-                          backward=_stat(backward), output_bytes=bench.output_bytes(out), saved_bytes=saved[0],
+                          backward=_stat(backward), split_backward=_stat(split_backward), weight=_stat(weight),
+                          weight_bytes=weight_bytes, output_bytes=bench.output_bytes(out), saved_bytes=saved[0],
                           skip_bytes=bench.skip_bytes(out), peak_bytes=peak)
+
+
+def _split_backward(bench: _SegmentBench, inputs: dict, n: int) -> tuple[float, float, int]:
+    """``(B time, W time, bytes W keeps)`` of the segment's backward split as the runtime splits it under ``zb`` and
+    ``varuna-zb``: a forward under :func:`~varuna_core.model.split.splitting` (not timed: the schedules' ``F`` or
+    ``R``), then ``B`` (a plain backward of that graph), the store's ``nbytes`` between the two, then ``W``."""
+    device = bench.device
+    incoming = bench.incoming(n)
+    store = WeightGrads()
+    with splitting(store):
+        out = bench.run(inputs, n, incoming, grad=True)
+    roots, grads = bench.output_grads(out)
+    t_b, _ = _time(functools.partial(bench.backward, roots, grads), device)
+    kept = store.nbytes
+    t_w, _ = _time(store.run, device)
+    return t_b, t_w, kept
 
 
 def _static_sizes(bench: _SegmentBench, repeats: int = 5) -> tuple[int, int, int, int, float]:
