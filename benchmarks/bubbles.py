@@ -20,9 +20,10 @@ schedule), and it is compared with
   action; messages, a few bytes on the loopback, as measured per action too): what the planner predicts from a
   profile of this model, and the error is the schedule model's.
 
-It also prints, per ``(pp, M)``, the share of its unsplit twin's bubble that each split schedule removes (bubble
-= measured − the busiest stage's measured work, which counts the runtime's own time per action too; ``zb`` against ``1f1b``, ``varuna-zb`` against ``varuna``). The targets: ``zb`` removes
-≥ 2/3 at ``M = 2pp``; the simulator within 3% on every row.
+It also prints, per ``(pp, M)``, the share of its unsplit twin's bubble that each split schedule removes
+(``zb`` against ``1f1b``, ``varuna-zb`` against ``varuna``; bubble = measured − the busiest stage's measured
+work, which counts the runtime's own time per action too). The targets: ``zb`` removes ≥ 2/3 at ``M = 2pp``;
+the simulator within 3% on every row.
 
     python benchmarks/bubbles.py [--unit 0.02] [--pp 2,4,8] [--steps 3] [--json]
 

@@ -92,7 +92,7 @@ PLAN_MUTATIONS = [
     ({"nodes": [[0, 1], [2]]}, "rank 3 is on no node"),
     ({"nodes": [[0, 1, 2, 3, 7]]}, "nodes[0] has 5 ranks"),
     ({"nodes": [[], [0, 1, 2, 3]]}, "nodes[0] has 0 ranks"),
-    ({"schedule": "zb"}, "schedule: unknown schedule 'zb'; choose one of varuna, 1f1b, gpipe"),
+    ({"schedule": "zb-h2"}, "schedule: unknown schedule 'zb-h2'; choose one of varuna, 1f1b, gpipe, zb, varuna-zb"),
     ({"schedules": []}, "schedules"),
     ({"headroom": float("nan")}, "headroom: Input should be a finite number"),
     ({"headroom": 1.5}, "headroom"),

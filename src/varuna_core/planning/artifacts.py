@@ -534,9 +534,10 @@ def _check_stages(p: Plan) -> None:
         if s == 0 and st.send_gradient:
             raise ValueError(f"stages[0] is the first stage, which sends no gradient to a previous one, but has "
                              f"send_gradient {st.send_gradient:g}")
-        if max(st.held_microbatches, st.pending_weights) > p.num_microbatches:
-            raise ValueError(f"stages[{s}]: held_microbatches {st.held_microbatches} or pending_weights "
-                             f"{st.pending_weights} is more than the num_microbatches {p.num_microbatches} of a step")
+        for field in ("held_microbatches", "pending_weights"):
+            if getattr(st, field) > p.num_microbatches:
+                raise ValueError(f"stages[{s}]: {field} {getattr(st, field)} is more than the num_microbatches "
+                                 f"{p.num_microbatches} of a step")
         if (st.weight or st.weight_bytes or st.pending_weights) and not split:
             raise ValueError(f"stages[{s}] has weight {st.weight:g}, weight_bytes {st.weight_bytes} and "
                              f"pending_weights {st.pending_weights}, but schedule {p.schedule} does not split the "
