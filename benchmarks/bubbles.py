@@ -17,8 +17,9 @@ schedule), and it is compared with
   others have no closed form (``-``);
 * ``simulated``: the planner's simulator (:func:`varuna_core.planning.simulate.simulate`) on the schedule the
   runtime ran, with each stage's F, R, B and W the mean the runtime measured (sleep plus its own time per
-  action; messages, a few bytes on the loopback, as measured per action too): what the planner predicts from a
-  profile of this model, and the error is the schedule model's.
+  action), messages free (a few bytes on the loopback), and no opportunistic forward (gloo's receives cannot
+  tell that they completed, so on CPU the runtime never moves a forward): what the planner predicts from a
+  profile of this model; the error is the schedule model's.
 
 It also prints, per ``(pp, M)``, the share of its unsplit twin's bubble that each split schedule removes
 (``zb`` against ``1f1b``, ``varuna-zb`` against ``varuna``; bubble = measured − the busiest stage's measured
@@ -183,7 +184,9 @@ def simulated(schedule: str, pp: int, num_mb: int, per_stage: list[dict]) -> flo
 
     costs = [StageCosts(forward=t.get("F", 0.0), recompute=t.get("R", 0.0), backward=t.get("B", 0.0),
                         weight=t.get("W", 0.0)) for t in per_stage]
-    return simulate(generate(schedule, pp, num_mb), costs).pipeline_time
+    # gloo's receives report completion only once waited for, so on CPU the runtime never moves a forward before
+    # a recompute ([Note: opportunistic forward]): simulate that runtime
+    return simulate(generate(schedule, pp, num_mb), costs, opportunistic=False).pipeline_time
 
 
 def main() -> int:

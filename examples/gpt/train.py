@@ -34,7 +34,7 @@ def parse_args() -> argparse.Namespace:
                    help="placement, e.g. '0,2;1,3' (default: one stage per rank, '0;1;...;WORLD_SIZE-1')")
     p.add_argument("--batch-size", type=int, default=32, help="global batch size (examples per step)")
     p.add_argument("--chunk-size", type=int, default=4, help="micro-batch size")
-    p.add_argument("--schedule", choices=["varuna", "1f1b", "gpipe"], default="varuna")
+    p.add_argument("--schedule", choices=["varuna", "1f1b", "gpipe", "zb", "varuna-zb"], default="varuna")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
