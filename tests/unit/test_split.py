@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from varuna_core.errors import ConfigError, InternalError
-from varuna_core.model.split import WeightGrads, splitting
+from varuna_core.model.split import SplitRoute, WeightGrads, splitting
 
 GPT_DIR = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 
@@ -59,7 +59,7 @@ def autocast(on: bool) -> contextlib.AbstractContextManager:
 
 
 def train(model: nn.Module, batches: list[tuple], *, split: bool, amp: bool = False, flat: bool = False,
-          w_order: list[int] | None = None, loss: Callable | None = None) -> dict:
+          w_order: list[int] | None = None, loss: Callable | None = None, route: SplitRoute | None = None) -> dict:
     """Forward and backward of each micro-batch in order (W after all Bs, in ``w_order``; default: each W right
     after its B); returns the parameters' ``.grad`` and the inputs' gradients, and the stores' sizes."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -73,7 +73,7 @@ def train(model: nn.Module, batches: list[tuple], *, split: bool, amp: bool = Fa
     for batch in batches:
         inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in batch)
         store = WeightGrads()
-        with splitting(store) if split else contextlib.nullcontext(), autocast(amp):
+        with splitting(store, route) if split else contextlib.nullcontext(), autocast(amp):
             out = model(*(t * 1 if t.is_floating_point() else t for t in inputs))  # inputs reach ops as non-leaves
         loss(out).backward()
         input_grads += [t.grad for t in inputs if t.is_floating_point()]
@@ -634,3 +634,48 @@ def test_example_gpt_cut_into_stages(monkeypatch) -> None:
     assert ran == [4 + 1, 4, 2]  # the last stage (a block, the head), the middle one (a block), the first (wte, wpe)
     assert sorted(reference) == sorted(grads)
     assert_same([reference[n] for n in sorted(reference)], [grads[n] for n in sorted(grads)])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the module route
+
+
+ROUTED = {  # model, batches, whether the later blocks may skip the mode
+    "chain": (lambda: Chain(), lambda: batches_of((4, 6, 24)), True),
+    "shared": (lambda: Shared(), lambda: batches_of((4, 6, 24)), True),
+    "gpt": (_tiny_gpt, lambda: _gpt_batches(3), True),
+    "tied-functional-head": (lambda: TiedHead(), lambda: [(idx[:, :6] % 40,) for (idx,) in id_batches()], False),
+    "used-after": (lambda: UsedElsewhere("after"), lambda: batches_of((3, 5, 24)), False),
+    "used-before": (lambda: UsedElsewhere("before"), lambda: batches_of((3, 5, 24)), False),
+}
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(ROUTED))
+def test_the_module_route_splits_as_the_mode_does(name: str, amp: bool) -> None:
+    """[Note: split route]: the first block of a route runs under the mode; when every split call came from an
+    nn.Linear or nn.Embedding forward and nothing needed the mode, the later ones run without it, and the
+    gradients are the mode's (and the unsplit backward's) bit for bit; otherwise the mode stays."""
+    make, batches, modules_only = ROUTED[name]
+    loss = (lambda out: out) if name == "gpt" else None
+    plain = train(seeded(make)(), batches(), split=False, amp=amp, flat=True, loss=loss)
+    route = SplitRoute()
+    routed = train(seeded(make)(), batches(), split=True, amp=amp, flat=True, loss=loss, route=route)
+    assert route.modules_only is modules_only, route
+    assert_same(plain["params"], routed["params"], "params")
+    assert_same(plain["inputs"], routed["inputs"], "inputs")
+    moded = train(seeded(make)(), batches(), split=True, amp=amp, flat=True, loss=loss)
+    assert routed["entries"] == moded["entries"]
+
+
+def test_the_module_route_leaves_the_classes_as_they_were() -> None:
+    linear, embedding = nn.Linear.forward, nn.Embedding.forward
+    route = SplitRoute()
+    for _ in range(2):
+        with splitting(WeightGrads(), route):
+            assert nn.Linear.forward is not linear
+    assert route.modules_only is True  # nothing was split, nothing needed the mode
+    assert (nn.Linear.forward, nn.Embedding.forward) == (linear, embedding)
+    with pytest.raises(RuntimeError), splitting(WeightGrads(), route):
+        raise RuntimeError("a forward that fails")
+    assert (nn.Linear.forward, nn.Embedding.forward) == (linear, embedding)

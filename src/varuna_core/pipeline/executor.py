@@ -56,7 +56,7 @@ from ..ir.topology import Topology
 from ..model.buffer_writes import Snapshot
 from ..model.payload import ValueSpec, flatten
 from ..model.precision import autocast
-from ..model.split import WeightGrads, splitting
+from ..model.split import SplitRoute, WeightGrads, splitting
 from ..model.stage import StageSlice
 from . import p2p
 from .microbatch import to_device
@@ -107,6 +107,7 @@ class _Step:
     kept: list[int] = dataclasses.field(default_factory=lambda: [0, 0])  # most unwaited sent values per direction
     held: int = 0  # micro-batches forwarded and not yet backwarded
     deferred: dict[int, WeightGrads] = dataclasses.field(default_factory=dict)  # B ran, W not yet: per micro-batch
+    route: SplitRoute = dataclasses.field(default_factory=SplitRoute)  # how this step's forwards are split
     busy: float = 0.0  # seconds inside actions
 
     def rng_key(self, mb: int) -> tuple[int, int, int] | None:
@@ -446,7 +447,7 @@ class PipelineExecutor:
             if grad and step.split:  # the graph this builds defers its weights' gradients to W
                 st = step.state[mb]
                 st.weights = WeightGrads()
-                split.enter_context(splitting(st.weights))
+                split.enter_context(splitting(st.weights, step.route))
             out = self._forward(step.microbatches[mb], incoming, step.sizes[mb], grad=grad, rng=step.rng_key(mb))
         self._computed += time.perf_counter() - started
         return out
