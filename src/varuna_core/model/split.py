@@ -776,49 +776,43 @@ class SplitRoute:
 _ACTIVE: list[_Region] = []  # the region of the running splitting() block (blocks do not nest)
 
 
-def _linear_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` while a :func:`splitting` block runs: the split call, or the plain one."""
-    region = _ACTIVE[-1] if _ACTIVE else None
-    if region is None or region.mode is not None or not torch.is_grad_enabled():
-        if region is not None:
+def _module_forward(original: Callable, split: Callable[[_SplitMode, Any, torch.Tensor], Any]) -> Callable:
+    """``original`` (``nn.Linear.forward`` or ``nn.Embedding.forward``) while a :func:`splitting` block runs: on
+    the module route the split call (or the plain one where ``split`` declines), under the mode the plain call,
+    counted as coming from the module ([Note: split route])."""
+
+    def forward(module: Any, input: torch.Tensor) -> torch.Tensor:
+        region = _ACTIVE[-1] if _ACTIVE else None
+        if region is None:  # another thread's call while a block runs
+            return original(module, input)
+        if region.mode is not None or not torch.is_grad_enabled():
             region.in_module += 1
             try:
-                return _ORIGINAL_LINEAR_FORWARD(module, input)
+                return original(module, input)
             finally:
                 region.in_module -= 1
-        return _ORIGINAL_LINEAR_FORWARD(module, input)
-    assert region.splitter is not None
-    out = region.splitter._linear((input, module.weight, module.bias), {})
-    return _ORIGINAL_LINEAR_FORWARD(module, input) if out is _PLAIN else out
+        assert region.splitter is not None
+        out = split(region.splitter, module, input)
+        return original(module, input) if out is _PLAIN else out
 
-
-def _embedding_forward(module: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
-    """``nn.Embedding.forward`` while a :func:`splitting` block runs: the split call, or the plain one."""
-    region = _ACTIVE[-1] if _ACTIVE else None
-    if region is None or region.mode is not None or not torch.is_grad_enabled():
-        if region is not None:
-            region.in_module += 1
-            try:
-                return _ORIGINAL_EMBEDDING_FORWARD(module, input)
-            finally:
-                region.in_module -= 1
-        return _ORIGINAL_EMBEDDING_FORWARD(module, input)
-    assert region.splitter is not None
-    out = region.splitter._embedding((input, module.weight, module.padding_idx, module.max_norm,
-                                      module.norm_type, module.scale_grad_by_freq, module.sparse), {})
-    return _ORIGINAL_EMBEDDING_FORWARD(module, input) if out is _PLAIN else out
+    return forward
 
 
 _ORIGINAL_LINEAR_FORWARD = nn.Linear.forward
 _ORIGINAL_EMBEDDING_FORWARD = nn.Embedding.forward
+_linear_forward = _module_forward(
+    _ORIGINAL_LINEAR_FORWARD, lambda splitter, m, x: splitter._linear((x, m.weight, m.bias), {}))
+_embedding_forward = _module_forward(
+    _ORIGINAL_EMBEDDING_FORWARD, lambda splitter, m, x: splitter._embedding(
+        (x, m.weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse), {}))
 
 
 @contextlib.contextmanager
 def _modules_patched() -> Iterator[None]:
     """``nn.Linear`` and ``nn.Embedding`` (the classes, not their subclasses' overrides) forward through the
     running region for the block."""
-    nn.Linear.forward = _linear_forward  # type: ignore[method-assign,assignment]
-    nn.Embedding.forward = _embedding_forward  # type: ignore[method-assign,assignment]
+    nn.Linear.forward = _linear_forward  # type: ignore[method-assign]
+    nn.Embedding.forward = _embedding_forward  # type: ignore[method-assign]
     try:
         yield
     finally:
