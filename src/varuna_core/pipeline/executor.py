@@ -25,12 +25,15 @@ whatever the timing: results do not depend on it. The simulator applies the same
 receive's ``is_completed()``: gloo's point-to-point handles report completion only once waited for, so on gloo
 (CPU) the forward never moves and the static order runs; NCCL's handles report it.
 
-[Note: split backward] Under a schedule with ``W`` actions (``zb``, ``varuna-zb``), every forward that builds a
+[Note: W actions] Under a schedule with ``W`` actions (``zb``, ``varuna-zb``), every forward that builds a
 graph (``F`` without recompute, or ``R``) runs under :func:`~varuna_core.model.split.splitting`: the split modules'
 nodes then compute only their input's gradient in ``B`` and leave their weights' work in the micro-batch's
 :class:`~varuna_core.model.split.WeightGrads`, which ``B`` hands on (the graph itself is freed as usual) and ``W``
-runs. The schedule's validator guarantees one ``W`` after each ``B``, so no deferred work outlives the run; the
-weights' gradients are complete when the actions end, before the gradient synchronisation.
+runs (see [Note: split backward] in :mod:`varuna_core.model.split`). The schedule's validator guarantees one ``W``
+after each ``B``, so no deferred work outlives the run; the weights' gradients are complete when the actions end,
+before the gradient synchronisation. Each step gets a new :class:`~varuna_core.model.split.SplitRoute`: its first
+forward runs under the mode that sees every call, the later ones skip it where that changes nothing ([Note: split
+route]).
 
 A recompute draws the same dropout masks as its forward because both seed each segment from (seed, step,
 micro-batch, segment) (see [Note: deterministic dropout] in :mod:`varuna_core.model.rng`); the original restored a
@@ -92,7 +95,7 @@ class _Step:
     capture: list | None
     actions: list[Action]  # in the order they run ([Note: opportunistic forward] may move forwards up)
     recompute: bool  # this stage's forwards keep no graph: a recompute (R) precedes each backward
-    split: bool  # the backward is split: B computes the input gradient, W the weights' ([Note: split backward])
+    split: bool  # the backward is split: B computes the input gradient, W the weights' ([Note: W actions])
     cap: int  # fewer micro-batches than this held: a forward may move before a recompute
     state: dict[int, _MicroState]
     loss_sum: torch.Tensor
@@ -428,12 +431,12 @@ class PipelineExecutor:
         st = step.state[mb]
         self._backward(step, st, pending, action)
         self._computed += time.perf_counter() - started - (self._waited - waited_before)
-        if st.weights is not None:  # what W needs outlives the graph: [Note: split backward]
+        if st.weights is not None:  # what W needs outlives the graph: [Note: W actions]
             step.deferred[mb] = st.weights
         step.state[mb] = _MicroState()
 
     def _do_weights(self, step: _Step, action: Action) -> None:
-        """W: the weights' gradients of micro-batch ``mb``, deferred by its B ([Note: split backward])."""
+        """W: the weights' gradients of micro-batch ``mb``, deferred by its B ([Note: W actions])."""
         weights = step.deferred.pop(action.mb, None)
         if weights is None:
             raise InternalError(f"{self._who()} reached {action}, whose B has not run (or ran without the split)")
