@@ -35,7 +35,7 @@ LONGEST_FIRST = (
     "tests/launch/test_regroup_ssh.py",  # 58
     "tests/launch/test_launch_faults.py",  # 50
     "tests/dist/test_features.py",  # 50
-    "tests/dist/test_zero_bubble.py",  # 49
+    "tests/dist/test_zero_bubble.py",  # 34
     "tests/dist/test_meta_parity.py",  # 47
     "tests/launch/test_snapshot_ssh.py",  # 44
     "tests/launch/test_ckpt_local_ssh.py",  # 38
