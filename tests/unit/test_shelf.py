@@ -245,6 +245,11 @@ def test_fetch_round_trip(shelf, server) -> None:
     entries = fetch_into("127.0.0.1", server.port, job=JOB, token=TOKEN, names=list(blobs),
                          into=lambda e: memoryview(buffers[e.name]), max_bytes=2**40)
     assert {n: bytes(b) for n, b in buffers.items()} == blobs and entries.keys() == blobs.keys()
+    # the server counts a reply once its last byte is handed to the socket, which may be after the client has read
+    # it: wait for the count (bounded), do not race it
+    deadline = time.monotonic() + 10
+    while server.served < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert server.served == 2 and server.refused == {}
 
 
