@@ -22,25 +22,23 @@ def _no_skips(report) -> None:
 # The files that take longest (seconds measured on 2 cores: `make test PYTEST_ARGS=--durations=0`), longest first.
 # `make test` hands whole files to its workers in collection order (`--dist loadfile --no-loadscope-reorder`);
 # starting with these, the workers end together instead of one of them finishing a two-minute file alone.
-LONGEST_FIRST = (  # seconds: per-file sums of `--durations=0` in a fresh-clone `.ci/run` (2 workers)
-    "tests/launch/test_chaos_ssh.py",  # 170
-    "tests/launch/test_handover_ssh.py",  # 152
-    "tests/launch/test_slurm.py",  # 120
-    "tests/launch/test_launch_ssh.py",  # 118
-    "tests/launch/test_hf_examples.py",  # 99
-    "tests/launch/test_regroup_ssh.py",  # 97
-    "tests/dist/test_hf_parity.py",  # 93
-    "tests/launch/test_launch_local.py",  # 78
-    "tests/dist/test_parity.py",  # 72
-    "tests/launch/test_launch_faults.py",  # 65
-    "tests/launch/test_original_launcher.py",  # 65
-    "tests/dist/test_meta_parity.py",  # 58
-    "tests/launch/test_ckpt_local_ssh.py",  # 49
-    "tests/dist/test_features.py",  # 47
-    "tests/dist/test_zero_bubble.py",  # 46
-    "tests/launch/test_snapshot_ssh.py",  # 45
-    "tests/unit/test_profile.py",  # 37
-    "tests/dist/test_shard.py",  # 35
+LONGEST_FIRST = (
+    "tests/launch/test_launch_ssh.py",  # 171
+    "tests/launch/test_chaos_ssh.py",  # 163
+    "tests/launch/test_handover_ssh.py",  # 125
+    "tests/launch/test_slurm.py",  # 105
+    "tests/launch/test_hf_examples.py",  # 78
+    "tests/launch/test_launch_local.py",  # 76
+    "tests/dist/test_parity.py",  # 70
+    "tests/dist/test_hf_parity.py",  # 67
+    "tests/launch/test_original_launcher.py",  # 58
+    "tests/launch/test_regroup_ssh.py",  # 58
+    "tests/launch/test_launch_faults.py",  # 50
+    "tests/dist/test_features.py",  # 50
+    "tests/dist/test_zero_bubble.py",  # 34
+    "tests/dist/test_meta_parity.py",  # 47
+    "tests/launch/test_snapshot_ssh.py",  # 44
+    "tests/launch/test_ckpt_local_ssh.py",  # 38
 )
 
 
