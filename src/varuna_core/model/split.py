@@ -91,6 +91,7 @@ in that order would); in B's order the result equals the unsplit one bit for bit
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import logging
@@ -161,7 +162,7 @@ def _graph_task() -> int:
 # What W runs
 
 
-class _Work:
+class _Work(abc.ABC):
     """One deferred piece of W: the gradients it hands to autograd, and the tensors it keeps until then."""
 
     kind = "call"
@@ -180,8 +181,9 @@ class _Work:
                 raise InternalError(f"a tensor kept for the weight gradients of a split {self.kind} (shape "
                                     f"{list(tensor.shape)}) was modified in place between B and W")
 
+    @abc.abstractmethod
     def gradients(self) -> list[tuple[GradientEdge, torch.Tensor]]:
-        raise NotImplementedError
+        """``(where the gradient goes, the gradient)`` pairs W hands to autograd, in B's order."""
 
 
 class _LinearWork(_Work):
