@@ -506,6 +506,77 @@ def test_a_file_written_in_reserved_room_becomes_a_blob_without_a_copy(tmp_path)
     shelf.put("other", b"x" * 5000)  # the unused room was given back
 
 
+def test_a_prefault_touches_room_that_each_write_then_gives_back_within_the_budget(tmp_path, monkeypatch) -> None:
+    """The warm room (memory touched while the new configuration warms up) counts against the budget, and a
+    reservation or a put first takes its bytes out of it: the shelf never holds more than its budget, and a
+    publish that fits without a prefault fits with one."""
+    monkeypatch.setattr(shelf_mod, "WARM_CHUNK", 1000)  # several steps, so the loop and its bounds are exercised
+    monkeypatch.setattr(shelf_mod, "_spare_memory", lambda: 1 << 40)
+    shelf = Shelf(JOB, root=tmp_path, budget=10_000)
+    shelf.put("a", b"x" * 2000)
+    used = shelf._used()
+    assert shelf.prefault(20_000) == 10_000 - used == shelf.warm_bytes  # stopped at the budget
+    assert shelf._used() == 10_000
+    with shelf.reserve(6000) as space:  # would not fit beside the warm room: it gives back what it needs
+        assert shelf.warm_bytes == 10_000 - used - 6000 and shelf._used() <= 10_000
+        path, digest = _staged(space, "f", os.urandom(5000))
+        space.adopt("b", path, sha256=digest)
+    assert shelf._used() <= 10_000
+    shelf.put("c", b"y" * 500)  # a put gives back its bytes too
+    assert shelf.names() == ["a", "b", "c"] and shelf._used() <= 10_000
+    assert shelf.cool() == shelf.warm_bytes == 0 or shelf.warm_bytes == 0
+    assert not (shelf.path / "room.warm").exists() and shelf.cool(5) == 0
+
+
+def test_a_prefault_stops_when_asked_at_the_free_memory_and_at_the_file_systems_free_space(tmp_path,
+                                                                                          monkeypatch) -> None:
+    monkeypatch.setattr(shelf_mod, "WARM_CHUNK", 1000)
+    shelf = Shelf(JOB, root=tmp_path)
+    monkeypatch.setattr(shelf_mod, "_spare_memory", lambda: 2500 - shelf.warm_bytes)  # a host with 2500 to spare
+    assert shelf.prefault(10_000) == 2500  # the host's spare memory, then no more
+    assert shelf.cool(1000) == 1000 and shelf.warm_bytes == 1500
+    monkeypatch.setattr(shelf_mod, "_spare_memory", lambda: 0)
+    assert shelf.prefault(10_000) == 1500  # nothing more, and nothing taken back
+    stop = threading.Event()
+    stop.set()
+    monkeypatch.setattr(shelf_mod, "_spare_memory", lambda: 1 << 40)
+    assert Shelf("job-2", root=tmp_path).prefault(10_000, stop=stop) == 0
+    usage = type(shutil.disk_usage(tmp_path))
+    third = Shelf("job-3", root=tmp_path)
+    monkeypatch.setattr(shelf_mod.shutil, "disk_usage",
+                        lambda path: usage(10**6, 10**6 - 3500 + third.warm_bytes, 3500 - third.warm_bytes))
+    assert third.prefault(10_000) == 2500  # a chunk of the file system's free space is left free
+    for bad in (-1, True, 1.5, "8"):
+        with pytest.raises(HandoverError, match="prefault"):
+            shelf.prefault(bad)  # type: ignore[arg-type]
+    shelf.clear()
+    assert not shelf.path.exists()
+
+
+def test_a_prefault_on_a_file_system_without_fallocate_keeps_what_it_touched(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(shelf_mod, "WARM_CHUNK", 1000)
+    monkeypatch.setattr(shelf_mod, "_spare_memory", lambda: 1 << 40)
+    real, calls = os.posix_fallocate, []
+
+    def fallocate(fd, offset, length):
+        calls.append(offset)
+        if len(calls) > 2:
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(shelf_mod.os, "posix_fallocate", fallocate)
+    shelf = Shelf(JOB, root=tmp_path)
+    assert shelf.prefault(10_000) == 2000 == shelf.warm_bytes
+
+
+def test_spare_memory_leaves_a_margin() -> None:
+    spare = shelf_mod._spare_memory()
+    with open("/proc/meminfo") as stream:
+        fields = dict(line.split(":", 1) for line in stream.read().splitlines())
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    assert 0 <= spare <= available - (1 << 30) or spare == 0
+
+
 def test_a_reservation_over_the_budget_or_the_free_space_is_refused(tmp_path, monkeypatch) -> None:
     shelf = Shelf(JOB, root=tmp_path, budget=10_000)
     shelf.put("a", b"x" * 6000)
