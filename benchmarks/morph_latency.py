@@ -77,8 +77,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 BASE_TARGET_S = 1.5
-PATHS = ("restart", "handover", "handover-cold")  # -cold: without touching the memory ahead (VARUNA_NO_PREFAULT)
-DEFAULT_PATHS = ("restart", "handover")
+PATHS = ("restart", "handover")
 MORPHS = ("shrink", "grow", "preempt")
 
 
@@ -230,8 +229,8 @@ def analyse(run: Path, path: str, t_change: float, old: int, store_bytes: int | 
         "time_lost_s": first_new["t"] - last["t"] - step_new,
     }
     handed_over = any(e["event"] == "published" and e["attempt"] == old for e in evs)
-    if path.startswith("handover") and not handed_over:
-        row["path"] = f"{path} (fell back to the store)"
+    if path == "handover" and not handed_over:
+        row["path"] = "handover (fell back to the store)"
         if not any(e["event"] == "signal" and e["attempt"] == old for e in evs):
             raise LookupError(f"attempt {old} neither published its state nor was asked to checkpoint: "
                               f"{[e['event'] for e in evs if e.get('attempt') in (old, new)]}")
@@ -239,7 +238,6 @@ def analyse(run: Path, path: str, t_change: float, old: int, store_bytes: int | 
         asked = _one([e for e in evs if e["event"] == "handover_asked" and e["attempt"] == old], "handover_asked")
         published = _one([e for e in evs if e["event"] == "published" and e["attempt"] == old], "published")
         go = _one([e for e in evs if e["event"] == "go" and e["attempt"] == new], "go")
-        prefaults = [e for e in evs if e["event"] == "prefaulted" and e["attempt"] in (old, new)]
         local, remote = first.get("taken_local") or 0, first.get("taken_remote") or 0
         take = first["t_resumed"] - go["t"]
         during = [m["step_time"] for m in olds if m.get("step_time") and t0 < m["t"] <= asked["t"]]
@@ -255,9 +253,6 @@ def analyse(run: Path, path: str, t_change: float, old: int, store_bytes: int | 
             else None,  # of "state out": the publish itself, from the first rank's start to the last rank's end
             "published_bytes": published.get("bytes"), "bytes_local": local, "bytes_remote": remote,
             "rate_MBps": (local + remote) / take / 1e6 if take > 0 else None,
-            # the memory the hosts touched ahead of the handover (Shelf.prefault), off the critical path
-            "prefault_bytes": sum(e["held"] for e in prefaults),
-            "prefault_s": max((e["seconds"] for e in prefaults), default=None),
         })
     else:
         signalled = _one([e for e in evs if e["event"] == "signal" and e["attempt"] == old], "signal")
@@ -408,8 +403,7 @@ def run_scenario(sc: Scenario, plan: Path, cluster, work: Path, store_private: P
     where = work / f"{model.key}-{path}"
     where.mkdir(parents=True, exist_ok=True)
     run, hosts = where / "run", where / "hosts.txt"
-    handover = path.startswith("handover")
-    store = store_private if handover else where / "store"
+    store = store_private if path == "handover" else where / "store"
     lines = cluster.hosts_file_lines(1)
     _write_hosts(hosts, lines)
     args = [str(plan), "--run-dir", str(run), "--ckpt-dir", str(store), "--hosts", str(hosts), "--morph",
@@ -417,8 +411,7 @@ def run_scenario(sc: Scenario, plan: Path, cluster, work: Path, store_private: P
     if path == "restart":
         args += ["--no-handover", "--ckpt-keep", "2"]
     budget = model.timeout * (len(MORPHS) + 1)
-    launch = Launch([*args, "--", *model.train_args()], run, timeout=budget,
-                    env={"VARUNA_NO_PREFAULT": "1"} if path == "handover-cold" else None)
+    launch = Launch([*args, "--", *model.train_args()], run, timeout=budget)
     job = None
     try:
         log(f"{model.key}/{path}: started; waiting for {model.between} steps")
@@ -559,8 +552,7 @@ def tables(report: dict) -> str:
             out.append(f"| {sc['model']} | — | {sc['path']} | ERROR: {sc['error'][:300]} |")
     out.append("")
     head = ["model", "morph", "path", "state (MB)", "publish (s)", "same host (MB)", "across hosts (MB)",
-            "take/load (s)", "rate (MB/s)", "step old (s)", "step old while warming (s)", "touched ahead (MB)",
-            "touching (s)"]
+            "take/load (s)", "rate (MB/s)", "step old (s)", "step old while warming (s)"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "---|" * len(head))
     for sc in report["scenarios"]:
@@ -568,8 +560,7 @@ def tables(report: dict) -> str:
             cells = [sc["model"], row["morph"], row["path"], _mb(row["published_bytes"]), _f(row.get("publish_s")),
                      _mb(row["bytes_local"]),
                      _mb(row["bytes_remote"]), _f(row["phases_s"]["take"]), _f(row["rate_MBps"], ".0f"),
-                     _f(row["step_old_s"]), _f(row.get("step_old_warming_s")),
-                     _mb(row.get("prefault_bytes")) if row.get("prefault_bytes") else "—", _f(row.get("prefault_s"))]
+                     _f(row["step_old_s"]), _f(row.get("step_old_warming_s"))]
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -580,9 +571,7 @@ def tables(report: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=["small", "big", "both"], default="both")
-    p.add_argument("--paths", default=",".join(DEFAULT_PATHS),
-                   help="comma-separated: restart, handover, handover-cold (the handover without touching its memory "
-                   "ahead of the publish; default: restart,handover)")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated: restart, handover (default both)")
     p.add_argument("--preempt-in", type=float, default=30.0,
                    help="seconds the preemption notice gives (default 30, as Azure and GCP; the launcher's "
                         "--preempt-margin is 30)")

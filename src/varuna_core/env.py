@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .util.checks import env_integer
 
 __all__ = ["DEBUG", "TIMEOUT", "TRACE", "PLAN", "RUN_ID", "NO_NATIVE", "CACHE_DIR", "TORCHRUN", "WorkerEnv",
-           "LAUNCHER_SET", "NO_PREFAULT", "flag", "debug", "text", "exact", "HOST", "JOB_ID", "JOB_TOKEN", "ATTEMPT",
+           "LAUNCHER_SET", "flag", "debug", "text", "exact", "HOST", "JOB_ID", "JOB_TOKEN", "ATTEMPT",
            "MANAGER"]
 
 # the user's switches
@@ -26,7 +26,6 @@ TIMEOUT = "VARUNA_TIMEOUT"  # seconds any single communication wait may take
 TRACE = "VARUNA_TRACE"  # directory for Chrome traces of one step
 NO_NATIVE = "VARUNA_NO_NATIVE"  # 1: the pure-Python simulator instead of the C++ one
 CACHE_DIR = "VARUNA_CACHE_DIR"  # where structure discovery caches its dry runs
-NO_PREFAULT = "VARUNA_NO_PREFAULT"  # 1: a morph by handover does not touch its memory ahead (to measure what it saves)
 # set by the launcher (and read by the worker): see WorkerEnv
 PLAN = "VARUNA_PLAN"
 RUN_ID = "VARUNA_RUN_ID"

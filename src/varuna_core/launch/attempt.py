@@ -35,7 +35,7 @@ from typing import Any, Literal, Protocol, TextIO, overload
 
 from pydantic import ValidationError
 
-from ..env import NO_PREFAULT, WorkerEnv, flag
+from ..env import WorkerEnv
 from ..errors import EXIT_BAD_CHECKPOINT, EXIT_CHECKPOINTED, EXIT_LEFT, ConfigError, VarunaError
 from ..planning.artifacts import Plan, save_plan
 from .heartbeat import Beat, Listener
@@ -595,8 +595,6 @@ class Attempt:
         ``state_bytes``; nothing where a plan does not know them (planned without a profile)."""
         successor = self.successor
         assert successor is not None
-        if flag(NO_PREFAULT):
-            return
         publish = _state_by_host(self.plan, self.nodes, once_per_stage=True)
         freed = _state_by_host(self.plan, self.nodes, once_per_stage=False)
         take = _state_by_host(successor.plan, successor.nodes, once_per_stage=False)
