@@ -20,7 +20,6 @@ from varuna_core.launch.protocol import (
     AgentSpec,
     ErrorEvent,
     LegacyArgs,
-    PrefaultCommand,
     SignalCommand,
     StopCommand,
     parse_command,
@@ -68,8 +67,6 @@ def test_only_well_formed_events_count(line) -> None:
     {"event": "error", "message": "boom"}, {"event": "stopped"},
     {"event": "preempt", "source": "gcp", "seconds": 0.0, "detail": "preempted"},
     {"event": "signalled", "signal": "SIGUSR1"}, {"event": "signalled", "signal": "SIGTERM"},
-    {"event": "prefault", "nbytes": 3 << 30, "held": 1 << 30, "seconds": 1.5, "message": None},
-    {"event": "prefault", "nbytes": 10, "held": 0, "seconds": 0.0, "message": "prefault failed: no room"},
 ])
 def test_real_events_are_accepted(event) -> None:
     assert parse_event(json.dumps(event).encode()).model_dump() == event
@@ -89,7 +86,6 @@ def test_the_launchers_spec_and_commands_survive_the_wire() -> None:
     assert parse_command(StopCommand(grace=3).model_dump_json()).grace_or(5) == 3
     assert parse_command('{"cmd": "stop", "grace": "soon"}').grace_or(5) == 5  # a stop still stops
     assert parse_command('{"cmd": "stop", "grace": 1e9}').grace_or(5) == 3600
-    assert parse_command(PrefaultCommand(nbytes=3 << 30).model_dump_json()) == PrefaultCommand(nbytes=3 << 30)
 
 
 @pytest.mark.parametrize("change, needle", [
@@ -108,11 +104,7 @@ def test_a_wrong_spec_is_refused_in_one_line(change, needle) -> None:
     assert needle in message and "\n" not in message and len(message) < 500
 
 
-@pytest.mark.parametrize("line", ['{"cmd": "signal"}', '{"cmd": "signal", "signal": 9}', '{"cmd": "reboot"}', "{}",
-                                  '{"cmd": "prefault"}', '{"cmd": "prefault", "nbytes": -1}',
-                                  '{"cmd": "prefault", "nbytes": true}', '{"cmd": "prefault", "nbytes": "1"}',
-                                  '{"cmd": "prefault", "nbytes": 1e3}',
-                                  '{"cmd": "prefault", "nbytes": 1125899906842625}'])
+@pytest.mark.parametrize("line", ['{"cmd": "signal"}', '{"cmd": "signal", "signal": 9}', '{"cmd": "reboot"}', "{}"])
 def test_a_wrong_command_is_refused(line) -> None:
     with pytest.raises(ValueError):
         parse_command(line)
@@ -294,33 +286,3 @@ def test_sigkill_ends_the_workers_at_once_and_the_agent_stays_until_stopped() ->
     proc.stdin.write(b'{"cmd": "stop", "grace": 0}\n')
     proc.stdin.flush()
     assert _events(proc)[-1]["event"] == "stopped"
-
-
-def test_a_prefault_touches_the_shelfs_memory_and_is_reported(tmp_path) -> None:
-    """A morph's warm-up asks each host's agent to touch the memory its workers' publish will write; the agent
-    says how much it touched, a second command replaces the first, and the stop clears the room with the shelf."""
-    from varuna_core.launch.shelf import Shelf
-
-    spec = {**_spec([sys.executable, "-c", "import time; time.sleep(30)"]),
-            "shelf": {"root": str(tmp_path), "key": "testjob0-a1", "budget": 5 << 20},
-            "env": {"VARUNA_JOB_TOKEN": "t0ken"}}
-    proc = _agent(spec)
-    shelf = Shelf("testjob0-a1", root=tmp_path)
-    seen = []
-    for nbytes in (3 << 20, 8 << 20):  # the second is over the budget: it stops there
-        proc.stdin.write((json.dumps({"cmd": "prefault", "nbytes": nbytes}) + "\n").encode())
-        proc.stdin.flush()
-        while True:
-            line = proc.stdout.readline()
-            assert line, "the agent ended early"
-            event = _parse(line)
-            if event is not None and event["event"] == "prefault":
-                seen.append(event)
-                break
-    assert [(e["nbytes"], e["held"], e["message"]) for e in seen] == [(3 << 20, 3 << 20, None),
-                                                                      (8 << 20, 5 << 20, None)]
-    assert shelf.warm_bytes == 5 << 20
-    proc.stdin.write(b'{"cmd": "stop", "grace": 1}\n')
-    proc.stdin.flush()
-    assert _events(proc)[-1]["event"] == "stopped"
-    assert not shelf.path.exists()

@@ -10,14 +10,7 @@ import pytest
 
 from tests.profiles import make_profile
 from varuna_core.errors import ConfigError
-from varuna_core.launch.attempt import (
-    JobFiles,
-    _state_by_host,
-    crash_cause,
-    local_checkpoints_in,
-    place,
-    worker_argv,
-)
+from varuna_core.launch.attempt import JobFiles, crash_cause, local_checkpoints_in, place, worker_argv
 from varuna_core.launch.heartbeat import Listener, send_notice
 from varuna_core.launch.hosts import Host, HostsWatcher, parse_hosts
 from varuna_core.launch.manager import replan
@@ -305,20 +298,3 @@ def test_a_crash_is_told_by_its_cause_even_when_a_symptom_was_heard_first() -> N
     assert crash_cause({1: -9, 0: 1}) == 1
     assert crash_cause({2: 1, 0: 1}) == 2  # only symptoms: the first heard
     assert crash_cause({3: 1, 1: 3, 0: -9}) == 1  # the first cause heard
-
-
-def test_the_memory_a_handover_writes_on_each_host_follows_the_plan() -> None:
-    """What a morph's warm-up asks each host to touch (``Attempt._prefault``): a publish writes each stage of the
-    host once, a take each rank's stage."""
-    plan = plan_for(make_profile([0.001, 0.003, 0.003, 0.002]), PlanRequest(gpus=4, batch_size=16), pp=2, dp=2,
-                    microbatch_size=2, schedule="1f1b")
-    stage = [st.state_bytes for st in plan.stages]
-    assert all(stage) and plan.stage_to_rank_map == "0,2;1,3;"
-    hosts = [Host("a", 2), Host("b", 2)]
-    nodes = place(4, hosts)  # a: ranks 0 (stage 0), 1 (stage 1); b: ranks 2 (stage 0), 3 (stage 1)
-    assert _state_by_host(plan, nodes, once_per_stage=True) == {"a": stage[0] + stage[1], "b": stage[0] + stage[1]}
-    nodes = place(4, [Host("a", 3), Host("b", 1)])  # a: 0, 1, 2 (stages 0, 1, 0); b: 3 (stage 1)
-    assert _state_by_host(plan, nodes, once_per_stage=True) == {"a": stage[0] + stage[1], "b": stage[1]}
-    assert _state_by_host(plan, nodes, once_per_stage=False) == {"a": 2 * stage[0] + stage[1], "b": stage[1]}
-    unknown = plan.model_copy(update={"stages": [st.model_copy(update={"state_bytes": 0}) for st in plan.stages]})
-    assert _state_by_host(unknown, nodes, once_per_stage=False) == {"a": 0, "b": 0}

@@ -66,8 +66,6 @@ from .protocol import (
     HandoverCommand,
     LogEvent,
     PreemptEvent,
-    PrefaultCommand,
-    PrefaultEvent,
     ReadyEvent,
     SignalCommand,
     SignalledEvent,
@@ -160,32 +158,6 @@ class Agent:
         self.shelf: Shelf | None = None  # the workers' published state (the spec asks for a shelf)
         self.shelf_server: ShelfServer | None = None
         self.shelf_problem: str | None = None
-        self.prefaulting: tuple[threading.Thread, threading.Event] | None = None  # (see prefault)
-
-    def prefault(self, nbytes: int) -> None:
-        """Touch ``nbytes`` of memory for the shelf in the background (``Shelf.prefault``), replacing a prefault
-        under way: the launcher decided a morph by handover, and the workers will publish about that much."""
-        if self.shelf is None:
-            return
-        if self.prefaulting is not None:
-            thread, stop = self.prefaulting
-            stop.set()
-            thread.join()
-        stop = threading.Event()
-        shelf = self.shelf
-
-        def run() -> None:
-            started = time.monotonic()
-            try:
-                held, message = shelf.prefault(nbytes, stop=stop), None
-            except (OSError, HandoverError) as exc:  # best effort: the publish then touches its own memory
-                held, message = shelf.warm_bytes, f"prefault failed: {getattr(exc, 'message', None) or exc}"
-            emit(PrefaultEvent(nbytes=nbytes, held=held, seconds=round(time.monotonic() - started, 3),
-                               message=message and message[:MAX_LINE]))
-
-        thread = threading.Thread(target=run, name="prefault", daemon=True)
-        self.prefaulting = (thread, stop)
-        thread.start()
 
     def start(self) -> None:
         from .netinfo import route_to
@@ -540,11 +512,7 @@ def main() -> None:
             if spec.fork_server and agent.preparing is None:
                 agent.preparing = threading.Thread(target=agent.prepare_fork_server, name="forkserver", daemon=True)
                 agent.preparing.start()
-        elif isinstance(cmd, PrefaultCommand):
-            agent.prefault(cmd.nbytes)
         elif isinstance(cmd, StopCommand):
-            if agent.prefaulting is not None:
-                agent.prefaulting[1].set()
             agent.stop(cmd.grace_or(spec.grace), last=cmd.last)
             break
     else:  # stdin closed: the launcher is gone (the fork server goes too: nothing of the job outlives it)

@@ -53,8 +53,6 @@ from .protocol import (
     LegacyArgs,
     LogEvent,
     PreemptEvent,
-    PrefaultCommand,
-    PrefaultEvent,
     ReadyEvent,
     Regroup,
     ShelfSpec,
@@ -584,25 +582,6 @@ class Attempt:
         self.successor = warmup(request.hosts)
         if self.successor is not None:
             self.files.event("warming", attempt=self.number, successor=self.successor.number)
-            self._prefault()
-
-    def _prefault(self) -> None:
-        """Ask each host's agent to touch, while the successor warms up, the memory that the handover will write
-        there (``Shelf.prefault``; on a VM, memory not used lately is slow to touch the first time): on this
-        attempt's shelves what its workers will publish, each stage on a host once (its replicas on the host
-        write it once; a replica's elsewhere is copied in); on the successor's, what its workers will take and
-        allocate beyond what this attempt's workers free on the same host when they exit. From the plans'
-        ``state_bytes``; nothing where a plan does not know them (planned without a profile)."""
-        successor = self.successor
-        assert successor is not None
-        publish = _state_by_host(self.plan, self.nodes, once_per_stage=True)
-        freed = _state_by_host(self.plan, self.nodes, once_per_stage=False)
-        take = _state_by_host(successor.plan, successor.nodes, once_per_stage=False)
-        for attempt, need in ((self, publish),
-                              (successor, {h: b - freed.get(h, 0) for h, b in take.items()})):
-            for node, agent in zip(attempt.nodes, attempt.agents, strict=False):
-                if need.get(node.host.name, 0) > 0 and node.index not in attempt.gone:
-                    agent.send(PrefaultCommand(nbytes=need[node.host.name]))
 
     def _watch_successor(self, request: Outcome) -> None:
         """Ask the workers to publish once the successor is warm (or its ``publish_by`` comes); drop it if it
@@ -817,9 +796,6 @@ class Attempt:
         elif isinstance(event, StartedEvent):
             if event.forked:
                 self.forked.add(event.rank)
-        elif isinstance(event, PrefaultEvent):
-            self.files.event("prefaulted", attempt=self.number, host=self.agents[node].host.name,
-                             nbytes=event.nbytes, held=event.held, seconds=event.seconds, message=event.message)
         elif isinstance(event, ForkServerEvent):
             host = self.agents[node].host.name
             self.files.event("fork_server", attempt=self.number, host=host, pid=event.pid, seconds=event.seconds,
@@ -1110,21 +1086,6 @@ class Attempt:
             except queue.Empty:
                 break
             self._handle(node, event)
-
-
-def _state_by_host(plan: Plan, nodes: list[Node], *, once_per_stage: bool) -> dict[str, int]:
-    """Bytes of training state (the plan's ``state_bytes`` of each stage) that the ranks on each host hold:
-    each rank's stage, or with ``once_per_stage`` each stage present on the host once."""
-    stage_of = {int(r): s for s, ranks in enumerate(plan.stage_to_rank_map.rstrip(";").split(";"))
-                for r in ranks.split(",")}
-    out: dict[str, int] = {}
-    for node in nodes:
-        stages = [stage_of[rank] for rank, _ in node.ranks if rank in stage_of]
-        if once_per_stage:
-            stages = sorted(set(stages))
-        out[node.host.name] = out.get(node.host.name, 0) + sum(
-            plan.stages[s].state_bytes for s in stages if s < len(plan.stages))
-    return out
 
 
 def crash_cause(bad: dict[int, int]) -> int:

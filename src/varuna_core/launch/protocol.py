@@ -54,8 +54,7 @@ __all__ = [
     "MAX_LINE", "MAX_EVENT", "MAX_SPEC", "WorkerSlot", "LegacyArgs", "SpotWatch", "AgentSpec", "ReadyEvent",
     "StoreEvent", "StartedEvent", "LogEvent", "ExitEvent", "ErrorEvent", "StoppedEvent", "PreemptEvent",
     "SignalledEvent", "ForkServerEvent", "GoneEvent", "AgentEvent", "MAX_NOTICE_SECONDS", "MAX_ENDPOINT",
-    "SignalCommand", "StopCommand", "HandoverCommand", "ForkServerCommand", "PrefaultCommand", "PrefaultEvent",
-    "AgentCommand", "ShelfSpec", "GO_KEY",
+    "SignalCommand", "StopCommand", "HandoverCommand", "ForkServerCommand", "AgentCommand", "ShelfSpec", "GO_KEY",
     "MAX_GO", "Go", "ShelfHolder",
     "encode_go", "decode_go", "Regroup", "regroup_key", "encode_regroup", "decode_regroup",
     "parse_spec", "parse_event", "parse_command", "grace_seconds",
@@ -199,17 +198,6 @@ class ForkServerEvent(_Event):
     message: Annotated[str | None, Field(max_length=MAX_LINE)] = None
 
 
-class PrefaultEvent(_Event):
-    """The agent touched ``held`` of the ``nbytes`` a :class:`PrefaultCommand` asked for, in ``seconds``
-    (``message``: why it stopped short, if it failed)."""
-
-    event: Literal["prefault"] = "prefault"
-    nbytes: Annotated[int, Field(ge=0, le=1 << 50)]
-    held: Annotated[int, Field(ge=0, le=1 << 50)]
-    seconds: Annotated[float, Field(ge=0.0, le=86400.0, allow_inf_nan=False)] = 0.0
-    message: Annotated[str | None, Field(max_length=MAX_LINE)] = None
-
-
 class LogEvent(_Event):
     event: Literal["log"] = "log"
     rank: Rank
@@ -260,7 +248,7 @@ class GoneEvent(_Event):
 
 
 AgentEvent = Annotated[ReadyEvent | StoreEvent | StartedEvent | LogEvent | ExitEvent | ErrorEvent | StoppedEvent
-                       | PreemptEvent | SignalledEvent | ForkServerEvent | PrefaultEvent, Field(discriminator="event")]
+                       | PreemptEvent | SignalledEvent | ForkServerEvent, Field(discriminator="event")]
 _EVENTS: TypeAdapter[AgentEvent] = TypeAdapter(AgentEvent)
 
 
@@ -323,16 +311,7 @@ class ForkServerCommand(_Command):
     cmd: Literal["forkserver"] = "forkserver"
 
 
-class PrefaultCommand(_Command):
-    """Touch ``nbytes`` of this host's memory for the attempt's shelf now (``Shelf.prefault``): a morph by
-    handover was decided, and the workers will publish about that much onto the shelf once the new configuration
-    is warm. Sent by the launcher when the warm-up starts; a second one replaces the first's target."""
-
-    cmd: Literal["prefault"] = "prefault"
-    nbytes: Annotated[int, Field(ge=0, le=1 << 50, strict=True)]
-
-
-AgentCommand = Annotated[SignalCommand | StopCommand | HandoverCommand | ForkServerCommand | PrefaultCommand,
+AgentCommand = Annotated[SignalCommand | StopCommand | HandoverCommand | ForkServerCommand,
                          Field(discriminator="cmd")]
 _COMMANDS: TypeAdapter[AgentCommand] = TypeAdapter(AgentCommand)
 
@@ -356,7 +335,8 @@ def parse_spec(line: str | bytes) -> AgentSpec:
         raise ValueError(describe(exc)) from None
 
 
-def parse_event(raw: str | bytes) -> AgentEvent | None:
+def parse_event(raw: str | bytes) -> ReadyEvent | StoreEvent | StartedEvent | LogEvent | ExitEvent | ErrorEvent | \
+        StoppedEvent | PreemptEvent | SignalledEvent | ForkServerEvent | None:
     """The event in one line of an agent's output, or None if the line is not a well-formed event: a JSON
     object whose ``event`` is a known kind, with every field of that kind present and of its type (``bool`` is
     not an ``int``), ports and ranks in range, a log line at most :data:`MAX_LINE` characters."""
@@ -368,7 +348,7 @@ def parse_event(raw: str | bytes) -> AgentEvent | None:
         return None
 
 
-def parse_command(line: str | bytes) -> AgentCommand:
+def parse_command(line: str | bytes) -> SignalCommand | StopCommand | HandoverCommand | ForkServerCommand:
     """A command to the agent. Raises ValueError (one line) if ``line`` is not one."""
     try:
         return _COMMANDS.validate_json(line)

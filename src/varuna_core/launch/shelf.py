@@ -92,9 +92,6 @@ _FRAME_MAGIC = b"VSH1"
 _PREFIX = struct.Struct(">4sI")
 _TRAILER = struct.Struct(">I4s")  # after a blob's entry: its length, the magic
 _MAX_ENTRY = MAX_META + MAX_NAME * 12 + 256  # bytes of a blob's entry as JSON (a name escaped at worst)
-_WARM_FILE = "room.warm"  # memory touched ahead of a publish (Shelf.prefault), given back as blobs are written
-WARM_CHUNK = 64 << 20  # bytes touched per step of a prefault (the lock is held for one step at a time)
-_MEMORY_MARGIN = 1 << 30  # bytes of the host's available memory a prefault leaves alone (at least; or 10%)
 _REQUEST = b"varuna-shelf-request\0"
 _REPLY = b"varuna-shelf-reply\0"
 
@@ -212,12 +209,12 @@ class Shelf:
             os.close(fd)
 
     def _used(self, replacing: Path | None = None) -> int:
-        """Bytes of the shelf's files (blobs, puts under way, what reservations have left: a ``.resv`` file's
-        size, sparse; and the warm room of :meth:`prefault`), but the one ``replacing``."""
+        """Bytes of the shelf's files (blobs, puts under way, and what reservations have left: a ``.resv`` file's
+        size, sparse), but the one ``replacing``."""
         used = 0
         with os.scandir(self.path) as it:
             for item in it:
-                if item.name.endswith((".blob", ".part", ".resv", ".warm")) and item.path != str(replacing):
+                if item.name.endswith((".blob", ".part", ".resv")) and item.path != str(replacing):
                     with contextlib.suppress(FileNotFoundError):
                         used += item.stat(follow_symlinks=False).st_size
         return used
@@ -246,7 +243,6 @@ class Shelf:
         target = self._file(name)
         part = self.path / f"{target.stem}.{secrets.token_hex(8)}.part"
         with self._locked():
-            self._cool(total)
             used = self._used(target) if self.budget is not None else 0
             if self.budget is not None and used + total > self.budget:
                 raise ShelfFullError(f"blob {printable(name)} ({view.nbytes} bytes) does not fit on the shelf of job "
@@ -292,7 +288,6 @@ class Shelf:
         token = secrets.token_hex(8)
         resv, directory = self.path / f"{token}.resv", self.path / f"{token}.staging"
         with self._locked():
-            self._cool(nbytes)
             used = self._used() if self.budget is not None else 0
             if self.budget is not None and used + nbytes > self.budget:
                 raise ShelfFullError(f"{nbytes} bytes do not fit on the shelf of job {printable(self.job)}: {used} of "
@@ -313,86 +308,6 @@ class Shelf:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
             resv.unlink(missing_ok=True)
-
-    def prefault(self, nbytes: int, *, stop: threading.Event | None = None) -> int:
-        """Touch up to ``nbytes`` of the host's memory for this shelf now, ahead of a publish: the *warm room*.
-        Returns the bytes it holds when done.
-
-        Why: on a virtual machine, memory the guest has not used lately is not backed by the host until it is
-        touched, and touching it runs at a fraction of memory speed (0.4–0.6 GB/s measured on this project's
-        VM, against several GB/s for memory freed a moment ago). A publish writes the whole state into new tmpfs
-        pages while the old workers still hold theirs, so without this it pays that price on the critical path
-        of a morph. The launcher asks for a prefault as soon as it decides a morph, while the new configuration
-        warms up and the old one still trains; each :meth:`reserve` (and :meth:`put`) then first gives back as
-        much of the warm room as it is about to write (:meth:`_cool`), so its writes take pages the host backs
-        already, and the shelf never holds more than its budget.
-
-        The room is a file ``room.warm`` on the shelf, grown by :data:`WARM_CHUNK` at a time with
-        ``posix_fallocate`` (which allocates a tmpfs's pages) under the shelf's lock, so that a reservation
-        made meanwhile sees a consistent size. It stops at ``nbytes``, at the budget, at the file system's free
-        space, at the host's available memory less a margin (max(1 GiB, 10% of the host's memory): a prefault
-        never pushes the host into reclaim), when ``stop`` is set, or when the file system cannot allocate
-        (then nothing is left that a write would not have needed anyway). Best effort: it never raises for
-        want of room.
-        """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise HandoverError(f"a prefault is a number of bytes >= 0, got {short_repr(nbytes)}")
-        path = self.path / _WARM_FILE
-        held = 0
-        while stop is None or not stop.is_set():
-            with self._locked():
-                try:
-                    held = os.stat(path).st_size
-                except FileNotFoundError:
-                    held = 0
-                room = nbytes - held
-                if self.budget is not None:
-                    room = min(room, self.budget - self._used())
-                room = min(room, shutil.disk_usage(self.path).free - WARM_CHUNK, _spare_memory())
-                step = min(WARM_CHUNK, room)
-                if step <= 0:
-                    break
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-                try:
-                    os.posix_fallocate(fd, held, step)
-                    held += step
-                except OSError as exc:  # a file system without fallocate, or full: what was touched stays
-                    log.info("shelf of job %s: prefault stopped at %d bytes: %s", printable(self.job), held,
-                             exc.strerror or exc)
-                    os.ftruncate(fd, held)
-                    break
-                finally:
-                    os.close(fd)
-        return held
-
-    @property
-    def warm_bytes(self) -> int:
-        """The bytes of the warm room (:meth:`prefault`) not yet given back."""
-        try:
-            return os.stat(self.path / _WARM_FILE).st_size
-        except FileNotFoundError:
-            return 0
-
-    def cool(self, nbytes: int | None = None) -> int:
-        """Give back ``nbytes`` of the warm room (all of it: None) to the host's free memory, right before a write
-        of that size outside the shelf (a take's files, the optimizer state it allocates), so that the write takes
-        those pages. Returns the bytes given back."""
-        with self._locked():
-            return self._cool(nbytes)
-
-    def _cool(self, nbytes: int | None) -> int:
-        """(Under the lock.) Shrink the warm room by ``nbytes`` (None: remove it); returns the bytes given back."""
-        path = self.path / _WARM_FILE
-        try:
-            held = os.stat(path, follow_symlinks=False).st_size
-        except FileNotFoundError:
-            return 0
-        keep = 0 if nbytes is None else max(0, held - nbytes)
-        if keep:
-            os.truncate(path, keep)
-        else:
-            path.unlink(missing_ok=True)
-        return held - keep
 
     def link(self, name: str, path: str | os.PathLike[str]) -> Entry:
         """Makes ``path`` (a new name on the shelf's file system) the blob's file itself, a hard link: its first
@@ -624,18 +539,6 @@ def _writable(buffer: memoryview, size: int, what: str) -> memoryview:
         raise HandoverError(f"the buffer for {what} must be a writable {size} bytes, got {view.nbytes} "
                             f"({'read only' if view.readonly else 'writable'})")
     return view
-
-
-def _spare_memory() -> int:
-    """Bytes of the host's available memory (``MemAvailable``) a prefault may take: all but max(1 GiB, 10% of
-    ``MemTotal``). Without ``/proc/meminfo``, none (a prefault is an optimisation: it is skipped)."""
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-        total = int(fields["MemTotal"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError, IndexError):
-        return 0
-    return max(0, available - max(_MEMORY_MARGIN, total // 10))
 
 
 def _reserve(fd: int, size: int, path: Path) -> None:

@@ -25,12 +25,15 @@ from .hosts import Host
 from .options import HostRuntime, SlurmConfig, SSHConfig
 from .protocol import (
     MAX_EVENT,
-    AgentCommand,
     AgentEvent,
     AgentSpec,
     ErrorEvent,
+    ForkServerCommand,
     GoneEvent,
+    HandoverCommand,
     ReadyEvent,
+    SignalCommand,
+    StopCommand,
     parse_event,
 )
 
@@ -157,7 +160,7 @@ class AgentHandle:
         self._stderr_reader = threading.Thread(target=self._read_stderr, name=f"agent{node}-err", daemon=True)
         self._stderr_reader.start()
 
-    def send(self, message: AgentSpec | AgentCommand) -> bool:
+    def send(self, message: AgentSpec | SignalCommand | StopCommand | HandoverCommand | ForkServerCommand) -> bool:
         """Write one message to the agent as a JSON line; False if it is gone."""
         line = message.model_dump_json() + "\n"
         with self._lock:

@@ -22,7 +22,6 @@ small files (the run, the manifest, the index, ``COMPLETE``) are rank 0's.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import time
@@ -38,8 +37,6 @@ from ..launch.shelf import Shelf, fetch_into, shelf_key
 from ..util.text import printable
 
 __all__ = ["Morph", "WAIT_FOR_GO", "holder_rank"]
-
-log = logging.getLogger(__name__)
 
 WAIT_FOR_GO = 3600.0  # seconds a warm worker waits for the go before it gives up (the launcher sends it sooner)
 _DATA_FILE = re.compile(r"__([0-9]+)_[0-9]+\.distcp")
@@ -95,18 +92,6 @@ class Morph:
         assert self.told.job_id is not None and self.told.shelf_dir is not None  # checked in launched()
         return Shelf(shelf_key(self.told.job_id, self.told.attempt or 0), root=self.told.shelf_dir,
                      budget=self.told.shelf_budget)
-
-    def cool(self) -> None:
-        """Give back the memory this host's agent touched for the take (``Shelf.prefault``), right before the take
-        writes its files and allocates the state: those pages are then the ones it gets, already backed by the
-        host. Best effort (any rank of the host may do it first; the others find nothing left)."""
-        try:
-            freed = self.shelf.cool()
-        except (OSError, HandoverError) as exc:
-            log.info("the shelf's warm room could not be given back: %s", getattr(exc, "message", None) or exc)
-            return
-        if freed:
-            log.info("gave back %d bytes of memory touched for the take", freed)
 
     @property
     def staging(self) -> Path:

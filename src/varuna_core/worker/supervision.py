@@ -447,7 +447,6 @@ class Supervision:
             self._load_from_store(go.step, "the old configuration wrote it to the store")
         else:
             assert self._take is not None and go.step is not None  # a go from the shelves names its step
-            morph.cool()  # the memory the agent touched for this take is given back now, for the take to use
             try:
                 step = self._take(go.step, morph.locate(go), morph.fetch(go), morph.staging, morph.link(go),
                                   morph.holder_of(go))
