@@ -113,20 +113,21 @@ def profile_example_gpt(out: Path, *, quick: bool = True) -> Path:
 
 def make_plan(profile: Path, out: Path, *, pp: int | None = None, dp: int | None = None, mbs: int = 4,
               schedule: str = "varuna", batch_size: int = 32, per_node: int = 2, gpus: int = 4) -> Path:
-    """A plan of the given shape (``pp`` and ``dp``), or the planner's own choice for ``gpus`` devices with
-    micro-batch ``mbs`` (what `varuna launch --morph` plans again when the devices come back), recording its
-    profile (so that a morph can plan again)."""
+    """A plan of the given shape (``pp`` and ``dp``: the search with every choice pinned, as `varuna plan --pp
+    --dp --microbatch-size --schedule --no-shard-optimizer` makes it), or the planner's own choice for ``gpus``
+    devices with micro-batch ``mbs`` (what `varuna launch --morph` plans again when the devices come back),
+    recording its profile (so that a morph can plan again)."""
     from varuna_core.planning.artifacts import load_profile, save_plan
-    from varuna_core.planning.planner import PlanRequest, plan_for
+    from varuna_core.planning.planner import PlanRequest
     from varuna_core.planning.planner import make_plan as search
 
     if pp is None or dp is None:
         plan = search(load_profile(profile), PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=per_node,
                                                          microbatch_sizes=(mbs,)))
     else:
-        plan = plan_for(load_profile(profile), PlanRequest(gpus=pp * dp, batch_size=batch_size,
-                                                           gpus_per_node=per_node),
-                        pp=pp, dp=dp, microbatch_size=mbs, schedule=schedule)
+        plan = search(load_profile(profile), PlanRequest(
+            gpus=pp * dp, batch_size=batch_size, gpus_per_node=per_node, pp=pp, dp=dp, microbatch_sizes=(mbs,),
+            schedules=(schedule,), shard_optimizer=False))
     plan.profile_path = str(profile)
     save_plan(plan, out)
     return out

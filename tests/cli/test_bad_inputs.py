@@ -114,6 +114,17 @@ PLAN_CASES = [
     (["--schedule", ","], "--schedule names no schedule"),
     (["--no-such-option"], "No such option"),
     (["--slurm"], "--gpus and --slurm both give the device count"),
+    (["--pp", "0"], "--pp must be in 1..65536, got 0"),
+    (["--pp", "3"], "--pp 3 does not divide the 4 devices"),
+    (["--pp", "8"], "--pp 8 stages need 8 devices; 4 are available"),
+    (["--gpus", "8", "--pp", "8"], "--pp 8 stages need at least 8 segments; the profiled model has 4"),
+    (["--dp", "-1"], "--dp must be in 1..65536, got -1"),
+    (["--dp", "3", "--pp", "2"], "--dp pp=2 × dp=3 needs 6 devices; 4 are available"),
+    (["--dp", "5"], "--dp 5 replicas need 5 devices; 4 are available"),
+    (["--gpus", "32", "--dp", "17"], "--dp 17 replicas need at least one example each; the global batch is 16"),
+    (["--microbatch-size", "0"], "--microbatch-size must be in"),
+    (["--microbatch-size", "17"], "--microbatch-size 17 is larger than the global batch of 16"),
+    (["--microbatch-size", "8", "--dp", "4"], "no configuration"),
 ]
 
 

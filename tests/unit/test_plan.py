@@ -355,3 +355,45 @@ def test_cli_plan_and_show_of_a_split_schedule_say_and_draw_B_and_W(tmp_path) ->
     # the W bars: beyond the legend's patch (in both drawings), zb's drawing is full of them and 1f1b's has none
     w = _COLORS["W"]
     assert _colour_pixels(tmp_path / "zb.png", w) > 10 * _colour_pixels(tmp_path / "1f1b.png", w) > 0
+
+
+@pytest.mark.parametrize("pins", [{"pp": 2}, {"dp": 2}, {"pp": 1, "dp": 2}, {"microbatch_sizes": (2,)},
+                                  {"pp": 4, "microbatch_sizes": (1,)}, {"dp": 1}, {"pp": 2, "dp": 1}],
+                         ids=lambda pins: ",".join(f"{k}={v}" for k, v in pins.items()))
+def test_a_pinned_search_finds_the_best_configuration_that_keeps_the_pins(pins) -> None:
+    """`varuna plan --pp/--dp/--microbatch-size`: the plan keeps every pin and is the fastest configuration of the
+    unpinned search (whose top-k is every configuration here) that keeps them."""
+    profile = make_profile([0.001, 0.003, 0.003, 0.002])
+    both = "pp" in pins and "dp" in pins  # the unpinned search idles no devices: search pp × dp of them
+    everything = make_plan(profile, PlanRequest(gpus=pins["pp"] * pins["dp"] if both else 4, batch_size=16, top=100))
+    rows = [everything, *everything.alternatives]
+    assert len(everything.alternatives) < 100  # every configuration is in the table, not only the first 100
+
+    def keeps(row) -> bool:
+        size = pins.get("microbatch_sizes", (row.microbatch_size,))[0]
+        return (row.pp == pins.get("pp", row.pp) and row.dp == pins.get("dp", row.dp)
+                and row.microbatch_size == size)
+
+    def step(row) -> float:
+        return row.prediction.step_time if isinstance(row, Plan) else row.step_time
+
+    best = min(step(row) for row in rows if keeps(row))
+    pinned = make_plan(profile, PlanRequest(gpus=4, batch_size=16, **pins))
+    assert keeps(pinned) and pinned.prediction.step_time == pytest.approx(best, rel=1e-12)
+    assert all(keeps(alt) for alt in pinned.alternatives)
+    assert any("pinned by the request" in note for note in pinned.assumptions)
+    if pins.get("dp") is not None and pinned.pp * pinned.dp < 4:
+        assert any("devices idle" in note for note in pinned.assumptions)
+
+
+def test_cli_plan_with_pins_writes_a_plan_that_keeps_them(tmp_path) -> None:
+    profile = tmp_path / "profile.json"
+    save_artifact(make_profile([0.001, 0.003, 0.003, 0.002]), profile)
+    out = tmp_path / "plan.yaml"
+    done = subprocess.run([sys.executable, "-m", "varuna_cli", "plan", str(profile), "--gpus", "4", "--batch-size",
+                           "16", "--pp", "2", "--microbatch-size", "2", "--schedule", "1f1b", "-o", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plan = load_plan(out)
+    assert (plan.pp, plan.dp, plan.microbatch_size, plan.schedule) == (2, 2, 2, "1f1b")
+    assert "pinned by the request: pp=2, micro-batch size 2" in done.stderr

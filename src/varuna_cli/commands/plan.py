@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--gpus-per-node",
            "gpu_memory": "--gpu-memory", "schedules": "--schedule", "headroom": "--headroom", "top": "--top",
            "host_memory": "--host-memory",
-           "shard_optimizer": "--shard-optimizer"}
+           "shard_optimizer": "--shard-optimizer", "pp": "--pp", "dp": "--dp",
+           "microbatch_sizes": "--microbatch-size"}
 
 
 def plan(
@@ -35,6 +36,11 @@ def plan(
     schedule: Annotated[str | None, typer.Option(
         "--schedule", help="Schedules to consider, comma-separated (default: all; zb and varuna-zb only with a "
                            "profile that measured their B and W).")] = None,
+    pp: Annotated[int | None, typer.Option(
+        "--pp", help="Pin the pipeline depth (stages); it must divide --gpus unless --dp is pinned too.")] = None,
+    dp: Annotated[int | None, typer.Option("--dp", help="Pin the data-parallel width (replicas).")] = None,
+    microbatch_size: Annotated[int | None, typer.Option(
+        "--microbatch-size", help="Pin the micro-batch size (default: search the profiled ones).")] = None,
     top: Annotated[int, typer.Option("--top", help="Alternatives to show and keep in the plan.")] = 5,
     headroom: Annotated[float, typer.Option("--headroom", help="Fraction of memory kept free.")] = 0.1,
     shard_optimizer: Annotated[bool | None, typer.Option(
@@ -48,6 +54,8 @@ def plan(
         "--slurm", help="Take --gpus and --gpus-per-node from the Slurm allocation this runs in.")] = False,
 ) -> None:
     """Simulate every (pipeline depth, data-parallel width, micro-batch size, schedule) and write the best.
+
+    --pp, --dp, --microbatch-size and --schedule pin any of them; the search varies the rest.
 
     `varuna plan show PLAN` draws a plan's schedule.
     """
@@ -71,7 +79,8 @@ def plan(
     with named_as_options(OPTIONS):  # the request checks its numbers and names; the errors name our options
         req = PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=gpus_per_node, gpu_memory=memory,
                           schedules=_schedules(schedule), top=top, headroom=headroom,
-                          shard_optimizer=shard_optimizer)
+                          shard_optimizer=shard_optimizer, pp=pp, dp=dp,
+                          microbatch_sizes=None if microbatch_size is None else (microbatch_size,))
     check_writable(output, "plan")
     prof = load_profile(profile)
     started = time.perf_counter()

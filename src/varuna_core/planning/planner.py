@@ -96,6 +96,10 @@ class PlanRequest:
             is predicted faster by more than :data:`SHARD_GAIN` (its optimizer steps ``1/dp`` of the elements). On a
             tie the state stays whole: then a lost replica costs the job nothing (the survivors regroup), where a
             sharded one took its shard with it.
+        pp, dp: pin the pipeline depth, the data-parallel width, or both (the original launcher's ``--nstages``);
+            the search then varies only the rest. A depth alone must divide ``gpus`` (the width is ``gpus / pp``:
+            pinning a depth that leaves devices idle is a mistake worth a word); with both, ``pp × dp`` may be
+            fewer than ``gpus``. A micro-batch size is pinned with ``microbatch_sizes=(n,)``.
     """
 
     gpus: int
@@ -108,6 +112,8 @@ class PlanRequest:
     top: int = 5
     microbatch_sizes: tuple[int, ...] | None = None
     shard_optimizer: bool | None = None
+    pp: int | None = None
+    dp: int | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -134,6 +140,35 @@ class PlanRequest:
         if self.shard_optimizer is not None and not isinstance(self.shard_optimizer, bool):
             raise FieldError("shard_optimizer", f"must be True, False or None (consider both), got "
                              f"{self.shard_optimizer!r:.80}")
+        self._check_layout(put)
+
+    def _check_layout(self, put: Callable[[str, object], None]) -> None:
+        """The pinned depth, width and micro-batch sizes against the devices and the batch."""
+        if self.microbatch_sizes is not None:
+            for n in self.microbatch_sizes:
+                if n > self.batch_size:
+                    raise FieldError("microbatch_sizes", f"{n} is larger than the global batch of {self.batch_size}",
+                                     hint="a micro-batch holds at most the whole batch")
+        for name in ("pp", "dp"):
+            value = getattr(self, name)
+            if value is not None:
+                put(name, integer(name, value, low=1, high=MAX_DEVICES))
+        pp, dp = self.pp, self.dp
+        if pp is not None and pp > self.gpus:
+            raise FieldError("pp", f"{pp} stages need {pp} devices; {self.gpus} are available",
+                             hint="pin a depth of at most the devices")
+        if dp is not None and dp > self.gpus:
+            raise FieldError("dp", f"{dp} replicas need {dp} devices; {self.gpus} are available",
+                             hint="pin a width of at most the devices")
+        if pp is not None and dp is not None and pp * dp > self.gpus:
+            raise FieldError("dp", f"pp={pp} × dp={dp} needs {pp * dp} devices; {self.gpus} are available",
+                             hint="pin fewer stages or replicas")
+        if pp is not None and dp is None and self.gpus % pp:
+            raise FieldError("pp", f"{pp} does not divide the {self.gpus} devices ({self.gpus % pp} would idle)",
+                             hint=f"pin a depth that divides {self.gpus}, or pin the width too")
+        if dp is not None and dp > self.batch_size:
+            raise FieldError("dp", f"{dp} replicas need at least one example each; the global batch is "
+                             f"{self.batch_size}", hint="pin fewer replicas or use a larger batch")
 
     @staticmethod
     def _names(schedules: object) -> tuple[ScheduleName, ...]:
@@ -637,6 +672,8 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     fastest = _preference(scored[0])
     best = min((c for c in scored if _preference(c) <= fastest * (1 + TIE)), key=_simplicity)
     scored.remove(best)
+    if req.dp is not None and best.pp * best.dp < req.gpus:
+        assumptions.add(f"dp={req.dp} pinned: {req.gpus - best.pp * best.dp} of the {req.gpus} devices idle")
     if best.pp in clamped:
         assumptions.add(f"the global batch of {req.batch_size} is smaller than the {req.gpus // best.pp} replicas "
                         f"{req.gpus} devices allow at pp={best.pp}: {best.dp} replica(s) used, "
@@ -654,7 +691,7 @@ def _simplicity(c: _Scored) -> tuple[int, int, int, int, bool]:
 def _check_microbatches(profile: Profile, req: PlanRequest) -> None:
     """Refuse a batch that no configuration splits into at most MAX_MICROBATCHES micro-batches per replica (the
     most replicas, the largest micro-batch size), before the search spends minutes simulating it."""
-    replicas = min(req.gpus, req.batch_size)
+    replicas = req.dp if req.dp is not None else min(req.gpus // (req.pp or 1), req.batch_size)
     largest = max(req.microbatch_sizes or profile.microbatch_sizes)
     fewest = math.ceil(math.ceil(req.batch_size / replicas) / largest)
     if fewest > MAX_MICROBATCHES:
@@ -677,7 +714,13 @@ def _assumptions(profile: Profile, req: PlanRequest) -> set[str]:
     if req.schedules is None and not profile.splits_backward:
         assumptions.add("the profile has no B and W measures of a split backward: the zero-bubble schedules (zb, "
                         "varuna-zb) were not considered (profile again with `varuna profile` to measure them)")
-    assumptions.add("d = ⌊gpus / pp⌋ replicas; leftover devices idle")
+    pins = [f"{name}={value}" for name, value in (("pp", req.pp), ("dp", req.dp)) if value is not None]
+    if req.microbatch_sizes is not None and len(req.microbatch_sizes) == 1:
+        pins.append(f"micro-batch size {req.microbatch_sizes[0]}")
+    if pins:
+        assumptions.add(f"pinned by the request: {', '.join(pins)} (the search varied the rest)")
+    if req.dp is None:
+        assumptions.add("d = ⌊gpus / pp⌋ replicas; leftover devices idle")
     return assumptions
 
 
@@ -688,8 +731,8 @@ def _prepare_all(tables: _Tables, profile: Profile, req: PlanRequest,
     prepared: list[_Scored] = []
     smallest: tuple[int, str] | None = None
     clamped: set[int] = set()
-    for pp in range(1, min(profile.num_segments, req.gpus) + 1):
-        dp = req.gpus // pp
+    for pp in _depths(profile, req):
+        dp = req.dp if req.dp is not None else req.gpus // pp
         if dp > req.batch_size:  # a replica needs at least one example: the rest of the devices would idle
             dp = req.batch_size
             clamped.add(pp)
@@ -706,6 +749,18 @@ def _prepare_all(tables: _Tables, profile: Profile, req: PlanRequest,
                         what = f"pp={pp}, dp={dp}, micro-batch {mbs}, {schedule}"
                         smallest = (need, what + (", optimizer sharded" if shard else ""))
     return prepared, smallest, clamped
+
+
+def _depths(profile: Profile, req: PlanRequest) -> list[int]:
+    """The pipeline depths to search: the pinned one, or every depth the devices (and the pinned width) and the
+    model's segments allow."""
+    if req.pp is not None:
+        if req.pp > profile.num_segments:
+            raise FieldError("pp", f"{req.pp} stages need at least {req.pp} segments; the profiled model has "
+                             f"{profile.num_segments}", hint=f"pin a depth of at most {profile.num_segments}")
+        return [req.pp]
+    most = req.gpus // req.dp if req.dp is not None else req.gpus
+    return list(range(1, min(profile.num_segments, most) + 1))
 
 
 def _shard_choices(req: PlanRequest, dp: int) -> tuple[bool, ...]:
