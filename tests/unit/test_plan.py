@@ -397,3 +397,21 @@ def test_cli_plan_with_pins_writes_a_plan_that_keeps_them(tmp_path) -> None:
     plan = load_plan(out)
     assert (plan.pp, plan.dp, plan.microbatch_size, plan.schedule) == (2, 2, 2, "1f1b")
     assert "pinned by the request: pp=2, micro-batch size 2" in done.stderr
+
+
+def test_a_plan_says_when_cpu_workers_would_share_the_profiled_hosts_cores() -> None:
+    """`make demo` planned 4 CPU workers on a 2-core machine and drew a simulated step half the measured one; the
+    plan now says the prediction cannot hold where a node's workers need more cores than the profiled host had."""
+    base = make_profile([0.001, 0.003, 0.003, 0.002])
+
+    def notes(cores, gpus, per_node=None, device="cpu", threads=1) -> list[str]:
+        env = base.environment.model_copy(update={"cpu_cores": cores, "device_type": device, "threads": threads})
+        plan = make_plan(base.model_copy(update={"environment": env}),
+                         PlanRequest(gpus=gpus, batch_size=16, gpus_per_node=per_node))
+        return [n for n in plan.assumptions if "share the cores" in n]
+
+    assert len(shared := notes(2, 4)) == 1 and "4 workers of a node" in shared[0] and "2 core(s)" in shared[0]
+    assert "at most 2 devices per node" in shared[0]
+    assert notes(2, 2) == [] and notes(4, 4) == [] and notes(None, 4) == [] and notes(2, 4, device="cuda") == []
+    assert notes(2, 4, per_node=2) == []  # two workers per node, as many as the cores
+    assert "2 thread(s) each, 4 in all" in notes(2, 2, threads=2)[0]

@@ -169,6 +169,9 @@ class Environment(CheckedModel):
     hosts: list[str]
     nproc: Count
     precision: str
+    cpu_cores: Count | None = Field(None, description="CPU cores the profiling process could run on (its affinity): "
+                                    "on a CPU, what the planned workers of one host share (unknown in older "
+                                    "profiles)")
 
 
 class StopReason(CheckedModel):

@@ -672,6 +672,9 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     fastest = _preference(scored[0])
     best = min((c for c in scored if _preference(c) <= fastest * (1 + TIE)), key=_simplicity)
     scored.remove(best)
+    sharing = _cores_shared(profile, req, best.pp * best.dp)
+    if sharing:
+        assumptions.add(sharing)
     if req.dp is not None and best.pp * best.dp < req.gpus:
         assumptions.add(f"dp={req.dp} pinned: {req.gpus - best.pp * best.dp} of the {req.gpus} devices idle")
     if best.pp in clamped:
@@ -749,6 +752,23 @@ def _prepare_all(tables: _Tables, profile: Profile, req: PlanRequest,
                         what = f"pp={pp}, dp={dp}, micro-batch {mbs}, {schedule}"
                         smallest = (need, what + (", optimizer sharded" if shard else ""))
     return prepared, smallest, clamped
+
+
+def _cores_shared(profile: Profile, req: PlanRequest, workers: int) -> str | None:
+    """On CPU devices: a note that the prediction cannot hold where the workers of a node need more cores than
+    the profiled host had (the profile timed each process with its threads to itself; workers sharing cores
+    each run slower, which no profile taken with fewer processes shows)."""
+    env = profile.environment
+    if env.device_type != "cpu" or env.cpu_cores is None:
+        return None
+    per_node = min(workers, req.gpus_per_node or req.gpus)
+    need = per_node * env.threads
+    if need <= env.cpu_cores:
+        return None
+    return (f"the devices are CPUs: the {per_node} workers of a node run {env.threads} thread(s) each, {need} in all, "
+            f"where the profiled host has {env.cpu_cores} core(s); on nodes like it they share the cores and the "
+            f"predicted step will not hold (plan for at most {max(1, env.cpu_cores // env.threads)} devices per "
+            "node there)")
 
 
 def _depths(profile: Profile, req: PlanRequest) -> list[int]:

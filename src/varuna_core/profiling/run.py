@@ -456,12 +456,20 @@ def _agree_failure(failure, world: int, device: torch.device, group) -> tuple[in
     return min(hits) if hits else None
 
 
+def _cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity, which a container or ``taskset`` narrows)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def _assemble(spec, structure, segments, sizes, stopped, comm, *, nproc, precision, device) -> Profile:
     devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                if device.type == "cuda" else [platform.processor() or platform.machine()])
     env = Environment(torch_version=torch.__version__, python_version=platform.python_version(),
                       device_type=device.type, devices=devices, threads=torch.get_num_threads(),
-                      hosts=[socket.gethostname()], nproc=nproc, precision=precision)
+                      hosts=[socket.gethostname()], nproc=nproc, precision=precision, cpu_cores=_cpu_cores())
     return Profile(model=spec.name or "model", structure_hash=structure.key, num_segments=structure.num_segments,
                    cut_names=list(structure.cut_names), microbatch_sizes=sizes, stopped=stopped,
                    segments=sorted(segments, key=lambda s: s.index), comm=comm, environment=env,
