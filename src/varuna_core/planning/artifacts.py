@@ -424,6 +424,9 @@ class Plan(CheckedModel):
     shard_optimizer: StrictBool = Field(
         False, description="the optimizer state of each stage is sharded over its data-parallel replicas "
                            "(Varuna(..., shard_optimizer=True)): each rank holds 1/dp of it")
+    wire_dtype: Literal["bf16", "fp16"] | None = Field(
+        None, description="the dtype floating-point activations and gradients wider than it cross cuts in "
+                          "(Varuna(..., wire_dtype=...)), charged at its bytes; None: each in its own dtype")
     snapshot_bytes_per_node: Bytes = Field(
         0, description="host memory the in-memory snapshots of `varuna launch --snapshot-every` take on the fullest "
                        "node: the state of the stages its ranks run and of the stages of the node before it, whose "
