@@ -3,17 +3,25 @@ receiver's cast back, the argument's checks and the plan's say (multi-process ru
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
+from typer.testing import CliRunner
 
+import varuna_cli.app as cli
 from tests.models import SHARED, ToyLM, batch
+from tests.profiles import make_profile
 from varuna_core import Varuna
 from varuna_core.errors import ConfigError
 from varuna_core.model.payload import TensorSpec
 from varuna_core.model.precision import overflow_threshold, wire_dtype
 from varuna_core.pipeline import p2p
 from varuna_core.pipeline.config import resolve_config, wire_dtype_name
-from varuna_core.planning.planner import layout_plan
+from varuna_core.planning.artifacts import Profile, load_plan
+from varuna_core.planning.planner import PlanRequest, layout_plan, make_plan, plan_for
+from varuna_core.profiling.run import _SegmentBench
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 
@@ -107,3 +115,66 @@ def test_a_plan_carries_the_wire_dtype_and_the_argument_overrides_it(caplog) -> 
         assert _resolve(planned, "exact").wire_dtype is None  # "exact" overrides the plan's
     assert "wire_dtype=exact differs from the plan's bf16" in caplog.text
     assert _resolve(None, "fp16").wire == torch.float16 and _resolve(None, None).wire is None
+
+
+# --- the plan: messages charged at the wire's bytes --------------------------------------------------------
+
+
+def _profile(wire16: float | None = None):
+    """Four segments of 1 ms per example, 1 MB per example at each cut, over a 100 MB/s link: messages matter.
+    ``wire16``: the fraction of the cut's bytes measured on a 2-byte wire (None: a profile without the measure)."""
+    profile = make_profile([1e-3] * 4, out_per_example=10**6, bandwidth=1e8)
+    if wire16 is None:
+        return profile
+    data = profile.model_dump(mode="json")
+    for seg in data["segments"]:
+        for m in seg["measures"]:
+            m["wire16_bytes"] = round(m["output_bytes"] * wire16)
+    return Profile.model_validate(data)
+
+
+def _plan(profile, wire: str | None):
+    return plan_for(profile, PlanRequest(gpus=2, batch_size=8, wire_dtype=wire), pp=2, dp=1, microbatch_size=2,
+                    schedule="1f1b")
+
+
+def test_the_planner_charges_messages_at_the_wire_bytes() -> None:
+    exact, halved, measured = _plan(_profile(), None), _plan(_profile(), "bf16"), _plan(_profile(0.3), "fp16")
+    assert exact.wire_dtype is None and halved.wire_dtype == "bf16" and measured.wire_dtype == "fp16"
+    latency = 1e-4
+    for plan, nbytes in ((exact, 2e6), (halved, 1e6), (measured, 0.6e6)):  # 2 examples of 1 MB at the cut
+        stage = plan.stages[0]
+        assert stage.activation_bytes == nbytes
+        assert stage.send_activation == pytest.approx(latency + nbytes / 1e8)
+        assert plan.stages[1].send_gradient == pytest.approx(latency + nbytes / 1e8)
+    assert exact.predicted().step_time > halved.predicted().step_time > measured.predicted().step_time
+    note = "the profile does not say which bytes at the cuts are floats wider than 2 bytes"
+    search = make_plan(_profile(), PlanRequest(gpus=2, batch_size=8, wire_dtype="bf16"))
+    assert search.wire_dtype == "bf16" and any(note in a for a in search.assumptions)
+    assert not any(note in a for a in make_plan(_profile(0.5), PlanRequest(gpus=2, batch_size=8,
+                                                                           wire_dtype="bf16")).assumptions)
+
+
+def test_the_profiler_counts_the_bytes_a_2_byte_wire_carries() -> None:
+    x = torch.zeros(3, 4)
+    value = (x, x.to(BF16), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.bool), x.double())
+    bench = SimpleNamespace(stage=SimpleNamespace(is_last=False))
+    assert _SegmentBench.output_bytes(bench, value) == 48 + 24 + 24 + 3 + 96
+    assert _SegmentBench.wire16_bytes(bench, value) == 24 + 24 + 24 + 3 + 24
+
+
+def test_varuna_plan_takes_and_records_the_wire_dtype(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("VARUNA_DEBUG", raising=False)
+    path = tmp_path / "profile.json"
+    path.write_text(_profile(0.5).model_dump_json())
+    args = ["plan", str(path), "--gpus", "2", "--batch-size", "8", "-o", str(tmp_path / "plan.yaml")]
+    result = CliRunner().invoke(cli.app, [*args, "--wire-dtype", "bf16", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["wire_dtype"] == "bf16"
+    assert load_plan(tmp_path / "plan.yaml").wire_dtype == "bf16"
+    table = CliRunner().invoke(cli.app, [*args, "--wire-dtype", "fp16"])
+    assert "cross cuts in fp16" in table.stdout, table.output
+    with pytest.raises(SystemExit) as info:
+        cli.main([*args, "--wire-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("error: --wire-dtype must be 'bf16' or 'fp16'"), err
