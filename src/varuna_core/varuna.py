@@ -166,6 +166,10 @@ class Varuna(nn.Module):
             under ``precision="fp16"`` (skipped, the loss scale lowered) and a
             :class:`~varuna_core.errors.WireRangeError` on every rank otherwise. ``"exact"`` (or ``"fp32"``):
             every tensor crosses in its own dtype. Default: the plan's, else exact.
+        reduce_dtype: ``"bf16"`` (or ``"fp16"``, under ``precision="fp16"`` only: its loss scaling skips a step
+            whose sum overflows): the data-parallel all-reduce sums each fp32 gradient bucket in it, half the bytes,
+            and copies the sum back (as torch DDP's compression hooks do). Tied weights' sums stay exact; not with
+            ``shard_optimizer``. Default: exact.
     """
 
     def __init__(
@@ -198,6 +202,7 @@ class Varuna(nn.Module):
         weights: str | os.PathLike | None = None,
         shard_optimizer: bool | None = None,
         wire_dtype: str | torch.dtype | None = None,
+        reduce_dtype: str | torch.dtype | None = None,
     ) -> None:
         super().__init__()
         install_excepthook()
@@ -208,8 +213,10 @@ class Varuna(nn.Module):
             model, stage_to_rank_map, batch_size, chunk_size, fp16=fp16, schedule=schedule, partition=partition,
             timeout=timeout, bucket_mb=bucket_mb, precision=precision, seed=seed,
             plan=plan if plan is not None else told.plan, trace=trace, trace_step=trace_step, cutpoints=cutpoints,
-            loss_reduction=loss_reduction, shard_optimizer=shard_optimizer, wire_dtype=wire_dtype)
+            loss_reduction=loss_reduction, shard_optimizer=shard_optimizer, wire_dtype=wire_dtype,
+            reduce_dtype=reduce_dtype)
         self.shard_optimizer, self.wire_dtype, self._wire = config.shard_optimizer, config.wire_dtype, config.wire
+        self.reduce_dtype = config.reduce_dtype
         self.loss_reduction, self.precision, self.plan = config.loss_reduction, config.precision, config.plan
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
@@ -230,7 +237,7 @@ class Varuna(nn.Module):
         schedule = config.schedule
         self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, schedule, self.timeout,
                                          self.precision, wire=self._wire)
-        self._communicate(config.bucket_mb)
+        self._communicate(config.bucket_mb, config.reduce)
         if reference is not None:  # from the attributes the model came with: [Note: module state]
             with self.stage_slice.attributes.undone(), self.executor.exact_wire():
                 check_slicing(self.executor, self.module, self.structure, self.partition, self.stage,
@@ -332,9 +339,10 @@ class Varuna(nn.Module):
             log.info("rank %d: stage moved onto %s at the handover (%.1f MB of parameters)", self.rank, self.device,
                      self.stage_slice.parameter_bytes() / 2**20)
 
-    def _communicate(self, bucket_mb: float) -> None:
-        """Gradient buckets and their sync, the loss scaler, the step counter."""
-        self.grad_buffer = GradBuffer([p for _, p in self.stage_slice.param_names], int(bucket_mb * 2**20))
+    def _communicate(self, bucket_mb: float, reduce: torch.dtype | None) -> None:
+        """Gradient buckets and their sync (summed in ``reduce``, if given), the loss scaler, the step counter."""
+        self.grad_buffer = GradBuffer([p for _, p in self.stage_slice.param_names], int(bucket_mb * 2**20),
+                                      reduce_dtype=reduce)
         self._grad_sync = GradSync(self.groups, self._tied, self.grad_buffer, timeout=self.timeout, rank=self.rank,
                                    stage=self.stage)
         self._norm_params = norm_params(self.grad_buffer, self.ties, self._tied, self.stage)

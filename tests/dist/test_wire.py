@@ -200,6 +200,44 @@ def test_values_skipping_over_the_cut_cross_in_the_wire_dtype(ranks) -> None:
             assert rel_diff(value, params[name]) <= TOL, (rank, name)
 
 
+REPLICA_RUNS = {  # on "0,1": one stage, two replicas
+    "reduce-bf16": {**BASE, "partition": None, "reduce": "bf16"},
+    "reduce-fp16": {**BASE, "partition": None, "reduce": "fp16", "precision": "fp16", "init_loss_scale": 2**10},
+}
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory) -> list[dict[str, dict]]:
+    results = run_ranks({"map": "0,1", "timeout": 60, "runs": list(REPLICA_RUNS.values())}, 2,
+                        tmp_path_factory.mktemp("reduce"), worker="tests.dist.wire_worker", timeout=240)
+    for rank, res in enumerate(results):
+        assert res.returncode == 0, f"rank {rank} failed:\n{res.error or res.output[-3000:]}"
+    return [dict(zip(REPLICA_RUNS, res.result["runs"], strict=True)) for res in results]
+
+
+@pytest.mark.parametrize("reduce", ["bf16", "fp16"])
+def test_the_all_reduce_in_a_narrow_dtype_equals_one_process_summing_in_it(replicas, reduce) -> None:
+    """Two replicas: each one's gradient rounded to the reduce dtype, the two summed in it (two terms: one rounding,
+    whatever the collective's order), cast back; fp16 only under fp16 precision, whose loss scale keeps the sum in
+    range. Bit for bit against one process that sums so."""
+    run = REPLICA_RUNS[f"reduce-{reduce}"]
+    precision = run.get("precision", "fp32")
+    torch.manual_seed(0)
+    losses, params = train_reference(ToyLM(), lambda ps: make_optimizer("sgd", ps), STEPS,
+                                     lambda step: batch(BATCH, seed=100 + step), Layout(BATCH, CHUNK, 2, 1), ties=TIES,
+                                     precision=precision, loss_scale=run.get("init_loss_scale"),
+                                     reduce_dtype=WIRE_DTYPES[reduce])
+    torch.manual_seed(0)
+    exact, _ = train_reference(ToyLM(), lambda ps: make_optimizer("sgd", ps), STEPS,
+                               lambda step: batch(BATCH, seed=100 + step), Layout(BATCH, CHUNK, 2, 1), ties=TIES,
+                               precision=precision, loss_scale=run.get("init_loss_scale"))
+    assert not torch.equal(losses, exact), "the narrow sum must change something for the test to see it"
+    for rank, runs in enumerate(replicas):
+        got = runs[f"reduce-{reduce}"]
+        assert not got["overflows"].any(), rank
+        assert_equal(got, losses, params, f"reduce {reduce} rank {rank}")
+
+
 def test_an_fp16_overflow_on_the_wire_skips_the_step_on_every_rank(ranks) -> None:
     """fp16 precision: an activation made 1e6 times larger on stage 0 at step 1 (its value, not its gradient)
     overflows the fp16 wire; every rank skips the step, the loss scale halves, the next step trains. Through an

@@ -2,13 +2,13 @@
 crossed the cuts.
 
 Run options beyond the usual (model, schedule, optimizer, batch, chunk, steps, partition, precision,
-init_loss_scale): ``wire`` (passed as ``wire_dtype=``; absent: the keyword is not passed at all), ``record`` (keep
-every message this rank sent, its kind, dtypes and values, the dtypes of what arrived, after the cast back, and of
-the gradients handed to autograd), ``blow`` ``{rank, step, direction, factor}`` (on that rank at that step, or at
-``"eval"`` in the evaluation, multiply the activation leaving its stage, or the gradient of the activation entering
-it, by ``factor``: an out-of-range value made on purpose; the activation's gradient is left alone), ``evaluate``
-(examples of an evaluation after training). A ``VarunaError`` of a run is recorded as its ``error`` and the next
-run goes on.
+init_loss_scale): ``wire`` (passed as ``wire_dtype=``; absent: the keyword is not passed at all), ``reduce`` (passed
+as ``reduce_dtype=``), ``record`` (keep every message this rank sent, its kind, dtypes and values, the dtypes of
+what arrived, after the cast back, and of the gradients handed to autograd), ``blow`` ``{rank, step, direction,
+factor}`` (on that rank at that step, or at ``"eval"`` in the evaluation, multiply the activation leaving its
+stage, or the gradient of the activation entering it, by ``factor``: an out-of-range value made on purpose; the
+activation's gradient is left alone), ``evaluate`` (examples of an evaluation after training). A ``VarunaError``
+of a run is recorded as its ``error`` and the next run goes on.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def run_one(run: dict, spec: dict) -> dict:
     torch.manual_seed(0)
     model = getattr(models, run.get("model", "ToyLM"))()
     wire = {"wire_dtype": run["wire"]} if "wire" in run else {}
+    if "reduce" in run:
+        wire["reduce_dtype"] = run["reduce"]
     vm = Varuna(model, spec["map"], batch(2, 0), batch_size=run["batch"], chunk_size=run["chunk"],
                 shared_weights=SHARED, schedule=run["schedule"], partition=run.get("partition"),
                 precision=run.get("precision"), timeout=spec.get("timeout", 60), seed=1234, **wire)

@@ -100,10 +100,27 @@ def test_varuna_refuses_a_bad_wire_dtype_before_joining_a_group(monkeypatch, tmp
         Varuna(ToyLM(), "0", batch(2), batch_size=8, chunk_size=3, shared_weights=SHARED, wire_dtype="fp8")
 
 
-def _resolve(plan, wire):
+def _resolve(plan, wire, **kw):
     return resolve_config(ToyLM(), "0;1", 8, 4, fp16=False, schedule="1f1b", partition=None, timeout=None,
-                          bucket_mb=25, precision=None, seed=None, plan=plan, trace=None, trace_step=2, cutpoints=None,
-                          loss_reduction="mean", wire_dtype=wire)
+                          bucket_mb=25, seed=None, plan=plan, trace=None, trace_step=2, cutpoints=None,
+                          loss_reduction="mean", wire_dtype=wire, **{"precision": None, **kw})
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"reduce_dtype": "int8"}, "reduce_dtype must be 'bf16', 'fp16' or 'exact'"),
+    ({"reduce_dtype": "fp16"}, "reduce_dtype='fp16' with precision='fp32'"),
+    ({"reduce_dtype": "fp16", "precision": "bf16"}, "reduce_dtype='fp16' with precision='bf16'"),
+    ({"reduce_dtype": "bf16", "shard_optimizer": True}, "reduce_dtype='bf16' with shard_optimizer=True"),
+])
+def test_a_reduce_dtype_that_cannot_work_is_a_config_error(kw, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _resolve(None, None, **kw)
+
+
+def test_reduce_dtype_names() -> None:
+    assert _resolve(None, None, reduce_dtype="bf16").reduce == torch.bfloat16
+    assert _resolve(None, None, reduce_dtype="fp16", precision="fp16").reduce == torch.float16
+    assert _resolve(None, None, reduce_dtype="exact").reduce is None and _resolve(None, None).reduce is None
 
 
 def test_a_plan_carries_the_wire_dtype_and_the_argument_overrides_it(caplog) -> None:
