@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-split bench-gpu bench-kernels clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-split bench-wire bench-gpu bench-kernels clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -132,6 +132,11 @@ bench-goodput: setup ## useful steps in a window under a seeded preemption trace
 # the bytes W keeps per micro-batch (see benchmarks/README.md).
 bench-split: setup ## what splitting the backward into B and W costs per segment (BENCH_ARGS="--json", "--n-embd 256")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/split_cost.py $(BENCH_ARGS)
+
+# The example GPT for 600 steps at pp=2 with an exact, a bf16 and an fp16 wire between the stages, in fp32 and bf16
+# compute: the loss curves' largest gaps and final losses, and the cost of fp16's overflow check (see benchmarks/README.md).
+bench-wire: setup ## what wire_dtype costs in accuracy: loss curves exact vs bf16/fp16 on the wire (BENCH_ARGS="--json")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/wire_dtype.py $(BENCH_ARGS)
 
 # Step time, tokens/s and MFU on one GPU of ours (Varuna at pp=1 in one process) vs plain PyTorch, the example GPT and a
 # 1.2B GPT built on meta, and the profile's predicted step time vs the measured one (see benchmarks/README.md).

@@ -212,6 +212,26 @@ def seq_first_batch(n: int, seed: int = 0) -> dict:
     return {k: v.t().contiguous() for k, v in batch(n, seed).items()}
 
 
+class CarryLM(ToyLM):
+    """Every cut carries ``(x, lo, ids, keep)``: the hidden state ``[s, b, h]`` in fp32, a bf16 copy of it (with a
+    gradient), the token ids (int64 ``[s, b]``) and a mask (bool ``[s, b]``), all read after the cut: each kind of
+    leaf a wire dtype narrows or leaves alone."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)  # [s, b, h]
+        ids = idx.t().contiguous()
+        value = self.cuts[0]((x, x.to(torch.bfloat16), ids, ids >= VOCAB // 4))
+        for i, block in enumerate(self.blocks):
+            x, lo, ids, keep = value
+            x = block(x + 0.5 * lo.float()) * keep.unsqueeze(-1)
+            value = (x, x.to(torch.bfloat16), ids, keep)
+            if i + 1 < len(self.cuts):
+                value = self.cuts[i + 1](value)
+        x, _, ids, _ = value
+        logits = self.head(self.ln_f(x)) + 0.1 * F.one_hot(ids, VOCAB)  # [s, b, V]
+        return F.cross_entropy(logits.transpose(0, 1).reshape(-1, VOCAB), targets.reshape(-1))
+
+
 class UNetLM(nn.Module):
     """U-Net-like: a down path, a bottleneck and an up path whose blocks add the down path's features, so
     values skip over cuts: the embedding (``h0``, a module output) reaches the head across every cut, ``h1``

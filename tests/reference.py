@@ -191,7 +191,7 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
                     loss_reduction: str = "mean", batch_dims: dict | None = None, clip: float | None = None,
                     norms: list[float] | None = None, reused: str | None = None,
                     buffers: dict[str, torch.Tensor] | None = None, device: str | torch.device = "cpu",
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    reduce_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Train ``model`` for ``steps`` steps of ``batch_at(step)`` (a global batch, a dict of tensors) as a pipeline
     with ``layout`` adds (one layout, or one per step: a run resumed under another layout). ``ties`` names the
     model's tied weights (``("emb.weight", "head.weight")``). Returns the losses (float64 ``[steps]``, each the
@@ -200,7 +200,8 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
     layout places on stages (``Layout.calls``; see the module's docstring).
 
     ``device``: where the model already is; each batch is moved there, and every sum is done there (the GPU
-    tests compare a CUDA pipeline with this on CUDA).
+    tests compare a CUDA pipeline with this on CUDA). ``reduce_dtype``: the replicas' gradients are summed in it
+    and cast back, as ``Varuna(..., reduce_dtype=...)`` all-reduces them.
     ``precision`` ``bf16``/``fp16`` runs each forward under ``torch.autocast`` of that device; fp16 multiplies each
     micro-batch's weighted loss by ``loss_scale`` and unscales the summed gradients with torch's AMP kernel, as
     the pipeline does (an overflow here is an error: the tests choose a scale that does not overflow).
@@ -223,7 +224,7 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
         try:
             losses, params = _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale,
                                     loss_reduction, batch_dims or {}, clip, norms if norms is not None else [],
-                                    call_copies, torch.device(device))
+                                    call_copies, torch.device(device), reduce_dtype)
         finally:
             if call_copies is not None:
                 call_copies.close()
@@ -235,7 +236,7 @@ def train_reference(model: nn.Module, make_optimizer: Callable[[list[nn.Paramete
 
 
 def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale, loss_reduction, dims, clip, norms,
-           call_copies, device):
+           call_copies, device, reduce_dtype=None):
     copies = untie(model, ties) + (call_copies.groups() if call_copies is not None else [])
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params)
@@ -291,8 +292,9 @@ def _train(model, make_optimizer, batch_at, layouts, ties, precision, loss_scale
         for i, p in enumerate(params):  # the data-parallel all-reduce
             grad = None
             for grads in replica_grads:
-                grad = _add(grad, grads[i])
-            p.grad = torch.zeros_like(p) if grad is None else grad.clone()
+                term = grads[i]
+                grad = _add(grad, term.to(reduce_dtype) if term is not None and reduce_dtype is not None else term)
+            p.grad = torch.zeros_like(p) if grad is None else grad.to(p.dtype, copy=True)
         if precision == "fp16":
             found_inf = torch.zeros(1, device=device)
             inv_scale = torch.tensor([float(loss_scale)], device=device).double().reciprocal().float()

@@ -55,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shard-optimizer", action=argparse.BooleanOptionalAction, default=None,
                    help="shard the AdamW state over each stage's data-parallel replicas (default: the plan's "
                    "choice, else not)")
+    p.add_argument("--wire-dtype", choices=["exact", "bf16", "fp16"], default=None,
+                   help="bf16/fp16: activations and gradients cross between stages in it, half the bytes (default: "
+                   "the plan's choice, else exact)")
     p.add_argument("--plan", default=os.environ.get("VARUNA_PLAN"),
                    help="a plan from `varuna plan` (default: $VARUNA_PLAN): it sets the stage-to-rank map, "
                    "partition, schedule and micro-batch size")
@@ -88,7 +91,7 @@ def main() -> None:
                    chunk_size=None if args.plan else args.chunk_size, shared_weights=SHARED_WEIGHTS,
                    schedule=args.schedule, seed=args.seed,
                    init=GPT.init_module if args.build == "meta" else None, weights=args.weights,
-                   plan=args.plan, shard_optimizer=args.shard_optimizer)
+                   plan=args.plan, shard_optimizer=args.shard_optimizer, wire_dtype=args.wire_dtype)
     # Created after wrapping: each rank only holds (and optimizes) its own stage's parameters. Under
     # `varuna launch` after a restart or a morph, set_optimizer also restores the checkpoint to resume from.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -100,7 +103,8 @@ def main() -> None:
         print(f"world {world_size}: {model.pp} stage(s) x {model.dp} replica(s), map {model.topology.to_string()!r}, "
               f"schedule {model.schedule_name}, partition {model.partition.to_string()}, global batch "
               f"{args.batch_size}, micro-batch {model.chunk_size}"
-              f"{', optimizer sharded over the replicas' if model.shard_optimizer and model.dp > 1 else ''}",
+              f"{', optimizer sharded over the replicas' if model.shard_optimizer and model.dp > 1 else ''}"
+              f"{f', {model.wire_dtype} on the wire' if model.wire_dtype and model.pp > 1 else ''}",
               flush=True)
 
     loss = float("nan")

@@ -16,6 +16,7 @@ __all__ = [
     "ScheduleError",
     "CutPointError",
     "ShapeMismatchError",
+    "WireRangeError",
     "CommTimeoutError",
     "CheckpointError",
     "HandoverError",
@@ -103,6 +104,12 @@ class CutPointError(ConfigError):
 
 class ShapeMismatchError(VarunaError):
     """A tensor crossing a cut whose shape or dtype differs from what discovery recorded."""
+
+
+class WireRangeError(ConfigError):
+    """A value crossing a cut overflowed the wire dtype the run was given (``wire_dtype="fp16"``: a finite value
+    beyond fp16's range became inf), in a precision without loss scaling to skip the step. Raised on every rank,
+    naming the cut and the direction."""
 
 
 class CommTimeoutError(VarunaError):

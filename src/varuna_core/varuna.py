@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .env import WorkerEnv
-from .errors import CommTimeoutError, ConfigError, HandoverError
+from .errors import CommTimeoutError, ConfigError, HandoverError, WireRangeError
 from .ir.partition import Partition
 from .ir.topology import Topology
 from .model.discovery import Structure, discover, dry_forward, make_batch_fn
@@ -158,6 +158,18 @@ class Varuna(nn.Module):
             :data:`~varuna_core.pipeline.shard.ELEMENTWISE`); with one replica it changes nothing. A lost replica
             then takes its shard with it: a job recovers from a snapshot or checkpoint instead of regrouping.
             Default: the plan's choice, else False.
+        wire_dtype: ``"bf16"`` or ``"fp16"``: floating-point activations and gradients wider than it (fp32) cross
+            cuts in it, in half the bytes, and are cast back on arrival, so every stage computes in the dtypes it
+            would without it; integer and bool tensors, and float ones as narrow or narrower, cross as they are
+            ([Note: wire dtype] in :mod:`varuna_core.model.precision`). The values are rounded once per crossing.
+            With ``"fp16"`` a finite value beyond fp16's range (≥ 65520 in magnitude) is an overflow of the step
+            under ``precision="fp16"`` (skipped, the loss scale lowered) and a
+            :class:`~varuna_core.errors.WireRangeError` on every rank otherwise. ``"exact"`` (or ``"fp32"``):
+            every tensor crosses in its own dtype. Default: the plan's, else exact.
+        reduce_dtype: ``"bf16"`` (or ``"fp16"``, under ``precision="fp16"`` only: its loss scaling skips a step
+            whose sum overflows): the data-parallel all-reduce sums each fp32 gradient bucket in it, half the bytes,
+            and copies the sum back (as torch DDP's compression hooks do). Tied weights' sums stay exact; not with
+            ``shard_optimizer``. Default: exact.
     """
 
     def __init__(
@@ -189,6 +201,8 @@ class Varuna(nn.Module):
         init: Callable[[nn.Module], Any] | None = None,
         weights: str | os.PathLike | None = None,
         shard_optimizer: bool | None = None,
+        wire_dtype: str | torch.dtype | None = None,
+        reduce_dtype: str | torch.dtype | None = None,
     ) -> None:
         super().__init__()
         install_excepthook()
@@ -199,8 +213,10 @@ class Varuna(nn.Module):
             model, stage_to_rank_map, batch_size, chunk_size, fp16=fp16, schedule=schedule, partition=partition,
             timeout=timeout, bucket_mb=bucket_mb, precision=precision, seed=seed,
             plan=plan if plan is not None else told.plan, trace=trace, trace_step=trace_step, cutpoints=cutpoints,
-            loss_reduction=loss_reduction, shard_optimizer=shard_optimizer)
-        self.shard_optimizer = config.shard_optimizer
+            loss_reduction=loss_reduction, shard_optimizer=shard_optimizer, wire_dtype=wire_dtype,
+            reduce_dtype=reduce_dtype)
+        self.shard_optimizer, self.wire_dtype, self._wire = config.shard_optimizer, config.wire_dtype, config.wire
+        self.reduce_dtype = config.reduce_dtype
         self.loss_reduction, self.precision, self.plan = config.loss_reduction, config.precision, config.plan
         self.trace_dir, self.trace_step, self.timeout = config.trace_dir, config.trace_step, config.timeout
         self._place(config, device, local_rank)
@@ -220,10 +236,10 @@ class Varuna(nn.Module):
         release_free_memory()  # the other stages' tensors of a model built for real, the validation's run
         schedule = config.schedule
         self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, schedule, self.timeout,
-                                       self.precision)
-        self._communicate(config.bucket_mb)
+                                         self.precision, wire=self._wire)
+        self._communicate(config.bucket_mb, config.reduce)
         if reference is not None:  # from the attributes the model came with: [Note: module state]
-            with self.stage_slice.attributes.undone():
+            with self.stage_slice.attributes.undone(), self.executor.exact_wire():
                 check_slicing(self.executor, self.module, self.structure, self.partition, self.stage,
                               is_last=self.stage_slice.is_last, input_batch_dims=self.input_batch_dims,
                               world_size=self.world_size, reference=reference, rng=self._validation_rng)
@@ -323,9 +339,10 @@ class Varuna(nn.Module):
             log.info("rank %d: stage moved onto %s at the handover (%.1f MB of parameters)", self.rank, self.device,
                      self.stage_slice.parameter_bytes() / 2**20)
 
-    def _communicate(self, bucket_mb: float) -> None:
-        """Gradient buckets and their sync, the loss scaler, the step counter."""
-        self.grad_buffer = GradBuffer([p for _, p in self.stage_slice.param_names], int(bucket_mb * 2**20))
+    def _communicate(self, bucket_mb: float, reduce: torch.dtype | None) -> None:
+        """Gradient buckets and their sync (summed in ``reduce``, if given), the loss scaler, the step counter."""
+        self.grad_buffer = GradBuffer([p for _, p in self.stage_slice.param_names], int(bucket_mb * 2**20),
+                                      reduce_dtype=reduce)
         self._grad_sync = GradSync(self.groups, self._tied, self.grad_buffer, timeout=self.timeout, rank=self.rank,
                                    stage=self.stage)
         self._norm_params = norm_params(self.grad_buffer, self.ties, self._tied, self.stage)
@@ -437,7 +454,9 @@ class Varuna(nn.Module):
             loss_sum, self.grad_buffer, self._norm_params, self.scaler, dp=self.dp, device=self.device,
             clip_grad_max_norm=clip_grad_max_norm, reduce=self._global_sum, shards=self._shards,
             flag=self.supervision.flag(),  # some rank got SIGUSR1 (SIGUSR2): all checkpoint (publish) next step
+            wire=self.executor.wire_counts(self.pp - 1),
         )
+        self._wire_checked(result.wire, "step")
         sync_written_buffers(self.stage_slice, self.groups, self.topology, self.stage)  # [Note: replica buffers]
         self.grad_norm = result.grad_norm
         self.iteration += 1
@@ -502,7 +521,7 @@ class Varuna(nn.Module):
         self.groups = build_groups(self.topology, self.ties, self.stage, self.replica, self.world_size, self.timeout)
         self._group_sockets = set(socket_inodes()) - sockets
         self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, self.schedule_name,
-                                         self.timeout, self.precision)
+                                         self.timeout, self.precision, wire=self._wire)
         self._grad_sync = GradSync(self.groups, self._tied, self.grad_buffer, timeout=self.timeout, rank=self.rank,
                                    stage=self.stage)
         self.supervision.regrouped(rank, self.replica, self.iteration)
@@ -618,7 +637,8 @@ class Varuna(nn.Module):
 
         return evaluate_loss(self.executor, inputs, self.input_batch_dims, batch_size, chunk_size=self.chunk_size,
                              loss_reduction=self.loss_reduction, rng=rng, is_last=self.stage_slice.is_last,
-                             world_size=self.world_size, timeout=self.timeout, rank=self.rank)
+                             world_size=self.world_size, timeout=self.timeout, rank=self.rank,
+                             wire_checked=lambda counts: self._wire_checked(counts, "evaluate()"))
 
     @property
     def replica_range(self) -> tuple[int, int]:
@@ -658,6 +678,32 @@ class Varuna(nn.Module):
         return self.stage_slice.parameter_bytes()
 
     # ------------------------------------------------------------------------------------------------------
+
+    def _wire_checked(self, counts: tuple[float, ...], during: str) -> None:
+        """What every rank does when values overflowed the wire dtype (``counts``: the step's summed report, per stage
+        boundary activations then gradients, see [Note: wire dtype]): under fp16 loss scaling the step is an
+        overflow already (skipped, the scale lowered), which is logged; otherwise a
+        :class:`~varuna_core.errors.WireRangeError`."""
+        if not any(counts):
+            return
+        where = []
+        for boundary in range(len(counts) // 2):
+            cut = self.structure.cut_names[self.partition.ranges[boundary][1] - 1]
+            for direction, count in zip(("activation", "gradient"), counts[2 * boundary: 2 * boundary + 2],
+                                        strict=True):
+                if count:
+                    arrow = f"{boundary} → {boundary + 1}" if direction == "activation" else \
+                        f"{boundary + 1} → {boundary}"
+                    where.append(f"{int(count)} {direction} message(s) crossing CutPoint {cut!r} (stage {arrow})")
+        what = (f"wire_dtype={self.wire_dtype!r}: in {during} {self.iteration}, " if during == "step" else
+                f"wire_dtype={self.wire_dtype!r}: in {during}, ") + "; ".join(where) + \
+            f" held finite values beyond {self.wire_dtype}'s range, which the wire would turn into inf"
+        if self.precision == "fp16":  # as any fp16 overflow: a skipped step, or the evaluation's inf loss
+            log.info("rank %d: %s (%s)", self.rank, what,
+                     "an overflow: the step is skipped" if during == "step" else "its loss is not finite")
+            return
+        raise WireRangeError(what, hint="use wire_dtype='bf16' (fp32's range in the same bytes), or an exact wire "
+                                        "(wire_dtype='exact')")
 
     def _chrome_trace(self) -> ChromeTrace:
         """An observer of the executor recording this step's actions: pid = replica, tid = stage."""

@@ -25,7 +25,7 @@ import torch
 from varuna_core.env import CACHE_DIR
 from varuna_core.util.procs import JobOutcome, free_port, torchrun_env
 
-WORKER_MODULES = ("tests.dist.worker", "tests.dist.receives_worker")
+WORKER_MODULES = ("tests.dist.worker", "tests.dist.receives_worker", "tests.dist.wire_worker")
 _CONTEXT = None
 
 

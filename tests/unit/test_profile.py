@@ -237,6 +237,7 @@ def test_values_skipping_a_cut_are_measured_and_planned(tmp_path) -> None:
         for m in seg.measures:
             assert m.skip_bytes == skipped[seg.index] * per_tensor[m.microbatch_size]
             assert m.output_bytes == m.skip_bytes + per_tensor[m.microbatch_size]
+            assert m.wire16_bytes == m.output_bytes // 2  # fp32 tensors: bf16 or fp16 on a narrow wire
     assert "output 0 of 'emb' ([1, 6, 16] float32 per example)" in result.segments[0].skips
     assert not result.segments[-1].skips and result.segments[-1].measures[0].skip_bytes == 0
     plan = plan_for(result, PlanRequest(gpus=2, batch_size=8), pp=2, dp=1, microbatch_size=4, schedule="1f1b")

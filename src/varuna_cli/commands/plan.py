@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--gpus-per-node",
            "gpu_memory": "--gpu-memory", "schedules": "--schedule", "headroom": "--headroom", "top": "--top",
            "host_memory": "--host-memory",
-           "shard_optimizer": "--shard-optimizer", "pp": "--pp", "dp": "--dp",
+           "shard_optimizer": "--shard-optimizer", "wire_dtype": "--wire-dtype", "pp": "--pp", "dp": "--dp",
            "microbatch_sizes": "--microbatch-size"}
 
 
@@ -47,6 +47,9 @@ def plan(
         "--shard-optimizer/--no-shard-optimizer",
         help="Shard the optimizer state over the data-parallel replicas, or never (default: consider both; "
              "sharded wins where the whole state does not fit, or when it is predicted >1% faster).")] = None,
+    wire_dtype: Annotated[str | None, typer.Option(
+        "--wire-dtype", help="bf16 or fp16: activations and gradients cross cuts in it (Varuna(..., wire_dtype=...)), "
+                             "charged at its bytes; the plan carries it (default: exact).")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the plan (.yaml or .json).")] = Path(
         "plan.yaml"),
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON on stdout.")] = False,
@@ -79,7 +82,7 @@ def plan(
     with named_as_options(OPTIONS):  # the request checks its numbers and names; the errors name our options
         req = PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=gpus_per_node, gpu_memory=memory,
                           schedules=_schedules(schedule), top=top, headroom=headroom,
-                          shard_optimizer=shard_optimizer, pp=pp, dp=dp,
+                          shard_optimizer=shard_optimizer, wire_dtype=wire_dtype, pp=pp, dp=dp,
                           microbatch_sizes=None if microbatch_size is None else (microbatch_size,))
     check_writable(output, "plan")
     prof = load_profile(profile)
@@ -186,6 +189,7 @@ def _table(result) -> None:
     _print_skips(out, result)
     _print_split(out, result)
     _print_sharding(out, result)
+    _print_wire(out, result)
     if result.snapshot_bytes_per_node:
         out.print(f"in-memory snapshots (`varuna launch --morph`): {format_bytes(result.snapshot_bytes_per_node)} of "
                   "host memory on the fullest node", markup=False)
@@ -203,6 +207,18 @@ def _print_sharding(out, result) -> None:
     if result.shard_optimizer:
         out.print(f"optimizer state sharded over the {result.dp} replicas of each stage (z: Varuna(..., "
                   f"shard_optimizer=True)): each rank holds 1/{result.dp} of its stage's", markup=False)
+
+
+def _print_wire(out, result) -> None:
+    """With a wire dtype, what crosses each stage boundary per micro-batch in it."""
+    from varuna_core.ir.units import format_bytes
+
+    if result.wire_dtype is None:
+        return
+    sent = ", ".join(f"{st.stage} → {st.stage + 1}: {format_bytes(st.activation_bytes)}" for st in result.stages[:-1])
+    out.print(f"activations and gradients cross cuts in {result.wire_dtype} (Varuna(..., wire_dtype="
+              f"{result.wire_dtype!r})){f'; per micro-batch each way, {sent}' if sent else ''}", markup=False,
+              highlight=False)
 
 
 def _print_split(out, result) -> None:
@@ -270,7 +286,8 @@ def show(
         hidden = len(lines) - max_steps - 1
         lines = lines[: max_steps + 1] + [f"... {hidden} more steps (--max-steps 0 shows all)"]
     typer.echo(f"{result.schedule}: {result.pp} stages, {result.num_microbatches} micro-batches per replica"
-               f"{f', optimizer state sharded over the {result.dp} replicas' if result.shard_optimizer else ''}")
+               f"{f', optimizer state sharded over the {result.dp} replicas' if result.shard_optimizer else ''}"
+               f"{f', {result.wire_dtype} on the wire' if result.wire_dtype else ''}")
     typer.echo("\n".join(lines))
     if any(st.skip_bytes or st.pending_weights for st in result.stages):
         from rich.console import Console

@@ -7,20 +7,36 @@ unscales its gradients and flags non-finite values with torch's own AMP kernels;
 *all* ranks with the step's loss, so every rank agrees to skip the step and halve the scale, or to keep it and
 grow the scale after ``growth_interval`` clean steps. (A per-rank ``GradScaler`` cannot do this: stages must
 agree, or one stage would step while another skipped.)
+
+[Note: wire dtype] ``Varuna(..., wire_dtype="bf16" | "fp16")`` narrows what crosses a cut, whatever the stages
+compute in: a floating-point leaf of a cut's value (activations forward, their gradients back, skipped tensors
+with them) wider than the wire dtype is cast to it by the sender and back to its recorded dtype by the receiver,
+so the stages' compute and the dtypes autograd sees are those of an exact run; only the values are rounded, once
+per crossing. Integer and bool leaves (ids, masks) cross as they are, and so does a float leaf as narrow as the
+wire dtype or narrower (:func:`wire_dtype`): a bf16 activation under autocast stays bf16 on an fp16 wire, since
+recasting it saves no byte and fp16 cannot hold bf16's range. Where the wire dtype's exponent range is narrower
+than the leaf's (fp16 under fp32 or fp64), a finite value at least :func:`overflow_threshold` in magnitude becomes
+inf: the sender counts such leaves, and the step treats the count as an overflow (fp16 precision: skipped, the
+scale lowered) or as an error on every rank (fp32, bf16). bf16 has fp32's exponent, so under fp32 only values
+above 3.39e38 (sentinels such as ``torch.finfo(torch.float32).min`` in an additive mask) round to inf, and are
+not counted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from ..errors import ConfigError
 
-__all__ = ["PRECISIONS", "resolve_precision", "autocast", "LossScaler"]
+__all__ = ["PRECISIONS", "WIRE_DTYPES", "resolve_precision", "autocast", "LossScaler", "wire_dtype",
+           "overflow_threshold"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+WIRE_DTYPES = dict(_DTYPES)  # the narrow dtypes a cut's values may cross in ([Note: wire dtype])
 
 
 def resolve_precision(precision: str | None, fp16: bool) -> str:
@@ -39,6 +55,25 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=_DTYPES[precision])
+
+
+def wire_dtype(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype:
+    """The dtype a leaf recorded as ``dtype`` crosses a cut in under the wire dtype ``wire`` (``None``: exact): the
+    wire dtype for a real floating-point leaf wider than it, else ``dtype`` itself ([Note: wire dtype])."""
+    if wire is None or not dtype.is_floating_point or dtype.itemsize <= wire.itemsize:
+        return dtype
+    return wire
+
+
+def overflow_threshold(source: torch.dtype, wire: torch.dtype) -> float | None:
+    """The smallest magnitude at which a finite ``source`` value rounds to inf in ``wire`` (the largest finite
+    ``wire`` value plus half its spacing: 65520 for fp16), where ``wire``'s exponent range is narrower than
+    ``source``'s; ``None`` where it is not (bf16 under fp32: see [Note: wire dtype])."""
+    big = torch.finfo(wire).max
+    if 2 * big > torch.finfo(source).max:
+        return None
+    _, exponent = math.frexp(big)  # big = m · 2**exponent with 0.5 <= m < 1: its spacing is eps · 2**(exponent-1)
+    return big + math.ldexp(torch.finfo(wire).eps / 2, exponent - 1)
 
 
 class LossScaler:

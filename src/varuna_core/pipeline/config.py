@@ -21,7 +21,7 @@ from ..errors import ConfigError, TopologyError
 from ..ir.partition import Partition, PartitionSpec, balance, coerce_partition
 from ..ir.schedule import ScheduleName, check_schedule
 from ..model.discovery import Structure
-from ..model.precision import resolve_precision
+from ..model.precision import WIRE_DTYPES, resolve_precision
 from ..model.rng import MASK64
 from ..util.checks import integer, real
 from .microbatch import batch_size_of, microbatch_sizes
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..planning.artifacts import Plan
 
 __all__ = ["Config", "resolve_config", "BatchLayout", "batch_layout", "check_structure",
-           "choose_partition", "loss_weights", "replica_share"]
+           "choose_partition", "loss_weights", "replica_share", "wire_dtype_name"]
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +58,24 @@ class Config:
     cutpoints: Literal["auto"] | None
     loss_reduction: Literal["mean", "sum"]
     shard_optimizer: bool = False
+    wire_dtype: Literal["bf16", "fp16"] | None = None  # None: every leaf crosses cuts in its own dtype
+    reduce_dtype: Literal["bf16", "fp16"] | None = None  # None: the data-parallel all-reduce sums in fp32
+
+    @property
+    def wire(self) -> torch.dtype | None:
+        """The wire dtype as a torch dtype (``None``: exact)."""
+        return WIRE_DTYPES[self.wire_dtype] if self.wire_dtype is not None else None
+
+    @property
+    def reduce(self) -> torch.dtype | None:
+        """The dtype the data-parallel all-reduce sums in (``None``: the gradients' own)."""
+        return WIRE_DTYPES[self.reduce_dtype] if self.reduce_dtype is not None else None
 
 
 def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_size: Any, *, fp16: bool,
                    schedule: str, partition: Any, timeout: Any, bucket_mb: Any, precision: str | None, seed: Any,
                    plan: Any, trace: Any, trace_step: Any, cutpoints: str | None, loss_reduction: str,
-                   shard_optimizer: bool | None = None) -> Config:
+                   shard_optimizer: bool | None = None, wire_dtype: Any = None, reduce_dtype: Any = None) -> Config:
     """Check every argument that needs no process group or model structure; apply the plan."""
     batch_size, chunk_size, timeout, bucket_mb, trace_step, seed = _check_arguments(
         batch_size, chunk_size, timeout, bucket_mb, trace_step, seed, plan)
@@ -83,6 +95,8 @@ def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_si
     elif loaded is not None and shard_optimizer != loaded.shard_optimizer:
         log.warning("shard_optimizer=%s differs from the plan's %s: its memory predictions do not apply",
                     shard_optimizer, loaded.shard_optimizer)
+    wire = _wire_dtype(wire_dtype, loaded)
+    reduce = _reduce_dtype(reduce_dtype, resolved_precision, shard_optimizer)
     if not isinstance(stage_to_rank_map, str):
         raise TopologyError(f"stage_to_rank_map must be a string like '0,2;1,3', got {stage_to_rank_map!r}")
     return Config(
@@ -90,7 +104,7 @@ def resolve_config(model: Any, stage_to_rank_map: Any, batch_size: Any, chunk_si
         schedule=check_schedule(schedule), partition=partition, precision=resolved_precision, plan=loaded,
         timeout=float(timeout) if timeout is not None else default_timeout(), bucket_mb=bucket_mb, seed=seed,
         trace_dir=trace if trace is not None else env.text(env.TRACE), trace_step=trace_step, cutpoints=cuts,
-        loss_reduction=reduction, shard_optimizer=shard_optimizer,
+        loss_reduction=reduction, shard_optimizer=shard_optimizer, wire_dtype=wire, reduce_dtype=reduce,
     )
 
 
@@ -100,6 +114,50 @@ def _loss_reduction(value: object) -> Literal["mean", "sum"]:
     if value == "sum":
         return "sum"
     raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {value!r}")
+
+
+_EXACT = "exact"
+_WIRE_NAMES: dict[object, str] = {"exact": _EXACT, "fp32": _EXACT, torch.float32: _EXACT, "bf16": "bf16",
+                                  torch.bfloat16: "bf16", "fp16": "fp16", torch.float16: "fp16"}
+
+
+def wire_dtype_name(value: object, field: str = "wire_dtype") -> Literal["bf16", "fp16"] | None:
+    """``wire_dtype`` (or ``reduce_dtype``, named by ``field``) checked: ``"bf16"``/``torch.bfloat16`` and
+    ``"fp16"``/``torch.float16`` by name, ``None`` for exact (``"exact"``, ``"fp32"``, ``torch.float32``: every
+    tensor in its own dtype)."""
+    name = _WIRE_NAMES.get(value) if isinstance(value, (str, torch.dtype)) else None
+    if name is None:
+        raise ConfigError(f"{field} must be 'bf16', 'fp16' or 'exact' (also 'fp32' or None), got {value!r:.80}",
+                          hint="'bf16' halves the bytes of fp32 values and keeps fp32's range; 'fp16' keeps more "
+                               "digits but overflows beyond 65504")
+    return None if name == _EXACT else "bf16" if name == "bf16" else "fp16"
+
+
+def _wire_dtype(value: object, plan: Plan | None) -> Literal["bf16", "fp16"] | None:
+    """The wire dtype: the argument's, else the plan's (``None`` with a plan: the plan's; ``"exact"``: exact
+    whatever the plan says), else exact."""
+    planned = plan.wire_dtype if plan is not None else None
+    if value is None:
+        return planned
+    wire = wire_dtype_name(value)
+    if plan is not None and wire != planned:
+        log.warning("wire_dtype=%s differs from the plan's %s: its predicted message times do not apply",
+                    wire or "exact", planned or "exact")
+    return wire
+
+
+def _reduce_dtype(value: object, precision: str, shard_optimizer: bool) -> Literal["bf16", "fp16"] | None:
+    """The dtype the data-parallel all-reduce sums in (see :class:`~varuna_core.pipeline.grads.GradBuffer`)."""
+    reduce = wire_dtype_name(value, "reduce_dtype") if value is not None else None
+    if reduce == "fp16" and precision != "fp16":
+        raise ConfigError(f"reduce_dtype='fp16' with precision={precision!r}: a sum beyond 65504 would silently "
+                          "become inf", hint="use reduce_dtype='bf16' (fp32's range), or precision='fp16', whose loss "
+                                             "scaling skips a step whose sum overflows")
+    if reduce is not None and shard_optimizer:
+        raise ConfigError(f"reduce_dtype={reduce!r} with shard_optimizer=True: the sharded optimizer reduce-scatters "
+                          "the gradients instead of all-reducing them, in their own dtype",
+                          hint="leave out one of them")
+    return reduce
 
 
 def _cutpoints(value: object) -> Literal["auto"] | None:

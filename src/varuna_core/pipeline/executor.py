@@ -35,6 +35,12 @@ before the gradient synchronisation. Each step gets a new :class:`~varuna_core.m
 forward runs under the mode that sees every call, the later ones skip it where that changes nothing ([Note: split
 route]).
 
+[Note: wire overflow count] With a wire dtype, every value a stage sends is cast by
+:func:`~varuna_core.pipeline.p2p.to_wire`, which adds the leaves that overflowed to this run's count per direction
+(activations, gradients) without waiting for the device. :meth:`PipelineExecutor.wire_counts` lays them out per
+stage boundary for the step's one all-reduce, where every rank learns which cut overflowed in which direction
+([Note: wire dtype] in :mod:`varuna_core.model.precision`).
+
 A recompute draws the same dropout masks as its forward because both seed each segment from (seed, step,
 micro-batch, segment) (see [Note: deterministic dropout] in :mod:`varuna_core.model.rng`); the original restored a
 saved state and then left the live stream at the recomputed micro-batch's state. And it runs on a copy of the
@@ -58,7 +64,7 @@ from ..ir.schedule import Action, Op, Schedule, check_schedule, generate, valida
 from ..ir.topology import Topology
 from ..model.buffer_writes import Snapshot
 from ..model.payload import ValueSpec, flatten
-from ..model.precision import autocast
+from ..model.precision import autocast, wire_dtype
 from ..model.split import SplitRoute, WeightGrads, splitting
 from ..model.stage import StageSlice
 from . import p2p
@@ -112,6 +118,7 @@ class _Step:
     deferred: dict[int, WeightGrads] = dataclasses.field(default_factory=dict)  # B ran, W not yet: per micro-batch
     route: SplitRoute = dataclasses.field(default_factory=SplitRoute)  # how this step's forwards are split
     busy: float = 0.0  # seconds inside actions
+    overflows: torch.Tensor | None = None  # with a wire dtype: [2] leaves sent that overflowed, per direction
 
     def rng_key(self, mb: int) -> tuple[int, int, int] | None:
         if self.rng is None:
@@ -129,12 +136,15 @@ class PipelineExecutor:
         schedule: schedule name (one of :data:`~varuna_core.ir.schedule.SCHEDULE_NAMES`).
         timeout: seconds any wait may take.
         precision: ``fp32``, ``bf16`` or ``fp16`` (autocast around every forward and recompute).
+        wire: the dtype wide float leaves cross cuts in (``torch.bfloat16``, ``torch.float16``), or ``None`` to send
+            every leaf in its recorded dtype ([Note: wire dtype] in :mod:`varuna_core.model.precision`).
         observers: told about every action and run (see :mod:`varuna_core.pipeline.tracing`); more can be
             attached later with :meth:`add_observer` or :meth:`observing`.
     """
 
     def __init__(self, stage: StageSlice, topology: Topology, rank: int, schedule: str, timeout: float,
-                 precision: str = "fp32", observers: Sequence[ActionObserver] = ()) -> None:
+                 precision: str = "fp32", observers: Sequence[ActionObserver] = (),
+                 wire: torch.dtype | None = None) -> None:
         self.stage = stage
         self.topology = topology
         self.rank = rank
@@ -152,6 +162,8 @@ class PipelineExecutor:
         self._in_tensor_specs = [leaf for _, leaf in self._in.tensor_leaves] if self._in else []
         self._out_tensor_specs = [leaf for _, leaf in self._out.tensor_leaves] if self._out else []
         self._float_out_specs = [spec for spec in self._out_tensor_specs if spec.is_float]  # gradients received
+        self.wire = wire
+        self.wire_overflows: torch.Tensor | None = None  # the last run's [Note: wire overflow count]
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._caps: dict[int, int] = {}  # per micro-batch count: the static peak of held micro-batches
         self._windows: dict[int, tuple[int, int]] = {}  # per micro-batch count: this stage's receive windows
@@ -165,6 +177,49 @@ class PipelineExecutor:
         self._waited = 0.0  # seconds of this run spent waiting for peers' messages
         self._computed = 0.0  # seconds of the current action spent in forward/backward
         check_schedule(schedule)  # an unknown name fails at construction, not at the first step
+
+    @property
+    def wire(self) -> torch.dtype | None:
+        """The wire dtype of the cuts this stage sends and receives over (``None``: exact)."""
+        return self._wire
+
+    @wire.setter
+    def wire(self, wire: torch.dtype | None) -> None:
+        """Set it, and the dtype each leaf crosses in per message kind (``None`` lists where it is exact)."""
+        self._wire = wire
+
+        def dtypes(specs: list) -> list[torch.dtype] | None:
+            return None if wire is None else [wire_dtype(spec.torch_dtype, wire) for spec in specs]
+
+        self._in_wire = dtypes(self._in_tensor_specs)  # activations received
+        self._out_wire = dtypes(self._out_tensor_specs)  # activations sent
+        self._grad_in_wire = dtypes(self._float_out_specs)  # gradients received
+        self._grad_out_wire = dtypes([spec for spec in self._in_tensor_specs if spec.is_float])  # gradients sent
+
+    @contextlib.contextmanager
+    def exact_wire(self) -> Iterator[None]:
+        """Every leaf crosses in its recorded dtype for the block (the start-up validation compares the pipeline
+        with the unsliced model: the slicing, not the rounding of the wire)."""
+        wire = self.wire
+        self.wire = None
+        try:
+            yield
+        finally:
+            self.wire = wire
+
+    def wire_counts(self, boundaries: int) -> torch.Tensor | None:
+        """This rank's share of the step's wire overflow report ([Note: wire overflow count]): float64
+        ``[2 · boundaries]``, entry ``2b`` the activations that overflowed crossing boundary ``b`` (after stage
+        ``b``), ``2b + 1`` the gradients; ``None`` without a wire dtype or a run."""
+        if self.wire_overflows is None:
+            return None
+        counts = torch.zeros(2 * boundaries, dtype=torch.float64, device=self.wire_overflows.device)
+        s = self.stage_index
+        if self.next_rank is not None:
+            counts[2 * s] = self.wire_overflows[p2p.ACTIVATION]
+        if self.prev_rank is not None:
+            counts[2 * (s - 1) + 1] = self.wire_overflows[p2p.GRADIENT]
+        return counts
 
     def add_observer(self, observer: ObserverT) -> ObserverT:
         """Tell ``observer`` about every action and run from now on; returns it."""
@@ -240,6 +295,7 @@ class PipelineExecutor:
         finally:
             self.max_posted = (step.peak[0], step.peak[1])
             self.max_unwaited = (step.kept[0], step.kept[1])
+            self.wire_overflows = step.overflows
         return self._finish(step, started)
 
     def release_next(self, n: int) -> None:
@@ -249,8 +305,9 @@ class PipelineExecutor:
         tensors are kept until the next call)."""
         if self.next_rank is None:
             return
-        blank = [torch.zeros(spec.shape_for(n), dtype=spec.torch_dtype, device=self.device)
-                 for spec in self._out_tensor_specs]
+        dtypes = self._out_wire or [spec.torch_dtype for spec in self._out_tensor_specs]
+        blank = [torch.zeros(spec.shape_for(n), dtype=dtype, device=self.device)
+                 for spec, dtype in zip(self._out_tensor_specs, dtypes, strict=True)]
         self._released = (blank, p2p.send(blank, dst=self.next_rank, mb=0, kind=p2p.ACTIVATION, group=None))
 
     # ------------------------------------------------------------------------------------------------------
@@ -278,6 +335,7 @@ class PipelineExecutor:
             windows=self._windows[num], send_caps=self._send_caps[num], order=order,
             state={mb: _MicroState() for mb in range(num)},
             loss_sum=torch.zeros((), dtype=torch.float64, device=self.device),
+            overflows=torch.zeros(2, dtype=torch.float32, device=self.device) if self.wire is not None else None,
         )
 
     def _post_receives(self, step: _Step) -> None:
@@ -296,12 +354,12 @@ class PipelineExecutor:
         if kind == p2p.ACTIVATION:
             assert self.prev_rank is not None  # activations come to every stage but the first
             step.acts[mb] = p2p.post_recv(self._in_tensor_specs, n, src=self.prev_rank, mb=mb, kind=kind,
-                                          device=self.device, group=None, what="activation")
+                                          device=self.device, group=None, what="activation", wire=self._in_wire)
             pending = len(step.acts)
         else:
             assert self.next_rank is not None  # gradients come to every stage but the last
             step.grads[mb] = p2p.post_recv(self._float_out_specs, n, src=self.next_rank, mb=mb, kind=kind,
-                                           device=self.device, group=None, what="gradient")
+                                           device=self.device, group=None, what="gradient", wire=self._grad_in_wire)
             pending = len(step.grads)
         step.posted[kind] = k + 1
         step.peak[kind] = max(step.peak[kind], pending)
@@ -365,6 +423,11 @@ class PipelineExecutor:
         queue.append(p2p.send(tensors, dst=dst, mb=mb, kind=kind, group=None))
         step.kept[kind] = max(step.kept[kind], len(queue))
 
+    @staticmethod
+    def _overflows(step: _Step, kind: int) -> torch.Tensor | None:
+        """The run's count of overflowed leaves of ``kind`` (a view to add to), with a wire dtype."""
+        return step.overflows[kind] if step.overflows is not None else None
+
     def _wait_sends(self, works: list) -> None:
         p2p.wait_all(works, timeout=self.timeout, peer=None,
                      describe=lambda: f"{self._who()} waiting for its sends to complete")
@@ -405,7 +468,8 @@ class PipelineExecutor:
             leaves = self._check_out(out, step.sizes[mb])
             if step.capture is not None:
                 step.capture.append([t.detach() for t in leaves])
-            self._send(step, p2p.wire_leaves(leaves, self._outgoing()), p2p.ACTIVATION, mb)
+            wired = p2p.wire_leaves(leaves, self._outgoing(), self._out_wire, self._overflows(step, p2p.ACTIVATION))
+            self._send(step, wired, p2p.ACTIVATION, mb)
             st.outputs = leaves if keep_graph else None
         if not keep_graph and not step.recompute:
             st.incoming = None
@@ -528,4 +592,6 @@ class PipelineExecutor:
                 (t.grad if t.grad is not None else torch.zeros_like(t))
                 for t in st.incoming if t.is_floating_point()
             ]
+            if self._grad_out_wire is not None:
+                back = p2p.to_wire(back, self._grad_out_wire, self._overflows(step, p2p.GRADIENT))
             self._send(step, back, p2p.GRADIENT, action.mb)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..model.precision import wire_dtype
 from .p2p import wait_all
 
 __all__ = ["GradBuffer", "all_reduce_tensor"]
@@ -30,11 +31,16 @@ class GradBuffer:
     Args:
         params: the stage's trainable parameters (order must be identical on every replica of the stage).
         bucket_bytes: size of each all-reduce bucket.
+        reduce_dtype: ``torch.bfloat16`` or ``torch.float16``: each bucket of a wider float buffer is summed in it
+            (a narrowed copy, copied back once summed: half the bytes on the wire, the sum rounded at each addition
+            of the collective, as torch DDP's compression hooks do); ``None``: in the gradients' own dtype.
     """
 
-    def __init__(self, params: list[nn.Parameter], bucket_bytes: int = 25 * 2**20) -> None:
+    def __init__(self, params: list[nn.Parameter], bucket_bytes: int = 25 * 2**20,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.bucket_bytes = bucket_bytes
+        self.reduce_dtype = reduce_dtype
         self.flats: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []
 
@@ -88,13 +94,21 @@ class GradBuffer:
             p.grad = view
 
     def all_reduce(self, group, *, timeout: float, describe: Callable[[], str], peer: int | None = None) -> None:
-        """Sum the gradients over ``group`` in buckets of ``bucket_bytes``, all posted before any wait."""
+        """Sum the gradients over ``group`` in buckets of ``bucket_bytes``, all posted before any wait (in
+        ``reduce_dtype``, if set: each bucket's narrowed copy is summed and copied back)."""
         works: list[Any] = []  # torch.distributed's work handles
+        narrowed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bucket, its copy summed in reduce_dtype)
         for flat in self.flats:
             step = max(1, self.bucket_bytes // flat.element_size())
-            works.extend(dist.all_reduce(flat[start : start + step], group=group, async_op=True)
-                         for start in range(0, flat.numel(), step))
+            for start in range(0, flat.numel(), step):
+                bucket = flat[start : start + step]
+                if wire_dtype(bucket.dtype, self.reduce_dtype) != bucket.dtype:
+                    narrowed.append((bucket, bucket.to(self.reduce_dtype)))
+                    bucket = narrowed[-1][1]
+                works.append(dist.all_reduce(bucket, group=group, async_op=True))
         wait_all(works, timeout=timeout, describe=describe, peer=peer)
+        for bucket, summed in narrowed:
+            bucket.copy_(summed)
 
 
 def all_reduce_tensor(tensor: torch.Tensor, group, *, timeout: float, describe: Callable[[], str]) -> None:

@@ -4,6 +4,11 @@ Every message is posted asynchronously (``isend``/``irecv``) with a tag derived 
 direction and the leaf, so messages match regardless of the order in which they are posted. Every wait has a
 timeout; when it expires, or a peer's connection closes, the error names this rank, its stage, the action
 waiting and the peer.
+
+With a wire dtype (``Varuna(..., wire_dtype=...)``, [Note: wire dtype] in :mod:`varuna_core.model.precision`) the
+sender casts a value's wide float leaves with :func:`to_wire` (counting those that overflow), the receiver posts
+buffers of the wire dtypes and :meth:`Pending.arrived` casts them back to the recorded dtypes; without one, every
+leaf crosses in its recorded dtype, as it always did.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ import torch.distributed as dist
 
 from ..errors import CommTimeoutError, ShapeMismatchError
 from ..model.payload import TensorSpec, ValueSpec
+from ..model.precision import overflow_threshold
 
 __all__ = [
     "ACTIVATION", "GRADIENT", "Pending", "default_timeout", "post", "post_recv", "send", "wait_all", "check_value",
-    "wire_leaves", "staged_through_host",
+    "wire_leaves", "to_wire", "staged_through_host",
 ]
 
 ACTIVATION = 0
@@ -48,23 +54,29 @@ def _tag(mb: int, kind: int, leaf: int) -> int:
 @dataclasses.dataclass
 class Pending:
     """Posted receives of one value: the buffers and their work handles. ``device``: where the value is used,
-    when the buffers are staged in host memory (see :func:`staged_through_host`)."""
+    when the buffers are staged in host memory (see :func:`staged_through_host`). ``dtypes``: the recorded dtype of
+    each leaf, when some buffer holds it in a wire dtype instead."""
 
     tensors: list[torch.Tensor]
     works: list[Any]
     peer: int
     what: str
     device: torch.device | None = None
+    dtypes: list[torch.dtype] | None = None
 
     def ready(self) -> bool:
         """Whether every receive has completed, without waiting (always False on gloo until waited for)."""
         return all(w.is_completed() for w in self.works)
 
     def arrived(self) -> list[torch.Tensor]:
-        """The received tensors on the device they are used on (call once the works are waited for)."""
-        if self.device is None:
-            return self.tensors
-        return [t.to(self.device, non_blocking=True) for t in self.tensors]
+        """The received tensors on the device they are used on, in their recorded dtypes (call once the works are
+        waited for)."""
+        tensors = self.tensors
+        if self.device is not None:
+            tensors = [t.to(self.device, non_blocking=True) for t in tensors]
+        if self.dtypes is None:
+            return tensors
+        return [t if t.dtype == dtype else t.to(dtype) for t, dtype in zip(tensors, self.dtypes, strict=True)]
 
 
 def staged_through_host(device: torch.device, group=None) -> bool:
@@ -75,20 +87,24 @@ def staged_through_host(device: torch.device, group=None) -> bool:
 
 
 def post_recv(
-    specs: list[TensorSpec], n: int, *, src: int, mb: int, kind: int, device: torch.device, group, what: str
+    specs: list[TensorSpec], n: int, *, src: int, mb: int, kind: int, device: torch.device, group, what: str,
+    wire: list[torch.dtype] | None = None,
 ) -> Pending:
-    """Post receives for tensors described by ``specs`` for ``n`` examples from global rank ``src``."""
+    """Post receives for tensors described by ``specs`` for ``n`` examples from global rank ``src``; ``wire``: the
+    dtype each crosses in, where it is not the recorded one (see :func:`to_wire`)."""
     staged = staged_through_host(device, group)
     at = torch.device("cpu") if staged else device
+    dtypes = [spec.torch_dtype for spec in specs]
+    wire = dtypes if wire is None else wire
     tensors, works = [], []
-    for leaf, spec in enumerate(specs):
-        buf = torch.empty(spec.shape_for(n), dtype=spec.torch_dtype, device=at, pin_memory=staged)
+    for leaf, (spec, dtype) in enumerate(zip(specs, wire, strict=True)):
+        buf = torch.empty(spec.shape_for(n), dtype=dtype, device=at, pin_memory=staged)
         tensors.append(buf)
         try:
             works.append(dist.irecv(buf, src=src, group=group, tag=_tag(mb, kind, leaf)))
         except RuntimeError as exc:  # the connection to src failed already: gloo says so as the receive is posted
             raise _connection_failed(lambda: what, src, exc) from None
-    return Pending(tensors, works, src, what, device if staged else None)
+    return Pending(tensors, works, src, what, device if staged else None, None if wire == dtypes else dtypes)
 
 
 def send(tensors: list[torch.Tensor], *, dst: int, mb: int, kind: int, group) -> list[Any]:
@@ -191,11 +207,36 @@ def _dtype_ok(dtype: torch.dtype, want: TensorSpec) -> bool:
     return str(dtype) == want.dtype or (dtype.is_floating_point and want.is_float)
 
 
-def wire_leaves(leaves: list[torch.Tensor], spec: ValueSpec) -> list[torch.Tensor]:
-    """The tensors to send for a value's tensor leaves: detached, in the recorded dtype."""
+def wire_leaves(leaves: list[torch.Tensor], spec: ValueSpec, wire: list[torch.dtype] | None = None,
+                overflows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The tensors to send for a value's tensor leaves: detached, in the recorded dtype, or with ``wire`` (one dtype
+    per leaf) as :func:`to_wire` casts them."""
+    if wire is not None:
+        return to_wire(leaves, wire, overflows)
     wants = [leaf for _, leaf in spec.tensor_leaves]
     return [t.detach() if str(t.dtype) == w.dtype else t.detach().to(w.torch_dtype)
             for t, w in zip(leaves, wants, strict=True)]
+
+
+def to_wire(tensors: list[torch.Tensor], dtypes: list[torch.dtype],
+            overflows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``tensors`` detached and cast to ``dtypes`` (one per tensor: the wire dtype of its leaf, see
+    :func:`~varuna_core.model.precision.wire_dtype`). Each cast into a narrower exponent range that turns a finite
+    value into inf adds one to ``overflows`` (a 0-d tensor on the tensors' device; no host sync): one ``aminmax``
+    over the source decides it, before the cast. A tensor that holds inf or NaN already is not counted (an additive
+    ``-inf`` mask is not an overflow; a NaN activation is the model's, not the wire's)."""
+    out = []
+    for t, dtype in zip(tensors, dtypes, strict=True):
+        t = t.detach()
+        if t.dtype == dtype:
+            out.append(t)
+            continue
+        limit = overflow_threshold(t.dtype, dtype) if t.numel() else None
+        if overflows is not None and limit is not None:
+            lo, hi = torch.aminmax(t)
+            overflows += (torch.maximum(hi, -lo) >= limit) & torch.isfinite(lo) & torch.isfinite(hi)
+        out.append(t.to(dtype))
+    return out
 
 
 def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cut: str, stage: int) -> None:

@@ -34,6 +34,7 @@ class StepResult:
     overflow: bool  # fp16 found an inf/NaN on some rank: gradients were zeroed, the step must be skipped
     grad_norm: float  # before clipping (``inf`` on overflow)
     flags: float  # the caller's flags summed over every rank
+    wire: tuple[float, ...] = ()  # with a wire dtype: per stage boundary, activations and gradients that overflowed
 
     @property
     def flagged(self) -> bool:
@@ -96,9 +97,11 @@ def global_sum(value: torch.Tensor, *, world_size: int, timeout: float, rank: in
 def finish_step(loss_sum: torch.Tensor, grad_buffer: GradBuffer, norm_params: list[nn.Parameter],
                 scaler: LossScaler | None, *, flag: float, dp: int, device: torch.device,
                 clip_grad_max_norm: float | None, reduce: Callable[[torch.Tensor], torch.Tensor],
-                shards: OptimizerShards | None = None) -> StepResult:
+                shards: OptimizerShards | None = None, wire: torch.Tensor | None = None) -> StepResult:
     """Unscale (fp16), all-reduce loss / squared norm / overflow / flag with ``reduce``, update the loss scale, and
-    zero (overflow) or clip the gradients. With a sharded optimizer (``shards``) only this replica's pieces hold
+    zero (overflow) or clip the gradients. ``wire``: this rank's counts of values that overflowed the wire dtype
+    (:meth:`~varuna_core.pipeline.executor.PipelineExecutor.wire_counts`), reduced with the rest; any makes the
+    step an overflow. With a sharded optimizer (``shards``) only this replica's pieces hold
     reduced gradients: they are unscaled, counted in the norm (each element then once over the replicas, so the
     sum is not divided by ``dp``) and clipped."""
     counted = {id(p) for p in norm_params}
@@ -123,12 +126,14 @@ def finish_step(loss_sum: torch.Tensor, grad_buffer: GradBuffer, norm_params: li
         sq_norm = (torch.stack(torch._foreach_norm(norm_grads)).double().pow(2).sum() if norm_grads
                    else torch.zeros((), dtype=torch.float64, device=device))
     zero = torch.zeros((), dtype=torch.float64, device=loss_sum.device)
-    totals = reduce(torch.stack([
+    totals = torch.stack([
         loss_sum.double(), sq_norm.to(loss_sum.device),
         found_inf.double().sum() if found_inf is not None else zero,
         zero + flag,
-    ]))
-    loss, overflow = float(totals[0]), bool(totals[2] > 0)
+    ])
+    totals = reduce(totals if wire is None else torch.cat([totals, wire.to(totals.device)]))
+    wired = tuple(totals[4:].tolist())
+    loss, overflow = float(totals[0]), bool(totals[2] > 0) or any(wired)
     grad_norm = float("inf") if overflow else float(totals[1] / dp) ** 0.5
     if scaler is not None:
         scaler.update(overflow)
@@ -137,16 +142,18 @@ def finish_step(loss_sum: torch.Tensor, grad_buffer: GradBuffer, norm_params: li
     elif clip_grad_max_norm is not None and grads:
         coef = min(clip_grad_max_norm / (grad_norm + 1e-6), 1.0)
         torch._foreach_mul_(grads, coef)
-    return StepResult(loss, overflow, grad_norm, float(totals[3]))
+    return StepResult(loss, overflow, grad_norm, float(totals[3]), wired)
 
 
 def evaluate_loss(executor: PipelineExecutor, inputs: Mapping[str, Any], input_batch_dims: Mapping[str, Any],
                   batch_size: int | None, *, chunk_size: int, loss_reduction: str, rng: Callable[[], tuple[int, int]],
-                  is_last: bool, world_size: int, timeout: float, rank: int) -> float:
+                  is_last: bool, world_size: int, timeout: float, rank: int,
+                  wire_checked: Callable[[tuple[float, ...]], None] | None = None) -> float:
     """The loss over every replica's ``inputs``: the mean over all examples, or with ``loss_reduction="sum"`` the
     sum of the micro-batch losses. ``rng()`` names the dropout stream, once the inputs are split. The buffers the
     forward writes are as before afterwards (a model left in training mode would otherwise update its BatchNorm
-    statistics with the evaluation's batches)."""
+    statistics with the evaluation's batches). With a wire dtype, ``wire_checked`` gets the counts of activations
+    that overflowed it, per stage boundary and direction (as :attr:`StepResult.wire`), summed over every rank."""
     n = batch_size_of(inputs, input_batch_dims) if batch_size is None else int(batch_size)
     sizes = microbatch_sizes(n, chunk_size)
     microbatches = split_inputs(inputs, input_batch_dims, sizes, expected=n)
@@ -156,8 +163,13 @@ def evaluate_loss(executor: PipelineExecutor, inputs: Mapping[str, Any], input_b
     pair = torch.stack([total, torch.tensor(float(n), dtype=torch.float64, device=loss_sum.device)])
     if not is_last:
         pair.zero_()
+    wire = executor.wire_counts(executor.num_stages - 1)
+    if wire is not None:
+        pair = torch.cat([pair, wire.to(pair.device)])
     if world_size > 1:
         all_reduce_tensor(pair, None, timeout=timeout, describe=lambda: f"rank {rank} evaluate()")
+    if wire is not None and wire_checked is not None:
+        wire_checked(tuple(pair[2:].tolist()))
     return float(pair[0] / pair[1]) if loss_reduction == "mean" else float(pair[0])
 
 

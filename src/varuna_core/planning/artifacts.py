@@ -107,6 +107,10 @@ class SegmentMeasure(CheckedModel):
     output_bytes: Bytes = Field(description="bytes of the value leaving the segment at its cut (0 for the last)")
     skip_bytes: Bytes = Field(0, description="of output_bytes, the tensors that skip over the cut to a later "
                               "segment, carried with the cut's value (see skip routing in the docs)")
+    wire16_bytes: Bytes | None = Field(
+        None, description="bytes of the value at the cut on a 2-byte wire (Varuna(..., wire_dtype='bf16' or "
+                          "'fp16')): its floating-point tensors wider than 2 bytes counted at 2 bytes an element, "
+                          "the others as they are (None: not measured; the planner then takes half of output_bytes)")
     saved_bytes: Bytes = Field(description="activation bytes autograd keeps for the backward (saved tensors)")
     peak_bytes: Bytes | None = Field(None, description="device max_memory_allocated during the pass (CUDA only)")
 
@@ -262,6 +266,9 @@ def _check_profile_bytes(p: Profile) -> None:
             if seg.index == last and (m.output_bytes or m.skip_bytes):
                 raise ValueError(f"{where}: output_bytes {m.output_bytes} and skip_bytes {m.skip_bytes} on the last "
                                  f"segment, which ends at the loss and sends nothing (both must be 0)")
+            if m.wire16_bytes is not None and m.wire16_bytes > m.output_bytes:
+                raise ValueError(f"{where}: wire16_bytes {m.wire16_bytes} is more than output_bytes {m.output_bytes}, "
+                                 "the bytes of the same value with every tensor in its own dtype")
             if m.skip_bytes > m.output_bytes:
                 raise ValueError(f"{where}: skip_bytes {m.skip_bytes} is more than output_bytes {m.output_bytes}, "
                                  f"of which the skipping tensors are a part")
@@ -347,9 +354,10 @@ class StagePlan(CheckedModel):
     pending_weights: Index = Field(0, description="micro-batches waiting for their W at once (each keeping "
                                    "weight_bytes); 0 when the backward is not split")
     send_activation: Seconds = Field(0.0, description="predicted time to send one activation to the next stage (s)")
-    activation_bytes: Bytes = Field(0, description="bytes sent to the next stage per full micro-batch")
+    activation_bytes: Bytes = Field(0, description="bytes sent to the next stage per full micro-batch (in the "
+                                    "plan's wire_dtype, if it has one)")
     skip_bytes: Bytes = Field(0, description="of activation_bytes, the tensors skipping over the stage's "
-                              "outgoing cut (carried for a later stage)")
+                              "outgoing cut (carried for a later stage; on a narrow wire, in proportion)")
     send_gradient: Seconds = Field(0.0, description="predicted time to send one gradient to the previous stage (s)")
     allreduce: Seconds = Field(0.0, description="predicted data-parallel gradient all-reduce time (s)")
     optimizer: Seconds = Field(0.0, description="predicted optimizer step time (s)")
@@ -427,6 +435,9 @@ class Plan(CheckedModel):
     shard_optimizer: StrictBool = Field(
         False, description="the optimizer state of each stage is sharded over its data-parallel replicas "
                            "(Varuna(..., shard_optimizer=True)): each rank holds 1/dp of it")
+    wire_dtype: Literal["bf16", "fp16"] | None = Field(
+        None, description="the dtype floating-point activations and gradients wider than it cross cuts in "
+                          "(Varuna(..., wire_dtype=...)), charged at its bytes; None: each in its own dtype")
     snapshot_bytes_per_node: Bytes = Field(
         0, description="host memory the in-memory snapshots of `varuna launch --snapshot-every` take on the fullest "
                        "node: the state of the stages its ranks run and of the stages of the node before it, whose "

@@ -21,6 +21,11 @@ default search, and a request that names one is refused (:func:`schedules_for`).
 simpler configuration wins: shallower, wider, smaller micro-batches, then the schedule first in
 :data:`~varuna_core.ir.schedule.SCHEDULE_NAMES` (``1f1b`` before ``zb``).
 
+With a wire dtype (``PlanRequest.wire_dtype``, ``varuna plan --wire-dtype``) every activation and gradient is
+charged at the bytes it crosses the cut in: the profile's ``wire16_bytes`` (its float leaves wider than 2 bytes at
+2 bytes an element), or half its ``output_bytes`` where an older profile did not measure them. Memory is charged
+as without it (the receive buffers are narrower, the cast back is not).
+
 The fastest predicted step wins; the next ones are kept as alternatives with the reason each lost. This module
 imports no torch, so ``varuna plan`` starts fast and runs anywhere.
 """
@@ -65,6 +70,7 @@ SHARD_GAIN = 0.01  # a sharded optimizer must be predicted this much faster to w
 TIE = 1e-9  # predicted steps closer than this (relative) are equal: equal schedules summed in another order
 SHARD_BUCKET = 25 * 2**20  # the runtime's default bucket: the all-gather's scratch (and 1/dp of it, the ring's)
 MAX_CONCURRENT_SENDS = 1024
+WIRE_DTYPES = ("bf16", "fp16")  # both 2 bytes: what crosses is charged at the profile's wire16_bytes
 
 
 class PlanInfeasible(VarunaError):
@@ -91,6 +97,8 @@ class PlanRequest:
         top: alternatives to keep.
         microbatch_sizes: the micro-batch sizes to consider (default: the profiled ones). A morph keeps the
             running size, so that the numerics of the run do not change with the device count.
+        wire_dtype: ``"bf16"`` or ``"fp16"``: messages between stages are charged at the bytes they cross in
+            (the runtime's ``wire_dtype``, which the plan then carries); ``None``: at their own bytes.
         shard_optimizer: shard the optimizer state over the replicas (``True``), never (``False``), or consider
             both wherever ``dp > 1`` (``None``): sharding is chosen when it fits where the whole state does not, or
             is predicted faster by more than :data:`SHARD_GAIN` (its optimizer steps ``1/dp`` of the elements). On a
@@ -112,6 +120,7 @@ class PlanRequest:
     top: int = 5
     microbatch_sizes: tuple[int, ...] | None = None
     shard_optimizer: bool | None = None
+    wire_dtype: str | None = None
     pp: int | None = None
     dp: int | None = None
 
@@ -140,6 +149,9 @@ class PlanRequest:
         if self.shard_optimizer is not None and not isinstance(self.shard_optimizer, bool):
             raise FieldError("shard_optimizer", f"must be True, False or None (consider both), got "
                              f"{self.shard_optimizer!r:.80}")
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
+            raise FieldError("wire_dtype", f"must be {' or '.join(map(repr, WIRE_DTYPES))} or None (exact), got "
+                             f"{self.wire_dtype!r:.80}", hint="bf16 keeps fp32's range; fp16 overflows beyond 65504")
         self._check_layout(put)
 
     def _check_layout(self, put: Callable[[str, object], None]) -> None:
@@ -228,6 +240,12 @@ class _Seg:
     split_backward: float = 0.0  # B of a split backward (0: not measured)
     weight: float = 0.0  # W of a split backward
     weight_bytes: float = 0.0  # what one micro-batch keeps from its B to its W
+    wire_bytes: float | None = None  # with a wire dtype: the bytes crossing the cut (measured or halved)
+
+    @property
+    def on_wire(self) -> float:
+        """The bytes crossing the segment's cut per message: its output's, or those of the wire dtype."""
+        return self.output_bytes if self.wire_bytes is None else self.wire_bytes
 
 
 def _interp(measures: Sequence[SegmentMeasure], n: float, get: Callable[[SegmentMeasure], float]) -> float:
@@ -242,7 +260,7 @@ def _interp(measures: Sequence[SegmentMeasure], n: float, get: Callable[[Segment
     return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
 
 
-def _segments_at(profile: Profile, n: float) -> list[_Seg]:
+def _segments_at(profile: Profile, n: float, wire: str | None = None) -> list[_Seg]:
     out = []
     split = profile.splits_backward
     for seg in profile.segments:
@@ -252,6 +270,7 @@ def _segments_at(profile: Profile, n: float) -> list[_Seg]:
             recompute=_interp(ms, n, lambda m: m.recompute.median),
             backward=_interp(ms, n, lambda m: m.backward.median),
             output_bytes=_interp(ms, n, lambda m: m.output_bytes),
+            wire_bytes=_interp(ms, n, _wire16_bytes) if wire is not None else None,
             saved_bytes=_interp(ms, n, lambda m: m.saved_bytes),
             static_bytes=seg.param_bytes + seg.grad_bytes + seg.optimizer_bytes,
             grad_bytes=seg.grad_bytes, optimizer_bytes=seg.optimizer_bytes,
@@ -263,6 +282,12 @@ def _segments_at(profile: Profile, n: float) -> list[_Seg]:
             weight_bytes=_interp(ms, n, lambda m: m.weight_bytes or 0) if split else 0.0,
         ))
     return out
+
+
+def _wire16_bytes(m: SegmentMeasure) -> float:
+    """The bytes of a segment's output on a bf16/fp16 wire: the measured ``wire16_bytes``, or half of
+    ``output_bytes`` (fp32 floats) for a profile made before they were measured."""
+    return m.wire16_bytes if m.wire16_bytes is not None else m.output_bytes / 2
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -484,8 +509,8 @@ class _Tables:
     """Everything the search computes once: per micro-batch size the segment numbers and their prefix sums,
     shared partitions, and message times."""
 
-    def __init__(self, profile: Profile) -> None:
-        self.profile = profile
+    def __init__(self, profile: Profile, wire: str | None = None) -> None:
+        self.profile, self.wire = profile, wire
         self._segs: dict[float, list[_Seg]] = {}
         self._prefix: dict[float, _Prefix] = {}
         self._free: dict[tuple[int, int, tuple[bool, ...], bool], Partition | None] = {}
@@ -494,7 +519,7 @@ class _Tables:
 
     def segs(self, n: float) -> list[_Seg]:
         if n not in self._segs:
-            self._segs[n] = _segments_at(self.profile, n)
+            self._segs[n] = _segments_at(self.profile, n, self.wire)
         return self._segs[n]
 
     def prefix(self, n: float) -> _Prefix:
@@ -589,7 +614,7 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
         busy = (num_mb - 1) * (f + r + bw + w) + fl + rl + bl + wl
         lower = max(lower, fill + busy + allreduce)  # it cannot start before the first activation reaches it
         if s < pp - 1:
-            fill += f + tables.p2p(segs[b - 1].output_bytes, boundary[s])
+            fill += f + tables.p2p(segs[b - 1].on_wire, boundary[s])
     return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, boundary, dp_inter, lower,
                    shard, pending), None
 
@@ -604,10 +629,10 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     for s, (a, b) in enumerate(c.partition.ranges):
         f, r, bw, w = _stage_times(pre, a, b, c.recompute[s], split)
         fl, rl, bl, wl = _stage_times(pre_last, a, b, c.recompute[s], split)
-        send_act = tables.p2p(segs[b - 1].output_bytes, c.boundary[s]) if s < pp - 1 else 0.0
-        send_act_l = tables.p2p(segs_last[b - 1].output_bytes, c.boundary[s]) if s < pp - 1 else 0.0
-        send_grad = tables.p2p(segs[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
-        send_grad_l = tables.p2p(segs_last[a - 1].output_bytes, c.boundary[s - 1]) if s > 0 else 0.0
+        send_act = tables.p2p(segs[b - 1].on_wire, c.boundary[s]) if s < pp - 1 else 0.0
+        send_act_l = tables.p2p(segs_last[b - 1].on_wire, c.boundary[s]) if s < pp - 1 else 0.0
+        send_grad = tables.p2p(segs[a - 1].on_wire, c.boundary[s - 1]) if s > 0 else 0.0
+        send_grad_l = tables.p2p(segs_last[a - 1].on_wire, c.boundary[s - 1]) if s > 0 else 0.0
         # sharded: a reduce-scatter and an all-gather, the all-reduce's bytes in the same ring steps
         allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], c.dp, c.dp_inter)
         c.optimizer.append((pre.opt[b] - pre.opt[a]) / (c.dp if c.shard else 1))
@@ -663,7 +688,7 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     _check_microbatches(profile, req)
     schedules = schedules_for(profile, req)
     assumptions = _assumptions(profile, req)
-    tables = _Tables(profile)
+    tables = _Tables(profile, req.wire_dtype)
     prepared, smallest, clamped = _prepare_all(tables, profile, req, schedules)
     scored = _score_best(prepared, tables, req)
     if not scored:
@@ -714,6 +739,9 @@ def _assumptions(profile: Profile, req: PlanRequest) -> set[str]:
         assumptions.add("inter-node links are taken to be as fast as the measured intra-node ones")
     if req.gpu_memory is None:
         assumptions.add("no --gpu-memory given: memory is not limited")
+    if req.wire_dtype is not None and any(m.wire16_bytes is None for seg in profile.segments for m in seg.measures):
+        assumptions.add(f"the profile does not say which bytes at the cuts are floats wider than 2 bytes: on the "
+                        f"{req.wire_dtype} wire, half of them are charged (profile again to measure them)")
     if req.schedules is None and not profile.splits_backward:
         assumptions.add("the profile has no B and W measures of a split backward: the zero-bubble schedules (zb, "
                         "varuna-zb) were not considered (profile again with `varuna profile` to measure them)")
@@ -847,7 +875,7 @@ def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch
     schedules_for(profile, dataclasses.replace(req, schedules=(name,)))  # refuses a split without B and W measures
     schedules = schedules_for(profile, req)
     assumptions: set[str] = set()
-    tables = _Tables(profile)
+    tables = _Tables(profile, req.wire_dtype)
     result, need = _prepare(tables, req, pp, dp, microbatch_size, schedule, shard_optimizer and dp > 1)
     if result is not None:
         result = _score(result, tables, req)
@@ -899,6 +927,14 @@ def snapshot_bytes_per_node(state_bytes: list[int], nodes: list[list[int]], pp: 
     return max(sum(state_bytes[s] for s in here | stages[i - 1]) for i, here in enumerate(stages))
 
 
+def _on_wire(nbytes: float, seg: _Seg) -> float:
+    """``nbytes`` of a segment's output as the wire carries them: in the proportion of its whole value (a skipped
+    tensor is taken to be narrowed as the rest is)."""
+    if seg.wire_bytes is None:
+        return nbytes
+    return nbytes * seg.wire_bytes / seg.output_bytes if seg.output_bytes else 0.0
+
+
 def _nodes(world: int, per_node: int) -> list[list[int]]:
     """Ranks ``0..world-1`` on nodes of ``per_node`` devices, consecutively (a replica's stages stay together)."""
     return [list(range(i, min(world, i + per_node))) for i in range(0, world, per_node)]
@@ -909,15 +945,15 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
     per_node = req.gpus_per_node or req.gpus
     topology = Topology.clustered(best.pp, best.dp)
     nodes = _nodes(best.pp * best.dp, per_node)
-    segs = _segments_at(profile, best.mbs)
+    segs = _segments_at(profile, best.mbs, req.wire_dtype)
     pending = best.pending or [0] * best.pp
     stages = [
         StagePlan(stage=s, segments=(a, b), forward=c.forward, recompute=c.recompute, backward=c.backward,
                   weight=c.weight, pending_weights=pending[s],
                   weight_bytes=round(sum(seg.weight_bytes for seg in segs[a:b])) if best.pending is not None else 0,
                   send_activation=c.send_activation, send_gradient=c.send_gradient,
-                  activation_bytes=round(segs[b - 1].output_bytes) if b < len(segs) else 0,
-                  skip_bytes=round(segs[b - 1].skip_bytes) if b < len(segs) else 0,
+                  activation_bytes=round(segs[b - 1].on_wire) if b < len(segs) else 0,
+                  skip_bytes=round(_on_wire(segs[b - 1].skip_bytes, segs[b - 1])) if b < len(segs) else 0,
                   allreduce=c.allreduce - best.optimizer[s], optimizer=best.optimizer[s],
                   busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0],
                   state_bytes=sum(seg.param_bytes + seg.optimizer_bytes for seg in profile.segments[a:b]))
@@ -934,7 +970,7 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
         model=profile.model, profile_hash=profile.structure_hash, num_segments=profile.num_segments,
         gpus=req.gpus, gpus_per_node=per_node, batch_size=req.batch_size, pp=best.pp, dp=best.dp,
         microbatch_size=best.mbs, num_microbatches=best.num_mb, schedule=best.schedule,
-        shard_optimizer=best.shard, partition=list(best.partition.ranges),
+        shard_optimizer=best.shard, wire_dtype=req.wire_dtype, partition=list(best.partition.ranges),
         stage_to_rank_map=topology.to_string(), nodes=nodes,
         memory_limit=req.gpu_memory, schedules=list(schedules), headroom=req.headroom,
         prediction=Prediction(step_time=best.step, samples_per_second=req.batch_size / best.step,

@@ -50,7 +50,7 @@ from ..ir.partition import Partition
 from ..model.discovery import Structure, discover, make_batch_fn
 from ..model.lazy_values import ValueSource
 from ..model.payload import TensorSpec, flatten
-from ..model.precision import autocast
+from ..model.precision import autocast, wire_dtype
 from ..model.spec import ModelSpec, load_spec
 from ..model.split import WeightGrads, splitting
 from ..model.stage import StageSlice, find_tie_sets, weight_groups
@@ -270,6 +270,14 @@ class _SegmentBench:
             return 0
         return sum(t.numel() * t.element_size() for t in flatten(out)[0] if isinstance(t, torch.Tensor))
 
+    def wire16_bytes(self, out: Any) -> int:
+        """:meth:`output_bytes` on a 2-byte wire (``wire_dtype`` bf16 or fp16: both narrow the same leaves to the
+        same size, see [Note: wire dtype])."""
+        if self.stage.is_last:
+            return 0
+        return sum(t.numel() * wire_dtype(t.dtype, torch.bfloat16).itemsize
+                   for t in flatten(out)[0] if isinstance(t, torch.Tensor))
+
     def skip_bytes(self, out: Any) -> int:
         """Of :meth:`output_bytes`, the skipped tensors (they follow the cut's value, see
         :mod:`varuna_core.model.skips`)."""
@@ -332,7 +340,7 @@ def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int
     return SegmentMeasure(microbatch_size=n, forward=_stat(forward), recompute=_stat(recompute),
                           backward=_stat(backward), split_backward=_stat(split_backward), weight=_stat(weight),
                           weight_bytes=weight_bytes, output_bytes=bench.output_bytes(out), saved_bytes=saved[0],
-                          skip_bytes=bench.skip_bytes(out), peak_bytes=peak)
+                          skip_bytes=bench.skip_bytes(out), wire16_bytes=bench.wire16_bytes(out), peak_bytes=peak)
 
 
 def _split_backward(bench: _SegmentBench, inputs: dict, n: int) -> tuple[float, float, int]:
