@@ -38,8 +38,12 @@ def test_plan_drives_the_runtime_and_trace_is_recorded(tmp_path) -> None:
     assert [f.name for f in files] == ["trace_rank0.json", "trace_rank1.json"]
     events = json.loads(files[0].read_text())["traceEvents"]
     assert sorted(e["name"] for e in events) == sorted(f"0{op}{mb}" for op in "FB" for mb in range(4))
+    for e in events:  # what each action spent waiting for a message and computing, within its duration
+        assert 0 <= e["args"]["waited_us"] and 0 < e["args"]["compute_us"]
+        assert e["args"]["waited_us"] + e["args"]["compute_us"] <= e["dur"] * (1 + 1e-9) + 1e-3
     varuna = Path(sys.executable).with_name("varuna")
     out = subprocess.run([str(varuna), "plan", "show", str(plan_path), "--png", str(tmp_path / "t.png"),
                           "--measured", str(trace_dir)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "t.png").stat().st_size > 1000
+    assert "simulated vs measured" in out.stdout and "step" in out.stdout and "waited" in out.stdout

@@ -301,6 +301,30 @@ def show(
         from varuna_core.util.text import printable
 
         typer.echo(f"wrote {printable(png)}", err=True)
+    if measured:
+        _print_comparison(result, measured)
+
+
+def _print_comparison(result, measured: Path) -> None:
+    """The simulated step against the measured one in numbers: per stage and action kind, the simulated time of
+    one action, the measured median compute (the action less its wait for a message) and the total wait."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from varuna_core.planning.timeline import compare
+
+    def ms(x: float | None) -> str:
+        return "—" if x is None else f"{x * 1e3:.3g}"
+
+    table = Table(title="simulated vs measured (replica 0)", title_justify="left")
+    for col in ("stage", "action", "n", "simulated ms", "measured ms", "error", "waited ms (all)"):
+        table.add_column(col, justify="left" if col in ("stage", "action") else "right", no_wrap=True)
+    for row in compare(result, measured):
+        sim, got = row["simulated_s"], row["measured_s"]
+        error = f"{got / sim - 1:+.0%}" if sim and got is not None else "—"
+        table.add_row("all" if row["stage"] < 0 else str(row["stage"]), row["op"], str(row["count"]), ms(sim),
+                      ms(got), error, ms(row["waited_s"]))
+    Console().print(table)
 
 
 MAX_TRACE_BYTES = 256 * 2**20

@@ -66,16 +66,18 @@ class ChromeTrace(ActionObserver):
 
     def __init__(self, *, pid: int = 0, tid: int = 0, args: dict[str, Any] | None = None) -> None:
         self.pid, self.tid, self.args = pid, tid, dict(args or {})
-        self.events: list[tuple[str, float, float]] = []  # (action, start, end)
+        self.events: list[ActionTiming] = []
 
     def on_action(self, timing: ActionTiming) -> None:
-        self.events.append((timing.name, timing.start, timing.end))
+        self.events.append(timing)
 
     def to_json(self) -> dict:
+        """Each action as a complete event; its args say how much of it waited for a peer's message
+        (``waited_us``) and computed (``compute_us``), so that a timeline can tell waiting from compute."""
         return {"traceEvents": [
-            {"name": name, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6, "pid": self.pid,
-             "tid": self.tid, "args": dict(self.args)}
-            for name, start, end in self.events
+            {"name": t.name, "ph": "X", "ts": t.start * 1e6, "dur": (t.end - t.start) * 1e6, "pid": self.pid,
+             "tid": self.tid, "args": {**self.args, "waited_us": t.waited * 1e6, "compute_us": t.compute * 1e6}}
+            for t in self.events
         ], "displayTimeUnit": "ms"}
 
     def write(self, path: str | Path) -> Path:
