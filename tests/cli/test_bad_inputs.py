@@ -125,6 +125,14 @@ PLAN_CASES = [
     (["--microbatch-size", "0"], "--microbatch-size must be in"),
     (["--microbatch-size", "17"], "--microbatch-size 17 is larger than the global batch of 16"),
     (["--microbatch-size", "8", "--dp", "4"], "no configuration"),
+    (["--link-rate", "fast"], "--link-rate: cannot read 'fast' as a rate"),
+    (["--link-rate", "0mbit"], "--link-rate: rate 0mbit is not above 0"),
+    (["--link-rate", "50Mb/s"], "--link-rate: '50Mb/s' is ambiguous: bits or bytes?"),
+    (["--link-rate", "nanmbit"], "--link-rate: cannot read"),
+    (["--link-rate", "1e6gbit"], "--link-rate must be"),
+    (["--link-latency", "-1ms"], "--link-latency: cannot read '-1ms' as a duration"),
+    (["--link-latency", "1e400s"], "--link-latency: duration 1e400s is not finite"),
+    (["--link-latency", "20s"], "--link-latency must be"),
 ]
 
 

@@ -147,6 +147,10 @@ def test_replan_from_the_profile(tmp_path) -> None:
     new, why = replan(plan, 4, 2)
     assert new.pp * new.dp <= 4 and new.batch_size == 64 and new.profile_path == str(path)
     assert new.microbatch_size == plan.microbatch_size and "kept" in why
+    linked = make_plan(profile, PlanRequest(gpus=8, batch_size=64, gpus_per_node=4, link_rate=6.25e6,
+                                            link_latency=2e-4)).model_copy(update={"profile_path": str(path)})
+    again, _ = replan(linked, 4, 2)  # a morph plans for the same link between nodes
+    assert (again.link_rate, again.link_latency) == (6.25e6, 2e-4)
 
 
 def test_the_cli_reads_its_defaults_from_the_library() -> None:

@@ -19,7 +19,7 @@ OPTIONS = {"gpus": "--gpus", "batch_size": "--batch-size", "gpus_per_node": "--g
            "gpu_memory": "--gpu-memory", "schedules": "--schedule", "headroom": "--headroom", "top": "--top",
            "host_memory": "--host-memory",
            "shard_optimizer": "--shard-optimizer", "wire_dtype": "--wire-dtype", "pp": "--pp", "dp": "--dp",
-           "microbatch_sizes": "--microbatch-size"}
+           "microbatch_sizes": "--microbatch-size", "link_rate": "--link-rate", "link_latency": "--link-latency"}
 
 
 def plan(
@@ -41,6 +41,11 @@ def plan(
     dp: Annotated[int | None, typer.Option("--dp", help="Pin the data-parallel width (replicas).")] = None,
     microbatch_size: Annotated[int | None, typer.Option(
         "--microbatch-size", help="Pin the micro-batch size (default: search the profiled ones).")] = None,
+    link_rate: Annotated[str | None, typer.Option(
+        "--link-rate", help="Rate of the link between nodes, each way, e.g. 50mbit, 1gbit or 100MB/s: messages and "
+        "all-reduces crossing nodes are charged at it (default: the profile's inter-node fit).")] = None,
+    link_latency: Annotated[str | None, typer.Option(
+        "--link-latency", help="Latency per message on that link, e.g. 200us (default: the profile's).")] = None,
     top: Annotated[int, typer.Option("--top", help="Alternatives to show and keep in the plan.")] = 5,
     headroom: Annotated[float, typer.Option("--headroom", help="Fraction of memory kept free.")] = 0.1,
     shard_optimizer: Annotated[bool | None, typer.Option(
@@ -68,7 +73,7 @@ def plan(
     from rich.console import Console
     from rich.text import Text
 
-    from varuna_core.ir.units import parse_bytes
+    from varuna_core.ir.units import parse_bytes, parse_rate, parse_seconds
     from varuna_core.planning.artifacts import load_profile, save_plan
     from varuna_core.planning.planner import PlanRequest, make_plan
     from varuna_core.util.text import printable
@@ -83,7 +88,10 @@ def plan(
         req = PlanRequest(gpus=gpus, batch_size=batch_size, gpus_per_node=gpus_per_node, gpu_memory=memory,
                           schedules=_schedules(schedule), top=top, headroom=headroom,
                           shard_optimizer=shard_optimizer, wire_dtype=wire_dtype, pp=pp, dp=dp,
-                          microbatch_sizes=None if microbatch_size is None else (microbatch_size,))
+                          microbatch_sizes=None if microbatch_size is None else (microbatch_size,),
+                          link_rate=None if link_rate is None else _named("--link-rate", parse_rate, link_rate),
+                          link_latency=None if link_latency is None else _named("--link-latency", parse_seconds,
+                                                                                link_latency))
     check_writable(output, "plan")
     prof = load_profile(profile)
     started = time.perf_counter()
@@ -108,6 +116,31 @@ def plan(
         return
     _table(result)
     err.print(f"searched in {elapsed:.2f} s; wrote {printable(output)}", markup=False, highlight=False)
+
+
+def _named(option: str, parse, text: str):
+    """``parse(text)``; its error names the option."""
+    try:
+        return parse(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{option}: {exc.message}", hint=exc.hint) from None
+
+
+def _print_traffic(out, result) -> None:
+    """The bytes each rank sends per step on each flow, the link it crosses, and its time at --link-rate."""
+    from varuna_core.ir.units import format_bytes
+    from varuna_core.planning.traffic import link_loads
+
+    loads = link_loads(result)
+    if not loads:
+        return
+    parts = []
+    for load in loads:
+        where = "between nodes" if load.inter else "inside a node"
+        rate = f", {load.seconds * 1e3:.4g} ms at {result.link_rate * 8 / 1e6:.4g} Mbit/s" \
+            if load.seconds is not None else ""
+        parts.append(f"{load.what}: {format_bytes(load.bytes_per_step)} {where}{rate}")
+    out.print("bytes per step, each rank and direction: " + "; ".join(parts), markup=False, highlight=False)
 
 
 def snapshot_problem(need: int, node_memory: int | None) -> str | None:
@@ -189,6 +222,7 @@ def _table(result) -> None:
     _print_skips(out, result)
     _print_split(out, result)
     _print_sharding(out, result)
+    _print_traffic(out, result)
     _print_wire(out, result)
     if result.snapshot_bytes_per_node:
         out.print(f"in-memory snapshots (`varuna launch --morph`): {format_bytes(result.snapshot_bytes_per_node)} of "
@@ -289,11 +323,12 @@ def show(
                f"{f', optimizer state sharded over the {result.dp} replicas' if result.shard_optimizer else ''}"
                f"{f', {result.wire_dtype} on the wire' if result.wire_dtype else ''}")
     typer.echo("\n".join(lines))
-    if any(st.skip_bytes or st.pending_weights for st in result.stages):
-        from rich.console import Console
+    from rich.console import Console
 
+    if any(st.skip_bytes or st.pending_weights for st in result.stages):
         _print_skips(Console(), result)
         _print_split(Console(), result)
+    _print_traffic(Console(), result)
     if png:
         from varuna_core.planning.timeline import draw_plan
 

@@ -164,7 +164,7 @@ def replan(plan: Plan, devices: int, per_node: int, keep_microbatch: bool = True
         request = PlanRequest(gpus=devices, batch_size=plan.batch_size, gpus_per_node=min(per_node, devices),
                               gpu_memory=plan.memory_limit,
                               schedules=tuple(map(check_schedule, plan.schedules)), headroom=plan.headroom,
-                              wire_dtype=plan.wire_dtype)
+                              wire_dtype=plan.wire_dtype, link_rate=plan.link_rate, link_latency=plan.link_latency)
 
         def search(req: PlanRequest) -> Plan:
             """The plan keeping the run's choice of a sharded optimizer where one fits (a job that was not sharded

@@ -366,6 +366,8 @@ class StagePlan(CheckedModel):
     held_microbatches: Index = Field(description="micro-batches whose state the stage holds at once")
     state_bytes: Bytes = Field(0, description="what a checkpoint or an in-memory snapshot of the stage holds: "
                                "its parameters and their optimizer state")
+    grad_bytes: Bytes = Field(0, description="bytes of the stage's gradients: what its data-parallel all-reduce sums "
+                              "each step (0 in plans made before it was recorded)")
 
 
 Fraction = Annotated[float, Strict(), Field(ge=-BUBBLE_ROUNDING, le=1)]
@@ -438,6 +440,11 @@ class Plan(CheckedModel):
     wire_dtype: Literal["bf16", "fp16"] | None = Field(
         None, description="the dtype floating-point activations and gradients wider than it cross cuts in "
                           "(Varuna(..., wire_dtype=...)), charged at its bytes; None: each in its own dtype")
+    link_rate: Annotated[float, Strict(), Field(gt=0)] | None = Field(
+        None, description="bytes/s each way of the link between nodes as `varuna plan --link-rate` gave it (messages "
+                          "and all-reduces crossing nodes were charged at it); None: the profile's inter-node fit")
+    link_latency: Annotated[float, Strict(), Field(ge=0)] | None = Field(
+        None, description="seconds per message on that link (--link-latency); None: the profile's")
     snapshot_bytes_per_node: Bytes = Field(
         0, description="host memory the in-memory snapshots of `varuna launch --snapshot-every` take on the fullest "
                        "node: the state of the stages its ranks run and of the stages of the node before it, whose "

@@ -70,6 +70,8 @@ SHARD_GAIN = 0.01  # a sharded optimizer must be predicted this much faster to w
 TIE = 1e-9  # predicted steps closer than this (relative) are equal: equal schedules summed in another order
 SHARD_BUCKET = 25 * 2**20  # the runtime's default bucket: the all-gather's scratch (and 1/dp of it, the ring's)
 MAX_CONCURRENT_SENDS = 1024
+MAX_LINK_RATE = 1e13  # bytes/s (80 Tbit/s): beyond any link
+MAX_LINK_LATENCY = 10.0  # seconds per message
 WIRE_DTYPES = ("bf16", "fp16")  # both 2 bytes: what crosses is charged at the profile's wire16_bytes
 
 
@@ -104,6 +106,10 @@ class PlanRequest:
             is predicted faster by more than :data:`SHARD_GAIN` (its optimizer steps ``1/dp`` of the elements). On a
             tie the state stays whole: then a lost replica costs the job nothing (the survivors regroup), where a
             sharded one took its shard with it.
+        link_rate, link_latency: the link between nodes, when the profile did not measure it (profiled on one
+            host) or measured another: bytes per second each way, and seconds per message (default: the profile's
+            latency). Every message and all-reduce that crosses nodes is charged at that rate instead of the
+            profile's inter-node fit; inside a node the profile's fits stay.
         pp, dp: pin the pipeline depth, the data-parallel width, or both (the original launcher's ``--nstages``);
             the search then varies only the rest. A depth alone must divide ``gpus`` (the width is ``gpus / pp``:
             pinning a depth that leaves devices idle is a mistake worth a word); with both, ``pp × dp`` may be
@@ -123,6 +129,8 @@ class PlanRequest:
     wire_dtype: str | None = None
     pp: int | None = None
     dp: int | None = None
+    link_rate: float | None = None
+    link_latency: float | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -153,6 +161,10 @@ class PlanRequest:
             raise FieldError("wire_dtype", f"must be {' or '.join(map(repr, WIRE_DTYPES))} or None (exact), got "
                              f"{self.wire_dtype!r:.80}", hint="bf16 keeps fp32's range; fp16 overflows beyond 65504")
         self._check_layout(put)
+        if self.link_rate is not None:
+            put("link_rate", real("link_rate", self.link_rate, low=0, low_open=True, high=MAX_LINK_RATE))
+        if self.link_latency is not None:
+            put("link_latency", real("link_latency", self.link_latency, low=0, high=MAX_LINK_LATENCY))
 
     def _check_layout(self, put: Callable[[str, object], None]) -> None:
         """The pinned depth, width and micro-batch sizes against the devices and the batch."""
@@ -447,14 +459,39 @@ def _curve(profile: Profile, op: str, link: str, group: int) -> CommCurve | None
     return min(same, key=lambda c: (abs(c.group_size - group), -c.group_size))
 
 
-def _p2p_time(profile: Profile, nbytes: float, inter: bool) -> float:
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """The link between nodes as the request gives it (``--link-rate``, ``--link-latency``): it replaces the
+    profile's inter-node fits. ``latency`` None: the profile's (inter-node if measured, else intra-node)."""
+
+    rate: float  # bytes/s each way
+    latency: float | None = None
+
+    @classmethod
+    def of(cls, req: PlanRequest) -> Link | None:
+        return None if req.link_rate is None else cls(req.link_rate, req.link_latency)
+
+    def latency_for(self, profile: Profile, op: str) -> float:
+        if self.latency is not None:
+            return self.latency
+        curve = _curve(profile, op, "inter", 2)
+        return curve.fit.latency if curve is not None else 0.0
+
+
+def _p2p_time(profile: Profile, nbytes: float, inter: bool, link: Link | None = None) -> float:
+    if nbytes <= 0:
+        return 0.0
+    if inter and link is not None:
+        return link.latency_for(profile, "p2p") + nbytes / link.rate
     curve = _curve(profile, "p2p", "inter" if inter else "intra", 2)
-    return 0.0 if curve is None or nbytes <= 0 else curve.fit.predict(nbytes)
+    return 0.0 if curve is None else curve.fit.predict(nbytes)
 
 
-def _allreduce_time(profile: Profile, nbytes: float, d: int, inter: bool) -> float:
+def _allreduce_time(profile: Profile, nbytes: float, d: int, inter: bool, link: Link | None = None) -> float:
     if d < 2 or nbytes <= 0:
         return 0.0
+    if inter and link is not None:  # a ring: 2(d-1) steps, each rank sends 2(d-1)/d of the data
+        return 2 * (d - 1) * link.latency_for(profile, "p2p") + nbytes * 2 * (d - 1) / d / link.rate
     curve = _curve(profile, "allreduce", "inter" if inter else "intra", d)
     if curve is None:
         return 0.0
@@ -509,8 +546,8 @@ class _Tables:
     """Everything the search computes once: per micro-batch size the segment numbers and their prefix sums,
     shared partitions, and message times."""
 
-    def __init__(self, profile: Profile, wire: str | None = None) -> None:
-        self.profile, self.wire = profile, wire
+    def __init__(self, profile: Profile, wire: str | None = None, link: Link | None = None) -> None:
+        self.profile, self.wire, self.link = profile, wire, link
         self._segs: dict[float, list[_Seg]] = {}
         self._prefix: dict[float, _Prefix] = {}
         self._free: dict[tuple[int, int, tuple[bool, ...], bool], Partition | None] = {}
@@ -530,13 +567,13 @@ class _Tables:
     def p2p(self, nbytes: float, inter: bool) -> float:
         key = (nbytes, inter)
         if key not in self._p2p:
-            self._p2p[key] = _p2p_time(self.profile, nbytes, inter)
+            self._p2p[key] = _p2p_time(self.profile, nbytes, inter, self.link)
         return self._p2p[key]
 
     def allreduce(self, nbytes: float, d: int, inter: bool) -> float:
         key = (nbytes, d, inter)
         if key not in self._allreduce:
-            self._allreduce[key] = _allreduce_time(self.profile, nbytes, d, inter)
+            self._allreduce[key] = _allreduce_time(self.profile, nbytes, d, inter, self.link)
         return self._allreduce[key]
 
     def partition(self, pp: int, mbs: int, recompute: list[bool], counts: Sequence[tuple[int, int]], num_mb: int,
@@ -688,7 +725,7 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     _check_microbatches(profile, req)
     schedules = schedules_for(profile, req)
     assumptions = _assumptions(profile, req)
-    tables = _Tables(profile, req.wire_dtype)
+    tables = _Tables(profile, req.wire_dtype, Link.of(req))
     prepared, smallest, clamped = _prepare_all(tables, profile, req, schedules)
     scored = _score_best(prepared, tables, req)
     if not scored:
@@ -735,8 +772,15 @@ def _assumptions(profile: Profile, req: PlanRequest) -> set[str]:
     if not any(c.op == "p2p" for c in profile.comm):
         assumptions.add("the profile has no network measurement: communication is taken as free "
                         "(profile with --nproc 2 or more to measure it)")
-    elif (req.gpus > per_node) and not any(c.link == "inter" for c in profile.comm):
-        assumptions.add("inter-node links are taken to be as fast as the measured intra-node ones")
+    elif req.gpus > per_node and req.link_rate is None and not any(c.link == "inter" for c in profile.comm):
+        assumptions.add("inter-node links are taken to be as fast as the measured intra-node ones (give "
+                        "--link-rate, or profile over --hosts)")
+    if req.gpus > per_node and req.link_rate is not None:
+        link = Link(req.link_rate, req.link_latency)
+        assumptions.add(f"between nodes every message and all-reduce is charged at the given link: "
+                        f"{req.link_rate * 8 / 1e6:.4g} Mbit/s each way, "
+                        f"{link.latency_for(profile, 'p2p') * 1e6:.4g} µs per message"
+                        f"{'' if req.link_latency is not None else ' (the profile latency)'}")
     if req.gpu_memory is None:
         assumptions.add("no --gpu-memory given: memory is not limited")
     if req.wire_dtype is not None and any(m.wire16_bytes is None for seg in profile.segments for m in seg.measures):
@@ -875,7 +919,7 @@ def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch
     schedules_for(profile, dataclasses.replace(req, schedules=(name,)))  # refuses a split without B and W measures
     schedules = schedules_for(profile, req)
     assumptions: set[str] = set()
-    tables = _Tables(profile, req.wire_dtype)
+    tables = _Tables(profile, req.wire_dtype, Link.of(req))
     result, need = _prepare(tables, req, pp, dp, microbatch_size, schedule, shard_optimizer and dp > 1)
     if result is not None:
         result = _score(result, tables, req)
@@ -956,7 +1000,8 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
                   skip_bytes=round(_on_wire(segs[b - 1].skip_bytes, segs[b - 1])) if b < len(segs) else 0,
                   allreduce=c.allreduce - best.optimizer[s], optimizer=best.optimizer[s],
                   busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0],
-                  state_bytes=sum(seg.param_bytes + seg.optimizer_bytes for seg in profile.segments[a:b]))
+                  state_bytes=sum(seg.param_bytes + seg.optimizer_bytes for seg in profile.segments[a:b]),
+                  grad_bytes=sum(seg.grad_bytes for seg in profile.segments[a:b]))
         for s, ((a, b), c) in enumerate(zip(best.partition.ranges, best.costs, strict=True))
     ]
 
@@ -970,7 +1015,8 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
         model=profile.model, profile_hash=profile.structure_hash, num_segments=profile.num_segments,
         gpus=req.gpus, gpus_per_node=per_node, batch_size=req.batch_size, pp=best.pp, dp=best.dp,
         microbatch_size=best.mbs, num_microbatches=best.num_mb, schedule=best.schedule,
-        shard_optimizer=best.shard, wire_dtype=req.wire_dtype, partition=list(best.partition.ranges),
+        shard_optimizer=best.shard, wire_dtype=req.wire_dtype, link_rate=req.link_rate,
+        link_latency=req.link_latency, partition=list(best.partition.ranges),
         stage_to_rank_map=topology.to_string(), nodes=nodes,
         memory_limit=req.gpu_memory, schedules=list(schedules), headroom=req.headroom,
         prediction=Prediction(step_time=best.step, samples_per_second=req.batch_size / best.step,

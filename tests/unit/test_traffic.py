@@ -1,0 +1,81 @@
+"""The link between nodes given to the planner (``--link-rate``, ``--link-latency``) and what a plan sends over
+each link per step (``planning.traffic``): charged and counted exactly as the formulas say."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.profiles import make_profile
+from varuna_core.errors import ConfigError
+from varuna_core.ir.units import parse_rate, parse_seconds
+from varuna_core.planning.planner import PlanRequest, make_plan
+from varuna_core.planning.traffic import link_loads
+
+pytestmark = pytest.mark.timeout(60)
+
+PROFILE = make_profile([0.001, 0.003, 0.003, 0.002])
+RATE = 50e6 / 8  # 50 Mbit/s in bytes/s
+
+
+@pytest.mark.parametrize(("text", "want"), [("50mbit", RATE), ("1gbit", 1.25e8), ("200Mbit/s", 2.5e7),
+                                            ("100MB/s", 1e8), ("2GiB/s", 2 * 2**30), (" 3 kbit ", 375.0)])
+def test_rates_read_as_bytes_per_second(text, want) -> None:
+    assert parse_rate(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "fast", "50", "50Mb/s", "50kb/s", "-1mbit", "0gbit", "nanmbit", "1e300gbit",
+                                  "50 mbit per s"])
+def test_a_bad_rate_is_refused(text) -> None:
+    with pytest.raises(ConfigError):
+        parse_rate(text)
+
+
+@pytest.mark.parametrize(("text", "want"), [("200us", 2e-4), ("1.5ms", 1.5e-3), ("2s", 2.0), ("0", 0.0),
+                                            ("3µs", 3e-6)])
+def test_durations(text, want) -> None:
+    assert parse_seconds(text) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("text", ["", "-1ms", "5m", "1e400", "soon", "1 hour"])
+def test_a_bad_duration_is_refused(text) -> None:
+    with pytest.raises(ConfigError):
+        parse_seconds(text)
+
+
+def test_messages_and_all_reduces_between_nodes_are_charged_at_the_given_link() -> None:
+    """pp=2 × dp=2 on two nodes of two (ranks 0,1 on node 0: a replica's stages share a node; each stage's
+    replicas are on both nodes): the activations stay inside a node, at the profile's fit; the all-reduces cross,
+    a ring of 2 at the link's rate and latency."""
+    req = PlanRequest(gpus=4, batch_size=16, gpus_per_node=2, pp=2, dp=2, microbatch_sizes=(2,),
+                      schedules=("1f1b",), shard_optimizer=False, link_rate=RATE, link_latency=1e-3)
+    plan = make_plan(PROFILE, req)
+    same = make_plan(PROFILE, PlanRequest(**{**req.__dict__, "link_rate": None, "link_latency": None}))
+    assert [st.send_activation for st in plan.stages] == [st.send_activation for st in same.stages]
+    for st in plan.stages:  # all-reduce of 2: 2 steps of latency, each rank sends half of it twice
+        want = 2 * 1e-3 + st.grad_bytes * 2 * (2 - 1) / 2 / RATE
+        assert st.allreduce == pytest.approx(want, rel=1e-9)
+    assert any("50 Mbit/s each way, 1000 µs per message" in note for note in plan.assumptions)
+    assert (plan.link_rate, plan.link_latency) == (RATE, 1e-3)
+
+
+def test_a_pipeline_across_nodes_sends_its_activations_at_the_link_rate() -> None:
+    plan = make_plan(PROFILE, PlanRequest(gpus=4, batch_size=16, gpus_per_node=2, pp=4, microbatch_sizes=(2,),
+                                          schedules=("1f1b",), link_rate=RATE))
+    inter = plan.stages[1]  # stage 1 (node 0) sends to stage 2 (node 1)
+    latency = next(c.fit.latency for c in PROFILE.comm if c.op == "p2p")  # the profile's, none given
+    assert inter.send_activation == pytest.approx(latency + inter.activation_bytes / RATE, rel=1e-9)
+    assert plan.stages[0].send_activation < inter.send_activation  # inside node 0: the profile's fit
+    loads = {load.what: load for load in link_loads(plan)}
+    assert [loads[f"stage {s} → {s + 1}"].inter for s in range(3)] == [False, True, False]
+    mb = plan.num_microbatches
+    assert loads["stage 1 → 2"].bytes_per_step == mb * inter.activation_bytes
+    assert loads["stage 1 → 2"].seconds == pytest.approx(mb * inter.activation_bytes / RATE)
+    assert loads["stage 0 → 1"].seconds is None
+
+
+def test_the_all_reduce_bytes_of_a_ring() -> None:
+    plan = make_plan(PROFILE, PlanRequest(gpus=4, batch_size=16, gpus_per_node=4, pp=1, dp=4, microbatch_sizes=(2,)))
+    (load,) = link_loads(plan)
+    assert load.what == "stage 0 all-reduce" and not load.inter and load.seconds is None
+    assert load.bytes_per_step == round(plan.stages[0].grad_bytes * 2 * 3 / 4)
+    assert plan.stages[0].grad_bytes == sum(seg.grad_bytes for seg in PROFILE.segments)
