@@ -79,6 +79,8 @@ CONTENDERS: dict[str, str] = {
     "ours-gpipe": "ours gpipe",
     "ours-zb": "ours zb",
     "ours-varuna-zb": "ours varuna-zb",
+    "ours-varuna-bf16": "ours varuna, bf16 wire",  # Varuna(..., wire_dtype="bf16"): half the bytes between stages
+    "ours-1f1b-bf16": "ours 1f1b, bf16 wire",
     "torch-1f1b": "torch Schedule1F1B",
     "torch-gpipe": "torch ScheduleGPipe",
     "torch-zb": "torch ScheduleInterleavedZeroBubble",
@@ -91,6 +93,7 @@ PAIRS = [
     ("ours-varuna", "ours-1f1b"), ("ours-varuna", "ours-gpipe"),
     ("ours-gpipe", "torch-gpipe"), ("ours-varuna", DEEPSPEED), ("ours-1f1b", DEEPSPEED),
     ("ours-zb", "ours-1f1b"), ("ours-varuna-zb", "ours-varuna"), ("ours-zb", "torch-zb"),
+    ("ours-varuna-bf16", "ours-varuna"), ("ours-varuna-bf16", "torch-1f1b"),
     ("ours-varuna", "torch-1f1b"), ("ours-1f1b", "torch-1f1b"),
 ]
 WORLD = 2
@@ -334,9 +337,10 @@ def _setup_ours(job: _Job):
     k, L, spec = job.k, job.L, job.spec
     partition = [(0, k + 1), (k + 1, L + 1)]
     dummy = job.ds.get_batch("train", job.mbs, job.T, torch.Generator().manual_seed(spec["seed"]))
+    name = spec["contender"].removeprefix("ours-")
+    schedule, wire = (name.removesuffix("-bf16"), "bf16") if name.endswith("-bf16") else (name, None)
     model = Varuna(job.gpt, "0;1", dummy, batch_size=job.batch_size, chunk_size=job.mbs, shared_weights=SHARED_WEIGHTS,
-                   schedule=spec["contender"].removeprefix("ours-"), partition=partition, from_cache=False,
-                   timeout=job.timeout)
+                   schedule=schedule, partition=partition, from_cache=False, timeout=job.timeout, wire_dtype=wire)
     params = list(model.parameters())
     param_names = [n for n, _ in model.named_parameters()]
     optimizer = torch.optim.SGD(params, lr=spec["lr"])
@@ -897,7 +901,14 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
     # Same split check: the number of parameters each rank holds must agree between all contenders.
     split = {n: best[n]["stage_params"] for n in best}
     same_split = len({tuple(v) for v in split.values()}) <= 1
+    limit = link_bound(args) if getattr(args, "rate_bps", None) else None
+    if limit is not None:
+        for entry in contenders:
+            bound = limit["ms"][_limit_kind(entry["key"])]
+            if "median_ms" in entry:
+                entry["of_link_limit"] = bound / entry["median_ms"]
     return {
+        "link_bound": limit,
         "config": _report_config(args, meta),
         "machine_load": {"loadavg_1min_before": meta.get("loadavg_before"),
                          "other_cores_max": max(meta.get("other_cores") or [0.0]),
@@ -951,6 +962,30 @@ def _contender_entry(name: str, runs: list[dict], errors: list[str], b: dict | N
     return entry
 
 
+def _limit_kind(name: str) -> str:
+    """Which link-bound limit a contender is held to: ours keep the tied embedding and all-reduce it (the peers
+    untie it), and a bf16 wire halves the activations and gradients."""
+    if name.endswith("-bf16"):
+        return "ours-bf16"
+    return "ours" if name.startswith("ours-") else "peers"
+
+
+def link_bound(args) -> dict[str, Any]:
+    """The step time the rate-limited link alone allows (the link is full duplex: each direction carries its own
+    bytes): every micro-batch's activation (``microbatch_size × block_size × n_embd`` fp32) one way and its
+    gradient the other, plus, for ours, the tied embedding's all-reduce between the two stages (a ring of two:
+    each side sends the whole gradient once). A perfect overlap of compute with the link reaches it when the
+    link takes longer than the compute."""
+    sys.path.insert(0, str(GPT_DIR))
+    from data import CharDataset
+
+    activations = args.microbatches * args.microbatch_size * args.block_size * args.n_embd * 4
+    tie = CharDataset.load().vocab_size * args.n_embd * 4
+    per_direction = {"peers": activations, "ours": activations + tie, "ours-bf16": activations // 2 + tie}
+    return {"rate_bps": args.rate_bps, "bytes_per_direction": per_direction,
+            "ms": {k: v * 8 / args.rate_bps * 1e3 for k, v in per_direction.items()}}
+
+
 def _report_config(args, meta: dict) -> dict:
     """The report's ``config``: the model, the run and the machine."""
     return {
@@ -987,6 +1022,16 @@ def _report_header(report: dict) -> list[str]:
     lines_before.append(f"machine: {cfg['cpus']} CPUs; other processes kept {load['other_cores_mean']:.2f} cores busy "
                         f"on average during the runs (worst run {load['other_cores_max']:.2f})"
                         + ("  <-- NOISY: numbers are not reliable" if load["other_cores_max"] > 0.2 else ""))
+    limit = report.get("link_bound")
+    if limit:
+        ms, nbytes = limit["ms"], limit["bytes_per_direction"]
+        shares = ", ".join(f"{c['contender']} {c['of_link_limit']:.0%}" for c in report["contenders"]
+                           if "of_link_limit" in c)
+        lines_before.append(
+            f"link-bound limit (bytes each way ÷ rate): ours {ms['ours']:.1f} ms ({nbytes['ours'] / 1e6:.2f} MB: "
+            f"activations or gradients {nbytes['peers'] / 1e6:.2f} MB + the tied embedding's all-reduce), ours with "
+            f"a bf16 wire {ms['ours-bf16']:.1f} ms, torch and DeepSpeed (untied) {ms['peers']:.1f} ms; each "
+            f"contender's step against its limit: {shares}")
     if cfg["profiled"]:
         lines_before.append("WARNING: profiled run, timings are inflated by cProfile")
     if not report["same_split"]:

@@ -72,3 +72,17 @@ def test_namespace_owner(bench, name, owner):
 def test_pairs_name_known_contenders(bench):
     assert all(a in bench.CONTENDERS and b in bench.CONTENDERS for a, b in bench.PAIRS)
     assert bench.PAIRS[-1] == ("ours-1f1b", bench.BASELINE)  # the headline stays last
+
+
+def test_the_link_bound_limit_counts_each_contenders_bytes(bench):
+    """50 Mbit/s, 8 micro-batches of 4 × 64 × 64 fp32 activations (512 KiB each way), and ours' tied embedding."""
+    args = bench.parse_args(["--network", "slow", "--rate", "50mbit"])
+    limit = bench.link_bound(args)
+    acts = 8 * 4 * 64 * 64 * 4
+    tie = limit["bytes_per_direction"]["ours"] - acts
+    assert limit["bytes_per_direction"]["peers"] == acts and tie > 0 and tie % (64 * 4) == 0
+    assert limit["bytes_per_direction"]["ours-bf16"] == acts // 2 + tie
+    assert limit["ms"]["peers"] == pytest.approx(acts * 8 / 50e6 * 1e3)
+    assert [bench._limit_kind(n) for n in ("ours-varuna-bf16", "ours-zb", "torch-1f1b", bench.DEEPSPEED)] == [
+        "ours-bf16", "ours", "peers", "peers"]
+    assert "ours-varuna-bf16" in bench.CONTENDERS and "ours-1f1b-bf16" in bench.CONTENDERS
