@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..errors import InternalError
 from ..model.stage import TieSet
 from .grads import Bucket, BucketReduction, GradBuffer
 from .p2p import wait_all
@@ -157,8 +158,10 @@ class OverlappedSync:
 
     # -- posting --------------------------------------------------------------------------------------------
 
-    def _post(self) -> None:
-        """Post every tie sum and bucket that is ready and whose predecessors in the order are posted."""
+    def _post(self, ties_waited: bool = False) -> None:
+        """Post every tie sum and bucket that is ready and whose predecessors in the order are posted
+        (``ties_waited``: the tie sums posted have been waited for; under NCCL a wait orders the streams without
+        the sum having completed yet, so ``is_completed`` may still say no)."""
         while len(self._tie_works) < len(self._ties):
             _, group, i = self._ties[len(self._tie_works)]
             if not self._final[i]:
@@ -169,8 +172,8 @@ class OverlappedSync:
         while len(self._reductions) < len(self._buckets):
             k = len(self._reductions)
             bucket, ties = self._buckets[k]
-            if self._missing[k] or any(t >= len(self._tie_works) or not self._tie_works[t].is_completed()
-                                       for t in ties):
+            summed = all(t < len(self._tie_works) and (ties_waited or self._tie_works[t].is_completed()) for t in ties)
+            if self._missing[k] or not summed:
                 break
             self._reductions.append(self.grad_buffer.launch(bucket, self.dp))
 
@@ -187,7 +190,11 @@ class OverlappedSync:
             what = f"summing gradients of tied weight {tie.canonical!r}"
             wait_all([work], timeout=self.timeout, peer=None,
                      describe=lambda: self.describe(what))  # noqa: B023 - called (on a failure) before the next tie
-        self._post()  # every bucket is posted now
+        self._post(ties_waited=True)
+        if len(self._tie_works) < len(self._ties) or len(self._reductions) < len(self._buckets):
+            raise InternalError(f"{self.describe('gradient sync')}: {len(self._ties) - len(self._tie_works)} tie sums "
+                                f"and {len(self._buckets) - len(self._reductions)} buckets left unposted after the "
+                                "pipeline")
         for reduction in self._reductions:
             reduction.wait(timeout=self.timeout, describe=lambda: self.describe("data-parallel all-reduce"))
         self._reset()
