@@ -17,7 +17,7 @@ from varuna_core.ir.schedule import SCHEDULE_NAMES
 
 pytestmark = pytest.mark.dist
 
-BATCH, CHUNK, STEPS = 12, 2, 3
+BATCH, CHUNK, STEPS = 12, 2, 2
 BUCKET_MB = 1024 / 2**20  # 256 floats: UnusedLM's stages hold 2-4 thousand parameters
 
 TOPOLOGIES = {"2x2": ("0,2;1,3", 4, 2), "1x3": ("0,1,2", 3, 3)}  # name -> (map, world, dp)
@@ -88,7 +88,7 @@ def test_the_overlapped_sync_gives_the_same_gradients_bit_for_bit(name, tmp_path
             if not run.get("shard") or name == "2x2":
                 assert min(on["posted_early"]) > 0, (label, on["posted_early"])
             if "inject_inf" in run:
-                assert on["overflows"].tolist() == [False, True, False], label
+                assert on["overflows"].tolist() == [False, True], label
         grads = got[0]["grads"]
         spare = [n for n in grads[0] if n.endswith(".spare")]
         assert spare and all(not g[n].any() for g in grads for n in spare), "spare parameters got a gradient"
