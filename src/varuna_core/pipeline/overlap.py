@@ -83,7 +83,9 @@ class OverlappedSync:
         tie_of = {i: t for t, (_, _, i) in enumerate(self._ties)}
         self._buckets: list[tuple[Bucket, list[int]]] = []  # in the posting order, with the ties each waits for
         if dp is not None:
-            order = sorted(grad_buffer.buckets(), key=lambda b: (any(i in tie_of for i in b.params), -min(b.params)))
+            # reverse buffer order (a parameter spread over several buckets: its last range first), ties last
+            order = sorted(grad_buffer.buckets(),
+                           key=lambda b: (any(i in tie_of for i in b.params), -min(b.params), -b.start))
             self._buckets = [(b, [tie_of[i] for i in b.params if i in tie_of]) for b in order]
         self._of: dict[int, list[int]] = {}  # parameter index -> the buckets (positions in the order) holding it
         for k, (bucket, _) in enumerate(self._buckets):
