@@ -6,6 +6,11 @@ steps by each contender in fresh processes:
     allreduce   Varuna(model, "0,1", ...)                         gradients all-reduced, the optimizer whole
     sharded     Varuna(model, "0,1", ..., shard_optimizer=True)   reduce-scatter, the optimizer on half the
                                                                   state, all-gather of the updated half
+    allreduce-after                                               allreduce with VARUNA_OVERLAP_SYNC=0: the
+                                                                  all-reduce after the pipeline instead of
+                                                                  bucket by bucket during the last backward
+
+(``--contenders``; the default is the first two). ``--bucket-mb`` sets ``Varuna(bucket_mb=...)``.
 
 At pp=1 the data-parallel sync is the only communication, so what differs is exactly what sharding changes.
 A step is ``model.step`` + ``optimizer.step()`` + ``zero_grad()``, timed after a barrier; a run's step time is the
@@ -56,7 +61,8 @@ from pipeline_vs_peers import (  # noqa: E402 - found through the sys.path entry
 from varuna_core.util.procs import run_workers  # noqa: E402
 
 WORLD = 2
-CONTENDERS = {"allreduce": False, "sharded": True}
+CONTENDERS = {"allreduce": {"shard": False, "overlap": True}, "sharded": {"shard": True, "overlap": True},
+              "allreduce-after": {"shard": False, "overlap": False}}
 NS_PREFIX = "shs"
 
 
@@ -75,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--network", choices=("loopback", "slow"), default="loopback")
     p.add_argument("--rate", default="200mbit", help="--network slow: each direction's rate (tc units)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="Varuna(bucket_mb=...): the all-reduce's buckets")
+    p.add_argument("--contenders", default="allreduce,sharded",
+                   help=f"comma-separated subset of {','.join(CONTENDERS)}, the first the base of the ratios")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout instead of the table")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -85,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.rate_bps = parse_rate(args.rate)
         except ValueError as exc:
             p.error(str(exc))
+        args.contenders = [c for c in args.contenders.split(",") if c]
+        unknown = [c for c in args.contenders if c not in CONTENDERS]
+        if unknown or len(set(args.contenders)) < 2 or len(set(args.contenders)) < len(args.contenders):
+            p.error(f"--contenders: two or more of {', '.join(CONTENDERS)}, each once")
+        if not args.bucket_mb > 0:
+            p.error("--bucket-mb must be positive")
     return args
 
 
@@ -112,6 +127,7 @@ def worker(spec_path: str, out_path: str) -> None:
     from model import GPT, SHARED_WEIGHTS, GPTConfig
 
     from varuna_core import Varuna
+    from varuna_core.env import OVERLAP_SYNC
 
     ds = CharDataset.load()
     cfg = GPTConfig(vocab_size=ds.vocab_size, block_size=spec["block_size"], n_layer=spec["n_layer"],
@@ -120,9 +136,10 @@ def worker(spec_path: str, out_path: str) -> None:
     gpt = GPT(cfg)
     mbs, per_replica = spec["microbatch_size"], spec["microbatch_size"] * spec["microbatches"]
     batch_size = WORLD * per_replica
+    os.environ[OVERLAP_SYNC] = "1" if spec["overlap"] else "0"
     model = Varuna(gpt, "0,1", ds.get_batch("train", 2, cfg.block_size, torch.Generator().manual_seed(0)),
                    batch_size=batch_size, chunk_size=mbs, shared_weights=SHARED_WEIGHTS, schedule="1f1b", seed=0,
-                   shard_optimizer=spec["shard"], from_cache=False)
+                   shard_optimizer=spec["shard"], from_cache=False, bucket_mb=spec["bucket_mb"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model.set_optimizer(optimizer)
     batches = [ds.get_batch("train", batch_size, cfg.block_size, torch.Generator().manual_seed(1000 + i))
@@ -231,43 +248,48 @@ def main() -> int:
         log(f"skipped: {exc}")
         return 1
     spec = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block_size", "microbatch_size",
-                                           "microbatches", "steps", "warmup")}
+                                           "microbatches", "steps", "warmup", "bucket_mb")}
     spec["interface"] = "lo" if loopback else "eth0"
-    runs: dict[str, list[dict]] = {name: [] for name in CONTENDERS}
+    runs: dict[str, list[dict]] = {name: [] for name in args.contenders}
     try:
         with tempfile.TemporaryDirectory(prefix="shard-speed-") as tmp:
             for rnd in range(args.rounds):
-                order = list(CONTENDERS) if rnd % 2 == 0 else list(reversed(CONTENDERS))
+                order = list(args.contenders) if rnd % 2 == 0 else list(reversed(args.contenders))
                 for name in order:
                     log(f"round {rnd + 1}/{args.rounds}: {name} ...")
-                    ranks = run_pair({**spec, "shard": CONTENDERS[name]}, Path(tmp), f"{name}-{rnd}", network,
+                    ranks = run_pair({**spec, **CONTENDERS[name]}, Path(tmp), f"{name}-{rnd}", network,
                                      args.timeout)
                     runs[name].append(summarize(ranks, loopback))
     finally:
         network.close()
     best = {name: min(rs, key=lambda r: r["step_ms"]) for name, rs in runs.items()}
-    same = best["allreduce"]["losses"] == best["sharded"]["losses"]
+    first, *others = args.contenders
+    base = best[first]
     report = {
         "network": args.network if loopback else f"slow {args.rate}", "config": spec, "runs": runs, "best": best,
-        "step_ratio": best["sharded"]["step_ms"] / best["allreduce"]["step_ms"],
-        "bytes_ratio": best["sharded"]["bytes_per_step"] / best["allreduce"]["bytes_per_step"],
-        "same_losses": same,
+        "base": first,
+        "step_ratio": {name: best[name]["step_ms"] / base["step_ms"] for name in others},
+        "bytes_ratio": {name: best[name]["bytes_per_step"] / base["bytes_per_step"] for name in others},
+        "same_losses": {name: best[name]["losses"] == base["losses"] for name in others},
     }
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    base = best["allreduce"]
-    print(f"pp=1 × dp=2, GPT {args.n_layer}×{args.n_embd} ({base['grad_bytes'] / 2**20:.1f} MB of gradients), "
-          f"AdamW, {args.network if loopback else f'slow link {args.rate}'}, best of {args.rounds} rounds")
-    print(f"{'contender':<10} {'step ms':>9} {'ratio':>6} {'MB sent/step':>13} {'ratio':>6} "
+    print(f"pp=1 × dp=2, GPT {args.n_layer}×{args.n_embd} ({base['grad_bytes'] / 2**20:.1f} MB of gradients, "
+          f"buckets of {args.bucket_mb:g} MB), AdamW, {args.network if loopback else f'slow link {args.rate}'}, "
+          f"best of {args.rounds} rounds")
+    print(f"{'contender':<15} {'step ms':>9} {'ratio':>6} {'MB sent/step':>13} {'ratio':>6} "
           f"{'optimizer MB/rank':>18}  medians of the rounds (ms)")
     for name, b in best.items():
         medians = ", ".join(f"{r['step_ms']:.1f}" for r in runs[name])
-        print(f"{name:<10} {b['step_ms']:>9.1f} {b['step_ms'] / base['step_ms']:>6.3f} "
+        print(f"{name:<15} {b['step_ms']:>9.1f} {b['step_ms'] / base['step_ms']:>6.3f} "
               f"{b['bytes_per_step'] / 2**20:>13.2f} {b['bytes_per_step'] / base['bytes_per_step']:>6.3f} "
               f"{max(b['optimizer_bytes']) / 2**20:>18.2f}  {medians}")
-    print(f"every step's loss {'equal' if same else 'not bit-equal'} between the two (equal to rounding is what is "
-          "guaranteed: the optimizer updates pieces in one, whole tensors in the other)")
+    for name in others:
+        same = report["same_losses"][name]
+        why = ("equal to rounding is what is guaranteed: the optimizer updates pieces in one, whole tensors in the "
+               "other" if CONTENDERS[name]["shard"] != CONTENDERS[first]["shard"] else "equal is what is guaranteed")
+        print(f"every step's loss {'equal' if same else 'not bit-equal'} between {first} and {name} ({why})")
     return 0
 
 

@@ -58,7 +58,8 @@ std::vector<StageCostRow> parse_costs(py::handle obj, size_t num_stages) {
         if (PySequence_Fast_GET_SIZE(row.ptr()) != varuna::kNumCosts)
             throw py::value_error("stage " + std::to_string(s) + " has " +
                                   std::to_string(PySequence_Fast_GET_SIZE(row.ptr())) +
-                                  " cost numbers, expected 13 (StageCosts.as_tuple())");
+                                  " cost numbers, expected " + std::to_string(varuna::kNumCosts) +
+                                  " (StageCosts.as_tuple())");
         PyObject** items = PySequence_Fast_ITEMS(row.ptr());
         for (int k = 0; k < varuna::kNumCosts; ++k) {
             const double v = PyFloat_AsDouble(items[k]);
@@ -269,17 +270,17 @@ PYBIND11_MODULE(_native, mod) {
     mod.doc() =
         "C++ twins of varuna_core.ir.schedule.generate, varuna_core.planning.simulate.simulate_python and "
         "varuna_core.ir.inflight.inflight (see csrc/README.md). Ops are coded F=0, R=1, B=2, W=3; a stage's costs "
-        "are the 13 numbers of StageCosts.as_tuple().";
+        "are the 14 numbers of StageCosts.as_tuple().";
     mod.def("generate", &generate, py::arg("name"), py::arg("p"), py::arg("m"),
             "Per-stage [(op, mb), ...] of the named schedule; equals varuna_core.ir.schedule.generate.\n"
             "ValueError on an unknown name or a size below 1.");
     mod.def("simulate_actions", &simulate_actions, py::arg("actions"), py::arg("m"), py::arg("costs"),
             py::arg("max_sends"), py::arg("opportunistic"), py::arg("timeline"),
             "Simulate per-stage [(op, mb), ...] (op F=0, R=1, B=2, W=3) with per-stage StageCosts.as_tuple()\n"
-            "costs (13 numbers each).\n"
+            "costs (14 numbers each).\n"
             "Returns (step_time, pipeline_time, busy, timeline or None); timeline entries are\n"
             "(stage, op, mb, start, end). ValueError on deadlock, an op outside 0..3, or when len(costs) != stages\n"
-            "or a row does not hold 13 numbers.");
+            "or a row does not hold 14 numbers.");
     mod.def("simulate_generated", &simulate_generated, py::arg("name"), py::arg("p"), py::arg("m"),
             py::arg("costs"), py::arg("max_sends"), py::arg("opportunistic"),
             "simulate_actions(generate(name, p, m), m, costs, max_sends, opportunistic, False)[:3] without\n"

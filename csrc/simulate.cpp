@@ -29,6 +29,7 @@ struct Workspace {
     std::vector<size_t> pos;
     std::vector<double> free_at;
     std::vector<double> end;
+    std::vector<double> sync_start;  // start of the stage's last B or W: its all-reduce starts with it
     std::vector<double> act_arrival;   // [stage * num_keys + key]: activation of key at stage
     std::vector<double> grad_arrival;  // [stage * num_keys + key]: gradient of key at stage
     std::vector<unsigned char> act_known;
@@ -60,6 +61,7 @@ void simulate(Actions& actions, const KeySpace& keys, const std::vector<StageCos
     ws.pos.assign(p, 0);
     ws.free_at.assign(p, 0.0);
     ws.end.assign(p, 0.0);
+    ws.sync_start.assign(p, 0.0);
     ws.act_arrival.assign(p * K, 0.0);
     ws.grad_arrival.assign(p * K, 0.0);
     ws.act_known.assign(p * K, 0);
@@ -191,6 +193,7 @@ void simulate(Actions& actions, const KeySpace& keys, const std::vector<StageCos
         pos[s] += 1;
         if (a.op == kF) ws.held[s] += 1;
         else if (a.op == kB) ws.held[s] -= 1;  // R and W leave it
+        if (a.op == kB || a.op == kW) ws.sync_start[s] = t;
         if (timeline != nullptr) {
             const int64_t mb = keys.key_to_mb != nullptr ? keys.key_to_mb[a.mb] : a.mb;
             timeline->push_back({s, a.op, mb, t, finish});
@@ -217,9 +220,11 @@ void simulate(Actions& actions, const KeySpace& keys, const std::vector<StageCos
     double pipe = end[0];  // max(end)
     for (int s = 1; s < p; ++s)
         if (end[s] > pipe) pipe = end[s];
-    double step = end[0] + costs[0][kAllreduce];  // max(end[s] + allreduce[s])
+    // max(max(end[s], sync_start[s] + allreduce[s]) + optimizer[s])
+    auto synced = [&](int s) { return py_max(end[s], ws.sync_start[s] + costs[s][kAllreduce]) + costs[s][kOptimizer]; };
+    double step = synced(0);
     for (int s = 1; s < p; ++s) {
-        const double v = end[s] + costs[s][kAllreduce];
+        const double v = synced(s);
         if (v > step) step = v;
     }
     result.pipeline_time = pipe;

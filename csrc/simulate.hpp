@@ -25,7 +25,8 @@ enum CostIndex : int {
     kSendGradientLast,
     kWeight,      // W: the weights' gradient of a split backward
     kWeightLast,
-    kNumCosts  // 13
+    kOptimizer,   // after the compute and the all-reduce (which starts with the last B or W)
+    kNumCosts  // 14
 };
 
 using StageCostRow = std::array<double, kNumCosts>;

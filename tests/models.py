@@ -58,6 +58,30 @@ class ToyLM(nn.Module):
 SHARED = [("emb.weight", "head.weight")]
 
 
+class UnusedLM(ToyLM):
+    """``ToyLM`` whose blocks hold a parameter no forward reads (``spare``: never a gradient) and a gain that only
+    micro-batches whose first token is a multiple of 4 use (``gain``: no gradient from the others, so in some steps
+    none from a stage's last micro-batch, or none at all)."""
+
+    def __init__(self, n_layer: int = 4, hidden: int = HIDDEN, dropout: float = 0.0) -> None:
+        super().__init__(n_layer, hidden, dropout)
+        for block in self.blocks:
+            block.spare = nn.Parameter(torch.zeros(hidden))
+            block.gain = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = (self.emb(idx) + self.pos[: idx.shape[1]]).transpose(0, 1)  # [s, b, h]
+        x = self.cuts[0](x)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if int(idx[0, 0]) % 4 == 0:
+                x = x * block.gain
+            if i + 1 < len(self.cuts):
+                x = self.cuts[i + 1](x)
+        logits = self.head(self.ln_f(x)).transpose(0, 1) * self.logit_scale  # [b, s, V]
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
 def init_toy(module: nn.Module) -> None:
     """The initialiser of a ``ToyLM`` built on meta (``materialize(..., init=init_toy)``, ``Varuna(init=...)``):
     the root's own ``pos`` as ``__init__`` draws it, every other module's ``reset_parameters()``."""

@@ -1,8 +1,8 @@
 """Types of the C++ extension built from csrc/ (the functions are bound in csrc/bindings.cpp).
 
 An action is ``(op, mb)`` with op coded F=0, R=1, B=2, W=3 (``varuna_core.planning.simulate._OP_CODE``); a cost
-row is the 13 numbers of ``StageCosts.as_tuple()`` (the 11 of F, R, B and the sends, then ``weight`` and
-``weight_last``, the durations of ``W``); a timeline entry is ``(stage, op, mb, start, end)``.
+row is the 14 numbers of ``StageCosts.as_tuple()`` (the 11 of F, R, B and the sends, then ``weight`` and
+``weight_last``, the durations of ``W``, and ``optimizer``); a timeline entry is ``(stage, op, mb, start, end)``.
 """
 
 from collections.abc import Sequence

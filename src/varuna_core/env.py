@@ -18,7 +18,7 @@ from .util.checks import env_integer
 
 __all__ = ["DEBUG", "TIMEOUT", "TRACE", "PLAN", "RUN_ID", "NO_NATIVE", "CACHE_DIR", "TORCHRUN", "WorkerEnv",
            "LAUNCHER_SET", "flag", "debug", "text", "exact", "HOST", "JOB_ID", "JOB_TOKEN", "ATTEMPT",
-           "MANAGER"]
+           "MANAGER", "OVERLAP_SYNC", "overlap_sync"]
 
 # the user's switches
 DEBUG = "VARUNA_DEBUG"  # 1: tracebacks instead of one-line errors
@@ -26,6 +26,7 @@ TIMEOUT = "VARUNA_TIMEOUT"  # seconds any single communication wait may take
 TRACE = "VARUNA_TRACE"  # directory for Chrome traces of one step
 NO_NATIVE = "VARUNA_NO_NATIVE"  # 1: the pure-Python simulator instead of the C++ one
 CACHE_DIR = "VARUNA_CACHE_DIR"  # where structure discovery caches its dry runs
+OVERLAP_SYNC = "VARUNA_OVERLAP_SYNC"  # 0: gradient sync after the pipeline, not during the last backward (debugging)
 # set by the launcher (and read by the worker): see WorkerEnv
 PLAN = "VARUNA_PLAN"
 RUN_ID = "VARUNA_RUN_ID"
@@ -64,6 +65,12 @@ def flag(name: str, environ: Mapping[str, str] | None = None) -> bool:
 def debug() -> bool:
     """``VARUNA_DEBUG``: show tracebacks instead of one-line errors (CLI and workers alike)."""
     return flag(DEBUG)
+
+
+def overlap_sync() -> bool:
+    """``VARUNA_OVERLAP_SYNC``: the gradient sync starts during the stage's last backward (default); ``0`` (or
+    ``false``, ``no``, ``off``) runs it after the pipeline, as a comparison for tests and when debugging."""
+    return (text(OVERLAP_SYNC) or "1").lower() not in ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)

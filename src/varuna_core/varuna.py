@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .env import WorkerEnv
+from .env import WorkerEnv, overlap_sync
 from .errors import CommTimeoutError, ConfigError, HandoverError, WireRangeError
 from .ir.partition import Partition
 from .ir.topology import Topology
@@ -343,8 +343,9 @@ class Varuna(nn.Module):
         """Gradient buckets and their sync (summed in ``reduce``, if given), the loss scaler, the step counter."""
         self.grad_buffer = GradBuffer([p for _, p in self.stage_slice.param_names], int(bucket_mb * 2**20),
                                       reduce_dtype=reduce)
+        self._overlap_sync = overlap_sync()  # VARUNA_OVERLAP_SYNC=0: after the pipeline (comparison, debugging)
         self._grad_sync = GradSync(self.groups, self._tied, self.grad_buffer, timeout=self.timeout, rank=self.rank,
-                                   stage=self.stage)
+                                   stage=self.stage, overlap=self._overlap_sync)
         self._norm_params = norm_params(self.grad_buffer, self.ties, self._tied, self.stage)
         self.scaler = LossScaler(device=self.device) if self.precision == "fp16" else None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -442,6 +443,7 @@ class Varuna(nn.Module):
             microbatches, self.microbatch_sizes, weights, train=True, rng=(self.seed, self.iteration),
             rng_ids=self._microbatch_ids,
             loss_scale=self.scaler.scale if self.scaler is not None else None,
+            grads_final=self._grad_sync.begin(),  # the gradient sync starts in the last backward
         )
         if tracer is not None and trace_dir is not None:
             self.executor.remove_observer(tracer)
@@ -522,8 +524,9 @@ class Varuna(nn.Module):
         self._group_sockets = set(socket_inodes()) - sockets
         self.executor = PipelineExecutor(self.stage_slice, self.topology, self.rank, self.schedule_name,
                                          self.timeout, self.precision, wire=self._wire)
+        self._grad_sync.close()
         self._grad_sync = GradSync(self.groups, self._tied, self.grad_buffer, timeout=self.timeout, rank=self.rank,
-                                   stage=self.stage)
+                                   stage=self.stage, overlap=self._overlap_sync)
         self.supervision.regrouped(rank, self.replica, self.iteration)
         log.warning("rank %d is rank %d of %d (stage %d, replica %d of %d) from step %d on", old, rank, world,
                     self.stage, self.replica, self.dp, self.iteration)

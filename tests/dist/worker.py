@@ -17,7 +17,9 @@ owners, a snapshot's: each blob from its writer's server, then from the next one
 {every, job, token, roots} (in-memory snapshots every ``every`` steps into the shelf at ``roots[rank]``, served
 by a shelf server in this process; each one's report as "snapshots"), regroup {step, lose, ranks, map} (rank
 ``lose`` dies before step ``step``; the survivors regroup in-process as the launcher's decision, put in the store by
-rank 0, says).
+rank 0, says), overlap (False: VARUNA_OVERLAP_SYNC=0, the gradient sync after the pipeline), bucket_mb, grads
+(record every step's gradients after ``step()``, before the optimizer, as "grads", and how many collectives each
+step posted before its pipeline ended as "posted_early").
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from tests import models
 from tests.models import SHARED, batch
 from varuna_core import Varuna, meta_init
+from varuna_core.env import OVERLAP_SYNC
 from varuna_core.errors import VarunaError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,6 +99,7 @@ def run_one(run: dict, spec: dict) -> dict:
     if run.get("model") == "SeqFirstLM":
         make_batch, batch_dims = models.seq_first_batch, {"idx": 1, "targets": 1}
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    os.environ[OVERLAP_SYNC] = "0" if run.get("overlap") is False else "1"
     vm = Varuna(model, spec.get("map"), make_batch(2, 0), batch_size=run["batch"], chunk_size=run["chunk"],
                 shared_weights=shared if run.get("declare_shared", True) else None,
                 schedule=run["schedule"], partition=run.get("partition"), validate=run.get("validate"),
@@ -103,10 +107,10 @@ def run_one(run: dict, spec: dict) -> dict:
                 seed=None if run.get("unseeded") else run.get("varuna_seed", 1234),
                 input_batch_dims=batch_dims, plan=run.get("plan"), trace=run.get("trace"), trace_step=1,
                 cutpoints=cutpoints, loss_reduction=loss_reduction, init=init, weights=run.get("weights"),
-                shard_optimizer=run.get("shard"))
+                shard_optimizer=run.get("shard"), bucket_mb=run.get("bucket_mb", 25.0))
     opt = make_optimizer(run["optimizer"], vm.parameters())
     vm.set_optimizer(opt, init_loss_scale=run.get("init_loss_scale", 2**20))
-    losses, norms, overflows, scales = [], [], [], []
+    losses, norms, overflows, scales, grads, early = [], [], [], [], [], []
     first = vm.load_checkpoint(run["load"], iteration=run.get("load_step", "latest")) if run.get("load") else 0
     if run.get("take"):
         before = {n: p.detach().clone() for n, p in vm.named_parameters()}
@@ -148,6 +152,9 @@ def run_one(run: dict, spec: dict) -> dict:
         loss, overflow = vm.step(vm.replica_slice(full), clip_grad_max_norm=run.get("clip"))
         for hook in hooks:
             hook.remove()
+        if run.get("grads"):
+            grads.append({n: p.grad.detach().clone() for n, p in vm.named_parameters()})
+            early.append(vm._grad_sync.posted_early)
         if not overflow:
             opt.step()
         opt.zero_grad()
@@ -204,6 +211,8 @@ def run_one(run: dict, spec: dict) -> dict:
         "partition": torch.tensor(vm.partition.ranges),
         "seed": vm.seed, "initial_seed": torch.initial_seed(), "run_id": vm.run_id,
     }
+    if run.get("grads"):
+        result["grads"], result["posted_early"] = grads, early
     if run.get("publish"):
         result["owners"] = owners
     if run.get("snapshot"):

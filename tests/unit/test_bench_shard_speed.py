@@ -18,7 +18,11 @@ def bench():
 def test_arguments(bench) -> None:
     args = bench.parse_args(["--network", "slow", "--rate", "100mbit", "--rounds", "2"])
     assert (args.network, args.rate_bps, args.rounds) == ("slow", 100_000_000, 2)
-    for bad in (["--steps", "0"], ["--rate", "fast"], ["--network", "wifi"]):
+    assert args.contenders == ["allreduce", "sharded"] and args.bucket_mb == 25.0
+    args = bench.parse_args(["--contenders", "allreduce,allreduce-after", "--bucket-mb", "1"])
+    assert args.contenders == ["allreduce", "allreduce-after"] and args.bucket_mb == 1.0
+    for bad in (["--steps", "0"], ["--rate", "fast"], ["--network", "wifi"], ["--contenders", "allreduce"],
+                ["--contenders", "allreduce,allreduce"], ["--contenders", "allreduce,ddp"], ["--bucket-mb", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 

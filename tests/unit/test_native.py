@@ -14,7 +14,14 @@ from varuna_core import _native as native  # the extension itself, whatever VARU
 from varuna_core.env import NO_NATIVE
 from varuna_core.ir.inflight import inflight, inflight_named
 from varuna_core.ir.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate, validate
-from varuna_core.planning.simulate import StageCosts, inflight_counts, simulate, simulate_generated, simulate_python
+from varuna_core.planning.simulate import (
+    StageCosts,
+    inflight_counts,
+    simulate,
+    simulate_generated,
+    simulate_python,
+    sync_costs,
+)
 
 OP_CODE = {Op.F: 0, Op.R: 1, Op.B: 2, Op.W: 3}
 OP_NAME = ("F", "R", "B", "W")
@@ -59,7 +66,7 @@ def _random_costs(rng: random.Random, p: int, *, ties: bool, last_differs: bool)
             last = dict(forward_last=f * rng.uniform(0.2, 1.0), recompute_last=r * rng.uniform(0.2, 1.0),
                         backward_last=b * rng.uniform(0.2, 1.0), send_activation_last=sa * rng.uniform(0.2, 1.0),
                         send_gradient_last=sg * rng.uniform(0.2, 1.0), weight_last=w * rng.uniform(0.2, 1.0))
-        out.append(StageCosts(f, r, b, sa, sg, draw(0, 5), weight=w, **last))
+        out.append(StageCosts(f, r, b, sa, sg, draw(0, 5), weight=w, optimizer=draw(0, 2), **last))
     return out
 
 
@@ -200,12 +207,12 @@ def test_simulate_rejects_bad_costs() -> None:
         native.simulate_actions(actions, 4, [StageCosts(1, 1, 1).as_tuple()] * 2, 1, False, False)
     with pytest.raises(ValueError, match="2 stage costs for 3 stages"):
         native.simulate_generated("1f1b", 3, 4, [StageCosts(1, 1, 1).as_tuple()] * 2, 1, False)
-    with pytest.raises(ValueError, match="expected 13"):
+    with pytest.raises(ValueError, match="expected 14"):
         native.simulate_generated("1f1b", 3, 4, [(1.0, 2.0, 3.0)] * 3, 1, False)
     eleven = StageCosts(1, 1, 1).as_tuple()[:11]  # the rows before W had costs
-    with pytest.raises(ValueError, match="stage 0 has 11 cost numbers, expected 13"):
+    with pytest.raises(ValueError, match="stage 0 has 11 cost numbers, expected 14"):
         native.simulate_generated("zb", 3, 4, [eleven] * 3, 1, False)
-    with pytest.raises(ValueError, match="has 14 cost numbers, expected 13"):
+    with pytest.raises(ValueError, match="has 15 cost numbers, expected 14"):
         native.simulate_actions(actions, 4, [StageCosts(1, 1, 1).as_tuple() + (1.0,)] * 3, 1, False, False)
     for op in (4, -1):
         with pytest.raises(ValueError, match=r"op must be 0 \(F\), 1 \(R\), 2 \(B\) or 3 \(W\)"):
@@ -375,3 +382,23 @@ def test_every_simulator_defaults_to_what_the_runtime_does() -> None:
     assert simulate_generated("varuna", 4, 10, costs).step_time == reference.step_time
     for function in (simulate, simulate_generated, simulate_python):
         assert inspect.signature(function).parameters["opportunistic"].default is OPPORTUNISTIC is True
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_the_allreduce_starts_with_the_last_backward(backend: str) -> None:
+    """As the runtime posts its buckets during the last backward (varuna_core.pipeline.overlap), a stage's
+    all-reduce starts with its last B (its last W when the backward is split) and overlaps the rest of it; the
+    optimizer's step follows both."""
+    # one stage, 1F1B over two micro-batches: F0 0-1, B0 1-3, F1 3-4, B1 4-6
+    one = generate("1f1b", 1, 2)
+    for allreduce, step in ((1.5, 6.0), (3.0, 7.0)):  # hidden in B1, or B1's start + the all-reduce
+        costs = [StageCosts(1.0, 0.0, 2.0, allreduce=allreduce, optimizer=0.5)]
+        result = simulate(one, costs, backend=backend)
+        assert (result.pipeline_time, result.step_time) == (6.0, step + 0.5), allreduce
+    # split: the last W is the last backward action (F0 0-1, B0 1-3, W0 3-4, F1 4-5, B1 5-7, W1 7-8)
+    split = generate("zb", 1, 2)
+    costs = [StageCosts(1.0, 0.0, 2.0, allreduce=2.5, optimizer=0.0, weight=1.0)]
+    assert simulate(split, costs, backend=backend).step_time == 9.5
+    # a sharded optimizer's collectives run after the pipeline: charged with the optimizer's step
+    costs = [StageCosts(1.0, 0.0, 2.0, **sync_costs(1.5, 0.5, sharded=True))]
+    assert simulate(one, costs, backend=backend).step_time == 8.0

@@ -270,6 +270,11 @@ class WeightGrads:
                 storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
         return sum(storages.values())
 
+    def leaf_ids(self) -> frozenset[int]:
+        """``id`` of every leaf (parameter) :meth:`run` will accumulate a gradient into: until it runs, their
+        ``.grad`` lack this micro-batch's part (no other leaf's ``.grad`` changes in :meth:`run`)."""
+        return frozenset(key for work in self._work for key in work.keys)
+
     def run(self) -> None:
         """Compute every deferred weight and bias gradient and accumulate it into the parameters exactly as the
         unsplit backward would have; then drop the entries. A second call (or one on an empty store) does

@@ -41,6 +41,17 @@ route]).
 stage boundary for the step's one all-reduce, where every rank learns which cut overflowed in which direction
 ([Note: wire dtype] in :mod:`varuna_core.model.precision`).
 
+[Note: final gradients] A parameter's gradient is final in a step once the stage's last backward has added to
+it. With a whole backward in ``B`` that is the stage's last ``B`` action. With a split one it is the last ``B`` for
+the parameters that ``B`` accumulates into, and for the weights that ``W`` accumulates into (the split ops' weights
+and biases, which ``B`` never touches: [Note: split backward]) the last ``W`` of a micro-batch that used them. Only
+``W`` actions follow the last ``B``. A listener given to :meth:`PipelineExecutor.run` (the overlapped gradient
+sync, :mod:`varuna_core.pipeline.overlap`) is told, around each of these *final* actions, which parameters some
+``W`` still has to add to (``pending``: the leaves of the micro-batches' :class:`~varuna_core.model.split.
+WeightGrads` not yet run, apart from the running action's own): before the action, that a parameter accumulated
+from then on is final unless pending (its ``post_accumulate_grad`` hook sees it); after it, that every parameter not
+pending is final (those the last backward did not reach: unused in the last micro-batch, or in the whole step).
+
 A recompute draws the same dropout masks as its forward because both seed each segment from (seed, step,
 micro-batch, segment) (see [Note: deterministic dropout] in :mod:`varuna_core.model.rng`); the original restored a
 saved state and then left the live stream at the recomputed micro-batch's state. And it runs on a copy of the
@@ -54,7 +65,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -71,9 +82,20 @@ from . import p2p
 from .microbatch import to_device
 from .tracing import ActionObserver, ActionTiming
 
-__all__ = ["PipelineExecutor"]
+__all__ = ["GradsFinal", "PipelineExecutor"]
 
 ObserverT = TypeVar("ObserverT", bound=ActionObserver)
+
+
+class GradsFinal(Protocol):
+    """Told when this stage's gradients become final during a training step ([Note: final gradients])."""
+
+    def final_action(self, pending: frozenset[int]) -> None:
+        """A final action starts: a parameter accumulated into during it is final unless ``id(param)`` is in
+        ``pending``."""
+
+    def final_action_done(self, pending: frozenset[int]) -> None:
+        """A final action ended: every parameter whose id is not in ``pending`` is final."""
 
 
 @dataclasses.dataclass
@@ -119,6 +141,9 @@ class _Step:
     route: SplitRoute = dataclasses.field(default_factory=SplitRoute)  # how this step's forwards are split
     busy: float = 0.0  # seconds inside actions
     overflows: torch.Tensor | None = None  # with a wire dtype: [2] leaves sent that overflowed, per direction
+    grads_final: GradsFinal | None = None  # told when gradients become final: [Note: final gradients]
+    last_backward: Action | None = None  # this stage's last B: the first final action
+    final: bool = False  # the final actions have begun
 
     def rng_key(self, mb: int) -> tuple[int, int, int] | None:
         if self.rng is None:
@@ -269,6 +294,7 @@ class PipelineExecutor:
         rng_ids: list[int] | None = None,
         loss_scale: torch.Tensor | None = None,
         capture: list | None = None,
+        grads_final: GradsFinal | None = None,
     ) -> torch.Tensor:
         """Run one step (``train``) or one evaluation pass over ``microbatches``.
 
@@ -281,6 +307,7 @@ class PipelineExecutor:
                 first example in the global batch (see [Note: deterministic dropout]).
             loss_scale: fp16 loss scale (tensor ``[1]``) the last stage multiplies its loss by before backward.
             capture: if given, receives each forward's output (detached leaves, or the loss on the last stage).
+            grads_final: told when gradients become final in a training step ([Note: final gradients]).
 
         Returns:
             On the last stage, ``Σ weight·loss`` (float64, shape ``[]``); zero elsewhere.
@@ -289,6 +316,9 @@ class PipelineExecutor:
         microbatches = [to_device(mb, self.device) for mb in microbatches]
         step = self._new_step(microbatches, sizes, weights, train=train, rng=rng, rng_ids=rng_ids,
                               loss_scale=loss_scale, capture=capture)
+        if train:
+            step.grads_final = grads_final
+            step.last_backward = next((a for a in reversed(step.actions) if a.op is Op.B), None)
         self._post_receives(step)
         try:
             self._run_actions(step)
@@ -393,6 +423,12 @@ class PipelineExecutor:
         """One action, timed, and told to the observers."""
         started, waited_before = time.perf_counter(), self._waited
         self._computed = 0.0
+        listener = step.grads_final
+        final = listener is not None and (step.final or action == step.last_backward)
+        if final:
+            assert listener is not None
+            step.final = True
+            listener.final_action(self._pending_leaves(step, action))
         if action.op is Op.F:
             self._do_forward(step, action)
         elif action.op is Op.R:
@@ -402,12 +438,23 @@ class PipelineExecutor:
         else:
             self._do_backward(step, action)
         step.held += 1 if action.op is Op.F else -1 if action.op is Op.B else 0
+        if final:
+            assert listener is not None
+            listener.final_action_done(self._pending_leaves(step, None))
         ended = time.perf_counter()
         step.busy += ended - started
         if self.observers:
             timing = ActionTiming(action, started, ended, self._waited - waited_before, self._computed)
             for observer in self.observers:
                 observer.on_action(timing)
+
+    @staticmethod
+    def _pending_leaves(step: _Step, running: Action | None) -> frozenset[int]:
+        """Ids of the parameters a ``W`` not yet run will add to, but for ``running``'s own ([Note: final
+        gradients])."""
+        skip = running.mb if running is not None and running.op is Op.W else None
+        stores = [w for mb, w in step.deferred.items() if mb != skip]
+        return frozenset().union(*(w.leaf_ids() for w in stores)) if stores else frozenset()
 
     def _send(self, step: _Step, tensors: list[torch.Tensor], kind: int, mb: int) -> None:
         """Post the sends of one value, after waiting for the oldest of ``kind`` if the cap is reached ([Note:

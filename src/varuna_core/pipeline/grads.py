@@ -1,8 +1,14 @@
-"""Gradient storage and synchronisation after the pipeline.
+"""Gradient storage and its data-parallel all-reduce, bucket by bucket.
 
 Gradients of a stage live in one flat buffer per dtype (``param.grad`` are views into it), so the
 data-parallel all-reduce runs on large contiguous buckets with no packing copies, and ``optimizer.zero_grad()``
 (which sets grads to ``None``) costs nothing: the views are re-attached, zeroed, at the next step.
+
+The buckets (:meth:`GradBuffer.buckets`) are consecutive ranges of ``bucket_bytes`` of each flat buffer; one
+bucket is put on the wire by :meth:`GradBuffer.launch` and completed by :meth:`BucketReduction.wait`, whoever
+decides when (after the pipeline: :meth:`GradBuffer.all_reduce`; during the last backward:
+:mod:`varuna_core.pipeline.overlap`). Their boundaries do not depend on when they are launched: see [Note: bucket
+boundaries] there.
 
 [Note: loss weighting] The last stage scales each micro-batch's loss by ``examples in micro-batch / global
 batch``. Summing gradients over micro-batches, stages of a tied weight and replicas then gives exactly the
@@ -13,6 +19,7 @@ averaged only in its fp16 path and never copied the reduced fp32 buffer back.)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +29,35 @@ import torch.nn as nn
 from ..model.precision import wire_dtype
 from .p2p import wait_all
 
-__all__ = ["GradBuffer", "all_reduce_tensor"]
+__all__ = ["Bucket", "BucketReduction", "GradBuffer", "all_reduce_tensor"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Elements ``[start, stop)`` of flat buffer ``kind``, and the parameters whose gradients overlap them (indices
+    in :attr:`GradBuffer.params`, in buffer order)."""
+
+    kind: int
+    start: int
+    stop: int
+    params: tuple[int, ...]
+
+
+@dataclass
+class BucketReduction:
+    """One bucket's all-reduce, posted: :meth:`wait` completes it (a bounded wait) and, where the bucket was summed
+    in a narrower ``reduce_dtype``, copies the sum back into the gradients."""
+
+    bucket: Bucket
+    works: list[Any] = field(default_factory=list)  # torch.distributed's work handles
+    narrowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (the bucket's gradients, their copy being summed)
+
+    def wait(self, *, timeout: float, describe: Callable[[], str], peer: int | None = None) -> None:
+        wait_all(self.works, timeout=timeout, describe=describe, peer=peer)
+        if self.narrowed is not None:
+            view, summed = self.narrowed
+            view.copy_(summed)
+            self.narrowed = None
 
 
 class GradBuffer:
@@ -93,22 +128,38 @@ class GradBuffer:
         for p, view in zip(self.params, self.views, strict=True):
             p.grad = view
 
+    def buckets(self) -> list[Bucket]:
+        """The all-reduce's buckets in buffer order: each flat buffer cut into ranges of ``bucket_bytes`` from its
+        start (the last one shorter). They depend only on the parameters' sizes and dtypes, so they are the same
+        on every replica and at every step, whoever launches them when."""
+        out = []
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for k, kind in enumerate(self.kinds()):
+            spans, offset = [], 0
+            for p in kind:  # (first element, end, parameter index) in buffer order
+                spans.append((offset, offset + p.numel(), index[id(p)]))
+                offset += p.numel()
+            step = max(1, self.bucket_bytes // kind[0].element_size())
+            for start in range(0, offset, step):
+                stop = min(start + step, offset)
+                out.append(Bucket(k, start, stop, tuple(i for a, b, i in spans if a < stop and b > start)))
+        return out
+
+    def launch(self, bucket: Bucket, group) -> BucketReduction:
+        """Post the sum of ``bucket``'s gradients over ``group`` (in place, or in a narrowed copy under
+        ``reduce_dtype``); :meth:`BucketReduction.wait` completes it. Every bucket goes on the wire here."""
+        view = self.flats[bucket.kind][bucket.start : bucket.stop]
+        if wire_dtype(view.dtype, self.reduce_dtype) != view.dtype:  # summed in reduce_dtype, copied back in wait
+            summed = view.to(self.reduce_dtype)
+            return BucketReduction(bucket, [dist.all_reduce(summed, group=group, async_op=True)], (view, summed))
+        return BucketReduction(bucket, [dist.all_reduce(view, group=group, async_op=True)])
+
     def all_reduce(self, group, *, timeout: float, describe: Callable[[], str], peer: int | None = None) -> None:
         """Sum the gradients over ``group`` in buckets of ``bucket_bytes``, all posted before any wait (in
         ``reduce_dtype``, if set: each bucket's narrowed copy is summed and copied back)."""
-        works: list[Any] = []  # torch.distributed's work handles
-        narrowed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bucket, its copy summed in reduce_dtype)
-        for flat in self.flats:
-            step = max(1, self.bucket_bytes // flat.element_size())
-            for start in range(0, flat.numel(), step):
-                bucket = flat[start : start + step]
-                if wire_dtype(bucket.dtype, self.reduce_dtype) != bucket.dtype:
-                    narrowed.append((bucket, bucket.to(self.reduce_dtype)))
-                    bucket = narrowed[-1][1]
-                works.append(dist.all_reduce(bucket, group=group, async_op=True))
-        wait_all(works, timeout=timeout, describe=describe, peer=peer)
-        for bucket, summed in narrowed:
-            bucket.copy_(summed)
+        posted = [self.launch(bucket, group) for bucket in self.buckets()]
+        for reduction in posted:
+            reduction.wait(timeout=timeout, describe=describe, peer=peer)
 
 
 def all_reduce_tensor(tensor: torch.Tensor, group, *, timeout: float, describe: Callable[[], str]) -> None:

@@ -1,4 +1,5 @@
-"""After the pipeline: gradients summed over tied copies and replicas, then one all-reduce per step that carries
+"""The step's synchronisation: gradients summed over tied copies and replicas (overlapped with the stage's last
+backward, :mod:`varuna_core.pipeline.overlap`, or after the pipeline), then one all-reduce per step that carries
 the loss, the squared gradient norm, fp16 overflow and a flag of the caller's (e.g. "some rank was asked to
 checkpoint"); then loss scaling and clipping. And evaluation: the pipeline without backward, one loss over all
 replicas.
@@ -18,10 +19,11 @@ from ..model.precision import LossScaler
 from ..model.stage import TieSet
 from . import fused
 from .config import loss_weights
-from .executor import PipelineExecutor
+from .executor import GradsFinal, PipelineExecutor
 from .grads import GradBuffer, all_reduce_tensor
 from .groups import Groups
 from .microbatch import batch_size_of, microbatch_sizes, split_inputs
+from .overlap import OverlappedSync
 from .shard import OptimizerShards
 
 __all__ = ["GradSync", "StepResult", "check_clip", "norm_params", "finish_step", "global_sum", "evaluate_loss",
@@ -49,24 +51,67 @@ def check_clip(clip_grad_max_norm: float | None) -> None:
 
 class GradSync:
     """Sums the gradients of each tied weight over its stages, then the stage's over its replicas: all-reduced, or
-    with a sharded optimizer (``shards``) reduce-scattered to each replica's pieces."""
+    with a sharded optimizer (``shards``) reduce-scattered to each replica's pieces.
+
+    With ``overlap`` (the default; ``VARUNA_OVERLAP_SYNC=0`` turns it off, for comparison and debugging) the tie
+    sums and the all-reduce's buckets start during the stage's last backward (:meth:`begin` gives the executor its
+    listener) and calling the sync after the pipeline finishes them; without, calling it does all of it. Both give
+    the same gradients bit for bit ([Note: bucket boundaries] in :mod:`varuna_core.pipeline.overlap`).
+    """
 
     def __init__(self, groups: Groups, tied: dict[str, nn.Parameter], grad_buffer: GradBuffer, *, timeout: float,
-                 rank: int, stage: int, shards: OptimizerShards | None = None) -> None:
+                 rank: int, stage: int, shards: OptimizerShards | None = None, overlap: bool = True) -> None:
         self.groups, self.tied, self.grad_buffer = groups, tied, grad_buffer
-        self.timeout, self.rank, self.stage, self.shards = timeout, rank, stage, shards
+        self.timeout, self.rank, self.stage, self.overlap = timeout, rank, stage, overlap
+        self._overlapped: OverlappedSync | None = None
+        self.shards = shards
+
+    @property
+    def shards(self) -> OptimizerShards | None:
+        return self._shards
+
+    @shards.setter
+    def shards(self, shards: OptimizerShards | None) -> None:
+        """Set when the optimizer is (a sharded optimizer's reduce-scatter replaces the data-parallel buckets)."""
+        self._shards = shards
+        self.close()
+        if self.overlap:
+            ties = [(tie, group, self.tied[tie.canonical]) for tie, group in self.groups.ties]
+            overlapped = OverlappedSync(self.grad_buffer, ties, self.groups.dp if shards is None else None,
+                                        timeout=self.timeout,
+                                        describe=lambda what: f"rank {self.rank} (stage {self.stage}) {what}")
+            self._overlapped = overlapped if overlapped.active else None
+
+    @property
+    def posted_early(self) -> int:
+        """How many collectives (tie sums, buckets) the last step posted during its last backward."""
+        return self._overlapped.posted_early if self._overlapped is not None else 0
+
+    def close(self) -> None:
+        """Remove the gradient hooks of the overlapped sync."""
+        if self._overlapped is not None:
+            self._overlapped.close()
+            self._overlapped = None
+
+    def begin(self) -> GradsFinal | None:
+        """Before the pipeline: the listener the executor tells when gradients become final, or ``None`` when the
+        whole sync runs after the pipeline."""
+        return self._overlapped.begin() if self._overlapped is not None else None
 
     def __call__(self) -> None:
-        for tie, group in self.groups.ties:
-            all_reduce_tensor(_attached_grads([self.tied[tie.canonical]])[0], group, timeout=self.timeout,
-                              describe=lambda: f"rank {self.rank} summing gradients of tied weight "
-                              f"{tie.canonical!r}")  # noqa: B023 - called (on a failure) before the next tie
+        if self._overlapped is not None:
+            self._overlapped.finish()
+        else:  # the sync after the pipeline
+            for tie, group in self.groups.ties:
+                all_reduce_tensor(_attached_grads([self.tied[tie.canonical]])[0], group, timeout=self.timeout,
+                                  describe=lambda: f"rank {self.rank} summing gradients of tied weight "
+                                  f"{tie.canonical!r}")  # noqa: B023 - called (on a failure) before the next tie
+            if self.shards is None and self.groups.dp is not None:
+                self.grad_buffer.all_reduce(
+                    self.groups.dp, timeout=self.timeout,
+                    describe=lambda: f"rank {self.rank} (stage {self.stage}) data-parallel all-reduce")
         if self.shards is not None:
             self.shards.reduce_scatter(self.grad_buffer.flats)
-        elif self.groups.dp is not None:
-            self.grad_buffer.all_reduce(
-                self.groups.dp, timeout=self.timeout,
-                describe=lambda: f"rank {self.rank} (stage {self.stage}) data-parallel all-reduce")
 
 
 def norm_params(grad_buffer: GradBuffer, ties: list[TieSet], tied: dict[str, nn.Parameter],

@@ -12,7 +12,9 @@ For every candidate (pp, dp = ⌊gpus / pp⌋, a profiled micro-batch size, a sc
    sent and keeps until the step ends, and headroom;
 3. simulates the exact schedule the runtime would execute (:mod:`varuna_core.planning.simulate`, which chooses
    the C++ simulator when built) with point-to-point times from the profile's network fits (intra- or inter-node
-   depending on where neighbouring stages are placed) and the data-parallel all-reduce of each stage's gradients.
+   depending on where neighbouring stages are placed) and the data-parallel all-reduce of each stage's gradients
+   (started with the stage's last backward, as the runtime overlaps it; a sharded optimizer's collectives after
+   the pipeline).
 
 The schedules that split the backward (``zb``, ``varuna-zb``) are costed with the profile's ``B`` and ``W`` times
 (a stage's compute per micro-batch is then ``F (+ R) + B + W``) and charged what each micro-batch keeps from its
@@ -59,7 +61,7 @@ from .artifacts import (
     StagePlan,
 )
 from .memory import stage_bytes
-from .simulate import StageCosts, inflight_counts, simulate_generated
+from .simulate import StageCosts, inflight_counts, simulate_generated, sync_costs
 
 __all__ = ["PlanRequest", "make_plan", "plan_for", "layout_plan", "partition_under_memory", "PlanInfeasible",
            "snapshot_bytes_per_node", "schedules_for", "splits_backward",
@@ -533,6 +535,7 @@ class _Scored:
     shard: bool = False  # the optimizer state sharded over the dp replicas
     pending: list[int] | None = None  # per stage, micro-batches waiting for their W (None: the backward is whole)
     costs: list[StageCosts] = dataclasses.field(default_factory=list)
+    sync: list[float] = dataclasses.field(default_factory=list)  # per stage, its gradient collectives' time
     optimizer: list[float] = dataclasses.field(default_factory=list)
     memory: list[int] = dataclasses.field(default_factory=list)
     step: float = 0.0
@@ -647,9 +650,13 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
     for s, (a, b) in enumerate(part.ranges):
         f, r, bw, w = _stage_times(pre, a, b, recompute[s], pending is not None)
         fl, rl, bl, wl = _stage_times(pre_last, a, b, recompute[s], pending is not None)
-        allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], dp, dp_inter) + (pre.opt[b] - pre.opt[a]) / shards
+        sync = sync_costs(tables.allreduce(pre.grads[b] - pre.grads[a], dp, dp_inter),
+                          (pre.opt[b] - pre.opt[a]) / shards, sharded=shard)
         busy = (num_mb - 1) * (f + r + bw + w) + fl + rl + bl + wl
-        lower = max(lower, fill + busy + allreduce)  # it cannot start before the first activation reaches it
+        # it cannot start before the first activation reaches it; its all-reduce starts with its last B or W at the
+        # earliest, which starts once everything else it computes is done
+        done = max(busy, busy - max(bw, bl, w, wl) + sync["allreduce"])
+        lower = max(lower, fill + done + sync["optimizer"])
         if s < pp - 1:
             fill += f + tables.p2p(segs[b - 1].on_wire, boundary[s])
     return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, boundary, dp_inter, lower,
@@ -671,11 +678,14 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
         send_grad = tables.p2p(segs[a - 1].on_wire, c.boundary[s - 1]) if s > 0 else 0.0
         send_grad_l = tables.p2p(segs_last[a - 1].on_wire, c.boundary[s - 1]) if s > 0 else 0.0
         # sharded: a reduce-scatter and an all-gather, the all-reduce's bytes in the same ring steps
-        allreduce = tables.allreduce(pre.grads[b] - pre.grads[a], c.dp, c.dp_inter)
+        c.sync.append(tables.allreduce(pre.grads[b] - pre.grads[a], c.dp, c.dp_inter))
         c.optimizer.append((pre.opt[b] - pre.opt[a]) / (c.dp if c.shard else 1))
-        # after its last action a stage all-reduces its gradients, then steps its optimizer
-        c.costs.append(StageCosts(f, r, bw, send_act, send_grad, allreduce + c.optimizer[-1], fl, rl, bl,
-                                  send_act_l, send_grad_l, weight=w, weight_last=wl))
+        # the all-reduce starts with the stage's last B (or W) and overlaps it; the optimizer's step follows both
+        # (a sharded optimizer's collectives run after the pipeline)
+        c.costs.append(StageCosts(f, r, bw, send_act, send_grad, forward_last=fl, recompute_last=rl,
+                                  backward_last=bl, send_activation_last=send_act_l, send_gradient_last=send_grad_l,
+                                  weight=w, weight_last=wl,
+                                  **sync_costs(c.sync[-1], c.optimizer[-1], sharded=c.shard)))
         c.memory.append(int(pre.stage_memory(a, b, s, counts=c.counts, windows=windows, recompute=c.recompute,
                                              num_mb=c.num_mb, headroom=req.headroom,
                                              shards=c.dp if c.shard else 1, pending=c.pending)))
@@ -683,7 +693,7 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
     step = sim.step_time + tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
     c.step, c.pipeline, c.busy, c.bubble = step, sim.pipeline_time, list(sim.busy), sim.bubble_fraction
-    c.allreduce = max(x.allreduce - o for x, o in zip(c.costs, c.optimizer, strict=True))
+    c.allreduce = max(c.sync)
     return c
 
 
@@ -998,7 +1008,7 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
                   send_activation=c.send_activation, send_gradient=c.send_gradient,
                   activation_bytes=round(segs[b - 1].on_wire) if b < len(segs) else 0,
                   skip_bytes=round(_on_wire(segs[b - 1].skip_bytes, segs[b - 1])) if b < len(segs) else 0,
-                  allreduce=c.allreduce - best.optimizer[s], optimizer=best.optimizer[s],
+                  allreduce=best.sync[s], optimizer=best.optimizer[s],
                   busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0],
                   state_bytes=sum(seg.param_bytes + seg.optimizer_bytes for seg in profile.segments[a:b]),
                   grad_bytes=sum(seg.grad_bytes for seg in profile.segments[a:b]))

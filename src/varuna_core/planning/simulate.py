@@ -11,8 +11,13 @@ The simulator executes the *same* action lists the runtime executes (:mod:`varun
 * finishing an ``F`` sends the activation to the next stage, finishing a ``B`` sends the gradient to the
   previous one; each stage has ``max_concurrent_sends`` channels per direction, used first-come first-served,
   and a message takes the stage's send time (communication overlaps compute, as the runtime's async p2p does);
-* after its last action a stage synchronises its gradients (``allreduce``); the step ends when every stage
-  has finished that.
+* a stage's data-parallel all-reduce (``allreduce``) starts when its last backward action starts (its last ``B``,
+  or its last ``W`` under a split backward) and runs on the replicas' link beside what is left of that action, as
+  the runtime posts its buckets while the last backward still runs (:mod:`varuna_core.pipeline.overlap`); its
+  ``optimizer`` time follows both (a sharded optimizer's collectives, which run after the pipeline, are charged
+  there); the step ends when every stage has finished that. The model is optimistic by at most a bucket: the
+  runtime posts a bucket once all its gradients are final, so with one bucket per stage the all-reduce starts at
+  the end of the last backward.
 
 Events are processed in time order (ties: lower stage first), which makes the opportunistic rule decidable: by
 the time a stage is free at ``t``, everything that started before ``t`` has been simulated. Every entry point
@@ -39,7 +44,7 @@ from ..ir.inflight import inflight, inflight_named
 from ..ir.schedule import Action, Op, Schedule, generate
 
 __all__ = ["StageCosts", "SimResult", "native_module", "require_native", "simulate", "simulate_generated",
-           "inflight_counts", "simulate_python", "OPPORTUNISTIC"]
+           "inflight_counts", "simulate_python", "sync_costs", "OPPORTUNISTIC"]
 
 OPPORTUNISTIC = True  # the simulators' default: apply the runtime's [Note: opportunistic forward], as it does
 
@@ -51,7 +56,9 @@ class StageCosts:
     ``forward`` is the time of this stage's ``F`` as the schedule runs it: without autograd when the stage
     recomputes (``varuna``), with it otherwise. ``backward`` is the time of its ``B``: the whole backward, or
     under a schedule that splits it (``zb``, ``varuna-zb``) the input gradient only, with ``weight`` the time of
-    its ``W`` (the weights' gradients).
+    its ``W`` (the weights' gradients). ``allreduce`` is the data-parallel gradient all-reduce, which starts with
+    the stage's last backward action (overlapping it); ``optimizer`` what follows both the compute and the
+    all-reduce (the optimizer's step; with a sharded optimizer also its reduce-scatter and all-gather).
     """
 
     forward: float
@@ -67,6 +74,7 @@ class StageCosts:
     send_gradient_last: float | None = None
     weight: float = 0.0
     weight_last: float | None = None
+    optimizer: float = 0.0
 
     def duration(self, op: Op, last: bool) -> float:
         if op is Op.F:
@@ -83,14 +91,24 @@ class StageCosts:
         return self.send_activation_last if last and self.send_activation_last is not None else self.send_activation
 
     def as_tuple(self) -> tuple[float, ...]:
-        """The 13 numbers in the order the native simulator takes them (``None`` → the full-size value)."""
+        """The 14 numbers in the order the native simulator takes them (``None`` → the full-size value)."""
         def pick(x: float | None, full: float) -> float:
             return full if x is None else x
 
         return (self.forward, self.recompute, self.backward, self.send_activation, self.send_gradient,
                 self.allreduce, pick(self.forward_last, self.forward), pick(self.recompute_last, self.recompute),
                 pick(self.backward_last, self.backward), pick(self.send_activation_last, self.send_activation),
-                pick(self.send_gradient_last, self.send_gradient), self.weight, pick(self.weight_last, self.weight))
+                pick(self.send_gradient_last, self.send_gradient), self.weight, pick(self.weight_last, self.weight),
+                self.optimizer)
+
+
+def sync_costs(collectives: float, optimizer: float, *, sharded: bool) -> dict[str, float]:
+    """:class:`StageCosts`' ``allreduce`` and ``optimizer`` for a stage whose gradient collectives take
+    ``collectives`` seconds and whose optimizer step ``optimizer``: the runtime overlaps an all-reduce with the last
+    backward, but runs a sharded optimizer's reduce-scatter and all-gather after the pipeline."""
+    if sharded:
+        return {"allreduce": 0.0, "optimizer": collectives + optimizer}
+    return {"allreduce": collectives, "optimizer": optimizer}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +116,7 @@ class SimResult:
     """Outcome of one simulated step.
 
     Attributes:
-        step_time: end of the last stage's gradient sync.
+        step_time: end of the last stage's gradient sync and optimizer step.
         pipeline_time: end of the last action on any stage (before gradient syncs).
         busy: per stage, total compute time.
         bubble_fraction: ``1 - Σ busy / (stages · pipeline_time)``; for balanced 1F1B/GPipe with free
@@ -267,6 +285,7 @@ class _EventSim:
         self.free = [0.0] * p
         self.busy = [0.0] * p
         self.end = [0.0] * p
+        self.sync_start = [0.0] * p  # start of each stage's last B or W: its all-reduce starts with it
         self.act_arrival: list[dict[int, float]] = [dict() for _ in range(p)]   # at stage s, activation of mb
         self.grad_arrival: list[dict[int, float]] = [dict() for _ in range(p)]  # at stage s, gradient of mb
         self.channels = [[[0.0] * max(1, max_concurrent_sends) for _ in range(2)] for _ in range(p)]
@@ -288,7 +307,8 @@ class _EventSim:
         self._check_finished()
         end = self.end
         pipe = max(end)
-        step = max(end[s] + self.costs[s].allreduce for s in range(self.p))
+        step = max(max(end[s], self.sync_start[s] + self.costs[s].allreduce) + self.costs[s].optimizer
+                   for s in range(self.p))
         return _result(step, pipe, self.busy, self.line if self.timeline else None)
 
     def _done(self, s: int) -> bool:
@@ -341,6 +361,8 @@ class _EventSim:
         self.end[s] = finish
         self.pos[s] += 1
         self.held[s] += 1 if a.op is Op.F else -1 if a.op is Op.B else 0
+        if a.op is Op.B or a.op is Op.W:
+            self.sync_start[s] = t
         if self.timeline:
             self.line.append((s, a.op.value, a.mb, t, finish))
         if a.op is Op.F and s < self.p - 1:
