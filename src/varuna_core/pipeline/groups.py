@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,12 +177,17 @@ class Groups:
 
     dp: Any = None
     ties: list[tuple[TieSet, Any]] = field(default_factory=list)
+    holders: list[Callable[[], None]] = field(default_factory=list)  # drop their own references at release
 
     def __post_init__(self) -> None:
         _made.add(self)
 
     def release(self) -> None:
-        """Drop the groups (at exit: see :func:`_release_before_exit`)."""
+        """Drop the groups (at exit: see :func:`_release_before_exit`), and have whoever keeps references to them
+        (the overlapped gradient sync keeps its groups) drop theirs."""
+        for drop in self.holders:
+            drop()
+        self.holders.clear()
         self.dp = None
         self.ties.clear()
 

@@ -65,6 +65,7 @@ class GradSync:
         self.timeout, self.rank, self.stage, self.overlap = timeout, rank, stage, overlap
         self._overlapped: OverlappedSync | None = None
         self.shards = shards
+        groups.holders.append(self.close)  # its sync holds the groups: dropped with them at exit
 
     @property
     def shards(self) -> OptimizerShards | None:
