@@ -38,6 +38,7 @@ LONGEST_FIRST = (
     "tests/dist/test_zero_bubble.py",  # 34
     "tests/dist/test_meta_parity.py",  # 47
     "tests/launch/test_snapshot_ssh.py",  # 44
+    "tests/launch/test_plan_regret.py",  # 44
     "tests/launch/test_ckpt_local_ssh.py",  # 38
 )
 
