@@ -16,11 +16,15 @@ parameters of real sizes cross the links. For each scenario (see :mod:`devtools.
    considers (pipeline depth, data-parallel width, micro-batch size, schedule) is listed by the plan (``top`` at
    its maximum; checked against an independent enumeration), and each gets its own plan;
 3. every configuration runs under ``varuna launch PLAN --hosts ...`` on the emulated hosts (one launch per number
-   of devices, its workers training the configurations of that size one after another; ``--warmup`` + ``--steps``
-   steps each, median of the slowest rank's step; configurations whose steps are already ``--stop-factor`` times
-   the best measured so far are cut short, never the planner's choice);
+   of devices and cluster, kept: its workers train the configurations of that size one after another, each a fresh
+   ``Varuna(..., plan=...)``; the first scenario's choice is also launched alone, to check that this measures what
+   its own launch would); ``--warmup`` + ``--steps`` steps each, the median of the slowest rank's step.
+   Configurations hopelessly slower than the best measured so far (``--stop-factor``), never the planner's choice,
+   are cut short after a step that shows it, or not run where the bytes the busiest host's link must receive in a
+   step already take that long at the link's nominal rate (the *link bound*, which owes nothing to the simulator);
 4. it reports the planner's choice, the best measured configuration, the **regret** (measured step of the choice
-   ÷ best measured − 1) and the simulator's error (predicted ÷ measured − 1) on every configuration.
+   ÷ best measured − 1), the simulator's error (predicted ÷ measured − 1) and the link bound on every
+   configuration, and the cores other processes kept busy meanwhile (a shared machine's noise).
 
 The summary: the share of scenarios with regret ≤ 5%, the largest regret, the median |simulator error| (targets of
 issue 34: regret ≤ 5% in ≥ 90% of the scenarios and never > 10%; median |error| ≤ 5%; reported, not enforced).

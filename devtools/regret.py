@@ -209,6 +209,8 @@ class LaunchPool:
         self.launches: list[dict] = []  # every launch: devices, run dir, start-up seconds, how it ended
 
     def _launch(self, devices: int, plan: Path, progress: Callable[[str], None] | None) -> tuple[Launch, Path]:
+        if devices in self._live and self._live[devices][0].proc.poll() is not None:  # it ended while idle
+            self._drop(devices, f"ended while idle (exit {self._live[devices][0].proc.returncode})")
         if devices in self._live:
             return self._live[devices]
         self._started += 1
