@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cut a run short once a step takes this factor of the best median so far (0: never)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one launch may take (default 600)")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
-                   help="before each scenario, wait up to S seconds for other processes to leave the cores")
+                   help="before each profile and scenario, wait up to S seconds for other processes to leave the "
+                   "cores (a shared machine)")
     p.add_argument("--no-alone", action="store_true",
                    help="skip the check that the first scenario's choice measures the same launched alone")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout instead of the tables")
@@ -212,7 +213,9 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         pool = LaunchPool(emu, work / shape / "launches")
         try:
             for model in dict.fromkeys(s.model for s in here):
-                t0 = time.monotonic()
+                if args.wait_idle:  # a profile taken while other processes hold the cores misleads every plan
+                    cpu.wait_idle(args.wait_idle)
+                load, t0 = cpu.Load(), time.monotonic()
                 try:
                     path = profile_on(emu, model, work / shape / f"profile-{model}.json", sizes=args.sizes,
                                       repeats=args.profile_repeats, warmup=2)
@@ -220,8 +223,11 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                     profiles[f"{model}/{shape}"] = {"error": str(exc)}
                     log(f"[{shape}] profiling {model} FAILED: {exc}")
                     continue
-                profiles[f"{model}/{shape}"] = {"path": str(path), "seconds": time.monotonic() - t0}
-                log(f"[{shape}] profiled {model} on {emu.cluster.hosts[0].name} in {time.monotonic() - t0:.0f}s")
+                busy = load.other_cores()
+                profiles[f"{model}/{shape}"] = {"path": str(path), "seconds": time.monotonic() - t0,
+                                                "other_cores": busy}
+                log(f"[{shape}] profiled {model} on {emu.cluster.hosts[0].name} in {time.monotonic() - t0:.0f}s "
+                    f"(other processes kept {busy or 0:.2f} cores busy)")
             for rate in dict.fromkeys(s.rate for s in here):
                 emu.set_link(parse_rate(rate), parse_delay(args.delay))
                 t0 = time.monotonic()
@@ -313,6 +319,12 @@ def print_report(report: dict) -> None:
           f"timed steps per run, {meta['repeats']} run(s) per configuration; total {meta['total_s'] / 60:.1f} min")
     for line in meta["models"].values():
         print(f"  {line}")
+    print("\nprofiles (varuna profile --nproc 2 on the first host):")
+    for name, prof in report["profiles"].items():
+        if "error" in prof:
+            print(f"  {name}: FAILED: {prof['error'][:200]}")
+        else:
+            print(f"  {name}: {prof['seconds']:.0f}s, other processes kept {prof['other_cores'] or 0:.2f} cores busy")
     print("\nlinks between hosts as measured (gloo ping-pong, the profiler's fit), given to the planner:")
     for name, link in report["links"].items():
         biggest = link["sizes"][-1] / link["times_s"][-1] * 8 / 1e6
