@@ -215,7 +215,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             for model in dict.fromkeys(s.model for s in here):
                 if args.wait_idle:  # a profile taken while other processes hold the cores misleads every plan
                     cpu.wait_idle(args.wait_idle)
-                load, t0 = cpu.Load(), time.monotonic()
+                load, t0 = cpu.Load(tree=True), time.monotonic()
                 try:
                     path = profile_on(emu, model, work / shape / f"profile-{model}.json", sizes=args.sizes,
                                       repeats=args.profile_repeats, warmup=2)
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                         cpu.wait_idle(args.wait_idle)
                     log(f"[{sc.name}] ({time.monotonic() - started:.0f}s so far)")
                     sdir = work / sc.name.replace("/", "-")
-                    load, t0 = cpu.Load(), time.monotonic()
+                    load, t0 = cpu.Load(tree=True), time.monotonic()
                     runs = []
                     prof = profiles[f"{sc.model}/{shape}"]
                     try:
