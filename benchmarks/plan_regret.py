@@ -357,7 +357,7 @@ def print_report(report: dict) -> None:
             if row["predicted_s"] < row["link_bound_s"]:
                 note.append("predicted below the link bound")
             print(f"| {row['config']} | {_ms(row['predicted_s'])} | {_ms(row['measured_s'])} | "
-                  f"{_pct(row.get('sim_error'))} | {_ms(row['link_bound_s'])} | {' '.join(note)} |")
+                  f"{_pct(row.get('sim_error'))} | {_ms(row['link_bound_s'])} | {'; '.join(note)} |")
     if report.get("alone"):
         a = report["alone"]
         if "error" in a:
