@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-split bench-wire bench-gpu bench-kernels clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-regret bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-split bench-wire bench-gpu bench-kernels clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -109,6 +109,13 @@ bench-bubbles: setup ## each schedule's bubble on a model of known F, B and W ti
 
 bench-sim: setup ## compare the planner's predicted step time with measured runs (BENCH_ARGS="--quick")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/sim_accuracy.py $(BENCH_ARGS)
+
+# The planner's decision measured: on an emulated cluster (network-namespace hosts over SSH, a tc-limited link between
+# them) every configuration the planner considers for two exact-compute models, 2x4 and 4x2 workers, 1 Gbit/s,
+# 200 Mbit/s and 50 Mbit/s, run under `varuna launch`; the regret of its choice and its simulator's error (needs root;
+# about 25 minutes on an idle 2-core machine; see benchmarks/README.md).
+bench-regret: setup ## the planner's regret and the simulator's error on an emulated cluster (BENCH_ARGS="--scenarios 'xl/2x4/*'")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/plan_regret.py $(BENCH_ARGS)
 
 # Checkpoint save/load throughput vs the disk's own rate, and the step-time cost of background checkpoints (see benchmarks/README.md).
 bench-ckpt: setup ## checkpoint save/load throughput vs the disk, background-checkpoint overhead (BENCH_ARGS="--json")

@@ -69,6 +69,7 @@ if str(ROOT) not in sys.path:  # for devtools.testhosts
 GPT_DIR = ROOT / "examples" / "gpt"
 
 from devtools.cpu import Load  # noqa: E402
+from devtools.emucluster import parse_delay, parse_rate, tc_commands  # noqa: E402  (moved there, shared)
 from devtools.testhosts import kill_namespace_processes  # noqa: E402
 from varuna_core.util.procs import JobOutcome, run_workers  # noqa: E402
 
@@ -163,26 +164,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     return args
-
-
-_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-_DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-def parse_rate(text: str) -> int:
-    """A tc rate such as ``200mbit`` -> bits per second (> 0). Decimal prefixes, as tc reads them."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?bit)", text.strip().lower())
-    if not m or float(m[1]) <= 0:
-        raise ValueError(f"--rate {text!r}: expected a positive number with bit, kbit, mbit or gbit (e.g. 200mbit)")
-    return round(float(m[1]) * _RATE_UNITS[m[2]])
-
-
-def parse_delay(text: str) -> float:
-    """A delay such as ``1ms`` -> seconds (>= 0)."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(us|ms|s)", text.strip().lower())
-    if not m:
-        raise ValueError(f"--delay {text!r}: expected a number with us, ms or s (e.g. 1ms, 0ms)")
-    return float(m[1]) * _DELAY_UNITS[m[2]]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -523,20 +504,6 @@ SUBNET = "10.98.0"  # the pair links only its two namespaces, so no address of t
 
 class NetworkUnavailable(Exception):
     """The slow network cannot be set up on this machine; the message says why."""
-
-
-def tc_commands(dev: str, rate_bps: int, delay_s: float) -> list[list[str]]:
-    """``tc`` arguments that limit what ``dev`` sends to ``rate_bps``, after a delay of ``delay_s`` if > 0.
-
-    Token bucket (tbf) with a 32 kbit (4 KB) burst, so the link never runs faster than the rate for more than
-    a few packets, and a 50 ms queue. A delay needs netem, as the root with tbf as its child (netem's own
-    documented way to combine the two).
-    """
-    tbf = ["tbf", "rate", f"{rate_bps}bit", "burst", "32kbit", "latency", "50ms"]
-    if delay_s <= 0:
-        return [["qdisc", "add", "dev", dev, "root", *tbf]]
-    return [["qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{round(delay_s * 1e6)}us"],
-            ["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf]]
 
 
 def namespace_owner(name: str) -> int | None:

@@ -8,7 +8,7 @@ import os
 import resource
 import time
 
-__all__ = ["busy_cpu_s", "own_cpu_s", "Load", "wait_idle"]
+__all__ = ["busy_cpu_s", "own_cpu_s", "tree_cpu_s", "Load", "wait_idle"]
 
 
 def busy_cpu_s() -> float | None:
@@ -31,19 +31,43 @@ def own_cpu_s(children: bool = True) -> float:
     return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds of this process and of every descendant, live or finished: its own and its waited-for
+    children's (:func:`own_cpu_s`), plus each live descendant's own and waited-for children's (``/proc``). A
+    descendant that ends orphaned (reaped by init) is missed."""
+    from devtools.procs import live_processes
+
+    children: dict[int, list[int]] = {}
+    for p in live_processes():
+        children.setdefault(p.ppid, []).append(p.pid)
+    total, todo, tick = own_cpu_s(), list(children.get(os.getpid(), [])), os.sysconf("SC_CLK_TCK")
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += sum(int(x) for x in fields[11:15]) / tick  # utime, stime, cutime, cstime
+    return total
+
+
 class Load:
     """Cores that other processes kept busy while a phase ran: the machine's busy CPU time minus this process's
-    and its finished children's, over the wall time since the object was made."""
+    and its finished children's (with ``tree``: minus every descendant's, live or finished, e.g. the workers a
+    benchmark started over SSH on test hosts it runs), over the wall time since the object was made."""
 
-    def __init__(self) -> None:
-        self.busy, self.own, self.t = busy_cpu_s(), own_cpu_s(), time.perf_counter()
+    def __init__(self, tree: bool = False) -> None:
+        self._own = tree_cpu_s if tree else own_cpu_s
+        self.busy, self.own, self.t = busy_cpu_s(), self._own(), time.perf_counter()
 
     def other_cores(self) -> float | None:
         busy = busy_cpu_s()
         if busy is None or self.busy is None:
             return None
         wall = time.perf_counter() - self.t
-        return max(0.0, ((busy - self.busy) - (own_cpu_s() - self.own)) / wall) if wall > 0 else None
+        return max(0.0, ((busy - self.busy) - (self._own() - self.own)) / wall) if wall > 0 else None
 
 
 def wait_idle(limit_s: float, threshold: float = 0.2) -> float:

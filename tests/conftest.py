@@ -39,6 +39,7 @@ LONGEST_FIRST = (
     "tests/dist/test_overlap.py",  # ~40 (measured 63 on a loaded machine)
     "tests/dist/test_meta_parity.py",  # 47
     "tests/launch/test_snapshot_ssh.py",  # 44
+    "tests/launch/test_plan_regret.py",  # 44
     "tests/launch/test_ckpt_local_ssh.py",  # 38
 )
 

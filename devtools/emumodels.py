@@ -1,0 +1,217 @@
+"""Exact-compute models for the emulated cluster: segments whose F, B and W sleep for set times while the tensors
+that cross the network have real sizes.
+
+A segment of :class:`EmuModel` stands for ``layers`` transformer layers. Its forward sleeps ``F(n)`` for a
+micro-batch of ``n`` examples, the backward to its input sleeps ``B(n)``, and the gradient of its weights sleeps
+``W(n)`` (in the backward under an unsplit schedule, in ``W`` under a zero-bubble one); a sleeping process uses no
+CPU, so 8-16 workers share 2 cores without slowing each other and the measured step depends only on the runtime
+and the network. What crosses is real:
+
+* the activation at each cut is a float32 ``[n, seq, hidden]`` tensor, ``n × seq × hidden × 4`` bytes (and its
+  gradient as many back);
+* each segment holds ``param_bytes`` of parameters (one float32 table used through ``F.embedding``, whose whole
+  backward is its weight's gradient: dense, the table's size, in W under a split schedule), so the
+  data-parallel all-reduce moves the bytes a real segment's gradients would.
+
+Where the numbers come from (an estimate, not a measurement): a GPT-2 XL layer (hidden 1600, 25 heads, 30.7 M
+parameters, 12·h² + 13·h) runs ``24·h²·s + 4·s²·h`` FLOPs per example forward at sequence length ``s`` (the
+weight matmuls and the attention scores and mixing; 69.6 GFLOP at s = 1024), and the backward twice as much, half
+for the input's gradient (B) and half for the weights' (W). On an A100 (312 TFLOP/s bf16) at an *assumed* 50%
+of peak, 156 TFLOP/s, that is F = B = W = 0.45 ms per example and layer at s = 1024. A micro-batch of ``n``
+examples is taken to cost ``(n + 0.25)`` examples' time (an assumed fixed share per kernel launch and for
+under-filled matrix units at small micro-batches), so larger micro-batches are a little more efficient per
+example, as on a GPU.
+
+Scaling to what 2 cores and a 25-minute benchmark can run: the *times* are the A100's; the *bytes* are the real
+layer's divided by :data:`BYTE_SCALE` (the hidden size stays 1600, the sequence that crosses a cut is
+``seq / BYTE_SCALE`` tokens long; parameters, ``param_bytes / BYTE_SCALE``). On the emulated link of rate ``R``
+such a model meets what the real layer would meet on a link of ``R × BYTE_SCALE`` (1 Gbit/s emulated ~ 256
+Gbit/s, 50 Mbit/s ~ 12.8 Gbit/s: the range from a datacenter's commodity Ethernet to a fast interconnect, for a
+model whose every step must move hundreds of MB of gradients).
+
+Two models (:data:`MODELS`) whose best configurations differ: ``xl`` (GPT-2 XL's 48 layers at s = 1024, 8 layers
+a segment: many parameters for its compute, so data parallelism over a slow link is dear) and ``long`` (12
+layers at s = 4096, 2 a segment: 5.2x the compute per layer and 4x the activation for the same parameters, so
+the all-reduce weighs less against the compute, and pipelining more). ``small`` is the suite's. :data:`SPECS` has a
+:class:`~varuna_core.ModelSpec` per model for ``varuna profile`` (``devtools/emumodels.py:xl``), and
+``build_model(name)`` what a training script builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from varuna_core import CutPoint, ModelSpec
+
+__all__ = ["LayerCosts", "EmuConfig", "EmuModel", "MODELS", "SPECS", "BYTE_SCALE", "build_model", "make_batch",
+           "gpt2_layer"]
+
+HIDDEN = 1600  # GPT-2 XL
+A100_FLOPS = 312e12  # bf16 dense peak
+ASSUMED_MFU = 0.5  # an assumption, not a measurement
+LAUNCH_SHARE = 0.25  # a micro-batch of n examples costs (n + LAUNCH_SHARE) examples' time (an assumption)
+BYTE_SCALE = 256  # bytes that cross the emulated links: the real layer's / BYTE_SCALE
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCosts:
+    """One transformer layer: seconds per example of its forward (F), input gradient (B) and weights' gradient
+    (W), its parameters' bytes (float32) and the bytes of its output per example (float32)."""
+
+    forward_s: float
+    input_grad_s: float
+    weight_grad_s: float
+    param_bytes: int
+    activation_bytes: int
+
+
+def gpt2_layer(seq: int, hidden: int = HIDDEN) -> LayerCosts:
+    """A GPT-2-style layer at sequence length ``seq``: the FLOP count above over the assumed A100 throughput."""
+    flops = 24 * hidden * hidden * seq + 4 * seq * seq * hidden
+    f = flops / (A100_FLOPS * ASSUMED_MFU)
+    return LayerCosts(forward_s=f, input_grad_s=f, weight_grad_s=f,
+                      param_bytes=4 * (12 * hidden * hidden + 13 * hidden), activation_bytes=4 * seq * hidden)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmuConfig:
+    """An emulated model: ``segments`` segments of ``layers`` layers of ``layer``, bytes scaled by ``byte_scale``."""
+
+    name: str
+    layer: LayerCosts
+    segments: int
+    layers: int
+    byte_scale: int = BYTE_SCALE
+    describe: str = ""
+
+    @property
+    def seq(self) -> int:
+        """Tokens of ``HIDDEN`` floats per example at a cut (the real sequence over ``byte_scale``)."""
+        return max(1, round(self.layer.activation_bytes / (4 * HIDDEN) / self.byte_scale))
+
+    @property
+    def param_numel(self) -> int:
+        """Float32 elements of one segment's parameter table."""
+        return max(HIDDEN, self.layers * self.layer.param_bytes // (4 * self.byte_scale) // HIDDEN * HIDDEN)
+
+    def times(self, n: int) -> tuple[float, float, float]:
+        """(F, B, W) seconds of one segment for a micro-batch of ``n`` examples."""
+        scale = self.layers * (n + LAUNCH_SHARE)
+        return (self.layer.forward_s * scale, self.layer.input_grad_s * scale, self.layer.weight_grad_s * scale)
+
+
+MODELS: dict[str, EmuConfig] = {
+    "xl": EmuConfig("xl", gpt2_layer(1024), segments=6, layers=8,
+                    describe="GPT-2 XL: 48 layers at seq 1024, 8 a segment"),
+    "long": EmuConfig("long", gpt2_layer(4096), segments=6, layers=2,
+                      describe="12 GPT-2 XL layers at seq 4096, 2 a segment"),
+    # the suite's shortened regret test (tests/launch/test_plan_regret.py): 2 segments
+    "small": EmuConfig("small", gpt2_layer(1024), segments=2, layers=4,
+                       describe="8 GPT-2 XL layers at seq 1024, 4 a segment"),
+}
+
+
+class _Timed(torch.autograd.Function):
+    """Identity whose forward sleeps ``forward_s`` and backward ``backward_s``."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class EmuSegment(nn.Module):
+    """One segment: sleeps F and B around the activation, and W when its weights' gradient is made."""
+
+    def __init__(self, cfg: EmuConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rows = cfg.param_numel // HIDDEN
+        self.table = nn.Parameter(torch.zeros(rows, HIDDEN))  # the segment's parameters: real bytes, no compute
+        self.register_buffer("row", torch.zeros(1, dtype=torch.long), persistent=False)
+        self._n = 1  # the micro-batch size of the last forward (every micro-batch of a step has the same size)
+        self._hooked: set[int] = set()
+
+    def _hook(self, weight: torch.Tensor) -> None:
+        """W's sleep, on the parameter the forward uses (the runtime may replace it when it places the stage)."""
+        if weight.requires_grad and not weight.is_meta and id(weight) not in self._hooked:
+            self._hooked.add(id(weight))
+
+            def sleep(grad: torch.Tensor) -> torch.Tensor:
+                time.sleep(self.cfg.times(self._n)[2])
+                return grad
+
+            weight.register_hook(sleep)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        self._n = n
+        f, b, _ = self.cfg.times(n)
+        self._hook(self.table)
+        y = _Timed.apply(x, f, b)
+        # one row of the table, times zero: its gradient is the whole table's (dense), made in W under a split
+        # schedule; its value adds nothing
+        return y + F.embedding(self.row, self.table).sum() * 0.0
+
+
+class EmuModel(nn.Module):
+    """``cfg.segments`` :class:`EmuSegment` with a :class:`CutPoint` between each two; the loss is the MSE of the
+    output against ``y``. Inputs: ``x`` and ``y``, float32 ``[n, seq, HIDDEN]``."""
+
+    def __init__(self, cfg: EmuConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.segments = nn.ModuleList([EmuSegment(cfg) for _ in range(cfg.segments)])
+        self.cuts = nn.ModuleList([CutPoint() for _ in range(cfg.segments - 1)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for i, seg in enumerate(self.segments):
+            x = seg(x)
+            if i < len(self.cuts):
+                x = self.cuts[i](x)
+        return F.mse_loss(x, y)
+
+
+def build_model(name: str) -> EmuModel:
+    torch.manual_seed(0)
+    return EmuModel(MODELS[name])
+
+
+def make_batch(name: str, n: int) -> dict:
+    cfg = MODELS[name]
+    g = torch.Generator().manual_seed(n)
+    return {"x": torch.randn(n, cfg.seq, HIDDEN, generator=g), "y": torch.randn(n, cfg.seq, HIDDEN, generator=g)}
+
+
+def _sgd(params):
+    """The runs' optimizer, also given to the profiler (which times one step of it per segment)."""
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def _spec(name: str) -> ModelSpec:
+    return ModelSpec(build=lambda: build_model(name), batch=lambda n: make_batch(name, n), optimizer=_sgd,
+                     name=f"emu-{name}")
+
+
+SPECS: dict[str, ModelSpec] = {name: _spec(name) for name in MODELS}
+xl, long, small = SPECS["xl"], SPECS["long"], SPECS["small"]  # for `varuna profile devtools/emumodels.py:xl`
+
+
+def summary(name: str) -> str:
+    """One line: what the model is, per segment (F/B/W at a micro-batch of 1, bytes)."""
+    cfg = MODELS[name]
+    f, b, w = cfg.times(1)
+    return (f"{name}: {cfg.describe}; {cfg.segments} segments, each F/B/W {f * 1e3:.1f}/{b * 1e3:.1f}/{w * 1e3:.1f} ms "
+            f"at micro-batch 1, {cfg.param_numel * 4 / 1e6:.2f} MB of parameters; "
+            f"{cfg.seq * HIDDEN * 4 / 1e3:.1f} kB per example at a cut")
