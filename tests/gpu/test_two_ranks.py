@@ -1,6 +1,9 @@
 """Two processes on the one GPU. Under NCCL (the library's default on CUDA) every rank refuses with one clear
 error instead of NCCL's "Duplicate GPU detected" or a hang; under a gloo group the script joins itself the two
-stages share the GPU (cut values cross through host memory) and train bit for bit as the reference."""
+stages share the GPU (cut values cross through host memory) and train bit for bit as the reference: with the exact
+wire, with a bf16 wire (against a reference rounding at the cut), and as two data-parallel replicas whose gradient
+sync is posted from the backward's hooks while it runs (CUDA streams: a bucket must not be read before its
+gradients are written)."""
 
 from __future__ import annotations
 
@@ -9,18 +12,20 @@ import sys
 import torch
 
 from tests.gpu.common import DEVICE, ROOT, assert_equal_to_reference, needs_real_gpu, reference
+from tests.dist.test_wire import rounded
 from tests.gpu.pp2_worker import BATCH, CHUNK, STEPS
 from tests.models import SHARED, ToyLM, batch
 from tests.reference import Layout
+from varuna_core.model.precision import WIRE_DTYPES
 from varuna_core.env import CACHE_DIR
 from varuna_core.util.procs import run_workers
 
 TIMEOUT = 120.0
 
 
-def _run(backend: str, tmp_path, **env) -> list[int]:
+def _run(backend: str, tmp_path, *args: str, **env) -> list[int]:
     device = "cuda:0" if DEVICE == "cuda" else DEVICE  # the one GPU, for both ranks
-    outcome = run_workers([sys.executable, "-m", "tests.gpu.pp2_worker", backend, device, str(tmp_path)], 2,
+    outcome = run_workers([sys.executable, "-m", "tests.gpu.pp2_worker", backend, device, str(tmp_path), *args], 2,
                           log_dir=tmp_path, timeout=TIMEOUT, cwd=ROOT, stop_on_failure=False,
                           env={CACHE_DIR: str(tmp_path / "cache"), "PYTHONPATH": str(ROOT), **env})
     assert not outcome.timed_out, f"killed after {TIMEOUT:g}s: " + _logs(tmp_path)
@@ -56,3 +61,42 @@ def test_gloo_pipeline_on_one_gpu_equals_the_reference(tmp_path) -> None:
     ref_losses, ref_state = reference(ToyLM(), STEPS, batch, Layout(BATCH, CHUNK, pp=2), SHARED, DEVICE)
     state = {**results[0]["state"], **results[1]["state"]}
     assert_equal_to_reference(results[0]["losses"], state, ref_losses, ref_state)
+
+
+def _results(tmp_path) -> list[dict]:
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    assert {torch.device(r["device"]).type for r in results} == {DEVICE}
+    assert results[0]["losses"] == results[1]["losses"]
+    return results
+
+
+def test_gloo_pipeline_on_one_gpu_with_a_bf16_wire_equals_one_process_rounding_at_the_cut(tmp_path) -> None:
+    """The activation at cuts.1 and its gradient cast to bf16 on the GPU, staged through host memory in bf16 and
+    cast back on arrival: bit for bit the plain CUDA process whose cuts.1 rounds both to bf16 and back (and not the
+    exact run: the rounding must show)."""
+    codes = _run("gloo", tmp_path, "0;1", "bf16")
+    assert codes == [0, 0], _logs(tmp_path)
+    results = _results(tmp_path)
+    torch.manual_seed(0)
+    model = ToyLM()
+    model.cuts[1].set_hook(lambda _, value: rounded(value, WIRE_DTYPES["bf16"]))
+    ref_losses, ref_state = reference(model, STEPS, batch, Layout(BATCH, CHUNK, pp=2), SHARED, DEVICE)
+    torch.manual_seed(0)
+    exact_losses, _ = reference(ToyLM(), STEPS, batch, Layout(BATCH, CHUNK, pp=2), SHARED, DEVICE)
+    assert not torch.equal(ref_losses, exact_losses), "the rounding must change something for the test to see it"
+    assert_equal_to_reference(results[0]["losses"], {**results[0]["state"], **results[1]["state"]}, ref_losses,
+                              ref_state)
+
+
+def test_gloo_replicas_on_one_gpu_sync_while_the_backward_runs_and_equal_the_reference(tmp_path) -> None:
+    """pp=1 x dp=2 on the one GPU: each replica's buckets are all-reduced as their gradients become final (posted
+    from the post-accumulate hooks of the last backward), the CUDA gradients staged through host memory; both
+    replicas end bit for bit where one CUDA process summing the two halves' gradients ends."""
+    codes = _run("gloo", tmp_path, "0,1")
+    assert codes == [0, 0], _logs(tmp_path)
+    results = _results(tmp_path)
+    for name, t in results[0]["state"].items():
+        assert torch.equal(t, results[1]["state"][name]), f"the replicas disagree on {name}"
+    torch.manual_seed(0)
+    ref_losses, ref_state = reference(ToyLM(), STEPS, batch, Layout(BATCH, CHUNK, dp=2), SHARED, DEVICE)
+    assert_equal_to_reference(results[0]["losses"], results[0]["state"], ref_losses, ref_state)
