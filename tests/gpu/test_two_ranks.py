@@ -11,13 +11,13 @@ import sys
 
 import torch
 
-from tests.gpu.common import DEVICE, ROOT, assert_equal_to_reference, needs_real_gpu, reference
 from tests.dist.test_wire import rounded
+from tests.gpu.common import DEVICE, ROOT, assert_equal_to_reference, needs_real_gpu, reference
 from tests.gpu.pp2_worker import BATCH, CHUNK, STEPS
 from tests.models import SHARED, ToyLM, batch
 from tests.reference import Layout
-from varuna_core.model.precision import WIRE_DTYPES
 from varuna_core.env import CACHE_DIR
+from varuna_core.model.precision import WIRE_DTYPES
 from varuna_core.util.procs import run_workers
 
 TIMEOUT = 120.0
