@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import datetime
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -489,19 +490,57 @@ def _p2p_time(profile: Profile, nbytes: float, inter: bool, link: Link | None = 
     return 0.0 if curve is None else curve.fit.predict(nbytes)
 
 
-def _allreduce_time(profile: Profile, nbytes: float, d: int, inter: bool, link: Link | None = None) -> float:
+def _allreduce_parts(profile: Profile, nbytes: float, d: int, inter: bool,
+                     link: Link | None = None) -> tuple[float, float]:
+    """(latency, transfer) seconds of an all-reduce of ``nbytes`` over ``d`` ranks, alone on its links: the ring's
+    ``2(d-1)`` latency steps, and its ``2(d-1)/d`` of the data at the link's rate (the part that links share)."""
     if d < 2 or nbytes <= 0:
-        return 0.0
+        return 0.0, 0.0
     if inter and link is not None:  # a ring: 2(d-1) steps, each rank sends 2(d-1)/d of the data
-        return 2 * (d - 1) * link.latency_for(profile, "p2p") + nbytes * 2 * (d - 1) / d / link.rate
+        return 2 * (d - 1) * link.latency_for(profile, "p2p"), nbytes * 2 * (d - 1) / d / link.rate
     curve = _curve(profile, "allreduce", "inter" if inter else "intra", d)
     if curve is None:
-        return 0.0
+        return 0.0, 0.0
     g = curve.group_size
     # ring all-reduce moves 2(d-1)/d of the data and takes 2(d-1) latency steps: rescale from the measured g
     lat = curve.fit.latency * (d - 1) / max(1, g - 1)
     bw_time = (nbytes / curve.fit.bandwidth) * ((d - 1) / d) / ((g - 1) / g)
-    return lat + bw_time
+    return lat, bw_time
+
+
+
+def shared_link_syncs(parts: Sequence[tuple[float, float]], pp: int, dp: int, per_node: int) -> list[float]:
+    """Per stage, its data-parallel all-reduce's time when the stages' groups cross their hosts' links at once.
+
+    ``parts[s]``: stage ``s``'s all-reduce alone (latency, transfer) (:func:`_allreduce_parts`). Ranks are placed
+    as the launcher places them (rank ``replica·pp + stage``, ``per_node`` consecutive ranks a node), so a node's
+    ranks belong to up to ``per_node`` stages, and every group with ranks on several nodes sends its ring's
+    ``2(d-1)/d`` of the gradient out through each of its nodes' link (one ring crossing a node, however many of its
+    ranks are there). The groups start within one backward of each other (each with its stage's last backward),
+    so they are taken to start together and share each link fairly: a group whose transfer alone takes ``x_s``
+    ends, on a node whose groups take ``x_g``, after ``Σ_g min(x_g, x_s)`` (processor sharing), and on its slowest
+    node. Without sharing (one node, or one stage per node) this is ``x_s``; the last group to end meets the link
+    bound, ``Σ_g x_g`` on the busiest node."""
+    world = pp * dp
+    if dp < 2 or world <= per_node:
+        return [lat + x for lat, x in parts]
+    # a group spans nodes when its first and last ranks (s and s + (dp-1)·pp) are on different ones
+    crossing = [s // per_node != (s + (dp - 1) * pp) // per_node for s in range(pp)]
+    shared = [x for _, x in parts]
+    nodes = -(-world // per_node)
+    # a node's stages are the residues mod pp of its ranks: the same for nodes whose first ranks agree mod pp, so
+    # one period of nodes (and the last, which may be partial) covers every distinct set
+    firsts = {n * per_node for n in range(min(nodes, pp // math.gcd(pp, per_node)))} | {(nodes - 1) * per_node}
+    for first in firsts:
+        members = {r % pp for r in range(first, min(first + per_node, world))}
+        xs = sorted(parts[g][1] for g in members if crossing[g])
+        prefix = list(itertools.accumulate(xs, initial=0.0))
+        for g in members:
+            if crossing[g]:
+                x = parts[g][1]
+                k = bisect.bisect_right(xs, x)
+                shared[g] = max(shared[g], prefix[k] + x * (len(xs) - k))
+    return [lat + x for (lat, _), x in zip(parts, shared, strict=True)]
 
 
 def _crossings(pp: int, dp: int, per_node: int) -> tuple[list[bool], bool]:
@@ -555,7 +594,7 @@ class _Tables:
         self._prefix: dict[float, _Prefix] = {}
         self._free: dict[tuple[int, int, tuple[bool, ...], bool], Partition | None] = {}
         self._p2p: dict[tuple[float, bool], float] = {}
-        self._allreduce: dict[tuple[float, int, bool], float] = {}
+        self._allreduce: dict[tuple[float, int, bool], tuple[float, float]] = {}
 
     def segs(self, n: float) -> list[_Seg]:
         if n not in self._segs:
@@ -574,10 +613,18 @@ class _Tables:
         return self._p2p[key]
 
     def allreduce(self, nbytes: float, d: int, inter: bool) -> float:
+        return sum(self.allreduce_parts(nbytes, d, inter))
+
+    def allreduce_parts(self, nbytes: float, d: int, inter: bool) -> tuple[float, float]:
         key = (nbytes, d, inter)
         if key not in self._allreduce:
-            self._allreduce[key] = _allreduce_time(self.profile, nbytes, d, inter, self.link)
+            self._allreduce[key] = _allreduce_parts(self.profile, nbytes, d, inter, self.link)
         return self._allreduce[key]
+
+    def syncs(self, grads: Sequence[float], dp: int, inter: bool, per_node: int) -> list[float]:
+        """Per stage, its gradient all-reduce of ``grads[s]`` bytes with the other stages' groups sharing the
+        nodes' links (:func:`shared_link_syncs`)."""
+        return shared_link_syncs([self.allreduce_parts(g, dp, inter) for g in grads], len(grads), dp, per_node)
 
     def partition(self, pp: int, mbs: int, recompute: list[bool], counts: Sequence[tuple[int, int]], num_mb: int,
                   req: PlanRequest, shards: int = 1, pending: Sequence[int] | None = None) -> Partition | None:
@@ -646,12 +693,13 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
         return None, need
     boundary, dp_inter = _crossings(pp, dp, req.gpus_per_node or req.gpus)
     pre, pre_last = tables.prefix(mbs), tables.prefix(last)
+    syncs = tables.syncs([pre.grads[b] - pre.grads[a] for a, b in part.ranges], dp, dp_inter,
+                         req.gpus_per_node or req.gpus)
     lower = fill = 0.0
     for s, (a, b) in enumerate(part.ranges):
         f, r, bw, w = _stage_times(pre, a, b, recompute[s], pending is not None)
         fl, rl, bl, wl = _stage_times(pre_last, a, b, recompute[s], pending is not None)
-        sync = sync_costs(tables.allreduce(pre.grads[b] - pre.grads[a], dp, dp_inter),
-                          (pre.opt[b] - pre.opt[a]) / shards, sharded=shard)
+        sync = sync_costs(syncs[s], (pre.opt[b] - pre.opt[a]) / shards, sharded=shard)
         busy = (num_mb - 1) * (f + r + bw + w) + fl + rl + bl + wl
         # it cannot start before the first activation reaches it; its all-reduce starts with its last B or W at the
         # earliest, which starts once everything else it computes is done
@@ -670,6 +718,9 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     pp = c.pp
     windows = receive_windows([held for held, _ in c.counts])
     split = c.pending is not None
+    # the stages' groups cross the nodes' links together: each one's time with the others sharing them
+    c.sync = tables.syncs([pre.grads[b] - pre.grads[a] for a, b in c.partition.ranges], c.dp, c.dp_inter,
+                          req.gpus_per_node or req.gpus)
     for s, (a, b) in enumerate(c.partition.ranges):
         f, r, bw, w = _stage_times(pre, a, b, c.recompute[s], split)
         fl, rl, bl, wl = _stage_times(pre_last, a, b, c.recompute[s], split)
@@ -678,14 +729,13 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
         send_grad = tables.p2p(segs[a - 1].on_wire, c.boundary[s - 1]) if s > 0 else 0.0
         send_grad_l = tables.p2p(segs_last[a - 1].on_wire, c.boundary[s - 1]) if s > 0 else 0.0
         # sharded: a reduce-scatter and an all-gather, the all-reduce's bytes in the same ring steps
-        c.sync.append(tables.allreduce(pre.grads[b] - pre.grads[a], c.dp, c.dp_inter))
         c.optimizer.append((pre.opt[b] - pre.opt[a]) / (c.dp if c.shard else 1))
         # the all-reduce starts with the stage's last B (or W) and overlaps it; the optimizer's step follows both
         # (a sharded optimizer's collectives run after the pipeline)
         c.costs.append(StageCosts(f, r, bw, send_act, send_grad, forward_last=fl, recompute_last=rl,
                                   backward_last=bl, send_activation_last=send_act_l, send_gradient_last=send_grad_l,
                                   weight=w, weight_last=wl,
-                                  **sync_costs(c.sync[-1], c.optimizer[-1], sharded=c.shard)))
+                                  **sync_costs(c.sync[s], c.optimizer[-1], sharded=c.shard)))
         c.memory.append(int(pre.stage_memory(a, b, s, counts=c.counts, windows=windows, recompute=c.recompute,
                                              num_mb=c.num_mb, headroom=req.headroom,
                                              shards=c.dp if c.shard else 1, pending=c.pending)))
