@@ -13,16 +13,18 @@ and the network. What crosses is real:
   backward is its weight's gradient: dense, the table's size, in W under a split schedule), so the
   data-parallel all-reduce moves the bytes a real segment's gradients would.
 
-Where the numbers come from (an estimate, not a measurement): a GPT-2 XL layer (hidden 1600, 25 heads, 30.7 M
-parameters, 12·h² + 13·h) runs ``24·h²·s + 4·s²·h`` FLOPs per example forward at sequence length ``s`` (the
-weight matmuls and the attention scores and mixing; 69.6 GFLOP at s = 1024), and the backward twice as much, half
-for the input's gradient (B) and half for the weights' (W). On an A100 (312 TFLOP/s bf16) at an *assumed* 50%
-of peak, 156 TFLOP/s, that is F = B = W = 0.45 ms per example and layer at s = 1024. A micro-batch of ``n``
-examples is taken to cost ``(n + 0.25)`` examples' time (an assumed fixed share per kernel launch and for
-under-filled matrix units at small micro-batches), so larger micro-batches are a little more efficient per
-example, as on a GPU.
+Where the times come from (a measurement): one GPT-2 XL block (hidden 1600, 25 heads, 30.7 M parameters) profiled
+by ``varuna profile`` on an NVIDIA H200 in bf16 (:mod:`devtools.gpt2xl` says how; the medians of 7 repeats are in
+``devtools/data/gpt2xl_layer_h200.json``): its forward (the profile's ``forward``), its input gradient
+(``split_backward``) and its weights' gradient (``weight``) at micro-batches of 1, 2, 4 and 8 examples (1, 2, 4 at
+sequence 4096). Each is fitted by least squares with a line ``t(n) = a + b·n`` (:class:`Line`): ``b`` is the
+per-example time the matrix units set (0.12 ms forward at s = 1024, some 580 TFLOP/s), ``a`` the fixed share of a
+pass (about 1.3 ms at s = 1024), which dominates at small micro-batches. A synchronous profiler sees that share whole
+(kernel launches from one host thread, autocast's casts of the weights); a training step that queues kernels
+asynchronously hides part of it, so the emulated layer is, if anything, kinder to large micro-batches than a GPU.
+An unsplit backward sleeps ``B + W`` (the profile's unsplit backward is shorter than that at small micro-batches).
 
-Scaling to what 2 cores and a 25-minute benchmark can run: the *times* are the A100's; the *bytes* are the real
+Scaling to what 2 cores and a 25-minute benchmark can run: the *times* are the H200's; the *bytes* are the real
 layer's divided by :data:`BYTE_SCALE` (the hidden size stays 1600, the sequence that crosses a cut is
 ``seq / BYTE_SCALE`` tokens long; parameters, ``param_bytes / BYTE_SCALE``). On the emulated link of rate ``R``
 such a model meets what the real layer would meet on a link of ``R × BYTE_SCALE`` (1 Gbit/s emulated ~ 256
@@ -31,16 +33,18 @@ model whose every step must move hundreds of MB of gradients).
 
 Two models (:data:`MODELS`) whose best configurations differ: ``xl`` (GPT-2 XL's 48 layers at s = 1024, 8 layers
 a segment: many parameters for its compute, so data parallelism over a slow link is dear) and ``long`` (12
-layers at s = 4096, 2 a segment: 5.2x the compute per layer and 4x the activation for the same parameters, so
-the all-reduce weighs less against the compute, and pipelining more). ``small`` is the suite's. :data:`SPECS` has a
-:class:`~varuna_core.ModelSpec` per model for ``varuna profile`` (``devtools/emumodels.py:xl``), and
-``build_model(name)`` what a training script builds.
+layers at s = 4096, 2 a segment: 5.3x the per-example forward time of a layer (measured) and 4x the activation
+for the same parameters, so the all-reduce weighs less against the compute, and pipelining more). ``small`` is
+the suite's. :data:`SPECS` has a :class:`~varuna_core.ModelSpec` per model for ``varuna profile``
+(``devtools/emumodels.py:xl``), and ``build_model(name)`` what a training script builds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -48,33 +52,61 @@ import torch.nn.functional as F
 
 from varuna_core import CutPoint, ModelSpec
 
-__all__ = ["LayerCosts", "EmuConfig", "EmuModel", "MODELS", "SPECS", "BYTE_SCALE", "build_model", "make_batch",
+__all__ = ["Line", "LayerCosts", "EmuConfig", "EmuModel", "MODELS", "SPECS", "BYTE_SCALE", "build_model", "make_batch",
            "gpt2_layer"]
 
 HIDDEN = 1600  # GPT-2 XL
-A100_FLOPS = 312e12  # bf16 dense peak
-ASSUMED_MFU = 0.5  # an assumption, not a measurement
-LAUNCH_SHARE = 0.25  # a micro-batch of n examples costs (n + LAUNCH_SHARE) examples' time (an assumption)
+LAYER_PROFILE = Path(__file__).resolve().parent / "data" / "gpt2xl_layer_h200.json"
 BYTE_SCALE = 256  # bytes that cross the emulated links: the real layer's / BYTE_SCALE
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerCosts:
-    """One transformer layer: seconds per example of its forward (F), input gradient (B) and weights' gradient
-    (W), its parameters' bytes (float32) and the bytes of its output per example (float32)."""
+class Line:
+    """``seconds(n) = intercept + slope · n``: one pass of a layer over a micro-batch of ``n`` examples."""
 
-    forward_s: float
-    input_grad_s: float
-    weight_grad_s: float
+    intercept: float
+    slope: float
+
+    @classmethod
+    def fit(cls, points: list[tuple[int, float]]) -> Line:
+        """Least squares over ``(n, seconds)``; the intercept is kept >= 0 (refitted through the origin if not)."""
+        k = len(points)
+        mean_n = sum(n for n, _ in points) / k
+        mean_t = sum(t for _, t in points) / k
+        var = sum((n - mean_n) ** 2 for n, _ in points)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / var if var else 0.0
+        intercept = mean_t - slope * mean_n
+        if intercept < 0 or slope < 0:
+            return cls(0.0, sum(n * t for n, t in points) / sum(n * n for n, _ in points))
+        return cls(intercept, slope)
+
+    def __call__(self, n: int) -> float:
+        return self.intercept + self.slope * n
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCosts:
+    """One transformer layer: its forward (F), input gradient (B) and weights' gradient (W) as lines over the
+    micro-batch size, its parameters' bytes (float32) and the bytes of its output per example (float32)."""
+
+    forward: Line
+    input_grad: Line
+    weight_grad: Line
     param_bytes: int
     activation_bytes: int
 
 
-def gpt2_layer(seq: int, hidden: int = HIDDEN) -> LayerCosts:
-    """A GPT-2-style layer at sequence length ``seq``: the FLOP count above over the assumed A100 throughput."""
-    flops = 24 * hidden * hidden * seq + 4 * seq * seq * hidden
-    f = flops / (A100_FLOPS * ASSUMED_MFU)
-    return LayerCosts(forward_s=f, input_grad_s=f, weight_grad_s=f,
+def gpt2_layer(seq: int, hidden: int = HIDDEN, profile: Path = LAYER_PROFILE) -> LayerCosts:
+    """A GPT-2 XL layer at sequence length ``seq`` (1024 or 4096): the H200 profile's medians fitted by lines."""
+    layers = json.loads(profile.read_text())["layers"]
+    if str(seq) not in layers:
+        raise ValueError(f"{profile.name} has sequences {sorted(layers)}, not {seq}")
+    measures = layers[str(seq)]["measures"]
+
+    def line(key: str) -> Line:
+        return Line.fit([(m["microbatch_size"], m[key]) for m in measures])
+
+    return LayerCosts(forward=line("forward_s"), input_grad=line("split_backward_s"), weight_grad=line("weight_s"),
                       param_bytes=4 * (12 * hidden * hidden + 13 * hidden), activation_bytes=4 * seq * hidden)
 
 
@@ -101,8 +133,8 @@ class EmuConfig:
 
     def times(self, n: int) -> tuple[float, float, float]:
         """(F, B, W) seconds of one segment for a micro-batch of ``n`` examples."""
-        scale = self.layers * (n + LAUNCH_SHARE)
-        return (self.layer.forward_s * scale, self.layer.input_grad_s * scale, self.layer.weight_grad_s * scale)
+        layer = self.layer
+        return (self.layers * layer.forward(n), self.layers * layer.input_grad(n), self.layers * layer.weight_grad(n))
 
 
 MODELS: dict[str, EmuConfig] = {
