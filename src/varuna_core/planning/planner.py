@@ -365,28 +365,30 @@ class _Prefix:
         return static - (self.optb[b] - self.optb[a]) * (1 - 1 / shards) + min(SHARD_BUCKET, grads) * (1 + 1 / shards)
 
     def memory(self, a: int, b: int, *, held: int, graphs: int, recvs: tuple[int, int], headroom: float,
-               num_mb: int, recompute: bool, shards: int = 1, pending: int = 0) -> float:
+               num_mb: int, recompute: bool, shards: int = 1, pending: int = 0, output: bool = True) -> float:
         """Peak bytes of a stage running segments ``[a, b)`` (the memory model, :mod:`.memory`); ``recvs``: its
         receive windows (activations, gradients), :func:`~varuna_core.ir.inflight.receive_windows`; ``num_mb``:
         micro-batches per step; ``recompute``: whether the stage recomputes; ``shards``: the replicas its optimizer
         state is sharded over (1: whole); ``pending``: micro-batches waiting for their ``W`` at once (a schedule
-        that splits the backward)."""
+        that splits the backward); ``output`` False: without the buffers of the value the stage sends on (what
+        remains grows with ``b``, so the search can bisect on it)."""
         segs = self.segs
         return stage_bytes(static=self.static_bytes(a, b, shards), saved=self.saved[b] - self.saved[a],
                            input_bytes=segs[a - 1].output_bytes if a > 0 else 0.0,
-                           output_bytes=segs[b - 1].output_bytes if b < len(segs) else 0.0,
+                           output_bytes=segs[b - 1].output_bytes if b < len(segs) and output else 0.0,
                            held=held, graphs=graphs, act_recvs=recvs[0], grad_recvs=recvs[1], headroom=headroom,
                            microbatches=num_mb, recompute=recompute, pending=pending,
                            weight_bytes=self.weight_bytes[b] - self.weight_bytes[a] if pending else 0.0)
 
     def stage_memory(self, a: int, b: int, s: int, *, counts: Sequence[tuple[int, int]],
                      windows: Sequence[tuple[int, int]], recompute: Sequence[bool], num_mb: int,
-                     headroom: float, shards: int = 1, pending: Sequence[int] | None = None) -> float:
+                     headroom: float, shards: int = 1, pending: Sequence[int] | None = None,
+                     output: bool = True) -> float:
         """:meth:`memory` of stage ``s`` of a schedule with these in-flight ``counts``, receive ``windows``,
         ``recompute`` stages and micro-batches ``pending`` their ``W`` (``None``: the backward is not split)."""
         return self.memory(a, b, held=counts[s][0], graphs=counts[s][1], recvs=windows[s], headroom=headroom,
                            num_mb=num_mb, recompute=recompute[s], shards=shards,
-                           pending=pending[s] if pending is not None else 0)
+                           pending=pending[s] if pending is not None else 0, output=output)
 
 
 def partition_under_memory(
@@ -409,6 +411,28 @@ def partition_under_memory(
     pre = prefix or _Prefix(segs)
     windows = receive_windows([held for held, _ in counts])
     split = pending is not None
+    reach: dict[tuple[int, int], int] = {}  # (a, s): the last end that fits before the sent value is counted
+
+    def memory(a: int, b: int, s: int, output: bool = True) -> float:
+        return pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute_stages,
+                                num_mb=num_mb, headroom=headroom, shards=shards, pending=pending, output=output)
+
+    def reach_of(a: int, s: int, top: int) -> int:
+        """The largest end in ``(a, top]`` whose stage fits ``limit`` without its sent value's buffers (``a`` if
+        none): that memory grows with the end, so a bisection finds it, and no later end can fit with them. The
+        greedy's bisection starts stages at the same segments again and again: each (a, s) is bisected once."""
+        assert limit is not None
+        end = reach.get((a, s))
+        if end is None:
+            lo_, hi_ = a, top + 1  # lo_ fits (a: nothing to fit), hi_ does not (past the top)
+            while hi_ - lo_ > 1:
+                mid = (lo_ + hi_) // 2
+                if memory(a, mid, s, output=False) <= limit:
+                    lo_ = mid
+                else:
+                    hi_ = mid
+            end = reach[(a, s)] = lo_
+        return end
 
     def greedy(bound: float) -> list[tuple[int, int]] | None:
         ranges, a = [], 0
@@ -417,9 +441,8 @@ def partition_under_memory(
             last_allowed = n - (pp - s - 1)
             b = bisect.bisect_right(table, table[a] + bound * (1 + 1e-12), a + 1, last_allowed + 1) - 1
             if limit is not None:
-                while b > a and pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute_stages,
-                                                 num_mb=num_mb, headroom=headroom, shards=shards,
-                                                 pending=pending) > limit:
+                b = min(b, reach_of(a, s, last_allowed))
+                while b > a and memory(a, b, s) > limit:
                     b -= 1
             if b <= a:
                 return None
