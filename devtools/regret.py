@@ -77,13 +77,14 @@ class Config:
     dp: int
     mbs: int
     schedule: str
+    placement: str = "pipeline"  # or "stage": a stage's replicas on consecutive ranks (Topology.by_stage)
 
     @property
     def devices(self) -> int:
         return self.pp * self.dp
 
     def label(self) -> str:
-        return f"{self.pp}x{self.dp} mb{self.mbs} {self.schedule}"
+        return f"{self.pp}x{self.dp}{'s' if self.placement == 'stage' else ''} mb{self.mbs} {self.schedule}"
 
 
 def _log(progress: Callable[[str], None] | None, msg: str) -> None:
@@ -118,7 +119,9 @@ def considered(scenario: Scenario, segments: int) -> list[Config]:
         for mbs in scenario.microbatch_sizes:
             if mbs > replica:
                 continue
-            out.extend(Config(pp, dp, mbs, schedule) for schedule in scenario.schedules)
+            placements = ("pipeline", "stage") if pp > 1 and dp > 1 and pp * dp > scenario.slots else ("pipeline",)
+            out.extend(Config(pp, dp, mbs, schedule, placement) for schedule in scenario.schedules
+                       for placement in placements)
     return out
 
 
@@ -143,8 +146,10 @@ def plan_scenario(profile_path: Path, scenario: Scenario, link: LinkProbe | None
         raise ValueError(f"{scenario.name}: {len(expected)} configurations, more than a plan lists ({MAX_TOP + 1})")
     req = _request(scenario, link, top=MAX_TOP)
     plan = make_plan(profile, req)
-    scored = [(Config(plan.pp, plan.dp, plan.microbatch_size, plan.schedule), plan.prediction.step_time)]
-    scored += [(Config(c.pp, c.dp, c.microbatch_size, c.schedule), c.step_time) for c in plan.alternatives]
+    scored = [(Config(plan.pp, plan.dp, plan.microbatch_size, plan.schedule, placement_of(plan)),
+               plan.prediction.step_time)]
+    scored += [(Config(c.pp, c.dp, c.microbatch_size, c.schedule, c.placement), c.step_time)
+               for c in plan.alternatives]
     if sorted(c.label() for c, _ in scored) != sorted(c.label() for c in expected):
         missing = {c.label() for c in expected} ^ {c.label() for c, _ in scored}
         raise RuntimeError(f"{scenario.name}: the plan lists other configurations than the search considers: "
@@ -152,7 +157,8 @@ def plan_scenario(profile_path: Path, scenario: Scenario, link: LinkProbe | None
     workdir.mkdir(parents=True, exist_ok=True)
     out = []
     for k, (cfg, predicted) in enumerate(scored):
-        one = plan_for(profile, req, pp=cfg.pp, dp=cfg.dp, microbatch_size=cfg.mbs, schedule=cfg.schedule)
+        one = plan_for(profile, req, pp=cfg.pp, dp=cfg.dp, microbatch_size=cfg.mbs, schedule=cfg.schedule,
+                       placement=cfg.placement)
         if not math.isclose(one.prediction.step_time, predicted, rel_tol=1e-9):
             raise RuntimeError(f"{scenario.name} {cfg.label()}: plan_for predicts {one.prediction.step_time} s, the "
                                f"search {predicted} s")
@@ -161,6 +167,16 @@ def plan_scenario(profile_path: Path, scenario: Scenario, link: LinkProbe | None
         save_plan(one, path)
         out.append((cfg, predicted, path))
     return plan, out
+
+
+def placement_of(plan) -> str:
+    """``"stage"`` where the plan's map puts each stage's replicas on consecutive ranks, else ``"pipeline"``."""
+    from varuna_core.ir.topology import Topology
+
+    if plan.pp > 1 and plan.dp > 1 and \
+            Topology.parse(plan.stage_to_rank_map) == Topology.by_stage(plan.pp, plan.dp):
+        return "stage"
+    return "pipeline"
 
 
 def link_bound(plan, rate_bps: int) -> float:
@@ -335,8 +351,8 @@ def run_configs(pool: LaunchPool, scenario: Scenario, planned: list, workdir: Pa
     rows = []
     for k, (cfg, predicted, path) in enumerate(planned):
         row = {"config": cfg.label(), "pp": cfg.pp, "dp": cfg.dp, "mbs": cfg.mbs, "schedule": cfg.schedule,
-               "devices": cfg.devices, "choice": k == 0, "predicted_s": predicted, "plan": str(path),
-               "link_bound_s": bounds[k], "skipped": k in skipped}
+               "placement": cfg.placement, "devices": cfg.devices, "choice": k == 0, "predicted_s": predicted,
+               "plan": str(path), "link_bound_s": bounds[k], "skipped": k in skipped}
         res = results.get(k)
         if k in skipped:
             row.update(measured_s=None, error=None)

@@ -149,7 +149,14 @@ def test_plan_is_consistent_and_balanced() -> None:
     ([[0, 1, 2], [3, 4, 5]], 2, 1 + 2),  # a replica straddles the nodes: both stages on both anyway
 ])
 def test_snapshot_memory_per_node(nodes, pp, want) -> None:
-    assert snapshot_bytes_per_node([1, 2, 4, 8][:pp], nodes, pp) == want
+    world = sum(map(len, nodes))
+    assert snapshot_bytes_per_node([1, 2, 4, 8][:pp], nodes, Topology.clustered(pp, world // pp)) == want
+
+
+def test_snapshot_memory_per_node_with_a_stage_s_replicas_together() -> None:
+    """pp=2 x dp=2 by stage: node 0 runs stage 0 (ranks 0, 1), node 1 stage 1; each keeps the other's copy."""
+    assert snapshot_bytes_per_node([1, 2], [[0, 1], [2, 3]], Topology.by_stage(2, 2)) == 1 + 2
+    assert snapshot_bytes_per_node([1, 2, 4, 8], [[0, 1], [2, 3], [4, 5], [6, 7]], Topology.by_stage(4, 2)) == 8 + 4
 
 
 def test_the_plan_accounts_for_the_snapshots_host_memory() -> None:
@@ -159,7 +166,8 @@ def test_the_plan_accounts_for_the_snapshots_host_memory() -> None:
         a, b = stage.segments
         assert stage.state_bytes == sum(s.param_bytes + s.optimizer_bytes for s in prof.segments[a:b]) > 0
     per_stage = [st.state_bytes for st in plan.stages]
-    assert plan.snapshot_bytes_per_node == snapshot_bytes_per_node(per_stage, plan.nodes, plan.pp)
+    topology = Topology.parse(plan.stage_to_rank_map)
+    assert plan.snapshot_bytes_per_node == snapshot_bytes_per_node(per_stage, plan.nodes, topology)
     assert max(per_stage) <= plan.snapshot_bytes_per_node <= 2 * max(per_stage) * plan.dp
 
 

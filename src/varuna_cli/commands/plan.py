@@ -219,6 +219,9 @@ def _table(result) -> None:
     stages = ", ".join(f"{a}-{b - 1}" for a, b in result.partition)
     out.print(f"partition (segments per stage): {stages}; stage_to_rank_map {result.stage_to_rank_map!r}",
               markup=False)
+    if _placement(result) == "stage":
+        out.print("placement (s): each stage's replicas on consecutive ranks, so on one node where they fit: their "
+                  "all-reduce stays inside it and the stage boundaries cross the nodes", markup=False)
     _print_skips(out, result)
     _print_split(out, result)
     _print_sharding(out, result)
@@ -232,8 +235,19 @@ def _table(result) -> None:
 
 
 def _layout(row) -> str:
-    """``pp×dp``, marked ``z`` where the optimizer state is sharded over the replicas (a plan or a candidate)."""
-    return f"{row.pp}×{row.dp}{' z' if row.shard_optimizer else ''}"
+    """``pp×dp``, marked ``z`` where the optimizer state is sharded over the replicas and ``s`` where a stage's
+    replicas are on consecutive ranks (a plan or a candidate)."""
+    return f"{row.pp}×{row.dp}{' z' if row.shard_optimizer else ''}{' s' if _placement(row) == 'stage' else ''}"
+
+
+def _placement(row) -> str:
+    """A candidate's placement, or a plan's as its map reads (``"stage"``: each stage's replicas together)."""
+    if hasattr(row, "placement"):
+        return row.placement
+    from varuna_core.ir.topology import Topology
+
+    by_stage = row.pp > 1 and row.dp > 1 and Topology.parse(row.stage_to_rank_map) == Topology.by_stage(row.pp, row.dp)
+    return "stage" if by_stage else "pipeline"
 
 
 def _print_sharding(out, result) -> None:

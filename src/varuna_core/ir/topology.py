@@ -133,6 +133,22 @@ class Topology:
             raise TopologyError(f"cannot place {pp} stages × {dp} replicas", hint="pp and dp must both be >= 1")
         return cls(tuple(tuple(range(s, pp * dp, pp)) for s in range(pp)))
 
+    @classmethod
+    def by_stage(cls, pp: int, dp: int) -> Topology:
+        """The other placement: rank = stage·dp + replica, so a stage's replicas are consecutive ranks (usually one
+        node: their all-reduce stays inside it) and the pipeline's boundaries cross nodes."""
+        clustered = cls.clustered(pp, dp)  # the same checks
+        return cls(tuple(tuple(range(s * dp, (s + 1) * dp)) for s in range(clustered.pp)))
+
+    @classmethod
+    def placed(cls, placement: str, pp: int, dp: int) -> Topology:
+        """``"pipeline"``: :meth:`clustered`; ``"stage"``: :meth:`by_stage`."""
+        if placement == "pipeline":
+            return cls.clustered(pp, dp)
+        if placement == "stage":
+            return cls.by_stage(pp, dp)
+        raise TopologyError(f"unknown placement {placement!r}", hint="'pipeline' or 'stage'")
+
     @property
     def pp(self) -> int:
         """Number of pipeline stages."""

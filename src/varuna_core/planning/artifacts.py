@@ -390,6 +390,9 @@ class Candidate(CheckedModel):
     num_microbatches: Count
     schedule: str
     shard_optimizer: StrictBool = Field(False, description="the optimizer state sharded over the dp replicas")
+    placement: Literal["pipeline", "stage"] = Field(
+        "pipeline", description="ranks on nodes: 'pipeline', a replica's stages on consecutive ranks (the original's); "
+                                "'stage', a stage's replicas on consecutive ranks (their all-reduce inside a node)")
     step_time: Seconds
     samples_per_second: Seconds
     bubble_fraction: Fraction

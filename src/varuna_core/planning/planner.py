@@ -532,48 +532,83 @@ def _allreduce_parts(profile: Profile, nbytes: float, d: int, inter: bool,
 
 
 
-def shared_link_syncs(parts: Sequence[tuple[float, float]], pp: int, dp: int, per_node: int) -> list[float]:
-    """Per stage, its data-parallel all-reduce's time when the stages' groups cross their hosts' links at once.
+PLACEMENTS = ("pipeline", "stage")  # how ranks go onto nodes (Topology.placed), in the order ties prefer them
 
-    ``parts[s]``: stage ``s``'s all-reduce alone (latency, transfer) (:func:`_allreduce_parts`). Ranks are placed
-    as the launcher places them (rank ``replica·pp + stage``, ``per_node`` consecutive ranks a node), so a node's
-    ranks belong to up to ``per_node`` stages, and every group with ranks on several nodes sends its ring's
+
+@dataclasses.dataclass(frozen=True)
+class LinkLayout:
+    """What crosses the nodes' links under one placement of ``pp`` stages × ``dp`` replicas on nodes of
+    ``per_node`` consecutive ranks (the launcher fills nodes in rank order).
+
+    ``sends[s]``: how many replicas' messages of the boundary between stages ``s`` and ``s + 1`` go through one
+    node's link at once, at most over the nodes (0: none crosses; the replicas run the schedule in step, so
+    their messages coincide and share the link). ``crossing[s]``: stage ``s``'s replicas are on several nodes
+    (its all-reduce crosses their links). ``node_stages``: the distinct sets of crossing stages that share a
+    node, whose rings go through its link at once."""
+
+    placement: str
+    sends: tuple[int, ...]
+    crossing: tuple[bool, ...]
+    node_stages: tuple[tuple[int, ...], ...]
+
+
+def link_layout(placement: str, pp: int, dp: int, per_node: int) -> LinkLayout:
+    """The :class:`LinkLayout` of ``Topology.placed(placement, pp, dp)`` on nodes of ``per_node`` ranks."""
+    world = pp * dp
+    if world <= per_node:  # one node: nothing crosses
+        return LinkLayout(placement, (0,) * max(0, pp - 1), (False,) * pp, ())
+    nodes = -(-world // per_node)
+    sets: set[tuple[int, ...]]
+    if placement == "pipeline":  # rank = replica·pp + stage
+        # a boundary crosses where a replica's stage s is a node's last rank: one such rank per node
+        residues = {(r * pp) % per_node for r in range(min(dp, per_node))}
+        sends = tuple(int(any((res + s + 1) % per_node == 0 for res in residues)) for s in range(pp - 1))
+        crossing = tuple(s // per_node != (s + (dp - 1) * pp) // per_node for s in range(pp))
+        # a node's stages are the residues mod pp of its ranks: the same for nodes whose first ranks agree mod
+        # pp, so one period of nodes (and the last, which may be partial) gives every distinct set
+        firsts = {n * per_node for n in range(min(nodes, pp // math.gcd(pp, per_node)))} | {(nodes - 1) * per_node}
+        sets = {tuple(sorted({r % pp for r in range(first, min(first + per_node, world))})) for first in firsts}
+    elif placement == "stage":  # rank = stage·dp + replica
+        most = []
+        for s in range(pp - 1):
+            out: dict[int, int] = {}
+            into: dict[int, int] = {}
+            for r in range(dp):
+                a, b = (s * dp + r) // per_node, ((s + 1) * dp + r) // per_node
+                if a != b:
+                    out[a] = out.get(a, 0) + 1
+                    into[b] = into.get(b, 0) + 1
+            most.append(max([0, *out.values(), *into.values()]))
+        sends = tuple(most)
+        crossing = tuple(s * dp // per_node != ((s + 1) * dp - 1) // per_node for s in range(pp))
+        sets = {tuple(range(n * per_node // dp, (min(world, (n + 1) * per_node) - 1) // dp + 1))
+                for n in range(nodes)}
+    else:
+        raise ValueError(f"unknown placement {placement!r}")
+    node_stages = tuple(sorted({tuple(g for g in members if crossing[g]) for members in sets} - {()}))
+    return LinkLayout(placement, sends, crossing, node_stages)
+
+
+def shared_link_syncs(parts: Sequence[tuple[float, float]], layout: LinkLayout) -> list[float]:
+    """Per stage, its data-parallel all-reduce's time when the stages' groups cross their nodes' links at once.
+
+    ``parts[s]``: stage ``s``'s all-reduce alone (latency, transfer) (:func:`_allreduce_parts`). A node's ranks
+    belong to several stages (:class:`LinkLayout`), and every group with ranks on several nodes sends its ring's
     ``2(d-1)/d`` of the gradient out through each of its nodes' link (one ring crossing a node, however many of its
     ranks are there). The groups start within one backward of each other (each with its stage's last backward),
     so they are taken to start together and share each link fairly: a group whose transfer alone takes ``x_s``
     ends, on a node whose groups take ``x_g``, after ``Σ_g min(x_g, x_s)`` (processor sharing), and on its slowest
-    node. Without sharing (one node, or one stage per node) this is ``x_s``; the last group to end meets the link
-    bound, ``Σ_g x_g`` on the busiest node."""
-    world = pp * dp
-    if dp < 2 or world <= per_node:
-        return [lat + x for lat, x in parts]
-    # a group spans nodes when its first and last ranks (s and s + (dp-1)·pp) are on different ones
-    crossing = [s // per_node != (s + (dp - 1) * pp) // per_node for s in range(pp)]
+    node. Without sharing (one node, or one crossing stage per node) this is ``x_s``; the last group to end meets
+    the link bound, ``Σ_g x_g`` on the busiest node."""
     shared = [x for _, x in parts]
-    nodes = -(-world // per_node)
-    # a node's stages are the residues mod pp of its ranks: the same for nodes whose first ranks agree mod pp, so
-    # one period of nodes (and the last, which may be partial) covers every distinct set
-    firsts = {n * per_node for n in range(min(nodes, pp // math.gcd(pp, per_node)))} | {(nodes - 1) * per_node}
-    for first in firsts:
-        members = {r % pp for r in range(first, min(first + per_node, world))}
-        xs = sorted(parts[g][1] for g in members if crossing[g])
+    for members in layout.node_stages:
+        xs = sorted(parts[g][1] for g in members)
         prefix = list(itertools.accumulate(xs, initial=0.0))
         for g in members:
-            if crossing[g]:
-                x = parts[g][1]
-                k = bisect.bisect_right(xs, x)
-                shared[g] = max(shared[g], prefix[k] + x * (len(xs) - k))
+            x = parts[g][1]
+            k = bisect.bisect_right(xs, x)
+            shared[g] = max(shared[g], prefix[k] + x * (len(xs) - k))
     return [lat + x for (lat, _), x in zip(parts, shared, strict=True)]
-
-
-def _crossings(pp: int, dp: int, per_node: int) -> tuple[list[bool], bool]:
-    """Which stage boundaries cross a node for some replica (ranks: replica·pp + stage), and whether a stage's
-    data-parallel group spans nodes."""
-    if per_node >= pp * dp:
-        return [False] * max(0, pp - 1), False
-    residues = {(r * pp) % per_node for r in range(min(dp, per_node))}
-    boundary = [any((res + s + 1) % per_node == 0 for res in residues) for s in range(pp - 1)]
-    return boundary, dp > 1
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -591,8 +626,7 @@ class _Scored:
     partition: Partition
     recompute: list[bool]
     counts: list[tuple[int, int]]
-    boundary: list[bool]
-    dp_inter: bool
+    layout: LinkLayout  # the placement, and what crosses the nodes' links under it
     lower_bound: float
     shard: bool = False  # the optimizer state sharded over the dp replicas
     pending: list[int] | None = None  # per stage, micro-batches waiting for their W (None: the backward is whole)
@@ -618,6 +652,7 @@ class _Tables:
         self._free: dict[tuple[int, int, tuple[bool, ...], bool], Partition | None] = {}
         self._p2p: dict[tuple[float, bool], float] = {}
         self._allreduce: dict[tuple[float, int, bool], tuple[float, float]] = {}
+        self._layouts: dict[tuple[str, int, int, int], LinkLayout] = {}
 
     def segs(self, n: float) -> list[_Seg]:
         if n not in self._segs:
@@ -644,10 +679,22 @@ class _Tables:
             self._allreduce[key] = _allreduce_parts(self.profile, nbytes, d, inter, self.link)
         return self._allreduce[key]
 
-    def syncs(self, grads: Sequence[float], dp: int, inter: bool, per_node: int) -> list[float]:
-        """Per stage, its gradient all-reduce of ``grads[s]`` bytes with the other stages' groups sharing the
-        nodes' links (:func:`shared_link_syncs`)."""
-        return shared_link_syncs([self.allreduce_parts(g, dp, inter) for g in grads], len(grads), dp, per_node)
+    def layout(self, placement: str, pp: int, dp: int, per_node: int) -> LinkLayout:
+        key = (placement, pp, dp, per_node)
+        if key not in self._layouts:
+            self._layouts[key] = link_layout(placement, pp, dp, per_node)
+        return self._layouts[key]
+
+    def syncs(self, grads: Sequence[float], dp: int, layout: LinkLayout) -> list[float]:
+        """Per stage, its gradient all-reduce of ``grads[s]`` bytes, between nodes where its replicas are on
+        several, with the other stages' groups sharing the nodes' links (:func:`shared_link_syncs`)."""
+        return shared_link_syncs([self.allreduce_parts(g, dp, inter)
+                                  for g, inter in zip(grads, layout.crossing, strict=True)], layout)
+
+    def send(self, nbytes: float, flows: int) -> float:
+        """A message of ``nbytes`` over a boundary whose ``flows`` replicas' messages share a node's link at
+        once (0: inside a node)."""
+        return self.p2p(nbytes * flows, True) if flows else self.p2p(nbytes, False)
 
     def partition(self, pp: int, mbs: int, recompute: list[bool], counts: Sequence[tuple[int, int]], num_mb: int,
                   req: PlanRequest, shards: int = 1, pending: Sequence[int] | None = None) -> Partition | None:
@@ -687,12 +734,13 @@ def _stage_times(pre: _Prefix, a: int, b: int, recompute: bool,
     return fwd_grad, 0.0, bwd, weight
 
 
-def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
-             schedule: str, shard: bool = False) -> tuple[_Scored | None, int | None]:
+def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int, schedule: str, shard: bool = False,
+             placements: Sequence[str] = PLACEMENTS[:1]) -> tuple[list[_Scored], int | None]:
     """Partition one configuration and bound its step time from below (no simulation yet); returns
-    (candidate or None, the smallest memory it would need if it did not fit). ``shard``: the optimizer state
-    sharded over the ``dp`` replicas (less memory; each replica steps ``1/dp`` of the state; the reduce-scatter
-    and all-gather move the all-reduce's bytes)."""
+    (a candidate per placement, none if it does not fit; the smallest memory it would need if it did not).
+    ``shard``: the optimizer state sharded over the ``dp`` replicas (less memory; each replica steps ``1/dp`` of
+    the state; the reduce-scatter and all-gather move the all-reduce's bytes). The placements share the partition
+    (memory does not depend on them) and differ in what crosses the nodes' links."""
     shards = dp if shard else 1
     replica_batch = math.ceil(req.batch_size / dp)
     num_mb = math.ceil(replica_batch / mbs)
@@ -704,7 +752,7 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
     part = tables.partition(pp, mbs, recompute, counts, num_mb, req, shards, pending)
     if part is None:
         if pp > len(segs):
-            return None, None
+            return [], None
         pre = tables.prefix(mbs)
         free = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts,
                                       limit=None, headroom=req.headroom, num_mb=num_mb, prefix=pre, pending=pending)
@@ -713,11 +761,19 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
         need = max(int(pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute,
                                         num_mb=num_mb, headroom=req.headroom, shards=shards, pending=pending))
                    for s, (a, b) in enumerate(free.ranges))
-        return None, need
-    boundary, dp_inter = _crossings(pp, dp, req.gpus_per_node or req.gpus)
+        return [], need
+    return [_bound(tables, req, pp, dp, mbs, num_mb, last, schedule, shard, part, recompute, counts, pending,
+                   tables.layout(placement, pp, dp, req.gpus_per_node or req.gpus)) for placement in placements], None
+
+
+def _bound(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int, num_mb: int, last: int, schedule: str,
+           shard: bool, part: Partition, recompute: list[bool], counts: list[tuple[int, int]],
+           pending: list[int] | None, layout: LinkLayout) -> _Scored:
+    """A partitioned configuration under one placement, with its lower bound on the step."""
+    shards = dp if shard else 1
+    segs = tables.segs(mbs)
     pre, pre_last = tables.prefix(mbs), tables.prefix(last)
-    syncs = tables.syncs([pre.grads[b] - pre.grads[a] for a, b in part.ranges], dp, dp_inter,
-                         req.gpus_per_node or req.gpus)
+    syncs = tables.syncs([pre.grads[b] - pre.grads[a] for a, b in part.ranges], dp, layout)
     lower = fill = 0.0
     for s, (a, b) in enumerate(part.ranges):
         f, r, bw, w = _stage_times(pre, a, b, recompute[s], pending is not None)
@@ -729,9 +785,8 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int,
         done = max(busy, busy - max(bw, bl, w, wl) + sync["allreduce"])
         lower = max(lower, fill + done + sync["optimizer"])
         if s < pp - 1:
-            fill += f + tables.p2p(segs[b - 1].on_wire, boundary[s])
-    return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, boundary, dp_inter, lower,
-                   shard, pending), None
+            fill += f + tables.send(segs[b - 1].on_wire, layout.sends[s])
+    return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, lower, shard, pending)
 
 
 def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
@@ -742,15 +797,15 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     windows = receive_windows([held for held, _ in c.counts])
     split = c.pending is not None
     # the stages' groups cross the nodes' links together: each one's time with the others sharing them
-    c.sync = tables.syncs([pre.grads[b] - pre.grads[a] for a, b in c.partition.ranges], c.dp, c.dp_inter,
-                          req.gpus_per_node or req.gpus)
+    c.sync = tables.syncs([pre.grads[b] - pre.grads[a] for a, b in c.partition.ranges], c.dp, c.layout)
     for s, (a, b) in enumerate(c.partition.ranges):
         f, r, bw, w = _stage_times(pre, a, b, c.recompute[s], split)
         fl, rl, bl, wl = _stage_times(pre_last, a, b, c.recompute[s], split)
-        send_act = tables.p2p(segs[b - 1].on_wire, c.boundary[s]) if s < pp - 1 else 0.0
-        send_act_l = tables.p2p(segs_last[b - 1].on_wire, c.boundary[s]) if s < pp - 1 else 0.0
-        send_grad = tables.p2p(segs[a - 1].on_wire, c.boundary[s - 1]) if s > 0 else 0.0
-        send_grad_l = tables.p2p(segs_last[a - 1].on_wire, c.boundary[s - 1]) if s > 0 else 0.0
+        sends = c.layout.sends
+        send_act = tables.send(segs[b - 1].on_wire, sends[s]) if s < pp - 1 else 0.0
+        send_act_l = tables.send(segs_last[b - 1].on_wire, sends[s]) if s < pp - 1 else 0.0
+        send_grad = tables.send(segs[a - 1].on_wire, sends[s - 1]) if s > 0 else 0.0
+        send_grad_l = tables.send(segs_last[a - 1].on_wire, sends[s - 1]) if s > 0 else 0.0
         # sharded: a reduce-scatter and an all-gather, the all-reduce's bytes in the same ring steps
         c.optimizer.append((pre.opt[b] - pre.opt[a]) / (c.dp if c.shard else 1))
         # the all-reduce starts with the stage's last B (or W) and overlaps it; the optimizer's step follows both
@@ -762,7 +817,10 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
         c.memory.append(int(pre.stage_memory(a, b, s, counts=c.counts, windows=windows, recompute=c.recompute,
                                              num_mb=c.num_mb, headroom=req.headroom,
                                              shards=c.dp if c.shard else 1, pending=c.pending)))
-    sim = simulate_generated(c.schedule, c.pp, c.num_mb, c.costs, max_concurrent_sends=req.max_concurrent_sends)
+    # messages between nodes go through the link one after the other (each pair of ranks has one connection, and
+    # the link's rate is what each is charged at): in flight at once they would each get it whole
+    channels = 1 if any(c.layout.sends) else req.max_concurrent_sends
+    sim = simulate_generated(c.schedule, c.pp, c.num_mb, c.costs, max_concurrent_sends=channels)
     # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
     step = sim.step_time + tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
     c.step, c.pipeline, c.busy, c.bubble = step, sim.pipeline_time, list(sim.busy), sim.bubble_fraction
@@ -773,7 +831,13 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
 def _reason(c: _Scored, best: _Scored) -> str:
     """Why ``c`` lost to ``best``, in a few words: its step-time gap and the component that explains most of it."""
     slower = c.step / best.step - 1.0
-    if (c.pp, c.dp, c.mbs, c.schedule) == (best.pp, best.dp, best.mbs, best.schedule) and c.shard != best.shard:
+    same = (c.pp, c.dp, c.mbs, c.schedule) == (best.pp, best.dp, best.mbs, best.schedule)
+    if same and c.shard == best.shard and c.layout.placement != best.layout.placement:
+        where = {"pipeline": "a replica's stages", "stage": "a stage's replicas"}[c.layout.placement]
+        return (f"{slower:+.0%} with {where} on consecutive ranks (all-reduce {c.allreduce * 1e3:.3g} vs "
+                f"{best.allreduce * 1e3:.3g} ms, slowest stage {max(c.busy) * 1e3:.3g} vs {max(best.busy) * 1e3:.3g} "
+                "ms with its messages)")
+    if same and c.shard != best.shard:
         if c.shard:
             return (f"{slower:+.0%} with the optimizer state sharded (a lost replica would then stop the job "
                     f"until it recovers; the state fits whole)")
@@ -829,11 +893,12 @@ def make_plan(profile: Profile, req: PlanRequest) -> Plan:
     return _to_plan(profile, req, best, scored[: req.top], assumptions, schedules)
 
 
-def _simplicity(c: _Scored) -> tuple[int, int, int, int, bool]:
+def _simplicity(c: _Scored) -> tuple[int, int, int, int, bool, int]:
     """How the search breaks a tie (steps within :data:`TIE`): the shallower pipeline, more replicas, smaller
     micro-batches, the schedule first in :data:`~varuna_core.ir.schedule.SCHEDULE_NAMES` (``1f1b`` before ``zb``:
-    a split backward keeps the weights' inputs longer for nothing), the optimizer state whole."""
-    return c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule), c.shard
+    a split backward keeps the weights' inputs longer for nothing), the optimizer state whole, the original's
+    placement (:data:`PLACEMENTS`)."""
+    return c.pp, -c.dp, c.mbs, SCHEDULE_NAMES.index(c.schedule), c.shard, PLACEMENTS.index(c.layout.placement)
 
 
 def _check_microbatches(profile: Profile, req: PlanRequest) -> None:
@@ -900,10 +965,9 @@ def _prepare_all(tables: _Tables, profile: Profile, req: PlanRequest,
                 continue
             for schedule in schedules:
                 for shard in _shard_choices(req, dp):
-                    result, need = _prepare(tables, req, pp, dp, mbs, schedule, shard)
-                    if result is not None:
-                        prepared.append(result)
-                    elif need is not None and (smallest is None or need < smallest[0]):
+                    results, need = _prepare(tables, req, pp, dp, mbs, schedule, shard, _placements(req, pp, dp))
+                    prepared.extend(results)
+                    if need is not None and (smallest is None or need < smallest[0]):
                         what = f"pp={pp}, dp={dp}, micro-batch {mbs}, {schedule}"
                         smallest = (need, what + (", optimizer sharded" if shard else ""))
     return prepared, smallest, clamped
@@ -936,6 +1000,14 @@ def _depths(profile: Profile, req: PlanRequest) -> list[int]:
         return [req.pp]
     most = req.gpus // req.dp if req.dp is not None else req.gpus
     return list(range(1, min(profile.num_segments, most) + 1))
+
+
+def _placements(req: PlanRequest, pp: int, dp: int) -> tuple[str, ...]:
+    """The placements to try: both where they differ (several stages and replicas over several nodes), the
+    original's (a replica's pipeline on consecutive ranks) alone elsewhere. Memory does not depend on it."""
+    if pp > 1 and dp > 1 and pp * dp > (req.gpus_per_node or req.gpus):
+        return PLACEMENTS
+    return PLACEMENTS[:1]
 
 
 def _shard_choices(req: PlanRequest, dp: int) -> tuple[bool, ...]:
@@ -988,8 +1060,9 @@ def _raise_nothing_fits(profile: Profile, req: PlanRequest, smallest: tuple[int,
 
 
 def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch_size: int, schedule: str,
-             shard_optimizer: bool = False) -> Plan:
-    """The plan of one given configuration (no search): for benchmarks and for forcing a layout.
+             shard_optimizer: bool = False, placement: str = "pipeline") -> Plan:
+    """The plan of one given configuration (no search): for benchmarks and for forcing a layout. ``placement``:
+    one of :data:`PLACEMENTS`.
 
     Raises:
         PlanInfeasible: it does not fit ``req.gpu_memory``.
@@ -1003,9 +1076,10 @@ def plan_for(profile: Profile, req: PlanRequest, *, pp: int, dp: int, microbatch
     schedules = schedules_for(profile, req)
     assumptions: set[str] = set()
     tables = _Tables(profile, req.wire_dtype, Link.of(req))
-    result, need = _prepare(tables, req, pp, dp, microbatch_size, schedule, shard_optimizer and dp > 1)
-    if result is not None:
-        result = _score(result, tables, req)
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"unknown placement {placement!r}", hint=f"one of {', '.join(PLACEMENTS)}")
+    results, need = _prepare(tables, req, pp, dp, microbatch_size, schedule, shard_optimizer and dp > 1, (placement,))
+    result = _score(results[0], tables, req) if results else None
     if result is None:
         raise PlanInfeasible(f"pp={pp}, dp={dp}, micro-batch {microbatch_size}, {schedule} needs {need} bytes per "
                              f"device, more than {req.gpu_memory}")
@@ -1042,13 +1116,12 @@ def layout_plan(*, pp: int, dp: int, microbatch_size: int, batch_size: int, gpus
                           f"{error['msg'].removeprefix('Value error, ')}") from None
 
 
-def snapshot_bytes_per_node(state_bytes: list[int], nodes: list[list[int]], pp: int) -> int:
+def snapshot_bytes_per_node(state_bytes: list[int], nodes: list[list[int]], topology: Topology) -> int:
     """Host memory the in-memory snapshots take on the fullest node (``varuna_core.worker.snapshots``): a node holds
     the state of every stage its ranks run once (replicas on one node share a copy; under data parallelism a
     publish also keeps a copy of the files a stage's other replicas wrote) and a copy of what the node before it in
-    the ring holds and it lacks. Rank ``r`` runs stage ``r % pp`` (the clustered layout: a replica's stages on
-    consecutive ranks)."""
-    stages = [{rank % pp for rank in node} for node in nodes]
+    the ring holds and it lacks. Rank ``r`` runs the stage ``topology`` gives it."""
+    stages = [{topology.coords(rank)[0] for rank in node} for node in nodes]
     if len(stages) == 1:
         return sum(state_bytes[s] for s in stages[0])
     return max(sum(state_bytes[s] for s in here | stages[i - 1]) for i, here in enumerate(stages))
@@ -1070,7 +1143,7 @@ def _nodes(world: int, per_node: int) -> list[list[int]]:
 def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Scored], assumptions: set[str],
              schedules: Sequence[ScheduleName]) -> Plan:
     per_node = req.gpus_per_node or req.gpus
-    topology = Topology.clustered(best.pp, best.dp)
+    topology = Topology.placed(best.layout.placement, best.pp, best.dp)
     nodes = _nodes(best.pp * best.dp, per_node)
     segs = _segments_at(profile, best.mbs, req.wire_dtype)
     pending = best.pending or [0] * best.pp
@@ -1090,7 +1163,8 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
 
     def candidate(c: _Scored, reason: str) -> Candidate:
         return Candidate(pp=c.pp, dp=c.dp, microbatch_size=c.mbs, num_microbatches=c.num_mb, schedule=c.schedule,
-                         shard_optimizer=c.shard, step_time=c.step, samples_per_second=req.batch_size / c.step,
+                         shard_optimizer=c.shard, placement=c.layout.placement, step_time=c.step,
+                         samples_per_second=req.batch_size / c.step,
                          bubble_fraction=c.bubble,
                          peak_memory_bytes=max(c.memory), reason=reason)
 
@@ -1105,7 +1179,7 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
         prediction=Prediction(step_time=best.step, samples_per_second=req.batch_size / best.step,
                               bubble_fraction=best.bubble, pipeline_time=best.pipeline,
                               allreduce_time=best.allreduce),
-        snapshot_bytes_per_node=snapshot_bytes_per_node([st.state_bytes for st in stages], nodes, best.pp),
+        snapshot_bytes_per_node=snapshot_bytes_per_node([st.state_bytes for st in stages], nodes, topology),
         stages=stages,
         alternatives=[candidate(c, _reason(c, best)) for c in others],
         assumptions=sorted(assumptions),
