@@ -24,6 +24,22 @@ def test_parse_with_world_size() -> None:
     assert Topology.parse("0,2;1,3;", world_size=4).world_size == 4
 
 
+def test_by_stage_puts_a_stage_s_replicas_on_consecutive_ranks() -> None:
+    assert Topology.by_stage(2, 2).to_string() == "0,1;2,3;"
+    assert Topology.by_stage(3, 2).to_string() == "0,1;2,3;4,5;"
+    for pp, dp in [(1, 1), (1, 4), (4, 1), (3, 5)]:
+        topo = Topology.by_stage(pp, dp)
+        topo.validate(pp * dp)
+        assert [topo.coords(r) for r in range(pp * dp)] == [(r // dp, r % dp) for r in range(pp * dp)]
+    assert Topology.placed("stage", 2, 3) == Topology.by_stage(2, 3)
+    assert Topology.placed("pipeline", 2, 3) == Topology.clustered(2, 3)
+    for bad in [(0, 2), (2, 0), (True, 2)]:
+        with pytest.raises(TopologyError):
+            Topology.by_stage(*bad)
+    with pytest.raises(TopologyError, match="unknown placement"):
+        Topology.placed("rack", 2, 2)
+
+
 def test_clustered() -> None:
     assert Topology.clustered(2, 2).to_string() == "0,2;1,3;"
     topo = Topology.clustered(4, 2)
