@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -50,7 +51,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from varuna_core import CutPoint, ModelSpec
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `varuna profile devtools/emumodels.py:xl` loads this file by its path
+    sys.path.insert(0, str(ROOT))
+
+from devtools.models import Sleep  # noqa: E402
+from varuna_core import CutPoint, ModelSpec  # noqa: E402
 
 __all__ = ["Line", "LayerCosts", "EmuConfig", "EmuModel", "MODELS", "SPECS", "BYTE_SCALE", "build_model", "make_batch",
            "gpt2_layer"]
@@ -148,21 +154,6 @@ MODELS: dict[str, EmuConfig] = {
 }
 
 
-class _Timed(torch.autograd.Function):
-    """Identity whose forward sleeps ``forward_s`` and backward ``backward_s``."""
-
-    @staticmethod
-    def forward(ctx, x, forward_s: float, backward_s: float):
-        ctx.backward_s = backward_s
-        time.sleep(forward_s)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.backward_s)
-        return grad, None, None
-
-
 class EmuSegment(nn.Module):
     """One segment: sleeps F and B around the activation, and W when its weights' gradient is made."""
 
@@ -191,7 +182,7 @@ class EmuSegment(nn.Module):
         self._n = n
         f, b, _ = self.cfg.times(n)
         self._hook(self.table)
-        y = _Timed.apply(x, f, b)
+        y = Sleep.apply(x, f, b)
         # one row of the table, times zero: its gradient is the whole table's (dense), made in W under a split
         # schedule; its value adds nothing
         return y + F.embedding(self.row, self.table).sum() * 0.0

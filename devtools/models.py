@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 from varuna_core import CutPoint
 
-__all__ = ["SleepLayer", "SleepModel", "SplitSleepModel"]
+__all__ = ["Sleep", "SleepLayer", "SleepModel", "SplitSleepModel"]
 
 
-class _Sleep(torch.autograd.Function):
+class Sleep(torch.autograd.Function):
     """Identity whose forward and backward each take a set time without using the CPU."""
 
     @staticmethod
@@ -36,7 +36,7 @@ class SleepLayer(nn.Module):
         self.forward_s, self.backward_s = forward_s, backward_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self.forward_s, self.backward_s)
+        return Sleep.apply(x, self.forward_s, self.backward_s)
 
 
 class SleepModel(nn.Module):

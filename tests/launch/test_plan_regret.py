@@ -12,8 +12,6 @@ chosen layout slower than predicted, would pick or get the slower side (measured
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
@@ -25,7 +23,6 @@ def test_the_planners_choice_measures_within_10_percent_of_the_best(tmp_path) ->
 
     scenario = Scenario("small", hosts=2, slots=2, rate="200mbit", batch=8, microbatch_sizes=(1, 2),
                         schedules=("1f1b",))
-    started = time.monotonic()
     try:
         emu = start_emucluster(scenario.hosts, scenario.slots, tmp_path / "hosts", parse_rate(scenario.rate))
     except ClusterUnavailable as exc:
@@ -46,7 +43,6 @@ def test_the_planners_choice_measures_within_10_percent_of_the_best(tmp_path) ->
     assert {r["placement"] for r in rows} == {"pipeline", "stage"}, table
     assert result["regret"] is not None and result["regret"] <= 0.10, (
         f"the planner chose {result['choice']}, {result['regret']:+.1%} slower than {result['best']}:\n{table}")
-    assert time.monotonic() - started < 200  # it stays a short test
 
 
 def _line(row: dict) -> str:
