@@ -242,6 +242,8 @@ def worker(spec_path: str, out_path: str) -> None:
         "stage_param_names": param_names,
         "total_params": total_params,
         "torch": torch.__version__,
+        # ours: median compute per action kind (ms) over the measured steps
+        "action_compute_ms": {op: statistics.median(v) for op, v in job.action_compute.items() if v},
     }
     Path(out_path).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -258,6 +260,7 @@ class _Job:
                                             spec["n_layer"])
         self.batch_size = self.M * self.mbs
         self.timeout = float(spec["timeout"])
+        self.action_compute: dict[str, list[float]] = {}  # ours: per op, the compute ms of each measured action
 
 
 def _init_process_group(contender: str, rank: int, world: int, timeout: float) -> None:
@@ -326,8 +329,11 @@ def _setup_ours(job: _Job):
     param_names = [n for n, _ in model.named_parameters()]
     optimizer = torch.optim.SGD(params, lr=spec["lr"])
     model.set_optimizer(optimizer)
+    steps_run = [0]
+    model.executor.add_observer(_compute_recorder(job.action_compute, lambda: steps_run[0] > spec["warmup"]))
 
     def step(batch: dict) -> float | None:
+        steps_run[0] += 1
         loss, overflow = model.step(batch)
         if not overflow:
             optimizer.step()
@@ -335,6 +341,19 @@ def _setup_ours(job: _Job):
         return float(loss)
 
     return step, params, param_names
+
+
+def _compute_recorder(into: dict[str, list[float]], measuring):
+    """An executor observer that appends each measured action's compute (its waits for messages excluded), in ms,
+    to ``into[op]``: what the critical-path limit (:func:`critical_path_bound`) is computed from."""
+    from varuna_core.pipeline.tracing import ActionObserver
+
+    class Recorder(ActionObserver):
+        def on_action(self, timing) -> None:
+            if measuring():
+                into.setdefault(timing.action.op.value, []).append(timing.compute * 1e3)
+
+    return Recorder()
 
 
 def _setup_deepspeed(job: _Job):
@@ -711,6 +730,7 @@ def summarize_run(ranks: list[dict]) -> dict:
         "peak_rss_after_import_mb": [r["peak_rss_after_import_mb"] for r in ranks],
         "setup_s": [r["setup_s"] for r in ranks],
         "stage_params": [r["stage_params"] for r in ranks],
+        "action_compute_ms": [r.get("action_compute_ms") or {} for r in ranks],
         "losses": last["losses"],  # the last stage always reports the loss
     }
 
@@ -874,6 +894,12 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
             bound = limit["ms"][_limit_kind(entry["key"])]
             if "median_ms" in entry:
                 entry["of_link_limit"] = bound / entry["median_ms"]
+                # the peers' compute is not observed action by action: ours 1f1b's (same model and split) stands in
+                source = best.get(entry["key"] if entry["key"].startswith("ours-") else "ours-1f1b")
+                compute = source["action_compute_ms"] if source else None
+                if compute and all(compute):
+                    entry["critical_path"] = critical_path_bound(args, compute, _limit_kind(entry["key"]))
+                    entry["of_critical_path"] = entry["critical_path"]["ms"] / entry["median_ms"]
     return {
         "link_bound": limit,
         "config": _report_config(args, meta),
@@ -953,6 +979,46 @@ def link_bound(args) -> dict[str, Any]:
             "ms": {k: v * 8 / args.rate_bps * 1e3 for k, v in per_direction.items()}}
 
 
+def critical_path_bound(args, compute: list[dict[str, float]], kind: str) -> dict[str, Any]:
+    """The least step time any schedule can reach on this link with this compute: the link-bound limit with the
+    part that no overlap can hide, from each rank's median compute per action (``compute[rank][op]``, ms).
+
+    ``a`` and ``g`` are one micro-batch's activation and gradient on the link (bytes ÷ rate, the wire dtype's
+    bytes), ``tie`` ours' tied-embedding all-reduce (it needs both stages' last backward), ``M`` the
+    micro-batches; ``F0 R0 B0 W0`` and ``F1 B1 W1`` the stages' actions (a missing kind counts 0). Each term is a
+    chain of work that must happen one after another in every schedule, so the step takes at least the longest:
+
+    * activations: the first forward, then ``M`` activations one after another on the link; the last one to
+      arrive still needs its forward and backward on stage 1, its gradient's crossing and its backward on
+      stage 0: ``F0 + M·a + F1 + B1 + g + B0 + tie``;
+    * gradients: the first gradient leaves after ``F0 + a + F1 + B1``, then ``M`` gradients cross one after
+      another, and the last needs its backward on stage 0: ``F0 + a + F1 + B1 + M·g + B0 + tie``;
+    * stage 0's compute: ``M·(F0 + R0 + B0 + W0) + tie``;
+    * stage 1's compute: it cannot start before ``F0 + a``; ``+ M·(F1 + B1 + W1)``, then (when its last action is
+      a backward) the gradient's crossing and stage 0's backward ``g + B0``; ``+ tie``.
+
+    The optimizer step and ``zero_grad`` are left out, which keeps it a lower bound. The bytes-÷-rate limit
+    (:func:`link_bound`) is what this becomes when the compute takes no time.
+    """
+    link = link_bound(args)
+    per_mb = args.microbatch_size * args.block_size * args.n_embd * 4 * (0.5 if kind == "ours-bf16" else 1.0)
+    a = g = per_mb * 8 / args.rate_bps * 1e3
+    tie = (link["bytes_per_direction"][kind] - args.microbatches * per_mb) * 8 / args.rate_bps * 1e3
+    c0, c1 = compute
+    F0, R0, B0, W0 = (c0.get(op, 0.0) for op in "FRBW")
+    F1, B1, W1 = (c1.get(op, 0.0) for op in "FBW")
+    M = args.microbatches
+    terms = {
+        "activations on the link": F0 + M * a + F1 + B1 + g + B0 + tie,
+        "gradients on the link": F0 + a + F1 + B1 + M * g + B0 + tie,
+        "stage 0 compute": M * (F0 + R0 + B0 + W0) + tie,
+        "stage 1 compute": F0 + a + M * (F1 + B1 + W1) + (0.0 if W1 else g + B0) + tie,
+    }
+    binding = max(terms, key=lambda k: terms[k])
+    return {"ms": terms[binding], "binding": binding, "terms_ms": terms, "message_ms": a, "tie_ms": tie,
+            "compute_ms": compute}
+
+
 def _report_config(args, meta: dict) -> dict:
     """The report's ``config``: the model, the run and the machine."""
     return {
@@ -999,6 +1065,13 @@ def _report_header(report: dict) -> list[str]:
             f"activations or gradients {nbytes['peers'] / 1e6:.2f} MB + the tied embedding's all-reduce), ours with "
             f"a bf16 wire {ms['ours-bf16']:.1f} ms, torch and DeepSpeed (untied) {ms['peers']:.1f} ms; each "
             f"contender's step against its limit: {shares}")
+        paths = [c for c in report["contenders"] if "critical_path" in c]
+        if paths:
+            lines_before.append(
+                "critical-path limit (the least step any schedule reaches on this link with the measured compute: "
+                "the link-bound limit plus what no overlap hides, see critical_path_bound): " + ", ".join(
+                    f"{c['contender']} {c['critical_path']['ms']:.1f} ms ({c['critical_path']['binding']}; its "
+                    f"step {c['of_critical_path']:.0%} of it)" for c in paths))
     if cfg["profiled"]:
         lines_before.append("WARNING: profiled run, timings are inflated by cProfile")
     if not report["same_split"]:

@@ -86,3 +86,32 @@ def test_the_link_bound_limit_counts_each_contenders_bytes(bench):
     assert [bench._limit_kind(n) for n in ("ours-varuna-bf16", "ours-zb", "torch-1f1b", bench.DEEPSPEED)] == [
         "ours-bf16", "ours", "peers", "peers"]
     assert "ours-varuna-bf16" in bench.CONTENDERS and "ours-1f1b-bf16" in bench.CONTENDERS
+
+
+def test_the_critical_path_limit_adds_what_no_overlap_can_hide(bench):
+    """With compute taking no time the step still needs every activation and then the last one's gradient on the
+    link; with slow compute a stage's own work binds; a bf16 wire halves each message; a W on stage 1 ends the
+    stage 1 chain with itself."""
+    args = bench.parse_args(["--network", "slow", "--rate", "50mbit"])
+    link = bench.link_bound(args)
+    message = 4 * 64 * 64 * 4 * 8 / 50e6 * 1e3
+    idle = bench.critical_path_bound(args, [{}, {}], "ours")
+    assert idle["binding"] == "activations on the link"
+    assert idle["ms"] == pytest.approx(link["ms"]["ours"] + message)
+    assert idle["message_ms"] == pytest.approx(message)
+    half = bench.critical_path_bound(args, [{}, {}], "ours-bf16")
+    assert half["ms"] == pytest.approx(link["ms"]["ours-bf16"] + message / 2)
+    assert bench.critical_path_bound(args, [{}, {}], "peers")["tie_ms"] == pytest.approx(0.0, abs=1e-9)
+
+    compute = [{"F": 3.0, "R": 2.5, "B": 4.0}, {"F": 4.0, "B": 4.5}]
+    ours = bench.critical_path_bound(args, compute, "ours")
+    tie = ours["tie_ms"]
+    assert ours["terms_ms"]["activations on the link"] == pytest.approx(3 + 8 * message + 8.5 + message + 4 + tie)
+    assert ours["terms_ms"]["stage 0 compute"] == pytest.approx(8 * 9.5 + tie)
+    assert ours["terms_ms"]["stage 1 compute"] == pytest.approx(3 + message + 8 * 8.5 + message + 4 + tie)
+    assert ours["ms"] == max(ours["terms_ms"].values()) and ours["binding"] == "activations on the link"
+
+    slow = bench.critical_path_bound(args, [{"F": 20.0, "R": 20.0, "B": 40.0}, {"F": 1.0, "B": 1.0}], "ours")
+    assert slow["binding"] == "stage 0 compute" and slow["ms"] == pytest.approx(8 * 80 + slow["tie_ms"])
+    split = bench.critical_path_bound(args, [{}, {"F": 1.0, "B": 1.0, "W": 30.0}], "ours")
+    assert split["terms_ms"]["stage 1 compute"] == pytest.approx(message + 8 * 32 + split["tie_ms"])
