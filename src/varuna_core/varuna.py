@@ -365,7 +365,7 @@ class Varuna(nn.Module):
             publish=lambda reserve, copies: self.publish_state(reserve, copies=copies),
             take=lambda step, locate, fetch, staging, link, holder_of: self.take_state(
                 step=step, locate=locate, fetch=fetch, staging=staging, link=link, holder_of=holder_of, in_place=True),
-            arrive=self._unpark)
+            arrive=self._unpark, release=self.grad_buffer.release)
         self.supervision.ready()
 
     # ------------------------------------------------------------------------------------------------------

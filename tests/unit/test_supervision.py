@@ -154,8 +154,13 @@ class Publisher(Trainer):
         self.published: list[int] = []
         self.taken: list[int] = []
         self.fail = fail
+        self.events: list[str] = []  # release and publish, in the order they came
+
+    def release(self) -> None:
+        self.events.append("release")
 
     def publish(self, reserve, copies) -> dict[str, int]:
+        self.events.append("publish")
         if self.fail is not None:
             raise self.fail
         name = f"step_{self.iteration}/__0_0.distcp"
@@ -175,7 +180,7 @@ class Publisher(Trainer):
 
     def supervision(self) -> Supervision:
         return Supervision(0, samples=8, save=self.save, load=self.load, progress=lambda: (self.iteration, None, None),
-                           publish=self.publish, take=self.take)
+                           publish=self.publish, take=self.take, release=self.release)
 
 
 @pytest.fixture
@@ -216,6 +221,7 @@ def test_an_agreed_handover_publishes_on_the_shelf_at_the_next_step_and_exits_75
         sup.before_step()
     assert stop.value.code == EXIT_CHECKPOINTED
     assert t.published == [3] and t.saved == []  # nothing written to the store
+    assert t.events == ["release", "publish"]  # the gradients freed first: the publish writes into that memory
     assert Shelf(shelf_key("job", 2), root=tmp_path / "shm").names() == ["step_3/__0_0.distcp"]
 
 
@@ -229,6 +235,7 @@ def test_a_publish_that_does_not_fit_goes_to_the_store(shelved) -> None:
     with pytest.raises(SystemExit) as stop:
         sup.before_step()
     assert stop.value.code == EXIT_CHECKPOINTED and [step for step, _ in t.saved] == [2]
+    assert t.events == ["release", "publish"]  # the store's write needs no gradients either
 
 
 def test_without_a_shelf_sigusr2_asks_for_nothing(launched) -> None:

@@ -20,6 +20,13 @@ arrives over the wire, hashed as it comes; then it loads them with
 (hashing those it did not see arrive or linked) and changes no live tensor unless everything is right. The
 staging directory is removed afterwards, whatever happened.
 
+[Note: publish into freed memory] A publish writes the whole state into new pages of the shelf's tmpfs. On a VM,
+memory the guest has not touched lately is the slow kind (each page faults into the hypervisor: 0.4–0.6 GB/s
+measured on the 2-core VM of benchmarks/README.md, against 3–5 GB/s for pages just freed), and a handover's publish
+is on the critical path. So a worker about to publish and exit first frees what no checkpoint holds, its gradient
+buffers (as large as its parameters: a third of the state under Adam), and the publish's first pages are those
+(``Supervision(release=...)``, ``GradBuffer.release``). A snapshot's publish keeps them: training goes on.
+
 Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its wire
 live. A publish gets ``reserve(nbytes)`` (``Shelf.reserve`` as it is); a take gets ``locate(name)``,
 the holder of a blob (any value the ``fetch`` callable understands: ``"host:port"``, or a marker for this host's own

@@ -118,6 +118,13 @@ class GradBuffer:
                 view.copy_(grad)
                 p.grad = view
 
+    def release(self) -> None:
+        """Free the flat buffers (every ``param.grad`` becomes ``None``); the next :meth:`attach` allocates them
+        again, zeroed. For a process about to stop training: its gradients are no part of a checkpoint."""
+        for p in self.params:
+            p.grad = None
+        self.flats, self.views = [], []
+
     def zero(self) -> None:
         if not self.allocated:  # nothing accumulated into the buffer yet
             for p in self.params:

@@ -114,6 +114,10 @@ class Supervision:
             (collective; ``Varuna.take_state``); returns the step loaded.
         arrive: called once by a warm worker when the go has come, before it takes or loads anything (collective
             over the new ranks): the facade moves its parked stage onto its device then.
+        release: called once by a worker about to publish for a handover and exit, before it publishes: the facade
+            frees what no checkpoint holds (the gradient buffers, as large as the parameters), so that the
+            publish writes into memory the process just gave back rather than memory the host has not touched
+            lately ([Note: publish into freed memory] in :mod:`varuna_core.checkpoint.handover`).
         progress: the current :class:`Progress` (iteration, compute time of the last step, total steps).
     """
 
@@ -121,9 +125,11 @@ class Supervision:
                  save: Callable[..., Any], load: Callable[[str, int], int],
                  progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None,
                  publish: Callable[[Callable[..., Any], bool], dict[str, int]] | None = None,
-                 take: Callable[..., int] | None = None, arrive: Callable[[], None] | None = None) -> None:
+                 take: Callable[..., int] | None = None, arrive: Callable[[], None] | None = None,
+                 release: Callable[[], None] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load, self._publish, self._take, self._arrive = save, load, publish, take, arrive
+        self._release = release
         self._progress = progress
         self.started = _process_start()
         told = WorkerEnv.from_environ() if told is None else told
@@ -491,6 +497,8 @@ class Supervision:
         iteration = self._now().iteration
         morph = self.morph
         started = time.time()
+        if self._release is not None:  # this process exits after the publish (or the store's write): no more steps
+            self._release()
         try:
             try:
                 owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0)

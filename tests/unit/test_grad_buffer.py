@@ -1,0 +1,51 @@
+"""``GradBuffer``: gradients as views of one flat buffer per dtype, freed by ``release`` (a worker about to publish
+its state and exit) and allocated again, zeroed, by the next ``attach``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from varuna_core.pipeline.grads import GradBuffer
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+
+def _backward(model: nn.Module) -> None:
+    model(torch.ones(5, 4)).sum().backward()
+
+
+def test_grads_are_views_of_one_flat_buffer_and_release_frees_it() -> None:
+    model = _model()
+    buffer = GradBuffer(list(model.parameters()))
+    buffer.attach()
+    _backward(model)
+    flat = buffer.flats[0]
+    assert flat.numel() == sum(p.numel() for p in model.parameters())
+    assert all(p.grad is not None and p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+               for p in model.parameters())
+    expected = [p.grad.clone() for p in model.parameters()]
+
+    buffer.release()
+    assert buffer.flats == [] and buffer.views == [] and not buffer.allocated
+    assert all(p.grad is None for p in model.parameters())
+
+    buffer.attach()  # allocated again, zeroed: the next backward's gradients are exactly the first's
+    assert buffer.allocated and all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+    _backward(model)
+    for p, want in zip(model.parameters(), expected, strict=True):
+        assert torch.equal(p.grad, want)
+        assert p.grad.untyped_storage().data_ptr() == buffer.flats[0].untyped_storage().data_ptr()
+
+
+def test_zero_after_release_leaves_no_gradient() -> None:
+    model = _model()
+    buffer = GradBuffer(list(model.parameters()))
+    buffer.attach()
+    _backward(model)
+    buffer.release()
+    buffer.zero()  # nothing allocated: nothing to zero, and no gradient appears
+    assert all(p.grad is None for p in model.parameters()) and not buffer.allocated
