@@ -808,8 +808,8 @@ def _same_kind(current: Any, value: Any) -> bool:
 def _whole_chunk(meta: Any) -> bool:
     """Whether a tensor's index entry is one chunk that covers all of it (a load then writes every byte of its
     target; a target read from several chunks, which other ranks wrote, is cleared first)."""
-    chunks = getattr(meta, "chunks", None)
-    return (bool(chunks) and len(chunks) == 1 and not any(chunks[0].offsets)
+    chunks: list[Any] = list(getattr(meta, "chunks", None) or [])
+    return (len(chunks) == 1 and not any(chunks[0].offsets)
             and tuple(chunks[0].sizes) == tuple(meta.size))
 
 
