@@ -115,3 +115,20 @@ def test_latest_with_the_quick_check_sets_aside_what_fails_once(tmp_path) -> Non
     assert list(refused) == [2, 1]  # newest first, each with its reason
     assert all("manifest" in why for why in refused.values())
     assert latest(store, of_runs={"a"}, check=True) is None  # without a refused map: skipped, not recorded
+
+
+def test_a_target_is_left_uncleared_only_when_one_stored_chunk_covers_it() -> None:
+    """A load fills a new tensor from the checkpoint's chunks: one chunk covering it writes every byte (no zero fill
+    first); several chunks, or one that covers a part, leave it cleared first."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    from varuna_core.checkpoint.saveload import _whole_chunk
+
+    def meta(*chunks):
+        return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 3]),
+                                     [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+
+    assert _whole_chunk(meta(((0, 0), (4, 3))))
+    assert not _whole_chunk(meta(((0, 0), (2, 3)), ((2, 0), (2, 3))))
+    assert not _whole_chunk(meta(((0, 0), (2, 3))))
+    assert not _whole_chunk(meta()) and not _whole_chunk(None)
