@@ -22,6 +22,11 @@ With ``--rounds N`` every contender is measured N times, in alternating order (f
     .venv/bin/python benchmarks/pipeline_vs_peers.py --contenders ours-1f1b,torch-1f1b --rounds 5
     .venv/bin/python benchmarks/pipeline_vs_peers.py --network slow --rate 200mbit  # rate-limited link (root)
 
+With ``--dp 2`` each contender runs two replicas of the pipeline (4 processes: ours with the map ``"0,2;1,3"``,
+DeepSpeed in its own rank order, torch's ``Schedule1F1B`` over ``DistributedDataParallel`` stage modules), each
+replica on its own slice of a global batch twice as large; with ``--network slow`` each replica is a namespace of
+its own, so its stages talk inside it and the data-parallel all-reduce crosses the limited link.
+
 The network is the loopback (127.0.0.1) by default. ``--network slow`` puts each rank in a network namespace
 of its own, the two joined by a veth pair whose both directions are limited to ``--rate`` by ``tc``'s token
 bucket (and delayed by ``--delay`` with netem, where the kernel has it): the varuna schedule's point is to
@@ -97,7 +102,8 @@ PAIRS = [
     ("ours-varuna-bf16", "ours-varuna"), ("ours-varuna-bf16", "torch-1f1b"),
     ("ours-varuna", "torch-1f1b"), ("ours-1f1b", "torch-1f1b"),
 ]
-WORLD = 2
+WORLD = 2  # pipeline stages (the ranks of one replica)
+DP_CONTENDERS = ("ours-", DEEPSPEED, "torch-1f1b")  # prefixes of those that run with --dp 2
 DS_INSTALL = "DS_BUILD_OPS=0 {pip} install deepspeed"
 
 
@@ -121,12 +127,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="unmeasured steps before the measured ones")
     p.add_argument("--rounds", type=int, default=3,
                    help="runs per contender, in alternating order; the best round is reported")
-    p.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=f"comma-separated subset of: {', '.join(CONTENDERS)}")
+    p.add_argument("--contenders", default=None,
+                   help=f"comma-separated subset of: {', '.join(CONTENDERS)} (default: all; with --dp 2, all that run "
+                   "with replicas)")
     p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (same for all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=240.0,
                    help="seconds one run (a pair of worker processes) may take before both are killed")
+    p.add_argument("--dp", type=int, choices=(1, 2), default=1,
+                   help="data-parallel replicas of the 2-stage pipeline (2: 4 processes; each replica runs "
+                   "--microbatches micro-batches, so the global batch doubles). With --network slow each replica "
+                   "is a host (a namespace) of its own, so the pipeline's messages stay inside a host and the "
+                   "data-parallel all-reduce crosses the rate-limited link")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="ours: size of the data-parallel all-reduce's buckets (Varuna's bucket_mb; with --dp 2)")
     p.add_argument("--network", choices=("loopback", "slow"), default="loopback",
                    help="loopback: both ranks on 127.0.0.1; slow: each rank in its own network namespace, "
                    "joined by a veth pair limited to --rate (and --delay) with tc (needs root)")
@@ -146,17 +160,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.worker:
         return args
-    names = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    given = args.contenders is not None
+    names = [c.strip() for c in (args.contenders or ",".join(CONTENDERS)).split(",") if c.strip()]
+    if not given and args.dp > 1:
+        names = [c for c in names if c.startswith(DP_CONTENDERS)]
     unknown = [c for c in names if c not in CONTENDERS]
     if unknown or not names:
         p.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
     args.contender_list = list(dict.fromkeys(names))
+    if args.dp > 1:
+        single = [c for c in args.contender_list if not c.startswith(DP_CONTENDERS)]
+        if single:
+            p.error(f"--dp {args.dp} runs {', '.join(c for c in CONTENDERS if c.startswith(DP_CONTENDERS))}; not "
+                    f"{', '.join(single)} (torch's GPipe and zero-bubble schedules fail under DDP in torch 2.13: "
+                    "its reducer asserts)")
     if args.n_layer < 2:
         p.error("--n-layer must be at least 2 (one block per stage at least)")
     if args.n_embd % args.n_head:
         p.error("--n-embd must be divisible by --n-head")
     if args.microbatches < WORLD:
         p.error(f"--microbatches must be at least {WORLD} (torch's Schedule1F1B requires M >= stages)")
+    if not args.bucket_mb > 0:
+        p.error("--bucket-mb must be > 0")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.microbatch_size < 1:
         p.error("--steps, --rounds and --microbatch-size must be >= 1, --warmup >= 0")
     try:
@@ -191,6 +216,14 @@ def peak_rss_mb() -> float:
     return kb / 1024
 
 
+def place(contender: str, rank: int, dp: int) -> tuple[int, int]:
+    """(stage, replica) of ``rank``: ours and torch number a replica's stages consecutively (ours' map
+    ``"0,2;1,3"`` at dp=2), DeepSpeed's topology a stage's replicas (``rank = stage·dp + replica``)."""
+    if contender == DEEPSPEED:
+        return rank // dp, rank % dp
+    return rank % WORLD, rank // WORLD
+
+
 def worker(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
 
@@ -214,7 +247,8 @@ def worker(spec_path: str, out_path: str) -> None:
     job = _Job(spec=spec, rank=rank, world=world, ds=ds, cfg=cfg, gpt=GPT(cfg))
     total_params = job.gpt.num_parameters()
     # Every step's global batch, drawn up front from a generator seeded by (seed, step): same data for all.
-    batches = [ds.get_batch("train", M * mbs, T, torch.Generator().manual_seed(spec["seed"] * 1_000_003 + i))
+    batches = [ds.get_batch("train", M * mbs * spec.get("dp", 1), T,
+                            torch.Generator().manual_seed(spec["seed"] * 1_000_003 + i))
                for i in range(spec["warmup"] + spec["steps"])]
 
     t_setup = time.perf_counter()
@@ -254,11 +288,13 @@ class _Job:
 
     def __init__(self, *, spec: dict, rank: int, world: int, ds, cfg, gpt) -> None:
         self.spec, self.rank, self.world, self.ds, self.cfg = spec, rank, world, ds, cfg
+        self.dp = int(spec.get("dp", 1))
+        self.stage, self.replica = place(spec["contender"], rank, self.dp)
         self.gpt = gpt  # the whole model (torch's contenders drop it once their stage is built)
         self.k = spec["n_layer"] // 2  # blocks on stage 0
         self.M, self.mbs, self.T, self.L = (spec["microbatches"], spec["microbatch_size"], spec["block_size"],
                                             spec["n_layer"])
-        self.batch_size = self.M * self.mbs
+        self.batch_size = self.M * self.mbs  # one replica's
         self.timeout = float(spec["timeout"])
         self.action_compute: dict[str, list[float]] = {}  # ours: per op, the compute ms of each measured action
 
@@ -323,8 +359,10 @@ def _setup_ours(job: _Job):
     dummy = job.ds.get_batch("train", job.mbs, job.T, torch.Generator().manual_seed(spec["seed"]))
     name = spec["contender"].removeprefix("ours-")
     schedule, wire = (name.removesuffix("-bf16"), "bf16") if name.endswith("-bf16") else (name, None)
-    model = Varuna(job.gpt, "0;1", dummy, batch_size=job.batch_size, chunk_size=job.mbs, shared_weights=SHARED_WEIGHTS,
-                   schedule=schedule, partition=partition, from_cache=False, timeout=job.timeout, wire_dtype=wire)
+    stages = ";".join(",".join(str(r * WORLD + s) for r in range(job.dp)) for s in range(WORLD))  # "0;1", "0,2;1,3"
+    model = Varuna(job.gpt, stages, dummy, batch_size=job.batch_size * job.dp, chunk_size=job.mbs,
+                   shared_weights=SHARED_WEIGHTS, schedule=schedule, partition=partition, from_cache=False,
+                   timeout=job.timeout, wire_dtype=wire, bucket_mb=float(spec.get("bucket_mb", 25.0)))
     params = list(model.parameters())
     param_names = [n for n, _ in model.named_parameters()]
     optimizer = torch.optim.SGD(params, lr=spec["lr"])
@@ -334,7 +372,7 @@ def _setup_ours(job: _Job):
 
     def step(batch: dict) -> float | None:
         steps_run[0] += 1
-        loss, overflow = model.step(batch)
+        loss, overflow = model.step(model.replica_slice(batch))  # the whole batch at dp=1
         if not overflow:
             optimizer.step()
         optimizer.zero_grad()
@@ -371,7 +409,7 @@ def _setup_deepspeed(job: _Job):
     # Counting the blocks (and, for an odd n_layer, the embeddings too) has exactly one balanced split:
     # stage 0 = embeddings + blocks[:k], stage 1 = the rest, as for the other contenders (checked below).
     counted = "^block$" if L % 2 == 0 else "^(embeddings|block)$"
-    module = PipelineModule(layers, num_stages=job.world, loss_fn=loss_fn, partition_method=f"type:{counted}")
+    module = PipelineModule(layers, num_stages=WORLD, loss_fn=loss_fn, partition_method=f"type:{counted}")
     if module.parts != [0, k + 1, len(layers)]:
         raise RuntimeError(f"DeepSpeed split the layers at {module.parts}, not [0, {k + 1}, {len(layers)}]")
     # The module keeps the whole list, so the other stage's layers stay in memory (0.4 MB here; every
@@ -381,7 +419,7 @@ def _setup_deepspeed(job: _Job):
     config = {
         "train_micro_batch_size_per_gpu": mbs,
         "gradient_accumulation_steps": job.M,
-        "train_batch_size": job.batch_size,  # 1 replica
+        "train_batch_size": job.batch_size * job.dp,  # the replicas' together
         "steps_per_print": job.spec["warmup"] + job.spec["steps"] + 1,  # no progress lines (nor timer reads)
         "gradient_clipping": 0.0,  # DeepSpeed clips to norm 1.0 unless told not to; the others do not clip
         "zero_optimization": {"stage": 0},
@@ -394,10 +432,17 @@ def _setup_deepspeed(job: _Job):
     def step(batch: dict) -> float | None:
         # train_batch pulls M (inputs, targets) micro-batches, runs the 1F1B schedule, the optimizer step and
         # zero_grad, and returns the mean loss on every stage.
-        micro = zip(batch["idx"].split(mbs), batch["targets"].split(mbs), strict=True)
+        mine = _replica_slice(batch, job)
+        micro = zip(mine["idx"].split(mbs), mine["targets"].split(mbs), strict=True)
         return float(engine.train_batch(iter(micro)))
 
     return step, params, param_names
+
+
+def _replica_slice(batch: dict, job: _Job) -> dict:
+    """This rank's replica's contiguous part of the global batch (as ours' ``replica_slice`` takes it)."""
+    n = job.batch_size
+    return {k: v[job.replica * n:(job.replica + 1) * n] for k, v in batch.items()}
 
 
 def _torch_stages(job: _Job, gpt):
@@ -436,7 +481,7 @@ def _torch_stages(job: _Job, gpt):
                 x = block(x)
             return self.lm_head(self.ln_f(x))
 
-    return (Stage0(gpt) if job.rank == 0 else Stage1(gpt)), loss_fn
+    return (Stage0(gpt) if job.stage == 0 else Stage1(gpt)), loss_fn
 
 
 def _setup_torch(job: _Job):
@@ -444,6 +489,7 @@ def _setup_torch(job: _Job):
     or ScheduleInterleavedZeroBubble (a multi-stage schedule, here with one stage per rank: ZB-H1's order, its
     backward split by walking the autograd graph)."""
     import torch
+    import torch.distributed as dist
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -451,11 +497,17 @@ def _setup_torch(job: _Job):
         ScheduleInterleavedZeroBubble,
     )
 
-    rank, world = job.rank, job.world
     submodule, loss_fn = _torch_stages(job, job.gpt)
     job.gpt = None
     param_names = [n for n, _ in submodule.named_parameters()]
-    stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
+    pipe_group = dp_group = None
+    if job.dp > 1:  # every rank makes every group, in one order: each replica's pipeline, each stage's replicas
+        pipes = [dist.new_group([r * WORLD + s for s in range(WORLD)]) for r in range(job.dp)]
+        stages = [dist.new_group([r * WORLD + s for r in range(job.dp)]) for s in range(WORLD)]
+        pipe_group, dp_group = pipes[job.replica], stages[job.stage]
+        # the schedule's last backward lets DDP reduce the gradients, the others run under no_sync
+        submodule = torch.nn.parallel.DistributedDataParallel(submodule, process_group=dp_group)
+    stage = PipelineStage(submodule, job.stage, WORLD, torch.device("cpu"), group=pipe_group)
     contender = job.spec["contender"]
     if contender == "torch-zb":
         schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=job.M, loss_fn=loss_fn)
@@ -464,16 +516,20 @@ def _setup_torch(job: _Job):
         schedule = schedule_cls(stage, n_microbatches=job.M, loss_fn=loss_fn)
     params = list(submodule.parameters())
     optimizer = torch.optim.SGD(params, lr=job.spec["lr"])
-    last = rank == world - 1
 
     def step(batch: dict) -> float | None:
-        if rank == 0:
+        batch = _replica_slice(batch, job)
+        if job.stage == 0:
             schedule.step(batch["idx"])
             loss = None
         else:
             losses: list = []
             schedule.step(target=batch["targets"], losses=losses, return_outputs=False)
-            loss = float(torch.stack([x.detach() for x in losses]).mean()) if last else None
+            mean = torch.stack([x.detach() for x in losses]).mean()
+            if dp_group is not None:  # the global batch's loss, as ours and DeepSpeed return it
+                dist.all_reduce(mean, group=dp_group)
+                mean /= job.dp
+            loss = float(mean)
         optimizer.step()
         optimizer.zero_grad()
         return loss
@@ -670,22 +726,26 @@ def run_pair(spec: dict, workdir: Path, tag: str, timeout: float,
     load = Load()
     spec_path = workdir / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec))
-    outs = [workdir / f"{tag}.rank{rank}.json" for rank in range(WORLD)]
+    dp = int(spec.get("dp", 1))
+    world = WORLD * dp
+    outs = [workdir / f"{tag}.rank{rank}.json" for rank in range(world)]
     for out in outs:
         out.unlink(missing_ok=True)
     env = {"MKL_NUM_THREADS": "1", "VARUNA_TIMEOUT": str(int(timeout)), **(network.env() if network else {})}
 
     def argv(rank: int) -> list[str]:
-        prefix = network.command(rank) if network is not None else []
+        # one namespace per rank; with replicas, one per replica (its stages talk inside it, the replicas across)
+        host = rank if dp == 1 else place(spec["contender"], rank, dp)[1]
+        prefix = network.command(host) if network is not None else []
         return [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), str(outs[rank])]
 
     # rank 0 hosts the store (no agent store): on a slow network the workers cannot reach this namespace
-    outcome = run_workers(argv, WORLD, log_dir=workdir, log_name=f"{tag}.rank{{rank}}.log", timeout=timeout,
+    outcome = run_workers(argv, world, log_dir=workdir, log_name=f"{tag}.rank{{rank}}.log", timeout=timeout,
                           env=env, cwd=ROOT, agent_store=False, die_with_parent=True, poll=0.05)
     others = load.other_cores()
     error = _pair_error(outcome, outs)
     if error is not None:
-        for rank in range(WORLD):
+        for rank in range(world):
             text = (workdir / f"{tag}.rank{rank}.log").read_text()
             log(f"--- {tag} rank {rank} log (last 3000 chars) ---\n{text[-3000:]}")
         return None, error, others
@@ -843,7 +903,8 @@ def _run_round(args, name: str, rnd: int, workdir: Path, network: SlowNetwork | 
                runs: dict[str, list[dict]], errors: dict[str, list[str]], meta: dict[str, Any]) -> None:
     """One contender's run of round ``rnd``: its summary goes to ``runs``, or its error to ``errors``."""
     spec_base = {k: getattr(args, k) for k in ("n_layer", "n_embd", "n_head", "block_size", "microbatch_size",
-                                              "microbatches", "steps", "warmup", "lr", "seed", "timeout")}
+                                              "microbatches", "steps", "warmup", "lr", "seed", "timeout", "dp",
+                                              "bucket_mb")}
     tag = f"{name}-round{rnd}"
     spec = dict(spec_base, contender=name)
     if args.profile:
@@ -887,18 +948,20 @@ def build_report(args, names, runs, errors, meta, elapsed) -> dict:
                            "ratio": best[ours]["median_ms"] / best[theirs]["median_ms"]})
     # Same split check: the number of parameters each rank holds must agree between all contenders.
     split = {n: best[n]["stage_params"] for n in best}
-    same_split = len({tuple(v) for v in split.values()}) <= 1
-    limit = link_bound(args) if getattr(args, "rate_bps", None) else None
+    same_split = len({tuple(sorted(v)) for v in split.values()}) <= 1  # DeepSpeed numbers its ranks otherwise
+    slow = getattr(args, "network", "slow") == "slow" and getattr(args, "rate_bps", None)
+    limit = link_bound(args, _replica_params(split)) if slow else None  # the loopback has no link to be bound by
     if limit is not None:
         for entry in contenders:
-            bound = limit["ms"][_limit_kind(entry["key"])]
-            if "median_ms" in entry:
+            bound = limit["ms"].get(_limit_kind(entry["key"]))
+            if "median_ms" in entry and bound is not None:
                 entry["of_link_limit"] = bound / entry["median_ms"]
                 # the peers' compute is not observed action by action: ours 1f1b's (same model and split) stands in
                 source = best.get(entry["key"] if entry["key"].startswith("ours-") else "ours-1f1b")
                 compute = source["action_compute_ms"] if source else None
                 if compute and all(compute):
-                    entry["critical_path"] = critical_path_bound(args, compute, _limit_kind(entry["key"]))
+                    entry["critical_path"] = critical_path_bound(args, compute, _limit_kind(entry["key"]),
+                                                                 limit)
                     entry["of_critical_path"] = entry["critical_path"]["ms"] / entry["median_ms"]
     return {
         "link_bound": limit,
@@ -941,7 +1004,7 @@ def _contender_entry(name: str, runs: list[dict], errors: list[str], b: dict | N
             rank_median_ms=b["rank_median_ms"],
             rank_cpu_fraction=b["rank_cpu_fraction"],
             other_cores_by_round=[r["other_cores"] for r in runs],
-            peak_rss_mb=[max(r["peak_rss_mb"][k] for r in runs) for k in range(WORLD)],
+            peak_rss_mb=[max(r["peak_rss_mb"][k] for r in runs) for k in range(len(b["peak_rss_mb"]))],
             peak_rss_after_setup_mb=b["peak_rss_after_setup_mb"],
             peak_rss_after_import_mb=b["peak_rss_after_import_mb"],
             setup_s=b["setup_s"],
@@ -963,23 +1026,43 @@ def _limit_kind(name: str) -> str:
     return "ours" if name.startswith("ours-") else "peers"
 
 
-def link_bound(args) -> dict[str, Any]:
-    """The step time the rate-limited link alone allows (the link is full duplex: each direction carries its own
-    bytes): every micro-batch's activation (``microbatch_size × block_size × n_embd`` fp32) one way and its
-    gradient the other, plus, for ours, the tied embedding's all-reduce between the two stages (a ring of two:
-    each side sends the whole gradient once). A perfect overlap of compute with the link reaches it when the
-    link takes longer than the compute."""
-    sys.path.insert(0, str(GPT_DIR))
-    from data import CharDataset
+def _replica_params(split: dict[str, list[int]]) -> dict[str, float]:
+    """Parameters one replica holds (its stages' together; ours counts the tied weight on both stages, as both
+    all-reduce it), per kind of contender, from the parameter counts each rank reported."""
+    out: dict[str, float] = {}
+    for name, per_rank in split.items():
+        kind = "ours" if name.startswith("ours-") else "peers"
+        out.setdefault(kind, sum(per_rank) * WORLD / len(per_rank))
+    if "ours" in out:
+        out["ours-bf16"] = out["ours"]  # the wire dtype narrows the messages between stages, not the all-reduce
+    return out
 
-    activations = args.microbatches * args.microbatch_size * args.block_size * args.n_embd * 4
-    tie = CharDataset.load().vocab_size * args.n_embd * 4
-    per_direction = {"peers": activations, "ours": activations + tie, "ours-bf16": activations // 2 + tie}
+
+def link_bound(args, replica_params: dict[str, float] | None = None) -> dict[str, Any]:
+    """The step time the rate-limited link alone allows (the link is full duplex: each direction carries its own
+    bytes). One replica (``--dp 1``, the two stages on either side of the link): every micro-batch's activation
+    (``microbatch_size × block_size × n_embd`` fp32) one way and its gradient the other, plus, for ours, the tied
+    embedding's all-reduce between the two stages (a ring of two: each side sends the whole gradient once). Two
+    replicas (``--dp 2``, a replica on either side): each stage's data-parallel all-reduce, a ring of two, sends
+    the stage's whole gradient each way, so each direction carries a replica's parameters (``replica_params``, by
+    kind of contender; fp32) and the messages between stages stay inside the hosts. A perfect overlap of compute
+    with the link reaches it when the link takes longer than the compute (which it cannot quite: see
+    :func:`critical_path_bound`)."""
+    if args.dp > 1:
+        per_direction = {k: int(v) * 4 for k, v in (replica_params or {}).items()}
+    else:
+        sys.path.insert(0, str(GPT_DIR))
+        from data import CharDataset
+
+        activations = args.microbatches * args.microbatch_size * args.block_size * args.n_embd * 4
+        tie = CharDataset.load().vocab_size * args.n_embd * 4
+        per_direction = {"peers": activations, "ours": activations + tie, "ours-bf16": activations // 2 + tie}
     return {"rate_bps": args.rate_bps, "bytes_per_direction": per_direction,
             "ms": {k: v * 8 / args.rate_bps * 1e3 for k, v in per_direction.items()}}
 
 
-def critical_path_bound(args, compute: list[dict[str, float]], kind: str) -> dict[str, Any]:
+def critical_path_bound(args, compute: list[dict[str, float]], kind: str,
+                        link: dict[str, Any] | None = None) -> dict[str, Any]:
     """The least step time any schedule can reach on this link with this compute: the link-bound limit with the
     part that no overlap can hide, from each rank's median compute per action (``compute[rank][op]``, ms).
 
@@ -999,7 +1082,16 @@ def critical_path_bound(args, compute: list[dict[str, float]], kind: str) -> dic
 
     The optimizer step and ``zero_grad`` are left out, which keeps it a lower bound. The bytes-÷-rate limit
     (:func:`link_bound`) is what this becomes when the compute takes no time.
+
+    With two replicas (``--dp 2``, ``compute`` per rank in ours' order, ``rank = replica·2 + stage``) the messages
+    between stages stay inside a host and the link carries the data-parallel all-reduces (``link``, from
+    :func:`link_bound`), whose bytes are final only once the stages' last backwards run: no byte of them can
+    cross before stage 1's last backward starts, after the first forward and stage 1's other work
+    (``F0 + M·F1 + (M-1)·B1 + all-reduce bytes ÷ rate``); the stages' own chains are as above with free messages.
+    Each chain is taken at the replica where it is longest.
     """
+    if args.dp > 1:
+        return _replicas_bound(args, compute, kind, link if link is not None else link_bound(args))
     link = link_bound(args)
     per_mb = args.microbatch_size * args.block_size * args.n_embd * 4 * (0.5 if kind == "ours-bf16" else 1.0)
     a = g = per_mb * 8 / args.rate_bps * 1e3
@@ -1019,14 +1111,35 @@ def critical_path_bound(args, compute: list[dict[str, float]], kind: str) -> dic
             "compute_ms": compute}
 
 
+def _replicas_bound(args, compute: list[dict[str, float]], kind: str, link: dict[str, Any]) -> dict[str, Any]:
+    """:func:`critical_path_bound` with replicas on either side of the link (see there)."""
+    M = args.microbatches
+    nbytes = link["bytes_per_direction"].get(kind)
+    if nbytes is None:
+        raise KeyError(kind)
+    crossing = nbytes * 8 / args.rate_bps * 1e3
+    terms = dict.fromkeys(("all-reduce on the link", "stage 0 compute", "stage 1 compute"), 0.0)
+    for r in range(len(compute) // WORLD):
+        c0, c1 = compute[r * WORLD], compute[r * WORLD + 1]
+        F0, R0, B0, W0 = (c0.get(op, 0.0) for op in "FRBW")
+        F1, B1, W1 = (c1.get(op, 0.0) for op in "FBW")
+        for name, value in (("all-reduce on the link", F0 + M * F1 + (M - 1) * B1 + crossing),
+                            ("stage 0 compute", M * (F0 + R0 + B0 + W0)),
+                            ("stage 1 compute", F0 + M * (F1 + B1 + W1) + (0.0 if W1 else B0))):
+            terms[name] = max(terms[name], value)
+    binding = max(terms, key=lambda k: terms[k])
+    return {"ms": terms[binding], "binding": binding, "terms_ms": terms, "message_ms": 0.0, "tie_ms": 0.0,
+            "all_reduce_ms": crossing, "compute_ms": compute}
+
+
 def _report_config(args, meta: dict) -> dict:
     """The report's ``config``: the model, the run and the machine."""
     return {
         "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,
         "microbatch_size": args.microbatch_size, "microbatches": args.microbatches,
-        "batch_size": args.microbatch_size * args.microbatches, "steps": args.steps, "warmup": args.warmup,
+        "batch_size": args.microbatch_size * args.microbatches * args.dp, "steps": args.steps, "warmup": args.warmup,
         "rounds": args.rounds, "lr": args.lr, "seed": args.seed, "optimizer": "SGD",
-        "stages": WORLD, "replicas": 1, "backend": "gloo", "threads_per_process": 1,
+        "stages": WORLD, "replicas": args.dp, "backend": "gloo", "threads_per_process": 1,
         "network": meta["network"], "deepspeed": meta.get("deepspeed"),
         "split": f"stage 0 = embeddings + blocks[0:{args.n_layer // 2}], "
                  f"stage 1 = blocks[{args.n_layer // 2}:{args.n_layer}] + ln_f + head + loss; "
@@ -1045,7 +1158,8 @@ def _report_header(report: dict) -> list[str]:
         f"block_size {cfg['block_size']}, {cfg['total_params'] or 0:,} params (tied), torch {cfg['torch']}"
         + (f", DeepSpeed {cfg['deepspeed']}" if cfg["deepspeed"] else ""),
         f"network: {cfg['network']}",
-        (f"pipeline: {cfg['stages']} stages x 1 replica, gloo, 1 thread/process; {cfg['microbatches']} micro-batches "
+        (f"pipeline: {cfg['stages']} stages x {cfg['replicas']} replica(s), gloo, 1 thread/process; "
+         f"{cfg['microbatches']} micro-batches "
          f"of {cfg['microbatch_size']} (batch {cfg['batch_size']}); SGD lr {cfg['lr']}; "
          f"{cfg['warmup']} warm-up + {cfg['steps']} measured steps, {cfg['rounds']} round(s)"),
         f"split: {cfg['split']}",
@@ -1060,11 +1174,18 @@ def _report_header(report: dict) -> list[str]:
         ms, nbytes = limit["ms"], limit["bytes_per_direction"]
         shares = ", ".join(f"{c['contender']} {c['of_link_limit']:.0%}" for c in report["contenders"]
                            if "of_link_limit" in c)
-        lines_before.append(
-            f"link-bound limit (bytes each way ÷ rate): ours {ms['ours']:.1f} ms ({nbytes['ours'] / 1e6:.2f} MB: "
-            f"activations or gradients {nbytes['peers'] / 1e6:.2f} MB + the tied embedding's all-reduce), ours with "
-            f"a bf16 wire {ms['ours-bf16']:.1f} ms, torch and DeepSpeed (untied) {ms['peers']:.1f} ms; each "
-            f"contender's step against its limit: {shares}")
+        if cfg["replicas"] > 1:
+            kinds = ", ".join(f"{name} {ms[k]:.1f} ms ({nbytes[k] / 1e6:.2f} MB)" for k, name in
+                              (("ours", "ours"), ("peers", "torch and DeepSpeed (untied)")) if k in ms)
+            lines_before.append(f"link-bound limit (bytes each way ÷ rate: each stage's data-parallel all-reduce, "
+                                f"a ring of two, sends its whole gradient): {kinds}; each contender's step against "
+                                f"its limit: {shares}")
+        else:
+            lines_before.append(
+                f"link-bound limit (bytes each way ÷ rate): ours {ms['ours']:.1f} ms ({nbytes['ours'] / 1e6:.2f} MB: "
+                f"activations or gradients {nbytes['peers'] / 1e6:.2f} MB + the tied embedding's all-reduce), ours "
+                f"with a bf16 wire {ms['ours-bf16']:.1f} ms, torch and DeepSpeed (untied) {ms['peers']:.1f} ms; "
+                f"each contender's step against its limit: {shares}")
         paths = [c for c in report["contenders"] if "critical_path" in c]
         if paths:
             lines_before.append(

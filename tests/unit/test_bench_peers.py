@@ -115,3 +115,36 @@ def test_the_critical_path_limit_adds_what_no_overlap_can_hide(bench):
     assert slow["binding"] == "stage 0 compute" and slow["ms"] == pytest.approx(8 * 80 + slow["tie_ms"])
     split = bench.critical_path_bound(args, [{}, {"F": 1.0, "B": 1.0, "W": 30.0}], "ours")
     assert split["terms_ms"]["stage 1 compute"] == pytest.approx(message + 8 * 32 + split["tie_ms"])
+
+
+def test_two_replicas_put_each_replica_on_a_host_and_the_all_reduce_on_the_link(bench):
+    """--dp 2: ours and torch number a replica's stages consecutively, DeepSpeed a stage's replicas; the link
+    carries each stage's all-reduce (a ring of two sends the whole gradient), and no gradient byte can cross before
+    stage 1's last backward starts."""
+    assert [bench.place("ours-varuna", r, 2) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [bench.place("torch-1f1b", r, 2) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [bench.place(bench.DEEPSPEED, r, 2) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [bench.place("ours-1f1b", r, 1) for r in range(2)] == [(0, 0), (1, 0)]
+
+    split = {"ours-1f1b": [100, 60, 100, 60], bench.DEEPSPEED: [100, 100, 70, 70]}
+    params = bench._replica_params(split)
+    assert params == {"ours": 160, "peers": 170, "ours-bf16": 160}
+    args = bench.parse_args(["--network", "slow", "--rate", "50mbit", "--dp", "2"])
+    assert "torch-gpipe" not in args.contender_list and "ours-varuna" in args.contender_list  # default: those that can
+    link = bench.link_bound(args, params)
+    assert link["bytes_per_direction"] == {"ours": 640, "peers": 680, "ours-bf16": 640}
+    crossing = 640 * 8 / 50e6 * 1e3
+    compute = [{"F": 2.0, "R": 2.0, "B": 3.0}, {"F": 3.0, "B": 4.0}, {"F": 2.5, "R": 2.0, "B": 3.0},
+               {"F": 3.0, "B": 5.0}]
+    bound = bench.critical_path_bound(args, compute, "ours", link)
+    assert bound["terms_ms"]["all-reduce on the link"] == pytest.approx(2.5 + 8 * 3.0 + 7 * 5.0 + crossing)
+    assert bound["terms_ms"]["stage 0 compute"] == pytest.approx(8 * 7.5)
+    assert bound["terms_ms"]["stage 1 compute"] == pytest.approx(2.5 + 8 * 8.0 + 3.0)
+    assert bound["ms"] == max(bound["terms_ms"].values())
+
+
+@pytest.mark.parametrize("contender", ["torch-gpipe", "torch-zb"])
+def test_two_replicas_refuse_the_contenders_that_cannot_run_them(bench, contender, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(["--dp", "2", "--contenders", f"ours-1f1b,{contender}"])
+    assert stop.value.code == 2 and contender in capsys.readouterr().err
