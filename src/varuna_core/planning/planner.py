@@ -569,16 +569,17 @@ def link_layout(placement: str, pp: int, dp: int, per_node: int) -> LinkLayout:
         firsts = {n * per_node for n in range(min(nodes, pp // math.gcd(pp, per_node)))} | {(nodes - 1) * per_node}
         sets = {tuple(sorted({r % pp for r in range(first, min(first + per_node, world))})) for first in firsts}
     elif placement == "stage":  # rank = stage·dp + replica
+        # boundary s: replica r's message goes from rank x = s·dp + r to x + dp, and crosses where they are on other
+        # nodes; counted per node (a node's ranks are a range), not per replica: pp·dp can be thousands
         most = []
         for s in range(pp - 1):
-            out: dict[int, int] = {}
-            into: dict[int, int] = {}
-            for r in range(dp):
-                a, b = (s * dp + r) // per_node, ((s + 1) * dp + r) // per_node
-                if a != b:
-                    out[a] = out.get(a, 0) + 1
-                    into[b] = into.get(b, 0) + 1
-            most.append(max([0, *out.values(), *into.values()]))
+            lo, hi = s * dp, (s + 1) * dp  # the senders' ranks [lo, hi); the receivers' are [hi, hi + dp)
+            top = 0
+            for a in range(lo // per_node, (hi - 1) // per_node + 1):  # leaving node a: senders x + dp past its end
+                top = max(top, min((a + 1) * per_node, hi) - max(a * per_node, lo, (a + 1) * per_node - dp))
+            for b in range(hi // per_node, (hi + dp - 1) // per_node + 1):  # entering b: receivers y - dp before it
+                top = max(top, min((b + 1) * per_node, hi + dp, b * per_node + dp) - max(b * per_node, hi))
+            most.append(top)
         sends = tuple(most)
         crossing = tuple(s * dp // per_node != ((s + 1) * dp - 1) // per_node for s in range(pp))
         sets = {tuple(range(n * per_node // dp, (min(world, (n + 1) * per_node) - 1) // dp + 1))
@@ -600,14 +601,20 @@ def shared_link_syncs(parts: Sequence[tuple[float, float]], layout: LinkLayout) 
     ends, on a node whose groups take ``x_g``, after ``Σ_g min(x_g, x_s)`` (processor sharing), and on its slowest
     node. Without sharing (one node, or one crossing stage per node) this is ``x_s``; the last group to end meets
     the link bound, ``Σ_g x_g`` on the busiest node."""
-    shared = [x for _, x in parts]
+    transfer = [x for _, x in parts]
+    shared = list(transfer)
     for members in layout.node_stages:
-        xs = sorted(parts[g][1] for g in members)
+        n = len(members)
+        if n < 2:  # alone on its nodes' links: the sum below is its own transfer
+            continue
+        xs = sorted([transfer[g] for g in members])
         prefix = list(itertools.accumulate(xs, initial=0.0))
         for g in members:
-            x = parts[g][1]
+            x = transfer[g]
             k = bisect.bisect_right(xs, x)
-            shared[g] = max(shared[g], prefix[k] + x * (len(xs) - k))
+            value = prefix[k] + x * (n - k)
+            if value > shared[g]:
+                shared[g] = value
     return [lat + x for (lat, _), x in zip(parts, shared, strict=True)]
 
 
@@ -653,6 +660,19 @@ class _Tables:
         self._p2p: dict[tuple[float, bool], float] = {}
         self._allreduce: dict[tuple[float, int, bool], tuple[float, float]] = {}
         self._layouts: dict[tuple[str, int, int, int], LinkLayout] = {}
+        self._schedule: dict[tuple[str, int, int], tuple[list[tuple[int, int]], list[bool], list[int] | None]] = {}
+
+    def schedule(self, name: str, pp: int, num_mb: int) -> tuple[list[tuple[int, int]], list[bool], list[int] | None]:
+        """What the search needs of a schedule's shape: per stage its in-flight ``(held, graphs)``, whether it
+        recomputes, and its micro-batches pending their ``W`` (``None``: the backward is whole); the same for every
+        width, micro-batch size and placement with these sizes, so worked out once."""
+        key = (name, pp, num_mb)
+        found = self._schedule.get(key)
+        if found is None:
+            found = self._schedule[key] = (
+                inflight_counts(name, pp, num_mb), list(recompute_stages(name, pp)),
+                pending_weights_named(name, pp, num_mb) if splits_backward(name) else None)
+        return found
 
     def segs(self, n: float) -> list[_Seg]:
         if n not in self._segs:
@@ -746,9 +766,7 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int, sche
     num_mb = math.ceil(replica_batch / mbs)
     last = replica_batch - (num_mb - 1) * mbs
     segs = tables.segs(mbs)
-    counts = inflight_counts(schedule, pp, num_mb)
-    recompute = list(recompute_stages(schedule, pp))
-    pending = pending_weights_named(schedule, pp, num_mb) if splits_backward(schedule) else None
+    counts, recompute, pending = tables.schedule(schedule, pp, num_mb)
     part = tables.partition(pp, mbs, recompute, counts, num_mb, req, shards, pending)
     if part is None:
         if pp > len(segs):
@@ -762,31 +780,48 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int, sche
                                         num_mb=num_mb, headroom=req.headroom, shards=shards, pending=pending))
                    for s, (a, b) in enumerate(free.ranges))
         return [], need
-    return [_bound(tables, req, pp, dp, mbs, num_mb, last, schedule, shard, part, recompute, counts, pending,
+    stages = _stage_bounds(tables, mbs, num_mb, last, shards, part, recompute, pending is not None)
+    grads = [tables.prefix(mbs).grads[b] - tables.prefix(mbs).grads[a] for a, b in part.ranges]
+    return [_bound(tables, pp, dp, mbs, num_mb, last, schedule, shard, part, recompute, counts, pending, stages, grads,
                    tables.layout(placement, pp, dp, req.gpus_per_node or req.gpus)) for placement in placements], None
 
 
-def _bound(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int, num_mb: int, last: int, schedule: str,
-           shard: bool, part: Partition, recompute: list[bool], counts: list[tuple[int, int]],
-           pending: list[int] | None, layout: LinkLayout) -> _Scored:
-    """A partitioned configuration under one placement, with its lower bound on the step."""
-    shards = dp if shard else 1
+def _stage_bounds(tables: _Tables, mbs: int, num_mb: int, last: int, shards: int, part: Partition,
+                  recompute: list[bool], split: bool) -> list[tuple[float, float, float, float, float]]:
+    """Per stage what its bound needs, whatever the placement: ``(busy, longest, optimizer, forward, sent)``: the
+    compute of all its micro-batches, the longest of its backward parts (B or W, the last micro-batch's included),
+    its optimizer step, one forward, and the bytes it sends on per micro-batch."""
     segs = tables.segs(mbs)
     pre, pre_last = tables.prefix(mbs), tables.prefix(last)
-    syncs = tables.syncs([pre.grads[b] - pre.grads[a] for a, b in part.ranges], dp, layout)
-    lower = fill = 0.0
+    out = []
     for s, (a, b) in enumerate(part.ranges):
-        f, r, bw, w = _stage_times(pre, a, b, recompute[s], pending is not None)
-        fl, rl, bl, wl = _stage_times(pre_last, a, b, recompute[s], pending is not None)
-        sync = sync_costs(syncs[s], (pre.opt[b] - pre.opt[a]) / shards, sharded=shard)
+        f, r, bw, w = _stage_times(pre, a, b, recompute[s], split)
+        fl, rl, bl, wl = _stage_times(pre_last, a, b, recompute[s], split)
         busy = (num_mb - 1) * (f + r + bw + w) + fl + rl + bl + wl
+        out.append((busy, max(bw, bl, w, wl), (pre.opt[b] - pre.opt[a]) / shards, f, segs[b - 1].on_wire))
+    return out
+
+
+def _bound(tables: _Tables, pp: int, dp: int, mbs: int, num_mb: int, last: int, schedule: str, shard: bool,
+           part: Partition, recompute: list[bool], counts: list[tuple[int, int]], pending: list[int] | None,
+           stages: list[tuple[float, float, float, float, float]], grads: list[float],
+           layout: LinkLayout) -> _Scored:
+    """A partitioned configuration under one placement, with its lower bound on the step (``stages``:
+    :func:`_stage_bounds`; ``grads``: each stage's gradient bytes). The stages' all-reduce times under this
+    placement are kept for :func:`_score`."""
+    syncs = tables.syncs(grads, dp, layout)
+    lower = fill = 0.0
+    for s, (busy, longest, opt, f, sent) in enumerate(stages):
+        # as sync_costs: a sharded optimizer's collectives run after the pipeline, an all-reduce overlaps the last B
+        allreduce, optimizer = (0.0, syncs[s] + opt) if shard else (syncs[s], opt)
         # it cannot start before the first activation reaches it; its all-reduce starts with its last B or W at the
         # earliest, which starts once everything else it computes is done
-        done = max(busy, busy - max(bw, bl, w, wl) + sync["allreduce"])
-        lower = max(lower, fill + done + sync["optimizer"])
+        done = max(busy, busy - longest + allreduce)
+        lower = max(lower, fill + done + optimizer)
         if s < pp - 1:
-            fill += f + tables.send(segs[b - 1].on_wire, layout.sends[s])
-    return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, lower, shard, pending)
+            fill += f + tables.send(sent, layout.sends[s])
+    return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, lower, shard, pending,
+                   sync=syncs)
 
 
 def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
@@ -796,8 +831,10 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     pp = c.pp
     windows = receive_windows([held for held, _ in c.counts])
     split = c.pending is not None
-    # the stages' groups cross the nodes' links together: each one's time with the others sharing them
-    c.sync = tables.syncs([pre.grads[b] - pre.grads[a] for a, b in c.partition.ranges], c.dp, c.layout)
+    # the stages' groups cross the nodes' links together: each one's time with the others sharing them (the bound
+    # worked it out)
+    if not c.sync:
+        c.sync = tables.syncs([pre.grads[b] - pre.grads[a] for a, b in c.partition.ranges], c.dp, c.layout)
     for s, (a, b) in enumerate(c.partition.ranges):
         f, r, bw, w = _stage_times(pre, a, b, c.recompute[s], split)
         fl, rl, bl, wl = _stage_times(pre_last, a, b, c.recompute[s], split)
