@@ -434,12 +434,15 @@ def partition_under_memory(
             end = reach[(a, s)] = lo_
         return end
 
+    stage_tables = [pre.table(recompute_stages[s], split) for s in range(pp)]  # looked up once, not per probe
+
     def greedy(bound: float) -> list[tuple[int, int]] | None:
         ranges, a = [], 0
+        slack = bound * (1 + 1e-12)
         for s in range(pp):
-            table = pre.table(recompute_stages[s], split)
+            table = stage_tables[s]
             last_allowed = n - (pp - s - 1)
-            b = bisect.bisect_right(table, table[a] + bound * (1 + 1e-12), a + 1, last_allowed + 1) - 1
+            b = bisect.bisect_right(table, table[a] + slack, a + 1, last_allowed + 1) - 1
             if limit is not None:
                 b = min(b, reach_of(a, s, last_allowed))
                 while b > a and memory(a, b, s) > limit:
@@ -451,7 +454,7 @@ def partition_under_memory(
         return ranges if a == n else None
 
     def bottleneck(ranges: list[tuple[int, int]]) -> float:
-        return max(pre.cost(a, b, recompute_stages[s], split) for s, (a, b) in enumerate(ranges))
+        return max(stage_tables[s][b] - stage_tables[s][a] for s, (a, b) in enumerate(ranges))
 
     any_rec = any(recompute_stages)
     lo = max(pre.cost(0, n, False, split) / pp, max(pre.cost(k, k + 1, False, split) for k in range(n)))
@@ -661,6 +664,8 @@ class _Tables:
         self._allreduce: dict[tuple[float, int, bool], tuple[float, float]] = {}
         self._layouts: dict[tuple[str, int, int, int], LinkLayout] = {}
         self._schedule: dict[tuple[str, int, int], tuple[list[tuple[int, int]], list[bool], list[int] | None]] = {}
+        self._syncs: dict[tuple[tuple[float, ...], int, int], tuple[LinkLayout, list[float]]] = {}
+        self._sends: dict[tuple[float, int], float] = {}
 
     def schedule(self, name: str, pp: int, num_mb: int) -> tuple[list[tuple[int, int]], list[bool], list[int] | None]:
         """What the search needs of a schedule's shape: per stage its in-flight ``(held, graphs)``, whether it
@@ -707,14 +712,24 @@ class _Tables:
 
     def syncs(self, grads: Sequence[float], dp: int, layout: LinkLayout) -> list[float]:
         """Per stage, its gradient all-reduce of ``grads[s]`` bytes, between nodes where its replicas are on
-        several, with the other stages' groups sharing the nodes' links (:func:`shared_link_syncs`)."""
-        return shared_link_syncs([self.allreduce_parts(g, dp, inter)
-                                  for g, inter in zip(grads, layout.crossing, strict=True)], layout)
+        several, with the other stages' groups sharing the nodes' links (:func:`shared_link_syncs`). The same
+        partition comes back for many schedules, micro-batch sizes and the optimizer sharded or not (4532
+        candidates, 221 distinct at 4096 devices): worked out once (the list is shared: read it only)."""
+        key = (tuple(grads), dp, id(layout))  # the entry keeps its layout alive: no other can take its id
+        found = self._syncs.get(key)
+        if found is None or found[0] is not layout:
+            found = self._syncs[key] = (layout, shared_link_syncs(
+                [self.allreduce_parts(g, dp, inter) for g, inter in zip(grads, layout.crossing, strict=True)], layout))
+        return found[1]
 
     def send(self, nbytes: float, flows: int) -> float:
         """A message of ``nbytes`` over a boundary whose ``flows`` replicas' messages share a node's link at
         once (0: inside a node)."""
-        return self.p2p(nbytes * flows, True) if flows else self.p2p(nbytes, False)
+        key = (nbytes, flows)
+        found = self._sends.get(key)
+        if found is None:
+            found = self._sends[key] = self.p2p(nbytes * flows, True) if flows else self.p2p(nbytes, False)
+        return found
 
     def partition(self, pp: int, mbs: int, recompute: list[bool], counts: Sequence[tuple[int, int]], num_mb: int,
                   req: PlanRequest, shards: int = 1, pending: Sequence[int] | None = None) -> Partition | None:
@@ -786,38 +801,63 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int, sche
                    tables.layout(placement, pp, dp, req.gpus_per_node or req.gpus)) for placement in placements], None
 
 
+_StageBound = tuple[float, float, float, float, float, float, float, float, float]
+
+
 def _stage_bounds(tables: _Tables, mbs: int, num_mb: int, last: int, shards: int, part: Partition,
-                  recompute: list[bool], split: bool) -> list[tuple[float, float, float, float, float]]:
-    """Per stage what its bound needs, whatever the placement: ``(busy, longest, optimizer, forward, sent)``: the
-    compute of all its micro-batches, the longest of its backward parts (B or W, the last micro-batch's included),
-    its optimizer step, one forward, and the bytes it sends on per micro-batch."""
-    segs = tables.segs(mbs)
+                  recompute: list[bool], split: bool) -> list[_StageBound]:
+    """Per stage what its bound needs, whatever the placement: ``(busy, longest, optimizer, forward, sent,
+    forwards, forward_min, backward_min, sent_min)``: the compute of all its micro-batches, the longest of its
+    backward parts (B or W, the last micro-batch's included), its optimizer step, one forward, the bytes it sends
+    on per micro-batch; then all its forwards together, and the least of a micro-batch's forward, backward (B
+    alone where it is split) and bytes sent, whichever its size (profiles need not grow with the size)."""
+    segs, segs_last = tables.segs(mbs), tables.segs(last)
     pre, pre_last = tables.prefix(mbs), tables.prefix(last)
     out = []
     for s, (a, b) in enumerate(part.ranges):
         f, r, bw, w = _stage_times(pre, a, b, recompute[s], split)
         fl, rl, bl, wl = _stage_times(pre_last, a, b, recompute[s], split)
         busy = (num_mb - 1) * (f + r + bw + w) + fl + rl + bl + wl
-        out.append((busy, max(bw, bl, w, wl), (pre.opt[b] - pre.opt[a]) / shards, f, segs[b - 1].on_wire))
+        out.append((busy, max(bw, bl, w, wl), (pre.opt[b] - pre.opt[a]) / shards, f, segs[b - 1].on_wire,
+                    (num_mb - 1) * f + fl, min(f, fl), min(bw, bl), min(segs[b - 1].on_wire, segs_last[b - 1].on_wire)))
     return out
 
 
 def _bound(tables: _Tables, pp: int, dp: int, mbs: int, num_mb: int, last: int, schedule: str, shard: bool,
            part: Partition, recompute: list[bool], counts: list[tuple[int, int]], pending: list[int] | None,
-           stages: list[tuple[float, float, float, float, float]], grads: list[float],
-           layout: LinkLayout) -> _Scored:
+           stages: list[_StageBound], grads: list[float], layout: LinkLayout) -> _Scored:
     """A partitioned configuration under one placement, with its lower bound on the step (``stages``:
     :func:`_stage_bounds`; ``grads``: each stage's gradient bytes). The stages' all-reduce times under this
-    placement are kept for :func:`_score`."""
+    placement are kept for :func:`_score`.
+
+    Two chains bound each stage's end, both chains of work that must run one after another in every schedule (the
+    search simulates in order of the bound and stops once it passes the best steps, so a tighter bound simulates
+    fewer and a bound above a step would lose the best: every term is a least time):
+
+    * its busy time after the first activation reaches it (``fill``), its all-reduce starting with its last B;
+    * the micro-batch whose forward is the stage's last: all its forwards after ``fill``, then that micro-batch
+      through every later stage forward and back (``tails``: each later stage's least forward and B, the messages
+      both ways), then its own least B, the all-reduce starting with it (the bubble a deep pipeline with few
+      micro-batches pays, which the first chain leaves out). A recompute is not in it: it may run while the stage
+      waits for the gradient.
+
+    Each ends with the stage's optimizer step."""
     syncs = tables.syncs(grads, dp, layout)
+    tails = [0.0] * pp  # tails[s]: from stage s's last forward's end to the gradient's return, through stages > s
+    for s in range(pp - 2, -1, -1):
+        _, _, _, _, _, _, f_next, b_next, _ = stages[s + 1]
+        message = tables.send(stages[s][8], layout.sends[s])
+        tails[s] = message + f_next + tails[s + 1] + b_next + message
     lower = fill = 0.0
-    for s, (busy, longest, opt, f, sent) in enumerate(stages):
+    for s, (busy, longest, opt, f, sent, forwards, _, b_min, _) in enumerate(stages):
         # as sync_costs: a sharded optimizer's collectives run after the pipeline, an all-reduce overlaps the last B
         allreduce, optimizer = (0.0, syncs[s] + opt) if shard else (syncs[s], opt)
         # it cannot start before the first activation reaches it; its all-reduce starts with its last B or W at the
         # earliest, which starts once everything else it computes is done
         done = max(busy, busy - longest + allreduce)
         lower = max(lower, fill + done + optimizer)
+        returned = fill + forwards + tails[s]  # its last forward's micro-batch back from the later stages
+        lower = max(lower, max(returned + b_min, returned + allreduce) + optimizer)
         if s < pp - 1:
             fill += f + tables.send(sent, layout.sends[s])
     return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, lower, shard, pending,
