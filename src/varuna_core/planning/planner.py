@@ -666,6 +666,9 @@ class _Tables:
         self._schedule: dict[tuple[str, int, int], tuple[list[tuple[int, int]], list[bool], list[int] | None]] = {}
         self._syncs: dict[tuple[tuple[float, ...], int, int], tuple[LinkLayout, list[float]]] = {}
         self._sends: dict[tuple[float, int], float] = {}
+        self._stage_bounds: dict[tuple[object, ...], list[_StageBound]] = {}
+        # _bound's result per (stages, layout, sharded): those two objects, the all-reduce times and the bound
+        self.lower: dict[tuple[int, int, bool], tuple[list[_StageBound], LinkLayout, list[float], float]] = {}
 
     def schedule(self, name: str, pp: int, num_mb: int) -> tuple[list[tuple[int, int]], list[bool], list[int] | None]:
         """What the search needs of a schedule's shape: per stage its in-flight ``(held, graphs)``, whether it
@@ -721,6 +724,15 @@ class _Tables:
             found = self._syncs[key] = (layout, shared_link_syncs(
                 [self.allreduce_parts(g, dp, inter) for g, inter in zip(grads, layout.crossing, strict=True)], layout))
         return found[1]
+
+    def stage_bounds(self, mbs: int, num_mb: int, last: int, shards: int, part: Partition, recompute: list[bool],
+                     split: bool) -> list[_StageBound]:
+        """:func:`_stage_bounds`, once per partition and sizes (schedules of one recompute pattern share them)."""
+        key = (mbs, num_mb, last, shards, part.ranges, tuple(recompute), split)
+        found = self._stage_bounds.get(key)
+        if found is None:
+            found = self._stage_bounds[key] = _stage_bounds(self, mbs, num_mb, last, shards, part, recompute, split)
+        return found
 
     def send(self, nbytes: float, flows: int) -> float:
         """A message of ``nbytes`` over a boundary whose ``flows`` replicas' messages share a node's link at
@@ -795,7 +807,7 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int, sche
                                         num_mb=num_mb, headroom=req.headroom, shards=shards, pending=pending))
                    for s, (a, b) in enumerate(free.ranges))
         return [], need
-    stages = _stage_bounds(tables, mbs, num_mb, last, shards, part, recompute, pending is not None)
+    stages = tables.stage_bounds(mbs, num_mb, last, shards, part, recompute, pending is not None)
     grads = [tables.prefix(mbs).grads[b] - tables.prefix(mbs).grads[a] for a, b in part.ranges]
     return [_bound(tables, pp, dp, mbs, num_mb, last, schedule, shard, part, recompute, counts, pending, stages, grads,
                    tables.layout(placement, pp, dp, req.gpus_per_node or req.gpus)) for placement in placements], None
@@ -841,7 +853,13 @@ def _bound(tables: _Tables, pp: int, dp: int, mbs: int, num_mb: int, last: int, 
       micro-batches pays, which the first chain leaves out). A recompute is not in it: it may run while the stage
       waits for the gradient.
 
-    Each ends with the stage's optimizer step."""
+    Each ends with the stage's optimizer step. Schedules of one recompute pattern (``1f1b`` and ``gpipe``) share
+    ``stages``, so the bound is worked out once for them (``tables.lower``)."""
+    key = (id(stages), id(layout), shard)  # the entry keeps both alive: no other can take their ids
+    found = tables.lower.get(key)
+    if found is not None and found[0] is stages and found[1] is layout:
+        return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, found[3], shard, pending,
+                       sync=found[2])
     syncs = tables.syncs(grads, dp, layout)
     tails = [0.0] * pp  # tails[s]: from stage s's last forward's end to the gradient's return, through stages > s
     for s in range(pp - 2, -1, -1):
@@ -860,6 +878,7 @@ def _bound(tables: _Tables, pp: int, dp: int, mbs: int, num_mb: int, last: int, 
         lower = max(lower, max(returned + b_min, returned + allreduce) + optimizer)
         if s < pp - 1:
             fill += f + tables.send(sent, layout.sends[s])
+    tables.lower[key] = (stages, layout, syncs, lower)
     return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, lower, shard, pending,
                    sync=syncs)
 
