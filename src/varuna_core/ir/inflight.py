@@ -48,8 +48,8 @@ from __future__ import annotations
 
 from .schedule import Op, Schedule, generate
 
-__all__ = ["inflight", "inflight_named", "pending_weights", "pending_weights_named", "posted_receives",
-           "receive_windows", "unwaited_sends"]
+__all__ = ["has_closed_form", "inflight", "inflight_named", "pending_weights", "pending_weights_named",
+           "posted_receives", "receive_windows", "unwaited_sends"]
 
 
 def inflight(schedule: Schedule) -> list[tuple[int, int]]:
@@ -94,6 +94,12 @@ _CLOSED_FORMS = {
     "gpipe": lambda stage, num_stages, num_mb: (num_mb, num_mb),  # every forward before any backward
     "1f1b": lambda stage, num_stages, num_mb: (min(num_stages - stage, num_mb),) * 2,  # warm-up + 1
 }
+
+
+def has_closed_form(name: str) -> bool:
+    """Whether :func:`inflight_named` knows the schedule's counts without building it (a few operations per
+    stage: cheaper than any simulation of it)."""
+    return name in _CLOSED_FORMS
 
 
 def inflight_named(name: str, num_stages: int, num_mb: int) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ from typing import Protocol
 
 from ..env import NO_NATIVE, flag
 from ..errors import VarunaError
-from ..ir.inflight import inflight, inflight_named
+from ..ir.inflight import has_closed_form, inflight, inflight_named
 from ..ir.schedule import Action, Op, Schedule, generate
 
 __all__ = ["StageCosts", "SimResult", "native_module", "require_native", "simulate", "simulate_generated",
@@ -241,7 +241,7 @@ def inflight_counts(name: str, num_stages: int, num_mb: int) -> list[tuple[int, 
     """Per stage ``(held, graphs)`` of the named schedule (:func:`varuna_core.ir.inflight.inflight`), the
     memory model's counts."""
     native = native_module()
-    if native is None:
+    if native is None or has_closed_form(name):
         return inflight_named(name, num_stages, num_mb)
     return [(held, graphs) for held, graphs in native.inflight(name, num_stages, num_mb)]
 
