@@ -177,3 +177,33 @@ def test_what_crosses_the_links_under_each_placement(placement, pp, dp, per_node
                     *(sum(1 for p in pairs if p[1] == n) for n in set(node))])
         assert layout.sends[s] == most
     assert layout.crossing == tuple(len({node[r] for r in ranks}) > 1 for ranks in topology.stage_ranks)
+
+
+def test_the_layouts_shortcuts_equal_counting_rank_by_rank() -> None:
+    """link_layout counts what crosses per node and enumerates only the nodes that give distinct stage sets (a
+    4096-device search builds hundreds of layouts); every small cluster shape agrees with counting from the map,
+    rank by rank."""
+    for placement in ("pipeline", "stage"):
+        for pp in range(1, 9):
+            for dp in range(1, 13):
+                for per_node in (1, 2, 3, 4, 8):
+                    if pp * dp <= per_node:
+                        continue
+                    layout = link_layout(placement, pp, dp, per_node)
+                    topology = Topology.placed(placement, pp, dp)
+                    node = [rank // per_node for rank in range(pp * dp)]
+                    sends = []
+                    for s in range(pp - 1):
+                        pairs = [(node[a], node[b]) for a, b in zip(topology.stage_ranks[s],
+                                                                    topology.stage_ranks[s + 1], strict=True)
+                                 if node[a] != node[b]]
+                        sends.append(max([0, *(sum(1 for p in pairs if p[0] == n) for n in set(node)),
+                                          *(sum(1 for p in pairs if p[1] == n) for n in set(node))]))
+                    crossing = tuple(len({node[r] for r in ranks}) > 1 for ranks in topology.stage_ranks)
+                    stage_of = {r: s for s, ranks in enumerate(topology.stage_ranks) for r in ranks}
+                    sets = {tuple(sorted({stage_of[r] for r in range(pp * dp) if node[r] == n and
+                                          crossing[stage_of[r]]})) for n in set(node)} - {()}
+                    shape = (placement, pp, dp, per_node)
+                    assert layout.sends == tuple(sends), shape
+                    assert layout.crossing == crossing, shape
+                    assert layout.node_stages == tuple(sorted(sets)), shape

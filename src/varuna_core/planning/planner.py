@@ -435,18 +435,27 @@ def partition_under_memory(
         return end
 
     stage_tables = [pre.table(recompute_stages[s], split) for s in range(pp)]  # looked up once, not per probe
+    bisect_right = bisect.bisect_right
 
     def greedy(bound: float) -> list[tuple[int, int]] | None:
         ranges, a = [], 0
         slack = bound * (1 + 1e-12)
+        after = n - pp + 2  # stage s may end at most at n - (pp - s - 1): bisect below after + s
+        if limit is None:  # the bisection's probes without a memory limit: the search's hottest loop
+            for s, table in enumerate(stage_tables):
+                b = bisect_right(table, table[a] + slack, a + 1, after + s) - 1
+                if b <= a:
+                    return None
+                ranges.append((a, b))
+                a = b
+            return ranges if a == n else None
         for s in range(pp):
             table = stage_tables[s]
             last_allowed = n - (pp - s - 1)
-            b = bisect.bisect_right(table, table[a] + slack, a + 1, last_allowed + 1) - 1
-            if limit is not None:
-                b = min(b, reach_of(a, s, last_allowed))
-                while b > a and memory(a, b, s) > limit:
-                    b -= 1
+            b = bisect_right(table, table[a] + slack, a + 1, last_allowed + 1) - 1
+            b = min(b, reach_of(a, s, last_allowed))
+            while b > a and memory(a, b, s) > limit:
+                b -= 1
             if b <= a:
                 return None
             ranges.append((a, b))
@@ -585,8 +594,14 @@ def link_layout(placement: str, pp: int, dp: int, per_node: int) -> LinkLayout:
             most.append(top)
         sends = tuple(most)
         crossing = tuple(s * dp // per_node != ((s + 1) * dp - 1) // per_node for s in range(pp))
-        sets = {tuple(range(n * per_node // dp, (min(world, (n + 1) * per_node) - 1) // dp + 1))
-                for n in range(nodes)}
+        # a node's stages are those of its ranks; a node that holds no stage's first or last rank lies inside one
+        # stage, as the node after that stage's first does: those nodes give every distinct set (3·pp at most,
+        # where the nodes can be thousands)
+        some: set[int] = set()
+        for g in range(pp):
+            first, last_node = g * dp // per_node, ((g + 1) * dp - 1) // per_node
+            some.update((first, last_node) if first + 1 >= last_node else (first, first + 1, last_node))
+        sets = {tuple(range(n * per_node // dp, (min(world, (n + 1) * per_node) - 1) // dp + 1)) for n in some}
     else:
         raise ValueError(f"unknown placement {placement!r}")
     node_stages = tuple(sorted({tuple(g for g in members if crossing[g]) for members in sets} - {()}))
@@ -667,6 +682,7 @@ class _Tables:
         self._syncs: dict[tuple[tuple[float, ...], int, int], tuple[LinkLayout, list[float]]] = {}
         self._sends: dict[tuple[float, int], float] = {}
         self._stage_bounds: dict[tuple[object, ...], list[_StageBound]] = {}
+        self._fits: dict[tuple[object, ...], bool] = {}  # the free partition fits with the whole optimizer state
         # _bound's result per (stages, layout, sharded): those two objects, the all-reduce times and the bound
         self.lower: dict[tuple[int, int, bool], tuple[list[_StageBound], LinkLayout, list[float], float]] = {}
 
@@ -756,11 +772,18 @@ class _Tables:
                 headroom=req.headroom, num_mb=num_mb, prefix=self.prefix(mbs), pending=pending)
         if free is None or req.gpu_memory is None:
             return free
+        # a stage needs less with its optimizer state sharded: where the whole state fit, the shards do too
+        whole = (key, tuple(counts), num_mb, tuple(pending) if pending is not None else None)
+        if shards > 1 and self._fits.get(whole):
+            return free
         pre = self.prefix(mbs)
         windows = receive_windows([held for held, _ in counts])
-        if all(pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute, num_mb=num_mb,
-                                headroom=req.headroom, shards=shards, pending=pending) <= req.gpu_memory
-               for s, (a, b) in enumerate(free.ranges)):
+        fits = all(pre.stage_memory(a, b, s, counts=counts, windows=windows, recompute=recompute, num_mb=num_mb,
+                                    headroom=req.headroom, shards=shards, pending=pending) <= req.gpu_memory
+                   for s, (a, b) in enumerate(free.ranges))
+        if shards == 1:
+            self._fits[whole] = fits
+        if fits:
             return free
         return partition_under_memory(self.segs(mbs), pp, recompute_stages=recompute, counts=counts,
                                       limit=req.gpu_memory, headroom=req.headroom, num_mb=num_mb, prefix=pre,
@@ -808,8 +831,7 @@ def _prepare(tables: _Tables, req: PlanRequest, pp: int, dp: int, mbs: int, sche
                    for s, (a, b) in enumerate(free.ranges))
         return [], need
     stages = tables.stage_bounds(mbs, num_mb, last, shards, part, recompute, pending is not None)
-    grads = [tables.prefix(mbs).grads[b] - tables.prefix(mbs).grads[a] for a, b in part.ranges]
-    return [_bound(tables, pp, dp, mbs, num_mb, last, schedule, shard, part, recompute, counts, pending, stages, grads,
+    return [_bound(tables, pp, dp, mbs, num_mb, last, schedule, shard, part, recompute, counts, pending, stages,
                    tables.layout(placement, pp, dp, req.gpus_per_node or req.gpus)) for placement in placements], None
 
 
@@ -830,17 +852,17 @@ def _stage_bounds(tables: _Tables, mbs: int, num_mb: int, last: int, shards: int
         f, r, bw, w = _stage_times(pre, a, b, recompute[s], split)
         fl, rl, bl, wl = _stage_times(pre_last, a, b, recompute[s], split)
         busy = (num_mb - 1) * (f + r + bw + w) + fl + rl + bl + wl
-        out.append((busy, max(bw, bl, w, wl), (pre.opt[b] - pre.opt[a]) / shards, f, segs[b - 1].on_wire,
-                    (num_mb - 1) * f + fl, min(f, fl), min(bw, bl), min(segs[b - 1].on_wire, segs_last[b - 1].on_wire)))
+        sent, sent_last = segs[b - 1].on_wire, segs_last[b - 1].on_wire
+        out.append((busy, max(bw, bl, w, wl), (pre.opt[b] - pre.opt[a]) / shards, f, sent, (num_mb - 1) * f + fl,
+                    f if f <= fl else fl, bw if bw <= bl else bl, sent if sent <= sent_last else sent_last))
     return out
 
 
 def _bound(tables: _Tables, pp: int, dp: int, mbs: int, num_mb: int, last: int, schedule: str, shard: bool,
            part: Partition, recompute: list[bool], counts: list[tuple[int, int]], pending: list[int] | None,
-           stages: list[_StageBound], grads: list[float], layout: LinkLayout) -> _Scored:
+           stages: list[_StageBound], layout: LinkLayout) -> _Scored:
     """A partitioned configuration under one placement, with its lower bound on the step (``stages``:
-    :func:`_stage_bounds`; ``grads``: each stage's gradient bytes). The stages' all-reduce times under this
-    placement are kept for :func:`_score`.
+    :func:`_stage_bounds`). The stages' all-reduce times under this placement are kept for :func:`_score`.
 
     Two chains bound each stage's end, both chains of work that must run one after another in every schedule (the
     search simulates in order of the bound and stops once it passes the best steps, so a tighter bound simulates
@@ -860,11 +882,13 @@ def _bound(tables: _Tables, pp: int, dp: int, mbs: int, num_mb: int, last: int, 
     if found is not None and found[0] is stages and found[1] is layout:
         return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, found[3], shard, pending,
                        sync=found[2])
-    syncs = tables.syncs(grads, dp, layout)
+    grads = tables.prefix(mbs).grads
+    syncs = tables.syncs([grads[b] - grads[a] for a, b in part.ranges], dp, layout)
+    send, flows = tables.send, layout.sends
     tails = [0.0] * pp  # tails[s]: from stage s's last forward's end to the gradient's return, through stages > s
     for s in range(pp - 2, -1, -1):
         _, _, _, _, _, _, f_next, b_next, _ = stages[s + 1]
-        message = tables.send(stages[s][8], layout.sends[s])
+        message = send(stages[s][8], flows[s])
         tails[s] = message + f_next + tails[s + 1] + b_next + message
     lower = fill = 0.0
     for s, (busy, longest, opt, f, sent, forwards, _, b_min, _) in enumerate(stages):
@@ -872,12 +896,16 @@ def _bound(tables: _Tables, pp: int, dp: int, mbs: int, num_mb: int, last: int, 
         allreduce, optimizer = (0.0, syncs[s] + opt) if shard else (syncs[s], opt)
         # it cannot start before the first activation reaches it; its all-reduce starts with its last B or W at the
         # earliest, which starts once everything else it computes is done
-        done = max(busy, busy - longest + allreduce)
-        lower = max(lower, fill + done + optimizer)
+        overlapped = busy - longest + allreduce
+        end = fill + (busy if busy >= overlapped else overlapped) + optimizer
+        if end > lower:
+            lower = end
         returned = fill + forwards + tails[s]  # its last forward's micro-batch back from the later stages
-        lower = max(lower, max(returned + b_min, returned + allreduce) + optimizer)
+        end = (returned + b_min if b_min >= allreduce else returned + allreduce) + optimizer
+        if end > lower:
+            lower = end
         if s < pp - 1:
-            fill += f + tables.send(sent, layout.sends[s])
+            fill += f + send(sent, flows[s])
     tables.lower[key] = (stages, layout, syncs, lower)
     return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, lower, shard, pending,
                    sync=syncs)
