@@ -143,6 +143,29 @@ def test_requeue_only_a_requeueable_job(tmp_path, shown, done, why) -> None:
     assert ("requeue 5" in calls) == done
 
 
+@pytest.mark.parametrize(("after", "done", "why"), [
+    ("echo 'JobId=5 JobState=RUNNING Requeue=1 Restarts=1'", True, ""),
+    ("echo 'JobId=5 JobState=PENDING Requeue=1 Restarts=0'", True, ""),
+    ("echo 'JobId=5 JobState=REQUEUED Requeue=1 Restarts=0'", True, ""),
+    ("echo 'JobId=5 JobState=RUNNING Requeue=1 Restarts=0'", False, "stopped by SIGTERM; the job is still RUNNING"),
+    ("echo 'JobId=5 Requeue=1'", False, "stopped by SIGTERM; the job is still in an unknown state"),
+    ("echo 'down' >&2; exit 1", False, "stopped by SIGTERM and the job's state could not be read again: down"),
+])
+def test_a_requeue_that_kills_its_own_scontrol_is_judged_by_the_jobs_state(tmp_path, after, done, why) -> None:
+    """A requeue stops every process of the job, the launcher's scontrol too, sometimes before it exits 0 (seen
+    under Slurm: the job was requeued and the launcher said "`scontrol requeue` failed: ")."""
+    body = (f'if [ -e {tmp_path}/asked ]; then {after}; exit; fi\n'
+            f'case "$1 $2" in "-o show") echo "JobId=5 JobState=RUNNING Requeue=1 Restarts=0";; '
+            f'requeue*) touch {tmp_path}/asked; kill -TERM $$;; esac')
+    requeued, reason = requeue("5", scontrol=fake_scontrol(tmp_path, body))
+    assert (requeued, reason == "") == (done, done) and why in reason
+
+
+def test_a_failed_requeue_without_a_message_says_its_exit_code(tmp_path) -> None:
+    body = 'case "$1 $2" in "-o show") echo "JobId=5 Requeue=1 Restarts=0";; requeue*) exit 3;; esac'
+    assert requeue("5", scontrol=fake_scontrol(tmp_path, body)) == (False, "`scontrol requeue` failed: exit code 3")
+
+
 @pytest.mark.parametrize("nodelist", ["-V", "--help", "-M other", "-"])
 def test_a_node_list_that_looks_like_an_option_never_reaches_scontrol(tmp_path, nodelist) -> None:
     """`scontrol show hostnames -V` printed scontrol's version, read as the host names `slurm` and `23.02.7`."""

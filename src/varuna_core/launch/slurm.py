@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -270,18 +271,55 @@ def _count(number: int) -> str:
 
 
 def requeue(job_id: str, *, scontrol: str = "scontrol") -> tuple[bool, str]:
-    """Requeue the job if Slurm lets it be (``sbatch --requeue``, or the cluster's default); ``(done, why not)``."""
+    """Requeue the job if Slurm lets it be (``sbatch --requeue``, or the cluster's default); ``(done, why not)``.
+
+    A requeue stops the job's processes, and ``scontrol`` runs as one of them: it may be killed by the very requeue
+    it asked for, before it exits 0. So a ``scontrol requeue`` ended by a signal is not taken as a failure, nor as a
+    success: the job is asked again (the launcher outlives the requeue's SIGTERM) and counts as requeued when its
+    ``Restarts`` went up or it is back in the queue.
+    """
     try:
-        shown = subprocess.run([scontrol, "-o", "show", "job", job_id], stdin=subprocess.DEVNULL,
-                               capture_output=True, text=True, errors="replace", timeout=_SCONTROL_TIMEOUT)
+        shown = _show_job(job_id, scontrol)
         if shown.returncode != 0:
             return False, f"`scontrol show job` failed: {shown.stderr.strip()[:200]}"
         if not re.search(r"(?:^|\s)Requeue=1(?:\s|$)", shown.stdout):
             return False, "the job is not requeueable (submit it with --requeue)"
+        restarts = _field(shown.stdout, "Restarts")
         done = subprocess.run([scontrol, "requeue", job_id], stdin=subprocess.DEVNULL, capture_output=True,
                               text=True, errors="replace", timeout=_SCONTROL_TIMEOUT)
+        if done.returncode < 0:  # killed by a signal: perhaps by the requeue itself
+            signame = _signal_name(-done.returncode)
+            again = _show_job(job_id, scontrol)
+            if again.returncode != 0:
+                return False, (f"`scontrol requeue` was stopped by {signame} and the job's state could not be read "
+                               f"again: {again.stderr.strip()[:200]}")
+            state, now = _field(again.stdout, "JobState"), _field(again.stdout, "Restarts")
+            if (state or "").startswith(("PENDING", "REQUEUE")) or (
+                    now is not None and restarts is not None and now.isdigit() and restarts.isdigit()
+                    and int(now) > int(restarts)):
+                return True, ""
+            still = state or "in an unknown state"
+            return False, f"`scontrol requeue` was stopped by {signame}; the job is still {still}"
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"scontrol: {exc}"
     if done.returncode != 0:
-        return False, f"`scontrol requeue` failed: {done.stderr.strip()[:200]}"
+        return False, f"`scontrol requeue` failed: {done.stderr.strip()[:200] or f'exit code {done.returncode}'}"
     return True, ""
+
+
+def _show_job(job_id: str, scontrol: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([scontrol, "-o", "show", "job", job_id], stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, errors="replace", timeout=_SCONTROL_TIMEOUT)
+
+
+def _field(shown: str, name: str) -> str | None:
+    """The value of ``name=`` in one line of ``scontrol -o show job`` (None when absent)."""
+    match = re.search(rf"(?:^|\s){name}=(\S*)", shown)
+    return match.group(1) if match else None
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
