@@ -435,6 +435,7 @@ def partition_under_memory(
         return end
 
     stage_tables = [pre.table(recompute_stages[s], split) for s in range(pp)]  # looked up once, not per probe
+    least_more = math.inf  # set by a greedy that fails: see failed()
     bisect_right = bisect.bisect_right
 
     def greedy(bound: float) -> list[tuple[int, int]] | None:
@@ -445,10 +446,14 @@ def partition_under_memory(
             for s, table in enumerate(stage_tables):
                 b = bisect_right(table, table[a] + slack, a + 1, after + s) - 1
                 if b <= a:
-                    return None
+                    ranges.append((a, a))
+                    break
                 ranges.append((a, b))
                 a = b
-            return ranges if a == n else None
+            if a == n:
+                return ranges
+            failed(ranges)
+            return None
         for s in range(pp):
             table = stage_tables[s]
             last_allowed = n - (pp - s - 1)
@@ -457,10 +462,24 @@ def partition_under_memory(
             while b > a and memory(a, b, s) > limit:
                 b -= 1
             if b <= a:
-                return None
+                ranges.append((a, a))
+                break
             ranges.append((a, b))
             a = b
-        return ranges if a == n else None
+        if a == n:
+            return ranges
+        failed(ranges)
+        return None
+
+    def failed(ranges: list[tuple[int, int]]) -> None:
+        """Record the least bound at which a greedy that failed with these stages could take one segment more.
+
+        Below it every stage ends where it did (a stage's end only grows with the bound, and so does the next
+        stage's start), so the greedy fails there too: the bisection's lower end moves up to it. Stages that
+        memory stops count as well, which only makes the value smaller, so it is never past the optimum."""
+        nonlocal least_more
+        least_more = min((stage_tables[s][b + 1] - stage_tables[s][a] for s, (a, b) in enumerate(ranges)
+                          if b < n - (pp - s - 1)), default=math.inf)
 
     def bottleneck(ranges: list[tuple[int, int]]) -> float:
         return max(stage_tables[s][b] - stage_tables[s][a] for s, (a, b) in enumerate(ranges))
@@ -480,8 +499,8 @@ def partition_under_memory(
         found = greedy(mid)
         if found is not None:
             best, hi = found, bottleneck(found)
-        else:
-            lo = mid
+        else:  # fails up to the least bound that changes a stage (less a margin for the sums' rounding)
+            lo = max(mid, min(least_more / (1 + 1e-12) * (1 - 1e-12), hi))
     return Partition.from_ranges(best, n)
 
 
@@ -685,6 +704,12 @@ class _Tables:
         self._fits: dict[tuple[object, ...], bool] = {}  # the free partition fits with the whole optimizer state
         # _bound's result per (stages, layout, sharded): those two objects, the all-reduce times and the bound
         self.lower: dict[tuple[int, int, bool], tuple[list[_StageBound], LinkLayout, list[float], float]] = {}
+        # per stage_bounds() list (by id): that list and the one with the whole optimizer state (the same values
+        # but the optimizer step), whose _chains() the sharded list shares
+        self.whole_state: dict[int, tuple[list[_StageBound], list[_StageBound]]] = {}
+        # _chains's result per (stages, layout): those two objects, then the all-reduce times, fills and returns
+        self.chains: dict[tuple[int, int], tuple[list[_StageBound], LinkLayout,
+                                                 tuple[list[float], list[float], list[float]]]] = {}
 
     def schedule(self, name: str, pp: int, num_mb: int) -> tuple[list[tuple[int, int]], list[bool], list[int] | None]:
         """What the search needs of a schedule's shape: per stage its in-flight ``(held, graphs)``, whether it
@@ -747,7 +772,14 @@ class _Tables:
         key = (mbs, num_mb, last, shards, part.ranges, tuple(recompute), split)
         found = self._stage_bounds.get(key)
         if found is None:
-            found = self._stage_bounds[key] = _stage_bounds(self, mbs, num_mb, last, shards, part, recompute, split)
+            if shards == 1:
+                found = _stage_bounds(self, mbs, num_mb, last, 1, part, recompute, split)
+                base = found
+            else:  # only the optimizer step differs from the whole state's: the rest, and its chains, are shared
+                base = self.stage_bounds(mbs, num_mb, last, 1, part, recompute, split)
+                found = [(t[0], t[1], t[2] / shards, t[3], t[4], t[5], t[6], t[7], t[8]) for t in base]
+            self._stage_bounds[key] = found
+            self.whole_state[id(found)] = (found, base)
         return found
 
     def send(self, nbytes: float, flows: int) -> float:
@@ -882,33 +914,55 @@ def _bound(tables: _Tables, pp: int, dp: int, mbs: int, num_mb: int, last: int, 
     if found is not None and found[0] is stages and found[1] is layout:
         return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, found[3], shard, pending,
                        sync=found[2])
-    grads = tables.prefix(mbs).grads
-    syncs = tables.syncs([grads[b] - grads[a] for a, b in part.ranges], dp, layout)
-    send, flows = tables.send, layout.sends
-    tails = [0.0] * pp  # tails[s]: from stage s's last forward's end to the gradient's return, through stages > s
-    for s in range(pp - 2, -1, -1):
-        _, _, _, _, _, _, f_next, b_next, _ = stages[s + 1]
-        message = send(stages[s][8], flows[s])
-        tails[s] = message + f_next + tails[s + 1] + b_next + message
-    lower = fill = 0.0
-    for s, (busy, longest, opt, f, sent, forwards, _, b_min, _) in enumerate(stages):
+    syncs, fills, returns = _chains(tables, mbs, part, dp, stages, layout)
+    lower = 0.0
+    for s, (busy, longest, opt, _, _, _, _, b_min, _) in enumerate(stages):
         # as sync_costs: a sharded optimizer's collectives run after the pipeline, an all-reduce overlaps the last B
         allreduce, optimizer = (0.0, syncs[s] + opt) if shard else (syncs[s], opt)
         # it cannot start before the first activation reaches it; its all-reduce starts with its last B or W at the
         # earliest, which starts once everything else it computes is done
         overlapped = busy - longest + allreduce
-        end = fill + (busy if busy >= overlapped else overlapped) + optimizer
+        end = fills[s] + (busy if busy >= overlapped else overlapped) + optimizer
         if end > lower:
             lower = end
-        returned = fill + forwards + tails[s]  # its last forward's micro-batch back from the later stages
-        end = (returned + b_min if b_min >= allreduce else returned + allreduce) + optimizer
+        end = (returns[s] + b_min if b_min >= allreduce else returns[s] + allreduce) + optimizer
         if end > lower:
             lower = end
-        if s < pp - 1:
-            fill += f + send(sent, flows[s])
     tables.lower[key] = (stages, layout, syncs, lower)
     return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, lower, shard, pending,
                    sync=syncs)
+
+
+def _chains(tables: _Tables, mbs: int, part: Partition, dp: int, stages: list[_StageBound],
+            layout: LinkLayout) -> tuple[list[float], list[float], list[float]]:
+    """What :func:`_bound` needs of a placement whether the optimizer is sharded or not, once for both: per stage
+    its all-reduce time, ``fill`` (when the first activation reaches it) and when its last forward's micro-batch is
+    back from the later stages (``fill``, all its forwards, then ``tails``: each later stage's least forward and B,
+    the messages both ways)."""
+    known = tables.whole_state.get(id(stages))
+    if known is not None and known[0] is stages:  # a sharded state's stages share the whole state's chains
+        stages = known[1]
+    key = (id(stages), id(layout))  # the entry keeps both alive: no other can take their ids
+    found = tables.chains.get(key)
+    if found is not None and found[0] is stages and found[1] is layout:
+        return found[2]
+    grads = tables.prefix(mbs).grads
+    syncs = tables.syncs([grads[b] - grads[a] for a, b in part.ranges], dp, layout)
+    send, flows, pp = tables.send, layout.sends, len(stages)
+    tails = [0.0] * pp  # tails[s]: from stage s's last forward's end to the gradient's return, through stages > s
+    for s in range(pp - 2, -1, -1):
+        _, _, _, _, _, _, f_next, b_next, _ = stages[s + 1]
+        message = send(stages[s][8], flows[s])
+        tails[s] = message + f_next + tails[s + 1] + b_next + message
+    fills, returns, fill = [], [], 0.0
+    for s, (_, _, _, f, sent, forwards, _, _, _) in enumerate(stages):
+        fills.append(fill)
+        returns.append(fill + forwards + tails[s])
+        if s < pp - 1:
+            fill += f + send(sent, flows[s])
+    chains = (syncs, fills, returns)
+    tables.chains[key] = (stages, layout, chains)
+    return chains
 
 
 def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
