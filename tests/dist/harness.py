@@ -34,7 +34,10 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = multiprocessing.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "tests.dist.harness", *WORKER_MODULES])
+        # transformers and its modeling base cost an HF model's worker ~2 s more than torch (tests/hf_models.py
+        # builds them in the workers); a missing [hf] extra is skipped (the server ignores an ImportError)
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "tests.dist.harness", *WORKER_MODULES,
+                                         "transformers", "transformers.modeling_utils"])
     return _CONTEXT
 
 
