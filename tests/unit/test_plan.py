@@ -126,6 +126,52 @@ def test_partition_is_optimal_like_brute_force(seed) -> None:
     assert got == pytest.approx(expected)
 
 
+def _exact_bottleneck(segs, pp, recompute, counts, limit, num_mb):
+    """The least bottleneck by dynamic programming over (stages, segments): exact at sizes brute force cannot
+    reach. A stage over the memory limit is impossible."""
+    n, inf = len(segs), float("inf")
+
+    def cost(s, a, b):
+        if limit is not None and _direct_memory(segs, a, b, held=counts[s][0], graphs=counts[s][1],
+                                                recvs=_windows(counts)[s], num_mb=num_mb,
+                                                recompute=recompute[s]) > limit:
+            return inf
+        return sum((x.forward + x.recompute + x.backward) if recompute[s] else (x.recompute + x.backward)
+                   for x in segs[a:b])
+
+    best = {0: 0.0}  # best[j]: the least bottleneck of stages 0..s ending at segment j
+    for s in range(pp):
+        best = {j: min((max(v, cost(s, i, j)) for i, v in best.items() if i < j), default=inf)
+                for j in range(s + 1, n - (pp - s - 1) + 1)}
+    return best.get(n, inf)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_partition_is_optimal_like_dynamic_programming_on_deep_pipelines(seed) -> None:
+    """The bisection moves its lower end to the least bound at which a failed greedy changes a stage: the result
+    must still be the optimum, on pipelines deep and long enough for many such moves (equal costs included, where
+    many partitions tie)."""
+    rng = random.Random(1000 + seed)
+    n = rng.randint(10, 40)
+    pp = rng.randint(2, min(n, 16))
+    costs = [rng.choice([0.5, 1, 1, 1, 2, 3, 5]) if seed % 3 else rng.uniform(0.1, 5) for _ in range(n)]
+    segs = _segs(costs, static=rng.choice([0, 50, 200]))
+    recompute = [rng.random() < 0.5 and s < pp - 1 for s in range(pp)]
+    counts = [(rng.randint(1, 4), 1) for _ in range(pp)]
+    limit = rng.choice([None, None, 1500, 3000, 6000])
+    num_mb = rng.randint(4, 8)
+    part = partition_under_memory(segs, pp, recompute_stages=recompute, counts=counts, limit=limit,
+                                  headroom=0.0, num_mb=num_mb)
+    expected = _exact_bottleneck(segs, pp, recompute, counts, limit, num_mb)
+    if expected == float("inf"):
+        assert part is None
+        return
+    assert part is not None
+    got = max(sum((x.forward + x.recompute + x.backward) if recompute[s] else (x.recompute + x.backward)
+                  for x in segs[a:b]) for s, (a, b) in enumerate(part.ranges))
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
 def test_plan_is_consistent_and_balanced() -> None:
     prof = make_profile([0.001, 0.004, 0.004, 0.004, 0.004, 0.002])
     plan = make_plan(prof, PlanRequest(gpus=8, batch_size=64))

@@ -404,8 +404,9 @@ def partition_under_memory(
 
     Bisection on the bottleneck ``T`` between ``max(total / pp, largest segment)`` and that plus the largest
     segment (the optimum lies there); for a given ``T`` the greedy that gives each stage as many segments as
-    ``T`` and memory allow is optimal, because a stage's time and memory only grow with its segment set. The
-    result is then tightened to the greedy partition's own bottleneck.
+    ``T`` and memory allow finds a partition if one exists, because a stage's time and memory only grow with its
+    segment set — unless it is stuck at a segment too costly for its stage alone where stages sum their compute
+    differently (``exact()`` then decides). The result is then tightened to the partition's own bottleneck.
     """
     n = len(segs)
     if pp > n:
@@ -437,18 +438,37 @@ def partition_under_memory(
         return end
 
     stage_tables = [pre.table(recompute_stages[s], split) for s in range(pp)]  # looked up once, not per probe
+    # stages whose compute is summed differently (a recomputing stage next to one that does not): the greedy can
+    # then be stuck where a partition exists (see exact())
+    mixed = len({id(table) for table in stage_tables}) > 1
     least_more = math.inf  # set by a greedy that fails: see failed()
+    stuck = False  # the last greedy that failed did so at a stage that could not take its first segment
     bisect_right = bisect.bisect_right
 
+    def end_of(a: int, s: int, slack: float) -> int:
+        """The last end of stage ``s`` started at ``a`` within the bound (``slack``) and the memory limit; ``a``
+        if not even one segment fits."""
+        table = stage_tables[s]
+        last_allowed = n - (pp - s - 1)
+        b = bisect_right(table, table[a] + slack, a + 1, last_allowed + 1) - 1
+        if limit is not None:
+            b = min(b, reach_of(a, s, last_allowed))
+            while b > a and memory(a, b, s) > limit:
+                b -= 1
+        return b
+
     def greedy(bound: float) -> list[tuple[int, int]] | None:
+        nonlocal stuck
         ranges, a = [], 0
         slack = bound * (1 + 1e-12)
         after = n - pp + 2  # stage s may end at most at n - (pp - s - 1): bisect below after + s
+        stuck = False
         if limit is None:  # the bisection's probes without a memory limit: the search's hottest loop
             for s, table in enumerate(stage_tables):
                 b = bisect_right(table, table[a] + slack, a + 1, after + s) - 1
                 if b <= a:
                     ranges.append((a, a))
+                    stuck = True
                     break
                 ranges.append((a, b))
                 a = b
@@ -457,14 +477,10 @@ def partition_under_memory(
             failed(ranges)
             return None
         for s in range(pp):
-            table = stage_tables[s]
-            last_allowed = n - (pp - s - 1)
-            b = bisect_right(table, table[a] + slack, a + 1, last_allowed + 1) - 1
-            b = min(b, reach_of(a, s, last_allowed))
-            while b > a and memory(a, b, s) > limit:
-                b -= 1
+            b = end_of(a, s, slack)
             if b <= a:
                 ranges.append((a, a))
+                stuck = True
                 break
             ranges.append((a, b))
             a = b
@@ -483,13 +499,68 @@ def partition_under_memory(
         least_more = min((stage_tables[s][b + 1] - stage_tables[s][a] for s, (a, b) in enumerate(ranges)
                           if b < n - (pp - s - 1)), default=math.inf)
 
+    def exact(bound: float) -> list[tuple[int, int]] | None:
+        """A partition within ``bound`` found from every stage's reachable ends, where the greedy was stuck.
+
+        The greedy's proof that it is optimal (by induction, each of its stages ends no earlier than the same stage
+        of any partition within the bound) holds while every stage can take one segment. Where stages sum their
+        compute differently (a recomputing stage costs ``F + R + B`` per segment, the last stage ``R + B``), one
+        that is ahead can meet a segment too costly for it alone that another stage could have taken: stuck,
+        though a partition exists. Here every end stage ``s`` can reach is kept, as sorted disjoint intervals:
+        from starts ``[lo, hi]`` it reaches each ``p`` in ``(lo, hi]`` whose segment ``p - 1`` fits it alone (a
+        stage's end only grows with its start), and ``(hi, end_of(hi)]``. A partition is then walked back from
+        ``n``, each stage's start the latest reachable one that fits it; memory is checked for each stage as
+        taken (``None`` if a check fails: the memory model need not grow with the end, which the walk assumes)."""
+        slack = bound * (1 + 1e-12)
+        levels: list[list[tuple[int, int]]] = []
+        starts = [(0, 0)]
+        for s in range(pp):
+            first, last_allowed = s + 1, n - (pp - s - 1)
+            ends: list[tuple[int, int]] = []
+            for lo, hi in starts:
+                run = None
+                for p in range(max(lo + 1, first), min(hi, last_allowed) + 1):
+                    if end_of(p - 1, s, slack) >= p:
+                        run = (run[0] if run else p, p)
+                    elif run:
+                        _add_interval(ends, *run)
+                        run = None
+                if run:
+                    _add_interval(ends, *run)
+                far = min(end_of(hi, s, slack), last_allowed)
+                if far > hi:
+                    _add_interval(ends, max(hi + 1, first), far)
+            if not ends:
+                return None
+            levels.append(ends)
+            starts = ends
+        if not any(lo <= n <= hi for lo, hi in levels[-1]):
+            return None
+        ranges, b = [], n
+        for s in range(pp - 1, -1, -1):
+            table = stage_tables[s]
+            cands = [(0, 0)] if s == 0 else levels[s - 1]
+            a = next((a for lo, hi in reversed(cands) for a in range(min(hi, b - 1), lo - 1, -1)
+                      if table[b] - table[a] <= slack and (limit is None or memory(a, b, s) <= limit)), None)
+            if a is None:
+                return None
+            ranges.append((a, b))
+            b = a
+        return ranges[::-1] if b == 0 else None
+
+    def probe(bound: float) -> list[tuple[int, int]] | None:
+        found = greedy(bound)
+        if found is None and stuck and (mixed or limit is not None):
+            return exact(bound)
+        return found
+
     def bottleneck(ranges: list[tuple[int, int]]) -> float:
         return max(stage_tables[s][b] - stage_tables[s][a] for s, (a, b) in enumerate(ranges))
 
     any_rec = any(recompute_stages)
     lo = max(pre.cost(0, n, False, split) / pp, max(pre.cost(k, k + 1, False, split) for k in range(n)))
     hi = pre.cost(0, n, any_rec, split) + 1.0
-    best = greedy(hi)
+    best = probe(hi)
     if best is None:
         return None
     hi = min(hi, bottleneck(best))
@@ -498,12 +569,26 @@ def partition_under_memory(
         if hi - lo <= 1e-7 * hi:  # the bottleneck is then within 1e-7 of optimal (far below measurement noise)
             break
         mid = (lo + hi) / 2
-        found = greedy(mid)
+        found = probe(mid)
         if found is not None:
             best, hi = found, bottleneck(found)
-        else:  # fails up to the least bound that changes a stage (less a margin for the sums' rounding)
+        elif limit is None and not (stuck and mixed):
+            # fails up to the least bound that changes a stage (less a margin for the sums' rounding): without a
+            # memory limit, a greedy that failed where exact() was not needed fails only where no partition exists
             lo = max(mid, min(least_more / (1 + 1e-12) * (1 - 1e-12), hi))
+        else:
+            lo = mid
     return Partition.from_ranges(best, n)
+
+
+def _add_interval(ends: list[tuple[int, int]], lo: int, hi: int) -> None:
+    """Add ``[lo, hi]`` to sorted disjoint intervals whose last one starts no later than ``lo``, merging."""
+    if lo > hi:
+        return
+    if ends and lo <= ends[-1][1] + 1:
+        ends[-1] = (ends[-1][0], max(ends[-1][1], hi))
+    else:
+        ends.append((lo, hi))
 
 
 # ----------------------------------------------------------------------------------------------------------
