@@ -54,3 +54,31 @@ def _unet() -> torch.nn.Module:
 
 unet = ModelSpec(build=_unet, batch=lambda n: batch(n, seed=n), shared_weights=[("emb.weight", "head.weight")],
                  name="unet")  # values skip over its cuts (tests.models.UNetLM)
+
+
+def _stamped() -> torch.nn.Module:
+    """The sleep model, each layer's forward on real tensors written down as ``pid start end`` (wall clock) to the
+    file ``SLEEP_STAMPS`` names: when the profiling processes measured."""
+    import time
+
+    from tests.models import SleepLayer
+
+    model = SleepModel(TIMES, HIDDEN)
+    path = os.environ["SLEEP_STAMPS"]
+
+    def before(module, args):
+        module.began = time.time()
+
+    def after(module, args, out):
+        if out.device.type != "meta":
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()} {module.began} {time.time()} {int(torch.is_grad_enabled())}\n")
+
+    for module in model.modules():
+        if isinstance(module, SleepLayer):
+            module.register_forward_pre_hook(before)
+            module.register_forward_hook(after)
+    return model
+
+
+stamped = ModelSpec(build=_stamped, batch=_batch, name="stamped")

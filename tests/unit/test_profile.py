@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -124,6 +125,23 @@ def test_no_timed_forward_runs_under_the_saved_tensor_hooks(monkeypatch) -> None
     assert sorted(counted) == sorted((seg.index, n) for seg in result.segments for n in (1, 2))
     assert all(m.saved_bytes > 0 for seg in result.segments for m in seg.measures)
     assert sum(1 for c in calls if c[2]) == 2 * len(counted) * 3  # F and R, for warm-up and repeats, each timed
+
+
+def test_the_processes_of_one_host_measure_one_after_another(tmp_path, monkeypatch) -> None:
+    """On CPU, processes that share a host's cores take turns: measured at once, each segment read up to 2.4x its
+    time alone on a 2-core VM. The model writes down each layer's forward (start, end, grad mode); every timed
+    forward with graph of one process ends before another process's begins (the forwards without graph include
+    each process's dry run of the model, which may run at once)."""
+    stamps = tmp_path / "stamps"
+    monkeypatch.setenv("SLEEP_STAMPS", str(stamps))
+    result = profile("tests.specs.sleep:stamped", microbatch_sizes=[1, 2], nproc=2, repeats=2, warmup=1)
+    assert [len(seg.measures) for seg in result.segments] == [2, 2, 2]
+    rows = sorted((float(a), float(b), int(pid)) for pid, a, b, grad in (line.split() for line in
+                                                                          stamps.read_text().splitlines())
+                  if grad == "1")
+    assert len({pid for _, _, pid in rows}) == 2, rows
+    clashes = [(x, y) for x, y in itertools.pairwise(rows) if x[2] != y[2] and y[0] < x[1]]
+    assert not clashes, clashes
 
 
 def test_memory_limit_ends_the_sweep_for_all_segments() -> None:

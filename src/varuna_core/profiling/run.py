@@ -390,9 +390,15 @@ def _static_sizes(bench: _SegmentBench, repeats: int = 5) -> tuple[int, int, int
 
 def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, microbatch_sizes: list[int],
              precision: str, device: str, repeats: int, warmup: int, memory_limit: int | None,
-             progress: Progress | None,
-             group: Any = None) -> tuple[list[SegmentProfile], list[int], StopReason | None]:
-    """Measure this process's segments: ``(segments, the sizes measured, why it stopped before the largest)``."""
+             progress: Progress | None, group: Any = None, turn: int | None = None,
+             turns: int | None = None) -> tuple[list[SegmentProfile], list[int], StopReason | None]:
+    """Measure this process's segments: ``(segments, the sizes measured, why it stopped before the largest)``.
+
+    ``turn`` of ``turns``: processes that share a host's CPU cores measure one after another, each size in
+    ``turns`` rounds (a barrier between them), this process in round ``turn``. Measured at once they shared more
+    than their cores: the cache, the memory bandwidth and, on a VM, physical cores its vCPUs stand for. On the
+    2-core VM of benchmarks/README.md each segment of the example GPT read 1.5–2.4× its time alone (1.66 ms
+    against 0.91 ms), and the planner then chose by the noise. ``None``: all at once (one device each)."""
     dev = _device(device, rank)
     mine = _segments_of(rank, world, structure.num_segments)
     benches = {k: _SegmentBench(spec, structure, k, dev, precision) for k in mine}
@@ -408,22 +414,29 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
         inputs = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
                   for k, v in _check_batch(spec.inputs, dims, n).items()}
         failure: tuple[int, str] | None = None
-        for k in mine:
-            _, _, gbytes, obytes, _ = statics[k]
-            static = statics[k][1] + gbytes + obytes
-            try:
-                with user_code(f"the model's code (segment {k}, micro-batch {n})", keep=(torch.OutOfMemoryError,)):
-                    measures[k].append(_measure_segment(benches[k], inputs, n, repeats=repeats, warmup=warmup,
-                                                        memory_limit=memory_limit, static_bytes=static))
-            except _LimitReached as exc:
-                failure = (k, exc.reason)
-                break
-            except torch.OutOfMemoryError as exc:
-                failure = (k, f"out of memory: {str(exc).splitlines()[0]}")
-                break
-            done += 1
-            if progress:
-                progress(done, total, f"segment {k}, micro-batch {n}")
+        for round_ in range(turns or 1):
+            if turns is not None and round_ != turn:
+                dist.barrier(group=group)
+                continue
+            for k in mine:
+                _, _, gbytes, obytes, _ = statics[k]
+                static = statics[k][1] + gbytes + obytes
+                try:
+                    with user_code(f"the model's code (segment {k}, micro-batch {n})",
+                                   keep=(torch.OutOfMemoryError,)):
+                        measures[k].append(_measure_segment(benches[k], inputs, n, repeats=repeats, warmup=warmup,
+                                                            memory_limit=memory_limit, static_bytes=static))
+                except _LimitReached as exc:
+                    failure = (k, exc.reason)
+                    break
+                except torch.OutOfMemoryError as exc:
+                    failure = (k, f"out of memory: {str(exc).splitlines()[0]}")
+                    break
+                done += 1
+                if progress:
+                    progress(done, total, f"segment {k}, micro-batch {n}")
+            if turns is not None:
+                dist.barrier(group=group)
         failure = _agree_failure(failure, world, dev, group)
         if failure is not None:
             stopped = StopReason(microbatch_size=n, segment=failure[0], reason=failure[1])
@@ -622,10 +635,15 @@ def profile_in_job(spec: ModelSpec, options: dict, progress: Progress | None = N
         on_total(structure.num_segments * len(options["microbatch_sizes"]))
     if world == 1:
         return _measure_alone(spec, structure, progress=progress, **options)
-    segments, sizes, stopped = _measure(spec, structure, rank=rank, world=world, progress=progress, **options)
     dev = _device(options["device"], rank)
     hosts: list = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
+    turn = turns = None
+    if dev.type == "cpu":  # the processes of a host measure one after another (see _measure)
+        turn = hosts[:rank].count(hosts[rank])
+        turns = max(hosts.count(h) for h in hosts)
+    segments, sizes, stopped = _measure(spec, structure, rank=rank, world=world, progress=progress, turn=turn,
+                                        turns=turns, **options)
     link = "inter" if len(set(hosts)) > 1 else "intra"
     p2p = _p2p_curve(rank, dev, 5, link)
     allreduce = _allreduce_curves(rank, world, dev, 5, link)
