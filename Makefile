@@ -55,7 +55,7 @@ test-gpu: setup ## the GPU suite, tests/gpu (needs a CUDA device: every test fai
 
 # The whole workflow on the example char-level GPT, in runs/demo (about 2 minutes on 2 CPU cores): profile it
 # on 2 processes; plan for 2 devices (as many as the cores: more workers than cores would share them, and the
-# simulated step could not hold) that we pretend have only 6 MiB each (so the model must be split into stages);
+# simulated step could not hold) that we pretend have only 4 MiB each (so the model must be split into stages: whole, it needs 4.9 MiB);
 # launch the plan on local processes with a checkpoint every 200 steps; verify the last checkpoint,
 # merge it into one safetensors file and sample text from the merged, unpartitioned model; draw the planned
 # step next to the measured one. The launcher also draws the loss curve (run/loss.png).
@@ -66,7 +66,7 @@ demo: setup ## profile -> plan -> launch -> verify -> merge -> sample, the examp
 	@rm -rf $(DEMO_DIR)/run $(DEMO_DIR)/trace $(DEMO_DIR)/model.safetensors
 	@mkdir -p $(DEMO_DIR)
 	OMP_NUM_THREADS=1 $(VARUNA) profile examples/gpt/spec.py:spec --nproc 2 -o $(DEMO_DIR)/profile.json
-	$(VARUNA) plan $(DEMO_DIR)/profile.json --gpus 2 --gpu-memory 6MiB --batch-size 32 -o $(DEMO_DIR)/plan.yaml
+	$(VARUNA) plan $(DEMO_DIR)/profile.json --gpus 2 --gpu-memory 4MiB --batch-size 32 -o $(DEMO_DIR)/plan.yaml
 	OMP_NUM_THREADS=1 VARUNA_TRACE=$(DEMO_DIR)/trace $(VARUNA) launch $(DEMO_DIR)/plan.yaml --run-dir $(DEMO_DIR)/run \
 		--ckpt-every 200 --ckpt-keep 2 -- examples/gpt/train.py --batch-size 32 --steps $(DEMO_STEPS) --log-every 50 \
 		$(DEMO_ARGS)

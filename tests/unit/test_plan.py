@@ -172,6 +172,38 @@ def test_partition_is_optimal_like_dynamic_programming_on_deep_pipelines(seed) -
     assert got == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "varuna"])
+def test_a_stage_runs_the_code_before_its_cut_once_per_forward(schedule) -> None:
+    """A profile keeps apart what a segment's forward spends before its incoming cut (the earlier segments' code
+    on placeholders): a stage pays that of its first segment once per forward (F, and R where it recomputes),
+    however many segments it holds, and the first stage none."""
+    base = make_profile([0.001] * 6)
+    prefix = [0.0, 0.0004, 0.0005, 0.0006, 0.0007, 0.0008]  # per example: linear in n as the profile interpolates
+    profile = base.model_copy(update={"segments": [
+        seg.model_copy(update={"measures": [m.model_copy(update={"prefix": _stat_of(p * m.microbatch_size)})
+                                            for m in seg.measures]})
+        for seg, p in zip(base.segments, prefix, strict=True)]})
+    req = PlanRequest(gpus=2, batch_size=16)
+    with_prefix = plan_for(profile, req, pp=2, dp=1, microbatch_size=4, schedule=schedule)
+    without = plan_for(base, req, pp=2, dp=1, microbatch_size=4, schedule=schedule)
+    assert with_prefix.partition == without.partition == [(0, 3), (3, 6)]
+    first, second = with_prefix.stages
+    plain_first, plain_second = without.stages
+    assert first.forward == pytest.approx(plain_first.forward) and first.recompute == pytest.approx(
+        plain_first.recompute)
+    assert second.forward == pytest.approx(plain_second.forward + 4 * prefix[3])  # once, not once per segment
+    recomputes = second.recompute > 0
+    assert second.recompute == pytest.approx(plain_second.recompute + (4 * prefix[3] if recomputes else 0.0))
+    assert second.backward == pytest.approx(plain_second.backward)
+    assert with_prefix.prediction.step_time > without.prediction.step_time
+
+
+def _stat_of(x: float):
+    from varuna_core.planning.artifacts import Stat
+
+    return Stat(median=x, p10=x, p90=x, repeats=1)
+
+
 def test_plan_is_consistent_and_balanced() -> None:
     prof = make_profile([0.001, 0.004, 0.004, 0.004, 0.004, 0.002])
     plan = make_plan(prof, PlanRequest(gpus=8, batch_size=64))

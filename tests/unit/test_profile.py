@@ -47,6 +47,8 @@ def test_sleep_model_times_and_sizes(nproc) -> None:
         for m in seg.measures:
             assert _close(m.forward, fwd), (seg.index, m.forward)
             assert _close(m.recompute, fwd), (seg.index, m.recompute)
+            # the code before a later segment's cut (the earlier segments on placeholders) is timed apart from it
+            assert m.prefix is not None and (m.prefix.median == 0) == (seg.index == 0), (seg.index, m.prefix)
             assert _close(m.backward, bwd), (seg.index, m.backward)
             assert m.output_bytes == (0 if seg.index == 2 else m.microbatch_size * h * 4)
             # split: the sleep's backward stays in B; W is the Linear's weight and bias gradients, which keep the
@@ -104,7 +106,7 @@ def test_no_timed_forward_runs_under_the_saved_tensor_hooks(monkeypatch) -> None
     from varuna_core.profiling import run
 
     timing, calls = [False], []
-    timed, bench_run = run._time, run._SegmentBench.run
+    timed, timed_forward, bench_run = run._time, run._time_forward, run._SegmentBench.run
 
     def time_it(fn, device):
         timing[0] = True
@@ -113,11 +115,19 @@ def test_no_timed_forward_runs_under_the_saved_tensor_hooks(monkeypatch) -> None
         finally:
             timing[0] = False
 
+    def time_forward(bench, fn):
+        timing[0] = True
+        try:
+            return timed_forward(bench, fn)
+        finally:
+            timing[0] = False
+
     def record(self, inputs, n, incoming, *, grad, saved=None):
         calls.append((self.segment, n, timing[0], saved is not None))
         return bench_run(self, inputs, n, incoming, grad=grad, saved=saved)
 
     monkeypatch.setattr(run, "_time", time_it)
+    monkeypatch.setattr(run, "_time_forward", time_forward)
     monkeypatch.setattr(run._SegmentBench, "run", record)
     result = profile(sleep.spec, microbatch_sizes=[1, 2], repeats=2, warmup=1)
     assert not [c for c in calls if c[2] and c[3]], calls  # nothing timed under the hooks

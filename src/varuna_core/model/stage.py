@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -234,6 +234,9 @@ class StageSlice:
         self.param_names = self._slice_tensors()
         self.buffer_writes = BufferWrites(model, (*structure.buffer_writes, *written))
         self._pre_cut = _PlaceholderWins() if not self.is_first else contextlib.nullcontext()
+        # called when a forward reaches the incoming cut, after the code before it ran on placeholders (the
+        # profiler times that part apart: a stage runs it once per forward, however many segments it has)
+        self.on_incoming: Callable[[], None] | None = None
         self._install_hooks()
 
     # ------------------------------------------------------------------------------------------------------
@@ -501,6 +504,8 @@ class StageSlice:
     def _incoming_hook(self, cut: CutPoint, value: Any) -> Any:
         ctx = self._ctx
         self._placeholders().leave()
+        if self.on_incoming is not None:
+            self.on_incoming()
         ctx.segment += 1
         ctx.incoming_seen = True
         self._seed()

@@ -92,8 +92,15 @@ class SegmentMeasure(CheckedModel):
     """One segment at one micro-batch size."""
 
     microbatch_size: Annotated[int, Strict(), Field(ge=1, le=MAX_MICROBATCH_SIZE)]
-    forward: Stat = Field(description="forward without autograd (the varuna schedule's F)")
-    recompute: Stat = Field(description="forward that records the graph (1F1B/GPipe F, varuna R)")
+    forward: Stat = Field(description="forward without autograd (the varuna schedule's F), from the segment's "
+                                      "incoming cut on (without prefix)")
+    recompute: Stat = Field(description="forward that records the graph (1F1B/GPipe F, varuna R), from the "
+                                        "segment's incoming cut on (without prefix)")
+    prefix: Stat | None = Field(
+        None, description="what a stage starting at this segment spends in each forward before its incoming cut: the "
+                          "model's code of the earlier segments run on placeholders, once per forward of the stage "
+                          "however many segments it has (0 for the first segment; None: a profile made before the "
+                          "profiler measured it apart, whose forward and recompute include it)")
     backward: Stat = Field(description="backward of the segment, from the output gradient to input and weights")
     split_backward: Stat | None = Field(
         None, description="B of a split backward (the zb and varuna-zb schedules): the input gradient of the split "

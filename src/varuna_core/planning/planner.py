@@ -258,6 +258,7 @@ class _Seg:
     weight: float = 0.0  # W of a split backward
     weight_bytes: float = 0.0  # what one micro-batch keeps from its B to its W
     wire_bytes: float | None = None  # with a wire dtype: the bytes crossing the cut (measured or halved)
+    prefix: float = 0.0  # each forward of a stage starting here, before its incoming cut (SegmentMeasure.prefix)
 
     @property
     def on_wire(self) -> float:
@@ -297,6 +298,7 @@ def _segments_at(profile: Profile, n: float, wire: str | None = None) -> list[_S
             if split else 0.0,
             weight=_interp(ms, n, lambda m: m.weight.median if m.weight else 0.0) if split else 0.0,
             weight_bytes=_interp(ms, n, lambda m: m.weight_bytes or 0) if split else 0.0,
+            prefix=_interp(ms, n, lambda m: m.prefix.median if m.prefix else 0.0),
         ))
     return out
 
@@ -1066,6 +1068,11 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     for s, (a, b) in enumerate(c.partition.ranges):
         f, r, bw, w = _stage_times(pre, a, b, c.recompute[s], split)
         fl, rl, bl, wl = _stage_times(pre_last, a, b, c.recompute[s], split)
+        # every forward (F, and R where the stage recomputes) first runs the code before the stage's incoming cut,
+        # once whatever the stage's segments. The bounds leave it out: they stay below the step
+        f, fl = f + segs[a].prefix, fl + segs_last[a].prefix
+        if r:
+            r, rl = r + segs[a].prefix, rl + segs_last[a].prefix
         sends = c.layout.sends
         send_act = tables.send(segs[b - 1].on_wire, sends[s]) if s < pp - 1 else 0.0
         send_act_l = tables.send(segs_last[b - 1].on_wire, sends[s]) if s < pp - 1 else 0.0

@@ -4,7 +4,11 @@ Each segment is measured in isolation: the model is built from its :class:`Model
 segment is a stage of its own (:class:`varuna_core.model.stage.StageSlice`), fed a random activation of the
 recorded shape at its incoming cut, and timed for
 
-* ``forward``: a forward without autograd (the ``varuna`` schedule's F),
+* ``forward``: a forward without autograd (the ``varuna`` schedule's F), from the segment's incoming cut on: what
+  the forward of a segment other than the first runs before its cut (the earlier segments' code, on placeholders)
+  is its ``prefix``, kept apart because a stage runs it once per forward however many segments it holds (timed
+  into each segment, it was counted once per segment: the example GPT's stage of three segments summed to 1.9×
+  its forward),
 * ``recompute``: a forward that records the graph (1F1B/GPipe's F and varuna's R); the bytes autograd keeps for
   the backward are counted by saved-tensor hooks in a forward of their own, untimed (the hooks' Python calls
   would be timed as compute the runtime does not do),
@@ -214,6 +218,14 @@ class _SegmentBench:
         if self.params:
             self.optimizer = spec.make_optimizer(self.params) or torch.optim.AdamW(self.params, lr=1e-3)
         self.generator = torch.Generator().manual_seed(segment)
+        # when the last forward reached the incoming cut (perf_counter; None: not reached, or the first segment):
+        # what came before it is the prefix, the earlier segments' code on placeholders (see SegmentMeasure.prefix)
+        self.cut_reached: float | None = None
+        self.stage.on_incoming = self._reached
+
+    def _reached(self) -> None:
+        _sync(self.device)
+        self.cut_reached = time.perf_counter()
 
     def incoming(self, n: int) -> tuple[Any, list[torch.Tensor]]:
         spec = self.stage.incoming_spec
@@ -302,12 +314,24 @@ def _time(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
+def _time_forward(bench: _SegmentBench, fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """``(time after the incoming cut, time before it, result)`` of one forward of ``bench``."""
+    bench.cut_reached = None
+    _sync(bench.device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(bench.device)
+    end = time.perf_counter()
+    cut = bench.cut_reached if bench.cut_reached is not None else start
+    return end - cut, cut - start, result
+
+
 def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int, warmup: int,
                      memory_limit: int | None, static_bytes: int) -> SegmentMeasure:
     device = bench.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    forward, recompute, backward, split_backward, weight = [], [], [], [], []
+    forward, recompute, backward, split_backward, weight, prefix = [], [], [], [], [], []
     weight_bytes = 0
     out = None
     # what autograd keeps for the backward, counted once per size by saved-tensor hooks in a forward of its own,
@@ -325,9 +349,9 @@ def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int
         timed = i >= warmup
         incoming = bench.incoming(n)
         with torch.no_grad():
-            t_f, out = _time(functools.partial(bench.run, inputs, n, incoming, grad=False), device)
+            t_f, p_f, out = _time_forward(bench, functools.partial(bench.run, inputs, n, incoming, grad=False))
         incoming = bench.incoming(n)
-        t_r, out = _time(functools.partial(bench.run, inputs, n, incoming, grad=True), device)
+        t_r, p_r, out = _time_forward(bench, functools.partial(bench.run, inputs, n, incoming, grad=True))
         roots, grads = bench.output_grads(out)
         t_b, _ = _time(functools.partial(bench.backward, roots, grads), device)
         for p in bench.params:
@@ -336,13 +360,14 @@ def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int
         if timed:
             forward.append(t_f)
             recompute.append(t_r)
+            prefix += [p_f, p_r]
             backward.append(t_b)
             split_backward.append(t_sb)
             weight.append(t_w)
         for p in bench.params:
             p.grad = None
     peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-    return SegmentMeasure(microbatch_size=n, forward=_stat(forward), recompute=_stat(recompute),
+    return SegmentMeasure(microbatch_size=n, forward=_stat(forward), recompute=_stat(recompute), prefix=_stat(prefix),
                           backward=_stat(backward), split_backward=_stat(split_backward), weight=_stat(weight),
                           weight_bytes=weight_bytes, output_bytes=bench.output_bytes(out), saved_bytes=saved,
                           skip_bytes=bench.skip_bytes(out), wire16_bytes=bench.wire16_bytes(out), peak_bytes=peak)
