@@ -106,28 +106,23 @@ def test_no_timed_forward_runs_under_the_saved_tensor_hooks(monkeypatch) -> None
     from varuna_core.profiling import run
 
     timing, calls = [False], []
-    timed, timed_forward, bench_run = run._time, run._time_forward, run._SegmentBench.run
+    bench_run = run._SegmentBench.run
 
-    def time_it(fn, device):
-        timing[0] = True
-        try:
-            return timed(fn, device)
-        finally:
-            timing[0] = False
-
-    def time_forward(bench, fn):
-        timing[0] = True
-        try:
-            return timed_forward(bench, fn)
-        finally:
-            timing[0] = False
+    def flagged(timer):
+        def timed(*args):
+            timing[0] = True
+            try:
+                return timer(*args)
+            finally:
+                timing[0] = False
+        return timed
 
     def record(self, inputs, n, incoming, *, grad, saved=None):
         calls.append((self.segment, n, timing[0], saved is not None))
         return bench_run(self, inputs, n, incoming, grad=grad, saved=saved)
 
-    monkeypatch.setattr(run, "_time", time_it)
-    monkeypatch.setattr(run, "_time_forward", time_forward)
+    monkeypatch.setattr(run, "_time", flagged(run._time))
+    monkeypatch.setattr(run, "_time_forward", flagged(run._time_forward))
     monkeypatch.setattr(run._SegmentBench, "run", record)
     result = profile(sleep.spec, microbatch_sizes=[1, 2], repeats=2, warmup=1)
     assert not [c for c in calls if c[2] and c[3]], calls  # nothing timed under the hooks
