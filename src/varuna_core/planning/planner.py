@@ -474,18 +474,15 @@ def partition_under_memory(
                     break
                 ranges.append((a, b))
                 a = b
-            if a == n:
-                return ranges
-            failed(ranges)
-            return None
-        for s in range(pp):
-            b = end_of(a, s, slack)
-            if b <= a:
-                ranges.append((a, a))
-                stuck = True
-                break
-            ranges.append((a, b))
-            a = b
+        else:
+            for s in range(pp):
+                b = end_of(a, s, slack)
+                if b <= a:
+                    ranges.append((a, a))
+                    stuck = True
+                    break
+                ranges.append((a, b))
+                a = b
         if a == n:
             return ranges
         failed(ranges)
