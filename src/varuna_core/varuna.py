@@ -363,8 +363,9 @@ class Varuna(nn.Module):
             load=lambda directory, step: self.load_checkpoint(directory, iteration=step),
             progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told,
             publish=lambda reserve, copies: self.publish_state(reserve, copies=copies),
-            take=lambda step, locate, fetch, staging, link, holder_of: self.take_state(
-                step=step, locate=locate, fetch=fetch, staging=staging, link=link, holder_of=holder_of, in_place=True),
+            take=lambda step, locate, fetch, staging, link, holder_of, drop: self.take_state(
+                step=step, locate=locate, fetch=fetch, staging=staging, link=link, holder_of=holder_of, in_place=True,
+                map_files=True, drop=drop),
             arrive=self._unpark, release=self.grad_buffer.release)
         self.supervision.ready()
 
@@ -576,19 +577,23 @@ class Varuna(nn.Module):
     def take_state(self, *, step: int, locate: Callable[[str], Any], fetch: Callable[..., None],
                    staging: str | os.PathLike, load_optimizer: bool = True,
                    link: Callable[..., tuple[int, str] | None] | None = None, in_place: bool = False,
-                   holder_of: Callable[[int], Any] | None = None) -> int:
+                   holder_of: Callable[[int], Any] | None = None, map_files: bool = False,
+                   drop: Callable[[list[str]], object] | None = None) -> int:
         """Restore from a checkpoint published into the hosts' memory (collective over the new ranks; after
         ``set_optimizer``), as :meth:`load_checkpoint` restores from a store, all or nothing: ``locate(name)``
         names a blob's holder, ``fetch(holder, names, into, max_bytes)`` takes blobs from it, ``link(holder,
         name, path)`` puts one of this host's in place (see :mod:`varuna_core.checkpoint.handover`);
         ``in_place`` reads the model straight into the live tensors (a warm worker's), ``holder_of(rank)`` lets a
-        file come from a replica's copy. Returns the step restored."""
+        file come from a replica's copy, ``map_files`` (with ``in_place``, on the CPU) makes the taken files the
+        live parameters' and optimizer state's memory (blobs of this host's shelf only with ``drop(names)``, which
+        takes them off it before the first optimizer step changes them). Returns the step restored."""
         from .checkpoint.handover import take
 
         state = self._checkpoint_state()
         try:
             return take(state, step=step, locate=locate, fetch=fetch, staging=staging, load_optimizer=load_optimizer,
-                        link=link, in_place=in_place, holder_of=holder_of)
+                        link=link, in_place=in_place, holder_of=holder_of, map_files=map_files,
+                        drop=drop)
         finally:
             self._adopt(state)
 

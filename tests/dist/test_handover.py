@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,12 @@ import torch
 from tests.dist.harness import run_ranks
 from tests.dist.test_checkpoint import BATCH, CHUNK, assert_resumed, steps_as, uninterrupted
 from varuna_core.launch.shelf import Shelf, ShelfServer
+from varuna_core.util.fs import in_memory
 
 pytestmark = pytest.mark.dist
 
 JOB, TOKEN = "handover-test", "s3cret-token"
+SHM = "/dev/shm"
 STEP = 2
 
 
@@ -27,10 +31,17 @@ def _run(**extra) -> dict:
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    """Two steps at pp=2, published into one shelf root per rank; returns (roots, blob map)."""
+    """Two steps at pp=2, published into one shelf root per rank, in memory (a tmpfs, as the hosts' shelves are:
+    a take maps files only there); returns (roots, blob map, work directory)."""
     tmp = tmp_path_factory.mktemp("handover")
-    roots = [str(tmp / "host0"), str(tmp / "host1")]
-    return roots, _publish("0;1", roots, tmp), tmp
+    if not in_memory(SHM):
+        pytest.skip(f"{SHM} is not a tmpfs here")
+    shm = Path(tempfile.mkdtemp(prefix="varuna-test-handover-", dir=SHM))
+    try:
+        roots = [str(shm / "host0"), str(shm / "host1")]
+        yield roots, _publish("0;1", roots, tmp), tmp, shm
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def _publish(layout: str, roots: list[str], tmp: Path, **extra) -> dict[str, int]:
@@ -67,7 +78,7 @@ def _take(servers, owners, tmp, name, **extra) -> dict:
 
 
 def test_publish_puts_each_rank_files_on_its_own_host(published) -> None:
-    roots, owners, _ = published
+    roots, owners, *_ = published
     on = [set(Shelf(JOB, root=root).names()) for root in roots]
     small = {f"step_{STEP}/{f}" for f in ("RUN", "COMPLETE", "manifest.json", "dcp_metadata.json")}
     data = [{n for n in names if n.startswith(f"step_{STEP}/__{rank}_")} for rank, names in enumerate(on)]
@@ -88,18 +99,27 @@ def test_publish_puts_each_rank_files_on_its_own_host(published) -> None:
     assert entry.meta == {"bytes": entry.size, "sha256": entry.sha256, "rank": 1}
 
 
-@pytest.mark.parametrize(("resume_map", "world", "partition", "local"), [
-    ("0", 1, None, {}),  # one rank on a third host: every blob over the wire
+@pytest.mark.parametrize(("resume_map", "world", "partition", "local", "map_files"), [
+    ("0", 1, None, {}, False),  # one rank on a third host: every blob over the wire
+    ("0", 1, None, {}, True),  # the same as a warm worker takes: the files it fetched become its memory
     # another partition (the old one is (0, 3), (3, 5)), each rank on an old host: stage 1's tensors are all in
-    # old rank 1's file, so it takes no other
-    ("0;1", 2, [(0, 4), (4, 5)], {"0": 0, "1": 1}),
+    # old rank 1's file, so it takes no other; as a warm worker, the blobs it linked become its memory
+    ("0;1", 2, [(0, 4), (4, 5)], {"0": 0, "1": 1}, True),
 ])
-def test_take_under_another_layout_equals_uninterrupted(published, resume_map, world, partition, local) -> None:
-    roots, owners, tmp = published
-    name = f"take-{world}"
+def test_take_under_another_layout_equals_uninterrupted(published, resume_map, world, partition, local,
+                                                        map_files) -> None:
+    """The run goes on as if uninterrupted: every loss, parameter and buffer. Taken as a warm worker takes
+    (``map_files``), the parameters stored whole at an aligned offset are the taken files' pages (the blobs linked
+    from a rank's own shelf included, which its first optimizer step then takes off the shelf)."""
+    roots, owners, tmp, shm = published
+    name = f"take-{world}-{map_files}"
+    if map_files and local:  # its blobs leave their shelves: a publish of its own, the same as the module's
+        roots = [str(shm / name / "host0"), str(shm / name / "host1")]
+        owners = _publish("0;1", roots, tmp / name)
     servers = _serve(roots)
     try:
-        take = _take(servers, owners, tmp, name, roots=roots, local=local)
+        take = _take(servers, owners, tmp, name, roots=roots, local=local, map_files=map_files,
+                     staging=str(shm / name / "staging"))
         run = _run(steps=2 * STEP, take=take, **({"partition": partition} if partition else {}))
         results = run_ranks({"map": resume_map, "timeout": 30, "runs": [run]}, world, tmp / name, timeout=60)
     finally:
@@ -119,11 +139,21 @@ def test_take_under_another_layout_equals_uninterrupted(published, resume_map, w
             assert keys & mine, (blob, keys)
     if partition:
         assert 0 < len(taken[1]) < len(taken[0]), taken  # stage 1 takes its few parameters' files, not a rank's
-    assert not any((tmp / name / "staging").iterdir())  # the staging directories are removed
+    assert not any((shm / name / "staging").iterdir())  # the staging directories are removed
+    for res in results:
+        got = res.result["runs"][0]
+        # a file per parameter, the parameter first in it: each is mapped (its own bytes, at offset 0)
+        assert bool(got["mapped"]) == map_files and set(got["mapped"]) <= set(got["params"]), got["mapped"]
+        if map_files:
+            assert len(got["mapped"]) >= len(got["params"]) - 1, (got["mapped"], sorted(got["params"]))
+    if map_files and local:  # the blobs a rank mapped in place left the shelf before its first update
+        left = set(Shelf(JOB, root=roots[0]).names()) | set(Shelf(JOB, root=roots[1]).names())
+        assert not {n for n in set(owners) - left if not n.endswith(".distcp")}, sorted(set(owners) - left)
+        assert set(owners) - left, "no blob was mapped in place"
 
 
 def test_a_damaged_blob_or_a_holder_gone_is_refused_by_name(published, tmp_path) -> None:
-    roots, owners, _ = published
+    roots, owners, *_ = published
     shelf = Shelf(JOB, root=roots[1])
     blob = max(shelf.manifest().values(), key=lambda e: e.size).name  # a parameter's file: every take needs it
     path = shelf.path / f"{hashlib.sha256(blob.encode()).hexdigest()}.blob"

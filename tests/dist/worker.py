@@ -10,10 +10,12 @@ checkpoint copy fails with ENOSPC), meta (build under meta_init: each rank alloc
 weights (a path for Varuna(weights=...)), evaluate_in_eval_mode (evaluate after .eval(): the loss, or the
 error raised, as "eval_mode" or "eval_mode_error"), publish {at, job, roots} (after step ``at``, publish into the
 shelf at ``roots[rank]``: one root per rank, hosts that share no directory; the blob map as "owners"), take
-{step, job, token, owners, servers, local, staging, expect_error} (before training, take the published step from
+{step, job, token, owners, servers, local, staging, expect_error, map_files} (before training, take the published step from
 the shelf servers: ``servers[r]`` serves old rank r's root, ``local[str(rank)]`` the old rank whose root this rank
 reads directly; with expect_error, record the error and the parameters before and after, and stop; without
-owners, a snapshot's: each blob from its writer's server, then from the next one, which keeps its copy), snapshot
+owners, a snapshot's: each blob from its writer's server, then from the next one, which keeps its copy; with
+map_files, as a warm worker: in place, the files it owns mapped as its memory, the parameters so mapped as
+"mapped"), snapshot
 {every, job, token, roots} (in-memory snapshots every ``every`` steps into the shelf at ``roots[rank]``, served
 by a shelf server in this process; each one's report as "snapshots"), regroup {step, lose, ranks, map} (rank
 ``lose`` dies before step ``step``; the survivors regroup in-process as the launcher's decision, put in the store by
@@ -116,6 +118,8 @@ def run_one(run: dict, spec: dict) -> dict:
         before = {n: p.detach().clone() for n, p in vm.named_parameters()}
         try:
             first = take_handover(vm, run["take"])
+            # a mapped tensor's storage is the file's pages, which cannot be resized (an allocation can)
+            vm.mapped_params = sorted(n for n, p in vm.named_parameters() if not p.untyped_storage().resizable())
         except VarunaError as exc:
             if not run["take"].get("expect_error"):
                 raise
@@ -219,6 +223,7 @@ def run_one(run: dict, spec: dict) -> dict:
         result["snapshots"] = snapshots
     if run.get("take"):
         result["taken"] = sorted(vm.taken_blobs)
+        result["mapped"] = getattr(vm, "mapped_params", [])
     if run.get("evaluate"):
         eval_batch = make_batch(run["evaluate"], 999)
         # every replica evaluates the same examples here; the mean over replicas is then their loss
@@ -289,15 +294,16 @@ def take_handover(vm, spec: dict) -> int:
     own = spec.get("local", {}).get(str(vm.rank))  # the old rank whose host this rank is on, if any
     local = Shelf(spec["job"], root=spec["roots"][own]) if own is not None else None
 
-    def fetch(holder: str, names: list[str], into, max_bytes: int) -> None:
+    def fetch(holder: str, names: list[str], into, max_bytes: int) -> dict[str, str] | None:
         vm.taken_blobs = [*getattr(vm, "taken_blobs", []), *names]  # what this rank took, for the test
         if local is not None and holder == servers[own]:
             for name in names:
                 local.get_into(name, lambda entry: into(entry.name, entry.size))
             return
         host, port = holder.rsplit(":", 1)
-        fetch_into(host, int(port), job=spec["job"], token=spec["token"], names=names, max_bytes=max_bytes,
-                   into=lambda entry: into(entry.name, entry.size), timeout=10)
+        entries = fetch_into(host, int(port), job=spec["job"], token=spec["token"], names=names, max_bytes=max_bytes,
+                             into=lambda entry: into(entry.name, entry.size), timeout=10)
+        return {name: entry.sha256 for name, entry in entries.items()}  # each checked as it arrived
 
     def link(holder: str, name: str, path: Path) -> tuple[int, str] | None:
         if local is None or holder != servers[own]:
@@ -319,8 +325,10 @@ def take_handover(vm, spec: dict) -> int:
         writer = holder_rank(name)
         return [servers[writer], servers[(writer + 1) % len(servers)]]
 
-    return vm.take_state(step=spec["step"], locate=locate, fetch=fetch,
-                         staging=spec["staging"], link=link, holder_of=holder_of)
+    mapped = bool(spec.get("map_files"))  # as a warm worker takes: in place, its files mapped as its memory
+    return vm.take_state(step=spec["step"], locate=locate, fetch=fetch, staging=spec["staging"], link=link,
+                         holder_of=holder_of, in_place=mapped, map_files=mapped,
+                         drop=local.remove if local is not None else None)
 
 
 def main(run_one=run_one) -> None:

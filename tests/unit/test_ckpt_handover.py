@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,3 +352,171 @@ def test_a_shelf_that_fills_up_while_the_publish_writes_fails_it_and_leaves_noth
     assert not [p for p in real.path.iterdir() if p.suffix in (".resv", ".staging", ".part")]
     real.put("after", b"x" * 100)
     assert bytes(real.get("after")) == b"x" * 100
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A warm worker's take maps the files it owns as its memory ([Note: a take maps its files])
+
+
+class _Wide(torch.nn.Module):
+    """A parameter of 256 KiB and small ones (a file each, the parameter at offset 0, then its momentum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(256, 256)
+        self.norm = torch.nn.LayerNorm(3)
+
+
+@pytest.fixture
+def shm():
+    """A directory on the tmpfs of ``/dev/shm``, where the hosts' shelves live (a take maps files only there)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from varuna_core.util.fs import in_memory
+
+    if not in_memory("/dev/shm"):
+        pytest.skip("/dev/shm is not a tmpfs here")
+    path = Path(tempfile.mkdtemp(prefix="varuna-test-map-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _wide_state(init: int, **kw):
+    torch.manual_seed(init)
+    model = _Wide()
+    return model, _state(model, weight_groups=[], **kw)
+
+
+def _wide_published(root) -> tuple[Shelf, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model, state = _wide_state(0)
+    for p in model.parameters():
+        state.optimizer.state[p] = {"momentum_buffer": torch.randn_like(p)}
+    real = Shelf("job", root=root)
+    publish(state, real.reserve)
+    momenta = {n: state.optimizer.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}
+    return real, {n: p.detach().clone() for n, p in model.named_parameters()}, momenta
+
+
+def _mapped_files(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """(path, inode) of the file mapping that holds ``tensor``'s first byte, or None (anonymous memory)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            if start <= address < end:
+                inode = int(parts[4])
+                return (parts[5].strip() if len(parts) > 5 else "", inode) if inode else None
+    return None
+
+
+def _inode_of(real: Shelf, name: str) -> int:
+    return os.stat(real._file(name)).st_ino
+
+
+def test_a_warm_take_maps_the_files_it_fetched_as_its_parameters_and_optimizer_state(shm) -> None:
+    """Files that came over the wire (checked on arrival) are this rank's own: each tensor stored whole at an
+    aligned offset becomes a view of its file's pages, which outlive the staging directory; the rest is read as before,
+    and the state is the one published, bit for bit; training goes on in the mapped pages."""
+    real, want, momenta = _wide_published(shm / "old")
+
+    def wire(holder, names, into, max_bytes):  # what a shelf server's fetch returns: each blob's checked hash
+        for name in names:
+            real.get_into(name, lambda e: into(e.name, e.size))
+        return {name: real.manifest()[name].sha256 for name in names}
+
+    model, state = _wide_state(1, iteration=0, seed=1, run_id="run-b")
+    staging = shm / "take"
+    assert take(state, step=STEP, locate=lambda name: "there", fetch=wire, staging=staging, in_place=True,
+                map_files=True) == STEP
+    assert not any(staging.iterdir())  # the files are removed; their pages stay while mapped
+    for name, p in model.named_parameters():
+        assert torch.equal(p, want[name]), name
+        assert torch.equal(state.optimizer.state[p]["momentum_buffer"], momenta[name]), name
+    weight = model.fc.weight
+    assert _mapped_files(weight) is not None and _mapped_files(weight)[0].startswith(str(staging))
+    assert _mapped_files(state.optimizer.state[weight]["momentum_buffer"]) is not None
+    norm = model.norm.weight  # 12 bytes at the start of its file, its slot at byte 12: read into memory of its own
+    assert _mapped_files(norm) is not None and _mapped_files(state.optimizer.state[norm]["momentum_buffer"]) is None
+    reference = torch.nn.Parameter(want["fc.weight"].clone())
+    plain = torch.optim.SGD([reference], lr=0.1, momentum=0.9)
+    plain.state[reference] = {"momentum_buffer": momenta["fc.weight"].clone()}
+    weight.grad, reference.grad = torch.ones_like(weight), torch.ones_like(weight)
+    state.optimizer.step()  # in the mapped pages
+    plain.step()
+    assert torch.equal(weight, reference) and _mapped_files(weight) is not None
+
+
+def test_a_warm_take_maps_its_hosts_blobs_only_with_drop_which_runs_before_the_first_update(shm) -> None:
+    """A blob linked from this host's shelf is mapped in place only when the take can take it off the shelf: just
+    before the first optimizer step changes it (until then it is on the shelf as it was, for a take tried again);
+    without ``drop`` it is copied, and a take outside memory (a disk) maps nothing."""
+    real, want, _ = _wide_published(shm / "old")
+    weight_blob = next(n for n in real.names() if n.endswith(".distcp") and real.manifest()[n].size > 2**18)
+    before = bytes(real.get(weight_blob))
+
+    def link(holder, name, path):  # as a worker's: None where no link can be made (the blob is then fetched)
+        try:
+            return _linked(real, name, path)
+        except OSError:
+            return None
+
+    for drop, staging in ((None, shm / "a"), (lambda names: None, Path("/var/tmp") / f"varuna-map-{os.getpid()}")):
+        model, state = _wide_state(1, iteration=0, seed=1, run_id="run-b")
+        try:
+            take(state, step=STEP, locate=lambda name: "here", fetch=_from(real, []), staging=staging, link=link,
+                 in_place=True, map_files=True, drop=drop)
+        finally:
+            import shutil
+            shutil.rmtree(staging, ignore_errors=True)
+        assert {n for n, p in model.named_parameters() if _mapped_files(p) is not None} == set()
+        assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+
+    dropped: list[list[str]] = []
+    model, state = _wide_state(1, iteration=0, seed=1, run_id="run-b")
+    take(state, step=STEP, locate=lambda name: "here", fetch=_from(real, []), staging=shm / "b", link=link,
+         in_place=True, map_files=True, drop=dropped.append)
+    weight = model.fc.weight
+    assert _mapped_files(weight)[1] == _inode_of(real, weight_blob)  # the blob's own pages
+    assert dropped == [] and bytes(real.get(weight_blob)) == before
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    state.optimizer.step()
+    assert len(dropped) == 1 and weight_blob in dropped[0] and all(n.endswith(".distcp") for n in dropped[0])
+    state.optimizer.step()
+    assert len(dropped) == 1  # once
+
+
+def test_of_the_ranks_that_linked_one_blob_the_lowest_owns_it(shm, monkeypatch) -> None:
+    """Ranks of one host that linked the same blob (replicas of a stage, a tied weight's stages) see the same
+    device and inode; only the lowest maps it, the others copy theirs before anyone trains."""
+    from varuna_core.checkpoint import handover
+
+    directory = shm / "files"
+    directory.mkdir()
+    for name in ("a", "b", "c"):
+        (directory / name).write_bytes(b"x")
+    info = {n: os.stat(directory / n) for n in ("a", "b", "c")}
+    other = [("z", info["a"].st_dev, info["a"].st_ino), ("y", info["c"].st_dev, info["c"].st_ino + 10**9)]
+    monkeypatch.setattr(handover, "_gather", lambda state, mine: [other, mine, [("a", info["b"].st_dev,
+                                                                                  info["b"].st_ino)]])
+    _, state = _wide_state(0, rank=1, world_size=3)
+    assert handover._owned(state, directory, ["a", "b", "c"]) == {"b", "c"}  # rank 0 linked "a" too
+
+
+def test_in_memory_tells_a_tmpfs_from_a_disk_by_the_longest_mount_point(tmp_path) -> None:
+    from varuna_core.util.fs import in_memory
+
+    info = tmp_path / "mountinfo"
+    info.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        "30 22 0:25 / /dev/shm rw,nosuid - tmpfs tmpfs rw\n"
+        "31 30 8:2 / /dev/shm/disk rw - xfs /dev/sdb rw\n"
+        "32 22 0:26 / /mnt/with\\040space rw - ramfs none rw\n"
+        "a line that is not one\n")
+    assert in_memory("/dev/shm", str(info)) and in_memory("/dev/shm/x/y", str(info))
+    assert not in_memory("/dev/shm/disk/x", str(info)) and not in_memory("/dev/shmx", str(info))
+    assert in_memory("/mnt/with space/f", str(info)) and not in_memory("/var/tmp", str(info))
+    assert not in_memory("/dev/shm", str(tmp_path / "absent"))

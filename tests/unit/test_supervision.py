@@ -171,7 +171,7 @@ class Publisher(Trainer):
         self.published.append(self.iteration)
         return {name: 0}
 
-    def take(self, step, locate, fetch, staging, link, holder_of) -> int:
+    def take(self, step, locate, fetch, staging, link, holder_of, drop) -> int:
         if self.fail is not None:
             raise self.fail
         self.taken.append(step)

@@ -27,6 +27,20 @@ is on the critical path. So a worker about to publish and exit first frees what 
 buffers (as large as its parameters: a third of the state under Adam), and the publish's first pages are those
 (``Supervision(release=...)``, ``GradBuffer.release``). A snapshot's publish keeps them: training goes on.
 
+[Note: a take maps its files] A warm worker's take (``map_files``: the CPU, the optimizer state whole) does not copy
+the files it took into its parameters and optimizer state: each tensor stored whole at an aligned offset of a file
+this rank owns becomes a view of that file's shared mapping (``p.data``, the optimizer's slot), and training goes
+on in those pages. Memory fresh to the process costs a page fault per 4 KiB; on the 2-core VM of
+benchmarks/README.md a copy into it ran at 0.4-0.9 GB/s, so the load after the take was 2-7 s of the big GPT's
+handover. A rank owns what it fetched over the wire (its private file, hashed on arrival) and, of the blobs linked
+from its own host's shelf, those that no lower rank of the new configuration linked as well (:func:`_owned`: the
+others copy theirs, before anyone trains: the load ends on a barrier). A blob so mapped becomes the new rank's live
+state, so it is taken off the shelf (``drop``) just before the first optimizer step changes it: until then a take
+tried again (a new configuration that crashed before its first step) finds it as it was, after that it finds it gone
+and takes the file from a replica's copy or falls back, never a changed file under its old name (a linked blob's
+data is not hashed again). Files are removed from the staging directory as before; the pages stay while mapped,
+and are freed with the last tensor that views them.
+
 Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its wire
 live. A publish gets ``reserve(nbytes)`` (``Shelf.reserve`` as it is); a take gets ``locate(name)``,
 the holder of a blob (any value the ``fetch`` callable understands: ``"host:port"``, or a marker for this host's own
@@ -44,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import mmap
 import os
 import re
@@ -55,12 +70,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from ..errors import HandoverError, VarunaError
 from ..ir.topology import Topology
 from ..util.checks import integer
-from ..util.fs import atomic_write
+from ..util.fs import atomic_write, in_memory
 from ..util.text import printable
 from .chunks import Chunk
 from .io import FileSink, bounce_buffers
@@ -73,6 +89,7 @@ from .saveload import (
     _manifest,
     _reason,
     _state_dict,
+    _whole_chunk,
     load,
 )
 from .state import CheckpointState
@@ -110,6 +127,7 @@ _SLACK = 8192  # bytes of room per tensor beyond its own: alignment, the blob's 
 _WRITER = re.compile(r"__([0-9]+)_[0-9]+\.distcp")  # the rank that wrote a data file
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
 _BATCH = 1024  # files per request to one holder (a file per parameter: a large model has thousands)
+_MAP_ALIGN = 64  # bytes: a mapped tensor starts where the allocator would have put it (vector loads, cache lines)
 _SMALL_LIMIT = 2 * INDEX_LIMIT  # bytes of the small files together: the index's bound and the manifest's
 _KEEP_TRAINING = "nothing was handed over; the old configuration still holds the state"
 _FALL_BACK = "the live state is as it was; fall back to the last checkpoint in the store"
@@ -319,7 +337,8 @@ def _adopt_files(state: CheckpointState, space: Space, step: int, local: Path,
 
 def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fetch: Fetch,
          staging: str | os.PathLike, load_optimizer: bool = True, link: Link | None = None,
-         in_place: bool = False, holder_of: Callable[[int], Any] | None = None) -> int:
+         in_place: bool = False, holder_of: Callable[[int], Any] | None = None, map_files: bool = False,
+         drop: Callable[[list[str]], object] | None = None) -> int:
     """Restore this rank's state from a checkpoint on the hosts' shelves (collective over the new ranks), as
     :func:`~varuna_core.checkpoint.saveload.load` restores it from a store, all or nothing.
 
@@ -345,6 +364,14 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
             (see :func:`publish`): one on this host is linked first, and when a holder fails (gone, stalled,
             damaged) the file is taken from the next replica that has it; only when none has it does the take
             fail.
+        map_files: with ``in_place``, on the CPU, with the optimizer state whole and ``staging`` in memory (a
+            tmpfs: a disk's file would be written back as it changes), the taken files become the memory of the
+            live parameters and optimizer state rather than being copied into it (see [Note: a take maps its
+            files]). Files fetched over the wire are mapped; blobs linked from this host's shelf only with
+            ``drop``.
+        drop: ``drop(names)`` takes blobs off this host's shelf (``Shelf.remove``): called just before the first
+            optimizer step changes the blobs this rank mapped in place, so that no later take finds them changed
+            under their old names.
 
     Returns:
         The step loaded.
@@ -371,6 +398,8 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
         present: list[str] = []
         verified: set[str] = set()
         limits: dict[str, int] = {}
+        linked: dict[str, int] = {}
+        stored: dict[str, Any] = {}
 
         def take_data() -> None:
             manifest = read_manifest(directory)
@@ -378,19 +407,111 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
             metadata = read_metadata(directory, expected, check_files=False)
             same_world = manifest.pp * manifest.dp == state.world_size
             present.extend(_data_files(state, metadata.storage_data, same_world, load_optimizer))
+            stored.update(metadata.state_dict_metadata, storage=metadata.storage_data)
             holders = _holders(locate, holder_of, manifest, step, present)
-            linked = _link_files(holders, link, step, directory, expected) if link is not None else {}
+            linked.update(_link_files(holders, link, step, directory, expected) if link is not None else {})
             limits.update(linked)
             verified.update(linked)
             rest = {f: h for f, h in holders.items() if f not in linked}
             verified.update(_take_files(rest, fetch, step, directory, expected))
 
         _agree(state, _attempt(take_data), _FALL_BACK)
+        mapped: dict[str, Any] = {}
+        if map_files and in_place and state.pieces is None and state.device.type == "cpu":
+            here = in_memory(root)  # (may differ between hosts: the gather below does not depend on it)
+            owned = verified - set(linked) if here else set()
+            if drop is not None and state.optimizer is not None:  # alike on every rank
+                owned |= _owned(state, directory, linked if here else {})
+            mapped, files = _map_files(state, directory, stored, sorted(owned), limits, load_optimizer)
+            shared = sorted(blob_name(step, f) for f in files if f in linked)
+            if shared:
+                assert drop is not None  # linked files are owned only with it
+                _before_first_update(state, lambda: drop(shared))
         return load(state, root, iteration=step, load_optimizer=load_optimizer, present=present,
-                    verified=verified, limits=limits, in_place=in_place)
+                    verified=verified, limits=limits, in_place=in_place, mapped=mapped)
     finally:
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _owned(state: CheckpointState, directory: Path, linked: Collection[str]) -> set[str]:
+    """The files linked from this host's shelf that this rank may make its live memory: those no lower rank on
+    this host linked as well (collective). Ranks that linked the same blob see the same file (device and inode);
+    the lowest of them owns it, and the others copy it, before anyone trains (the load ends on a barrier)."""
+    mine: list[tuple[str, int, int]] = []
+    for file in sorted(linked):
+        with contextlib.suppress(OSError):
+            info = os.stat(directory / file, follow_symlinks=False)
+            mine.append((file, info.st_dev, info.st_ino))
+    owner: dict[tuple[int, int], int] = {}
+    for rank, part in enumerate(_gather(state, mine)):
+        for _, dev, ino in part:
+            owner.setdefault((dev, ino), rank)
+    return {file for file, dev, ino in mine if owner[(dev, ino)] == state.rank}
+
+
+def _before_first_update(state: CheckpointState, fn: Callable[[], object]) -> None:
+    """Call ``fn`` once, just before the optimizer's next step (the first that changes the mapped state)."""
+    assert state.optimizer is not None  # mapped optimizer state or parameters: there is an optimizer to step
+
+    def once(*_: Any) -> None:
+        handle.remove()
+        fn()
+
+    handle = state.optimizer.register_step_pre_hook(once)
+
+
+def _map_files(state: CheckpointState, directory: Path, stored: dict[str, Any], files: list[str],
+               limits: dict[str, int], load_optimizer: bool) -> tuple[dict[str, Any], set[str]]:
+    """Views of ``files`` (this rank's own, checked) as the tensors they hold, and the files they view: ``{fqn:
+    tensor}`` for each
+    parameter (of its live dtype and shape) and optimizer slot stored whole in them at an offset aligned to
+    ``_MAP_ALIGN`` bytes (a large tensor always is: the writer aligns it); the rest is read by the load as usual.
+    See [Note: a take maps its files]."""
+    storage = stored.get("storage", {})
+    params = {f"model/{key}": p for key, p in _keys(state)}
+    optim = tuple(f"optim/{key}/" for key in {k for k, _ in _keys(state)}) \
+        if load_optimizer and state.optimizer is not None else ()
+    by_file: dict[str, list[tuple[str, Any]]] = {}
+    for index, loc in storage.items():
+        fqn, meta = index.fqn, stored.get(index.fqn)
+        if fqn not in params and not (optim and fqn.startswith(optim)):
+            continue
+        if meta is None or not _whole_chunk(meta):
+            continue
+        by_file.setdefault(loc.relative_path, []).append((fqn, loc))
+    views: dict[str, Any] = {}
+    used: set[str] = set()
+    for file in files:
+        entries = by_file.get(file)
+        if not entries:
+            continue
+        try:
+            fd = os.open(directory / file, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            buffer = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+        if buffer is None:
+            continue
+        end = min(size, limits.get(file, size))
+        for fqn, loc in entries:
+            meta = stored[fqn]
+            dtype, shape = meta.properties.dtype, tuple(meta.size)
+            live = params.get(fqn)
+            if live is not None and (live.dtype != dtype or tuple(live.shape) != shape):
+                continue
+            numel, nbytes = math.prod(shape), loc.length
+            if not numel or nbytes != numel * dtype.itemsize or loc.offset % _MAP_ALIGN \
+                    or loc.offset + nbytes > end:
+                continue
+            views[fqn] = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=loc.offset).view(shape)
+            used.add(file)
+        del buffer  # the views hold the mapping; it is unmapped with the last of them
+    return views, used
 
 
 def _data_files(state: CheckpointState, storage: dict, same_world: bool, load_optimizer: bool) -> list[str]:

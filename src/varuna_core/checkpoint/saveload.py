@@ -618,7 +618,8 @@ def _kv_store(state: CheckpointState):
 def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | str = "latest",
          check_complete: bool = True, run: str | None = None, load_optimizer: bool = True,
          present: Collection[str] | None = None, verified: Collection[str] = (),
-         limits: dict[str, int] | None = None, in_place: bool = False) -> int:
+         limits: dict[str, int] | None = None, in_place: bool = False,
+         mapped: dict[str, torch.Tensor] | None = None) -> int:
     """Restore parameters, buffers, optimizer state, loss scaler, iteration, seed and RNG from a checkpoint
     written under any partition (collective), all or nothing. Returns the step loaded; the run continues under
     the checkpoint's run id.
@@ -637,6 +638,9 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
     first: for a process whose live state is worth nothing yet (a warm worker of a morph, which on a failure
     loads the store or stops), it spares allocating and copying the model once more. The rest is still all or
     nothing (optimizer state, RNG, step).
+    ``mapped``: ``{fqn: tensor}``, entries already in memory of this rank's own that holds the stored bytes, checked
+    (a handover's take maps its files: [Note: a take maps its files] in :mod:`.handover`): a parameter's becomes
+    its memory, an optimizer slot's its state; they are not read.
 
     Raises:
         CheckpointError: on every rank, with the model untouched: no such checkpoint, incomplete, a file
@@ -656,8 +660,9 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
                                               verified=verified, limits=limits))
     metadata = _agreed(state, lambda: reader.read_metadata().state_dict_metadata)
     groups = _agreed(state, lambda: _check_fits(state, directory, manifest, metadata, load_optimizer))
-    plan = _Targets.build(state, metadata, manifest, load_optimizer, in_place)
-    dcp_load(plan.target, reader)  # every file's size and sha256 checked on the way; a failure raises everywhere
+    plan = _Targets.build(state, metadata, manifest, load_optimizer, in_place, mapped or {})
+    # every file's size and sha256 checked on the way; a failure raises everywhere
+    dcp_load({k: v for k, v in plan.target.items() if k not in plan.mapped}, reader)
     plan.commit(state, manifest, groups)
     _barrier(state)
     return step
@@ -822,13 +827,17 @@ class _Targets:
     buffers: dict[str, torch.Tensor]
     optim: dict[int, dict[str, torch.Tensor]] | None
     rng_keys: list[str]
+    mapped: set[str]  # targets that already hold their bytes (not read; a parameter's becomes its memory)
 
     @classmethod
     def build(cls, state: CheckpointState, metadata: dict, manifest: Manifest, load_optimizer: bool,
-              in_place: bool = False) -> _Targets:
+              in_place: bool = False, mapped: dict[str, torch.Tensor] | None = None) -> _Targets:
         target: dict[str, torch.Tensor] = {}
+        mapped = mapped or {}
 
         def fresh(live: torch.Tensor, key: str) -> torch.Tensor:
+            if key in mapped:
+                return mapped[key]
             if in_place and live.is_contiguous():
                 return live.detach()
             if _whole_chunk(metadata.get(key)):  # every byte is read: no need to clear it first
@@ -849,6 +858,8 @@ class _Targets:
                         if piece is not None and len(meta.size) > 0:  # the box this replica's optimizer holds
                             tensor = torch.zeros(piece.param.shape, dtype=meta.properties.dtype, device=p.device)
                             target[name] = chunk(tensor, piece.offsets, meta.size)
+                        elif name in mapped:
+                            tensor = target[name] = mapped[name]
                         else:  # read whole from one chunk: no need to clear it (a GB of Adam moments: ~0.5 s)
                             make = torch.empty if _whole_chunk(meta) else torch.zeros
                             tensor = make(tuple(meta.size), dtype=meta.properties.dtype, device=p.device)
@@ -861,7 +872,7 @@ class _Targets:
         rng_keys = [k for k in (f"rng/rank{state.rank}", f"rng_cuda/rank{state.rank}") if same_world and k in metadata]
         for key in rng_keys:
             target[key] = torch.zeros(tuple(metadata[key].size), dtype=metadata[key].properties.dtype)
-        return cls(target, params, buffers, optim, rng_keys)
+        return cls(target, params, buffers, optim, rng_keys, set(mapped) & set(target))
 
     def commit(self, state: CheckpointState, manifest: Manifest, groups: list[dict]) -> None:
         """Move the loaded state into the live model, optimizer and RNG, and the checkpoint's iteration, seed,
@@ -869,7 +880,9 @@ class _Targets:
         checkpoint's account: it was all checked)."""
         with torch.no_grad():  # a target that is the live tensor (in_place) already holds its value
             for key, p in self.params:
-                if self.target[f"model/{key}"].data_ptr() != p.data_ptr():
+                if f"model/{key}" in self.mapped:
+                    p.data = self.target[f"model/{key}"]
+                elif self.target[f"model/{key}"].data_ptr() != p.data_ptr():
                     p.copy_(self.target[f"model/{key}"])
             for name, b in self.buffers.items():
                 if self.target[f"buffer/{name}"].data_ptr() != b.data_ptr():

@@ -149,3 +149,28 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, mode: int =
         except OSError:
             pass
         raise
+
+
+_MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+
+
+def in_memory(path: str | os.PathLike[str], mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """Whether ``path`` is on a file system kept in memory (tmpfs, ramfs): a file there mapped shared is memory, not
+    a disk's cache written back while it changes. False wherever it cannot be told (no ``/proc``)."""
+    try:
+        target = os.path.realpath(path)
+        with open(mountinfo, encoding="utf-8", errors="replace") as stream:
+            lines = stream.read(1 << 20).splitlines()
+    except OSError:
+        return False
+    best, kind = "", ""
+    for line in lines:  # "<id> <parent> <dev> <root> <mount point> <options> [optional...] - <type> <source> ..."
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not tail:
+            continue
+        point = parts[4].encode().decode("unicode_escape") if "\\" in parts[4] else parts[4]
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, tail.split()[0]
+    return kind in _MEMORY_FS

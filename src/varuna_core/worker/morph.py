@@ -198,6 +198,18 @@ class Morph:
 
         return link
 
+    def drop(self, go: Go) -> Callable[[list[str]], None]:
+        """``drop(names)`` for :func:`~varuna_core.checkpoint.handover.take`: takes blobs off this host's shelf of
+        the old configuration, once this rank's live state is their memory (its first optimizer step changes
+        them): a take tried again then gets them from elsewhere, never changed under their old names."""
+        assert go.shelf is not None
+        local = Shelf(go.shelf, root=self.staging)
+
+        def drop(names: list[str]) -> None:
+            local.remove(names)
+
+        return drop
+
     def fetch(self, go: Go, timeout: float = 60.0) -> Callable[[Any, list[str], Callable[..., Any], int], object]:
         """``fetch(holder, names, into, max_bytes)`` for :func:`~varuna_core.checkpoint.handover.take`: from this
         host's own shelf when the holder is this host, else from the holder's shelf server."""

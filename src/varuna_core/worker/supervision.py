@@ -110,8 +110,9 @@ class Supervision:
         publish: ``publish(reserve, copies)`` puts a checkpoint of the current step on this host's shelf, in the
             room ``reserve(nbytes)`` gives, with copies of its replicas' files if ``copies`` (collective;
             ``Varuna.publish_state``); returns ``{blob: rank}``.
-        take: ``take(step, locate, fetch, staging, link, holder_of)`` restores the state the old ranks published
-            (collective; ``Varuna.take_state``); returns the step loaded.
+        take: ``take(step, locate, fetch, staging, link, holder_of, drop)`` restores the state the old ranks
+            published (collective; ``Varuna.take_state``); returns the step loaded. ``drop(names)`` takes blobs off
+            this host's shelf of the old configuration (those the take made its live memory).
         arrive: called once by a warm worker when the go has come, before it takes or loads anything (collective
             over the new ranks): the facade moves its parked stage onto its device then.
         release: called once by a worker about to publish for a handover and exit, before it publishes: the facade
@@ -394,7 +395,7 @@ class Supervision:
         assert self.local_store is not None and self._take is not None and self.morph is not None
         try:
             locate, fetch = self.local_store.sources(step)
-            return self._take(step, locate, fetch, self.morph.staging, None, None)
+            return self._take(step, locate, fetch, self.morph.staging, None, None, None)
         except (CheckpointError, HandoverError) as exc:
             raise ResumeRefused(exc.message, hint="the launcher falls back to an earlier checkpoint") from None
 
@@ -455,7 +456,7 @@ class Supervision:
             assert self._take is not None and go.step is not None  # a go from the shelves names its step
             try:
                 step = self._take(go.step, morph.locate(go), morph.fetch(go), morph.staging, morph.link(go),
-                                  morph.holder_of(go))
+                                  morph.holder_of(go), morph.drop(go))
             except (CheckpointError, HandoverError) as exc:
                 if go.fallback_step is None or self.ckpt_dir is None:
                     raise
