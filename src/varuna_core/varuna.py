@@ -362,10 +362,10 @@ class Varuna(nn.Module):
             save=lambda directory, **options: self.checkpoint(directory, **options),
             load=lambda directory, step: self.load_checkpoint(directory, iteration=step),
             progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told,
-            publish=lambda reserve, copies: self.publish_state(reserve, copies=copies),
-            take=lambda step, locate, fetch, staging, link, holder_of, drop: self.take_state(
+            publish=lambda reserve, copies, final=False: self.publish_state(reserve, copies=copies, final=final),
+            take=lambda step, locate, fetch, staging, link, holder_of, drop, keep: self.take_state(
                 step=step, locate=locate, fetch=fetch, staging=staging, link=link, holder_of=holder_of, in_place=True,
-                map_files=True, drop=drop),
+                map_files=True, drop=drop, keep=keep),
             arrive=self._unpark, release=self.grad_buffer.release)
         self.supervision.ready()
 
@@ -565,20 +565,22 @@ class Varuna(nn.Module):
             self._adopt(state)
 
     def publish_state(self, reserve: Callable[[int], Any], *, step: int | None = None,
-                      copies: bool = True) -> dict[str, int]:
+                      copies: bool = True, final: bool = False) -> dict[str, int]:
         """Put a checkpoint of every rank's state into its own host's memory for a handover (collective; see
         :mod:`varuna_core.checkpoint.handover`): ``reserve(nbytes)`` gives room on this host's shelf
-        (``Shelf.reserve``), where each file is written once and becomes a blob. Returns ``{blob name: rank}`` on
-        every rank."""
+        (``Shelf.reserve``), where each file is written once and becomes a blob; ``final``: this process trains no
+        more (a handover), so the files a take mapped as its state become blobs as they are. Returns ``{blob name:
+        rank}`` on every rank."""
         from .checkpoint.handover import publish
 
-        return publish(self._checkpoint_state(), reserve, step=step, copies=copies)
+        return publish(self._checkpoint_state(), reserve, step=step, copies=copies, final=final)
 
     def take_state(self, *, step: int, locate: Callable[[str], Any], fetch: Callable[..., None],
                    staging: str | os.PathLike, load_optimizer: bool = True,
                    link: Callable[..., tuple[int, str] | None] | None = None, in_place: bool = False,
                    holder_of: Callable[[int], Any] | None = None, map_files: bool = False,
-                   drop: Callable[[list[str]], object] | None = None) -> int:
+                   drop: Callable[[list[str]], object] | None = None,
+                   keep: str | os.PathLike | None = None) -> int:
         """Restore from a checkpoint published into the hosts' memory (collective over the new ranks; after
         ``set_optimizer``), as :meth:`load_checkpoint` restores from a store, all or nothing: ``locate(name)``
         names a blob's holder, ``fetch(holder, names, into, max_bytes)`` takes blobs from it, ``link(holder,
@@ -586,14 +588,16 @@ class Varuna(nn.Module):
         ``in_place`` reads the model straight into the live tensors (a warm worker's), ``holder_of(rank)`` lets a
         file come from a replica's copy, ``map_files`` (with ``in_place``, on the CPU) makes the taken files the
         live parameters' and optimizer state's memory (blobs of this host's shelf only with ``drop(names)``, which
-        takes them off it before the first optimizer step changes them). Returns the step restored."""
+        takes them off it before the first optimizer step changes them), ``keep`` a directory where they stay named
+        for a last publish (``publish_state(final=True)``) to make them blobs without a copy. Returns the step
+        restored."""
         from .checkpoint.handover import take
 
         state = self._checkpoint_state()
         try:
             return take(state, step=step, locate=locate, fetch=fetch, staging=staging, load_optimizer=load_optimizer,
                         link=link, in_place=in_place, holder_of=holder_of, map_files=map_files,
-                        drop=drop)
+                        drop=drop, keep=keep)
         finally:
             self._adopt(state)
 

@@ -520,3 +520,57 @@ def test_in_memory_tells_a_tmpfs_from_a_disk_by_the_longest_mount_point(tmp_path
     assert not in_memory("/dev/shm/disk/x", str(info)) and not in_memory("/dev/shmx", str(info))
     assert in_memory("/mnt/with space/f", str(info)) and not in_memory("/var/tmp", str(info))
     assert not in_memory("/dev/shm", str(tmp_path / "absent"))
+
+
+def test_a_last_publish_makes_the_files_a_take_mapped_blobs_without_a_copy(shm) -> None:
+    """The files a take mapped whole stay named in ``keep`` while they are the process's memory; a final publish
+    (a handover's: the process trains no more) renames each into a blob, hashed, not copied, and a take of it gets
+    the trained state bit for bit. A snapshot's publish (not final) copies them, and a file's name goes with the
+    last view of its pages."""
+    import gc
+
+    from varuna_core.checkpoint import handover
+
+    real, _, _ = _wide_published(shm / "old")
+
+    def wire(holder, names, into, max_bytes):
+        for name in names:
+            real.get_into(name, lambda e: into(e.name, e.size))
+        return {name: real.manifest()[name].sha256 for name in names}
+
+    model, state = _wide_state(1, iteration=0, seed=1, run_id="run-b")
+    keep = shm / "keep"
+    take(state, step=STEP, locate=lambda name: "there", fetch=wire, staging=shm / "take", in_place=True,
+         map_files=True, keep=keep)
+    kept = {p.stat().st_ino: p for p in keep.iterdir()}
+    weight = model.fc.weight
+    assert _mapped_files(weight)[1] in kept  # its file, under a name of its own
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    state.optimizer.step()
+    state.iteration = STEP + 1
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    snapshot = Shelf("snap", root=shm / "snap")
+    publish(state, snapshot.reserve)  # training goes on: copies
+    assert set(keep.iterdir()) == set(kept.values())
+    assert _inode_of(snapshot, blob_name(STEP + 1, "__0_1.distcp")) not in kept
+
+    final = Shelf("final", root=shm / "final")
+    publish(state, final.reserve, final=True)
+    adopted = {_inode_of(final, n) for n in final.names() if n.endswith(".distcp")} & set(kept)
+    assert _mapped_files(weight)[1] in adopted and not any(keep.iterdir())  # renamed: no copy
+    assert not handover._LIVE
+    other, fresh = _wide_state(2, iteration=0, seed=1, run_id="run-c")
+    take(fresh, step=STEP + 1, locate=lambda name: "here", fetch=_from(final, []), staging=shm / "again")
+    assert all(torch.equal(p, trained[n]) for n, p in other.named_parameters())
+    assert torch.equal(fresh.optimizer.state[other.fc.weight]["momentum_buffer"],
+                       state.optimizer.state[weight]["momentum_buffer"])
+
+    model2, state2 = _wide_state(3, iteration=0, seed=1, run_id="run-d")
+    take(state2, step=STEP, locate=lambda name: "there", fetch=wire, staging=shm / "take2", in_place=True,
+         map_files=True, keep=shm / "keep2")
+    assert any((shm / "keep2").iterdir()) and handover._LIVE
+    del model2, state2
+    gc.collect()
+    assert not any((shm / "keep2").iterdir()) and not handover._LIVE  # gone with the last view of each

@@ -159,7 +159,7 @@ class Publisher(Trainer):
     def release(self) -> None:
         self.events.append("release")
 
-    def publish(self, reserve, copies) -> dict[str, int]:
+    def publish(self, reserve, copies, final=False) -> dict[str, int]:
         self.events.append("publish")
         if self.fail is not None:
             raise self.fail
@@ -171,7 +171,7 @@ class Publisher(Trainer):
         self.published.append(self.iteration)
         return {name: 0}
 
-    def take(self, step, locate, fetch, staging, link, holder_of, drop) -> int:
+    def take(self, step, locate, fetch, staging, link, holder_of, drop, keep) -> int:
         if self.fail is not None:
             raise self.fail
         self.taken.append(step)

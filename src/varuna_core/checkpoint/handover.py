@@ -62,10 +62,13 @@ import math
 import mmap
 import os
 import re
+import secrets
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -127,6 +130,7 @@ _SLACK = 8192  # bytes of room per tensor beyond its own: alignment, the blob's 
 _WRITER = re.compile(r"__([0-9]+)_[0-9]+\.distcp")  # the rank that wrote a data file
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
 _BATCH = 1024  # files per request to one holder (a file per parameter: a large model has thousands)
+_HASH_PIECE = 8 << 20  # bytes read at a time to hash an adopted file
 _MAP_ALIGN = 64  # bytes: a mapped tensor starts where the allocator would have put it (vector loads, cache lines)
 _SMALL_LIMIT = 2 * INDEX_LIMIT  # bytes of the small files together: the index's bound and the manifest's
 _KEEP_TRAINING = "nothing was handed over; the old configuration still holds the state"
@@ -157,7 +161,7 @@ def blob_name(step: int, file: str) -> str:
 
 
 def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None,
-            copies: bool = True) -> dict[str, int]:
+            copies: bool = True, final: bool = False) -> dict[str, int]:
     """Put a checkpoint of every rank's state on each rank's own host's shelf (collective).
 
     Args:
@@ -167,6 +171,9 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
         step: the checkpoint's number (default: the optimizer steps taken).
         copies: under data parallelism, also keep on this host a copy of the files the stage's replicas on other
             hosts wrote (:func:`_mirror`; every rank must pass the same).
+        final: this process changes its state no more (a handover's publish, after which it exits): the files a
+            take mapped as its memory, and still whole, become blobs as they are, hashed but not copied
+            ([Note: a take maps its files]).
 
     Returns:
         On every rank, ``{blob name: rank that put it}``.
@@ -195,7 +202,8 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
             _agree(state, problem, _KEEP_TRAINING)
             assert space is not None  # every rank has room, or all raised above
             local = Path(space.directory)
-            writer = RawWriter(local, sync_files=False, group=by_parameter)  # tmpfs: nothing to sync
+            writer = RawWriter(local, sync_files=False, group=by_parameter,  # tmpfs: nothing to sync
+                               adopt=_adopt_live if final else None)
             dcp_save(tensors, writer)  # a failure anywhere raises everywhere
             files = [f.as_dict() for f in writer.files]
             _agree(state, _complete_locally(state, step, local, _gather(state, files)), _KEEP_TRAINING)
@@ -338,7 +346,7 @@ def _adopt_files(state: CheckpointState, space: Space, step: int, local: Path,
 def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fetch: Fetch,
          staging: str | os.PathLike, load_optimizer: bool = True, link: Link | None = None,
          in_place: bool = False, holder_of: Callable[[int], Any] | None = None, map_files: bool = False,
-         drop: Callable[[list[str]], object] | None = None) -> int:
+         drop: Callable[[list[str]], object] | None = None, keep: str | os.PathLike | None = None) -> int:
     """Restore this rank's state from a checkpoint on the hosts' shelves (collective over the new ranks), as
     :func:`~varuna_core.checkpoint.saveload.load` restores it from a store, all or nothing.
 
@@ -372,6 +380,9 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
         drop: ``drop(names)`` takes blobs off this host's shelf (``Shelf.remove``): called just before the first
             optimizer step changes the blobs this rank mapped in place, so that no later take finds them changed
             under their old names.
+        keep: a directory on ``staging``'s file system where the files mapped whole stay named while they are this
+            process's memory (removed with their last view), so that its last publish (``final``) makes them blobs
+            without a copy; None: they are removed with the staging directory.
 
     Returns:
         The step loaded.
@@ -422,16 +433,96 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
             owned = verified - set(linked) if here else set()
             if drop is not None and state.optimizer is not None:  # alike on every rank
                 owned |= _owned(state, directory, linked if here else {})
-            mapped, files = _map_files(state, directory, stored, sorted(owned), limits, load_optimizer)
+            mapped, files, buffers = _map_files(state, directory, stored, sorted(owned), limits, load_optimizer)
             shared = sorted(blob_name(step, f) for f in files if f in linked)
             if shared:
                 assert drop is not None  # linked files are owned only with it
                 _before_first_update(state, lambda: drop(shared))
-        return load(state, root, iteration=step, load_optimizer=load_optimizer, present=present,
-                    verified=verified, limits=limits, in_place=in_place, mapped=mapped)
+        loaded = load(state, root, iteration=step, load_optimizer=load_optimizer, present=present,
+                      verified=verified, limits=limits, in_place=in_place, mapped=mapped)
+        if mapped and keep is not None:
+            _keep(directory, Path(keep), stored, mapped, files, buffers, limits)
+        return loaded
     finally:
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass
+class _Live:
+    """A file a take mapped as this process's memory, kept under a name of its own (``keep``), while every tensor
+    stored in it is a view of its pages: ``{fqn: (offset, bytes, data_ptr)}``, ``size`` bytes of data."""
+
+    path: Path
+    size: int
+    entries: dict[str, tuple[int, int, int]]
+
+
+_LIVE: dict[str, _Live] = {}  # by path: the files this process's live state is (see [Note: a take maps its files])
+
+
+def _forget(path: str) -> None:
+    """The last view of a kept file's mapping is gone: its name goes too (unless a publish made it a blob)."""
+    _LIVE.pop(path, None)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _keep(directory: Path, keep: Path, stored: dict[str, Any], mapped: dict[str, Any], files: set[str],
+          buffers: dict[str, mmap.mmap], limits: dict[str, int]) -> None:
+    """Move each mapped file whose every stored tensor is mapped from the staging ``directory`` into ``keep``
+    (unique names), and remember it, so that a last publish can make it a blob without a copy (:func:`_adopt_live`).
+    A file with a tensor that was read into memory of its own is left to the staging directory's removal."""
+    storage = stored.get("storage", {})
+    for file in sorted(files):
+        entries = {index.fqn: loc for index, loc in storage.items() if loc.relative_path == file}
+        if not entries or any(fqn not in mapped for fqn in entries):
+            continue
+        target = keep / f"{secrets.token_hex(8)}.live"
+        try:
+            keep.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.rename(directory / file, target)
+        except OSError as exc:
+            log.debug("not keeping %s for a later publish: %s", file, _reason(exc))
+            continue
+        size = limits.get(file, target.stat().st_size)
+        _LIVE[str(target)] = _Live(target, size, {fqn: (loc.offset, loc.length, mapped[fqn].data_ptr())
+                                                  for fqn, loc in entries.items()})
+        weakref.finalize(buffers[file], _forget, str(target))
+
+
+def _adopt_live(path: Path, tensors: list[tuple[str, Any]]) -> tuple[list[int], int, str] | None:
+    """For a final publish's writer: the kept file whose stored tensors are exactly ``tensors``, each still the view
+    of its pages it was mapped as, moved to ``path`` (its data only: an old blob's entry after it is cut off), with
+    each tensor's offset, the data's size and sha256; None if there is none (the writer writes the file)."""
+    first = tensors[0][1] if tensors else None
+    live = next((rec for rec in _LIVE.values() if first is not None and tensors[0][0] in rec.entries
+                 and rec.entries[tensors[0][0]][2] == first.data_ptr()), None)
+    if live is None or len(live.entries) != len(tensors):
+        return None
+    with contextlib.suppress(OSError):
+        if os.stat(live.path).st_nlink != 1:  # a blob's name still on the old shelf: cutting it would damage it
+            return None
+    offsets = []
+    for fqn, tensor in tensors:
+        at = live.entries.get(fqn)
+        if at is None or tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.data_ptr() != at[2] \
+                or tensor.numel() * tensor.element_size() != at[1]:
+            return None
+        offsets.append(at[0])
+    try:
+        os.truncate(live.path, live.size)  # pages past the data are viewed by no tensor
+        os.rename(live.path, path)
+    except OSError as exc:
+        log.debug("writing %s rather than adopting %s: %s", path.name, live.path, _reason(exc))
+        return None
+    _LIVE.pop(str(live.path), None)
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as stream:
+        view = memoryview(bytearray(_HASH_PIECE))
+        while n := stream.readinto(view):
+            digest.update(view[:n])
+    return offsets, live.size, digest.hexdigest()
 
 
 def _owned(state: CheckpointState, directory: Path, linked: Collection[str]) -> set[str]:
@@ -462,9 +553,9 @@ def _before_first_update(state: CheckpointState, fn: Callable[[], object]) -> No
 
 
 def _map_files(state: CheckpointState, directory: Path, stored: dict[str, Any], files: list[str],
-               limits: dict[str, int], load_optimizer: bool) -> tuple[dict[str, Any], set[str]]:
-    """Views of ``files`` (this rank's own, checked) as the tensors they hold, and the files they view: ``{fqn:
-    tensor}`` for each
+               limits: dict[str, int], load_optimizer: bool) -> tuple[dict[str, Any], set[str], dict[str, mmap.mmap]]:
+    """Views of ``files`` (this rank's own, checked) as the tensors they hold, the files they view and their
+    mappings: ``{fqn: tensor}`` for each
     parameter (of its live dtype and shape) and optimizer slot stored whole in them at an offset aligned to
     ``_MAP_ALIGN`` bytes (a large tensor always is: the writer aligns it); the rest is read by the load as usual.
     See [Note: a take maps its files]."""
@@ -481,7 +572,7 @@ def _map_files(state: CheckpointState, directory: Path, stored: dict[str, Any], 
             continue
         by_file.setdefault(loc.relative_path, []).append((fqn, loc))
     views: dict[str, Any] = {}
-    used: set[str] = set()
+    used: dict[str, mmap.mmap] = {}
     for file in files:
         entries = by_file.get(file)
         if not entries:
@@ -509,9 +600,9 @@ def _map_files(state: CheckpointState, directory: Path, stored: dict[str, Any], 
                     or loc.offset + nbytes > end:
                 continue
             views[fqn] = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=loc.offset).view(shape)
-            used.add(file)
+            used[file] = buffer
         del buffer  # the views hold the mapping; it is unmapped with the last of them
-    return views, used
+    return views, set(used), used
 
 
 def _data_files(state: CheckpointState, storage: dict, same_world: bool, load_optimizer: bool) -> list[str]:

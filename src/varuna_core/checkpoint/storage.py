@@ -243,6 +243,9 @@ class _DeviceStaging:
         return at, n
 
 
+Adopt = Callable[[Path, "list[tuple[str, torch.Tensor]]"], "tuple[list[int], int, str] | None"]
+
+
 class RawWriter(StorageWriter):
     """Writes each rank's tensors as raw bytes into ``<path>/__<rank>_0.distcp`` (see the module docstring).
 
@@ -253,14 +256,20 @@ class RawWriter(StorageWriter):
     ``group``: ``group(fqn)`` names the file group of an entry (None: the rank's first file). Each group then gets
     a file of its own, ``__<rank>_<i>.distcp`` in the order the groups first appear: a handover groups entries by
     parameter, so that a stage of any other partition takes exactly the files of its own tensors.
+
+    ``adopt``: ``adopt(path, [(fqn, tensor), ...])`` may put a file that already holds a group's tensors at
+    ``path`` instead of the writer writing it (a handover's last publish, whose tensors are a mapped file's pages:
+    :mod:`.handover`); it returns each tensor's offset in it, the file's size and its sha256, or None (the
+    writer writes it).
     """
 
     def __init__(self, path: str | os.PathLike, sync_files: bool = True,
-                 group: Callable[[str], str | None] | None = None) -> None:
+                 group: Callable[[str], str | None] | None = None, adopt: Adopt | None = None) -> None:
         super().__init__()
         self.path = Path(path)
         self.sync_files = sync_files
         self.group = group
+        self.adopt = adopt
         self.files: list[FileRecord] = []
         self.layout: dict[str, list[tuple[str, list[int], int, int]]] = {}  # file -> (fqn, chunk offsets, at, bytes)
         self.save_id = uuid.uuid4().hex
@@ -294,6 +303,18 @@ class RawWriter(StorageWriter):
         buffers = bounce_buffers() if len(files) > 1 else None  # one pair for every file, written one by one
         staging: _DeviceStaging | None = None
         for name, items in files:
+            if self.adopt is not None and items:
+                tensors = [(item.index.fqn, self._tensor(item, planner)) for item in items]
+                adopted = self.adopt(self.path / name, tensors)
+                if adopted is not None:
+                    offsets, size, sha256 = adopted
+                    for item, (fqn, tensor), at in zip(items, tensors, offsets, strict=True):
+                        nbytes = tensor.numel() * tensor.element_size()
+                        results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
+                                                   storage_data=Location(name, at, nbytes)))
+                        self.layout.setdefault(name, []).append((fqn, list(item.index.offset or ()), at, nbytes))
+                    self.files.append(FileRecord(name, size, sha256))
+                    continue
             sink = FileSink(self.path / name, durable=self.sync_files, buffers=buffers)
             try:
                 for item in items:

@@ -94,6 +94,12 @@ class Morph:
                      budget=self.told.shelf_budget)
 
     @property
+    def keep(self) -> Path:
+        """Where the files a take made this worker's memory stay named, for its own handover's publish to make
+        them blobs without a copy: a directory of this attempt's shelf, removed with it."""
+        return self.shelf.path / f"{os.getpid()}.live"
+
+    @property
     def staging(self) -> Path:
         """Where a publish or a take writes its private files first: the shelf's tmpfs."""
         assert self.told.shelf_dir is not None

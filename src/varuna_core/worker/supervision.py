@@ -107,12 +107,14 @@ class Supervision:
         save: ``save(directory, tempdir=..., background=..., keep=...)`` writes a checkpoint of the current step
             (collective) and returns the ``Future`` of a background write, or anything else.
         load: ``load(directory, step)`` restores that checkpoint (collective) and returns the step loaded.
-        publish: ``publish(reserve, copies)`` puts a checkpoint of the current step on this host's shelf, in the
-            room ``reserve(nbytes)`` gives, with copies of its replicas' files if ``copies`` (collective;
-            ``Varuna.publish_state``); returns ``{blob: rank}``.
-        take: ``take(step, locate, fetch, staging, link, holder_of, drop)`` restores the state the old ranks
+        publish: ``publish(reserve, copies, final=False)`` puts a checkpoint of the current step on this host's
+            shelf, in the room ``reserve(nbytes)`` gives, with copies of its replicas' files if ``copies``
+            (collective; ``Varuna.publish_state``); returns ``{blob: rank}``. ``final``: a handover's, after which
+            this process trains no more.
+        take: ``take(step, locate, fetch, staging, link, holder_of, drop, keep)`` restores the state the old ranks
             published (collective; ``Varuna.take_state``); returns the step loaded. ``drop(names)`` takes blobs off
-            this host's shelf of the old configuration (those the take made its live memory).
+            this host's shelf of the old configuration (those the take made its live memory), ``keep`` is where
+            the files that are its memory stay named (on this attempt's shelf) for its own handover's publish.
         arrive: called once by a warm worker when the go has come, before it takes or loads anything (collective
             over the new ranks): the facade moves its parked stage onto its device then.
         release: called once by a worker about to publish for a handover and exit, before it publishes: the facade
@@ -125,7 +127,7 @@ class Supervision:
     def __init__(self, rank: int, *, stage: int = 0, replica: int = 0, samples: int | None = None,
                  save: Callable[..., Any], load: Callable[[str, int], int],
                  progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None,
-                 publish: Callable[[Callable[..., Any], bool], dict[str, int]] | None = None,
+                 publish: Callable[..., dict[str, int]] | None = None,
                  take: Callable[..., int] | None = None, arrive: Callable[[], None] | None = None,
                  release: Callable[[], None] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
@@ -395,7 +397,7 @@ class Supervision:
         assert self.local_store is not None and self._take is not None and self.morph is not None
         try:
             locate, fetch = self.local_store.sources(step)
-            return self._take(step, locate, fetch, self.morph.staging, None, None, None)
+            return self._take(step, locate, fetch, self.morph.staging, None, None, None, self.morph.keep)
         except (CheckpointError, HandoverError) as exc:
             raise ResumeRefused(exc.message, hint="the launcher falls back to an earlier checkpoint") from None
 
@@ -456,7 +458,7 @@ class Supervision:
             assert self._take is not None and go.step is not None  # a go from the shelves names its step
             try:
                 step = self._take(go.step, morph.locate(go), morph.fetch(go), morph.staging, morph.link(go),
-                                  morph.holder_of(go), morph.drop(go))
+                                  morph.holder_of(go), morph.drop(go), morph.keep)
             except (CheckpointError, HandoverError) as exc:
                 if go.fallback_step is None or self.ckpt_dir is None:
                     raise
@@ -502,13 +504,13 @@ class Supervision:
             self._release()
         try:
             try:
-                owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0)
+                owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0, True)
             except ShelfFullError:  # (on every rank alike) the room the snapshots hold is the publish's now
                 if self.snapshots is None:
                     raise
                 log.info("rank %d: the shelf is full; dropping the snapshots for the handover's publish", self.rank)
                 self.snapshots.drop()
-                owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0)
+                owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0, True)
         except (CheckpointError, HandoverError) as exc:  # ShelfFullError is a HandoverError
             log.warning("rank %d: publishing step %d for a handover failed (%s); writing it to the store instead",
                         self.rank, iteration, exc.message)
