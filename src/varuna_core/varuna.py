@@ -357,6 +357,8 @@ class Varuna(nn.Module):
 
     def _supervise(self, told: WorkerEnv) -> None:
         """Under `varuna launch`: heartbeats, resume, periodic and on-demand checkpoints (see worker/)."""
+        from .checkpoint.handover import reside
+
         self.supervision = Supervision(
             self.rank, stage=self.stage, replica=self.replica, samples=self.batch_size,
             save=lambda directory, **options: self.checkpoint(directory, **options),
@@ -366,7 +368,8 @@ class Varuna(nn.Module):
             take=lambda step, locate, fetch, staging, link, holder_of, drop, keep: self.take_state(
                 step=step, locate=locate, fetch=fetch, staging=staging, link=link, holder_of=holder_of, in_place=True,
                 map_files=True, drop=drop, keep=keep),
-            arrive=self._unpark, release=self.grad_buffer.release)
+            arrive=self._unpark, release=self.grad_buffer.release,
+            reside=lambda keep: reside(self._checkpoint_state(), keep))
         self.supervision.ready()
 
     # ------------------------------------------------------------------------------------------------------

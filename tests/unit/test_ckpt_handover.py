@@ -574,3 +574,45 @@ def test_a_last_publish_makes_the_files_a_take_mapped_blobs_without_a_copy(shm) 
     del model2, state2
     gc.collect()
     assert not any((shm / "keep2").iterdir()) and not handover._LIVE  # gone with the last view of each
+
+
+def test_reside_moves_the_state_into_files_a_last_publish_adopts(shm, monkeypatch) -> None:
+    """A worker of the first configuration (nothing taken) moves its parameters and optimizer state into files of
+    ``keep`` once: the same values, now the files' pages, where training goes on; its last publish then makes them
+    blobs without a copy. State already in such files, or with a number in its optimizer state, stays; a full
+    tmpfs fails before anything of that parameter is written; off a tmpfs nothing moves."""
+    from varuna_core.checkpoint import handover
+    from varuna_core.checkpoint.handover import reside
+
+    model, state = _wide_state(0)
+    for p in model.parameters():
+        state.optimizer.state[p] = {"momentum_buffer": torch.randn_like(p)}
+    state.optimizer.state[model.norm.bias]["count"] = 3  # a number: this parameter's file is written at the publish
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    momenta = {n: state.optimizer.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}
+    assert reside(state, Path("/var/tmp") / "varuna-not-in-memory") == 0
+    keep = shm / "keep"
+    moved = reside(state, keep)
+    assert moved >= 2 * 4 * (256 * 256 + 256 + 3) and reside(state, keep) == 0  # once
+    kept = {p.stat().st_ino for p in keep.iterdir()}
+    assert len(kept) == 3  # fc.weight, fc.bias, norm.weight (norm.bias has a number)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) and torch.equal(state.optimizer.state[p]["momentum_buffer"], momenta[name])
+        assert (_mapped_files(p) is not None) == (name != "norm.bias"), name
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    state.optimizer.step()
+    final = Shelf("final", root=shm / "final")
+    publish(state, final.reserve, final=True)
+    assert {_inode_of(final, n) for n in final.names()} & kept == kept and not any(keep.iterdir())
+    assert not handover._LIVE
+
+    model, state = _wide_state(1)
+
+    def no_room(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(OSError, match="No space"):
+        reside(state, keep)
+    assert not any(keep.iterdir()) and _mapped_files(model.fc.weight) is None

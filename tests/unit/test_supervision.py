@@ -160,7 +160,7 @@ class Publisher(Trainer):
         self.events.append("release")
 
     def publish(self, reserve, copies, final=False) -> dict[str, int]:
-        self.events.append("publish")
+        self.events.append("publish (final)" if final else "publish")
         if self.fail is not None:
             raise self.fail
         name = f"step_{self.iteration}/__0_0.distcp"
@@ -178,9 +178,9 @@ class Publisher(Trainer):
         self.iteration = step
         return step
 
-    def supervision(self) -> Supervision:
+    def supervision(self, reside=None) -> Supervision:
         return Supervision(0, samples=8, save=self.save, load=self.load, progress=lambda: (self.iteration, None, None),
-                           publish=self.publish, take=self.take, release=self.release)
+                           publish=self.publish, take=self.take, release=self.release, reside=reside)
 
 
 @pytest.fixture
@@ -221,8 +221,33 @@ def test_an_agreed_handover_publishes_on_the_shelf_at_the_next_step_and_exits_75
         sup.before_step()
     assert stop.value.code == EXIT_CHECKPOINTED
     assert t.published == [3] and t.saved == []  # nothing written to the store
-    assert t.events == ["release", "publish"]  # the gradients freed first: the publish writes into that memory
+    assert t.events == ["release", "publish (final)"]  # the gradients freed first: the publish writes into that memory
     assert Shelf(shelf_key("job", 2), root=tmp_path / "shm").names() == ["step_3/__0_0.distcp"]
+
+
+def test_the_state_moves_onto_the_shelf_once_after_the_first_step_where_a_handover_may_come(shelved, launched,
+                                                                                          tmp_path, caplog) -> None:
+    """Once the optimizer has state (after the first step), the state moves into files of this attempt's shelf,
+    once; a tmpfs too full for it leaves it where it was, said in a line; a job without a shelf never moves it."""
+    from varuna_core.launch.shelf import Shelf, shelf_key
+
+    keeps: list = []
+    t = Publisher()
+    t.train(t.supervision(reside=lambda keep: keeps.append(keep) or 10), 3)
+    assert len(keeps) == 1 and keeps[0].parent == Shelf(shelf_key("job", 2), root=tmp_path / "shm").path
+
+    def full(keep):
+        raise OSError(28, "No space left on device")
+
+    t = Publisher()
+    with caplog.at_level("INFO"):
+        t.train(t.supervision(reside=full), 3)
+    assert "the training state stays in process memory" in caplog.text and "No space left" in caplog.text
+    launched.delenv("VARUNA_SHELF_DIR")
+    keeps.clear()
+    t = Publisher()
+    t.train(t.supervision(reside=lambda keep: keeps.append(keep) or 10), 3)
+    assert keeps == []
 
 
 def test_a_publish_that_does_not_fit_goes_to_the_store(shelved) -> None:
@@ -235,7 +260,7 @@ def test_a_publish_that_does_not_fit_goes_to_the_store(shelved) -> None:
     with pytest.raises(SystemExit) as stop:
         sup.before_step()
     assert stop.value.code == EXIT_CHECKPOINTED and [step for step, _ in t.saved] == [2]
-    assert t.events == ["release", "publish"]  # the store's write needs no gradients either
+    assert t.events == ["release", "publish (final)"]  # the store's write needs no gradients either
 
 
 def test_without_a_shelf_sigusr2_asks_for_nothing(launched) -> None:

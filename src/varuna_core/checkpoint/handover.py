@@ -106,7 +106,7 @@ from .storage import (
     read_metadata,
 )
 
-__all__ = ["publish", "take", "blob_name"]
+__all__ = ["publish", "take", "blob_name", "reside"]
 
 log = logging.getLogger(__name__)
 
@@ -523,6 +523,63 @@ def _adopt_live(path: Path, tensors: list[tuple[str, Any]]) -> tuple[list[int], 
         while n := stream.readinto(view):
             digest.update(view[:n])
     return offsets, live.size, digest.hexdigest()
+
+
+def reside(state: CheckpointState, keep: str | os.PathLike) -> int:
+    """Move this rank's parameters and optimizer state into files of ``keep`` (a tmpfs), a file per parameter as a
+    publish groups them, each tensor then a view of its file's pages, so that this process's last publish makes
+    them blobs without a copy ([Note: a take maps its files]). Not collective; the values do not change. Returns
+    the bytes moved: 0 where it cannot (not the CPU, a sharded optimizer, ``keep`` not in memory); a parameter
+    whose state is already such a file, or has a number rather than a tensor in its optimizer state, stays.
+
+    Raises:
+        OSError: the tmpfs is full (room is taken with ``fallocate`` before anything is written); what was moved
+            stays moved.
+    """
+    keep = Path(keep)
+    if state.pieces is not None or state.device.type != "cpu" or not in_memory(keep.parent):
+        return 0
+    resident = {ptr for rec in _LIVE.values() for _, _, ptr in rec.entries.values()}
+    moved = 0
+    for key, p in _keys(state):
+        slots = state.optimizer.state.get(p, {}) if state.optimizer is not None else {}
+        group: list[tuple[str, Any]] = [(f"model/{key}", p.data)]
+        group += [(f"optim/{key}/{name}", value) for name, value in slots.items()]
+        if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous() or not t.numel()
+               for _, t in group) or any(t.data_ptr() in resident for _, t in group):
+            continue
+        offsets, size = [], 0
+        for _, t in group:
+            size = -(-size // _MAP_ALIGN) * _MAP_ALIGN
+            offsets.append(size)
+            size += t.numel() * t.element_size()
+        keep.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = keep / f"{secrets.token_hex(8)}.live"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)  # a full tmpfs fails here, not as a SIGBUS in the copy
+            except OSError:
+                path.unlink(missing_ok=True)
+                raise
+            buffer = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        entries = {}
+        with torch.no_grad():
+            for (fqn, t), at in zip(group, offsets, strict=True):
+                view = torch.frombuffer(buffer, dtype=t.dtype, count=t.numel(), offset=at).view(t.shape)
+                view.copy_(t)
+                if fqn.startswith("model/"):
+                    p.data = view
+                else:
+                    slots[fqn.rsplit("/", 1)[1]] = view
+                entries[fqn] = (at, t.numel() * t.element_size(), view.data_ptr())
+        _LIVE[str(path)] = _Live(path, size, entries)
+        weakref.finalize(buffer, _forget, str(path))
+        del buffer
+        moved += size
+    return moved
 
 
 def _owned(state: CheckpointState, directory: Path, linked: Collection[str]) -> set[str]:

@@ -121,6 +121,10 @@ class Supervision:
             frees what no checkpoint holds (the gradient buffers, as large as the parameters), so that the
             publish writes into memory the process just gave back rather than memory the host has not touched
             lately ([Note: publish into freed memory] in :mod:`varuna_core.checkpoint.handover`).
+        reside: ``reside(keep)``, called once after the first step (the optimizer's state exists then) where a
+            handover may come: moves the parameters and optimizer state into files of ``keep`` on the shelf's
+            tmpfs, so that the handover's publish makes them blobs without a copy (``handover.reside``); returns
+            the bytes moved.
         progress: the current :class:`Progress` (iteration, compute time of the last step, total steps).
     """
 
@@ -129,10 +133,11 @@ class Supervision:
                  progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None,
                  publish: Callable[..., dict[str, int]] | None = None,
                  take: Callable[..., int] | None = None, arrive: Callable[[], None] | None = None,
-                 release: Callable[[], None] | None = None) -> None:
+                 release: Callable[[], None] | None = None, reside: Callable[[Path], int] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load, self._publish, self._take, self._arrive = save, load, publish, take, arrive
         self._release = release
+        self._reside = reside  # None once done (or never: no handover)
         self._progress = progress
         self.started = _process_start()
         told = WorkerEnv.from_environ() if told is None else told
@@ -266,10 +271,27 @@ class Supervision:
             else:
                 self._checkpoint_and_exit()
         iteration = self._now().iteration
+        if self._reside is not None and self.morph is not None and iteration >= 1:
+            self._resident(self._reside)
         if self.every and iteration and iteration % self.every == 0 and iteration != self.last_saved:
             self._periodic(iteration)
         if self.snapshots is not None and self.snapshots.due(iteration):
             self._snapshot(iteration)
+
+    def _resident(self, reside: Callable[[Path], int]) -> None:
+        """Move the state onto the shelf's tmpfs, once (see ``reside`` in the class docstring)."""
+        assert self.morph is not None
+        self._reside = None
+        started = time.perf_counter()
+        try:
+            moved = reside(self.morph.keep)
+        except OSError as exc:
+            log.info("rank %d: the training state stays in process memory (a handover's publish copies it): %s",
+                     self.rank, exc.strerror or exc)
+            return
+        if moved:
+            log.info("rank %d: %.1f MB of training state now lives on the shelf's tmpfs (%.2f s); a handover "
+                     "publishes it without a copy", self.rank, moved / 1e6, time.perf_counter() - started)
 
     def regroup_asked(self, iteration: int) -> None:
         """A peer was lost in step ``iteration``: tell the launcher at once (it decides how the survivors go on)."""
