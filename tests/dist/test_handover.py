@@ -44,15 +44,17 @@ def published(tmp_path_factory):
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def _publish(layout: str, roots: list[str], tmp: Path, **extra) -> dict[str, int]:
+def _publish(layout: str, roots: list[str], tmp: Path, reports: list | None = None, **extra) -> dict[str, int]:
     """Train ``STEP`` steps under ``layout``, rank r then publishes into ``roots[r]``; returns the blob map (the
-    same on every rank)."""
+    same on every rank); each rank's report is appended to ``reports``."""
     run = _run(steps=STEP, publish={"at": STEP, "job": JOB, "roots": roots, **extra})
     results = run_ranks({"map": layout, "timeout": 30, "runs": [run]}, len(roots), tmp / "publish", timeout=90)
     for res in results:
         assert res.returncode == 0, res.error
     owners = results[0].result["runs"][0]["owners"]
     assert all(res.result["runs"][0]["owners"] == owners for res in results)
+    if reports is not None:
+        reports.extend(res.result["runs"][0] for res in results)
     return owners
 
 
@@ -249,3 +251,34 @@ def test_without_copies_each_file_is_published_once(tmp_path) -> None:
     for rank, root in enumerate(roots):
         held = {n for n in Shelf(JOB, root=root).names() if n.endswith(".distcp")}
         assert held == {n for n, r in owners.items() if r == rank and n.endswith(".distcp")}, rank
+
+
+def test_a_last_publish_of_state_that_lives_in_files_copies_nothing_and_equals_uninterrupted(published) -> None:
+    """pp=1 x dp=2 on two hosts whose shelves are in memory: after its first step each rank moves its state into
+    files of its shelf (``reside``) and trains in them; the handover's publish (``final``) makes each file a blob
+    as it is, its own or as the copy of its replica's (the same bytes, checked against the writer's hash), so
+    that nothing is left of them; host 1 is then gone, and one rank on a third host takes everything from host 0
+    and goes on as if uninterrupted."""
+    _, _, tmp, shm = published
+    roots = [str(shm / "resident" / "host0"), str(shm / "resident" / "host1")]
+    reports: list[dict] = []
+    owners = _publish("0,1", roots, tmp / "resident", reports, reside_at=1, final=True)
+    assert all(report["resided"] > 0 for report in reports), [r["resided"] for r in reports]
+    for root in roots:
+        # every file became a blob, its own or its replica's copy: written once, in training (a group's entries are
+        # written by one replica: a parameter on one and its moments on the other would leave both to copy)
+        assert not any((Path(root) / "keep").iterdir())
+    shelves = [Shelf(JOB, root=root) for root in roots]
+    written = [{n for n, r in owners.items() if r == rank and n.endswith(".distcp")} for rank in (0, 1)]
+    held = {n for n in shelves[0].names() if n.endswith(".distcp")}
+    assert written[1] - held == {f"step_{STEP}/__1_0.distcp"}  # a copy of each but the replica's RNG file
+    servers = _serve(roots)
+    try:
+        servers[1].close()
+        take = _take(servers, owners, tmp, "resident-take", roots=roots)
+        resumed = run_ranks({"map": "0", "timeout": 30, "runs": [_run(steps=2 * STEP, take=take)]}, 1,
+                            tmp / "resident-take", timeout=90)
+    finally:
+        for server in servers:
+            server.close()
+    assert_resumed(resumed, *uninterrupted(steps_as("0,1", STEP, "0", STEP)), first=STEP)

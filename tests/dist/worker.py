@@ -9,7 +9,9 @@ unseeded (no torch.manual_seed and no seed= for Varuna), varuna_seed, fail_copy 
 checkpoint copy fails with ENOSPC), meta (build under meta_init: each rank allocates and initialises its stage),
 weights (a path for Varuna(weights=...)), evaluate_in_eval_mode (evaluate after .eval(): the loss, or the
 error raised, as "eval_mode" or "eval_mode_error"), publish {at, job, roots} (after step ``at``, publish into the
-shelf at ``roots[rank]``: one root per rank, hosts that share no directory; the blob map as "owners"), take
+shelf at ``roots[rank]``: one root per rank, hosts that share no directory; the blob map as "owners"; with
+reside_at, the state moved into files of ``roots[rank]/keep`` before that step, the bytes as "resided"; with
+final, a handover's last publish), take
 {step, job, token, owners, servers, local, staging, expect_error, map_files} (before training, take the published step from
 the shelf servers: ``servers[r]`` serves old rank r's root, ``local[str(rank)]`` the old rank whose root this rank
 reads directly; with expect_error, record the error and the parameters before and after, and stop; without
@@ -178,6 +180,10 @@ def run_one(run: dict, spec: dict) -> dict:
                 write(self, data)
 
             FileSink.write = write_then_die
+        if run.get("publish") and vm.iteration == run["publish"].get("reside_at"):
+            from varuna_core.checkpoint.handover import reside
+
+            vm.resided = reside(vm._checkpoint_state(), Path(run["publish"]["roots"][vm.rank]) / "keep")
         if run.get("publish") and vm.iteration == run["publish"]["at"]:
             owners = publish_handover(vm, run["publish"])
         if snaps is not None and snaps.due(vm.iteration):
@@ -218,7 +224,7 @@ def run_one(run: dict, spec: dict) -> dict:
     if run.get("grads"):
         result["grads"], result["posted_early"] = grads, early
     if run.get("publish"):
-        result["owners"] = owners
+        result["owners"], result["resided"] = owners, getattr(vm, "resided", 0)
     if run.get("snapshot"):
         result["snapshots"] = snapshots
     if run.get("take"):
@@ -259,7 +265,8 @@ def publish_handover(vm, spec: dict) -> dict[str, int]:
     from varuna_core.launch.shelf import Shelf
 
     root = Path(spec["roots"][vm.rank])
-    return vm.publish_state(Shelf(spec["job"], root=root).reserve, copies=spec.get("copies", True))
+    return vm.publish_state(Shelf(spec["job"], root=root).reserve, copies=spec.get("copies", True),
+                            final=spec.get("final", False))
 
 
 def start_snapshots(vm, spec: dict):

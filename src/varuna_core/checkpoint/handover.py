@@ -56,6 +56,7 @@ a holder on this host). A failure anywhere raises on every rank:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -67,6 +68,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Callable, Collection
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +132,6 @@ _SLACK = 8192  # bytes of room per tensor beyond its own: alignment, the blob's 
 _WRITER = re.compile(r"__([0-9]+)_[0-9]+\.distcp")  # the rank that wrote a data file
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
 _BATCH = 1024  # files per request to one holder (a file per parameter: a large model has thousands)
-_HASH_PIECE = 8 << 20  # bytes read at a time to hash an adopted file
 _MAP_ALIGN = 64  # bytes: a mapped tensor starts where the allocator would have put it (vector loads, cache lines)
 _SMALL_LIMIT = 2 * INDEX_LIMIT  # bytes of the small files together: the index's bound and the manifest's
 _KEEP_TRAINING = "nothing was handed over; the old configuration still holds the state"
@@ -202,16 +203,20 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
             _agree(state, problem, _KEEP_TRAINING)
             assert space is not None  # every rank has room, or all raised above
             local = Path(space.directory)
+            hashers = stack.enter_context(ThreadPoolExecutor(_hash_threads(), "varuna-hash")) if final else None
             writer = RawWriter(local, sync_files=False, group=by_parameter,  # tmpfs: nothing to sync
-                               adopt=_adopt_live if final else None)
+                               adopt=functools.partial(_adopt_live, hashers=hashers) if final else None)
             dcp_save(tensors, writer)  # a failure anywhere raises everywhere
+            if final:
+                log.info("rank %d: step %d published, %.1f MB of it as the files it trained in (not copied)",
+                         state.rank, step, writer.adopted / 1e6)
             files = [f.as_dict() for f in writer.files]
             _agree(state, _complete_locally(state, step, local, _gather(state, files)), _KEEP_TRAINING)
             names, failure = _adopt_files(state, space, step, local, files)
             _agree(state, failure, _KEEP_TRAINING)
             if copies and state.dp > 1:
                 mine = {"home": space.home, "files": files, "layout": writer.layout}
-                _mirror(state, reserve, step, tensors, [part[0] for part in _gather(state, [mine])])
+                _mirror(state, reserve, step, tensors, [part[0] for part in _gather(state, [mine])], final)
             owners = _gather(state, names)
         except BaseException as exc:
             if isinstance(exc, (VarunaError, KeyboardInterrupt, SystemExit)):
@@ -222,7 +227,7 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
 
 
 def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[str, Any],
-            gathered: list[dict[str, Any]]) -> list[str]:
+            gathered: list[dict[str, Any]], final: bool = False) -> list[str]:
     """Under data parallelism, each rank also puts on its own host's shelf a copy of the data files its stage's
     other replicas wrote (the publish writes each tensor once, on one of the replicas that hold it), byte for byte
     the same, written from its own tensors (the replicas' are the same bits): so a host that dies before the new
@@ -230,7 +235,8 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
     without the network. The copies a host needs are shared out among its ranks of the stage, each made once.
     Best effort: a copy whose bytes are not the writer's (sha256), a file with a rank's own state (its RNG), a
     replica on the same host, or a shelf without room for the copies are left out, and said. Returns the blob
-    names copied."""
+    names copied. ``final``: a copy whose tensors are a file this process trained in, laid out as the writer's,
+    is that file, not copied (:func:`_adopt_live`)."""
     topology = Topology.parse(state.stage_to_rank_map, state.world_size)
     stage, home = topology.coords(state.rank)[0], gathered[state.rank]["home"]
     mates = [r for r, part in enumerate(gathered) if part["home"] == home and topology.coords(r)[0] == stage]
@@ -253,7 +259,11 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
             buffers = bounce_buffers()  # one pair for every copy, written one after another
             for peer, file, chunks, size, sha256 in todo:
                 path = Path(space.directory) / file
-                if _write_like(path, chunks, size, tensors, buffers) != sha256:
+                ordered = sorted(chunks, key=lambda c: c[2])
+                adopted = _adopt_live(path, [(fqn, tensors[fqn]) for fqn, *_ in ordered], size=size,
+                                      at=[c[2] for c in ordered]) if final else None
+                digest = adopted[2] if adopted is not None else _write_like(path, chunks, size, tensors, buffers)
+                if digest != sha256:
                     log.warning("rank %d: its copy of rank %d's %s differs from it (replicas out of step?): not "
                                 "kept", state.rank, peer, file)
                     path.unlink(missing_ok=True)
@@ -491,25 +501,46 @@ def _keep(directory: Path, keep: Path, stored: dict[str, Any], mapped: dict[str,
         weakref.finalize(buffers[file], _forget, str(target))
 
 
-def _adopt_live(path: Path, tensors: list[tuple[str, Any]]) -> tuple[list[int], int, str] | None:
+def _hash_threads() -> int:
+    """Threads that hash adopted files at once (hashlib lets go of the GIL): the cores this process may use."""
+    try:
+        return max(1, min(8, len(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):
+        return max(1, min(8, os.cpu_count() or 1))
+
+
+def _sha256_of(path: Path) -> str:
+    digest, view = hashlib.sha256(), memoryview(bytearray(1 << 20))
+    with open(path, "rb", buffering=0) as stream:
+        while n := stream.readinto(view):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor | None = None,
+                size: int | None = None, at: list[int] | None = None) -> tuple[list[int], int, Any] | None:
     """For a final publish's writer: the kept file whose stored tensors are exactly ``tensors``, each still the view
     of its pages it was mapped as, moved to ``path`` (its data only: an old blob's entry after it is cut off), with
-    each tensor's offset, the data's size and sha256; None if there is none (the writer writes the file)."""
+    each tensor's offset, the data's size and sha256 (a future of it, with ``hashers``); None if there is none (the
+    writer writes the file). ``size``, ``at``: the file must hold that many bytes of data, the tensors at those
+    offsets (a copy of another writer's file)."""
     first = tensors[0][1] if tensors else None
     live = next((rec for rec in _LIVE.values() if first is not None and tensors[0][0] in rec.entries
                  and rec.entries[tensors[0][0]][2] == first.data_ptr()), None)
-    if live is None or len(live.entries) != len(tensors):
+    if live is None or len(live.entries) != len(tensors) or (size is not None and live.size != size):
         return None
     with contextlib.suppress(OSError):
         if os.stat(live.path).st_nlink != 1:  # a blob's name still on the old shelf: cutting it would damage it
             return None
     offsets = []
     for fqn, tensor in tensors:
-        at = live.entries.get(fqn)
-        if at is None or tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.data_ptr() != at[2] \
-                or tensor.numel() * tensor.element_size() != at[1]:
+        entry = live.entries.get(fqn)
+        if entry is None or tensor.device.type != "cpu" or not tensor.is_contiguous() \
+                or tensor.data_ptr() != entry[2] or tensor.numel() * tensor.element_size() != entry[1]:
             return None
-        offsets.append(at[0])
+        offsets.append(entry[0])
+    if at is not None and offsets != at:
+        return None
     try:
         os.truncate(live.path, live.size)  # pages past the data are viewed by no tensor
         os.rename(live.path, path)
@@ -517,12 +548,7 @@ def _adopt_live(path: Path, tensors: list[tuple[str, Any]]) -> tuple[list[int], 
         log.debug("writing %s rather than adopting %s: %s", path.name, live.path, _reason(exc))
         return None
     _LIVE.pop(str(live.path), None)
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as stream:
-        view = memoryview(bytearray(_HASH_PIECE))
-        while n := stream.readinto(view):
-            digest.update(view[:n])
-    return offsets, live.size, digest.hexdigest()
+    return offsets, live.size, hashers.submit(_sha256_of, path) if hashers is not None else _sha256_of(path)
 
 
 def reside(state: CheckpointState, keep: str | os.PathLike) -> int:

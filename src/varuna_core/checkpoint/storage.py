@@ -35,12 +35,14 @@ import re
 import stat
 import uuid
 from collections.abc import Callable, Collection
+from concurrent.futures import Future as Pending
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -110,8 +112,66 @@ def is_checkpoint_file(name: object) -> bool:
 
 
 def dcp_save(state: dict[str, torch.Tensor], writer: RawWriter) -> None:
-    """``dcp.save`` over the default process group (or this process alone), quietly; see :func:`_unwrapped`."""
-    _unwrapped("writing", dcp.save, state, storage_writer=writer)
+    """``dcp.save`` over the default process group (or this process alone), quietly; see :func:`_unwrapped`.
+    A writer that groups its entries into files has replicated entries written a group at a time
+    (:class:`_GroupedPlanner`)."""
+    planner = _GroupedPlanner(writer.group) if writer.group is not None else None
+    _unwrapped("writing", dcp.save, state, storage_writer=writer, planner=planner)
+
+
+class _GroupedPlanner(DefaultSavePlanner):
+    """DCP's planner, but an entry that several ranks hold (data-parallel replicas) is written by the rank that
+    writes the rest of its group (a parameter with its optimizer state): one file on one replica, rather than a
+    parameter on one and its moments on another. Groups go, largest first, to the rank with the fewest bytes so
+    far among those that hold all of the group's replicated entries (DCP balances single entries the same way)."""
+
+    def __init__(self, group: Callable[[str], str | None]) -> None:
+        super().__init__()
+        self.group = group
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        return dedup_by_group(all_plans, self.group)
+
+
+def dedup_by_group(all_plans: list[SavePlan], group: Callable[[str], str | None]) -> list[SavePlan]:
+    """Each entry held by several plans kept in one only, a group's replicated entries together (see
+    :class:`_GroupedPlanner`); an entry of no group, or of a group no rank holds whole, alone."""
+    import dataclasses
+
+    holders: dict[MetadataIndex, set[int]] = {}
+    items: dict[MetadataIndex, WriteItem] = {}
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            holders.setdefault(item.index, set()).add(rank)
+            items[item.index] = item
+    groups: dict[Any, list[MetadataIndex]] = {}
+    for index, ranks in holders.items():
+        if len(ranks) > 1:
+            key = group(index.fqn)
+            groups.setdefault(("group", key) if key is not None else ("entry", index.fqn, str(index.offset)),
+                              []).append(index)
+    size = [0] * len(all_plans)
+    keep = [{item.index for item in plan.items} for plan in all_plans]
+
+    def nbytes(index: MetadataIndex) -> int:
+        return items[index].tensor_storage_size() or 1
+
+    def give(indices: list[MetadataIndex], ranks: set[int]) -> None:
+        chosen = min(ranks, key=lambda r: (size[r], r))
+        for index in indices:
+            size[chosen] += nbytes(index)
+            for other in holders[index] - {chosen}:
+                keep[other].discard(index)
+
+    for _, indices in sorted(groups.items(), key=lambda kv: (-sum(map(nbytes, kv[1])), str(kv[0]))):
+        whole = set.intersection(*(holders[i] for i in indices))
+        if whole:
+            give(indices, whole)
+        else:
+            for index in indices:
+                give([index], holders[index])
+    return [dataclasses.replace(plan, items=[item for item in plan.items if item.index in kept])
+            for plan, kept in zip(all_plans, keep, strict=True)]
 
 
 def dcp_load(target: dict[str, torch.Tensor], reader: RawReader, *, no_dist: bool = False) -> None:
@@ -243,7 +303,7 @@ class _DeviceStaging:
         return at, n
 
 
-Adopt = Callable[[Path, "list[tuple[str, torch.Tensor]]"], "tuple[list[int], int, str] | None"]
+Adopt = Callable[[Path, "list[tuple[str, torch.Tensor]]"], "tuple[list[int], int, str | Pending[str]] | None"]
 
 
 class RawWriter(StorageWriter):
@@ -259,8 +319,9 @@ class RawWriter(StorageWriter):
 
     ``adopt``: ``adopt(path, [(fqn, tensor), ...])`` may put a file that already holds a group's tensors at
     ``path`` instead of the writer writing it (a handover's last publish, whose tensors are a mapped file's pages:
-    :mod:`.handover`); it returns each tensor's offset in it, the file's size and its sha256, or None (the
-    writer writes it).
+    :mod:`.handover`); it returns each tensor's offset in it, the file's size and its sha256 (or a future of it,
+    resolved before ``write_data`` returns: files hashed at once), or None (the writer writes it).
+    :attr:`adopted` counts the bytes so put.
     """
 
     def __init__(self, path: str | os.PathLike, sync_files: bool = True,
@@ -270,6 +331,7 @@ class RawWriter(StorageWriter):
         self.sync_files = sync_files
         self.group = group
         self.adopt = adopt
+        self.adopted = 0
         self.files: list[FileRecord] = []
         self.layout: dict[str, list[tuple[str, list[int], int, int]]] = {}  # file -> (fqn, chunk offsets, at, bytes)
         self.save_id = uuid.uuid4().hex
@@ -302,6 +364,7 @@ class RawWriter(StorageWriter):
         files = self._files(plan.storage_data, plan.items)
         buffers = bounce_buffers() if len(files) > 1 else None  # one pair for every file, written one by one
         staging: _DeviceStaging | None = None
+        hashing: list[tuple[int, Pending[str]]] = []
         for name, items in files:
             if self.adopt is not None and items:
                 tensors = [(item.index.fqn, self._tensor(item, planner)) for item in items]
@@ -313,7 +376,11 @@ class RawWriter(StorageWriter):
                         results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
                                                    storage_data=Location(name, at, nbytes)))
                         self.layout.setdefault(name, []).append((fqn, list(item.index.offset or ()), at, nbytes))
+                    if isinstance(sha256, Pending):
+                        hashing.append((len(self.files), sha256))
+                        sha256 = ""
                     self.files.append(FileRecord(name, size, sha256))
+                    self.adopted += size
                     continue
             sink = FileSink(self.path / name, durable=self.sync_files, buffers=buffers)
             try:
@@ -333,6 +400,9 @@ class RawWriter(StorageWriter):
             finally:
                 size, sha256 = sink.close()
             self.files.append(FileRecord(name, size, sha256))
+        for i, pending in hashing:
+            record = self.files[i]
+            self.files[i] = FileRecord(record.path, record.bytes, pending.result())
         future: Future = Future()
         future.set_result(results)
         return future
