@@ -439,6 +439,30 @@ def test_the_client_refuses_a_hostile_server(behave, expected) -> None:
         fake.close()
 
 
+@pytest.mark.parametrize(("behave", "expected"), [
+    (lambda f, s, b: s.sendall(_reply(b) + DATA), None),
+    (_stall, "stalled after 1000 of"),
+    (lambda f, s, b: s.sendall(_reply(b) + DATA[:-1]), "cut short"),
+    (lambda f, s, b: s.sendall(_reply(b) + DATA[:-1] + b"\0"), "does not match its sha256"),
+])
+def test_a_blob_hashed_on_its_own_thread_is_checked_alike(behave, expected, monkeypatch) -> None:
+    """A blob larger than a hashing span is hashed by a thread a span behind the socket: the same bytes are
+    accepted, and a stall, a cut and a damaged byte are refused the same way, without a hang."""
+    monkeypatch.setattr(shelf_mod, "_HASH_SPAN", 2**20)  # BIG is then three spans and a bit
+    threads = threading.active_count()
+    fake = _FakeServer(behave)
+    try:
+        if expected is None:
+            ((entry, data),) = _fetch(fake.port, ["blob"], timeout=5.0, max_bytes=BIG).values()
+            assert data == DATA and entry.size == BIG
+        else:
+            with pytest.raises(HandoverError, match=expected):
+                _fetch(fake.port, ["blob"], timeout=1.0, max_bytes=BIG + 100)
+    finally:
+        fake.close()
+    assert threading.active_count() <= threads  # the hashing thread ended with the blob
+
+
 def test_a_peer_that_is_not_there_is_named(tmp_path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]

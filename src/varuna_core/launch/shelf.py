@@ -57,6 +57,7 @@ import io
 import json
 import logging
 import os
+import queue
 import secrets
 import selectors
 import shutil
@@ -86,6 +87,7 @@ MAX_NAMES = 16384  # names in one request
 WINDOW = 300.0  # seconds a request stays valid (clock skew between hosts included); nonces are kept that long
 DEFAULT_ROOT = Path("/dev/shm")
 CHUNK = 1 << 20  # bytes per read when streaming
+_HASH_SPAN = 8 << 20  # bytes a receiver hashes at a time on its hashing thread
 
 _BLOB_MAGIC = b"VSHB"
 _FRAME_MAGIC = b"VSH1"
@@ -900,6 +902,32 @@ def fetch_into(host: str, port: int, *, job: str, token: str, names: list[str],
     return {e.name: e for e in entries}
 
 
+class _Hasher:
+    """``digest.update`` of each span put, in order, on a thread of its own (at most two spans waiting)."""
+
+    def __init__(self, digest: Any) -> None:
+        self._spans: queue.Queue[memoryview | None] = queue.Queue(maxsize=2)
+        self.failed: BaseException | None = None  # the digest is then wrong, and the blob refused by its hash
+        self._thread = threading.Thread(target=self._run, args=(digest,), name="varuna-recv-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self, digest: Any) -> None:
+        while (span := self._spans.get()) is not None:  # drained to the end whatever happens: put never blocks
+            if self.failed is None:
+                try:
+                    digest.update(span)
+                except BaseException as exc:  # noqa: BLE001 - kept, and the hash then cannot match
+                    self.failed = exc
+
+    def put(self, span: memoryview) -> None:
+        self._spans.put(span)
+
+    def close(self) -> None:
+        """Wait until every span put is hashed."""
+        self._spans.put(None)
+        self._thread.join()
+
+
 def fetch(host: str, port: int, *, job: str, token: str, names: list[str], timeout: float = 30.0,
           max_bytes: int) -> dict[str, tuple[Entry, memoryview]]:
     """:func:`fetch_into` into new buffers: ``{name: (entry, its bytes, read only)}``."""
@@ -948,19 +976,33 @@ def _reply(sock: socket.socket, peer: str, token: str, job: str, nonce: str, nam
 
 
 def _receive(sock: socket.socket, peer: str, entry: Entry, buffer: memoryview, timeout: float) -> None:
-    """One blob's bytes into ``buffer``, hashed as they come; raises HandoverError."""
+    """One blob's bytes into ``buffer``, hashed as they come; raises HandoverError.
+
+    A blob of more than ``_HASH_SPAN`` bytes is hashed by a thread of its own, a span behind the socket (hashlib
+    and ``recv_into`` both let go of the GIL): receiving and hashing then take two cores rather than adding up on
+    one. The bytes hashed are the buffer's, which nothing writes again once they arrived."""
     what = f"blob {printable(entry.name)} from shelf peer {peer}"
     view = _writable(buffer, entry.size, what)
-    digest, got = hashlib.sha256(), 0
+    digest, got, hashed = hashlib.sha256(), 0, 0
+    hasher = _Hasher(digest) if entry.size > _HASH_SPAN else None
     sock.settimeout(timeout)
-    while got < entry.size:
-        try:
-            n = sock.recv_into(view[got:got + CHUNK])
-        except TimeoutError:
-            raise HandoverError(f"{what} stalled after {got} of {entry.size} bytes (nothing for {timeout} s)") from None
-        if n == 0:
-            raise HandoverError(f"{what} was cut short: {got} of {entry.size} bytes")
-        digest.update(view[got:got + n])
-        got += n
+    try:
+        while got < entry.size:
+            try:
+                n = sock.recv_into(view[got:got + CHUNK])
+            except TimeoutError:
+                raise HandoverError(f"{what} stalled after {got} of {entry.size} bytes (nothing for {timeout} s)") \
+                    from None
+            if n == 0:
+                raise HandoverError(f"{what} was cut short: {got} of {entry.size} bytes")
+            got += n
+            if hasher is None:
+                digest.update(view[got - n:got])
+            elif got - hashed >= _HASH_SPAN or got == entry.size:
+                hasher.put(view[hashed:got])
+                hashed = got
+    finally:
+        if hasher is not None:
+            hasher.close()
     if digest.hexdigest() != entry.sha256:
         raise HandoverError(f"{what} does not match its sha256 (damaged on the peer's shelf or on the way)")
