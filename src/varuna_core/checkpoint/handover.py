@@ -38,8 +38,14 @@ others copy theirs, before anyone trains: the load ends on a barrier). A blob so
 state, so it is taken off the shelf (``drop``) just before the first optimizer step changes it: until then a take
 tried again (a new configuration that crashed before its first step) finds it as it was, after that it finds it gone
 and takes the file from a replica's copy or falls back, never a changed file under its old name (a linked blob's
-data is not hashed again). Files are removed from the staging directory as before; the pages stay while mapped,
-and are freed with the last tensor that views them.
+data is not hashed again). The pages stay while mapped, and are freed with the last tensor that views them.
+
+The same files serve the next handover. A file mapped whole stays named in ``keep`` (on this attempt's shelf,
+cleared with it), and a worker that took nothing moves its state into such files once, after its first step
+(:func:`reside`). A worker's last publish (``final``: it trains no more) then makes each file whose tensors are
+still the views it was mapped as a blob by a rename, hashed in threads, not written (:func:`_adopt_live`), its
+replicas' copies likewise; so a state is copied neither out of the old worker nor into the new one, and only what
+crosses hosts moves. A snapshot's publish copies: training goes on in those pages.
 
 Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its wire
 live. A publish gets ``reserve(nbytes)`` (``Shelf.reserve`` as it is); a take gets ``locate(name)``,
