@@ -574,7 +574,7 @@ def test_a_last_publish_makes_the_files_a_take_mapped_blobs_without_a_copy(shm) 
     del model2, state2
     gc.collect()
     assert not any((shm / "keep2").iterdir())  # gone with the last view of each
-    assert not [path for path in handover._LIVE if "keep2" in path]
+    assert not [path for path in [*handover._LIVE, *handover._AT.values()] if "keep2" in path]
 
 
 def test_reside_moves_the_state_into_files_a_last_publish_adopts(shm, monkeypatch) -> None:

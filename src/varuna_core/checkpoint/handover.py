@@ -475,11 +475,24 @@ class _Live:
 
 
 _LIVE: dict[str, _Live] = {}  # by path: the files this process's live state is (see [Note: a take maps its files])
+_AT: dict[int, str] = {}  # the data_ptr of each of their tensors -> its file's path (a publish looks up thousands)
+
+
+def _remember(live: _Live) -> None:
+    _LIVE[str(live.path)] = live
+    _AT.update({ptr: str(live.path) for _, _, ptr in live.entries.values()})
+
+
+def _unremember(path: str) -> None:
+    live = _LIVE.pop(path, None)
+    for _, _, ptr in live.entries.values() if live is not None else ():
+        if _AT.get(ptr) == path:
+            del _AT[ptr]
 
 
 def _forget(path: str) -> None:
     """The last view of a kept file's mapping is gone: its name goes too (unless a publish made it a blob)."""
-    _LIVE.pop(path, None)
+    _unremember(path)
     with contextlib.suppress(OSError):
         os.unlink(path)
 
@@ -502,8 +515,8 @@ def _keep(directory: Path, keep: Path, stored: dict[str, Any], mapped: dict[str,
             log.debug("not keeping %s for a later publish: %s", file, _reason(exc))
             continue
         size = limits.get(file, target.stat().st_size)
-        _LIVE[str(target)] = _Live(target, size, {fqn: (loc.offset, loc.length, mapped[fqn].data_ptr())
-                                                  for fqn, loc in entries.items()})
+        _remember(_Live(target, size, {fqn: (loc.offset, loc.length, mapped[fqn].data_ptr())
+                                       for fqn, loc in entries.items()}))
         weakref.finalize(buffers[file], _forget, str(target))
 
 
@@ -531,8 +544,11 @@ def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor
     writer writes the file). ``size``, ``at``: the file must hold that many bytes of data, the tensors at those
     offsets (a copy of another writer's file)."""
     first = tensors[0][1] if tensors else None
-    live = next((rec for rec in _LIVE.values() if first is not None and tensors[0][0] in rec.entries
-                 and rec.entries[tensors[0][0]][2] == first.data_ptr()), None)
+    if first is None:
+        return None
+    live = _LIVE.get(_AT.get(first.data_ptr(), ""))
+    if live is not None and live.entries.get(tensors[0][0], (0, 0, None))[2] != first.data_ptr():
+        live = None
     if live is None or len(live.entries) != len(tensors) or (size is not None and live.size != size):
         return None
     with contextlib.suppress(OSError):
@@ -553,7 +569,7 @@ def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor
     except OSError as exc:
         log.debug("writing %s rather than adopting %s: %s", path.name, live.path, _reason(exc))
         return None
-    _LIVE.pop(str(live.path), None)
+    _unremember(str(live.path))
     return offsets, live.size, hashers.submit(_sha256_of, path) if hashers is not None else _sha256_of(path)
 
 
@@ -571,14 +587,13 @@ def reside(state: CheckpointState, keep: str | os.PathLike) -> int:
     keep = Path(keep)
     if state.pieces is not None or state.device.type != "cpu" or not in_memory(keep.parent):
         return 0
-    resident = {ptr for rec in _LIVE.values() for _, _, ptr in rec.entries.values()}
     moved = 0
     for key, p in _keys(state):
         slots = state.optimizer.state.get(p, {}) if state.optimizer is not None else {}
         group: list[tuple[str, Any]] = [(f"model/{key}", p.data)]
         group += [(f"optim/{key}/{name}", value) for name, value in slots.items()]
         if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous() or not t.numel()
-               for _, t in group) or any(t.data_ptr() in resident for _, t in group):
+               for _, t in group) or any(t.data_ptr() in _AT for _, t in group):
             continue
         offsets, size = [], 0
         for _, t in group:
@@ -607,7 +622,7 @@ def reside(state: CheckpointState, keep: str | os.PathLike) -> int:
                 else:
                     slots[fqn.rsplit("/", 1)[1]] = view
                 entries[fqn] = (at, t.numel() * t.element_size(), view.data_ptr())
-        _LIVE[str(path)] = _Live(path, size, entries)
+        _remember(_Live(path, size, entries))
         weakref.finalize(buffer, _forget, str(path))
         del buffer
         moved += size
