@@ -34,15 +34,21 @@ def test_local_run_completes_with_per_rank_logs_and_metrics(plan4, tmp_path, lau
     assert sorted(steps) == list(range(40)) and steps[39] < steps[0]
     kinds = [e["event"] for e in launch.events()]
     assert kinds[:2] == ["starting", "started"] and "first_step" in kinds and kinds[-1] == "stopped"
+    # four workers on one host: one interpreter imported torch (the fork server) and forked them all
+    assert [e["pid"] > 0 for e in launch.events() if e["event"] == "fork_server"] == [True]
+    assert next(e for e in launch.events() if e["event"] == "first_step")["forked"] == 4
     assert next(e for e in launch.events() if e["event"] == "ending")["kind"] == "done"
     assert job_processes(launch.job()) == []
 
 
-def test_worker_contract_legacy_args_and_env_file(plan4, tmp_path) -> None:
+@pytest.mark.parametrize("fork", ["--fork-server", "--no-fork-server"])
+def test_worker_contract_legacy_args_and_env_file(plan4, tmp_path, fork) -> None:
+    """What a worker is given, the same whether the host's fork server forked it or it started as a new
+    interpreter."""
     env_file = tmp_path / "job.env"
     env_file.write_text("# comment\nexport FROM_ENV_FILE=yes\nSPACED='a b'\n")
-    done = run(str(plan4), "--run-dir", str(tmp_path / "run"), "--env-file", str(env_file), "--legacy-args", "--",
-               "tests/launch/echo_worker.py", "--mine", "x y")
+    done = run(str(plan4), "--run-dir", str(tmp_path / "run"), "--env-file", str(env_file), "--legacy-args", fork,
+               "--", "tests/launch/echo_worker.py", "--mine", "x y")
     assert done.returncode == 0, done.stderr
     seen = {}
     for rank in range(4):
@@ -102,7 +108,8 @@ def test_a_crash_without_morph_stops_the_job_naming_the_rank(plan2, tmp_path, la
 def test_ctrl_c_stops_every_worker_and_exits_130(plan2, tmp_path, launches) -> None:
     launch = launches([str(plan2), "--", *TRAIN, "--steps", "100000"], tmp_path / "run", timeout=180)
     launch.wait_for(lambda: len(launch.steps()) >= 3)
-    interrupt_and_expect_nothing_left(launch, processes=3)  # the agent and 2 workers
+    # the agent, the fork server (two workers on the host), the store it hosts and the 2 workers it forked
+    interrupt_and_expect_nothing_left(launch, processes=5)
 
 
 def test_a_slow_rank_is_reported_as_a_straggler(plan4, tmp_path, launches) -> None:

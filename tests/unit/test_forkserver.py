@@ -114,9 +114,11 @@ class Servers:
         self.started: list[tuple[ForkClient, Path]] = []
 
     def start(self, env: dict[str, str] | None = None, *, linger: float = 30.0, preload: tuple[str, ...] = ("json",),
-              path: Path | None = None, cwd: str | None = None, reader: bool = True) -> tuple[ForkClient, Path]:
+              path: Path | None = None, cwd: str | None = None, reader: bool = True,
+              reap: bool = True) -> tuple[ForkClient, Path]:
         path = path or socket_path(_job(), "host-a")
-        client = start_server(path, TOKEN, [PYTHON, "train.py"], env or _env(), cwd, linger=linger, preload=preload)
+        client = start_server(path, TOKEN, [PYTHON, "train.py"], env or _env(), cwd, linger=linger, preload=preload,
+                              reap=reap)
         self.started.append((client, path))
         if reader:
             client.start_reader()
@@ -740,6 +742,25 @@ def test_quit_ends_the_server_and_its_workers_and_removes_the_socket(servers: Se
     assert proc.wait(DEADLINE) == -signal.SIGKILL
     assert ForkClient.connect(path, TOKEN) is None
     proc.stdout.close()
+
+
+def test_a_server_started_before_the_workers_starts_no_thread_until_the_reader_and_is_reaped(
+        servers: Servers, tmp_path: Path) -> None:
+    """An agent with several workers starts the server before them (``reap=False``): no thread may exist while it
+    may still start a worker with ``preexec_fn``; the reader's start also reaps the server once it leaves (no
+    zombie is left)."""
+    threads = threading.active_count()
+    client, _ = servers.start(reader=False, reap=False)
+    assert threading.active_count() == threads and client.server is not None
+    script = _script(tmp_path, "alive.py", "print('alive')\n")
+    proc = client.spawn([PYTHON, str(script)], _env(), None, None)  # (as the agent: its workers, then the reader)
+    assert threading.active_count() == threads
+    client.start_reader()
+    assert proc.stdout is not None and proc.stdout.read() == b"alive\n" and proc.wait(DEADLINE) == 0
+    proc.stdout.close()
+    client.quit()
+    assert client.server.wait(DEADLINE) is not None
+    assert _wait_gone(client.pid)
 
 
 def test_a_server_without_any_client_leaves_after_its_linger(servers: Servers) -> None:

@@ -240,9 +240,10 @@ Regroup = Annotated[bool, typer.Option(
     "processes (the step in flight redone, the lost replicas' examples taken over); --no-regroup recovers the job "
     "as after any crash.")]
 ForkServer = Annotated[bool, typer.Option(
-    "--fork-server/--no-fork-server", help="With a handover: once the job trains, each host keeps an interpreter "
-    "with torch and varuna imported that forks the workers of the job's later configurations (and node 0's "
-    "store), so a recovery or morph does not wait ~2.5 s for imports; about 0.3 GB of memory per host.")]
+    "--fork-server/--no-fork-server", help="A host that runs several workers starts an interpreter with torch and "
+    "varuna imported that forks them (and node 0's store): torch is imported once per host, not once per worker. "
+    "With a handover, once the job trains, every host keeps one that forks the workers of the job's later "
+    "configurations, so a recovery or morph does not wait ~2.5 s for imports; about 0.3 GB of memory per host.")]
 ShelfDir = Annotated[str, typer.Option(
     "--shelf-dir", help="A tmpfs directory on every host where a handover keeps the published state.")]
 HandoverCopies = Annotated[bool, typer.Option(

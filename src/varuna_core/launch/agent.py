@@ -39,6 +39,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -147,6 +148,7 @@ class Agent:
         self.spec = spec
         self.procs: dict[int, subprocess.Popen[bytes] | ForkedProcess] = {}
         self.store: dist.TCPStore | ForkedStore | None = None  # (the latter: hosted by the fork server)
+        self.listen: socket.socket | None = None  # the store's listening socket (node 0)
         self.forks: ForkClient | None = None  # the host's fork server, if the spec asks for it and one runs
         self.no_fork: str | None = None  # why the fork server does not start this attempt's other workers
         self.preparing: threading.Thread | None = None  # starting the fork server
@@ -169,11 +171,11 @@ class Agent:
         server = None  # where the other hosts reach this shelf: the address that routes to the master
         if shelf_port is not None and address:
             server = f"[{address}]:{shelf_port}" if ":" in address else f"{address}:{shelf_port}"
-        if spec.fork_server:
+        if spec.fork_server or spec.fork_now:
             self.forks = self._fork_client()
         if spec.store:
-            port = self._start_store(spec.master_port)
-            emit(StoreEvent(port=port))
+            self.listen = _store_socket(spec.master_addr, int(spec.master_port or 0))
+            port = int(self.listen.getsockname()[1])
         else:
             assert spec.master_port is not None  # the spec's own check: only the store's host may lack it
             port = spec.master_port
@@ -181,6 +183,13 @@ class Agent:
         if spec.plan is not None:
             plan_path = str(self.tmp / "plan.json")
             Path(plan_path).write_text(json.dumps(spec.plan))
+        if spec.fork_now and self.forks is None and spec.workers:
+            env = worker_env(spec, spec.workers[0], port, interface, plan_path, server)
+            self.base_env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "GROUP_RANK")}
+            self.prepare_fork_server(reap=False)  # (no thread yet: see below)
+        if spec.store:
+            self._host_store()
+            emit(StoreEvent(port=port))
         # every worker is started before any thread exists here (the fork server's reader starts after), so
         # preexec_fn is safe
         for worker in spec.workers:
@@ -259,26 +268,25 @@ class Agent:
         except ValueError as exc:
             _error(f"no spot notices: {exc}")
 
-    def _start_store(self, port: int | None) -> int:
-        """Host the job's TCPStore (node 0): in a child of the fork server if there is one (torch is imported
-        there already), else here; its port."""
+    def _host_store(self) -> None:
+        """Host the job's TCPStore (node 0) on the socket bound in ``self.listen``: in a child of the fork server
+        if there is one (torch is imported there already), else here."""
         import datetime
 
-        self.listen = _store_socket(self.spec.master_addr, int(port or 0))
+        assert self.listen is not None
         if self.forks is not None:
             from .forkserver import ForkServerError
 
             try:
                 self.store = self.forks.store(self.listen, self.spec.master_addr, 600.0)
-                return int(self.listen.getsockname()[1])
+                return
             except (ForkServerError, OSError) as exc:
                 _error(f"the fork server cannot host the job's store ({exc}): the agent hosts it")
         import torch.distributed as dist
 
-        self.store = store = dist.TCPStore(
+        self.store = dist.TCPStore(
             self.spec.master_addr, self.listen.getsockname()[1], len(self.spec.workers), is_master=True,
             wait_for_workers=False, timeout=datetime.timedelta(seconds=600), master_listen_fd=self.listen.fileno())
-        return store.port
 
     def _fork_client(self) -> ForkClient | None:
         """The connection to this job's fork server on this host, if one runs and serves this job."""
@@ -312,9 +320,10 @@ class Agent:
                f"interpreters")
         return None
 
-    def prepare_fork_server(self) -> None:
+    def prepare_fork_server(self, reap: bool = True) -> None:
         """Make sure this job's fork server runs on this host and keep a connection to it (which keeps it alive);
-        report it (``forkserver`` event). In a thread: the server's imports take seconds."""
+        report it (``forkserver`` event). In a thread once the workers train (the server's imports take seconds),
+        or before the workers start (``fork_now``: with ``reap=False``, no thread is started)."""
         from .forkserver import ForkServerError, socket_path, start_server
 
         if self.forks is not None:
@@ -327,7 +336,7 @@ class Agent:
             if not token or not self.base_env:
                 raise ForkServerError("the spec carries no job token" if not token else "no worker ran here")
             self.forks = start_server(socket_path(self.spec.job, self.spec.host), token, argv, self.base_env,
-                                      self.spec.cwd)
+                                      self.spec.cwd, reap=reap)
         except (ForkServerError, OSError) as exc:
             emit(ForkServerEvent(message=f"no fork server: {exc}"[:MAX_LINE]))
             return
@@ -376,7 +385,7 @@ class Agent:
         if not self.stopping.is_set():
             self.stopping.set()
             self._stop_workers(grace)
-        if last:  # (after the workers: it takes the workers it forked with it)
+        if last or not self.spec.fork_server:  # (after the workers: it takes the workers it forked with it)
             if self.preparing is not None:  # a server coming up now would stay for its linger
                 self.preparing.join(timeout=30)
             if self.forks is not None:

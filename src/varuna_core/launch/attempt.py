@@ -394,7 +394,9 @@ class Attempt:
             spot=SpotWatch(source=spot.source,  # type: ignore[arg-type]  # SpotConfig checked it against SOURCES
                            endpoint=spot.endpoint, interval=spot.interval, vm_name=spot.vm_name)
             if (spot := self.opts.spot) is not None else None,
-            fork_server=self.handing_over and self.opts.fork_server)
+            fork_server=self.handing_over and self.opts.fork_server,
+            # (not under Slurm: the scheduler's signals must reach the workers as processes of its job step)
+            fork_now=self.opts.fork_server and len(node.ranks) > 1 and self.opts.slurm is None)
 
     @property
     def handing_over(self) -> bool:

@@ -5,8 +5,10 @@ anything of its own, and node 0's agent spends ~1.2 s importing torch to host th
 loss that leaves a stage without a live copy, that start is most of the recovery (detection → first step);
 in a morph it is most of the warm start. So once a job's first configuration trains, each host's agent starts
 (``{"cmd": "forkserver"}``) a server that imports all of that once and then waits; every later attempt's agent
-on that host asks it for its workers (and node 0's for the store host) instead of starting interpreters. A
-forked worker begins where a fresh one would be after its imports, and behaves as a fresh one:
+on that host asks it for its workers (and node 0's for the store host) instead of starting interpreters. An
+agent with several workers starts one before them, in any job but under Slurm (``fork_now``): one import per
+host instead of one per worker, the first attempt's too (without a handover, the server then leaves with that
+attempt). A forked worker begins where a fresh one would be after its imports, and behaves as a fresh one:
 
 * its own session and process group (the agent ends it by group, as any worker; it leads them before its pid
   is told), ``PR_SET_PDEATHSIG`` to the server, and the server kills every process an agent asked for when that
@@ -776,6 +778,7 @@ class ForkClient:
         # between the reply with its pid and spawn's filing of it), and the lock that orders the two
         self._early: dict[int, int] = {}
         self._lock = threading.Lock()
+        self.server: subprocess.Popen[bytes] | None = None  # the server, if this client started it unreaped
 
     @classmethod
     def connect(cls, path: Path, token: str, timeout: float = 5.0) -> ForkClient | None:
@@ -909,6 +912,8 @@ class ForkClient:
 
         self._reader = threading.Thread(target=read, name="forkserver", daemon=True)
         self._reader.start()
+        if self.server is not None:  # started with reap=False: reap it whenever it leaves
+            threading.Thread(target=self.server.wait, daemon=True).start()
 
     def quit(self, wait: float = 5.0) -> None:
         """Tell the server to leave (the job ends), and wait up to ``wait`` seconds until it is gone."""
@@ -939,9 +944,11 @@ def _alive(pid: int) -> bool:
 
 def start_server(path: Path, token: str, argv: list[str], env: Mapping[str, str], cwd: str | None,
                  timeout: float = READY_TIMEOUT, *, linger: float = LINGER,
-                 preload: tuple[str, ...] = PRELOAD) -> ForkClient:
+                 preload: tuple[str, ...] = PRELOAD, reap: bool = True) -> ForkClient:
     """Start this job's server on this host (unless one already listens at ``path``) and connect to it. The
     server is started with the workers' interpreter (``argv[0]``) and environment ``env``, in its own session.
+    ``reap``: a thread waits for it to leave; without, the caller starts :meth:`ForkClient.start_reader`, which
+    does (a caller that may still start a subprocess with ``preexec_fn`` must have no thread yet).
 
     Raises:
         ForkServerError: it did not come up (its last words say why).
@@ -969,7 +976,9 @@ def start_server(path: Path, token: str, argv: list[str], env: Mapping[str, str]
         proc.kill()
         last = proc.stderr.read(4000).decode(errors="replace").strip().splitlines()
         raise ForkServerError(f"the fork server did not start: {last[-1] if last else 'no reason given'}")
-    threading.Thread(target=proc.wait, daemon=True).start()  # reap it whenever it leaves
+    client.server = proc
+    if reap:
+        threading.Thread(target=proc.wait, daemon=True).start()  # reap it whenever it leaves
     return client
 
 

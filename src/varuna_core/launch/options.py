@@ -220,7 +220,8 @@ class LaunchOptions:
     ckpt_tempdir: str | None = None
     ckpt_local: bool = False  # ckpt_dir is each host's own directory: each keeps its files and a copy of another's
     regroup: bool = True  # with a handover: the survivors of a lost host that held whole replicas go on in-process
-    fork_server: bool = True  # with a handover: later attempts' workers are forked by a pre-imported server per host
+    fork_server: bool = True  # workers are forked by a pre-imported server per host: where a host runs several,
+    # from the first attempt on; with a handover, every later attempt's too
     total_steps: int | None = None
     max_restarts: int = 3
     backoff: float = 2.0

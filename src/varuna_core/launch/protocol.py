@@ -149,6 +149,10 @@ class AgentSpec(_Strict):
     # fork the workers (and node 0's store host) from this job's fork server on the host when one runs there, and
     # start one when told (:mod:`varuna_core.launch.forkserver`)
     fork_server: bool = False
+    # start this job's fork server here before the workers and fork them all from it (the host runs several: one
+    # interpreter imports torch instead of each; not under Slurm); without ``fork_server`` it leaves when this
+    # attempt stops
+    fork_now: bool = False
 
     @model_validator(mode="after")
     def _workers_fit(self) -> AgentSpec:
