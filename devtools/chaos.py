@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from devtools.launching import ROOT, VARUNA, Launch, agent_pids, job_processes, process_environ, read_steps
+from devtools.procs import Proc
 
 __all__ = ["KINDS", "Fault", "ChaosResult", "schedule", "run_chaos"]
 
@@ -291,6 +292,10 @@ def _signal_worker(job: str, rank: int, sig: int) -> str:
             for item in env:
                 if item.startswith(b"RANK="):
                     workers[int(item[5:])] = pid
+            # a worker forked by its host's fork server shows the server's environment, and its rank in its name
+            name = Proc(pid, 0).comm()
+            if name.startswith("varuna-r") and name[8:].isdigit():
+                workers[int(name[8:])] = pid
     if not workers:
         raise AssertionError("no worker of the job is running")
     rank = rank if rank in workers else sorted(workers)[rank % len(workers)]

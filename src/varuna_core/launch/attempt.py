@@ -395,8 +395,10 @@ class Attempt:
                            endpoint=spot.endpoint, interval=spot.interval, vm_name=spot.vm_name)
             if (spot := self.opts.spot) is not None else None,
             fork_server=self.handing_over and self.opts.fork_server,
-            # (not under Slurm: the scheduler's signals must reach the workers as processes of its job step)
-            fork_now=self.opts.fork_server and len(node.ranks) > 1 and self.opts.slurm is None)
+            # before the workers where it saves imports (several on the host) or would be started anyway once the
+            # job trains (a handover: then its import is not added to the first steps'); not under Slurm, whose
+            # signals must reach the workers as processes of its job step
+            fork_now=self.opts.fork_server and (len(node.ranks) > 1 or self.handing_over) and self.opts.slurm is None)
 
     @property
     def handing_over(self) -> bool:
