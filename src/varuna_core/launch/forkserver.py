@@ -6,9 +6,10 @@ loss that leaves a stage without a live copy, that start is most of the recovery
 in a morph it is most of the warm start. So once a job's first configuration trains, each host's agent starts
 (``{"cmd": "forkserver"}``) a server that imports all of that once and then waits; every later attempt's agent
 on that host asks it for its workers (and node 0's for the store host) instead of starting interpreters. An
-agent with several workers starts one before them, in any job but under Slurm (``fork_now``): one import per
-host instead of one per worker, the first attempt's too (without a handover, the server then leaves with that
-attempt). A forked worker begins where a fresh one would be after its imports, and behaves as a fresh one:
+agent starts one before its workers (``fork_now``, not under Slurm) where it has several (one import per host
+instead of one per worker; without a handover, the server then leaves with that attempt) or the job hands over
+(the server's import then replaces the first worker's, instead of running beside the first steps). A forked
+worker begins where a fresh one would be after its imports, and behaves as a fresh one:
 
 * its own session and process group (the agent ends it by group, as any worker; it leads them before its pid
   is told), ``PR_SET_PDEATHSIG`` to the server, and the server kills every process an agent asked for when that

@@ -150,8 +150,8 @@ class AgentSpec(_Strict):
     # start one when told (:mod:`varuna_core.launch.forkserver`)
     fork_server: bool = False
     # start this job's fork server here before the workers and fork them all from it (the host runs several: one
-    # interpreter imports torch instead of each; not under Slurm); without ``fork_server`` it leaves when this
-    # attempt stops
+    # interpreter imports torch instead of each; or a handover would start one once the job trains; not under
+    # Slurm); without ``fork_server`` it leaves when this attempt stops
     fork_now: bool = False
 
     @model_validator(mode="after")
