@@ -7,9 +7,15 @@ gradients are written)."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from tests.dist.test_wire import rounded
 from tests.gpu.common import DEVICE, ROOT, assert_equal_to_reference, needs_real_gpu, reference
@@ -17,8 +23,9 @@ from tests.gpu.pp2_worker import BATCH, CHUNK, STEPS
 from tests.models import SHARED, ToyLM, batch
 from tests.reference import Layout
 from varuna_core.env import CACHE_DIR
+from varuna_core.launch import forkserver
 from varuna_core.model.precision import WIRE_DTYPES
-from varuna_core.util.procs import run_workers
+from varuna_core.util.procs import free_port, run_workers, torchrun_env
 
 TIMEOUT = 120.0
 
@@ -100,3 +107,48 @@ def test_gloo_replicas_on_one_gpu_sync_while_the_backward_runs_and_equal_the_ref
     torch.manual_seed(0)
     ref_losses, ref_state = reference(ToyLM(), STEPS, batch, Layout(BATCH, CHUNK, dp=2), SHARED, DEVICE)
     assert_equal_to_reference(results[0]["losses"], results[0]["state"], ref_losses, ref_state)
+
+
+def test_ranks_forked_by_the_fork_server_train_on_the_gpu_as_fresh_ones(tmp_path) -> None:
+    """What ``varuna launch`` does on a host with several workers (``fork_now``): one server imports torch, numpy
+    and varuna (without touching CUDA: a child forked after its parent initialised CUDA cannot use it) and forks
+    both ranks, which then initialise CUDA each on its own and train bit for bit as the fresh ones of
+    :func:`test_gloo_pipeline_on_one_gpu_equals_the_reference`. The server must also still have no CUDA context
+    after its imports (asked of it by a forked child: ``torch.cuda.is_initialized()`` as the server left it)."""
+    device = "cuda:0" if DEVICE == "cuda" else DEVICE
+    script = str(ROOT / "tests" / "gpu" / "pp2_worker.py")
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch\nprint('cuda initialised in the server:',\n"
+                     "      torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork())\n")
+    token, port = secrets.token_hex(16), free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{CACHE_DIR: str(tmp_path / "cache")})
+    env.update(torchrun_env(0, 2, port))  # (TORCHELASTIC_USE_AGENT_STORE acts at import: the server has it too)
+    base = tempfile.mkdtemp(prefix="vfs-", dir="/tmp")  # a socket's path must be short
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    client = forkserver.start_server(Path(base) / "fs.sock", token, [sys.executable, script], env, str(ROOT))
+    try:
+        client.start_reader()
+        probed = client.spawn([sys.executable, str(probe)], env, str(ROOT), None)
+        assert probed.stdout is not None
+        said = probed.stdout.read().decode(errors="replace")
+        assert probed.wait(60) == 0, said
+        assert "cuda initialised in the server: False" in said, said
+        procs = [client.spawn([sys.executable, script, "gloo", device, str(tmp_path)],
+                              {**env, **torchrun_env(rank, 2, port)}, str(ROOT), f"varuna-r{rank}")
+                 for rank in range(2)]
+        outputs = []
+        for proc in procs:
+            assert proc.stdout is not None
+            outputs.append(proc.stdout.read().decode(errors="replace"))
+        codes = [proc.wait(TIMEOUT) for proc in procs]
+        assert codes == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    finally:
+        client.quit()
+        client.close()
+        del store
+        shutil.rmtree(base, ignore_errors=True)
+    results = _results(tmp_path)
+    torch.manual_seed(0)
+    ref_losses, ref_state = reference(ToyLM(), STEPS, batch, Layout(BATCH, CHUNK, pp=2), SHARED, DEVICE)
+    assert_equal_to_reference(results[0]["losses"], {**results[0]["state"], **results[1]["state"]}, ref_losses,
+                              ref_state)
