@@ -9,6 +9,7 @@ import importlib.util
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,6 +41,27 @@ def test_an_unreachable_host_is_named_and_nothing_starts(cluster, plan4, tmp_pat
     assert f"root@{cluster.hosts[0].address}:22:" not in done.stderr  # the good host is not blamed
     assert cluster.processes("varuna_core.launch.agent") == [] and not (tmp_path / "run").exists()
 
+
+
+def test_a_host_without_torch_is_named_by_the_check_and_one_with_it_passes(cluster, tmp_path) -> None:
+    """The pre-flight check finds torch without importing it (seconds of CPU on every host at every check): an
+    interpreter that imports varuna but has no torch (the venv's without its site-packages) is named with the
+    import's own words; the job's interpreter passes."""
+    from varuna_core.launch.hosts import Host
+    from varuna_core.launch.options import HostRuntime, SSHConfig
+    from varuna_core.launch.ssh import check_hosts
+
+    bare = tmp_path / "python-without-torch"
+    bare.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT / 'src'} exec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    good = cluster.hosts[0]
+    host = Host(good.address, 1, user=cluster.user, port=good.port)
+    opts = cluster.ssh_options()
+    ssh = SSHConfig(identity=str(cluster.identity),
+                    options=tuple(v for f, v in zip(opts[::2], opts[1::2], strict=True) if f == "-o"))
+    problems = check_hosts([host], ssh, HostRuntime(python=str(bare), code_dir=str(ROOT)))
+    assert [p.message for p in problems] == ["ModuleNotFoundError: No module named 'torch'"], problems
+    assert check_hosts([host], ssh, HostRuntime(python=sys.executable, code_dir=str(ROOT))) == []
 
 def _progress(launch: Launch) -> int:
     return max((r["step"] for r in launch.reports()), default=-1)
@@ -141,7 +163,7 @@ def test_a_host_that_dies_is_left_out_while_it_cannot_be_used_and_taken_back_onc
                                                                                          tmp_path) -> None:
     """The machine dies at once (every process of it killed, sshd included) and stays in the hosts file; SSH to
     it is refused until it boots again. It then comes back with a broken copy of the launcher's node agent (a
-    deployment cut short): SSH answers and the interpreter imports varuna and torch there, but the agent does not
+    deployment cut short): SSH answers and the interpreter imports varuna and finds torch there, but the agent does not
     start. It is taken back once it is redeployed."""
     if cluster.mode != "netns":
         pytest.skip("needs a network namespace per test host")

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -72,8 +73,8 @@ from .shelf import shelf_key
 from .ssh import AgentEvents, AgentHandle
 from .stragglers import Straggler, StragglerDetector
 
-__all__ = ["Ending", "LaunchError", "AgentStartError", "NoMorph", "Node", "place", "JobFiles", "Outcome", "Attempt",
-           "Status", "Reporter", "worker_argv", "crash_cause"]
+__all__ = ["Ending", "LaunchError", "AgentStartError", "NoMorph", "Node", "place", "JobFiles", "last_error", "Outcome",
+           "Attempt", "Status", "Reporter", "worker_argv", "crash_cause"]
 
 log = logging.getLogger(__name__)
 
@@ -933,8 +934,9 @@ class Attempt:
                 what = f"rank {first} on {self.rank_host[first]} could not load checkpoint step_{self.resume}"
                 if first in self.errors:
                     what += f": {self.errors[first]}"
-            return Outcome(Ending.CRASH, f"{what} (log: {self.files.rank_log(first)})", hosts=hosts, refused=refused,
-                           suspects=[])  # its agent reported the exit: the host is up
+            said = None if refused else last_error(self.files.rank_log(first))
+            return Outcome(Ending.CRASH, f"{what}{f': {said}' if said else ''} (log: {self.files.rank_log(first)})",
+                           hosts=hosts, refused=refused, suspects=[])  # its agent reported the exit: the host is up
         if len(self.exits) < self.world:
             return None
         codes = set(self.exits.values())
@@ -1108,6 +1110,28 @@ def _checkpointed_before_exit(beat: Beat | None) -> bool:
     """Whether the rank's last heartbeat said it had just written its on-demand checkpoint and was stopping
     (``checkpointed`` at its current step: the last thing a worker sends before it leaves)."""
     return beat is not None and beat.get("checkpointed") == beat.step
+
+
+# the line a Python process prints last when it dies of an exception (``ModuleNotFoundError: No module named
+# 'torch'``, ``KeyError``), or a worker's one-line error (``[rank 1] error: ...``)
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b(?::.*)?|\[rank \d+\] error: .*)$")
+_TAIL = 8192  # bytes of a rank's log read back for its last line
+
+
+def last_error(log: Path) -> str | None:
+    """The error a rank's log ends with (see :data:`_ERROR_LINE`; at most 300 characters), quoted in the crash's one
+    line so that the user sees why without opening the log: a worker that cannot import torch, a script's bug. None
+    when the log ends otherwise (a signal, a peer's death told by gloo in several lines) or cannot be read."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
+    if not _ERROR_LINE.match(last):
+        return None
+    return last if len(last) <= 300 else last[:297] + "..."
 
 
 def _describe(code: int) -> str:

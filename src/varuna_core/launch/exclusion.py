@@ -1,7 +1,7 @@
 """The hosts a ``--morph`` job has left out because they did not answer, and when to check each of them again.
 
 A host of the job (a line of the hosts file, a node of the Slurm allocation) is *left out* when its pre-flight
-check fails (SSH does not reach it, its interpreter cannot import varuna and torch in the code directory) or its
+check fails (SSH does not reach it, its interpreter cannot import varuna or finds no torch in the code directory) or its
 node agent does not start in an attempt. A host that is listed but left out is not a change of the job's hosts:
 the job keeps training on the others. (Counted as one, it made every new attempt see the host "added", morph
 before its first step, check it, leave it out again and start the next attempt, without end and without

@@ -49,13 +49,23 @@ class HostProblem:
     message: str
 
 
-_CHECK = ("import sys, varuna_core, torch; "
-          "print('varuna-ok', sys.version.split()[0], torch.__version__, varuna_core.__version__)")
+# Run by the host's interpreter in --code-dir: varuna imports (it imports no torch), and torch is installed there,
+# found without importing it. Importing torch costs 1-2 s of CPU here (more with CUDA's libraries) on every host at
+# every check, and the check runs before a job starts and again before it grows onto a host; a torch that is installed
+# but does not import then fails in the worker, whose error the crash's one line quotes (attempt.last_error).
+_CHECK = ("import sys, importlib.util, importlib.metadata as m, varuna_core\n"
+          "if importlib.util.find_spec('torch') is None:\n"
+          "    sys.exit(\"ModuleNotFoundError: No module named 'torch'\")\n"
+          "try:\n"
+          "    torch = m.version('torch')\n"
+          "except m.PackageNotFoundError:\n"
+          "    torch = 'unknown'\n"
+          "print('varuna-ok', sys.version.split()[0], torch, varuna_core.__version__)\n")
 
 
 def check_hosts(hosts: list[Host], ssh: SSHConfig, runtime: HostRuntime, timeout: float = 60) -> list[HostProblem]:
-    """Check every host at once: SSH reaches it, the code directory exists, the interpreter imports varuna and
-    torch. Returns the problems (empty: all good), one per failing host, in host order."""
+    """Check every host at once: SSH reaches it, the code directory exists, the interpreter imports varuna and finds
+    torch (see :data:`_CHECK`). Returns the problems (empty: all good), one per failing host, in host order."""
 
     def one(host: Host) -> HostProblem | None:
         argv = ssh.argv(host, runtime.command("-c", _CHECK))
