@@ -138,7 +138,8 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
               ckpt_every: int = 5, gap: int = 12, first: int = 10, slots: int = 2, heartbeat_timeout: float = 8,
               max_restarts: int = 4, timeout: float = 900, reference: Path | None = None,
               uninterrupted: bool = True, replay_layouts: bool = False, snapshot_every: str = "auto",
-              steady: bool = True, stop_after: int | None = None, say=lambda text: None) -> ChaosResult:
+              steady: bool = True, stop_after: int | None = None, pace: float = 0.0,
+              say=lambda text: None) -> ChaosResult:
     """Run the example GPT by ``plan`` over ``cluster``'s hosts with ``--morph``, inject the scheduled faults,
     and compare it with an uninterrupted run of the same plan on local processes (``reference``: a store of that
     run's final checkpoint and its launcher's run directory; when None it is made here, alongside the chaotic run,
@@ -149,7 +150,9 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     until the hosts' fork servers serve (what a recovery's time is measured in); a host fault always waits until its
     host is in the job. ``stop_after``: once the last fault is survived and this many more steps trained, stop the
     launcher with SIGTERM (its checkpoint then ends the run, exit code 143) instead of training the tail that a
-    morph begun by the last fault might need; the run is then compared only with its replayed layouts."""
+    morph begun by the last fault might need; the run is then compared only with its replayed layouts. ``pace``:
+    seconds each rank of the chaotic run pauses after every step (``devtools/paced_train.py``: fewer steps trained
+    while the run waits for what a fault brings, the same numbers); the reference and the replays are not paced."""
     if stop_after is not None and (uninterrupted or reference is not None):
         raise ValueError("stop_after ends the run early: only its replayed layouts can be compared with it")
     faults = schedule(seed, kinds, first=first, gap=gap, ranks=slots * len(cluster.hosts), hosts=len(cluster.hosts))
@@ -163,7 +166,8 @@ def run_chaos(cluster, plan: Path, workdir: Path, *, seed: int, kinds: list[str]
     run_dir = workdir / "run"
     args = [str(plan), "--run-dir", str(run_dir), "--hosts", str(hosts), "--morph", "--ckpt-every", str(ckpt_every),
             "--heartbeat-timeout", str(heartbeat_timeout), "--grace", "2", "--max-restarts", str(max_restarts),
-            "--snapshot-every", snapshot_every, *cluster.launcher_args(), "--", *TRAIN, "--steps", str(steps)]
+            "--snapshot-every", snapshot_every, *cluster.launcher_args(), "--",
+            *(["devtools/paced_train.py", "--pace", str(pace), *TRAIN[1:]] if pace else TRAIN), "--steps", str(steps)]
     started = time.monotonic()
     pending = None if reference is not None or not uninterrupted else \
         _start_reference(plan, steps, workdir / "reference", timeout)

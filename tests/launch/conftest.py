@@ -13,6 +13,9 @@ import pytest
 from devtools.launching import ROOT, VARUNA, Launch, job_processes, make_plan, profile_example_gpt  # noqa: F401
 
 TRAIN = ["examples/gpt/train.py", "--batch-size", "32", "--log-every", "10"]
+# the same, each rank pausing 0.1 s after every step (devtools/paced_train.py): for the scenarios that train while they
+# wait for what they test, whose steps are then replayed unpaced (TRAIN) and must equal them to the bit
+PACED = ["devtools/paced_train.py", "--pace", "0.1", *TRAIN[1:]]
 
 
 @pytest.fixture(scope="module")

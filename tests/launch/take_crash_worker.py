@@ -1,6 +1,6 @@
 """``examples/gpt/train.py``, except that the first worker started warm for a handover (``VARUNA_HANDOVER=wait``)
 dies right after it took its state, before its first step: ``take_crash_worker.py MARKER TRAIN_ARGS...`` (the
-marker file says it happened)."""
+marker file says it happened). It trains by ``devtools/paced_train.py``: TRAIN_ARGS begin with ``--pace SECONDS``."""
 
 import os
 import runpy
@@ -21,5 +21,5 @@ if os.environ.get("VARUNA_HANDOVER") == "wait":
             os._exit(3)
 
     varuna_core.Varuna.set_optimizer = taken_then_dead
-sys.argv = ["examples/gpt/train.py", *sys.argv[2:]]
-runpy.run_path("examples/gpt/train.py", run_name="__main__")
+sys.argv = ["devtools/paced_train.py", *sys.argv[2:]]
+runpy.run_path("devtools/paced_train.py", run_name="__main__")

@@ -27,13 +27,14 @@ def test_a_pipeline_across_two_hosts_survives_every_fault_with_the_same_numbers(
     tolerance could be asserted: benchmarks/chaos.py measures that drift). Without in-memory snapshots, so that
     every crash restarts through the store, where the corrupt checkpoint waits (tests/launch/test_snapshot_ssh.py
     recovers from a snapshot). Once the last fault is survived and five more steps trained, SIGTERM ends the run
-    with a checkpoint (exit code 143), the end its layouts are replayed to."""
+    with a checkpoint (exit code 143), the end its layouts are replayed to. Each rank pauses 0.1 s after every step
+    (devtools/paced_train.py): the run trains fewer steps while it waits for what a fault brings."""
     from devtools.chaos import run_chaos
     from devtools.launching import read_events
 
     result = run_chaos(cluster, plan2, tmp_path, seed=3, slots=1, gap=8, first=10, heartbeat_timeout=5,
                        max_restarts=1, timeout=400, uninterrupted=False, replay_layouts=True, snapshot_every="0",
-                       steady=False, stop_after=5,
+                       steady=False, stop_after=5, pace=0.1,
                        kinds=["stop_worker", "remove_host", "kill_agent", "preempt", "corrupt_checkpoint"])
     assert not result.problems, result.problems
     assert result.exit_code == 143 and result.injected == result.survived == 5, result.faults

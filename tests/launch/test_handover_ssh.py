@@ -18,7 +18,7 @@ from devtools.chaos import _params_diff
 from devtools.launching import Launch
 from devtools.same_layouts import mismatches, replay, surviving_chain
 from devtools.testhosts import start_cluster
-from tests.launch.conftest import TRAIN, job_processes
+from tests.launch.conftest import PACED, TRAIN, job_processes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 
@@ -83,7 +83,7 @@ def test_a_job_on_hosts_that_share_no_file_system_morphs_by_handover(cluster, pl
     marker = tmp_path / "took-then-died"
     launch = Launch([str(plan2), "--run-dir", str(run), "--ckpt-dir", str(STORE), "--hosts", str(hosts), "--morph",
                      "--grace", "2", *cluster.launcher_args(), "--", "tests/launch/take_crash_worker.py", str(marker),
-                     *TRAIN[1:], "--steps", "100000"], run, timeout=360)
+                     *PACED[1:], "--steps", "100000"], run, timeout=360)
     lines = cluster.hosts_file_lines(1)
     # the last change is stopped by a SIGTERM as soon as its handover begins: the new configuration takes the state,
     # then writes the SIGTERM's checkpoint (the old one has nothing left to write it from)
@@ -154,7 +154,7 @@ def test_a_handover_that_cannot_happen_goes_through_the_store(shared, plan2, tmp
     marker = tmp_path / "warm-crash"
     launch = Launch([str(plan2), "--run-dir", str(run), "--hosts", str(hosts), "--morph", "--grace", "2",
                      "--shelf-budget", "4096", *shared.launcher_args(), "--", "tests/launch/warm_crash_worker.py",
-                     str(marker), *TRAIN[1:], "--steps", "100000"], run, timeout=360)
+                     str(marker), *PACED[1:], "--steps", "100000"], run, timeout=360)
     lines = shared.hosts_file_lines(1)
     shapes = _morph_through(launch, hosts, [lines[:1], lines])
     events = launch.events()

@@ -18,7 +18,7 @@ import pytest
 from devtools.chaos import _params_diff
 from devtools.launching import Launch, worker_pid
 from devtools.same_layouts import mismatches, replay, surviving_chain
-from tests.launch.conftest import ROOT, TRAIN, VARUNA, interrupt_and_expect_nothing_left, job_processes
+from tests.launch.conftest import PACED, ROOT, TRAIN, VARUNA, interrupt_and_expect_nothing_left, job_processes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 
@@ -101,7 +101,7 @@ def _lose_a_host_and_take_it_back(cluster, plan2, tmp_path, lose, mend, relapse=
     hosts = hosts_file(tmp_path / "hosts", cluster.hosts_file_lines(1))
     launch = Launch([str(plan2), "--run-dir", str(tmp_path / "run"), "--hosts", str(hosts), "--morph",
                      "--ckpt-every", "5", "--grace", "2", "--recheck-max", "2", *cluster.launcher_args(), "--",
-                     *TRAIN, "--steps", "100000"], tmp_path / "run", timeout=360)
+                     *PACED, "--steps", "100000"], tmp_path / "run", timeout=360)
     paused = None
     try:
         launch.wait_for(lambda: _progress(launch) >= 8)

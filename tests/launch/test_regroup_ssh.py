@@ -14,7 +14,7 @@ import pytest
 from devtools.chaos import _params_diff
 from devtools.launching import Launch
 from devtools.same_layouts import mismatches, replay, surviving_chain
-from tests.launch.conftest import TRAIN, job_processes
+from tests.launch.conftest import PACED, TRAIN, job_processes
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(360)]
 
@@ -25,7 +25,7 @@ def test_the_survivors_of_a_lost_host_go_on_in_their_processes(cluster, plan4, t
     run = tmp_path / "run"
     launch = Launch([str(plan4), "--run-dir", str(run), "--hosts", str(hosts), "--morph", "--snapshot-every", "0",
                      "--recheck-max", "2",
-                     "--grace", "2", *cluster.launcher_args(), "--", *TRAIN, "--steps", "100000"], run, timeout=300)
+                     "--grace", "2", *cluster.launcher_args(), "--", *PACED, "--steps", "100000"], run, timeout=300)
     try:
         launch.wait_for(lambda: max((r["step"] for r in launch.reports()), default=-1) >= 4, 200)
         before = {pid for pid, _ in job_processes(launch.job())}
