@@ -35,9 +35,10 @@ def _context():
     if _CONTEXT is None:
         _CONTEXT = multiprocessing.get_context("forkserver")
         # transformers and its modeling base cost an HF model's worker ~2 s more than torch (tests/hf_models.py
-        # builds them in the workers); a missing [hf] extra is skipped (the server ignores an ImportError)
+        # builds them in the workers); a missing [hf] extra is skipped (the server ignores an ImportError);
+        # tests.dist.frozen, last, freezes all of it out of the workers' garbage collections
         _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "tests.dist.harness", *WORKER_MODULES,
-                                         "transformers", "transformers.modeling_utils"])
+                                         "transformers", "transformers.modeling_utils", "tests.dist.frozen"])
     return _CONTEXT
 
 

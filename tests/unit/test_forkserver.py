@@ -294,6 +294,33 @@ def test_a_forked_worker_is_the_fresh_interpreter_subprocess_starts(servers: Ser
     assert forked_lines[1:] == fresh_lines[1:]
 
 
+
+GC_PROBE = """
+import gc, json, weakref
+class Cycle:
+    pass
+made = Cycle()
+made.self = made
+ref = weakref.ref(made)
+del made
+gc.collect()
+print(json.dumps({"frozen": gc.get_freeze_count(), "collected": ref() is None}))
+"""
+
+
+def test_a_forked_worker_leaves_what_the_server_imported_out_of_its_collections(servers: Servers,
+                                                                               tmp_path: Path) -> None:
+    """The server freezes what its imports made (``gc.freeze``) before it forks: a worker's collection neither walks
+    nor copies it, and still collects the worker's own garbage; a fresh interpreter has nothing frozen."""
+    script = _script(tmp_path, "gcprobe.py", GC_PROBE)
+    client, _ = servers.start()
+    forked_out, forked_code = _forked(client, [PYTHON, str(script)], _env())
+    fresh_out, fresh_code = _fresh([PYTHON, str(script)], _env())
+    assert (forked_code, fresh_code) == (0, 0), (forked_out, fresh_out)
+    forked, fresh = json.loads(forked_out), json.loads(fresh_out)
+    assert forked["frozen"] > 1000 and forked["collected"], forked
+    assert fresh == {"frozen": 0, "collected": True}
+
 ENV_TOUCH = '''
 import os
 os.environ.setdefault("PROBE_ADDED", "by the import")
