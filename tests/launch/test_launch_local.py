@@ -105,6 +105,21 @@ def test_a_crash_without_morph_stops_the_job_naming_the_rank(plan2, tmp_path, la
     assert job_processes(launch.job()) == []
 
 
+
+def test_a_worker_that_dies_of_an_exception_is_named_with_it(plan2, tmp_path, launches) -> None:
+    """A worker whose script raises (here an import that fails, as a torch that is installed but cannot import
+    would: the pre-flight check only finds it) ends the job with one line that quotes the exception."""
+    script = tmp_path / "broken.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    import no_such_module_here\n"
+                      "import time\ntime.sleep(60)\n")
+    launch = launches([str(plan2), "--", str(script)], tmp_path / "run", timeout=120)
+    assert launch.wait() == 1
+    out = " ".join(launch.output().split())
+    assert ("rank 1 on 127.0.0.1 exited with code 1: ModuleNotFoundError: No module named 'no_such_module_here' "
+            "(log: ") in out, out[-2000:]
+    assert "Traceback" not in launch.output()
+    assert job_processes(launch.job()) == []
+
 def test_ctrl_c_stops_every_worker_and_exits_130(plan2, tmp_path, launches) -> None:
     launch = launches([str(plan2), "--", *TRAIN, "--steps", "100000"], tmp_path / "run", timeout=180)
     launch.wait_for(lambda: len(launch.steps()) >= 3)

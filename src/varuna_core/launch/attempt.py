@@ -73,7 +73,7 @@ from .shelf import shelf_key
 from .ssh import AgentEvents, AgentHandle
 from .stragglers import Straggler, StragglerDetector
 
-__all__ = ["Ending", "LaunchError", "AgentStartError", "NoMorph", "Node", "place", "JobFiles", "last_error", "Outcome",
+__all__ = ["Ending", "LaunchError", "AgentStartError", "NoMorph", "Node", "place", "JobFiles", "error_line", "Outcome",
            "Attempt", "Status", "Reporter", "worker_argv", "crash_cause"]
 
 log = logging.getLogger(__name__)
@@ -321,6 +321,7 @@ class Attempt:
         self.agents: list[AgentHandle] = []
         self.exits: dict[int, int] = {}
         self.errors: dict[int, str] = {}  # rank -> the last "error: ..." line it printed
+        self.last_lines: dict[int, str] = {}  # rank -> the last non-empty line it printed (see error_line)
         self.gone: set[int] = set()
         self.rank_host = {rank: node.host.name for node in nodes for rank, _ in node.ranks}
         self.node_ranks = {node.index: {rank for rank, _ in node.ranks} for node in nodes}
@@ -611,9 +612,9 @@ class Attempt:
             return "failed", f"lost the agent on {', '.join(self.agents[n].host.name for n in sorted(self.gone))}"
         if self.exits:
             rank, code = next(iter(self.exits.items()))
-            detail = f": {self.errors[rank]}" if rank in self.errors else ""
+            why = self._why(rank)
             return "failed", (f"rank {rank} on {self.rank_host[rank]} exited with {_describe(code)} while warming "
-                              f"up{detail} (log: {self.files.rank_log(rank)})")
+                              f"up{f': {why}' if why else ''} (log: {self.files.rank_log(rank)})")
         beats = self.beats()
         if all(beats.get(r) is not None and beats[r].get("t_warm") is not None for r in range(self.world)):
             return "warm", ""
@@ -792,6 +793,8 @@ class Attempt:
             said = event.line.split("] ", 1)[-1] if event.line.startswith("[rank ") else event.line
             if said.startswith("error: ") and current is not None:
                 self.errors[current] = said[len("error: "):][:500]
+            if said.strip() and current is not None:
+                self.last_lines[current] = said.strip()
         elif isinstance(event, ExitEvent):
             if current is not None:
                 self.exits[current] = event.code
@@ -934,7 +937,7 @@ class Attempt:
                 what = f"rank {first} on {self.rank_host[first]} could not load checkpoint step_{self.resume}"
                 if first in self.errors:
                     what += f": {self.errors[first]}"
-            said = None if refused else last_error(self.files.rank_log(first))
+            said = None if refused else self._why(first)
             return Outcome(Ending.CRASH, f"{what}{f': {said}' if said else ''} (log: {self.files.rank_log(first)})",
                            hosts=hosts, refused=refused, suspects=[])  # its agent reported the exit: the host is up
         if len(self.exits) < self.world:
@@ -949,6 +952,13 @@ class Attempt:
             return Outcome(Ending.CHECKPOINTED,
                            "the workers checkpointed and stopped (SIGUSR1 from outside the launcher)", step=step)
         return Outcome(Ending.CRASH, "some workers finished while others stopped to checkpoint", step=step, suspects=[])
+
+    def _why(self, rank: int) -> str | None:
+        """Why ``rank`` exited, in its own words: its last ``error: ...`` line, else the error its output ended with
+        (:func:`error_line`: a worker that cannot import torch, a script's bug), else None."""
+        if rank in self.errors:
+            return self.errors[rank]
+        return error_line(self.last_lines.get(rank, ""))
 
     def _symptom(self, bad: dict[int, int]) -> bool:
         """Whether to wait a moment before ending the attempt for the failed ranks ``bad``: when every one of them
@@ -1054,7 +1064,7 @@ class Attempt:
         self.renumber = renumber
         self.rank_host = {new: self.rank_host[old] for old, new in enumerate(plan.ranks) if new is not None}
         self.world = plan.world
-        self.exits, self.errors = {}, {}
+        self.exits, self.errors, self.last_lines = {}, {}, {}
         self._written_off |= set(nodes)
         self.plan = layout
         save_plan(self.plan, self.opts.run_dir / "plans" / f"attempt{self.number}-regroup{self.regroups}.yaml")
@@ -1113,25 +1123,18 @@ def _checkpointed_before_exit(beat: Beat | None) -> bool:
 
 
 # the line a Python process prints last when it dies of an exception (``ModuleNotFoundError: No module named
-# 'torch'``, ``KeyError``), or a worker's one-line error (``[rank 1] error: ...``)
-_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b(?::.*)?|\[rank \d+\] error: .*)$")
-_TAIL = 8192  # bytes of a rank's log read back for its last line
+# 'torch'``, ``torch.OutOfMemoryError: ...``, a bare ``KeyError``)
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b(?::.*)?$")
 
 
-def last_error(log: Path) -> str | None:
-    """The error a rank's log ends with (see :data:`_ERROR_LINE`; at most 300 characters), quoted in the crash's one
-    line so that the user sees why without opening the log: a worker that cannot import torch, a script's bug. None
-    when the log ends otherwise (a signal, a peer's death told by gloo in several lines) or cannot be read."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
+def error_line(line: str) -> str | None:
+    """``line`` (a worker's last line of output) if it is the one a Python process prints when it dies of an
+    exception (:data:`_ERROR_LINE`), cut to 300 characters; else None (a rank killed by a signal, a peer's death that
+    gloo tells in several lines). Quoted in the crash's one line so that the user sees why without the log."""
+    line = line.strip()
+    if not _ERROR_LINE.match(line):
         return None
-    last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "")
-    if not _ERROR_LINE.match(last):
-        return None
-    return last if len(last) <= 300 else last[:297] + "..."
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def _describe(code: int) -> str:

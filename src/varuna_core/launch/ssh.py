@@ -52,7 +52,7 @@ class HostProblem:
 # Run by the host's interpreter in --code-dir: varuna imports (it imports no torch), and torch is installed there,
 # found without importing it. Importing torch costs 1-2 s of CPU here (more with CUDA's libraries) on every host at
 # every check, and the check runs before a job starts and again before it grows onto a host; a torch that is installed
-# but does not import then fails in the worker, whose error the crash's one line quotes (attempt.last_error).
+# but does not import then fails in the worker, whose error the crash's one line quotes (attempt.error_line).
 _CHECK = ("import sys, importlib.util, importlib.metadata as m, varuna_core\n"
           "if importlib.util.find_spec('torch') is None:\n"
           "    sys.exit(\"ModuleNotFoundError: No module named 'torch'\")\n"
