@@ -98,7 +98,7 @@ def main() -> int:
 
         def link(holder, name, path):
             entry = shelf.link(name, path)
-            return entry.size, entry.sha256
+            return entry.size, entry.digest
 
         for i in range(args.repeats):
             fresh, _ = build(args, 1 + i)

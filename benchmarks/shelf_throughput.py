@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from varuna_core.launch.shelf import DEFAULT_ROOT, Shelf, ShelfServer, fetch_into
+from varuna_core.util.digest import of_bytes
 
 
 def _median_seconds(work: Callable[[], object], repeats: int) -> float:
@@ -53,6 +54,8 @@ def main() -> None:
     try:
         rows.append(("sha256 (reference)", _median_seconds(lambda: [hashlib.sha256(b).digest()
                                                                     for b in blobs.values()], args.repeats)))
+        rows.append(("digest (reference)", _median_seconds(lambda: [of_bytes(b) for b in blobs.values()],
+                                                           args.repeats)))
         rows.append(("copy (reference)", _median_seconds(lambda: [bytearray(b) for b in blobs.values()],
                                                          args.repeats)))
         rows.append(("put", _median_seconds(lambda: [shelf.put(n, b, {"dtype": "uint8", "shape": [size]})

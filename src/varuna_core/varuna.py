@@ -553,7 +553,7 @@ class Varuna(nn.Module):
         belong to the loaded checkpoint's run (``self.run_id``).
 
         ``"latest"`` is the newest complete checkpoint of this run, else of the one run the store holds; with
-        several runs in the store, name one (``run=``) or a step. Every file's size and sha256 are checked while
+        several runs in the store, name one (``run=``) or a step. Every file's size and digest are checked while
         it is read, and the model's parameter names, shapes and dtypes against the checkpoint's, before anything
         live changes: a refused checkpoint raises :class:`~varuna_core.errors.CheckpointError` on every rank and
         leaves the model, optimizer and RNG untouched. ``load_optimizer=False`` restores the model alone (e.g.

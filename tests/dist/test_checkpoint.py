@@ -115,7 +115,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path) -> None:
     data.write_bytes(bytes(raw))
     for res in run_ranks({"map": "0;1", "timeout": 20, "runs": [resume]}, 2, tmp_path / "c"):
         assert res.returncode == 1 and res.error.startswith("CheckpointError"), res.error
-        assert "sha256 mismatch" in res.error and data.name in res.error
+        assert "digest mismatch" in res.error and data.name in res.error
 
 
 def _merged_model_matches(store, tmp_path) -> None:

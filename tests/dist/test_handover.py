@@ -98,7 +98,7 @@ def test_publish_puts_each_rank_files_on_its_own_host(published) -> None:
         assert sorted(p.suffix for p in shelf.path.iterdir() if p.name != ".lock") == [".blob"] * len(shelf.names())
     entry, stream = Shelf(JOB, root=roots[1]).open(f"step_{STEP}/__1_0.distcp")
     stream.close()
-    assert entry.meta == {"bytes": entry.size, "sha256": entry.sha256, "rank": 1}
+    assert entry.meta == {"bytes": entry.size, "digest": entry.digest, "rank": 1}
 
 
 @pytest.mark.parametrize(("resume_map", "world", "partition", "local", "map_files"), [

@@ -102,4 +102,4 @@ def test_a_damaged_file_of_the_snapshot_is_taken_from_its_copy_and_named(snapsho
             server.close()
     assert_resumed(results, *uninterrupted(steps_as("0;1", step, "0;1", 2)), first=step)
     logs = "".join(res.output for res in results)
-    assert damaged in logs and "sha256" in logs and "from another copy instead" in logs, logs[-3000:]
+    assert damaged in logs and "digest" in logs and "from another copy instead" in logs, logs[-3000:]

@@ -310,14 +310,14 @@ def take_handover(vm, spec: dict) -> int:
         host, port = holder.rsplit(":", 1)
         entries = fetch_into(host, int(port), job=spec["job"], token=spec["token"], names=names, max_bytes=max_bytes,
                              into=lambda entry: into(entry.name, entry.size), timeout=10)
-        return {name: entry.sha256 for name, entry in entries.items()}  # each checked as it arrived
+        return {name: entry.digest for name, entry in entries.items()}  # each checked as it arrived
 
     def link(holder: str, name: str, path: Path) -> tuple[int, str] | None:
         if local is None or holder != servers[own]:
             return None
         vm.taken_blobs = [*getattr(vm, "taken_blobs", []), name]
         entry = local.link(name, path)
-        return entry.size, entry.sha256
+        return entry.size, entry.digest
 
     def holder_of(rank: int) -> str:
         if not 0 <= rank < len(servers):

@@ -54,7 +54,7 @@ def test_a_pipeline_across_two_hosts_survives_every_fault_with_the_same_numbers(
     assert [e["source"] for e in events if e["event"] == "go"].count("shelf") >= 2, events  # handovers happened
     crashes = " | ".join(e["message"] for e in events if e.get("kind") == "crash")
     for why in ("missed its heartbeats", "lost the agent on root@", "exited with signal SIGKILL",
-                "could not load checkpoint", "sha256 mismatch"):
+                "could not load checkpoint", "digest mismatch"):
         assert why in crashes, crashes
     for rank, host in enumerate(cluster.hosts):  # attempt 1 placed one stage on each host
         log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()

@@ -3,7 +3,6 @@ ones, and remote ones through a fake `ssh` that runs the command here), and the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from varuna_core.checkpoint.manifest import FileEntry, Manifest, TensorEntry
 from varuna_core.checkpoint.part import PartMarker, read_part, write_part
 from varuna_core.checkpoint.storage import RawWriter
 from varuna_core.errors import CheckpointError, ConfigError
+from varuna_core.util.digest import of_bytes
 
 VARUNA = Path(sys.executable).parent / "varuna"
 RUN = "run-a"
@@ -38,8 +38,8 @@ def _no_debug(monkeypatch):
     monkeypatch.delenv("VARUNA_DEBUG", raising=False)
 
 
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _digest_of(path: Path) -> str:
+    return of_bytes(path.read_bytes())
 
 
 def make_checkpoint(store: Path, step: int, *, run: str | None = RUN, seed: int = 0) -> tuple[Net, Path]:
@@ -62,7 +62,7 @@ def make_checkpoint(store: Path, step: int, *, run: str | None = RUN, seed: int 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(sd, storage_writer=RawWriter(directory, group=lambda fqn: fqn.split("/")[0]))
-    files = [FileEntry(path=f.name, bytes=f.stat().st_size, sha256=_sha(f)) for f in sorted(directory.iterdir())]
+    files = [FileEntry(path=f.name, bytes=f.stat().st_size, digest=_digest_of(f)) for f in sorted(directory.iterdir())]
     params = [TensorEntry(key=f"model/{n}", shape=list(p.shape), dtype=str(p.dtype))
               for n, p in model.named_parameters()]
     manifest = Manifest(
@@ -237,7 +237,7 @@ def test_a_corrupt_copy_is_reported_and_a_good_one_taken(parts, tmp_path):
     by = {f.path: f.source for f in report.files}
     assert by[names[1]] == str(stores["c"]) and by[names[2]] == str(stores["b"])
     assert by[names[0]] == str(stores["a"])
-    assert any(str(stores["a"]) in w and names[1] in w and "sha256 mismatch" in w for w in report.warnings)
+    assert any(str(stores["a"]) in w and names[1] in w and "digest mismatch" in w for w in report.warnings)
     assert any(str(stores["a"]) in w and names[2] in w and "bytes" in w for w in report.warnings)
     assert_same_model(model, tmp_path / "out" / "step_5", tmp_path)
 
@@ -261,7 +261,7 @@ def test_a_disagreeing_manifest_is_named_and_its_source_not_used(parts, tmp_path
     model, original, stores = parts
     path = stores["c"] / "step_5" / "manifest.json"
     manifest = json.loads(path.read_text())
-    manifest["files"][0]["sha256"] = "0" * 64
+    manifest["files"][0]["digest"] = "blake3:" + "0" * 64
     path.write_text(json.dumps(manifest))
     report = assemble([stores["c"], stores["a"], stores["b"]], tmp_path / "out")  # c first: still outvoted
     assert any(str(stores["c"]) in w and "disagrees" in w for w in report.warnings), report.warnings
@@ -281,7 +281,7 @@ def test_hostile_names_a_huge_manifest_and_links_are_refused(parts, tmp_path):
     # a: lists a file outside the directory; b: a manifest larger than any manifest may be; c: links
     path = stores["a"] / "step_5" / "manifest.json"
     manifest = json.loads(path.read_text())
-    manifest["files"].append({"path": "../../secret", "bytes": 3, "sha256": "0" * 64})
+    manifest["files"].append({"path": "../../secret", "bytes": 3, "digest": "blake3:" + "0" * 64})
     path.write_text(json.dumps(manifest))
     huge = stores["b"] / "step_5" / "manifest.json"
     with huge.open("r+b") as f:
@@ -319,7 +319,7 @@ def test_a_manifest_naming_a_path_outside_is_refused(parts, tmp_path):
     for host in LAYOUT:
         path = stores[host] / "step_5" / "manifest.json"
         manifest = json.loads(path.read_text())
-        manifest["files"].append({"path": "../../secret", "bytes": 3, "sha256": "0" * 64})
+        manifest["files"].append({"path": "../../secret", "bytes": 3, "digest": "blake3:" + "0" * 64})
         path.write_text(json.dumps(manifest))
     (tmp_path / "secret").write_text("abc")
     with pytest.raises(CheckpointError, match=r"no source holds a usable manifest\.json") as info:
@@ -467,7 +467,7 @@ def test_remote_sources_over_ssh(parts, tmp_path, fake_ssh):
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     report = assemble(sources, tmp_path / "out2", ssh=ssh)
-    assert any(sources[0] in w and "sha256 mismatch" in w for w in report.warnings), report.warnings
+    assert any(sources[0] in w and "digest mismatch" in w for w in report.warnings), report.warnings
     assert {f.path: f.source for f in report.files}[names[2]] == sources[1]
 
 
@@ -553,7 +553,7 @@ def test_cli_assembles_and_prints_what_came_from_where(parts, tmp_path, capsys, 
     assert f"assembled {out / 'step_5'}: step 5 of run {RUN}, 6 files" in stdout
     for name in LAYOUT:
         assert str(stores[name]) in stdout
-    assert "warning" in stderr and "sha256 mismatch" in stderr
+    assert "warning" in stderr and "digest mismatch" in stderr
     code, stdout, _ = run(capsys, "ckpt", "verify", str(out))
     assert code == 0 and stdout.startswith("ok")
     merged = tmp_path / "m.safetensors"
@@ -597,7 +597,7 @@ def test_cli_shows_the_warnings_of_a_failed_assemble(parts, tmp_path, capsys):
     code, _, stderr = run(capsys, "ckpt", "assemble", *(str(stores[h]) for h in LAYOUT), "-o", str(tmp_path / "o"))
     assert code == 1 and one_error_line(stderr) and f"no good copy of {name}" in stderr
     warned = [line for line in stderr.splitlines() if line.startswith("warning:")]
-    assert len(warned) == 2 and all("sha256 mismatch" in line for line in warned), stderr
+    assert len(warned) == 2 and all("digest mismatch" in line for line in warned), stderr
     assert not (tmp_path / "o").exists()
 
 

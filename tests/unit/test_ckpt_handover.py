@@ -6,7 +6,6 @@ servers are in ``tests/dist/test_handover.py``."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 from pathlib import Path
@@ -18,6 +17,7 @@ from tests.unit.test_ckpt_state import _state, _Tied
 from varuna_core.checkpoint.handover import blob_name, publish, take
 from varuna_core.errors import CheckpointError, HandoverError, ShelfFullError, VarunaError
 from varuna_core.launch.shelf import Shelf
+from varuna_core.util.digest import of_bytes
 
 STEP = 3
 
@@ -36,7 +36,7 @@ def shelf(tmp_path) -> dict[str, tuple[bytes, dict]]:
     assert owners == dict.fromkeys(blobs, 0)
     assert sorted(p.suffix for p in real.path.iterdir() if p.name != ".lock") == [".blob"] * len(blobs)  # no copy
     for data, meta in blobs.values():
-        assert meta == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "rank": 0}
+        assert meta == {"bytes": len(data), "digest": of_bytes(data), "rank": 0}
     return blobs
 
 
@@ -114,7 +114,7 @@ def test_bytes_that_do_not_match_the_manifest_are_refused(shelf, tmp_path) -> No
     raw = bytearray(shelf[data][0])
     raw[len(raw) // 2] ^= 0xFF
     damaged = {**shelf, data: (bytes(raw), shelf[data][1])}
-    with pytest.raises(CheckpointError, match=re.escape("__0_0.distcp: sha256 mismatch")):
+    with pytest.raises(CheckpointError, match=re.escape("__0_0.distcp: digest mismatch")):
         take(state, step=STEP, locate=lambda name: "hostA", fetch=_fetch(damaged), staging=tmp_path / "s")
     _untouched(model, state, before)
     assert not any((tmp_path / "s").iterdir())
@@ -127,13 +127,13 @@ def test_a_reader_of_some_files_checks_each_whole_and_reads_no_other(tmp_path) -
 
     writer = RawWriter(tmp_path, sync_files=False)
     dcp_save({"model/w": torch.arange(64.0)}, writer)
-    expected = {f.path: (f.bytes, f.sha256) for f in writer.files}
+    expected = {f.path: (f.bytes, f.digest) for f in writer.files}
     data = tmp_path / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0xFF
     data.write_bytes(bytes(raw))
     reader = RawReader(tmp_path, expected, rank=1, world=2, present=["__0_0.distcp"])
-    with pytest.raises(CheckpointError, match=re.escape("__0_0.distcp: sha256 mismatch")):
+    with pytest.raises(CheckpointError, match=re.escape("__0_0.distcp: digest mismatch")):
         dcp_load({"model/w": torch.zeros(64)}, reader, no_dist=True)
     data.unlink()
     reader = RawReader(tmp_path, expected, rank=1, world=2, present=[])
@@ -166,7 +166,7 @@ def test_a_full_shelf_fails_the_publish_as_such_and_leaves_no_local_copy(tmp_pat
 
 def test_a_file_checked_on_arrival_is_not_hashed_again_and_must_be_the_manifests(shelf, tmp_path,
                                                                                    monkeypatch) -> None:
-    """A fetch over the wire checks each blob's sha256 as it arrives and says so ({name: sha256}): the load then
+    """A fetch over the wire checks each blob's digest as it arrives and says so ({name: digest}): the load then
     does not hash that file again, once its hash is the manifest's; a blob whose checked hash is another is refused
     by name, with the live state untouched."""
     import varuna_core.checkpoint.storage as storage
@@ -184,7 +184,7 @@ def test_a_file_checked_on_arrival_is_not_hashed_again_and_must_be_the_manifests
 
     def checked(holder, names, into, max_bytes):
         _fetch(shelf)(holder, names, into, max_bytes)
-        return {n: hashlib.sha256(shelf[n][0]).hexdigest() for n in names}
+        return {n: of_bytes(shelf[n][0]) for n in names}
 
     _, state, _ = _fresh(tmp_path)
     assert take(state, step=STEP, locate=lambda name: "hostA", fetch=checked, staging=tmp_path / "a") == STEP
@@ -195,7 +195,7 @@ def test_a_file_checked_on_arrival_is_not_hashed_again_and_must_be_the_manifests
 
     def lying(holder, names, into, max_bytes):
         _fetch(shelf)(holder, names, into, max_bytes)
-        return dict.fromkeys(names, "0" * 64)
+        return dict.fromkeys(names, "blake3:" + "0" * 64)
 
     model, state, before = _fresh(tmp_path)
     with pytest.raises(HandoverError, match="is not the manifest's"):
@@ -240,21 +240,22 @@ def test_a_take_links_its_own_hosts_data_files_and_reads_them_in_place(tmp_path)
 
 def _linked(real: Shelf, name: str, path) -> tuple[int, str]:
     entry = real.link(name, path)
-    return entry.size, entry.sha256
+    return entry.size, entry.digest
 
 
 def test_a_linked_blob_must_be_the_manifests_by_size_and_by_its_writers_hash(tmp_path) -> None:
     """A blob linked in place never left this host's memory since its writer hashed it: it is not hashed again,
-    but its size and its writer's sha256 must be the manifest's (a blob of another publish under the same name is
+    but its size and its writer's digest must be the manifest's (a blob of another publish under the same name is
     refused), with the state untouched."""
     real, _ = _published(tmp_path)
     data = blob_name(STEP, "__0_0.distcp")
     model, state, before = _fresh(tmp_path)
     for lie, match in [((3, None), f"blob {data} on this host's shelf holds 3 bytes"),
-                       ((None, "0" * 64), f"blob {data} on this host's shelf is not the manifest's __0_0.distcp")]:
+                       ((None, "blake3:" + "0" * 64),
+                        f"blob {data} on this host's shelf is not the manifest's __0_0.distcp")]:
         def link(holder, name, path, lie=lie):
-            size, sha256 = _linked(real, name, path)
-            return (lie[0] or size, lie[1] or sha256) if name == data else (size, sha256)
+            size, digest = _linked(real, name, path)
+            return (lie[0] or size, lie[1] or digest) if name == data else (size, digest)
 
         with pytest.raises(HandoverError, match=re.escape(match)):
             take(state, step=STEP, locate=lambda name: "here", fetch=_from(real, []), staging=tmp_path / "a",
@@ -271,7 +272,7 @@ def test_a_reader_with_limits_reads_and_hashes_only_the_data(tmp_path) -> None:
     big, small = torch.randn(100_003), torch.randn(7)
     writer = RawWriter(tmp_path, sync_files=False)
     dcp_save({"model/big": big, "model/small": small}, writer)
-    expected = {f.path: (f.bytes, f.sha256) for f in writer.files}
+    expected = {f.path: (f.bytes, f.digest) for f in writer.files}
     data = tmp_path / "__0_0.distcp"
     size = data.stat().st_size
     with open(data, "ab") as f:
@@ -310,8 +311,8 @@ def test_a_file_whose_holder_fails_comes_from_the_next_holder_and_none_left_is_n
     from varuna_core.checkpoint.handover import _take_files
 
     blobs = {blob_name(STEP, "__0_1.distcp"): (b"x" * 100, {}), blob_name(STEP, "__0_2.distcp"): (b"y" * 50, {})}
-    expected = {"__0_1.distcp": (100, hashlib.sha256(b"x" * 100).hexdigest()),
-                "__0_2.distcp": (50, hashlib.sha256(b"y" * 50).hexdigest())}
+    expected = {"__0_1.distcp": (100, of_bytes(b"x" * 100)),
+                "__0_2.distcp": (50, of_bytes(b"y" * 50))}
     asked: list[str] = []
 
     def fetch(holder, names, into, max_bytes):
@@ -425,7 +426,7 @@ def test_a_warm_take_maps_the_files_it_fetched_as_its_parameters_and_optimizer_s
     def wire(holder, names, into, max_bytes):  # what a shelf server's fetch returns: each blob's checked hash
         for name in names:
             real.get_into(name, lambda e: into(e.name, e.size))
-        return {name: real.manifest()[name].sha256 for name in names}
+        return {name: real.manifest()[name].digest for name in names}
 
     model, state = _wide_state(1, iteration=0, seed=1, run_id="run-b")
     staging = shm / "take"
@@ -536,7 +537,7 @@ def test_a_last_publish_makes_the_files_a_take_mapped_blobs_without_a_copy(shm) 
     def wire(holder, names, into, max_bytes):
         for name in names:
             real.get_into(name, lambda e: into(e.name, e.size))
-        return {name: real.manifest()[name].sha256 for name in names}
+        return {name: real.manifest()[name].digest for name in names}
 
     model, state = _wide_state(1, iteration=0, seed=1, run_id="run-b")
     keep = shm / "keep"

@@ -5,7 +5,6 @@ file's bytes in `varuna ckpt merge`'s output."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from varuna_core.checkpoint import io as ckpt_io
 from varuna_core.checkpoint import tools as ckpt_tools
 from varuna_core.checkpoint.storage import METADATA_FILE, RawReader, RawWriter, dcp_load, dcp_save, read_metadata
 from varuna_core.errors import CheckpointError, ConfigError, VarunaError
+from varuna_core.util.digest import of_bytes
 
 VARUNA = Path(sys.executable).parent / "varuna"
 PASSWD = Path("/etc/passwd")
@@ -42,14 +42,14 @@ def _chunk(doc: dict, key: str = KEY) -> dict:
 
 
 def _reseal(directory: Path) -> None:
-    """Record the current size and sha256 of every listed file that can be read (through links): whoever
+    """Record the current size and digest of every listed file that can be read (through links): whoever
     crafted the checkpoint can do the same, so the manifest's hashes prove nothing about these."""
     manifest = json.loads((directory / "manifest.json").read_text())
     for entry in manifest["files"]:
         path = directory / entry["path"]
         if path.is_file():
             data = path.read_bytes()
-            entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+            entry["bytes"], entry["digest"] = len(data), of_bytes(data)
     (directory / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -104,7 +104,7 @@ def _unlisted_file(directory: Path) -> None:
 def _bad_manifest_name(directory: Path) -> None:
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["files"].append({"path": "../../../../etc/passwd", "bytes": PASSWD.stat().st_size,
-                              "sha256": hashlib.sha256(PASSWD.read_bytes()).hexdigest()})
+                              "digest": of_bytes(PASSWD.read_bytes())})
     (directory / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -196,7 +196,7 @@ def test_a_crafted_checkpoint_is_refused_everywhere(store, tmp_path, case):
     metas = read_metadata(directory).state_dict_metadata
     tamper(directory)
     manifest = json.loads((directory / "manifest.json").read_text())
-    expected = {e["path"]: (e["bytes"], e["sha256"]) for e in manifest["files"]}
+    expected = {e["path"]: (e["bytes"], e["digest"]) for e in manifest["files"]}
     listed = set(expected)
 
     rep = ckpt_tools.verify(directory, finite=True)
@@ -435,12 +435,12 @@ def test_varuna_errors_inside_dcp_stay_themselves(tmp_path):
     state = _state()
     writer = RawWriter(tmp_path / "c")
     dcp_save(state, writer)
-    expected = {f.path: (f.bytes, f.sha256) for f in writer.files}
+    expected = {f.path: (f.bytes, f.digest) for f in writer.files}
     data = tmp_path / "c" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 1
     data.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: sha256 mismatch"):
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: digest mismatch"):
         dcp_load({k: torch.zeros_like(v) for k, v in state.items()}, RawReader(tmp_path / "c", expected),
                  no_dist=True)
 
@@ -493,7 +493,8 @@ def test_the_files_a_rank_may_report(tmp_path, reports, accepted) -> None:
     rank's: the manifest then never lists a file that its writer could not have written."""
     from varuna_core.checkpoint.saveload import _entries
 
-    gathered = [[{"path": path, "bytes": size, "sha256": "0" * 64} for path, size in part] for part in reports]
+    gathered = [[{"path": path, "bytes": size, "digest": "blake3:" + "0" * 64} for path, size in part]
+                for part in reports]
     for part in reports:
         for path, size in part:
             if "/" not in path:

@@ -3,7 +3,6 @@ O_DIRECT path (aligned and unaligned tensors, small and large, bounce buffer bou
 
 from __future__ import annotations
 
-import hashlib
 import os
 import pickle
 from pathlib import Path
@@ -13,9 +12,10 @@ import pytest
 import torch
 
 from varuna_core.checkpoint import io as ckpt_io
-from varuna_core.checkpoint.io import FileSink, Sha256, copy_file, open_source, scatter_file
+from varuna_core.checkpoint.io import BackgroundHasher, FileSink, copy_file, open_source, scatter_file
 from varuna_core.checkpoint.storage import METADATA_FILE, RawReader, RawWriter, dcp_load, dcp_save, read_metadata
 from varuna_core.errors import CheckpointError
+from varuna_core.util.digest import of_bytes
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +55,7 @@ def test_round_trip_and_hash(tmp_path, where, small_disk) -> None:
         data = arrays()
         offsets, size, sha = write(path, data)
         raw = path.read_bytes()
-        assert size == len(raw) and sha == hashlib.sha256(raw).hexdigest()
+        assert size == len(raw) and sha == of_bytes(raw)
         for off, a in zip(offsets, data, strict=True):
             assert raw[off:off + a.nbytes] == a.tobytes()
         # read back whole (hashing) and in parts, into fresh arrays of both alignments
@@ -64,7 +64,7 @@ def test_round_trip_and_hash(tmp_path, where, small_disk) -> None:
             keep = list(range(len(data))) if whole else [1, 4, 6, 7]
             fd = open_source(path)
             try:
-                digest = Sha256() if whole else None
+                digest = BackgroundHasher() if whole else None
                 scatter_file(fd, [(offsets[i], outs[i]) for i in keep], digest)
                 if digest is not None:
                     assert digest.hexdigest() == sha
@@ -87,7 +87,7 @@ def test_copy_file(tmp_path) -> None:
     data = arrays(1)
     _, size, sha = write(tmp_path / "a.bin", data)
     assert copy_file(tmp_path / "a.bin", tmp_path / "b.bin") == size
-    assert hashlib.sha256((tmp_path / "b.bin").read_bytes()).hexdigest() == sha
+    assert of_bytes((tmp_path / "b.bin").read_bytes()) == sha
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -113,8 +113,8 @@ def test_dcp_round_trip_every_dtype_and_layout(tmp_path) -> None:
     names = {f.path for f in writer.files}
     assert names == {"__0_0.distcp", METADATA_FILE}
     for f in writer.files:
-        assert hashlib.sha256((tmp_path / "c" / f.path).read_bytes()).hexdigest() == f.sha256
-    expected = {f.path: (f.bytes, f.sha256) for f in writer.files}
+        assert of_bytes((tmp_path / "c" / f.path).read_bytes()) == f.digest
+    expected = {f.path: (f.bytes, f.digest) for f in writer.files}
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     target["model/t"] = torch.zeros(40, 50).t()  # a non-contiguous target is filled through a staging copy
     _load(tmp_path / "c", target, expected)
@@ -127,13 +127,13 @@ def test_dcp_round_trip_every_dtype_and_layout(tmp_path) -> None:
 def test_corruption_and_truncation_are_refused_by_name(tmp_path) -> None:
     state = _state()
     writer = _save(tmp_path / "c", state)
-    expected = {f.path: (f.bytes, f.sha256) for f in writer.files}
+    expected = {f.path: (f.bytes, f.digest) for f in writer.files}
     data = tmp_path / "c" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 3] ^= 0x01
     data.write_bytes(bytes(raw))
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: sha256 mismatch"):
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: digest mismatch"):
         _load(tmp_path / "c", target, expected)
     data.write_bytes(bytes(raw[: len(raw) // 2]))
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp: truncated"):
@@ -156,7 +156,7 @@ def test_loading_executes_nothing_from_the_directory(tmp_path, monkeypatch) -> N
     monkeypatch.setenv("VARUNA_TEST_CANARY", str(canary))
     (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(_Boom()))
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    _load(tmp_path / "c", target, {f.path: (f.bytes, f.sha256) for f in writer.files})
+    _load(tmp_path / "c", target, {f.path: (f.bytes, f.digest) for f in writer.files})
     assert not canary.exists()
     assert torch.equal(target["model/w"], state["model/w"])
 

@@ -102,7 +102,8 @@ def test_the_quick_check_matches_a_listed_name_whole(tmp_path) -> None:
     (store / "step_1" / name).write_bytes(b"x")
     manifest = Manifest(step=1, run_id="a", created="2025-01-01", model="M", structure_hash="h", num_segments=1,
                         pp=1, dp=1, stage_to_rank_map="0;", partition=[(0, 1)], precision="fp32", iteration=1,
-                        samples_seen=1, seed=0, parameters=[], files=[FileEntry(path=name, bytes=1, sha256="0")])
+                        samples_seen=1, seed=0, parameters=[],
+                        files=[FileEntry(path=name, bytes=1, digest="blake3:" + "0" * 64)])
     (store / "step_1" / "manifest.json").write_text(manifest.model_dump_json())
     problem = quick_check(scan(store)[0])
     assert problem is not None and "not a checkpoint file name" in problem

@@ -23,6 +23,7 @@ from varuna_core.checkpoint import tools as ckpt_tools
 from varuna_core.checkpoint.manifest import FileEntry, Manifest, TensorEntry
 from varuna_core.checkpoint.storage import RawWriter
 from varuna_core.errors import CheckpointError, ConfigError
+from varuna_core.util.digest import of_bytes
 
 VARUNA = Path(sys.executable).parent / "varuna"
 VOCAB, HIDDEN = 11, 8
@@ -45,8 +46,8 @@ class Net(nn.Module):
         return self.head(self.fc2(torch.relu(self.fc1(self.emb(idx))))) * self.scale
 
 
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def _digest_of(path: Path) -> str:
+    return of_bytes(path.read_bytes())
 
 
 def write_checkpoint(store: Path, step: int, *, seed: int = 0, complete: bool = True, drop: tuple[str, ...] = (),
@@ -80,7 +81,7 @@ def write_checkpoint(store: Path, step: int, *, seed: int = 0, complete: bool = 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(sd, storage_writer=RawWriter(directory))
-    files = [FileEntry(path=f.name, bytes=f.stat().st_size, sha256=_sha(f)) for f in sorted(directory.iterdir())]
+    files = [FileEntry(path=f.name, bytes=f.stat().st_size, digest=_digest_of(f)) for f in sorted(directory.iterdir())]
     params = [TensorEntry(key=f"model/{n}", shape=list(p.shape), dtype=str(p.dtype))
               for n, p in model.named_parameters()]
     manifest = Manifest(
@@ -243,7 +244,7 @@ def _flip_byte(directory: Path) -> str:
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    return f"{directory.name}/{data.name}: sha256 mismatch (file changed or corrupt)"
+    return f"{directory.name}/{data.name}: digest mismatch (file changed or corrupt)"
 
 
 @pytest.mark.parametrize("case", ["incomplete", "flipped", "missing_param", "tied_differs", "nonfinite"])
@@ -282,6 +283,40 @@ def test_verify_flipped_byte_through_the_console_script(store):
     assert res.returncode == 1, res.stderr
     assert res.stderr.splitlines()[0] == f"error: {expected}"
     assert "__0_0.distcp" in res.stdout
+
+
+def _as_written_before_blake3(directory: Path) -> None:
+    """Rewrite ``directory``'s manifest as releases before BLAKE3 wrote it: each file's bare ``sha256``."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        del entry["digest"]
+        entry["sha256"] = hashlib.sha256((directory / entry["path"]).read_bytes()).hexdigest()
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_whose_manifest_records_sha256_is_checked_by_sha256(store, capsys):
+    """Checkpoints written before the digests named their algorithm still verify and load, each file checked by
+    the SHA-256 its manifest records; a changed byte is still found."""
+    from varuna_core.checkpoint.layout import read_manifest
+    from varuna_core.checkpoint.storage import RawReader, dcp_load
+
+    model, _, directory = write_checkpoint(store, 4)
+    _as_written_before_blake3(directory)
+    manifest = read_manifest(directory)
+    assert all(f.digest.startswith("sha256:") for f in manifest.files)
+    rep = ckpt_tools.verify(store)
+    assert rep.ok and rep.files_checked == 2, rep.problems
+    expected = {f.path: (f.bytes, f.digest) for f in manifest.files}
+    target = {f"model/{n}": torch.zeros_like(p) for n, p in model.named_parameters()}
+    dcp_load(target, RawReader(directory, expected), no_dist=True)  # hashes every file it reads
+    assert all(torch.equal(target[f"model/{n}"], p) for n, p in model.named_parameters())
+    problem = _flip_byte(directory)
+    rep = ckpt_tools.verify(store)
+    assert not rep.ok and rep.first_problem.startswith(problem), rep.problems
+    with pytest.raises(CheckpointError, match="digest mismatch"):
+        dcp_load(target, RawReader(directory, expected), no_dist=True)
+    code, _, err = run(capsys, "ckpt", "verify", str(store))
+    assert code == 1 and err.splitlines()[0] == f"error: {problem}", err
 
 
 def test_verify_sizes_extra_files_and_manifest(store):

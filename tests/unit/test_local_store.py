@@ -4,7 +4,6 @@ sources a resume takes each file from (worker.local_store)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 from pathlib import Path
@@ -17,6 +16,7 @@ from varuna_core.checkpoint.part import read_part, write_part
 from varuna_core.errors import HandoverError
 from varuna_core.launch.local_store import StoreFiles, split_store_name, store_name
 from varuna_core.launch.shelf import Shelf, ShelfServer, fetch, shelf_key
+from varuna_core.util.digest import of_bytes
 from varuna_core.worker.local_store import HERE, LocalStore, held_files
 from varuna_core.worker.snapshots import SnapshotReport
 
@@ -25,7 +25,7 @@ DATA = {"__0_0.distcp": b"rank zero's tensors" * 100, "__1_0.distcp": b"rank one
 
 
 def _manifest(step: int) -> bytes:
-    files = [FileEntry(path=n, bytes=len(d), sha256=hashlib.sha256(d).hexdigest()) for n, d in sorted(DATA.items())]
+    files = [FileEntry(path=n, bytes=len(d), digest=of_bytes(d)) for n, d in sorted(DATA.items())]
     return Manifest(step=step, run_id=RUN, created="2026-01-01T00:00:00+00:00", model="Net", structure_hash="x",
                     num_segments=2, pp=2, dp=1, stage_to_rank_map="0;1", partition=[(0, 1), (1, 2)],
                     precision="fp32", iteration=step, samples_seen=step, seed=0,
@@ -65,7 +65,7 @@ def test_a_store_is_served_under_its_wire_names_with_the_manifests_hashes(served
     store, server = served
     got = _get(server, store_name(4, "__1_0.distcp"), store_name(4, MANIFEST_FILE), store_name(4, CHECKPOINT_INDEX))
     assert bytes(got["ckpt/step_4/__1_0.distcp"][1]) == DATA["__1_0.distcp"]
-    assert got["ckpt/step_4/__1_0.distcp"][0].sha256 == hashlib.sha256(DATA["__1_0.distcp"]).hexdigest()
+    assert got["ckpt/step_4/__1_0.distcp"][0].digest == of_bytes(DATA["__1_0.distcp"])
     assert bytes(got["ckpt/step_4/manifest.json"][1]) == (store / "step_4" / MANIFEST_FILE).read_bytes()
     assert split_store_name("ckpt/step_4/__1_0.distcp") == (4, "__1_0.distcp")
 
@@ -93,7 +93,7 @@ def test_links_and_changed_files_are_refused(served, tmp_path) -> None:
     with pytest.raises(HandoverError, match=r"not the .* of its manifest"):
         _get(server, store_name(4, "__1_0.distcp"))
     (directory / "__1_0.distcp").write_bytes(b"?" + DATA["__1_0.distcp"][1:])  # the same size, other bytes
-    with pytest.raises(HandoverError, match="does not match its sha256"):
+    with pytest.raises(HandoverError, match="does not match its digest"):
         _get(server, store_name(4, "__1_0.distcp"))
 
 
@@ -201,7 +201,7 @@ def test_the_sources_of_a_resume_are_this_hosts_store_then_the_others(tmp_path, 
 
     assert get(HERE, ["step_4/__0_0.distcp", "step_4/COMPLETE"], into, 1 << 20) is None  # the load hashes them
     checked = get(("h1", "127.0.0.1", server.port), ["step_4/__1_0.distcp"], into, 1 << 20)
-    assert checked == {"step_4/__1_0.distcp": hashlib.sha256(DATA["__1_0.distcp"]).hexdigest()}
+    assert checked == {"step_4/__1_0.distcp": of_bytes(DATA["__1_0.distcp"])}
     assert bytes(buffers["step_4/__0_0.distcp"]) == DATA["__0_0.distcp"]
     assert bytes(buffers["step_4/__1_0.distcp"]) == DATA["__1_0.distcp"]
     assert bytes(buffers["step_4/COMPLETE"]) == b"4\n"

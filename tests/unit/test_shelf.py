@@ -8,7 +8,6 @@ the wire by hand. Timeouts are short and every wait has a bound, so a hang fails
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import socket
@@ -24,6 +23,9 @@ import pytest
 from varuna_core.errors import HandoverError, ShelfFullError
 from varuna_core.launch import shelf as shelf_mod
 from varuna_core.launch.shelf import MAX_HEADER, MAX_META, MAX_NAME, WINDOW, Shelf, ShelfServer, fetch, fetch_into
+from varuna_core.util.digest import of_bytes
+
+ZERO = "blake3:" + "0" * 64  # a well-formed digest of no bytes sent here
 
 JOB, TOKEN = "job-1", "s3cret-token"
 BIG = 3 * 2**20 + 17  # bytes: more than one chunk, not a multiple of it
@@ -93,7 +95,7 @@ def test_put_get_manifest_remove_clear(shelf, tmp_path) -> None:
     manifest = shelf.manifest()
     assert sorted(manifest) == shelf.names() == sorted(blobs)
     entry = manifest["blocks.0.attn.weight/exp_avg"]
-    assert (entry.size, entry.sha256) == (BIG, hashlib.sha256(blobs[entry.name]).hexdigest())
+    assert (entry.size, entry.digest) == (BIG, of_bytes(blobs[entry.name]))
     assert entry.meta == {"dtype": "float32", "shape": [BIG // 4]}
     shelf.put("empty", b"now full", {"v": 2})  # a re-put replaces
     assert shelf.get("empty") == b"now full" and shelf.manifest()["empty"].meta == {"v": 2}
@@ -218,7 +220,7 @@ def test_a_damaged_blob_is_refused_by_get_and_by_the_client(shelf, server) -> No
     _damage(shelf, name)
     with pytest.raises(HandoverError, match="damaged"):
         shelf.get(name)
-    with pytest.raises(HandoverError, match="does not match its sha256") as info:
+    with pytest.raises(HandoverError, match="does not match its digest") as info:
         _fetch(server.port, [name])
     assert f"127.0.0.1:{server.port}" in info.value.message and name in info.value.message
 
@@ -408,7 +410,7 @@ DATA = os.urandom(BIG)
 
 
 def _reply(body, *, token=TOKEN, size=BIG, nonce=None, name=None) -> bytes:
-    entry = {"name": name or body["names"][0], "size": size, "sha256": hashlib.sha256(DATA).hexdigest(), "meta": {}}
+    entry = {"name": name or body["names"][0], "size": size, "digest": of_bytes(DATA), "meta": {}}
     return shelf_mod._signed(token, shelf_mod._REPLY, {"kind": "shelf-reply", "job": JOB,
                                                         "nonce": nonce or body["nonce"], "blobs": [entry]})
 
@@ -421,7 +423,7 @@ def _stall(fake, sock, body) -> None:
 @pytest.mark.parametrize(("behave", "expected"), [
     (_stall, "stalled after 1000 of"),
     (lambda f, s, b: s.sendall(_reply(b) + DATA[:-1]), "cut short"),
-    (lambda f, s, b: s.sendall(_reply(b) + DATA[:-1] + b"\0"), "does not match its sha256"),
+    (lambda f, s, b: s.sendall(_reply(b) + DATA[:-1] + b"\0"), "does not match its digest"),
     (lambda f, s, b: s.sendall(_reply(b, token="rogue") + DATA), "could not sign with the job's token"),
     (lambda f, s, b: s.sendall(_reply(b, nonce="00" * 16) + DATA), "reply to another request"),
     (lambda f, s, b: s.sendall(_reply(b, name="other") + DATA), "other blobs than the ones asked for"),
@@ -443,7 +445,7 @@ def test_the_client_refuses_a_hostile_server(behave, expected) -> None:
     (lambda f, s, b: s.sendall(_reply(b) + DATA), None),
     (_stall, "stalled after 1000 of"),
     (lambda f, s, b: s.sendall(_reply(b) + DATA[:-1]), "cut short"),
-    (lambda f, s, b: s.sendall(_reply(b) + DATA[:-1] + b"\0"), "does not match its sha256"),
+    (lambda f, s, b: s.sendall(_reply(b) + DATA[:-1] + b"\0"), "does not match its digest"),
 ])
 def test_a_blob_hashed_on_its_own_thread_is_checked_alike(behave, expected, monkeypatch) -> None:
     """A blob larger than a hashing span is hashed by a thread a span behind the socket: the same bytes are
@@ -491,16 +493,16 @@ def test_a_writers_hash_is_recorded_and_every_read_still_checks_the_bytes(shelf)
     """A checkpoint's files are hashed while written: put() records that hash instead of hashing again; a hash
     that does not match the bytes cannot get past a reader that verifies (a load verifies every file)."""
     data = os.urandom(3000)
-    entry = shelf.put("right", data, sha256=hashlib.sha256(data).hexdigest())
-    assert entry.sha256 == hashlib.sha256(data).hexdigest() and bytes(shelf.get("right")) == data
-    shelf.put("wrong", data, sha256="0" * 64)
+    entry = shelf.put("right", data, digest=of_bytes(data))
+    assert entry.digest == of_bytes(data) and bytes(shelf.get("right")) == data
+    shelf.put("wrong", data, digest=ZERO)
     with pytest.raises(HandoverError, match="damaged"):
         shelf.get("wrong")
     got = bytearray(3000)
     assert shelf.get_into("wrong", lambda e: memoryview(got), verify=False).size == 3000 and bytes(got) == data
-    for bad in ("0" * 63, "G" * 64, 5, "A" * 64):
+    for bad in ("0" * 63, "G" * 64, 5, "A" * 64, "0" * 64, "md5:" + "0" * 64, "blake3:" + "0" * 63):
         with pytest.raises(HandoverError, match="64 lower-case hex digits"):
-            shelf.put("bad", data, sha256=bad)
+            shelf.put("bad", data, digest=bad)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -509,7 +511,7 @@ def test_a_writers_hash_is_recorded_and_every_read_still_checks_the_bytes(shelf)
 def _staged(space, name: str, data: bytes):
     path = space.directory / name
     path.write_bytes(data)
-    return path, hashlib.sha256(data).hexdigest()
+    return path, of_bytes(data)
 
 
 def test_a_file_written_in_reserved_room_becomes_a_blob_without_a_copy(tmp_path) -> None:
@@ -519,9 +521,9 @@ def test_a_file_written_in_reserved_room_becomes_a_blob_without_a_copy(tmp_path)
         assert space.directory.parent == shelf.path and oct(space.directory.stat().st_mode & 0o777) == "0o700"
         path, digest = _staged(space, "f", data)
         inode = path.stat().st_ino
-        entry = space.adopt("step_1/__0_0.distcp", path, {"rank": 0}, sha256=digest)
+        entry = space.adopt("step_1/__0_0.distcp", path, {"rank": 0}, digest=digest)
         assert not path.exists() and shelf._file("step_1/__0_0.distcp").stat().st_ino == inode  # renamed, not copied
-        assert (entry.size, entry.sha256, entry.meta) == (3000, digest, {"rank": 0})
+        assert (entry.size, entry.digest, entry.meta) == (3000, digest, {"rank": 0})
         with pytest.raises(ShelfFullError):  # 6000 reserved (3000 of it now a blob) + 5000 > 10_000
             shelf.put("other", b"x" * 5000)
         (space.directory / "left-over").write_bytes(b"never adopted")
@@ -536,7 +538,7 @@ def test_a_reservation_over_the_budget_or_the_free_space_is_refused(tmp_path, mo
     with pytest.raises(ShelfFullError, match="do not fit"), shelf.reserve(5000):
         pass
     with shelf.reserve(3000) as space, pytest.raises(ShelfFullError, match="more than were reserved"):
-        space.adopt("b", _staged(space, "b", b"y" * 5000)[0], sha256="0" * 64)  # 2000 over the room, not in budget
+        space.adopt("b", _staged(space, "b", b"y" * 5000)[0], digest=ZERO)  # 2000 over the room, not in budget
     assert shelf.names() == ["a"] and [p.suffix for p in shelf.path.iterdir() if p.suffix != ".blob"] == [""]
     usage = type(shutil.disk_usage(tmp_path))
     monkeypatch.setattr(shelf_mod.shutil, "disk_usage", lambda path: usage(100, 100, 10))
@@ -550,19 +552,19 @@ def test_only_a_regular_file_of_the_room_can_be_adopted(tmp_path) -> None:
     outside.write_bytes(b"secret")
     with shelf.reserve(100) as space:
         with pytest.raises(HandoverError, match="only a file of"):
-            space.adopt("a", outside, sha256="0" * 64)
+            space.adopt("a", outside, digest=ZERO)
         (space.directory / "link").symlink_to(outside)
         with pytest.raises(HandoverError, match="cannot adopt"):
-            space.adopt("a", space.directory / "link", sha256="0" * 64)
+            space.adopt("a", space.directory / "link", digest=ZERO)
         (space.directory / "dir").mkdir()
         with pytest.raises(HandoverError):
-            space.adopt("a", space.directory / "dir", sha256="0" * 64)
+            space.adopt("a", space.directory / "dir", digest=ZERO)
         path, _ = _staged(space, "f", b"data")
-        for bad in ("0" * 63, "G" * 64, None):
+        for bad in ("0" * 63, "G" * 64, None, "0" * 64, "sha256:" + "A" * 64):
             with pytest.raises(HandoverError, match="64 lower-case hex digits"):
-                space.adopt("a", path, sha256=bad)
+                space.adopt("a", path, digest=bad)
         with pytest.raises(HandoverError, match="bad blob name"):
-            space.adopt("", path, sha256="0" * 64)
+            space.adopt("", path, digest=ZERO)
     assert shelf.names() == [] and outside.read_bytes() == b"secret"
 
 
@@ -596,7 +598,7 @@ def test_link_refuses_a_missing_or_damaged_blob_and_leaves_nothing(shelf, tmp_pa
     struct.pack(">I4s", 10**6, b"VSHB"),  # an entry longer than the file
     b"{}" + struct.pack(">I4s", 2, b"VSHB"),  # not an entry
     b"[" * 5000 + struct.pack(">I4s", 5000, b"VSHB"),  # nested past any parser's depth
-    json_entry := b'{"name":"x","size":5,"sha256":"' + b"0" * 64 + b'","meta":{}}'
+    json_entry := b'{"name":"x","size":5,"digest":"blake3:' + b"0" * 64 + b'","meta":{}}'
     + struct.pack(">I4s", 89, b"VSHB"),  # the right blob name, but 0 bytes of data where it says 5
     b"data!" + json_entry[:-8] + struct.pack(">I4s", 89, b"XSHB"),  # a wrong magic
 ])
@@ -615,9 +617,10 @@ def test_reservations_from_many_processes_never_overrun_the_budget(tmp_path) -> 
     """Processes that reserve room and adopt files at once (the ranks of a host publishing together): the budget
     holds at every moment, and whatever a process reserved and did not use is given back."""
     code = textwrap.dedent("""
-        import hashlib, os, sys
+        import os, sys
         from varuna_core.errors import ShelfFullError
         from varuna_core.launch.shelf import Shelf
+        from varuna_core.util.digest import of_bytes
         s = Shelf("job-1", root=sys.argv[1], budget=100_000)
         got = 0
         for i in range(30):
@@ -626,7 +629,7 @@ def test_reservations_from_many_processes_never_overrun_the_budget(tmp_path) -> 
                     data = os.urandom(20_000)
                     path = space.directory / "f"
                     path.write_bytes(data)
-                    space.adopt(f"{sys.argv[2]}.{i}", path, sha256=hashlib.sha256(data).hexdigest())
+                    space.adopt(f"{sys.argv[2]}.{i}", path, digest=of_bytes(data))
                     got += 1
                     assert s._used() <= 100_000, s._used()
                     s.remove([f"{sys.argv[2]}.{i}"])

@@ -4,7 +4,6 @@ or copy fails (said once, training goes on, the previous snapshot stays)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -14,6 +13,7 @@ import pytest
 from varuna_core.env import WorkerEnv
 from varuna_core.errors import ConfigError, HandoverError, ShelfFullError
 from varuna_core.launch.shelf import Shelf
+from varuna_core.util.digest import of_bytes
 from varuna_core.worker.snapshots import (
     AUTO,
     FIRST_AUTO,
@@ -149,7 +149,7 @@ def _two_host_snapshots(tmp_path, copy=None, peer=("127.0.0.1", 9)):
         with reserve(3) as space:
             path = space.directory / "f"
             path.write_bytes(b"new")
-            space.adopt("step_8/__0_0.distcp", path, sha256=hashlib.sha256(b"new").hexdigest())
+            space.adopt("step_8/__0_0.distcp", path, digest=of_bytes(b"new"))
         return {"step_8/__0_0.distcp": 0, "step_8/__1_0.distcp": 1}
 
     def gather(obj):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 
 import pytest
 
 from varuna_core.errors import EXIT_CHECKPOINTED, CheckpointError, ConfigError
+from varuna_core.util.digest import of_bytes
 from varuna_core.worker.supervision import ResumeRefused, Supervision
 
 
@@ -26,7 +26,7 @@ class Trainer:
 
     def load(self, directory: str, step: int) -> int:
         if self.refuse:
-            raise CheckpointError(f"step_{step}: sha256 mismatch")
+            raise CheckpointError(f"step_{step}: digest mismatch")
         self.loaded.append(step)
         self.iteration = step
         return step
@@ -87,7 +87,7 @@ def test_a_refused_resume_tells_the_launcher_to_fall_back(launched) -> None:
     launched.setenv("VARUNA_RESUME_STEP", "4")
     t = Trainer()
     t.refuse = True
-    with pytest.raises(ResumeRefused, match="sha256 mismatch") as refused:
+    with pytest.raises(ResumeRefused, match="digest mismatch") as refused:
         t.supervision().resume()
     assert refused.value.exit_code == 76
 
@@ -167,7 +167,7 @@ class Publisher(Trainer):
         with reserve(10) as space:
             (space.directory / "__0_0.distcp").write_bytes(b"x" * 10)
             space.adopt(name, space.directory / "__0_0.distcp", {"rank": 0},
-                        sha256=hashlib.sha256(b"x" * 10).hexdigest())
+                        digest=of_bytes(b"x" * 10))
         self.published.append(self.iteration)
         return {name: 0}
 

@@ -175,7 +175,7 @@ def verify(
                                                           "that it holds no NaN or inf.")] = False,
     as_json: _Json = False,
 ) -> None:
-    """Check a checkpoint: COMPLETE marker, manifest, file sizes and sha256, parameters, tied weights.
+    """Check a checkpoint: COMPLETE marker, manifest, file sizes and digests, parameters, tied weights.
 
     Exits 0 printing "ok" and a summary, or 1 naming the first problem (every problem is listed).
     """
@@ -189,7 +189,7 @@ def verify(
     if as_json:
         typer.echo(rep.model_dump_json(indent=2))
     elif rep.ok:
-        summary = (f"{name}: {rep.files_checked} files ({format_bytes(rep.bytes_hashed)}) match their sha256, "
+        summary = (f"{name}: {rep.files_checked} files ({format_bytes(rep.bytes_hashed)}) match their digests, "
                    f"{rep.parameters_checked} parameters present, {rep.tied_groups_checked} tied groups")
         if finite:
             summary += f", {rep.tensors_checked_finite} tensors finite"
@@ -264,7 +264,7 @@ def assemble(
 ) -> None:
     """Build one complete checkpoint from the parts the hosts hold in their own directories.
 
-    Every file the manifest lists is copied into OUT/step_N from a source that holds it, its sha256 checked.
+    Every file the manifest lists is copied into OUT/step_N from a source that holds it, its digest checked.
     A bad copy is reported and the next source tried; COMPLETE is written last.
     Any host may be missing as long as the others hold every file; exits 1 naming the files none holds.
     """

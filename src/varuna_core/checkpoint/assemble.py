@@ -9,10 +9,10 @@ When each host keeps its checkpoints on its local disk, a host's ``<store>/step_
 What it trusts, and what it does not:
 
 * **The manifest is the authority.** Every file is copied from a source that lists it with the manifest's size
-  and hashed (sha256) as it streams in; a copy of another size or hash is reported and the next source holding
-  the file is tried. The manifests of one step must agree between sources (run, step, and every file's size and
-  hash); a source whose manifest disagrees with the others' (the most common one, the first source's on a tie)
-  is named in a warning and not used for that step.
+  and hashed (by its digest's algorithm) as it streams in; a copy of another size or hash is reported and the
+  next source holding the file is tried. The manifests of one step must agree between sources (run, step, and
+  every file's size and hash); a source whose manifest disagrees with the others' (the most common one, the first
+  source's on a tie) is named in a warning and not used for that step.
 * **Sources may be hostile.** Names are accepted only as checkpoint file names (``dcp_metadata.json``,
   ``__<rank>_<i>.distcp``: no ``/``, no ``..``), from a listing or a manifest; a manifest is read bounded
   (:data:`~varuna_core.checkpoint.layout.MANIFEST_LIMIT`) and validated; local files are opened without
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import hashlib
 import os
 import posixpath
 import re
@@ -52,6 +51,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import CheckpointError, ConfigError
+from ..util.digest import hasher_for
 from ..util.fs import MiB, describe_mode, fsync_dir, open_regular
 from ..util.text import one_line, short_repr
 from . import layout
@@ -495,7 +495,7 @@ class _Plan:
 
 
 def _manifest_key(manifest: Manifest) -> tuple:
-    return manifest.run_id, manifest.step, tuple(sorted((f.path, f.bytes, f.sha256) for f in manifest.files))
+    return manifest.run_id, manifest.step, tuple(sorted((f.path, f.bytes, f.digest) for f in manifest.files))
 
 
 def _read_manifest(source: _Source, view: _StepView, run: str | None) -> tuple[Manifest, bytes]:
@@ -588,8 +588,8 @@ def _difference(a: Manifest, b: Manifest) -> str:
             return f"it does not list {name}"
         if name not in ours:
             return f"it lists {name} too"
-        if (ours[name].bytes, ours[name].sha256) != (theirs[name].bytes, theirs[name].sha256):
-            return f"another size or sha256 for {name}"
+        if (ours[name].bytes, ours[name].digest) != (theirs[name].bytes, theirs[name].digest):
+            return f"another size or digest for {name}"
     return "another manifest"
 
 
@@ -665,10 +665,10 @@ def _choose(step: int | None, run: str | None, views: dict[_Source, dict[int, _S
 # Copying
 
 
-def _copy(entry_path: str, size: int, sha256: str, plan: _Plan, directory: Path,
+def _copy(entry_path: str, size: int, digest: str, plan: _Plan, directory: Path,
           warnings: list[str]) -> _Source:
     """Copy one file of the manifest into ``directory`` from the first source whose copy has its size and
-    sha256. Returns that source.
+    digest. Returns that source.
 
     Raises:
         CheckpointError: no source has a good copy (what each one gave is in ``warnings``).
@@ -676,7 +676,7 @@ def _copy(entry_path: str, size: int, sha256: str, plan: _Plan, directory: Path,
     tried = []
     for source in plan.holders[entry_path]:
         tried.append(source.label)
-        problem = _copy_from(source, plan.step, entry_path, size, sha256, directory / entry_path)
+        problem = _copy_from(source, plan.step, entry_path, size, digest, directory / entry_path)
         if problem is None:
             return source
         warnings.append(f"{source.label}: step_{plan.step}/{entry_path}: {problem}")
@@ -684,10 +684,11 @@ def _copy(entry_path: str, size: int, sha256: str, plan: _Plan, directory: Path,
                           hint="the warnings say what each source sent; add a host that holds it")
 
 
-def _copy_from(source: _Source, step: int, name: str, size: int, sha256: str, target: Path) -> str | None:
-    """Stream ``source``'s copy of ``name`` into the new file ``target``, hashing it on the way; what is wrong
-    with the copy (``target`` removed), or None (``target`` written and fsynced)."""
-    digest = hashlib.sha256()
+def _copy_from(source: _Source, step: int, name: str, size: int, expected: str, target: Path) -> str | None:
+    """Stream ``source``'s copy of ``name`` into the new file ``target``, hashing it on the way (checked against
+    the manifest's digest ``expected``); what is wrong with the copy (``target`` removed), or None (``target``
+    written and fsynced)."""
+    digest = hasher_for(expected)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
                  | getattr(os, "O_CLOEXEC", 0), 0o644)
     problem: str | None = "not copied"
@@ -704,8 +705,8 @@ def _copy_from(source: _Source, step: int, name: str, size: int, sha256: str, ta
             else:
                 if got != size:
                     problem = f"sent {got:,} bytes, the manifest records {size:,}"
-                elif digest.hexdigest() != sha256:
-                    problem = "sha256 mismatch (a corrupt copy)"
+                elif digest.hexdigest() != expected:
+                    problem = "digest mismatch (a corrupt copy)"
                 else:
                     out.flush()
                     os.fsync(out.fileno())
@@ -755,7 +756,7 @@ def _build(plan: _Plan, out: Path, warnings: list[str]) -> tuple[Path, list[tupl
     try:
         copied = []
         for entry in plan.manifest.files:
-            source = _copy(entry.path, entry.bytes, entry.sha256, plan, work, warnings)
+            source = _copy(entry.path, entry.bytes, entry.digest, plan, work, warnings)
             copied.append((source, AssembledFile(path=entry.path, bytes=entry.bytes, source=source.label)))
         if plan.manifest.run_id is not None:
             _write_small(work, RUN_FILE, f"{plan.manifest.run_id}\n".encode())

@@ -6,8 +6,8 @@ step, with the same machinery as :func:`~varuna_core.checkpoint.saveload.save` (
 model's names, raw ``.distcp`` files hashed while written, the same manifest; but a file per parameter, with its
 optimizer state, rather than one per rank: :func:`by_parameter`), straight into room reserved on its own host's
 shelf (a private directory on the shelf's tmpfs, refused before anything is written if the state does not fit);
-rank 0 completes the manifest from every rank's reported size and sha256, since it cannot see the other hosts'
-files. Each rank then adopts each of its files as a blob named ``step_<N>/<file>`` (meta: ``bytes``, ``sha256``,
+rank 0 completes the manifest from every rank's reported size and digest, since it cannot see the other hosts'
+files. Each rank then adopts each of its files as a blob named ``step_<N>/<file>`` (meta: ``bytes``, ``digest``,
 ``rank``): a rename, so that every byte is written once, and every rank returns the same map from blob name to
 the rank that holds it, for whoever starts the new ranks to tell them where each blob lives.
 
@@ -16,7 +16,7 @@ own, the blobs ``RUN``, ``COMPLETE``, the manifest and the index, then reads the
 hold its stage's tensors (its parameters, their optimizer state, its buffers and, under the same world size, its
 RNG state) and takes only those: a blob of its own host's shelf is linked in place (no copy), one of another host
 arrives over the wire, hashed as it comes; then it loads them with
-:func:`~varuna_core.checkpoint.saveload.load`, which checks every file against the manifest's size and sha256
+:func:`~varuna_core.checkpoint.saveload.load`, which checks every file against the manifest's size and digest
 (hashing those it did not see arrive or linked) and changes no live tensor unless everything is right. The
 staging directory is removed afterwards, whatever happened.
 
@@ -51,7 +51,7 @@ Why plain callables, not the shelf: this floor (L2) may not import the launcher'
 live. A publish gets ``reserve(nbytes)`` (``Shelf.reserve`` as it is); a take gets ``locate(name)``,
 the holder of a blob (any value the ``fetch`` callable understands: ``"host:port"``, or a marker for this host's own
 shelf), and ``fetch(holder, names, into, max_bytes)``, which puts each blob's bytes into the writable buffer
-``into(name, size)`` returns, checked against the blob's hash (it may return ``{name: sha256}`` of the blobs it
+``into(name, size)`` returns, checked against the blob's hash (it may return ``{name: digest}`` of the blobs it
 checked on arrival: a file whose hash is the manifest's is then not hashed again by the load; ``Shelf.get_into`` or
 ``shelf.fetch_into``, each wrapped in a few lines), and may get ``link(holder, name, path)`` (``Shelf.link``, for
 a holder on this host). A failure anywhere raises on every rank:
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import math
 import mmap
@@ -87,6 +86,7 @@ import torch.distributed as dist
 from ..errors import HandoverError, VarunaError
 from ..ir.topology import Topology
 from ..util.checks import integer
+from ..util.digest import Hasher, of_bytes
 from ..util.fs import atomic_write, in_memory
 from ..util.text import printable
 from .chunks import Chunk
@@ -126,17 +126,18 @@ class Space(Protocol):
     directory: Path
     home: str  # the shelf's identity: the same for every writer on one host
 
-    def adopt(self, name: str, path: Path, meta: dict[str, Any] | None = None, *, sha256: str) -> object: ...
+    def adopt(self, name: str, path: Path, meta: dict[str, Any] | None = None, *, digest: str) -> object: ...
 
 
 Reserve = Callable[[int], AbstractContextManager[Space]]  # reserve(nbytes): room on this host's shelf
 Into = Callable[[str, int], memoryview]
-Fetch = Callable[[Any, list[str], Into, int], object]  # may return {blob: sha256} of the blobs it checked
-Link = Callable[[Any, str, Path], "tuple[int, str] | None"]  # link(holder, name, path): (bytes, sha256) if linked
+Fetch = Callable[[Any, list[str], Into, int], object]  # may return {blob: digest} of the blobs it checked
+Link = Callable[[Any, str, Path], "tuple[int, str] | None"]  # link(holder, name, path): (bytes, digest) if linked
 
 _SLACK = 8192  # bytes of room per tensor beyond its own: alignment, the blob's entry, the index
 _WRITER = re.compile(r"__([0-9]+)_[0-9]+\.distcp")  # the rank that wrote a data file
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
+_HASH_READ = 4 << 20  # bytes per read of a file being hashed
 _BATCH = 1024  # files per request to one holder (a file per parameter: a large model has thousands)
 _MAP_ALIGN = 64  # bytes: a mapped tensor starts where the allocator would have put it (vector loads, cache lines)
 _SMALL_LIMIT = 2 * INDEX_LIMIT  # bytes of the small files together: the index's bound and the manifest's
@@ -239,7 +240,7 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
     the same, written from its own tensors (the replicas' are the same bits): so a host that dies before the new
     configuration took its files does not take them with it, and a new rank on a replica's host takes its stage
     without the network. The copies a host needs are shared out among its ranks of the stage, each made once.
-    Best effort: a copy whose bytes are not the writer's (sha256), a file with a rank's own state (its RNG), a
+    Best effort: a copy whose bytes are not the writer's (digest), a file with a rank's own state (its RNG), a
     replica on the same host, or a shelf without room for the copies are left out, and said. Returns the blob
     names copied. ``final``: a copy whose tensors are a file this process trained in, laid out as the writer's,
     is that file, not copied (:func:`_adopt_live`)."""
@@ -255,7 +256,7 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
         for file, chunks in sorted(part["layout"].items()):
             if file in records and all(_whole(tensors.get(fqn), offsets, length) for fqn, offsets, _, length in chunks):
                 if mates[j % len(mates)] == state.rank:
-                    todo.append((peer, file, chunks, records[file]["bytes"], records[file]["sha256"]))
+                    todo.append((peer, file, chunks, records[file]["bytes"], records[file]["digest"]))
                 j += 1
     if not todo:
         return []
@@ -263,20 +264,20 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
     try:
         with reserve(sum(t[3] for t in todo) + _SLACK * len(todo)) as space:
             buffers = bounce_buffers()  # one pair for every copy, written one after another
-            for peer, file, chunks, size, sha256 in todo:
+            for peer, file, chunks, size, writers in todo:
                 path = Path(space.directory) / file
                 ordered = sorted(chunks, key=lambda c: c[2])
                 adopted = _adopt_live(path, [(fqn, tensors[fqn]) for fqn, *_ in ordered], size=size,
                                       at=[c[2] for c in ordered]) if final else None
                 digest = adopted[2] if adopted is not None else _write_like(path, chunks, size, tensors, buffers)
-                if digest != sha256:
+                if digest != writers:
                     log.warning("rank %d: its copy of rank %d's %s differs from it (replicas out of step?): not "
                                 "kept", state.rank, peer, file)
                     path.unlink(missing_ok=True)
                     continue
                 name = blob_name(step, file)
-                space.adopt(name, path, {"bytes": size, "sha256": sha256, "rank": peer, "copy": state.rank},
-                            sha256=sha256)
+                space.adopt(name, path, {"bytes": size, "digest": writers, "rank": peer, "copy": state.rank},
+                            digest=writers)
                 names.append(name)
     except (OSError, VarunaError) as exc:
         log.warning("rank %d keeps no copy of its replicas' files for the handover (%d of %d kept): %s", state.rank,
@@ -293,7 +294,7 @@ def _whole(tensor: Any, offsets: list[int], length: int) -> bool:
 
 def _write_like(path: Path, chunks: list, size: int, tensors: dict[str, Any], buffers: list[memoryview]) -> str:
     """Write ``size`` bytes at ``path``: each chunk's tensor at its offset, zeros between (as the writer's file
-    holds them), through the bounce ``buffers``; returns their sha256."""
+    holds them), through the bounce ``buffers``; returns their digest."""
     sink = FileSink(path, durable=False, buffers=buffers)
     staging: _DeviceStaging | None = None
 
@@ -312,12 +313,12 @@ def _write_like(path: Path, chunks: list, size: int, tensors: dict[str, Any], bu
                 sink.write(_bytes_view(tensor.cpu()))
         pad(size)
     finally:
-        written, sha256 = sink.close()
-    return sha256 if written == size else ""
+        written, digest = sink.close()
+    return digest if written == size else ""
 
 
 def _complete_locally(state: CheckpointState, step: int, local: Path, gathered: list) -> str | None:
-    """Rank 0: the manifest (from every rank's reported size and sha256: the other ranks' files are on other
+    """Rank 0: the manifest (from every rank's reported size and digest: the other ranks' files are on other
     hosts) and ``COMPLETE``, in its own directory. Returns why not, if it failed."""
     if state.rank != 0:
         return None
@@ -341,11 +342,11 @@ def _adopt_files(state: CheckpointState, space: Space, step: int, local: Path,
         for path in sorted(local.iterdir()):
             name = blob_name(step, path.name)
             if path.name in reported:
-                size, digest = reported[path.name]["bytes"], reported[path.name]["sha256"]
+                size, digest = reported[path.name]["bytes"], reported[path.name]["digest"]
             else:  # rank 0's small files (the run, the manifest, COMPLETE)
                 data = path.read_bytes()
-                size, digest = len(data), hashlib.sha256(data).hexdigest()
-            space.adopt(name, path, {"bytes": size, "sha256": digest, "rank": state.rank}, sha256=digest)
+                size, digest = len(data), of_bytes(data)
+            space.adopt(name, path, {"bytes": size, "digest": digest, "rank": state.rank}, digest=digest)
             names.append(name)
     except (OSError, ValueError, VarunaError) as exc:
         message = f"rank {state.rank} could not put {printable(name)} on its host's shelf: {_reason(exc)}"
@@ -377,7 +378,7 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
         load_optimizer, in_place: as for ``load`` (a warm worker takes in place: its live state is worth nothing
             yet, and on a failure it loads the store or stops).
         link: ``link(holder, name, path)`` puts blob ``name`` at ``path`` without copying it when ``holder`` is
-            this host (a hard link to its shelf's file, ``Shelf.link``) and returns ``(bytes, sha256)`` of the data
+            this host (a hard link to its shelf's file, ``Shelf.link``) and returns ``(bytes, digest)`` of the data
             at the file's start (its entry follows it) as its writer recorded them; None when it cannot (another
             host, another file system): the blob is then fetched. Only data files are linked, and read in place by
             the load. Both numbers must be the manifest's; the bytes are then not hashed again: they never left
@@ -430,7 +431,7 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
 
         def take_data() -> None:
             manifest = read_manifest(directory)
-            expected = {e.path: (e.bytes, e.sha256) for e in manifest.files}
+            expected = {e.path: (e.bytes, e.digest) for e in manifest.files}
             metadata = read_metadata(directory, expected, check_files=False)
             same_world = manifest.pp * manifest.dp == state.world_size
             present.extend(_data_files(state, metadata.storage_data, same_world, load_optimizer))
@@ -521,15 +522,15 @@ def _keep(directory: Path, keep: Path, stored: dict[str, Any], mapped: dict[str,
 
 
 def _hash_threads() -> int:
-    """Threads that hash adopted files at once (hashlib lets go of the GIL): the cores this process may use."""
+    """Threads that hash adopted files at once (the hash lets go of the GIL): the cores this process may use."""
     try:
         return max(1, min(8, len(os.sched_getaffinity(0))))
     except (AttributeError, OSError):
         return max(1, min(8, os.cpu_count() or 1))
 
 
-def _sha256_of(path: Path) -> str:
-    digest, view = hashlib.sha256(), memoryview(bytearray(1 << 20))
+def _digest_of(path: Path) -> str:
+    digest, view = Hasher(), memoryview(bytearray(_HASH_READ))
     with open(path, "rb", buffering=0) as stream:
         while n := stream.readinto(view):
             digest.update(view[:n])
@@ -540,7 +541,7 @@ def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor
                 size: int | None = None, at: list[int] | None = None) -> tuple[list[int], int, Any] | None:
     """For a final publish's writer: the kept file whose stored tensors are exactly ``tensors``, each still the view
     of its pages it was mapped as, moved to ``path`` (its data only: an old blob's entry after it is cut off), with
-    each tensor's offset, the data's size and sha256 (a future of it, with ``hashers``); None if there is none (the
+    each tensor's offset, the data's size and digest (a future of it, with ``hashers``); None if there is none (the
     writer writes the file). ``size``, ``at``: the file must hold that many bytes of data, the tensors at those
     offsets (a copy of another writer's file)."""
     first = tensors[0][1] if tensors else None
@@ -570,7 +571,7 @@ def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor
         log.debug("writing %s rather than adopting %s: %s", path.name, live.path, _reason(exc))
         return None
     _unremember(str(live.path))
-    return offsets, live.size, hashers.submit(_sha256_of, path) if hashers is not None else _sha256_of(path)
+    return offsets, live.size, hashers.submit(_digest_of, path) if hashers is not None else _digest_of(path)
 
 
 def reside(state: CheckpointState, keep: str | os.PathLike) -> int:
@@ -776,13 +777,13 @@ def _link_files(holders: dict[str, list[Any]], link: Link, step: int, directory:
                                     hint=_FALL_BACK) from None
             if got is None:
                 continue
-            size, sha256 = got
+            size, digest = got
             if size != expected[file][0]:
                 raise HandoverError(f"blob {printable(name)} on this host's shelf holds {size} bytes; the manifest "
                                     f"says {expected[file][0]}", hint=_FALL_BACK)
-            if sha256 != expected[file][1]:
+            if digest != expected[file][1]:
                 raise HandoverError(f"blob {printable(name)} on this host's shelf is not the manifest's {file}: its "
-                                    f"writer's sha256 differs", hint=_FALL_BACK)
+                                    f"writer's digest differs", hint=_FALL_BACK)
             linked[file] = size
             break
     return linked
@@ -819,7 +820,7 @@ def _take_files(holders: dict[str, list[Any]], fetch: Fetch, step: int, director
 
 def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: list[str],
                expected: dict[str, tuple[int, str]] | None) -> set[str]:
-    """Take ``files`` from ``holder``; returns those whose bytes the fetch checked against the manifest's sha256
+    """Take ``files`` from ``holder``; returns those whose bytes the fetch checked against the manifest's digest
     on arrival (the load need not hash them again)."""
     names = {blob_name(step, f): f for f in files}
     where = printable(str(holder))
@@ -859,12 +860,12 @@ def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: lis
     if missing:
         raise HandoverError(f"holder {where} did not send blob {printable(missing[0])}", hint=_FALL_BACK)
     verified = set()
-    for name, sha256 in (checked.items() if isinstance(checked, dict) else ()):
+    for name, digest in (checked.items() if isinstance(checked, dict) else ()):
         file = names.get(name)
         if file is None or expected is None:
             continue
-        if sha256 != expected[file][1]:
-            raise HandoverError(f"blob {printable(name)} on {where} is not the manifest's {file}: its sha256 "
+        if digest != expected[file][1]:
+            raise HandoverError(f"blob {printable(name)} on {where} is not the manifest's {file}: its digest "
                                 f"differs", hint=_FALL_BACK)
         verified.add(file)
     return verified

@@ -1,18 +1,19 @@
 """``manifest.json`` of a checkpoint directory, as pydantic models (torch-free: the launcher and the offline
 tools read manifests without importing torch; ``schemas/manifest.schema.json`` is generated from them).
 
-The manifest is what makes a checkpoint checkable without the model: every file with its size and sha256
-(so a load or ``varuna ckpt verify`` detects a truncated or changed file), every parameter with its shape and
-dtype (so a load refuses a checkpoint of another model before touching a live tensor), and the run, step,
-world and plan it was written under.
+The manifest is what makes a checkpoint checkable without the model: every file with its size and digest
+(:mod:`varuna_core.util.digest`: so a load or ``varuna ckpt verify`` detects a truncated or changed file), every
+parameter with its shape and dtype (so a load refuses a checkpoint of another model before touching a live
+tensor), and the run, step, world and plan it was written under.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from ..util.digest import DIGEST_PATTERN
 from ..util.versioned_io import ArtifactModel
 
 __all__ = ["CHECKPOINT_INDEX", "FileEntry", "Manifest", "TensorEntry"]
@@ -23,7 +24,19 @@ CHECKPOINT_INDEX = "dcp_metadata.json"  # the index of a checkpoint's tensors (v
 class FileEntry(ArtifactModel):
     path: str = Field(description="a file of the checkpoint directory: __<rank>_<i>.distcp or dcp_metadata.json")
     bytes: int = Field(ge=0)
-    sha256: str
+    digest: str = Field(pattern=DIGEST_PATTERN,
+                        description="'blake3:<hex>' (written since BLAKE3) or 'sha256:<hex>' (read from older "
+                                    "manifests, whose entries had a bare 'sha256')")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data: Any) -> Any:
+        """A manifest written before digests named their algorithm: ``{"sha256": hex}`` is ``"sha256:hex"``."""
+        if isinstance(data, dict) and "sha256" in data and "digest" not in data:
+            legacy = data["sha256"]
+            data = {k: v for k, v in data.items() if k != "sha256"}
+            data["digest"] = f"sha256:{legacy}" if isinstance(legacy, str) else legacy
+        return data
 
 
 class TensorEntry(ArtifactModel):

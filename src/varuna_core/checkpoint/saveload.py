@@ -12,7 +12,7 @@ Layout of ``<store>/step_<N>/`` (see :class:`varuna_core.checkpoint.manifest.Man
   data-parallel replicas over the replicas). The bytes are stored by :mod:`varuna_core.checkpoint.storage`:
   ``__<rank>_0.distcp`` files of raw tensor bytes hashed while written, and a JSON index ``dcp_metadata.json``
   (no pickle anywhere);
-* ``manifest.json``: run, step, plan, world, every file with its size and sha256, every parameter, loss scaler,
+* ``manifest.json``: run, step, plan, world, every file with its size and digest, every parameter, loss scaler,
   seed, iteration and data position;
 * ``COMPLETE``: written by rank 0 only after every rank reported its files finished. A crash at any point
   before leaves a directory that ``list``/``verify`` report as incomplete and ``load`` refuses; the previous
@@ -33,12 +33,12 @@ report against the files on disk before it writes the manifest and ``COMPLETE``.
 
 **Without a shared file system.** :mod:`varuna_core.checkpoint.handover` writes the same checkpoint with the
 same machinery into a private directory on each rank's own host and puts the files in host memory (a shelf);
-rank 0 then completes the manifest from the other ranks' reported sizes and sha256, which it cannot see on disk.
+rank 0 then completes the manifest from the other ranks' reported sizes and digests, which it cannot see on disk.
 A load from such a handover reads a directory of this rank's own holding only the data files of its tensors
 (``present``).
 
 **Loads are all or nothing.** Everything is read into new tensors and checked (the model's parameter names,
-shapes and dtypes against the manifest, every file's size and sha256) before a single live tensor changes: a
+shapes and dtypes against the manifest, every file's size and digest) before a single live tensor changes: a
 refused checkpoint leaves the model, the optimizer and the RNG as they were. The cost is a second copy of this
 rank's state while loading.
 """
@@ -95,7 +95,6 @@ __all__ = ["CheckpointState", "save", "load"]
 
 log = logging.getLogger(__name__)
 
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _NEW_PREFIX = ".varuna-new-"  # a step directory being created (see _prepare)
 _OLD_PREFIX = ".varuna-old-"  # a step directory being deleted (see _delete)
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -509,9 +508,9 @@ def _entries(gathered: list[list[dict[str, Any]]], final: Path, *,
              on_disk: Collection[int] | None = None) -> list[FileEntry]:
     """The manifest's file list from every rank's report: rank ``r`` may only report its own data files
     (``__r_<i>.distcp``, each once; several when a publish groups its entries) and rank 0 also the index, with a
-    sha256, and each file must be on disk with the reported size. ``on_disk``: the
+    digest, and each file must be on disk with the reported size. ``on_disk``: the
     ranks whose files are in ``final`` when the others' are not (a publish into host memory: each rank writes
-    on its own host, and rank 0 relies on the others' reported size and sha256); None: every rank's."""
+    on its own host, and rank 0 relies on the others' reported size and digest); None: every rank's."""
     out = []
     for rank, part in enumerate(gathered):
         seen: set[str] = set()
@@ -522,7 +521,7 @@ def _entries(gathered: list[list[dict[str, Any]]], final: Path, *,
                 raise CheckpointError(f"checkpoint {final}: rank {rank} reported a malformed file entry") from None
             own = (re.fullmatch(rf"__{rank}_(0|[1-9][0-9]{{0,6}})\.distcp", item.path) is not None
                    or (rank == 0 and item.path == CHECKPOINT_INDEX))
-            if not own or item.path in seen or not _SHA256_RE.match(item.sha256) or item.bytes < 0:
+            if not own or item.path in seen or item.bytes < 0:
                 raise CheckpointError(f"checkpoint {final}: rank {rank} reported a file it cannot have written: "
                                       f"{item.path!r}", hint="see the README's trust model")
             seen.add(item.path)
@@ -633,7 +632,7 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
     ``present``: the data files this rank's ``store`` holds when it is a directory of its own holding only some
     (see :mod:`varuna_core.checkpoint.handover`): this rank checks each of them whole and reads from no other.
     ``limits``: files whose data is only their first so many bytes (a shelf's blob, linked in place: its entry
-    follows the data); size and sha256 are checked on those bytes.
+    follows the data); size and digest are checked on those bytes.
     ``in_place``: read the parameters and buffers straight into the live tensors, without a copy of them to check
     first: for a process whose live state is worth nothing yet (a warm worker of a morph, which on a failure
     loads the store or stops), it spares allocating and copying the model once more. The rest is still all or
@@ -644,7 +643,7 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
 
     Raises:
         CheckpointError: on every rank, with the model untouched: no such checkpoint, incomplete, a file
-            whose size or sha256 differs, a checkpoint of another model, or another optimizer (pass
+            whose size or digest differs, a checkpoint of another model, or another optimizer (pass
             ``load_optimizer=False`` to load the model alone).
         ConfigError: ``run`` is not a run id (every rank is given the same, and refuses it alike).
     """
@@ -654,14 +653,14 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
     step = _agreed(state, lambda: _choose(state, store, iteration, check_complete, run), decided_by_rank0=True)
     directory = step_dir(store, step)
     manifest = _agreed(state, lambda: _manifest_of(directory, step))
-    expected = {e.path: (e.bytes, e.sha256) for e in manifest.files} if check_complete else None
+    expected = {e.path: (e.bytes, e.digest) for e in manifest.files} if check_complete else None
     reader = _agreed(state, lambda: RawReader(directory, expected, rank=state.rank, world=state.world_size,
                                               listed=[e.path for e in manifest.files], present=present,
                                               verified=verified, limits=limits))
     metadata = _agreed(state, lambda: reader.read_metadata().state_dict_metadata)
     groups = _agreed(state, lambda: _check_fits(state, directory, manifest, metadata, load_optimizer))
     plan = _Targets.build(state, metadata, manifest, load_optimizer, in_place, mapped or {})
-    # every file's size and sha256 checked on the way; a failure raises everywhere
+    # every file's size and digest checked on the way; a failure raises everywhere
     dcp_load({k: v for k, v in plan.target.items() if k not in plan.mapped}, reader)
     plan.commit(state, manifest, groups)
     _barrier(state)

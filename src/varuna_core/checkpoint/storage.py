@@ -2,20 +2,20 @@
 never unpickles.
 
 Why not DCP's own ``FileSystemWriter``/``FileSystemReader``: they store every tensor as a ``torch.save``
-record (a zip member with a CRC-32 computed on the CPU, then a second pass here for the manifest's sha256),
+record (a zip member with a CRC-32 computed on the CPU, then a second pass here for the manifest's digest),
 load each one into a fresh tensor before copying it into its target, and keep the checkpoint's index in a
 pickle (``.metadata``) that ``pickle.load`` executes. On the 2-core machines this project targets, those
 passes cost more than the disk. Here DCP still plans the save and the load (name-keyed entries, replicas'
 writes spread over the replicas, any other layout loads them); only the bytes are handled differently:
 
-* each rank writes one file ``__<rank>_0.distcp``: the raw bytes of its tensors, back to back, hashed with
-  sha256 in the same pass (so the manifest's hash costs no re-read), with ``O_DIRECT`` where the file system
-  allows it (:mod:`varuna_core.checkpoint.io` says why);
+* each rank writes one file ``__<rank>_0.distcp``: the raw bytes of its tensors, back to back, hashed
+  (:mod:`varuna_core.util.digest`) in the same pass (so the manifest's hash costs no re-read), with ``O_DIRECT``
+  where the file system allows it (:mod:`varuna_core.checkpoint.io` says why);
 * the index goes to ``dcp_metadata.json`` (dtype, shape, chunks, file, offset, length of every tensor):
   reading it executes nothing;
 * the reader reads every stored chunk straight into its target tensor (no intermediate copy when the target
   is contiguous) and, for the files assigned to this rank (file ``i`` to rank ``i % world``), reads the whole
-  file in order and checks its size and sha256 against the manifest in the same pass. A mismatch raises
+  file in order and checks its size and digest against the manifest in the same pass. A mismatch raises
   :class:`~varuna_core.errors.CheckpointError` naming the file; DCP carries it to every rank.
 
 A checkpoint directory may come from anyone (``varuna ckpt merge`` is run on downloaded ones), so nothing in it is
@@ -28,7 +28,6 @@ that the manifest lists, and those are opened without following links and only i
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -66,8 +65,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..errors import CheckpointError, VarunaError
+from ..util.digest import ALGORITHM, algorithm_of, of_bytes
 from ..util.fs import MiB, describe_mode, read_regular
-from .io import FileSink, Sha256, bounce_buffers, open_source, scatter_file
+from .io import BackgroundHasher, FileSink, bounce_buffers, open_source, scatter_file
 from .manifest import CHECKPOINT_INDEX
 
 __all__ = ["RawWriter", "RawReader", "read_metadata", "dcp_save", "dcp_load", "METADATA_FILE", "FORMAT",
@@ -96,14 +96,14 @@ class Location:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A file this rank wrote: name, bytes and sha256 (what the manifest records)."""
+    """A file this rank wrote: name, bytes and digest (what the manifest records)."""
 
     path: str
     bytes: int
-    sha256: str
+    digest: str
 
     def as_dict(self) -> dict:
-        return {"path": self.path, "bytes": self.bytes, "sha256": self.sha256}
+        return {"path": self.path, "bytes": self.bytes, "digest": self.digest}
 
 
 def is_checkpoint_file(name: object) -> bool:
@@ -309,7 +309,7 @@ Adopt = Callable[[Path, "list[tuple[str, torch.Tensor]]"], "tuple[list[int], int
 class RawWriter(StorageWriter):
     """Writes each rank's tensors as raw bytes into ``<path>/__<rank>_0.distcp`` (see the module docstring).
 
-    After ``dcp.save``, :attr:`files` lists the file(s) this rank wrote with size and sha256 (rank 0's include
+    After ``dcp.save``, :attr:`files` lists the file(s) this rank wrote with size and digest (rank 0's include
     ``dcp_metadata.json``), and :attr:`layout` each data file's chunks in order: ``(fqn, chunk offsets, file
     offset, bytes)`` (what a replica needs to write the same file from its own tensors).
 
@@ -319,7 +319,7 @@ class RawWriter(StorageWriter):
 
     ``adopt``: ``adopt(path, [(fqn, tensor), ...])`` may put a file that already holds a group's tensors at
     ``path`` instead of the writer writing it (a handover's last publish, whose tensors are a mapped file's pages:
-    :mod:`.handover`); it returns each tensor's offset in it, the file's size and its sha256 (or a future of it,
+    :mod:`.handover`); it returns each tensor's offset in it, the file's size and its digest (or a future of it,
     resolved before ``write_data`` returns: files hashed at once), or None (the writer writes it).
     :attr:`adopted` counts the bytes so put.
     """
@@ -370,16 +370,16 @@ class RawWriter(StorageWriter):
                 tensors = [(item.index.fqn, self._tensor(item, planner)) for item in items]
                 adopted = self.adopt(self.path / name, tensors)
                 if adopted is not None:
-                    offsets, size, sha256 = adopted
+                    offsets, size, digest = adopted
                     for item, (fqn, tensor), at in zip(items, tensors, offsets, strict=True):
                         nbytes = tensor.numel() * tensor.element_size()
                         results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
                                                    storage_data=Location(name, at, nbytes)))
                         self.layout.setdefault(name, []).append((fqn, list(item.index.offset or ()), at, nbytes))
-                    if isinstance(sha256, Pending):
-                        hashing.append((len(self.files), sha256))
-                        sha256 = ""
-                    self.files.append(FileRecord(name, size, sha256))
+                    if isinstance(digest, Pending):
+                        hashing.append((len(self.files), digest))
+                        digest = ""
+                    self.files.append(FileRecord(name, size, digest))
                     self.adopted += size
                     continue
             sink = FileSink(self.path / name, durable=self.sync_files, buffers=buffers)
@@ -398,8 +398,8 @@ class RawWriter(StorageWriter):
                     self.layout.setdefault(name, []).append((item.index.fqn, list(item.index.offset or ()), at,
                                                              nbytes))
             finally:
-                size, sha256 = sink.close()
-            self.files.append(FileRecord(name, size, sha256))
+                size, digest = sink.close()
+            self.files.append(FileRecord(name, size, digest))
         for i, pending in hashing:
             record = self.files[i]
             self.files[i] = FileRecord(record.path, record.bytes, pending.result())
@@ -451,7 +451,7 @@ class RawWriter(StorageWriter):
                 f.flush()
                 os.fsync(f.fileno())
         tmp.replace(path)
-        self.files.append(FileRecord(METADATA_FILE, len(data), hashlib.sha256(data).hexdigest()))
+        self.files.append(FileRecord(METADATA_FILE, len(data), of_bytes(data)))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
@@ -472,7 +472,7 @@ def read_metadata(directory: str | os.PathLike, expected: dict[str, tuple[int, s
     entry by entry (see the module docstring).
 
     Args:
-        expected: ``file -> (bytes, sha256)`` from the manifest: the index's own size and hash are checked, and
+        expected: ``file -> (bytes, digest)`` from the manifest: the index's own size and hash are checked, and
             it may name no other data file.
         listed: without ``expected``, the file names the manifest lists (the offline tools, which hash the
             files themselves): the index may name no other data file.
@@ -494,7 +494,7 @@ def read_metadata(directory: str | os.PathLike, expected: dict[str, tuple[int, s
         raise CheckpointError(exc.message, hint=exc.hint or "is this a checkpoint directory written by varuna?") \
             from None
     if expected is not None and METADATA_FILE in expected:
-        _check(path, len(data), hashlib.sha256(data).hexdigest(), expected[METADATA_FILE])
+        _check(path, len(data), _digest_like(data, expected[METADATA_FILE][1]), expected[METADATA_FILE])
     try:
         doc = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -692,13 +692,27 @@ def _data_file_size(directory: Path, name: str) -> int:
     return info.st_size
 
 
-def _check(path: Path, size: int, sha256: str, want: tuple[int, str]) -> None:
+def _algorithm(expected: str) -> str:
+    """The algorithm to check bytes against the recorded digest ``expected`` with (a malformed record, which no
+    digest equals: the default)."""
+    try:
+        return algorithm_of(expected)
+    except ValueError:
+        return ALGORITHM
+
+
+def _digest_like(data: bytes, expected: str) -> str:
+    """The digest of ``data`` by the algorithm of the recorded ``expected``."""
+    return of_bytes(data, _algorithm(expected))
+
+
+def _check(path: Path, size: int, digest: str, want: tuple[int, str]) -> None:
     if size != want[0]:
         raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: size {size} != "
                               f"{want[0]} in the manifest",
                               hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
-    if sha256 != want[1]:
-        raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: sha256 mismatch "
+    if digest != want[1]:
+        raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: digest mismatch "
                               f"(file changed or corrupt)",
                               hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
 
@@ -712,7 +726,7 @@ class RawReader(StorageReader):
 
     Args:
         path: the checkpoint directory.
-        expected: ``file -> (bytes, sha256)`` from the manifest; ``None`` reads without checking.
+        expected: ``file -> (bytes, digest)`` from the manifest; ``None`` reads without checking.
         listed: without ``expected``, the names the manifest lists: the index may name no other file, and
             nothing is hashed (the offline tools hash the files themselves).
         rank, world: this process's place among the loading ranks; file ``i`` (in name order) is checked by
@@ -721,10 +735,10 @@ class RawReader(StorageReader):
             files of its stage's tensors into a directory of its own): this rank then checks every one of them
             (no other rank sees them), and a read from any other file is refused. None: the directory holds
             every file, shared by the loading ranks.
-        verified: files whose bytes were already checked against the manifest's sha256 as they arrived (a
+        verified: files whose bytes were already checked against the manifest's digest as they arrived (a
             handover's take over the wire): not hashed again.
         limits: ``file -> bytes``: files of which only the first bytes are the checkpoint's (a shelf's blob, read
-            in place: its entry follows the data); the rest is never read, and size and sha256 are of those bytes.
+            in place: its entry follows the data); the rest is never read, and size and digest are of those bytes.
     """
 
     def __init__(self, path: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None,
@@ -798,12 +812,12 @@ class RawReader(StorageReader):
     def _read_file(self, name: str, chunks: list[tuple[Location, list[ReadItem]]], planner: LoadPlanner,
                    check: bool) -> None:
         """Read the stored chunks of one file into their targets; with ``check``, read all of it in order and
-        compare its size and sha256 with the manifest's."""
+        compare its size and digest with the manifest's."""
         if not DATA_FILE.fullmatch(name):
             raise CheckpointError(f"refusing to load {self.path}: {_show(name)} is not a checkpoint data file")
         path = self.path / name
         fd = open_source(path)
-        digest = Sha256() if check else None
+        digest = BackgroundHasher(_algorithm(self.expected[name][1])) if check and self.expected else None
         try:
             size = os.fstat(fd).st_size
             limit = self.limits.get(name)

@@ -3,7 +3,7 @@
 They read what :mod:`varuna_core.checkpoint.saveload` writes (see :class:`varuna_core.checkpoint.manifest.Manifest`)::
 
     <store>/step_<N>/dcp_metadata.json, __<rank>_<i>.distcp   torch.distributed.checkpoint index and data
-                    /manifest.json                     step, world, plan, every file with size and sha256
+                    /manifest.json                     step, world, plan, every file with size and digest
                     /COMPLETE                          written last
 
 and need no process group, no GPU and no model code. Nothing here prints: every function returns a report
@@ -26,7 +26,6 @@ Conventions:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field
 
 from ..errors import CheckpointError, ConfigError, VarunaError
+from ..util.digest import Hasher, algorithm_of
 from ..util.fs import MiB, describe_mode, open_regular, read_regular
 from .layout import RUN_FILE, describe_runs, latest, read_run, runs, scan
 from .manifest import CHECKPOINT_INDEX as METADATA_FILE
@@ -501,10 +501,11 @@ def _short(exc: BaseException) -> str:
 # verify
 
 
-def _hash(path: Path) -> tuple[int, str]:
-    """Size and sha256 of the regular file ``path`` (not a link), as read from one descriptor."""
+def _hash(path: Path, algorithm: str) -> tuple[int, str]:
+    """Size and digest (by ``algorithm``) of the regular file ``path`` (not a link), as read from one
+    descriptor."""
     fd = open_regular(path, what="checkpoint file", follow=False, error=CheckpointError)
-    h = hashlib.sha256()
+    h = Hasher(algorithm)
     size = 0
     try:
         while chunk := os.read(fd, _HASH_CHUNK):
@@ -539,7 +540,7 @@ def verify(path: str | os.PathLike, *, finite: bool = False, chunk_bytes: int = 
     1. the ``COMPLETE`` marker exists (and names the directory's step);
     2. ``manifest.json`` exists and is a valid manifest (without it the checks stop here);
     3. every file of the manifest is named ``dcp_metadata.json`` or ``__<rank>_<i>.distcp`` and is a plain file
-       (not a link, FIFO or directory) with its recorded size and sha256;
+       (not a link, FIFO or directory) with its recorded size and digest;
     4. no unlisted DCP data file (``*.distcp``, ``dcp_metadata.json``) is present (other unlisted files are noted);
     5. the DCP index is valid and names only files the manifest lists, and every ``Manifest.parameters`` key is
        in it with the recorded shape and dtype;
@@ -691,7 +692,7 @@ def _check_finite(directory: Path, metas: dict[str, Any], listed: set[str], chun
 
 
 def _check_file(path: Path, entry: Any, report: VerifyReport) -> str | None:
-    """What is wrong with one file the manifest lists (None: it has the recorded size and sha256). ``lstat``
+    """What is wrong with one file the manifest lists (None: it has the recorded size and digest). ``lstat``
     first: a link or a FIFO is reported as what it is, never followed or opened."""
     try:
         info = os.lstat(path)
@@ -706,12 +707,12 @@ def _check_file(path: Path, entry: Any, report: VerifyReport) -> str | None:
     if size != entry.bytes:
         return f"size {size} bytes, the manifest records {entry.bytes} (truncated or changed)"
     try:
-        size, sha256 = _hash(path)
+        size, digest = _hash(path, algorithm_of(entry.digest))
     except CheckpointError as exc:
         return exc.message
     report.bytes_hashed += size
-    if size != entry.bytes or sha256 != entry.sha256:
-        return "sha256 mismatch (file changed or corrupt)"
+    if size != entry.bytes or digest != entry.digest:
+        return "digest mismatch (file changed or corrupt)"
     return None
 
 

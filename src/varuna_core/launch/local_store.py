@@ -14,7 +14,6 @@ receiver as it arrives. No torch here: the agent serves it.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
@@ -25,6 +24,7 @@ from typing import BinaryIO
 from ..checkpoint.layout import MANIFEST_FILE, RUN_FILE, read_manifest
 from ..checkpoint.manifest import CHECKPOINT_INDEX
 from ..errors import CheckpointError, ConfigError, HandoverError
+from ..util.digest import of_bytes
 from ..util.fs import open_regular, read_regular
 from ..util.text import printable
 from .shelf import Entry
@@ -76,7 +76,7 @@ class StoreFiles:
             if file in (MANIFEST_FILE, RUN_FILE):
                 data = read_regular(directory / file, _SMALL_LIMIT, what="checkpoint file", follow=False,
                                     error=HandoverError)
-                return Entry(name, len(data), hashlib.sha256(data).hexdigest(), {}), io.BytesIO(data)
+                return Entry(name, len(data), of_bytes(data), {}), io.BytesIO(data)
             manifest = read_manifest(directory)
         except (CheckpointError, ConfigError) as exc:
             raise HandoverError(exc.message) from None
@@ -88,4 +88,4 @@ class StoreFiles:
         if size != listed[file].bytes or (file == CHECKPOINT_INDEX and size > _SMALL_LIMIT):
             os.close(fd)
             raise HandoverError(f"{directory / file} has {size} bytes, not the {listed[file].bytes} of its manifest")
-        return Entry(name, size, listed[file].sha256, {}), os.fdopen(fd, "rb")
+        return Entry(name, size, listed[file].digest, {}), os.fdopen(fd, "rb")

@@ -10,9 +10,10 @@ and back), so the node agent that owns the shelf imports nothing heavy.
 **The shelf** is one directory per job on a tmpfs (``/dev/shm`` by default): memory that stays when the process
 that wrote it exits, and that any process of the job on the host can read. Each blob is one file, named after the
 SHA-256 of the blob's name (a name is never a path, so ``../x`` cannot leave the directory), holding its bytes
-followed by its own manifest entry (name, size, SHA-256, a small JSON ``meta`` such as dtype and shape)::
+followed by its own manifest entry (name, size, digest (:mod:`varuna_core.util.digest`), a small JSON ``meta`` such
+as dtype and shape)::
 
-    size bytes of data | L bytes of JSON {"name", "size", "sha256", "meta"} | u32 big-endian L | b"VSHB"
+    size bytes of data | L bytes of JSON {"name", "size", "digest", "meta"} | u32 big-endian L | b"VSHB"
 
 so that the entry and the data are replaced together by one atomic rename: two processes putting blobs at once
 (or the same blob) never leave an entry that describes other bytes, and a reader that opened a file reads one
@@ -36,10 +37,10 @@ every name is on the shelf, at most :data:`MAX_NAMES` of them, with at most ``ma
 header within :data:`MAX_HEADER`: a peer asks for a stage's thousands of names in several requests). It answers
 either a refusal ``{"error": REASON}`` (unsigned: it only ever ends a transfer) and closes, or
 ``{"p": PAYLOAD, "mac": HEX}`` where ``PAYLOAD`` is ``{"kind": "shelf-reply", "job", "nonce", "blobs": [{"name",
-"size", "sha256", "meta"}, ...]}`` (the request's nonce and names, in its order) signed with the prefix
+"size", "digest", "meta"}, ...]}`` (the request's nonce and names, in its order) signed with the prefix
 ``b"varuna-shelf-reply\\0"``, followed by the blobs' bytes back to back, straight from the shelf's files
 (``sendfile``). The client checks the reply's MAC and nonce (a server without the token, or a replayed reply, is
-refused), every size against what it asked and allowed, and every blob's SHA-256 as it arrives. Nothing is
+refused), every size against what it asked and allowed, and every blob's digest as it arrives. Nothing is
 unpickled; every socket operation has a timeout, and reading a header has a deadline, so a peer that stalls is cut
 off and named. The wire authenticates both ends and checks every byte, but does not encrypt: like the training's
 own gloo or NCCL traffic, it belongs on the cluster's network.
@@ -72,6 +73,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import HandoverError, ShelfFullError
+from ..util.digest import ALGORITHM, Hasher, hasher_for, is_digest
 from ..util.text import printable, short_repr
 
 __all__ = ["MAX_NAME", "MAX_META", "MAX_JOB", "MAX_HEADER", "MAX_NAMES", "WINDOW", "DEFAULT_ROOT", "Entry",
@@ -90,6 +92,7 @@ CHUNK = 1 << 20  # bytes per read when streaming
 _HASH_SPAN = 8 << 20  # bytes a receiver hashes at a time on its hashing thread
 
 _BLOB_MAGIC = b"VSHB"
+_PLACEHOLDER = f"{ALGORITHM}:{'0' * 64}"  # a digest's length, before the bytes are hashed
 _FRAME_MAGIC = b"VSH1"
 _PREFIX = struct.Struct(">4sI")
 _TRAILER = struct.Struct(">I4s")  # after a blob's entry: its length, the magic
@@ -104,11 +107,11 @@ class Entry:
 
     name: str
     size: int
-    sha256: str
+    digest: str
     meta: dict[str, Any]
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "size": self.size, "sha256": self.sha256, "meta": self.meta}
+        return {"name": self.name, "size": self.size, "digest": self.digest, "meta": self.meta}
 
 
 def shelf_key(job: str, attempt: int) -> str:
@@ -138,13 +141,13 @@ def _meta_text(meta: object) -> str:
 
 def _entry(obj: object) -> Entry:
     """An entry read from a file or a peer, every field checked; raises ValueError."""
-    if not isinstance(obj, dict) or set(obj) != {"name", "size", "sha256", "meta"}:
+    if not isinstance(obj, dict) or set(obj) != {"name", "size", "digest", "meta"}:
         raise ValueError("not an entry")
-    size, digest, meta = obj["size"], obj["sha256"], obj["meta"]
+    size, digest, meta = obj["size"], obj["digest"], obj["meta"]
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"bad size {short_repr(size)}")
-    if not isinstance(digest, str) or len(digest) != 64 or digest.strip("0123456789abcdef"):
-        raise ValueError(f"bad sha256 {short_repr(digest)}")
+    if not is_digest(digest):
+        raise ValueError(f"bad digest {short_repr(digest)}")
     try:
         _meta_text(meta)
         name = check_name(obj["name"])
@@ -222,10 +225,10 @@ class Shelf:
         return used
 
     def put(self, name: str, data: bytes | bytearray | memoryview, meta: dict[str, Any] | None = None, *,
-            sha256: str | None = None) -> Entry:
+            digest: str | None = None) -> Entry:
         """Puts ``data`` on the shelf under ``name`` (replacing a blob of that name) and returns its entry.
 
-        ``sha256``: the data's hash, when its writer computed it while writing (a checkpoint's files are hashed as
+        ``digest``: the data's hash, when its writer computed it while writing (a checkpoint's files are hashed as
         they are written): recorded as it is, which spares a second pass over the bytes. A wrong one is not a
         risk to a reader: every read checks the bytes against the entry (a checkpoint load against its manifest).
 
@@ -235,12 +238,12 @@ class Shelf:
             HandoverError: a bad name or meta.
         """
         check_name(name)
-        if sha256 is not None and (not isinstance(sha256, str) or len(sha256) != 64
-                                   or any(c not in "0123456789abcdef" for c in sha256)):
-            raise HandoverError(f"a blob's sha256 is 64 lower-case hex digits, got {short_repr(sha256)}")
+        if digest is not None and not is_digest(digest):
+            raise HandoverError(f"a blob's digest is '<algorithm>:<64 lower-case hex digits>', got "
+                                f"{short_repr(digest)}")
         meta_text = _meta_text({} if meta is None else meta)
         view = memoryview(data).cast("B")
-        entry = Entry(name, view.nbytes, "0" * 64, json.loads(meta_text))  # hashed as it is written, below
+        entry = Entry(name, view.nbytes, _PLACEHOLDER, json.loads(meta_text))  # hashed as it is written, below
         total = view.nbytes + len(_tail(entry))  # the entry's length does not depend on the hash
         target = self._file(name)
         part = self.path / f"{target.stem}.{secrets.token_hex(8)}.part"
@@ -259,12 +262,12 @@ class Shelf:
                 raise
         try:
             with os.fdopen(fd, "wb") as out:
-                digest = hashlib.sha256() if sha256 is None else None
+                hasher = Hasher() if digest is None else None
                 for start in range(0, view.nbytes, CHUNK):  # one pass: each chunk hashed while it is in cache
-                    if digest is not None:
-                        digest.update(view[start:start + CHUNK])
+                    if hasher is not None:
+                        hasher.update(view[start:start + CHUNK])
                     out.write(view[start:start + CHUNK])
-                entry = dataclasses.replace(entry, sha256=digest.hexdigest() if digest is not None else str(sha256))
+                entry = dataclasses.replace(entry, digest=hasher.hexdigest() if hasher is not None else str(digest))
                 out.write(_tail(entry))
             os.replace(part, target)
         except BaseException:
@@ -391,9 +394,9 @@ class Shelf:
 
     def get_into(self, name: str, into: Callable[[Entry], memoryview], *, verify: bool = True) -> Entry:
         """Reads the blob into the buffer ``into(entry)`` returns (a writable memoryview of exactly ``entry.size``
-        bytes, e.g. pinned memory) and returns its entry, once its size and SHA-256 were checked.
+        bytes, e.g. pinned memory) and returns its entry, once its size and digest were checked.
 
-        ``verify=False`` leaves the SHA-256 to the caller, who checks the bytes anyway (a checkpoint load checks
+        ``verify=False`` leaves the digest to the caller, who checks the bytes anyway (a checkpoint load checks
         every file it reads against its manifest's hash): the size is still checked, the bytes are read once.
 
         Raises:
@@ -403,7 +406,7 @@ class Shelf:
         what = f"blob {printable(name)} on the shelf of job {printable(self.job)}"
         with stream:
             view = _writable(into(entry), entry.size, what)
-            digest, got = hashlib.sha256() if verify else None, 0
+            digest, got = hasher_for(entry.digest) if verify else None, 0
             while got < entry.size:
                 n = stream.readinto(view[got:got + CHUNK])
                 if not n:
@@ -411,12 +414,12 @@ class Shelf:
                 if digest is not None:
                     digest.update(view[got:got + n])
                 got += n
-        if got != entry.size or (digest is not None and digest.hexdigest() != entry.sha256):
-            raise HandoverError(f"{what} is damaged: its bytes do not match its entry's size and sha256")
+        if got != entry.size or (digest is not None and digest.hexdigest() != entry.digest):
+            raise HandoverError(f"{what} is damaged: its bytes do not match its entry's size and digest")
         return entry
 
     def get(self, name: str) -> memoryview:
-        """The blob's bytes (read only), checked against its entry's size and SHA-256 (see :meth:`get_into`)."""
+        """The blob's bytes (read only), checked against its entry's size and digest (see :meth:`get_into`)."""
         buffers: list[bytearray] = []
 
         def into(entry: Entry) -> memoryview:
@@ -474,11 +477,11 @@ class Space:
         return self.shelf.identity
 
     def adopt(self, name: str, path: str | os.PathLike[str], meta: dict[str, Any] | None = None, *,
-              sha256: str) -> Entry:
+              digest: str) -> Entry:
         """Turns the file ``path`` of :attr:`directory` into blob ``name`` (replacing a blob of that name): its
         entry is appended and the file renamed onto the shelf, where it takes the room it was written in.
 
-        ``sha256`` is the writer's hash of the file's bytes (a checkpoint's files are hashed as they are written);
+        ``digest`` is the writer's hash of the file's bytes (a checkpoint's files are hashed as they are written);
         as for :meth:`Shelf.put`, every reader that verifies checks the bytes against it.
 
         Raises:
@@ -487,8 +490,9 @@ class Space:
         """
         shelf = self.shelf
         check_name(name)
-        if not isinstance(sha256, str) or len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
-            raise HandoverError(f"a blob's sha256 is 64 lower-case hex digits, got {short_repr(sha256)}")
+        if not is_digest(digest):
+            raise HandoverError(f"a blob's digest is '<algorithm>:<64 lower-case hex digits>', got "
+                                f"{short_repr(digest)}")
         meta_text = _meta_text({} if meta is None else meta)
         path = Path(path)
         if path.parent != self.directory:
@@ -502,7 +506,7 @@ class Space:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise HandoverError(f"{printable(str(path))} is not a regular file: it cannot become a blob")
-            entry = Entry(name, info.st_size, sha256, json.loads(meta_text))
+            entry = Entry(name, info.st_size, digest, json.loads(meta_text))
             tail = _tail(entry)
             try:
                 os.pwrite(fd, tail, info.st_size)
@@ -978,12 +982,12 @@ def _reply(sock: socket.socket, peer: str, token: str, job: str, nonce: str, nam
 def _receive(sock: socket.socket, peer: str, entry: Entry, buffer: memoryview, timeout: float) -> None:
     """One blob's bytes into ``buffer``, hashed as they come; raises HandoverError.
 
-    A blob of more than ``_HASH_SPAN`` bytes is hashed by a thread of its own, a span behind the socket (hashlib
+    A blob of more than ``_HASH_SPAN`` bytes is hashed by a thread of its own, a span behind the socket (the hash
     and ``recv_into`` both let go of the GIL): receiving and hashing then take two cores rather than adding up on
     one. The bytes hashed are the buffer's, which nothing writes again once they arrived."""
     what = f"blob {printable(entry.name)} from shelf peer {peer}"
     view = _writable(buffer, entry.size, what)
-    digest, got, hashed = hashlib.sha256(), 0, 0
+    digest, got, hashed = hasher_for(entry.digest), 0, 0
     hasher = _Hasher(digest) if entry.size > _HASH_SPAN else None
     sock.settimeout(timeout)
     try:
@@ -1004,5 +1008,5 @@ def _receive(sock: socket.socket, peer: str, entry: Entry, buffer: memoryview, t
     finally:
         if hasher is not None:
             hasher.close()
-    if digest.hexdigest() != entry.sha256:
-        raise HandoverError(f"{what} does not match its sha256 (damaged on the peer's shelf or on the way)")
+    if digest.hexdigest() != entry.digest:
+        raise HandoverError(f"{what} does not match its digest (damaged on the peer's shelf or on the way)")

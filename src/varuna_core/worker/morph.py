@@ -186,7 +186,7 @@ class Morph:
 
     def link(self, go: Go) -> Callable[[Any, str, Path], tuple[int, str] | None]:
         """``link(holder, name, path)`` for :func:`~varuna_core.checkpoint.handover.take`: a blob of this host's own
-        shelf put at ``path`` as its file itself (a hard link, no copy), and its data's size and sha256 as its
+        shelf put at ``path`` as its file itself (a hard link, no copy), and its data's size and digest as its
         writer recorded them; None for another host's blob, or where no link can be made (then it is fetched)."""
         assert go.shelf is not None
         local = Shelf(go.shelf, root=self.staging)
@@ -200,7 +200,7 @@ class Morph:
                 return None
             self.taken["local"] += entry.size
             self._copied(go, holder, name, entry.size, "copies")  # linked first: the copy is on this host
-            return entry.size, entry.sha256
+            return entry.size, entry.digest
 
         return link
 
@@ -226,7 +226,7 @@ class Morph:
                   max_bytes: int) -> dict[str, str] | None:
             host, address, port = holder
             if host == self.told.host and all(local.has(name) for name in names):
-                for name in names:  # each file is checked against the manifest's sha256 as it is loaded
+                for name in names:  # each file is checked against the manifest's digest as it is loaded
                     entry = local.get_into(name, lambda e: into(e.name, e.size), verify=False)
                     self.taken["local"] += entry.size
                     self._copied(go, holder, name, entry.size, "replica")  # fetched: the writer's holder failed
@@ -236,6 +236,6 @@ class Morph:
             self.taken["remote"] += sum(e.size for e in entries.values())
             for entry in entries.values():
                 self._copied(go, holder, entry.name, entry.size, "replica")
-            return {name: entry.sha256 for name, entry in entries.items()}  # each checked as it arrived
+            return {name: entry.digest for name, entry in entries.items()}  # each checked as it arrived
 
         return fetch

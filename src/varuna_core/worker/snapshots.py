@@ -378,7 +378,7 @@ class Snapshots:
             if cancelled is not None and cancelled.is_set():
                 return 0  # (what it fetched goes with the room it had)
             for name, entry in entries.items():
-                space.adopt(name, files[name][0], entry.meta, sha256=entry.sha256)
+                space.adopt(name, files[name][0], entry.meta, digest=entry.digest)
         return sum(e.size for e in entries.values())
 
     def _say(self, message: str) -> None:
