@@ -561,6 +561,8 @@ def test_a_last_publish_makes_the_files_a_take_mapped_blobs_without_a_copy(shm) 
     publish(state, final.reserve, final=True)
     adopted = {_inode_of(final, n) for n in final.names() if n.endswith(".distcp")} & set(kept)
     assert _mapped_files(weight)[1] in adopted and not any(keep.iterdir())  # renamed: no copy
+    for name in final.names():
+        final.get(name)  # its bytes match the digest its entry records, hashed from the mapping (raises if not)
     assert not [path for path in handover._LIVE if path.startswith(str(keep))]
     other, fresh = _wide_state(2, iteration=0, seed=1, run_id="run-c")
     take(fresh, step=STEP + 1, locate=lambda name: "here", fetch=_from(final, []), staging=shm / "again")
@@ -605,9 +607,17 @@ def test_reside_moves_the_state_into_files_a_last_publish_adopts(shm, monkeypatc
         p.grad = torch.ones_like(p)
     state.optimizer.step()
     final = Shelf("final", root=shm / "final")
+    routes: list[bool] = []
+    digest_of = handover._digest_of
+    monkeypatch.setattr(handover, "_digest_of", lambda path, mapping=None, size=0:
+                        routes.append(mapping is not None) or digest_of(path, mapping, size))
     publish(state, final.reserve, final=True)
     assert {_inode_of(final, n) for n in final.names()} & kept == kept and not any(keep.iterdir())
     assert not [path for path in handover._LIVE if path.startswith(str(keep))]
+    assert routes == [True] * len(kept)  # each adopted file hashed from the pages it was trained in
+    for name in final.names():
+        final.get(name)  # its bytes match the digest its entry records (raises if not)
+    monkeypatch.setattr(handover, "_digest_of", digest_of)
 
     model, state = _wide_state(1)
 
