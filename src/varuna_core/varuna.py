@@ -369,8 +369,24 @@ class Varuna(nn.Module):
                 step=step, locate=locate, fetch=fetch, staging=staging, link=link, holder_of=holder_of, in_place=True,
                 map_files=True, drop=drop, keep=keep),
             arrive=self._unpark, release=self.grad_buffer.release,
-            reside=lambda keep: reside(self._checkpoint_state(), keep))
+            reside=lambda keep: reside(self._checkpoint_state(), keep), state_bytes=self._state_bytes)
         self.supervision.ready()
+
+    def _state_bytes(self) -> int:
+        """An estimate of this rank's checkpointed state before the optimizer made any: its parameters, and as
+        many fp32 copies of each as its optimizer keeps (two for the Adam family, one for momentum or a running
+        average; an unknown optimizer is taken as Adam-like)."""
+        params = sum(p.numel() * p.element_size() for _, p in self.stage_slice.param_names)
+        floats = sum(p.numel() * 4 for _, p in self.stage_slice.param_names)
+        optimizer = self.optimizer
+        slots = 2
+        if optimizer is not None:
+            name = type(optimizer).__name__
+            if name in ("SGD", "RMSprop", "Adagrad"):
+                slots = 1 if name != "SGD" or any(g.get("momentum") for g in optimizer.param_groups) else 0
+        if self._shards is not None:
+            floats //= self.dp  # a replica keeps its pieces of the optimizer state only
+        return params + slots * floats
 
     # ------------------------------------------------------------------------------------------------------
     # Seed API

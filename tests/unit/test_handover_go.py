@@ -6,6 +6,7 @@ replayed from the store, can tell a worker where to take its state from; and the
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -142,3 +143,98 @@ def test_a_warm_worker_refuses_a_go_that_is_not_its_own(store, message) -> None:
 def test_a_warm_worker_does_not_wait_for_ever(store) -> None:
     with pytest.raises(HandoverError, match=r"did not come within 0\.2 s"):
         _warm(store).wait_for_go(timeout=0.2)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# [Note: receive into touched memory]
+
+
+def _joining(tmp_path, attempt: int = 3) -> Morph:
+    return Morph(WorkerEnv(job_id="j", job_token=TOKEN, attempt=attempt, shelf_dir=str(tmp_path), host="h1",
+                           handover="wait"))
+
+
+def test_only_a_host_without_the_previous_attempts_shelf_counts_as_joining(tmp_path) -> None:
+    from varuna_core.launch.shelf import Shelf, shelf_key
+
+    assert not _joining(tmp_path).holds_old_state()
+    Shelf(shelf_key("j", 1), root=tmp_path).path.mkdir()  # an older attempt's: not the one handing over
+    assert not _joining(tmp_path).holds_old_state()
+    Shelf(shelf_key("j", 2), root=tmp_path).path.mkdir()
+    assert _joining(tmp_path).holds_old_state()
+    assert _joining(tmp_path, attempt=1).holds_old_state()  # a first attempt takes nothing: left alone
+    assert Morph(WorkerEnv(attempt=3, host="h1", handover="wait")).holds_old_state()  # unknown: left alone
+
+
+def test_prefault_touches_what_it_is_asked_within_half_the_free_memory_and_gives_it_back(tmp_path,
+                                                                                         monkeypatch) -> None:
+    from varuna_core.worker import morph as morph_mod
+
+    chunk = morph_mod._PREFAULT_CHUNK
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 10 * chunk)
+    morph = _joining(tmp_path)
+    path = tmp_path / f".varuna-prefault-{os.getpid()}"
+    assert morph.prefault(3 * chunk + 5) == 3 * chunk + 5 and path.stat().st_size == 3 * chunk + 5
+    assert morph.prefault(chunk) == 0  # one at a time
+    morph.give_back(chunk)
+    assert path.stat().st_size == 2 * chunk + 5
+    morph.give_back(10 * chunk)  # more than it holds: all of it
+    assert not path.exists() and morph._pool is None
+    morph.give_back()  # nothing held: nothing to do
+    assert morph.prefault(100 * chunk) == 5 * chunk  # half of what is available
+    morph.give_back()
+    assert not path.exists()
+    assert morph.prefault(chunk - 1) == 0 and not path.exists()  # too little to be worth it
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 0)  # unreadable /proc/meminfo: nothing
+    assert morph.prefault(3 * chunk) == 0
+
+
+def test_a_full_tmpfs_keeps_what_was_prefaulted_and_a_planted_file_is_not_written(tmp_path, monkeypatch) -> None:
+    import errno
+
+    from varuna_core.worker import morph as morph_mod
+
+    chunk = morph_mod._PREFAULT_CHUNK
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * chunk)
+    writes = []
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        if writes:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        writes.append(offset)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    morph = _joining(tmp_path)
+    assert morph.prefault(4 * chunk) == chunk
+    morph.give_back()
+    monkeypatch.setattr(os, "pwrite", real)
+    target = tmp_path / "elsewhere"
+    (tmp_path / f".varuna-prefault-{os.getpid()}").symlink_to(target)  # planted: never followed
+    assert morph.prefault(2 * chunk) == 0 and not target.exists()
+
+
+def test_a_fetch_over_the_wire_gives_back_its_bytes_before_they_arrive(tmp_path, monkeypatch) -> None:
+    from varuna_core.launch.protocol import Go, ShelfHolder
+    from varuna_core.worker import morph as morph_mod
+
+    chunk = morph_mod._PREFAULT_CHUNK
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * chunk)
+    morph = _joining(tmp_path)
+    morph.prefault(4 * chunk)
+    path = tmp_path / f".varuna-prefault-{os.getpid()}"
+    sizes = []
+
+    def fetch_into(address, port, *, names, max_bytes, **kwargs):
+        sizes.append(path.stat().st_size if path.exists() else 0)
+        return {}
+
+    monkeypatch.setattr(morph_mod, "fetch_into", fetch_into)
+    go = Go(attempt=3, source="shelf", step=1, shelf="j-a2",
+            holders=[ShelfHolder(host="h2", address="10.0.0.2", port=7)])
+    fetch = morph.fetch(go)
+    fetch(("h2", "10.0.0.2", 7), ["step_1/__0_0.distcp"], lambda name, size: None, chunk)
+    fetch(("h2", "10.0.0.2", 7), ["step_1/__0_1.distcp"], lambda name, size: None, 5 * chunk)
+    assert sizes == [3 * chunk, 0] and not path.exists()
+

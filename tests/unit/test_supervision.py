@@ -178,9 +178,10 @@ class Publisher(Trainer):
         self.iteration = step
         return step
 
-    def supervision(self, reside=None) -> Supervision:
+    def supervision(self, reside=None, state_bytes=None) -> Supervision:
         return Supervision(0, samples=8, save=self.save, load=self.load, progress=lambda: (self.iteration, None, None),
-                           publish=self.publish, take=self.take, release=self.release, reside=reside)
+                           publish=self.publish, take=self.take, release=self.release, reside=reside,
+                           state_bytes=state_bytes)
 
 
 @pytest.fixture
@@ -306,6 +307,46 @@ def test_a_failed_take_falls_back_to_the_stores_checkpoint_or_stops(shelved) -> 
     sup = _warm(shelved, t, Go(attempt=2, source="shelf", step=9, shelf="s", holders=holders))
     with pytest.raises(HandoverError, match="did not answer"):  # nothing to fall back on: the launcher restarts
         sup.resume()
+
+
+@pytest.mark.parametrize("old_state_here", [False, True])
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(shelved, tmp_path, monkeypatch,
+                                                                              old_state_here, fails) -> None:
+    """[Note: receive into touched memory]: before it says it is warm, a worker on a host with no shelf of the
+    attempt before writes its state's estimated size into the tmpfs, and that file is gone once the take ended,
+    taken or failed; a host that holds old state is left alone."""
+    from varuna_core.errors import HandoverError
+    from varuna_core.launch.protocol import Go, ShelfHolder
+    from varuna_core.launch.shelf import Shelf, shelf_key
+    from varuna_core.worker import morph as morph_mod
+
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 1 << 40)
+    if old_state_here:
+        Shelf(shelf_key("job", 1), root=tmp_path / "shm").path.mkdir(parents=True)
+    seen: list[list[str]] = []
+    t = Publisher(fail=HandoverError("shelf peer 127.0.0.1:1 did not answer") if fails else None)
+    real_take = t.take
+
+    def take(*args, **kwargs):
+        seen.append(sorted(p.name for p in (tmp_path / "shm").glob(".varuna-prefault-*")))
+        return real_take(*args, **kwargs)
+
+    t.take = take
+    holders = [ShelfHolder(host="h", address="127.0.0.1", port=1)]
+    shelved.setenv("VARUNA_HANDOVER", "wait")
+    sup = t.supervision(state_bytes=lambda: 200 << 20)
+    assert sup.morph is not None
+    sup.morph.wait_for_go = lambda timeout=None: Go(attempt=2, source="shelf", step=7, shelf="job-a1",
+                                                    holders=holders, fallback_step=None)
+    if fails:
+        with pytest.raises(HandoverError):
+            sup.resume()
+    else:
+        sup.resume()
+    assert seen == [[] if old_state_here else [f".varuna-prefault-{os.getpid()}"]]
+    assert sup.morph.prefaulted == (0 if old_state_here else 200 << 20)
+    assert not list((tmp_path / "shm").glob(".varuna-prefault-*"))  # given back, whatever happened
 
 
 def test_a_warm_worker_with_a_resume_step_is_a_contradiction(shelved) -> None:

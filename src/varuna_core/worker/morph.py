@@ -18,10 +18,23 @@ and the attempt: :func:`~varuna_core.launch.shelf.shelf_key`) that its node agen
 
 Which old rank holds a file follows from the checkpoint's own naming: rank ``r`` writes ``__<r>_0.distcp``; the
 small files (the run, the manifest, the index, ``COMPLETE``) are rank 0's.
+
+[Note: receive into touched memory] A take over the wire writes every byte it receives into new pages of the
+shelf's tmpfs. On a VM, memory the guest has not touched lately costs a fault into the hypervisor per page: on the
+2-core VM of benchmarks/README.md first touches ran at 0.35-0.6 GB/s against 1.2 GB/s for memory freed moments
+before, and a host that rejoins (its last worker's memory long given back) received a 3 GB stage in 9-11 s
+over a link of 1.2 GB/s. So a warm worker on a host that holds no state of the old configuration (no shelf of
+the attempt before: a host that joins, which will take its whole stage over the wire) first writes an estimate of
+its stage's state into a file of the shelf's tmpfs (:meth:`Morph.prefault`, before it tells the launcher it is
+warm: off the critical path, the old configuration trains meanwhile), and gives that memory back piece by piece
+just before each request's bytes arrive (:meth:`Morph.fetch`), so that they land in pages the guest has just
+touched. A host that holds old state takes most of it in place and is left alone; so is one whose free memory
+the estimate would take more than half of.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -41,6 +54,9 @@ __all__ = ["Morph", "WAIT_FOR_GO", "holder_rank"]
 WAIT_FOR_GO = 3600.0  # seconds a warm worker waits for the go before it gives up (the launcher sends it sooner)
 _DATA_FILE = re.compile(r"__([0-9]+)_[0-9]+\.distcp")
 _WAIT = 5.0  # seconds of one wait on the store for the go (then the deadline is looked at again)
+_PREFAULT_CHUNK = 64 << 20  # bytes per write while pre-faulting
+
+log = logging.getLogger(__name__)
 
 
 def holder_rank(blob: str) -> int:
@@ -64,6 +80,9 @@ class Morph:
     # this host taken rather than its writer's file elsewhere, "replica": from a replica because the writer's
     # holder failed
     taken: dict[str, int] = field(default_factory=lambda: {"local": 0, "remote": 0, "copies": 0, "replica": 0})
+    # [Note: receive into touched memory]: the file, its descriptor and its bytes, while it holds any
+    _pool: tuple[Path, int, int] | None = field(default=None, repr=False)
+    prefaulted: int = 0  # bytes pre-faulted (for the log)
 
     @classmethod
     def launched(cls, told: WorkerEnv) -> Morph | None:
@@ -104,6 +123,57 @@ class Morph:
         """Where a publish or a take writes its private files first: the shelf's tmpfs."""
         assert self.told.shelf_dir is not None
         return Path(self.told.shelf_dir)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Memory for what arrives ([Note: receive into touched memory])
+
+    def holds_old_state(self) -> bool:
+        """Whether this host holds a shelf of the attempt before this one (its old workers' state and copies)."""
+        attempt, job = self.told.attempt or 0, self.told.job_id
+        if attempt < 2 or job is None or self.told.shelf_dir is None:
+            return True  # no attempt before, or unknown: as if it did, and its memory is left alone
+        return Shelf(shelf_key(job, attempt - 1), root=self.told.shelf_dir).path.exists()
+
+    def prefault(self, nbytes: int) -> int:
+        """Touch ``nbytes`` (at most half the host's available memory) of the shelf's tmpfs in a file of this
+        worker's, to be given back as the take's bytes arrive; returns the bytes touched (0: nothing to do, or the
+        tmpfs refused, which is only logged)."""
+        nbytes = min(int(nbytes), _available_memory() // 2)
+        if nbytes < _PREFAULT_CHUNK or self._pool is not None:
+            return 0
+        path = self.staging / f".varuna-prefault-{os.getpid()}"
+        try:
+            self.staging.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError as exc:
+            log.info("memory for the take not pre-faulted (%s)", exc.strerror or exc)
+            return 0
+        zeros, written = memoryview(bytes(_PREFAULT_CHUNK)), 0
+        try:
+            while written < nbytes:
+                written += os.pwrite(fd, zeros[:min(_PREFAULT_CHUNK, nbytes - written)], written)
+        except OSError as exc:  # a full tmpfs: what was written still helps
+            log.info("pre-faulted %d of %d bytes (%s)", written, nbytes, exc.strerror or exc)
+        self._pool = (path, fd, written)
+        self.prefaulted = written
+        return written
+
+    def give_back(self, nbytes: int | None = None) -> None:
+        """Free the last ``nbytes`` of the pre-faulted file (all of it, and the file, with None)."""
+        if self._pool is None:
+            return
+        path, fd, size = self._pool
+        size = 0 if nbytes is None else max(0, size - nbytes)
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            size = 0
+        if size == 0:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            self._pool = None
+        else:
+            self._pool = (path, fd, size)
 
     # ------------------------------------------------------------------------------------------------------
     # Wait
@@ -231,6 +301,7 @@ class Morph:
                     self.taken["local"] += entry.size
                     self._copied(go, holder, name, entry.size, "replica")  # fetched: the writer's holder failed
                 return None
+            self.give_back(max_bytes)  # these bytes land in memory just touched
             entries = fetch_into(address, port, job=job, token=token, names=names, max_bytes=max_bytes,
                                  into=lambda e: into(e.name, e.size), timeout=timeout)
             self.taken["remote"] += sum(e.size for e in entries.values())
@@ -239,3 +310,15 @@ class Morph:
             return {name: entry.digest for name, entry in entries.items()}  # each checked as it arrived
 
         return fetch
+
+
+def _available_memory() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where it cannot be read: nothing is pre-faulted)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -121,6 +121,9 @@ class Supervision:
             frees what no checkpoint holds (the gradient buffers, as large as the parameters), so that the
             publish writes into memory the process just gave back rather than memory the host has not touched
             lately ([Note: publish into freed memory] in :mod:`varuna_core.checkpoint.handover`).
+        state_bytes: an estimate of the bytes this rank's state will take (its parameters and optimizer state),
+            asked by a warm worker on a host that holds no old state, which touches that much memory before it takes
+            its state over the wire ([Note: receive into touched memory] in :mod:`varuna_core.worker.morph`).
         reside: ``reside(keep)``, called once after the first step (the optimizer's state exists then) where a
             handover may come: moves the parameters and optimizer state into files of ``keep`` on the shelf's
             tmpfs, so that the handover's publish makes them blobs without a copy (``handover.reside``); returns
@@ -133,10 +136,12 @@ class Supervision:
                  progress: Callable[[], Progress | tuple[Any, ...]], told: WorkerEnv | None = None,
                  publish: Callable[..., dict[str, int]] | None = None,
                  take: Callable[..., int] | None = None, arrive: Callable[[], None] | None = None,
-                 release: Callable[[], None] | None = None, reside: Callable[[Path], int] | None = None) -> None:
+                 release: Callable[[], None] | None = None, reside: Callable[[Path], int] | None = None,
+                 state_bytes: Callable[[], int] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load, self._publish, self._take, self._arrive = save, load, publish, take, arrive
         self._release = release
+        self._state_bytes = state_bytes
         self._reside = reside  # None once done (or never: no handover)
         self._progress = progress
         self.started = _process_start()
@@ -465,6 +470,17 @@ class Supervision:
 
     def _take_over(self, morph: Morph) -> None:
         """A warm worker: tell the launcher, wait for the go, take the state from where it says."""
+        if self._state_bytes is not None and not morph.holds_old_state():
+            started = time.monotonic()
+            if morph.prefault(self._state_bytes()):
+                log.info("rank %d touched %d bytes of memory for its take in %.2f s", self.rank, morph.prefaulted,
+                         time.monotonic() - started)
+        try:
+            self._warm_and_take(morph)
+        finally:
+            morph.give_back()
+
+    def _warm_and_take(self, morph: Morph) -> None:
         if self.beacon is not None:
             self.beacon.progress(step=self._now().iteration, t_warm=time.time())
             self.beacon.flush()
