@@ -187,6 +187,12 @@ def test_prefault_touches_what_it_is_asked_within_half_the_free_memory_and_gives
     assert morph.prefault(chunk - 1) == 0 and not path.exists()  # too little to be worth it
     monkeypatch.setattr(morph_mod, "_available_memory", lambda: 0)  # unreadable /proc/meminfo: nothing
     assert morph.prefault(3 * chunk) == 0
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * chunk)
+    real = os.statvfs(tmp_path)
+    small = os.statvfs_result((real.f_bsize, chunk, 0, 0, 6, *real[5:]))  # 6 free blocks of a chunk: a small tmpfs
+    monkeypatch.setattr(os, "statvfs", lambda path: small)
+    assert morph.prefault(10 * chunk) == 3 * chunk  # half its free space
+    morph.give_back()
 
 
 def test_a_full_tmpfs_keeps_what_was_prefaulted_and_a_planted_file_is_not_written(tmp_path, monkeypatch) -> None:

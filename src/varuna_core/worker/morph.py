@@ -135,15 +135,21 @@ class Morph:
         return Shelf(shelf_key(job, attempt - 1), root=self.told.shelf_dir).path.exists()
 
     def prefault(self, nbytes: int) -> int:
-        """Touch ``nbytes`` (at most half the host's available memory) of the shelf's tmpfs in a file of this
-        worker's, to be given back as the take's bytes arrive; returns the bytes touched (0: nothing to do, or the
-        tmpfs refused, which is only logged)."""
+        """Touch ``nbytes`` (at most half the host's available memory, and half the tmpfs's free space) of the
+        shelf's tmpfs in a file of this worker's, to be given back as the take's bytes arrive; returns the bytes
+        touched (0: nothing to do, or the tmpfs refused, which is only logged). The file never holds more than the
+        take will need (an estimate of it), and shrinks as the bytes arrive: the tmpfs is never fuller than the
+        take alone would leave it."""
         nbytes = min(int(nbytes), _available_memory() // 2)
         if nbytes < _PREFAULT_CHUNK or self._pool is not None:
             return 0
         path = self.staging / f".varuna-prefault-{os.getpid()}"
         try:
             self.staging.mkdir(parents=True, exist_ok=True)
+            room = os.statvfs(self.staging)
+            nbytes = min(nbytes, room.f_bavail * room.f_frsize // 2)
+            if nbytes < _PREFAULT_CHUNK:
+                return 0
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError as exc:
             log.info("memory for the take not pre-faulted (%s)", exc.strerror or exc)
