@@ -173,7 +173,7 @@ def test_prefault_touches_what_it_is_asked_within_half_the_free_memory_and_gives
     chunk = morph_mod._PREFAULT_CHUNK
     monkeypatch.setattr(morph_mod, "_available_memory", lambda: 10 * chunk)
     morph = _joining(tmp_path)
-    path = tmp_path / f".varuna-prefault-{os.getpid()}"
+    path = morph.shelf.path / f"{os.getpid()}.prefault"
     assert morph.prefault(3 * chunk + 5) == 3 * chunk + 5 and path.stat().st_size == 3 * chunk + 5
     assert morph.prefault(chunk) == 0  # one at a time
     morph.give_back(chunk)
@@ -217,8 +217,11 @@ def test_a_full_tmpfs_keeps_what_was_prefaulted_and_a_planted_file_is_not_writte
     morph.give_back()
     monkeypatch.setattr(os, "pwrite", real)
     target = tmp_path / "elsewhere"
-    (tmp_path / f".varuna-prefault-{os.getpid()}").symlink_to(target)  # planted: never followed
+    (morph.shelf.path / f"{os.getpid()}.prefault").symlink_to(target)  # planted: never followed
     assert morph.prefault(2 * chunk) == 0 and not target.exists()
+    (morph.shelf.path / f"{os.getpid()}.prefault").unlink()
+    morph.shelf.path.chmod(0o777)  # a shelf directory others can write: not used
+    assert morph.prefault(2 * chunk) == 0 and not list(morph.shelf.path.iterdir())
 
 
 def test_a_fetch_over_the_wire_gives_back_its_bytes_before_they_arrive(tmp_path, monkeypatch) -> None:
@@ -229,7 +232,7 @@ def test_a_fetch_over_the_wire_gives_back_its_bytes_before_they_arrive(tmp_path,
     monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * chunk)
     morph = _joining(tmp_path)
     morph.prefault(4 * chunk)
-    path = tmp_path / f".varuna-prefault-{os.getpid()}"
+    path = morph.shelf.path / f"{os.getpid()}.prefault"
     sizes = []
 
     def fetch_into(address, port, *, names, max_bytes, **kwargs):

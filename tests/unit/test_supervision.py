@@ -329,7 +329,7 @@ def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(s
     real_take = t.take
 
     def take(*args, **kwargs):
-        seen.append(sorted(p.name for p in (tmp_path / "shm").glob(".varuna-prefault-*")))
+        seen.append(sorted(p.name for p in (tmp_path / "shm").rglob("*.prefault")))
         return real_take(*args, **kwargs)
 
     t.take = take
@@ -344,9 +344,9 @@ def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(s
             sup.resume()
     else:
         sup.resume()
-    assert seen == [[] if old_state_here else [f".varuna-prefault-{os.getpid()}"]]
+    assert seen == [[] if old_state_here else [f"{os.getpid()}.prefault"]]
     assert sup.morph.prefaulted == (0 if old_state_here else 200 << 20)
-    assert not list((tmp_path / "shm").glob(".varuna-prefault-*"))  # given back, whatever happened
+    assert not list((tmp_path / "shm").rglob("*.prefault"))  # given back, whatever happened
 
 
 def test_a_warm_worker_with_a_resume_step_is_a_contradiction(shelved) -> None:

@@ -199,13 +199,19 @@ class Shelf:
                                 hint="remove it, or give the shelf another root")
         return True
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The directory's lock: a put's budget check and reservation are one step for every process."""
+    def make_dir(self) -> Path:
+        """The job's directory, made if it is missing; raises HandoverError if it is not one this user alone can
+        write (see :meth:`_check_dir`). Files of the job's own put there go with the shelf (:meth:`clear`)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):
             self.path.mkdir(mode=0o700)
         self._check_dir()
+        return self.path
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The directory's lock: a put's budget check and reservation are one step for every process."""
+        self.make_dir()
         fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

@@ -28,8 +28,9 @@ the attempt before: a host that joins, which will take its whole stage over the 
 its stage's state into a file of the shelf's tmpfs (:meth:`Morph.prefault`, before it tells the launcher it is
 warm: off the critical path, the old configuration trains meanwhile), and gives that memory back piece by piece
 just before each request's bytes arrive (:meth:`Morph.fetch`), so that they land in pages the guest has just
-touched. A host that holds old state takes most of it in place and is left alone; so is one whose free memory
-the estimate would take more than half of.
+touched. A host that holds old state takes most of it in place and is left alone; and no more than half of the
+host's free memory, or of the tmpfs's free space, is touched. The file is in the attempt's shelf, which its node
+agent removes when the attempt ends, so a worker killed while it holds the memory does not leave it behind.
 """
 
 from __future__ import annotations
@@ -143,16 +144,15 @@ class Morph:
         nbytes = min(int(nbytes), _available_memory() // 2)
         if nbytes < _PREFAULT_CHUNK or self._pool is not None:
             return 0
-        path = self.staging / f".varuna-prefault-{os.getpid()}"
-        try:
-            self.staging.mkdir(parents=True, exist_ok=True)
-            room = os.statvfs(self.staging)
+        try:  # in this attempt's shelf: its agent removes it with the shelf if this process dies holding it
+            path = self.shelf.make_dir() / f"{os.getpid()}.prefault"
+            room = os.statvfs(path.parent)
             nbytes = min(nbytes, room.f_bavail * room.f_frsize // 2)
             if nbytes < _PREFAULT_CHUNK:
                 return 0
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        except OSError as exc:
-            log.info("memory for the take not pre-faulted (%s)", exc.strerror or exc)
+        except (OSError, HandoverError) as exc:
+            log.info("memory for the take not pre-faulted (%s)", exc)
             return 0
         zeros, written = memoryview(bytes(_PREFAULT_CHUNK)), 0
         try:
