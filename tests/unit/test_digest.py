@@ -4,6 +4,7 @@ written, the recorded algorithm for what is checked, and nothing else accepted a
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
 
 import pytest
@@ -62,21 +63,27 @@ def test_an_unknown_algorithm_is_refused() -> None:
 
 def test_hashing_lets_other_threads_run() -> None:
     """The hash runs outside the GIL (what lets a receiver or a writer hash on a helper thread while its own
-    thread moves the next bytes): a Python thread keeps counting while another hashes 256 MiB."""
+    thread moves the next bytes). With a switch interval of a second, a thread that holds the GIL keeps it for
+    the whole of a 256 MiB hash; so a counting thread advances during the hash only if the hash let the GIL go."""
     data = memoryview(bytes(256 << 20))
-    ticks, done = [0], threading.Event()
+    ticks, done, running = [0], threading.Event(), threading.Event()
 
     def count() -> None:
+        running.set()
         while not done.is_set():
             ticks[0] += 1
 
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
     counter = threading.Thread(target=count)
-    counter.start()
     try:
-        before = ticks[0]
+        counter.start()
+        running.wait()
+        before = ticks[0]  # the counter gave the GIL back to let this run: it waits for it now
         of_bytes(data)
-        during = ticks[0] - before
+        during = ticks[0] - before  # read before the counter could run again under a GIL held throughout
     finally:
         done.set()
         counter.join()
+        sys.setswitchinterval(interval)
     assert during > 0

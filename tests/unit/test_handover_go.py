@@ -170,6 +170,7 @@ def test_prefault_touches_what_it_is_asked_within_half_the_free_memory_and_gives
                                                                                          monkeypatch) -> None:
     from varuna_core.worker import morph as morph_mod
 
+    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", 1 << 20)  # small chunks: the logic, not the volume
     chunk = morph_mod._PREFAULT_CHUNK
     monkeypatch.setattr(morph_mod, "_available_memory", lambda: 10 * chunk)
     morph = _joining(tmp_path)
@@ -200,6 +201,7 @@ def test_a_full_tmpfs_keeps_what_was_prefaulted_and_a_planted_file_is_not_writte
 
     from varuna_core.worker import morph as morph_mod
 
+    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", 1 << 20)  # small chunks: the logic, not the volume
     chunk = morph_mod._PREFAULT_CHUNK
     monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * chunk)
     writes = []
@@ -228,6 +230,7 @@ def test_a_fetch_over_the_wire_gives_back_its_bytes_before_they_arrive(tmp_path,
     from varuna_core.launch.protocol import Go, ShelfHolder
     from varuna_core.worker import morph as morph_mod
 
+    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", 1 << 20)  # small chunks: the logic, not the volume
     chunk = morph_mod._PREFAULT_CHUNK
     monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * chunk)
     morph = _joining(tmp_path)

@@ -322,6 +322,7 @@ def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(s
     from varuna_core.worker import morph as morph_mod
 
     monkeypatch.setattr(morph_mod, "_available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", 1 << 20)  # small chunks: the logic, not the volume
     if old_state_here:
         Shelf(shelf_key("job", 1), root=tmp_path / "shm").path.mkdir(parents=True)
     seen: list[list[str]] = []
@@ -335,7 +336,7 @@ def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(s
     t.take = take
     holders = [ShelfHolder(host="h", address="127.0.0.1", port=1)]
     shelved.setenv("VARUNA_HANDOVER", "wait")
-    sup = t.supervision(state_bytes=lambda: 200 << 20)
+    sup = t.supervision(state_bytes=lambda: 5 << 20)
     assert sup.morph is not None
     sup.morph.wait_for_go = lambda timeout=None: Go(attempt=2, source="shelf", step=7, shelf="job-a1",
                                                     holders=holders, fallback_step=None)
@@ -345,7 +346,7 @@ def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(s
     else:
         sup.resume()
     assert seen == [[] if old_state_here else [f"{os.getpid()}.prefault"]]
-    assert sup.morph.prefaulted == (0 if old_state_here else 200 << 20)
+    assert sup.morph.prefaulted == (0 if old_state_here else 5 << 20)
     assert not list((tmp_path / "shm").rglob("*.prefault"))  # given back, whatever happened
 
 
