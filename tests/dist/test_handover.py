@@ -233,6 +233,19 @@ def _resume_without_host1(roots: list[str], owners: dict[str, int], tmp: Path, n
     assert_resumed(resumed, *uninterrupted(steps_as("0,1", STEP, "0", STEP)), first=STEP)
 
 
+def test_a_host_that_leaves_leaves_the_writes_to_its_replicas_and_keeps_no_copies(tmp_path) -> None:
+    """pp=1 x dp=2 published for a handover to host 0 alone (host 1 leaves: a preemption): rank 0 writes every file
+    of the stage, rank 1 only its own RNG state and no copies, so host 0 holds all the next configuration takes
+    and nothing was written twice; host 1 is then gone, and the run goes on from host 0 as if uninterrupted."""
+    roots = [str(tmp_path / "host0"), str(tmp_path / "host1")]
+    owners = _publish("0,1", roots, tmp_path, final=True, leaving=[1])
+    held = [{n for n in Shelf(JOB, root=root).names() if n.endswith(".distcp")} for root in roots]
+    written = [{n for n, r in owners.items() if r == rank and n.endswith(".distcp")} for rank in (0, 1)]
+    assert written[1] == held[1] == {f"step_{STEP}/__1_0.distcp"}, (written[1], held[1])
+    assert held[0] == written[0] and len(written[0]) > 1, sorted(held[0])
+    _resume_without_host1(roots, owners, tmp_path, "take")
+
+
 def test_two_ranks_of_a_host_share_out_the_copies_it_keeps(tmp_path) -> None:
     """pp=1 x dp=4 on two hosts of two ranks: each host keeps every file of the stage once -- its own ranks' and
     a copy of each of the other host's (but their RNG files) -- and its two ranks made half of the copies each."""

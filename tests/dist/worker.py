@@ -11,7 +11,7 @@ weights (a path for Varuna(weights=...)), evaluate_in_eval_mode (evaluate after 
 error raised, as "eval_mode" or "eval_mode_error"), publish {at, job, roots} (after step ``at``, publish into the
 shelf at ``roots[rank]``: one root per rank, hosts that share no directory; the blob map as "owners"; with
 reside_at, the state moved into files of ``roots[rank]/keep`` before that step, the bytes as "resided"; with
-final, a handover's last publish), take
+final, a handover's last publish; ranks in leaving publish as on a host that leaves), take
 {step, job, token, owners, servers, local, staging, expect_error, map_files} (before training, take the published step from
 the shelf servers: ``servers[r]`` serves old rank r's root, ``local[str(rank)]`` the old rank whose root this rank
 reads directly; with expect_error, record the error and the parameters before and after, and stop; without
@@ -266,7 +266,7 @@ def publish_handover(vm, spec: dict) -> dict[str, int]:
 
     root = Path(spec["roots"][vm.rank])
     return vm.publish_state(Shelf(spec["job"], root=root).reserve, copies=spec.get("copies", True),
-                            final=spec.get("final", False))
+                            final=spec.get("final", False), leaving=vm.rank in spec.get("leaving", ()))
 
 
 def start_snapshots(vm, spec: dict):

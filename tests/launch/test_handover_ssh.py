@@ -105,9 +105,15 @@ def test_a_job_on_hosts_that_share_no_file_system_morphs_by_handover(cluster, pl
     # the shrink took host 2's stage over the wire, the growth all of it onto host 2
     assert firsts[shapes[0]["attempt"]]["taken_remote"] > 0 and firsts[shapes[0]["attempt"]]["taken_local"] > 0
     assert firsts[shapes[1]["attempt"]]["taken_remote"] > 0
-    # the last shrink (dp=2 -> 1 on host 1) took host 2's half from host 1's copy of it: nothing over the wire
+    # each shrink's old workers were told that host 2 leaves, the growth's that no host does
+    names = [line.split()[0] for line in lines]
+    asked = [e["leaving"] for e in events if e["event"] == "handover_asked"]
+    assert asked[0] == asked[-1] == [names[1]] and [] in asked, asked
+    # the last shrink (dp=2 -> 1 on host 1): host 2 leaves, so its replica on host 1 wrote the whole stage, taken
+    # from host 1's own shelf: nothing over the wire, and no copy needed
     last = firsts[shapes[2]["attempt"]]
-    assert last["taken_remote"] == 0 and last["taken_copies"] > 0 and last["taken_replica"] == 0, last
+    assert last["taken_remote"] == 0 and last["taken_copies"] == 0 and last["taken_local"] > 0, last
+    assert last["taken_replica"] == 0, last
     assert not [e for e in events if e["event"] == "handover_replica"], events
     # nothing went through the launcher's own copy of the store's path, and no shelf is left on any host
     assert not STORE.exists() or list(STORE.iterdir()) == []

@@ -174,3 +174,44 @@ def test_new_files_only_never_through_a_link(tmp_path) -> None:
         with pytest.raises(FileExistsError):
             copy_file(tmp_path / "src.bin", tmp_path / name)
     assert victim.read_bytes() == b"keep me"
+
+
+def _local_plan(state: dict[str, torch.Tensor]):
+    """DCP's local save plan of ``state`` (what each rank sends the coordinator)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=False)
+    return planner.create_local_plan()
+
+
+def _written(plans) -> list[set[str]]:
+    return [{item.index.fqn for item in plan.items} for plan in plans]
+
+
+def test_replicated_groups_are_written_whole_by_one_replica_and_not_by_one_that_leaves() -> None:
+    """Two data-parallel replicas hold the same parameters with their moments, and each a state of its own. Each
+    parameter group is written whole by one replica, the groups shared out between them; with rank 1 to be
+    avoided (its host leaves), rank 0 writes every group and rank 1 only what no other rank holds; with every
+    rank avoided, the groups are shared out as before."""
+    from varuna_core.checkpoint.handover import by_parameter
+    from varuna_core.checkpoint.storage import dedup_by_group
+
+    shared = {f"model/{p}": torch.ones(n) for p, n in (("a", 300), ("b", 200), ("c", 100))}
+    shared |= {f"optim/{p}/exp_avg": torch.ones(n) for p, n in (("a", 300), ("b", 200), ("c", 100))}
+    plans = [_local_plan(shared | {f"rng/{rank}": torch.ones(4)}) for rank in (0, 1)]
+    groups = {"a", "b", "c"}
+
+    def groups_of(fqns: set[str]) -> set[str]:
+        return {by_parameter(f) for f in fqns if not f.startswith("rng/")}
+
+    balanced = _written(dedup_by_group(plans, by_parameter))
+    assert groups_of(balanced[0]) | groups_of(balanced[1]) == groups
+    assert groups_of(balanced[0]) and groups_of(balanced[1]) and not groups_of(balanced[0]) & groups_of(balanced[1])
+    for fqns in balanced:  # a parameter and its moment in the same plan
+        mine = groups_of(fqns)
+        assert {f"optim/{g}/exp_avg" for g in mine} | {f"model/{g}" for g in mine} <= fqns
+    assert "rng/0" in balanced[0] and "rng/1" in balanced[1]
+    avoided = _written(dedup_by_group(plans, by_parameter, avoid={1}))
+    assert avoided[0] == set(shared) | {"rng/0"} and avoided[1] == {"rng/1"}
+    assert _written(dedup_by_group(plans, by_parameter, avoid={0, 1})) == balanced

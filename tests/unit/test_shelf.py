@@ -141,6 +141,35 @@ def test_a_planted_shelf_directory_is_refused(tmp_path) -> None:
         shelf.manifest()
 
 
+def test_a_host_marked_as_leaving_is_seen_so_by_every_writer_and_only_through_a_plain_file(tmp_path) -> None:
+    shelf, other = Shelf(JOB, root=tmp_path), Shelf(JOB, root=tmp_path)
+    assert not shelf.leaving and not shelf.path.exists()  # asking makes nothing
+    other.put("a", b"data")
+    other.mark_leaving()
+    other.mark_leaving()  # twice is once
+    assert shelf.leaving and Shelf("another job", root=tmp_path).leaving is False
+    assert shelf.names() == ["a"] and shelf.get("a") == b"data"  # the mark is no blob
+    mark = shelf.path / ".leaving"
+    mark.unlink()
+    mark.symlink_to(tmp_path / "anything")  # a link is no mark, and marking does not write through it
+    assert not shelf.leaving
+    with pytest.raises(OSError):
+        shelf.mark_leaving()
+    assert not (tmp_path / "anything").exists()
+    mark.unlink()
+    mark.mkdir()
+    assert not shelf.leaving
+    mark.rmdir()
+    shelf.mark_leaving()
+    shelf.path.chmod(0o777)  # a directory others could have written: its mark is nobody's word
+    assert not shelf.leaving
+    with pytest.raises(HandoverError, match="only this user can write"):
+        shelf.mark_leaving()
+    shelf.path.chmod(0o700)
+    shelf.clear()
+    assert not shelf.leaving
+
+
 @pytest.mark.parametrize("name", ["", "a\0b", "line\nbreak", "x" * (MAX_NAME + 1), 7, None])
 def test_bad_names_are_refused(shelf, name) -> None:
     with pytest.raises(HandoverError, match="bad blob name"):

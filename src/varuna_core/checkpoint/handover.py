@@ -169,7 +169,7 @@ def blob_name(step: int, file: str) -> str:
 
 
 def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None,
-            copies: bool = True, final: bool = False) -> dict[str, int]:
+            copies: bool = True, final: bool = False, leaving: bool = False) -> dict[str, int]:
     """Put a checkpoint of every rank's state on each rank's own host's shelf (collective).
 
     Args:
@@ -182,6 +182,11 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
         final: this process changes its state no more (a handover's publish, after which it exits): the files a
             take mapped as its memory, and still whole, become blobs as they are, hashed but not copied
             ([Note: a take maps its files]).
+        leaving: this rank's host is not in the next configuration (a handover to hosts without it; each rank
+            passes its own). Under data parallelism a file that a replica on a staying host could write is
+            written there, and this rank keeps no copies of its replicas' files: so what a staying host needs
+            is on it already, and a leaving host writes and hashes nothing the next configuration will not take
+            (a preemption's publish was twice the work: each host wrote half and copied the other half).
 
     Returns:
         On every rank, ``{blob name: rank that put it}``.
@@ -209,11 +214,12 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
         try:
             _agree(state, problem, _KEEP_TRAINING)
             assert space is not None  # every rank has room, or all raised above
+            leavers = {r for r, part in enumerate(_gather(state, [leaving])) if part[0]} if state.dp > 1 else set()
             local = Path(space.directory)
             hashers = stack.enter_context(ThreadPoolExecutor(_hash_threads(), "varuna-hash")) if final else None
             writer = RawWriter(local, sync_files=False, group=by_parameter,  # tmpfs: nothing to sync
                                adopt=functools.partial(_adopt_live, hashers=hashers) if final else None)
-            dcp_save(tensors, writer)  # a failure anywhere raises everywhere
+            dcp_save(tensors, writer, avoid=leavers)  # a failure anywhere raises everywhere
             if final:
                 log.info("rank %d: step %d published, %.1f MB of it as the files it trained in (not copied)",
                          state.rank, step, writer.adopted / 1e6)
@@ -223,7 +229,9 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
             _agree(state, failure, _KEEP_TRAINING)
             if copies and state.dp > 1:
                 mine = {"home": space.home, "files": files, "layout": writer.layout}
-                _mirror(state, reserve, step, tensors, [part[0] for part in _gather(state, [mine])], final)
+                gathered = [part[0] for part in _gather(state, [mine])]
+                if state.rank not in leavers:  # (a leaving host's copies would serve nobody)
+                    _mirror(state, reserve, step, tensors, gathered, final)
             owners = _gather(state, names)
         except BaseException as exc:
             if isinstance(exc, (VarunaError, KeyboardInterrupt, SystemExit)):

@@ -111,11 +111,11 @@ def is_checkpoint_file(name: object) -> bool:
     return isinstance(name, str) and (name == METADATA_FILE or DATA_FILE.fullmatch(name) is not None)
 
 
-def dcp_save(state: dict[str, torch.Tensor], writer: RawWriter) -> None:
+def dcp_save(state: dict[str, torch.Tensor], writer: RawWriter, *, avoid: Collection[int] = ()) -> None:
     """``dcp.save`` over the default process group (or this process alone), quietly; see :func:`_unwrapped`.
-    A writer that groups its entries into files has replicated entries written a group at a time
-    (:class:`_GroupedPlanner`)."""
-    planner = _GroupedPlanner(writer.group) if writer.group is not None else None
+    A writer that groups its entries into files has replicated entries written a group at a time, and by a rank
+    not in ``avoid`` where one holds them (:class:`_GroupedPlanner`; ``avoid`` is the same on every rank)."""
+    planner = _GroupedPlanner(writer.group, avoid) if writer.group is not None else None
     _unwrapped("writing", dcp.save, state, storage_writer=writer, planner=planner)
 
 
@@ -123,19 +123,24 @@ class _GroupedPlanner(DefaultSavePlanner):
     """DCP's planner, but an entry that several ranks hold (data-parallel replicas) is written by the rank that
     writes the rest of its group (a parameter with its optimizer state): one file on one replica, rather than a
     parameter on one and its moments on another. Groups go, largest first, to the rank with the fewest bytes so
-    far among those that hold all of the group's replicated entries (DCP balances single entries the same way)."""
+    far among those that hold all of the group's replicated entries (DCP balances single entries the same way),
+    leaving out the ranks of ``avoid`` where another holds them (a handover's ranks on hosts that leave: what they
+    wrote would have to cross to a host that stays, or be copied there)."""
 
-    def __init__(self, group: Callable[[str], str | None]) -> None:
+    def __init__(self, group: Callable[[str], str | None], avoid: Collection[int] = ()) -> None:
         super().__init__()
         self.group = group
+        self.avoid = frozenset(avoid)
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        return dedup_by_group(all_plans, self.group)
+        return dedup_by_group(all_plans, self.group, self.avoid)
 
 
-def dedup_by_group(all_plans: list[SavePlan], group: Callable[[str], str | None]) -> list[SavePlan]:
+def dedup_by_group(all_plans: list[SavePlan], group: Callable[[str], str | None],
+                   avoid: Collection[int] = ()) -> list[SavePlan]:
     """Each entry held by several plans kept in one only, a group's replicated entries together (see
-    :class:`_GroupedPlanner`); an entry of no group, or of a group no rank holds whole, alone."""
+    :class:`_GroupedPlanner`); an entry of no group, or of a group no rank holds whole, alone. A rank of ``avoid``
+    keeps an entry only when every holder is in ``avoid``."""
     import dataclasses
 
     holders: dict[MetadataIndex, set[int]] = {}
@@ -156,8 +161,10 @@ def dedup_by_group(all_plans: list[SavePlan], group: Callable[[str], str | None]
     def nbytes(index: MetadataIndex) -> int:
         return items[index].tensor_storage_size() or 1
 
+    shunned = frozenset(avoid)
+
     def give(indices: list[MetadataIndex], ranks: set[int]) -> None:
-        chosen = min(ranks, key=lambda r: (size[r], r))
+        chosen = min(ranks - shunned or ranks, key=lambda r: (size[r], r))
         for index in indices:
             size[chosen] += nbytes(index)
             for other in holders[index] - {chosen}:

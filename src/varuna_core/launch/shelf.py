@@ -156,6 +156,9 @@ def _entry(obj: object) -> Entry:
     return Entry(name, size, digest, meta)
 
 
+_LEAVING = ".leaving"  # the mark of a host the next configuration leaves out (Shelf.mark_leaving)
+
+
 def _key(name: str) -> str:
     return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -207,6 +210,23 @@ class Shelf:
             self.path.mkdir(mode=0o700)
         self._check_dir()
         return self.path
+
+    def mark_leaving(self) -> None:
+        """Tell the writers of this shelf that this host is not in the job's next configuration (the agent does,
+        before it asks its workers to publish for a handover to other hosts): under data parallelism their
+        publish then leaves the files to their replicas on staying hosts (``checkpoint.handover.publish``'s
+        ``leaving``). Raises HandoverError for a directory others can write, OSError if it cannot be written."""
+        fd = os.open(self.make_dir() / _LEAVING, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+
+    @property
+    def leaving(self) -> bool:
+        """Whether this host was marked as leaving (:meth:`mark_leaving`); False for a shelf others could write,
+        or whose mark is anything but a plain file."""
+        try:
+            return self._check_dir() and stat.S_ISREG(os.lstat(self.path / _LEAVING).st_mode)
+        except (OSError, HandoverError):
+            return False
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -107,10 +107,10 @@ class Supervision:
         save: ``save(directory, tempdir=..., background=..., keep=...)`` writes a checkpoint of the current step
             (collective) and returns the ``Future`` of a background write, or anything else.
         load: ``load(directory, step)`` restores that checkpoint (collective) and returns the step loaded.
-        publish: ``publish(reserve, copies, final=False)`` puts a checkpoint of the current step on this host's
-            shelf, in the room ``reserve(nbytes)`` gives, with copies of its replicas' files if ``copies``
-            (collective; ``Varuna.publish_state``); returns ``{blob: rank}``. ``final``: a handover's, after which
-            this process trains no more.
+        publish: ``publish(reserve, copies, final=False, leaving=False)`` puts a checkpoint of the current step on
+            this host's shelf, in the room ``reserve(nbytes)`` gives, with copies of its replicas' files if
+            ``copies`` (collective; ``Varuna.publish_state``); returns ``{blob: rank}``. ``final``: a handover's,
+            after which this process trains no more; ``leaving``: this host is not in the next configuration.
         take: ``take(step, locate, fetch, staging, link, holder_of, drop, keep)`` restores the state the old ranks
             published (collective; ``Varuna.take_state``); returns the step loaded. ``drop(names)`` takes blobs off
             this host's shelf of the old configuration (those the take made its live memory), ``keep`` is where
@@ -540,15 +540,17 @@ class Supervision:
         started = time.time()
         if self._release is not None:  # this process exits after the publish (or the store's write): no more steps
             self._release()
+        shelf, copies = morph.shelf, morph.told.handover_copies != 0
+        leaving = shelf.leaving  # (marked by the agent before it asked: the next configuration is elsewhere)
         try:
             try:
-                owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0, True)
+                owners = self._publish(shelf.reserve, copies, True, leaving=leaving)
             except ShelfFullError:  # (on every rank alike) the room the snapshots hold is the publish's now
                 if self.snapshots is None:
                     raise
                 log.info("rank %d: the shelf is full; dropping the snapshots for the handover's publish", self.rank)
                 self.snapshots.drop()
-                owners = self._publish(morph.shelf.reserve, morph.told.handover_copies != 0, True)
+                owners = self._publish(shelf.reserve, copies, True, leaving=leaving)
         except (CheckpointError, HandoverError) as exc:  # ShelfFullError is a HandoverError
             log.warning("rank %d: publishing step %d for a handover failed (%s); writing it to the store instead",
                         self.rank, iteration, exc.message)
