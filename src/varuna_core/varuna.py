@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -366,28 +367,27 @@ class Varuna(nn.Module):
             progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told,
             publish=lambda reserve, copies, final=False, leaving=False: self.publish_state(
                 reserve, copies=copies, final=final, leaving=leaving),
-            take=lambda step, locate, fetch, staging, link, holder_of, drop, keep: self.take_state(
+            take=lambda step, locate, fetch, staging, link, holder_of, drop, keep, claim=None: self.take_state(
                 step=step, locate=locate, fetch=fetch, staging=staging, link=link, holder_of=holder_of, in_place=True,
-                map_files=True, drop=drop, keep=keep),
+                map_files=True, drop=drop, keep=keep, claim=claim),
             arrive=self._unpark, release=self.grad_buffer.release,
-            reside=lambda keep: reside(self._checkpoint_state(), keep), state_bytes=self._state_bytes)
+            reside=lambda keep: reside(self._checkpoint_state(), keep), state_files=self._state_files)
         self.supervision.ready()
 
-    def _state_bytes(self) -> int:
-        """An estimate of this rank's checkpointed state before the optimizer made any: its parameters, and as
-        many fp32 copies of each as its optimizer keeps (two for the Adam family, one for momentum or a running
-        average; an unknown optimizer is taken as Adam-like)."""
-        params = sum(p.numel() * p.element_size() for _, p in self.stage_slice.param_names)
-        floats = sum(p.numel() * 4 for _, p in self.stage_slice.param_names)
+    def _state_files(self) -> list[int]:
+        """An estimate, before the optimizer made any state, of the sizes of the files this rank's checkpointed
+        state is handed over in (``handover.by_parameter``: a file per parameter): each parameter's bytes and as
+        many fp32 copies of it as its optimizer keeps (two for the Adam family, one for momentum or a running
+        average; an unknown optimizer is taken as Adam-like), a replica's share of them under a sharded
+        optimizer."""
         optimizer = self.optimizer
         slots = 2
         if optimizer is not None:
             name = type(optimizer).__name__
             if name in ("SGD", "RMSprop", "Adagrad"):
                 slots = 1 if name != "SGD" or any(g.get("momentum") for g in optimizer.param_groups) else 0
-        if self._shards is not None:
-            floats //= self.dp  # a replica keeps its pieces of the optimizer state only
-        return params + slots * floats
+        share = self.dp if self._shards is not None else 1  # a replica keeps its pieces of the optimizer state only
+        return [p.numel() * p.element_size() + slots * p.numel() * 4 // share for _, p in self.stage_slice.param_names]
 
     # ------------------------------------------------------------------------------------------------------
     # Seed API
@@ -601,7 +601,8 @@ class Varuna(nn.Module):
                    link: Callable[..., tuple[int, str] | None] | None = None, in_place: bool = False,
                    holder_of: Callable[[int], Any] | None = None, map_files: bool = False,
                    drop: Callable[[list[str]], object] | None = None,
-                   keep: str | os.PathLike | None = None) -> int:
+                   keep: str | os.PathLike | None = None,
+                   claim: Callable[[int, Path], bool] | None = None) -> int:
         """Restore from a checkpoint published into the hosts' memory (collective over the new ranks; after
         ``set_optimizer``), as :meth:`load_checkpoint` restores from a store, all or nothing: ``locate(name)``
         names a blob's holder, ``fetch(holder, names, into, max_bytes)`` takes blobs from it, ``link(holder,
@@ -610,15 +611,16 @@ class Varuna(nn.Module):
         file come from a replica's copy, ``map_files`` (with ``in_place``, on the CPU) makes the taken files the
         live parameters' and optimizer state's memory (blobs of this host's shelf only with ``drop(names)``, which
         takes them off it before the first optimizer step changes them), ``keep`` a directory where they stay named
-        for a last publish (``publish_state(final=True)``) to make them blobs without a copy. Returns the step
-        restored."""
+        for a last publish (``publish_state(final=True)``) to make them blobs without a copy, ``claim(size,
+        path)`` moves a file of memory touched before to ``path`` for a file about to arrive over the wire. Returns
+        the step restored."""
         from .checkpoint.handover import take
 
         state = self._checkpoint_state()
         try:
             return take(state, step=step, locate=locate, fetch=fetch, staging=staging, load_optimizer=load_optimizer,
                         link=link, in_place=in_place, holder_of=holder_of, map_files=map_files,
-                        drop=drop, keep=keep)
+                        drop=drop, keep=keep, claim=claim)
         finally:
             self._adopt(state)
 

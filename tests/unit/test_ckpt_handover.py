@@ -75,6 +75,49 @@ def test_take_restores_what_publish_put(shelf, tmp_path) -> None:
     assert not any((tmp_path / "s").iterdir())
 
 
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_take_receives_its_data_files_into_claimed_memory_cut_to_size_and_checks_them(shelf, tmp_path,
+                                                                                        damaged) -> None:
+    """[Note: receive into touched memory]: each data file that arrives is received into the file ``claim`` moved
+    to its name (the same inode), cut to its size (the claimed file was larger); the small files are made new;
+    the bytes are checked against the manifest as any others: a damaged one is refused, the state untouched."""
+    claimed: dict[Path, tuple[int, int]] = {}  # path -> (inode, size)
+    seen: list[tuple[int, int]] = []
+
+    def claim(size, path):
+        pooled = tmp_path / f"pool-{len(claimed)}"
+        pooled.write_bytes(b"\xff" * (size + 5000))
+        os.link(pooled, path)
+        pooled.unlink()
+        claimed[path] = (os.stat(path).st_ino, size)
+        return True
+
+    blobs = dict(shelf)
+    data = blob_name(STEP, "__0_0.distcp")
+    if damaged:
+        raw = bytearray(blobs[data][0])
+        raw[len(raw) // 3] ^= 0x01
+        blobs[data] = (bytes(raw), blobs[data][1])
+    inner = _fetch(blobs)
+
+    def fetch(holder, names, into, max_bytes):
+        inner(holder, names, into, max_bytes)
+        seen.extend((os.stat(p).st_ino, os.stat(p).st_size) for p in claimed)  # while they are there
+
+    model, state, before = _fresh(tmp_path)
+    if damaged:
+        with pytest.raises(CheckpointError, match=re.escape("__0_0.distcp: digest mismatch")):
+            take(state, step=STEP, locate=lambda name: "hostA", fetch=fetch, staging=tmp_path / "s", claim=claim)
+        _untouched(model, state, before)
+    else:
+        assert take(state, step=STEP, locate=lambda name: "hostA", fetch=fetch, staging=tmp_path / "s",
+                    claim=claim) == STEP
+        assert state.restored and state.iteration == STEP
+    assert sorted(p.name for p in claimed) == sorted(n.rsplit("/", 1)[1] for n in shelf if n.endswith(".distcp"))
+    assert sorted(seen) == sorted(claimed.values())
+    assert not any((tmp_path / "s").iterdir())
+
+
 def test_a_blob_no_host_holds_is_refused_by_name(shelf, tmp_path) -> None:
     model, state, before = _fresh(tmp_path)
     data = blob_name(STEP, "__0_0.distcp")

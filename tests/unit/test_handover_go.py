@@ -166,34 +166,41 @@ def test_only_a_host_without_the_previous_attempts_shelf_counts_as_joining(tmp_p
     assert Morph(WorkerEnv(attempt=3, host="h1", handover="wait")).holds_old_state()  # unknown: left alone
 
 
-def test_prefault_touches_what_it_is_asked_within_half_the_free_memory_and_gives_it_back(tmp_path,
-                                                                                         monkeypatch) -> None:
+def _pool(morph: Morph) -> dict[str, int]:
+    """The files of touched memory on the shelf: name -> bytes."""
+    return {p.name: p.stat().st_size for p in morph.shelf.path.glob("*.prefault")}
+
+
+def test_prefault_makes_a_file_per_expected_file_within_half_the_free_memory(tmp_path, monkeypatch) -> None:
     from varuna_core.worker import morph as morph_mod
 
-    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", 1 << 20)  # small chunks: the logic, not the volume
-    chunk = morph_mod._PREFAULT_CHUNK
-    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 10 * chunk)
+    mib, slack = 1 << 20, morph_mod._POOL_SLACK
+    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", mib)  # small writes: the logic, not the volume
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 20 * mib)
     morph = _joining(tmp_path)
-    path = morph.shelf.path / f"{os.getpid()}.prefault"
-    assert morph.prefault(3 * chunk + 5) == 3 * chunk + 5 and path.stat().st_size == 3 * chunk + 5
-    assert morph.prefault(chunk) == 0  # one at a time
-    morph.give_back(chunk)
-    assert path.stat().st_size == 2 * chunk + 5
-    morph.give_back(10 * chunk)  # more than it holds: all of it
-    assert not path.exists() and morph._pool is None
+    pid = os.getpid()
+    # the largest first; a file under a MiB is left out (received into new pages: few faults)
+    assert morph.prefault([mib, 3 * mib + 5, mib - 1, 2 * mib]) == 6 * mib + 5 + 3 * slack
+    assert _pool(morph) == {f"{pid}-0.prefault": 3 * mib + 5 + slack, f"{pid}-1.prefault": 2 * mib + slack,
+                            f"{pid}-2.prefault": mib + slack}
+    assert morph.prefault([mib]) == 0  # one pool at a time
+    morph.give_back()
+    assert _pool(morph) == {} and morph._pool == []
     morph.give_back()  # nothing held: nothing to do
-    assert morph.prefault(100 * chunk) == 5 * chunk  # half of what is available
+    assert morph.prefault([4 * mib] * 5) == 10 * mib  # half of what is available: the last file cut short
+    assert sorted(_pool(morph).values()) == [2 * mib - 2 * slack, 4 * mib + slack, 4 * mib + slack]
     morph.give_back()
-    assert not path.exists()
-    assert morph.prefault(chunk - 1) == 0 and not path.exists()  # too little to be worth it
+    assert morph.prefault([mib - 1, 0]) == 0 and _pool(morph) == {}  # too little to be worth it
+    assert morph.prefault([]) == 0
     monkeypatch.setattr(morph_mod, "_available_memory", lambda: 0)  # unreadable /proc/meminfo: nothing
-    assert morph.prefault(3 * chunk) == 0
-    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * chunk)
+    assert morph.prefault([3 * mib]) == 0
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * mib)
     real = os.statvfs(tmp_path)
-    small = os.statvfs_result((real.f_bsize, chunk, 0, 0, 6, *real[5:]))  # 6 free blocks of a chunk: a small tmpfs
+    small = os.statvfs_result((real.f_bsize, mib, 0, 0, 6, *real[5:]))  # 6 free blocks of a MiB: a small tmpfs
     monkeypatch.setattr(os, "statvfs", lambda path: small)
-    assert morph.prefault(10 * chunk) == 3 * chunk  # half its free space
+    assert morph.prefault([10 * mib]) == 3 * mib  # half its free space
     morph.give_back()
+    assert _pool(morph) == {}
 
 
 def test_a_full_tmpfs_keeps_what_was_prefaulted_and_a_planted_file_is_not_written(tmp_path, monkeypatch) -> None:
@@ -201,52 +208,50 @@ def test_a_full_tmpfs_keeps_what_was_prefaulted_and_a_planted_file_is_not_writte
 
     from varuna_core.worker import morph as morph_mod
 
-    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", 1 << 20)  # small chunks: the logic, not the volume
-    chunk = morph_mod._PREFAULT_CHUNK
-    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * chunk)
+    mib = 1 << 20
+    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", mib)  # small writes: the logic, not the volume
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * mib)
     writes = []
     real = os.pwrite
 
     def pwrite(fd, data, offset):
-        if writes:
+        if len(writes) == 4:  # (the first file takes three writes: two of a MiB and its slack)
             raise OSError(errno.ENOSPC, "No space left on device")
         writes.append(offset)
         return real(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     morph = _joining(tmp_path)
-    assert morph.prefault(4 * chunk) == chunk
+    assert morph.prefault([2 * mib] * 3) == 3 * mib + morph_mod._POOL_SLACK  # the first whole, the second in part
+    assert sorted(_pool(morph).values()) == [mib, 2 * mib + morph_mod._POOL_SLACK]
     morph.give_back()
     monkeypatch.setattr(os, "pwrite", real)
     target = tmp_path / "elsewhere"
-    (morph.shelf.path / f"{os.getpid()}.prefault").symlink_to(target)  # planted: never followed
-    assert morph.prefault(2 * chunk) == 0 and not target.exists()
-    (morph.shelf.path / f"{os.getpid()}.prefault").unlink()
+    (morph.shelf.path / f"{os.getpid()}-0.prefault").symlink_to(target)  # planted: never followed
+    assert morph.prefault([2 * mib]) == 0 and not target.exists()
+    (morph.shelf.path / f"{os.getpid()}-0.prefault").unlink()
     morph.shelf.path.chmod(0o777)  # a shelf directory others can write: not used
-    assert morph.prefault(2 * chunk) == 0 and not list(morph.shelf.path.iterdir())
+    assert morph.prefault([2 * mib]) == 0 and not list(morph.shelf.path.iterdir())
 
 
-def test_a_fetch_over_the_wire_gives_back_its_bytes_before_they_arrive(tmp_path, monkeypatch) -> None:
-    from varuna_core.launch.protocol import Go, ShelfHolder
+def test_a_file_arriving_is_received_into_the_smallest_file_of_touched_memory_that_holds_it(tmp_path,
+                                                                                            monkeypatch) -> None:
     from varuna_core.worker import morph as morph_mod
 
-    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", 1 << 20)  # small chunks: the logic, not the volume
-    chunk = morph_mod._PREFAULT_CHUNK
-    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * chunk)
+    mib, slack = 1 << 20, morph_mod._POOL_SLACK
+    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", mib)
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 100 * mib)
     morph = _joining(tmp_path)
-    morph.prefault(4 * chunk)
-    path = morph.shelf.path / f"{os.getpid()}.prefault"
-    sizes = []
-
-    def fetch_into(address, port, *, names, max_bytes, **kwargs):
-        sizes.append(path.stat().st_size if path.exists() else 0)
-        return {}
-
-    monkeypatch.setattr(morph_mod, "fetch_into", fetch_into)
-    go = Go(attempt=3, source="shelf", step=1, shelf="j-a2",
-            holders=[ShelfHolder(host="h2", address="10.0.0.2", port=7)])
-    fetch = morph.fetch(go)
-    fetch(("h2", "10.0.0.2", 7), ["step_1/__0_0.distcp"], lambda name, size: None, chunk)
-    fetch(("h2", "10.0.0.2", 7), ["step_1/__0_1.distcp"], lambda name, size: None, 5 * chunk)
-    assert sizes == [3 * chunk, 0] and not path.exists()
-
+    morph.prefault([3 * mib, mib, 2 * mib])
+    inodes = {size: os.stat(morph.shelf.path / name).st_ino for name, size in _pool(morph).items()}
+    into = tmp_path / "take"
+    into.mkdir()
+    assert morph.claim(2 * mib, into / "a")  # the 2 MiB file (with its slack), not the 3 MiB one
+    assert os.stat(into / "a").st_ino == inodes[2 * mib + slack]
+    assert not morph.claim(mib - 1, into / "small")  # a small file is made new
+    assert not morph.claim(mib, into / "a")  # never over a file that exists; the one picked is dropped
+    assert sorted(_pool(morph).values()) == [3 * mib + slack]
+    assert morph.claim(5 * mib, into / "b")  # none large enough: the largest, made larger by the take
+    assert os.stat(into / "b").st_ino == inodes[3 * mib + slack]
+    assert not morph.claim(mib, into / "c") and _pool(morph) == {}  # none left
+    assert morph.claimed == 7 * mib

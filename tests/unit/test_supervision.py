@@ -171,17 +171,17 @@ class Publisher(Trainer):
         self.published.append(self.iteration)
         return {name: 0}
 
-    def take(self, step, locate, fetch, staging, link, holder_of, drop, keep) -> int:
+    def take(self, step, locate, fetch, staging, link, holder_of, drop, keep, claim) -> int:
         if self.fail is not None:
             raise self.fail
         self.taken.append(step)
         self.iteration = step
         return step
 
-    def supervision(self, reside=None, state_bytes=None) -> Supervision:
+    def supervision(self, reside=None, state_files=None) -> Supervision:
         return Supervision(0, samples=8, save=self.save, load=self.load, progress=lambda: (self.iteration, None, None),
                            publish=self.publish, take=self.take, release=self.release, reside=reside,
-                           state_bytes=state_bytes)
+                           state_files=state_files)
 
 
 @pytest.fixture
@@ -351,7 +351,7 @@ def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(s
     t.take = take
     holders = [ShelfHolder(host="h", address="127.0.0.1", port=1)]
     shelved.setenv("VARUNA_HANDOVER", "wait")
-    sup = t.supervision(state_bytes=lambda: 5 << 20)
+    sup = t.supervision(state_files=lambda: [3 << 20, 2 << 20])
     assert sup.morph is not None
     sup.morph.wait_for_go = lambda timeout=None: Go(attempt=2, source="shelf", step=7, shelf="job-a1",
                                                     holders=holders, fallback_step=None)
@@ -360,8 +360,8 @@ def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(s
             sup.resume()
     else:
         sup.resume()
-    assert seen == [[] if old_state_here else [f"{os.getpid()}.prefault"]]
-    assert sup.morph.prefaulted == (0 if old_state_here else 5 << 20)
+    assert seen == [[] if old_state_here else [f"{os.getpid()}-0.prefault", f"{os.getpid()}-1.prefault"]]
+    assert sup.morph.prefaulted == (0 if old_state_here else (5 << 20) + 2 * morph_mod._POOL_SLACK)
     assert not list((tmp_path / "shm").rglob("*.prefault"))  # given back, whatever happened
 
 

@@ -371,7 +371,8 @@ def _adopt_files(state: CheckpointState, space: Space, step: int, local: Path,
 def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fetch: Fetch,
          staging: str | os.PathLike, load_optimizer: bool = True, link: Link | None = None,
          in_place: bool = False, holder_of: Callable[[int], Any] | None = None, map_files: bool = False,
-         drop: Callable[[list[str]], object] | None = None, keep: str | os.PathLike | None = None) -> int:
+         drop: Callable[[list[str]], object] | None = None, keep: str | os.PathLike | None = None,
+         claim: Callable[[int, Path], bool] | None = None) -> int:
     """Restore this rank's state from a checkpoint on the hosts' shelves (collective over the new ranks), as
     :func:`~varuna_core.checkpoint.saveload.load` restores it from a store, all or nothing.
 
@@ -408,6 +409,10 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
         keep: a directory on ``staging``'s file system where the files mapped whole stay named while they are this
             process's memory (removed with their last view), so that its last publish (``final``) makes them blobs
             without a copy; None: they are removed with the staging directory.
+        claim: ``claim(size, path)`` moves a file of memory touched before to ``path`` (which must not exist),
+            for a data file of ``size`` bytes about to arrive over the wire, and returns True; False if it has
+            none (the file is then made new). Every byte of it is then received and hashed as any other's
+            ([Note: receive into touched memory] in :mod:`varuna_core.worker.morph`).
 
     Returns:
         The step loaded.
@@ -449,7 +454,7 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
             limits.update(linked)
             verified.update(linked)
             rest = {f: h for f, h in holders.items() if f not in linked}
-            verified.update(_take_files(rest, fetch, step, directory, expected))
+            verified.update(_take_files(rest, fetch, step, directory, expected, claim))
 
         _agree(state, _attempt(take_data), _FALL_BACK)
         mapped: dict[str, Any] = {}
@@ -811,9 +816,11 @@ def _link_files(holders: dict[str, list[Any]], link: Link, step: int, directory:
 
 
 def _take_files(holders: dict[str, list[Any]], fetch: Fetch, step: int, directory: Path,
-                expected: dict[str, tuple[int, str]] | None) -> set[str]:
+                expected: dict[str, tuple[int, str]] | None,
+                claim: Callable[[int, Path], bool] | None = None) -> set[str]:
     """Take each file of ``holders`` into ``directory`` from the first of its holders, in one request per holder
-    (or a few); a file whose holder fails is taken from the next one. Returns the files checked on arrival."""
+    (or a few); a file whose holder fails is taken from the next one. Returns the files checked on arrival.
+    ``claim``: see :func:`take`."""
     pending = {file: list(candidates) for file, candidates in holders.items()}
     verified: set[str] = set()
     while pending:
@@ -825,7 +832,7 @@ def _take_files(holders: dict[str, list[Any]], fetch: Fetch, step: int, director
             for start in range(0, len(group), _BATCH):  # a request's names and its reply's header stay bounded
                 batch = group[start:start + _BATCH]
                 try:
-                    verified |= _take_from(holder, fetch, step, directory, batch, expected)
+                    verified |= _take_from(holder, fetch, step, directory, batch, expected, claim)
                 except HandoverError as exc:
                     left = {f: pending[f][1:] for f in batch if pending[f][1:]}
                     if len(left) < len(batch):
@@ -840,7 +847,8 @@ def _take_files(holders: dict[str, list[Any]], fetch: Fetch, step: int, director
 
 
 def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: list[str],
-               expected: dict[str, tuple[int, str]] | None) -> set[str]:
+               expected: dict[str, tuple[int, str]] | None,
+               claim: Callable[[int, Path], bool] | None = None) -> set[str]:
     """Take ``files`` from ``holder``; returns those whose bytes the fetch checked against the manifest's digest
     on arrival (the load need not hash them again)."""
     names = {blob_name(step, f): f for f in files}
@@ -854,7 +862,10 @@ def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: lis
         if expected is not None and size != expected[file][0]:
             raise HandoverError(f"blob {printable(name)} on {where} holds {size} bytes; the manifest says "
                                 f"{expected[file][0]}", hint=_FALL_BACK)
-        fd = os.open(directory / file, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        path, flags = directory / file, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0)
+        if claim is None or expected is None or not claim(size, path):  # (touched memory for data files only)
+            flags |= os.O_CREAT | os.O_EXCL
+        fd = os.open(path, flags, 0o600)
         try:
             os.ftruncate(fd, size)
             mapped[file] = mmap.mmap(fd, size) if size else None

@@ -19,27 +19,33 @@ and the attempt: :func:`~varuna_core.launch.shelf.shelf_key`) that its node agen
 Which old rank holds a file follows from the checkpoint's own naming: rank ``r`` writes ``__<r>_0.distcp``; the
 small files (the run, the manifest, the index, ``COMPLETE``) are rank 0's.
 
-[Note: receive into touched memory] A take over the wire writes every byte it receives into new pages of the
-shelf's tmpfs. On a VM, memory the guest has not touched lately costs a fault into the hypervisor per page: on the
-2-core VM of benchmarks/README.md first touches ran at 0.35-0.6 GB/s against 1.2 GB/s for memory freed moments
-before, and a host that rejoins (its last worker's memory long given back) received a 3 GB stage in 9-11 s
-over a link of 1.2 GB/s. So a warm worker on a host that holds no state of the old configuration (no shelf of
-the attempt before: a host that joins, which will take its whole stage over the wire) first writes an estimate of
-its stage's state into a file of the shelf's tmpfs (:meth:`Morph.prefault`, before it tells the launcher it is
-warm: off the critical path, the old configuration trains meanwhile), and gives that memory back piece by piece
-just before each request's bytes arrive (:meth:`Morph.fetch`), so that they land in pages the guest has just
-touched. A host that holds old state takes most of it in place and is left alone; and no more than half of the
-host's free memory, or of the tmpfs's free space, is touched. The file is in the attempt's shelf, which its node
-agent removes when the attempt ends, so a worker killed while it holds the memory does not leave it behind.
+[Note: receive into touched memory] A take over the wire writes every byte it receives into a new file of the
+shelf's tmpfs. Each new page of it costs the kernel an allocation, a zeroing and a fault, and on a VM, memory the
+guest has not touched lately costs a fault into the hypervisor as well: on the 2-core VM of benchmarks/README.md,
+the shelf's wire delivered 0.35-0.6 GB/s into memory untouched for a while, 0.7-1.1 GB/s into new pages of memory
+freed moments before, and 1.4-1.6 GB/s into pages a file of the tmpfs already held (1.8-2.1 GB/s into one buffer
+used again). A host that rejoins (its last worker's memory long given back) received a 3 GB stage in 9-11 s over a
+link of 1.2 GB/s. So a warm worker on a host that holds no state of the old configuration (no shelf of the attempt
+before: a host that joins, which will take its whole stage over the wire) first writes a file of zeros into the
+shelf's tmpfs for each file of its stage it expects to receive, of the size it estimates from its parameters and
+its optimizer (:meth:`Morph.prefault`, before it tells the launcher it is warm: off the critical path, the old
+configuration trains meanwhile). Each file that then arrives over the wire is received into one of those
+(:meth:`Morph.claim`: the smallest one large enough, moved to the take's name for the file and cut to its size), so
+its bytes land in pages the tmpfs holds already. The files make no more memory than the take itself will, and
+those left over are removed when the take ends (:meth:`Morph.give_back`). A host that holds old state takes most of
+it in place and is left alone; and no more than half of the host's free memory, or of the tmpfs's free space, is
+touched. The files are in the attempt's shelf, which its node agent removes when the attempt ends, so a worker
+killed while it holds them does not leave them behind.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +62,8 @@ WAIT_FOR_GO = 3600.0  # seconds a warm worker waits for the go before it gives u
 _DATA_FILE = re.compile(r"__([0-9]+)_[0-9]+\.distcp")
 _WAIT = 5.0  # seconds of one wait on the store for the go (then the deadline is looked at again)
 _PREFAULT_CHUNK = 64 << 20  # bytes per write while pre-faulting
+_POOL_MIN = 1 << 20  # bytes: a smaller file is received into new pages (its faults cost little)
+_POOL_SLACK = 64 << 10  # bytes beyond each estimate: the writer's alignment between a parameter and its slots
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +89,10 @@ class Morph:
     # this host taken rather than its writer's file elsewhere, "replica": from a replica because the writer's
     # holder failed
     taken: dict[str, int] = field(default_factory=lambda: {"local": 0, "remote": 0, "copies": 0, "replica": 0})
-    # [Note: receive into touched memory]: the file, its descriptor and its bytes, while it holds any
-    _pool: tuple[Path, int, int] | None = field(default=None, repr=False)
+    # [Note: receive into touched memory]: the files of touched memory not yet claimed, as (bytes, path), by size
+    _pool: list[tuple[int, Path]] = field(default_factory=list, repr=False)
     prefaulted: int = 0  # bytes pre-faulted (for the log)
+    claimed: int = 0  # of those, bytes received into (for the log)
 
     @classmethod
     def launched(cls, told: WorkerEnv) -> Morph | None:
@@ -135,51 +144,71 @@ class Morph:
             return True  # no attempt before, or unknown: as if it did, and its memory is left alone
         return Shelf(shelf_key(job, attempt - 1), root=self.told.shelf_dir).path.exists()
 
-    def prefault(self, nbytes: int) -> int:
-        """Touch ``nbytes`` (at most half the host's available memory, and half the tmpfs's free space) of the
-        shelf's tmpfs in a file of this worker's, to be given back as the take's bytes arrive; returns the bytes
-        touched (0: nothing to do, or the tmpfs refused, which is only logged). The file never holds more than the
-        take will need (an estimate of it), and shrinks as the bytes arrive: the tmpfs is never fuller than the
-        take alone would leave it."""
-        nbytes = min(int(nbytes), _available_memory() // 2)
-        if nbytes < _PREFAULT_CHUNK or self._pool is not None:
+    def prefault(self, sizes: Iterable[int]) -> int:
+        """Write a file of zeros into the shelf's tmpfs for each of ``sizes`` (estimates of the files the take will
+        receive; those under a MiB are left out), the largest first, within half the host's available memory and
+        half the tmpfs's free space; returns the bytes touched (0: nothing to do, or the tmpfs refused, which is
+        only logged: a full tmpfs keeps what was written). The take receives its files into them (:meth:`claim`)."""
+        wanted = sorted((int(n) + _POOL_SLACK for n in sizes if int(n) >= _POOL_MIN), reverse=True)
+        budget = _available_memory() // 2
+        if not wanted or budget < _POOL_MIN or self._pool:
             return 0
         try:  # in this attempt's shelf: its agent removes it with the shelf if this process dies holding it
-            path = self.shelf.make_dir() / f"{os.getpid()}.prefault"
-            room = os.statvfs(path.parent)
-            nbytes = min(nbytes, room.f_bavail * room.f_frsize // 2)
-            if nbytes < _PREFAULT_CHUNK:
-                return 0
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            directory = self.shelf.make_dir()
+            room = os.statvfs(directory)
         except (OSError, HandoverError) as exc:
             log.info("memory for the take not pre-faulted (%s)", exc)
             return 0
-        zeros, written = memoryview(bytes(_PREFAULT_CHUNK)), 0
-        try:
-            while written < nbytes:
-                written += os.pwrite(fd, zeros[:min(_PREFAULT_CHUNK, nbytes - written)], written)
-        except OSError as exc:  # a full tmpfs: what was written still helps
-            log.info("pre-faulted %d of %d bytes (%s)", written, nbytes, exc.strerror or exc)
-        self._pool = (path, fd, written)
-        self.prefaulted = written
-        return written
+        budget = min(budget, room.f_bavail * room.f_frsize // 2)
+        zeros, total = memoryview(bytes(min(_PREFAULT_CHUNK, max(wanted)))), 0
+        for i, size in enumerate(wanted):
+            size = min(size, budget - total)
+            if size < _POOL_MIN:
+                break
+            path = directory / f"{os.getpid()}-{i}.prefault"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            except OSError as exc:
+                log.info("memory for the take not pre-faulted (%s)", exc)
+                break
+            written = 0
+            try:
+                while written < size:
+                    written += os.pwrite(fd, zeros[:min(len(zeros), size - written)], written)
+            except OSError as exc:  # a full tmpfs: what was written still helps
+                log.info("pre-faulted %d of %d bytes (%s)", total + written, sum(wanted), exc.strerror or exc)
+                size = 0
+            finally:
+                os.close(fd)
+            self._pool.append((written, path))
+            total += written
+            if size == 0:
+                break
+        self._pool.sort()
+        self.prefaulted = total
+        return total
 
-    def give_back(self, nbytes: int | None = None) -> None:
-        """Free the last ``nbytes`` of the pre-faulted file (all of it, and the file, with None)."""
-        if self._pool is None:
-            return
-        path, fd, size = self._pool
-        size = 0 if nbytes is None else max(0, size - nbytes)
+    def claim(self, size: int, path: Path) -> bool:
+        """Move the smallest file of touched memory (:meth:`prefault`) that holds ``size`` bytes, else the largest,
+        to ``path`` (which must not exist), for a file of ``size`` bytes about to arrive; False if there is none,
+        or ``size`` is under a MiB: the caller makes the file itself."""
+        if size < _POOL_MIN or not self._pool:
+            return False
+        at = bisect.bisect_left([n for n, _ in self._pool], size)
+        _, pooled = self._pool.pop(min(at, len(self._pool) - 1))
         try:
-            os.ftruncate(fd, size)
+            os.link(pooled, path)  # (fails if path exists)
         except OSError:
-            size = 0
-        if size == 0:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            self._pool = None
-        else:
-            self._pool = (path, fd, size)
+            return False
+        finally:
+            pooled.unlink(missing_ok=True)
+        self.claimed += size
+        return True
+
+    def give_back(self) -> None:
+        """Remove the files of touched memory that no file of the take was received into."""
+        while self._pool:
+            self._pool.pop()[1].unlink(missing_ok=True)
 
     # ------------------------------------------------------------------------------------------------------
     # Wait
@@ -307,7 +336,6 @@ class Morph:
                     self.taken["local"] += entry.size
                     self._copied(go, holder, name, entry.size, "replica")  # fetched: the writer's holder failed
                 return None
-            self.give_back(max_bytes)  # these bytes land in memory just touched
             entries = fetch_into(address, port, job=job, token=token, names=names, max_bytes=max_bytes,
                                  into=lambda e: into(e.name, e.size), timeout=timeout)
             self.taken["remote"] += sum(e.size for e in entries.values())

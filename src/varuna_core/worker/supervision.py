@@ -111,19 +111,21 @@ class Supervision:
             this host's shelf, in the room ``reserve(nbytes)`` gives, with copies of its replicas' files if
             ``copies`` (collective; ``Varuna.publish_state``); returns ``{blob: rank}``. ``final``: a handover's,
             after which this process trains no more; ``leaving``: this host is not in the next configuration.
-        take: ``take(step, locate, fetch, staging, link, holder_of, drop, keep)`` restores the state the old ranks
-            published (collective; ``Varuna.take_state``); returns the step loaded. ``drop(names)`` takes blobs off
-            this host's shelf of the old configuration (those the take made its live memory), ``keep`` is where
-            the files that are its memory stay named (on this attempt's shelf) for its own handover's publish.
+        take: ``take(step, locate, fetch, staging, link, holder_of, drop, keep, claim)`` restores the state the old
+            ranks published (collective; ``Varuna.take_state``); returns the step loaded. ``drop(names)`` takes blobs
+            off this host's shelf of the old configuration (those the take made its live memory), ``keep`` is where
+            the files that are its memory stay named (on this attempt's shelf) for its own handover's publish,
+            ``claim(size, path)`` moves a file of touched memory to ``path`` for a file arriving over the wire.
         arrive: called once by a warm worker when the go has come, before it takes or loads anything (collective
             over the new ranks): the facade moves its parked stage onto its device then.
         release: called once by a worker about to publish for a handover and exit, before it publishes: the facade
             frees what no checkpoint holds (the gradient buffers, as large as the parameters), so that the
             publish writes into memory the process just gave back rather than memory the host has not touched
             lately ([Note: publish into freed memory] in :mod:`varuna_core.checkpoint.handover`).
-        state_bytes: an estimate of the bytes this rank's state will take (its parameters and optimizer state),
-            asked by a warm worker on a host that holds no old state, which touches that much memory before it takes
-            its state over the wire ([Note: receive into touched memory] in :mod:`varuna_core.worker.morph`).
+        state_files: estimates of the sizes of the files this rank's state will be taken in (a parameter with its
+            optimizer state in each), asked by a warm worker on a host that holds no old state, which touches that
+            much memory, a file each, before it takes its state over the wire, and receives the files into them
+            ([Note: receive into touched memory] in :mod:`varuna_core.worker.morph`).
         reside: ``reside(keep)``, called once after the first step (the optimizer's state exists then) where a
             handover may come: moves the parameters and optimizer state into files of ``keep`` on the shelf's
             tmpfs, so that the handover's publish makes them blobs without a copy (``handover.reside``); returns
@@ -137,11 +139,11 @@ class Supervision:
                  publish: Callable[..., dict[str, int]] | None = None,
                  take: Callable[..., int] | None = None, arrive: Callable[[], None] | None = None,
                  release: Callable[[], None] | None = None, reside: Callable[[Path], int] | None = None,
-                 state_bytes: Callable[[], int] | None = None) -> None:
+                 state_files: Callable[[], list[int]] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load, self._publish, self._take, self._arrive = save, load, publish, take, arrive
         self._release = release
-        self._state_bytes = state_bytes
+        self._state_files = state_files
         self._reside = reside  # None once done (or never: no handover)
         self._progress = progress
         self.started = _process_start()
@@ -470,9 +472,9 @@ class Supervision:
 
     def _take_over(self, morph: Morph) -> None:
         """A warm worker: tell the launcher, wait for the go, take the state from where it says."""
-        if self._state_bytes is not None and not morph.holds_old_state():
+        if self._state_files is not None and not morph.holds_old_state():
             started = time.monotonic()
-            if morph.prefault(self._state_bytes()):
+            if morph.prefault(self._state_files()):
                 log.info("rank %d touched %d bytes of memory for its take in %.2f s", self.rank, morph.prefaulted,
                          time.monotonic() - started)
         try:
@@ -496,7 +498,7 @@ class Supervision:
             assert self._take is not None and go.step is not None  # a go from the shelves names its step
             try:
                 step = self._take(go.step, morph.locate(go), morph.fetch(go), morph.staging, morph.link(go),
-                                  morph.holder_of(go), morph.drop(go), morph.keep)
+                                  morph.holder_of(go), morph.drop(go), morph.keep, morph.claim)
             except (CheckpointError, HandoverError) as exc:
                 if go.fallback_step is None or self.ckpt_dir is None:
                     raise
@@ -508,8 +510,9 @@ class Supervision:
                 return
             self.last_saved = step
             log.info("rank %d took step %d over from the shelves (%d bytes from this host, %d of them replicas' "
-                     "copies; %d over the network; %d from replicas because a holder failed)", self.rank, step,
-                     morph.taken["local"], morph.taken["copies"], morph.taken["remote"], morph.taken["replica"])
+                     "copies; %d over the network, %d of them into memory touched before; %d from replicas because a "
+                     "holder failed)", self.rank, step, morph.taken["local"], morph.taken["copies"],
+                     morph.taken["remote"], morph.claimed, morph.taken["replica"])
         if self.beacon is not None:
             self.beacon.progress(step=self._now().iteration, t_resumed=time.time(), t_taken=time.time(),
                                  taken_local=morph.taken["local"], taken_remote=morph.taken["remote"],
