@@ -255,3 +255,51 @@ def test_a_file_arriving_is_received_into_the_smallest_file_of_touched_memory_th
     assert os.stat(into / "b").st_ino == inodes[3 * mib + slack]
     assert not morph.claim(mib, into / "c") and _pool(morph) == {}  # none left
     assert morph.claimed == 7 * mib
+
+
+def test_a_host_with_old_state_in_shelf_files_touches_memory_for_the_rest_and_leaves_room_to_publish(
+        tmp_path, monkeypatch) -> None:
+    from varuna_core.launch.shelf import Shelf, shelf_key
+    from varuna_core.worker import morph as morph_mod
+
+    mib, slack = 1 << 20, morph_mod._POOL_SLACK
+    monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", mib)
+    monkeypatch.setattr(morph_mod, "_available_memory", lambda: 1000 * mib)
+    sizes = [4 * mib] * 6 + [2 * mib] * 6  # 36 MiB of state expected
+    joining = _joining(tmp_path)
+    assert joining.prepare_take(sizes) == 36 * mib + 12 * slack  # a host that joins: all of it
+    joining.give_back()
+    old = Shelf(shelf_key("j", 2), root=tmp_path).path
+    old.mkdir()
+    morph = _joining(tmp_path)
+    assert morph.old_live_bytes() == 0 and morph.prepare_take(sizes) == 0  # old state in process memory: none
+    (old / "7.live").mkdir()
+    (old / "7.live" / "a.live").write_bytes(bytes(18 * mib))
+    (old / "8.live").symlink_to(tmp_path)  # a link is not the old workers' state
+    (old / "9.live").write_bytes(bytes(mib))  # nor a plain file
+    (old / "x.blob").write_bytes(bytes(mib))  # nor a blob (a snapshot: its take may come over the wire)
+    assert morph.old_live_bytes() == 18 * mib
+    assert morph.prepare_take(sizes) == 18 * mib  # half the state is here: a half of each size class is touched
+    # three of each size, the last cut to the 18 MiB
+    assert sorted(_pool(morph).values()) == [2 * mib - 5 * slack] + [2 * mib + slack] * 2 + [4 * mib + slack] * 3
+    morph.give_back()
+    two = _joining(tmp_path)
+    two.local_workers = 2  # the old state is shared by two new workers here: each touches its share of the rest
+    assert 23 * mib < two.prepare_take(sizes) <= 27 * mib  # (a sample of whole files: within one file of it)
+    two.give_back()
+    real = os.statvfs(tmp_path)  # a tmpfs of 40 MiB free, 18 of which the old workers' publish will ask for
+    monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((real.f_bsize, mib, 0, 0, 40, *real[5:])))
+    assert morph.prefault(sizes, keep_free=30 * mib) == 10 * mib
+    morph.give_back()
+    (old / "7.live" / "a.live").write_bytes(bytes(40 * mib))  # more than the stage: nothing to receive
+    assert morph.prepare_take(sizes) == 0
+    assert _joining(tmp_path, attempt=1).prepare_take(sizes) == 0  # a first attempt takes nothing
+
+
+def test_a_sample_keeps_each_size_in_its_proportion() -> None:
+    from varuna_core.worker.morph import _sample
+
+    sizes = [9] * 10 + [5] * 20 + [1] * 30
+    picked = _sample(sizes, 0.5)
+    assert (picked.count(9), picked.count(5), picked.count(1)) == (5, 10, 15)
+    assert _sample(sizes, 1.0) == sizes and _sample([7], 0.1) == [] and _sample([7], 0.6) == [7]

@@ -324,13 +324,14 @@ def test_a_failed_take_falls_back_to_the_stores_checkpoint_or_stops(shelved) -> 
         sup.resume()
 
 
-@pytest.mark.parametrize("old_state_here", [False, True])
+@pytest.mark.parametrize("old_state_here", [False, True, "live"])
 @pytest.mark.parametrize("fails", [False, True])
-def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(shelved, tmp_path, monkeypatch,
-                                                                              old_state_here, fails) -> None:
+def test_a_warm_worker_touches_memory_for_what_its_take_will_receive(shelved, tmp_path, monkeypatch,
+                                                                     old_state_here, fails) -> None:
     """[Note: receive into touched memory]: before it says it is warm, a worker on a host with no shelf of the
-    attempt before writes its state's estimated size into the tmpfs, and that file is gone once the take ended,
-    taken or failed; a host that holds old state is left alone."""
+    attempt before writes a file per expected file of its state into the tmpfs, a worker on a host whose old
+    workers' state lives in shelf files ("live") for what those files do not cover, and those files are gone once
+    the take ended, taken or failed; a host whose old state is in process memory is left alone."""
     from varuna_core.errors import HandoverError
     from varuna_core.launch.protocol import Go, ShelfHolder
     from varuna_core.launch.shelf import Shelf, shelf_key
@@ -340,6 +341,10 @@ def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(s
     monkeypatch.setattr(morph_mod, "_PREFAULT_CHUNK", 1 << 20)  # small chunks: the logic, not the volume
     if old_state_here:
         Shelf(shelf_key("job", 1), root=tmp_path / "shm").path.mkdir(parents=True)
+    if old_state_here == "live":  # 3 MiB of old state in files: only the 2 MiB file is expected over the wire
+        live = Shelf(shelf_key("job", 1), root=tmp_path / "shm").path / "123.live"
+        live.mkdir()
+        (live / "a.live").write_bytes(bytes(3 << 20))
     seen: list[list[str]] = []
     t = Publisher(fail=HandoverError("shelf peer 127.0.0.1:1 did not answer") if fails else None)
     real_take = t.take
@@ -360,8 +365,10 @@ def test_a_warm_worker_on_a_host_without_old_state_touches_memory_for_its_take(s
             sup.resume()
     else:
         sup.resume()
-    assert seen == [[] if old_state_here else [f"{os.getpid()}-0.prefault", f"{os.getpid()}-1.prefault"]]
-    assert sup.morph.prefaulted == (0 if old_state_here else (5 << 20) + 2 * morph_mod._POOL_SLACK)
+    pid, slack = os.getpid(), morph_mod._POOL_SLACK
+    expected = {False: [f"{pid}-0.prefault", f"{pid}-1.prefault"], True: [], "live": [f"{pid}-0.prefault"]}
+    assert seen == [expected[old_state_here]]
+    assert sup.morph.prefaulted == {False: (5 << 20) + 2 * slack, True: 0, "live": 2 << 20}[old_state_here]
     assert not list((tmp_path / "shm").rglob("*.prefault"))  # given back, whatever happened
 
 

@@ -32,18 +32,22 @@ its optimizer (:meth:`Morph.prefault`, before it tells the launcher it is warm: 
 configuration trains meanwhile). Each file that then arrives over the wire is received into one of those
 (:meth:`Morph.claim`: the smallest one large enough, moved to the take's name for the file and cut to its size), so
 its bytes land in pages the tmpfs holds already. The files make no more memory than the take itself will, and
-those left over are removed when the take ends (:meth:`Morph.give_back`). A host that holds old state takes most of
-it in place and is left alone; and no more than half of the host's free memory, or of the tmpfs's free space, is
-touched. The files are in the attempt's shelf, which its node agent removes when the attempt ends, so a worker
-killed while it holds them does not leave them behind.
+those left over are removed when the take ends (:meth:`Morph.give_back`). A host that holds old state links what it
+has in place and receives the rest (a shrink: the stages of the host that leaves); when its old workers' state
+lives in files of their shelf, its new workers touch memory for the part of their stages those files do not cover,
+leaving the tmpfs room for those workers' last publish (:meth:`Morph.prepare_take`). No more than half of the
+host's free memory, or of the tmpfs's free space, is touched. The files are in the attempt's shelf, which its
+node agent removes when the attempt ends, so a worker killed while it holds them does not leave them behind.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -91,6 +95,7 @@ class Morph:
     taken: dict[str, int] = field(default_factory=lambda: {"local": 0, "remote": 0, "copies": 0, "replica": 0})
     # [Note: receive into touched memory]: the files of touched memory not yet claimed, as (bytes, path), by size
     _pool: list[tuple[int, Path]] = field(default_factory=list, repr=False)
+    local_workers: int = 1  # workers of this configuration on this host (torchrun's LOCAL_WORLD_SIZE)
     prefaulted: int = 0  # bytes pre-faulted (for the log)
     claimed: int = 0  # of those, bytes received into (for the log)
 
@@ -108,7 +113,8 @@ class Morph:
         address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
         if address and port.isdigit():
             master = (address, int(port))
-        return cls(told, master)
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        return cls(told, master, local_workers=int(local) if local.isdigit() and int(local) > 0 else 1)
 
     @property
     def warm(self) -> bool:
@@ -144,22 +150,64 @@ class Morph:
             return True  # no attempt before, or unknown: as if it did, and its memory is left alone
         return Shelf(shelf_key(job, attempt - 1), root=self.told.shelf_dir).path.exists()
 
-    def prefault(self, sizes: Iterable[int]) -> int:
+    def old_live_bytes(self) -> int | None:
+        """Bytes of the files that the old configuration's workers on this host train in (the ``*.live``
+        directories on the shelf of the attempt before: what their last publish makes blobs without a copy, and
+        a take on this host links); None on a host without that shelf (one that joins)."""
+        if not self.holds_old_state():
+            return None
+        attempt, job = self.told.attempt or 0, self.told.job_id
+        if attempt < 2 or job is None or self.told.shelf_dir is None:
+            return 0
+        total = 0
+        with contextlib.suppress(OSError):
+            for directory in Shelf(shelf_key(job, attempt - 1), root=self.told.shelf_dir).path.glob("*.live"):
+                if stat.S_ISDIR(directory.lstat().st_mode):
+                    for item in os.scandir(directory):
+                        if item.is_file(follow_symlinks=False):
+                            total += item.stat(follow_symlinks=False).st_size
+        return total
+
+    def prepare_take(self, sizes: list[int]) -> int:
+        """Touch memory for the files this worker will receive over the wire ([Note: receive into touched memory]),
+        given ``sizes``, estimates of its stage's files; returns the bytes touched.
+
+        * On a host that joins: all of them (its whole stage comes over the wire).
+        * On a host whose old workers' state lives in files of their shelf (:meth:`old_live_bytes`; a take here
+          links them): what those files do not cover, shared among this host's new workers, with a sample of the
+          sizes in their proportions (which files will come from elsewhere is known only at the go); and the old
+          workers' last publish keeps room for their state (a publish checks the tmpfs's free space for it).
+        * Elsewhere (no attempt before, or the old state is in process memory: its publish will copy it), none.
+        """
+        old = self.old_live_bytes()
+        if old is None:
+            return self.prefault(sizes)
+        limit = sum(sizes) - old // self.local_workers
+        return self.prefault(sizes, limit=limit, keep_free=old) if old > 0 and limit > 0 else 0
+
+    def prefault(self, sizes: Iterable[int], *, limit: int | None = None, keep_free: int = 0) -> int:
         """Write a file of zeros into the shelf's tmpfs for each of ``sizes`` (estimates of the files the take will
         receive; those under a MiB are left out), the largest first, within half the host's available memory and
         half the tmpfs's free space; returns the bytes touched (0: nothing to do, or the tmpfs refused, which is
-        only logged: a full tmpfs keeps what was written). The take receives its files into them (:meth:`claim`)."""
+        only logged: a full tmpfs keeps what was written). The take receives its files into them (:meth:`claim`).
+        ``limit``: at most that many bytes, in files sampled from ``sizes`` in their proportions; ``keep_free``:
+        bytes of the tmpfs left free beside."""
         wanted = sorted((int(n) + _POOL_SLACK for n in sizes if int(n) >= _POOL_MIN), reverse=True)
         budget = _available_memory() // 2
         if not wanted or budget < _POOL_MIN or self._pool:
             return 0
+        if limit is not None and limit < sum(wanted):
+            wanted, budget = _sample(wanted, limit / sum(wanted)), min(budget, limit)
+            if not wanted:
+                return 0
         try:  # in this attempt's shelf: its agent removes it with the shelf if this process dies holding it
             directory = self.shelf.make_dir()
             room = os.statvfs(directory)
         except (OSError, HandoverError) as exc:
             log.info("memory for the take not pre-faulted (%s)", exc)
             return 0
-        budget = min(budget, room.f_bavail * room.f_frsize // 2)
+        free = room.f_bavail * room.f_frsize
+        budget = min(budget, free // 2, free - keep_free)
         zeros, total = memoryview(bytes(min(_PREFAULT_CHUNK, max(wanted)))), 0
         for i, size in enumerate(wanted):
             size = min(size, budget - total)
@@ -344,6 +392,17 @@ class Morph:
             return {name: entry.digest for name, entry in entries.items()}  # each checked as it arrived
 
         return fetch
+
+
+def _sample(sizes: list[int], fraction: float) -> list[int]:
+    """About ``fraction`` of ``sizes`` (sorted), spread evenly over them: each size class in its proportion."""
+    out, credit = [], 0.5  # (rounded: a half share picks the file)
+    for size in sizes:
+        credit += fraction
+        if credit >= 1.0:
+            out.append(size)
+            credit -= 1.0
+    return out
 
 
 def _available_memory() -> int:

@@ -472,9 +472,9 @@ class Supervision:
 
     def _take_over(self, morph: Morph) -> None:
         """A warm worker: tell the launcher, wait for the go, take the state from where it says."""
-        if self._state_files is not None and not morph.holds_old_state():
+        if self._state_files is not None:
             started = time.monotonic()
-            if morph.prefault(self._state_files()):
+            if morph.prepare_take(self._state_files()):
                 log.info("rank %d touched %d bytes of memory for its take in %.2f s", self.rank, morph.prefaulted,
                          time.monotonic() - started)
         try:
