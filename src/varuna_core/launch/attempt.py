@@ -510,7 +510,9 @@ class Attempt:
         asked_at: float | None = None
         try:
             while True:
-                self._drain(0.25)
+                # the heartbeats arrive on the listener's thread: while the workers hand over (the new configuration
+                # waits for them to have published), look at them more often
+                self._drain(0.25 if self.publish_asked is None else 0.02)
                 self._heartbeats()
                 outcome = self._ended(request)
                 if outcome is not None:
