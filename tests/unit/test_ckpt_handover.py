@@ -82,7 +82,7 @@ def test_a_take_receives_its_data_files_into_claimed_memory_cut_to_size_and_chec
     to its name (the same inode), cut to its size (the claimed file was larger); the small files are made new;
     the bytes are checked against the manifest as any others: a damaged one is refused, the state untouched."""
     claimed: dict[Path, tuple[int, int]] = {}  # path -> (inode, size)
-    seen: list[tuple[int, int]] = []
+    seen: dict[Path, tuple[int, int]] = {}
 
     def claim(size, path):
         pooled = tmp_path / f"pool-{len(claimed)}"
@@ -102,7 +102,7 @@ def test_a_take_receives_its_data_files_into_claimed_memory_cut_to_size_and_chec
 
     def fetch(holder, names, into, max_bytes):
         inner(holder, names, into, max_bytes)
-        seen.extend((os.stat(p).st_ino, os.stat(p).st_size) for p in claimed)  # while they are there
+        seen.update({p: (os.stat(p).st_ino, os.stat(p).st_size) for p in list(claimed)})  # while they are there
 
     model, state, before = _fresh(tmp_path)
     if damaged:
@@ -114,7 +114,7 @@ def test_a_take_receives_its_data_files_into_claimed_memory_cut_to_size_and_chec
                     claim=claim) == STEP
         assert state.restored and state.iteration == STEP
     assert sorted(p.name for p in claimed) == sorted(n.rsplit("/", 1)[1] for n in shelf if n.endswith(".distcp"))
-    assert sorted(seen) == sorted(claimed.values())
+    assert seen == claimed
     assert not any((tmp_path / "s").iterdir())
 
 
@@ -367,13 +367,50 @@ def test_a_file_whose_holder_fails_comes_from_the_next_holder_and_none_left_is_n
     directory = tmp_path / "a"
     directory.mkdir()
     _take_files({f: ["gone", "replica"] for f in expected}, fetch, STEP, directory, expected)
-    assert asked == ["gone", "replica"] and (directory / "__0_1.distcp").read_bytes() == b"x" * 100
+    # (each file in a request of its own: a holder's data files go in two requests at once)
+    assert sorted(asked) == ["gone", "gone", "replica", "replica"]
+    assert (directory / "__0_1.distcp").read_bytes() == b"x" * 100
     assert "from another copy instead" in caplog.text
     directory = tmp_path / "b"
     directory.mkdir()
     with pytest.raises(HandoverError, match="holder replica did not send blob"):
         _take_files({f: ["gone", "replica"] for f in expected}, _fetch({}), STEP, directory, expected)
     assert not any(directory.iterdir())
+
+
+def test_a_holders_data_files_come_in_two_requests_at_once_of_about_equal_bytes(tmp_path, monkeypatch) -> None:
+    """Each holder's data files are dealt out, largest first, to two requests of about equal bytes, which run at
+    once (each waits here until the other has started); the small files come in one request; a request names at
+    most _BATCH files."""
+    import threading
+
+    from varuna_core.checkpoint import handover as handover_mod
+    from varuna_core.checkpoint.handover import _batches, _take_files
+
+    sizes = {f"__0_{i}.distcp": n for i, n in enumerate([900, 500, 400, 300, 100, 100, 10])}
+    expected = {f: (n, of_bytes(bytes([i % 251]) * n)) for i, (f, n) in enumerate(sizes.items())}
+    parts = _batches(sorted(sizes), expected)
+    assert len(parts) == 2 and sorted(f for part in parts for f in part) == sorted(sizes)
+    assert abs(sum(sizes[f] for f in parts[0]) - sum(sizes[f] for f in parts[1])) <= 100
+    assert _batches(["RUN", "MANIFEST"], None) == [["RUN", "MANIFEST"]]  # the small files: one request
+    assert _batches(["__0_0.distcp"], expected) == [["__0_0.distcp"]]
+    blobs = {blob_name(STEP, f): (bytes([i % 251]) * n, {}) for i, (f, n) in enumerate(sizes.items())}
+    both = threading.Barrier(2, timeout=10)
+    requests: list[list[str]] = []
+
+    def fetch(holder, names, into, max_bytes):
+        requests.append(sorted(names))
+        both.wait()  # a BrokenBarrierError after 10 s if the other request never starts
+        _fetch(blobs)(holder, names, into, max_bytes)
+
+    directory = tmp_path / "a"
+    directory.mkdir()
+    assert _take_files({f: ["h"] for f in sizes}, fetch, STEP, directory, expected) == set()
+    assert len(requests) == 2 and sorted(n for r in requests for n in r) == sorted(blobs)
+    for i, (f, n) in enumerate(sizes.items()):
+        assert (directory / f).read_bytes() == bytes([i % 251]) * n, f
+    monkeypatch.setattr(handover_mod, "_BATCH", 2)
+    assert [len(b) for b in _batches(sorted(sizes), expected)] == [2, 2, 2, 1]
 
 
 def test_a_shelf_that_fills_up_while_the_publish_writes_fails_it_and_leaves_nothing(small_disk, monkeypatch) -> None:

@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ class Morph:
     local_workers: int = 1  # workers of this configuration on this host (torchrun's LOCAL_WORLD_SIZE)
     prefaulted: int = 0  # bytes pre-faulted (for the log)
     claimed: int = 0  # of those, bytes received into (for the log)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # the take's requests run at once
 
     @classmethod
     def launched(cls, told: WorkerEnv) -> Morph | None:
@@ -240,17 +242,20 @@ class Morph:
         """Move the smallest file of touched memory (:meth:`prefault`) that holds ``size`` bytes, else the largest,
         to ``path`` (which must not exist), for a file of ``size`` bytes about to arrive; False if there is none,
         or ``size`` is under a MiB: the caller makes the file itself."""
-        if size < _POOL_MIN or not self._pool:
-            return False
-        at = bisect.bisect_left([n for n, _ in self._pool], size)
-        _, pooled = self._pool.pop(min(at, len(self._pool) - 1))
+        with self._lock:
+            if size < _POOL_MIN or not self._pool:
+                return False
+            at = bisect.bisect_left([n for n, _ in self._pool], size)
+            _, pooled = self._pool.pop(min(at, len(self._pool) - 1))
+            self.claimed += size
         try:
             os.link(pooled, path)  # (fails if path exists)
         except OSError:
+            with self._lock:
+                self.claimed -= size
             return False
         finally:
             pooled.unlink(missing_ok=True)
-        self.claimed += size
         return True
 
     def give_back(self) -> None:
@@ -330,12 +335,17 @@ class Morph:
 
         return holder_of
 
+    def _count(self, kind: str, size: int) -> None:
+        """Add ``size`` bytes to ``taken[kind]`` (a take runs several requests at once, each on a thread)."""
+        with self._lock:
+            self.taken[kind] += size
+
     def _copied(self, go: Go, holder: Any, name: str, size: int, kind: str) -> None:
         """Count ``size`` bytes of ``name`` under ``kind`` if ``holder`` is not its writer's (a replica's copy)."""
         rank = holder_rank(name)
         if rank < len(go.holders) and tuple(holder) != (go.holders[rank].host, go.holders[rank].address,
                                                         go.holders[rank].port):
-            self.taken[kind] += size
+            self._count(kind, size)
 
     def link(self, go: Go) -> Callable[[Any, str, Path], tuple[int, str] | None]:
         """``link(holder, name, path)`` for :func:`~varuna_core.checkpoint.handover.take`: a blob of this host's own
@@ -351,7 +361,7 @@ class Morph:
                 entry = local.link(name, path)
             except OSError:
                 return None
-            self.taken["local"] += entry.size
+            self._count("local", entry.size)
             self._copied(go, holder, name, entry.size, "copies")  # linked first: the copy is on this host
             return entry.size, entry.digest
 
@@ -381,12 +391,12 @@ class Morph:
             if host == self.told.host and all(local.has(name) for name in names):
                 for name in names:  # each file is checked against the manifest's digest as it is loaded
                     entry = local.get_into(name, lambda e: into(e.name, e.size), verify=False)
-                    self.taken["local"] += entry.size
+                    self._count("local", entry.size)
                     self._copied(go, holder, name, entry.size, "replica")  # fetched: the writer's holder failed
                 return None
             entries = fetch_into(address, port, job=job, token=token, names=names, max_bytes=max_bytes,
                                  into=lambda e: into(e.name, e.size), timeout=timeout)
-            self.taken["remote"] += sum(e.size for e in entries.values())
+            self._count("remote", sum(e.size for e in entries.values()))
             for entry in entries.values():
                 self._copied(go, holder, entry.name, entry.size, "replica")
             return {name: entry.digest for name, entry in entries.items()}  # each checked as it arrived
