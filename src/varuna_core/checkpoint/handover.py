@@ -139,7 +139,7 @@ _WRITER = re.compile(r"__([0-9]+)_[0-9]+\.distcp")  # the rank that wrote a data
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
 _HASH_READ = 4 << 20  # bytes per read of a file being hashed
 _BATCH = 1024  # files per request to one holder (a file per parameter: a large model has thousands)
-_STREAMS = 2  # requests to one holder at once, each with its data files (see _take_files)
+TAKE_STREAMS = 2  # requests to one holder at once, each with its data files (see _take_files)
 _MAX_REQUESTS = 8  # requests at once, whatever the number of holders
 _MAP_ALIGN = 64  # bytes: a mapped tensor starts where the allocator would have put it (vector loads, cache lines)
 _SMALL_LIMIT = 2 * INDEX_LIMIT  # bytes of the small files together: the index's bound and the manifest's
@@ -821,7 +821,7 @@ def _take_files(holders: dict[str, list[Any]], fetch: Fetch, step: int, director
                 expected: dict[str, tuple[int, str]] | None,
                 claim: Callable[[int, Path], bool] | None = None) -> set[str]:
     """Take each file of ``holders`` into ``directory`` from the first of its holders, the data files of a holder
-    in :data:`_STREAMS` requests at once (each of at most :data:`_BATCH` files); a file whose holder fails is
+    in :data:`TAKE_STREAMS` requests at once (each of at most :data:`_BATCH` files); a file whose holder fails is
     taken from the next one. Returns the files checked on arrival. ``claim``: see :func:`take`.
 
     Why several requests at once: one connection's receive copies every byte on one core (the hash runs a span
@@ -860,11 +860,11 @@ def _take_files(holders: dict[str, list[Any]], fetch: Fetch, step: int, director
 
 def _batches(group: list[str], expected: dict[str, tuple[int, str]] | None) -> list[list[str]]:
     """The requests for ``group``, files of one holder: data files (``expected`` known) dealt out, largest first,
-    to :data:`_STREAMS` parts of about equal bytes; each part (or the whole group, for the small files) in
+    to :data:`TAKE_STREAMS` parts of about equal bytes; each part (or the whole group, for the small files) in
     batches of at most :data:`_BATCH` files (a request's names and its reply's header stay bounded)."""
     parts: list[list[str]] = [list(group)]
     if expected is not None and len(group) > 1:
-        parts, load = [[] for _ in range(_STREAMS)], [0] * _STREAMS
+        parts, load = [[] for _ in range(TAKE_STREAMS)], [0] * TAKE_STREAMS
         for file in sorted(group, key=lambda f: (-expected[f][0], f)):
             lightest = load.index(min(load))
             parts[lightest].append(file)
