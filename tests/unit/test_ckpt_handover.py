@@ -81,15 +81,20 @@ def test_a_take_receives_its_data_files_into_claimed_memory_cut_to_size_and_chec
     """[Note: receive into touched memory]: each data file that arrives is received into the file ``claim`` moved
     to its name (the same inode), cut to its size (the claimed file was larger); the small files are made new;
     the bytes are checked against the manifest as any others: a damaged one is refused, the state untouched."""
+    import itertools
+    import threading
+
     claimed: dict[Path, tuple[int, int]] = {}  # path -> (inode, size)
     seen: dict[Path, tuple[int, int]] = {}
+    numbers, lock = itertools.count(), threading.Lock()  # (the take's two requests claim at once, as Morph's does)
 
     def claim(size, path):
-        pooled = tmp_path / f"pool-{len(claimed)}"
+        pooled = tmp_path / f"pool-{next(numbers)}"
         pooled.write_bytes(b"\xff" * (size + 5000))
         os.link(pooled, path)
         pooled.unlink()
-        claimed[path] = (os.stat(path).st_ino, size)
+        with lock:
+            claimed[path] = (os.stat(path).st_ino, size)
         return True
 
     blobs = dict(shelf)
@@ -102,7 +107,8 @@ def test_a_take_receives_its_data_files_into_claimed_memory_cut_to_size_and_chec
 
     def fetch(holder, names, into, max_bytes):
         inner(holder, names, into, max_bytes)
-        seen.update({p: (os.stat(p).st_ino, os.stat(p).st_size) for p in list(claimed)})  # while they are there
+        with lock:  # while they are there
+            seen.update({p: (os.stat(p).st_ino, os.stat(p).st_size) for p in claimed})
 
     model, state, before = _fresh(tmp_path)
     if damaged:
