@@ -714,3 +714,56 @@ def test_reside_moves_the_state_into_files_a_last_publish_adopts(shm, monkeypatc
     with pytest.raises(OSError, match="No space"):
         reside(state, keep)
     assert not any(keep.iterdir()) and _mapped_files(model.fc.weight) is None
+
+
+def test_a_last_publish_hashes_its_live_files_before_its_first_collective_and_hashes_each_once(shm,
+                                                                                               monkeypatch) -> None:
+    """A final publish begins to hash the files its state trains in before it waits for the other ranks (the
+    largest stage comes last: [Note: hash while the others finish]); each adopted file is hashed once, with that
+    hash, and a live file that is not adopted as it is (its tensor moved out of it) is written and its early hash
+    goes unused. The blobs are the trained state, bit for bit."""
+    import threading
+
+    from varuna_core.checkpoint import handover
+    from varuna_core.checkpoint.handover import reside
+
+    model, state = _wide_state(0)
+    for p in model.parameters():
+        state.optimizer.state[p] = {"momentum_buffer": torch.randn_like(p)}
+    keep = shm / "keep"
+    reside(state, keep)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    state.optimizer.step()
+    files = {n: _mapped_files(p) for n, p in model.named_parameters()}
+    assert all(files.values())  # each parameter is a view of its own file
+    model.norm.weight.data = model.norm.weight.data.clone()  # out of its file: that file is not adopted as it is
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    hashed: list[str] = []
+    begun = threading.Event()
+    digest_of, agree = handover._digest_of, handover._agree
+    monkeypatch.setattr(handover, "_digest_of", lambda path, mapping=None, size=0:
+                        hashed.append(str(path)) or begun.set() or digest_of(path, mapping, size))
+    waited: list[bool] = []
+
+    def first_agree(*args, **kwargs):
+        if not waited:  # the publish's first collective: the other ranks would still be stepping here
+            waited.append(begun.wait(10))
+        return agree(*args, **kwargs)
+
+    monkeypatch.setattr(handover, "_agree", first_agree)
+    final = Shelf("final", root=shm / "final")
+    publish(state, final.reserve, final=True)
+    assert waited == [True]  # a hash had begun before the first collective
+    assert len(hashed) == len(set(hashed))  # none twice
+    blobs = {_inode_of(final, n) for n in final.names() if n.endswith(".distcp")}
+    for name, (path, inode) in files.items():
+        assert (inode in blobs) == (name != "norm.weight"), name  # adopted as they are, but the one moved out
+        assert name == "norm.weight" or path in hashed, name  # with the hash begun early (norm.weight's: maybe)
+    monkeypatch.setattr(handover, "_digest_of", digest_of)
+    for name in final.names():
+        final.get(name)  # its bytes match the digest its entry records (raises if not)
+    other, fresh = _wide_state(2, iteration=0, seed=1, run_id="run-c")
+    take(fresh, step=state.iteration, locate=lambda name: "here", fetch=_from(final, []), staging=shm / "again")
+    assert all(torch.equal(p, trained[n]) for n, p in other.named_parameters())

@@ -47,6 +47,14 @@ still the views it was mapped as a blob by a rename, hashed in threads, not writ
 replicas' copies likewise; so a state is copied neither out of the old worker nor into the new one, and only what
 crosses hosts moves. A snapshot's publish copies: training goes on in those pages.
 
+[Note: hash while the others finish] A final publish hashes every file it adopts, and the ranks enter the publish
+one by one: each as its last optimizer step ends, the largest stage last (in the big GPT's shrink of
+benchmarks/README.md, the stage-0 rank waited 0.36 s for the stage-1 rank, then both hashed 1.2 and 1.8 GB on the
+same two cores). The state of a final publish changes no more, so a rank hashes the files it trains in from its
+first line (:func:`_hash_early`), on one thread fewer than it has cores (the others may still be stepping on the
+rest), and the adoption takes the digest begun there. A file that then turns out not to be adopted as it is (a
+replica writes it, its tensors moved) leaves its hash unused: cancelled if it had not begun.
+
 Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its wire
 live. A publish gets ``reserve(nbytes)`` (``Shelf.reserve`` as it is); a take gets ``locate(name)``,
 the holder of a blob (any value the ``fetch`` callable understands: ``"host:port"``, or a marker for this host's own
@@ -73,7 +81,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Callable, Collection
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,6 +210,9 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
     tensors = _state_dict(state, write_model=True)
     need = sum(t.numel() * t.element_size() for t in tensors.values()) + _SLACK * (len(tensors) + 4)
     with contextlib.ExitStack() as stack:
+        early: dict[str, Future[str]] = {}
+        if final and (state.dp == 1 or not leaving):  # (a leaving replica's files are mostly written elsewhere)
+            early = _hash_early(stack)
         space: Space | None = None
         problem: str | tuple[str, str | None, type[VarunaError]] | None = None
         try:
@@ -220,7 +231,7 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
             local = Path(space.directory)
             hashers = stack.enter_context(ThreadPoolExecutor(_hash_threads(), "varuna-hash")) if final else None
             writer = RawWriter(local, sync_files=False, group=by_parameter,  # tmpfs: nothing to sync
-                               adopt=functools.partial(_adopt_live, hashers=hashers) if final else None)
+                               adopt=functools.partial(_adopt_live, hashers=hashers, early=early) if final else None)
             dcp_save(tensors, writer, avoid=leavers)  # a failure anywhere raises everywhere
             if final:
                 log.info("rank %d: step %d published, %.1f MB of it as the files it trained in (not copied)",
@@ -233,18 +244,34 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
                 mine = {"home": space.home, "files": files, "layout": writer.layout}
                 gathered = [part[0] for part in _gather(state, [mine])]
                 if state.rank not in leavers:  # (a leaving host's copies would serve nobody)
-                    _mirror(state, reserve, step, tensors, gathered, final)
+                    _mirror(state, reserve, step, tensors, gathered, final, early)
             owners = _gather(state, names)
         except BaseException as exc:
             if isinstance(exc, (VarunaError, KeyboardInterrupt, SystemExit)):
                 raise
             raise HandoverError(f"publishing step {step} failed on rank {state.rank}: {_reason(exc)}",
                                 hint=_KEEP_TRAINING) from None
+        finally:
+            for future in early.values():  # the files that were not adopted as they are: their hash serves nobody
+                future.cancel()
     return {name: rank for rank, part in enumerate(owners) for name in part}
 
 
+def _hash_early(stack: contextlib.ExitStack) -> dict[str, Future[str]]:
+    """A final publish's first move: hash, in the background, each file that this process's live state is,
+    before the publish's first collective (see [Note: hash while the others finish]). Returns ``{path: future
+    digest}``; its threads end with ``stack``."""
+    lives = [(path, live, live.mapping()) for path, live in list(_LIVE.items())]
+    lives = [(path, live, mapping) for path, live, mapping in lives if mapping is not None]
+    if not lives:
+        return {}
+    pool = stack.enter_context(ThreadPoolExecutor(max(1, _hash_threads() - 1), "varuna-hash-early"))
+    return {path: pool.submit(_digest_of, live.path, mapping, live.size) for path, live, mapping in lives}
+
+
 def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[str, Any],
-            gathered: list[dict[str, Any]], final: bool = False) -> list[str]:
+            gathered: list[dict[str, Any]], final: bool = False,
+            early: dict[str, Future[str]] | None = None) -> list[str]:
     """Under data parallelism, each rank also puts on its own host's shelf a copy of the data files its stage's
     other replicas wrote (the publish writes each tensor once, on one of the replicas that hold it), byte for byte
     the same, written from its own tensors (the replicas' are the same bits): so a host that dies before the new
@@ -253,7 +280,7 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
     Best effort: a copy whose bytes are not the writer's (digest), a file with a rank's own state (its RNG), a
     replica on the same host, or a shelf without room for the copies are left out, and said. Returns the blob
     names copied. ``final``: a copy whose tensors are a file this process trained in, laid out as the writer's,
-    is that file, not copied (:func:`_adopt_live`)."""
+    is that file, not copied (:func:`_adopt_live`; ``early``: its hash, if begun before the publish)."""
     topology = Topology.parse(state.stage_to_rank_map, state.world_size)
     stage, home = topology.coords(state.rank)[0], gathered[state.rank]["home"]
     mates = [r for r, part in enumerate(gathered) if part["home"] == home and topology.coords(r)[0] == stage]
@@ -278,7 +305,7 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
                 path = Path(space.directory) / file
                 ordered = sorted(chunks, key=lambda c: c[2])
                 adopted = _adopt_live(path, [(fqn, tensors[fqn]) for fqn, *_ in ordered], size=size,
-                                      at=[c[2] for c in ordered]) if final else None
+                                      at=[c[2] for c in ordered], early=early) if final else None
                 digest = adopted[2] if adopted is not None else _write_like(path, chunks, size, tensors, buffers)
                 if digest != writers:
                     log.warning("rank %d: its copy of rank %d's %s differs from it (replicas out of step?): not "
@@ -563,12 +590,14 @@ def _digest_of(path: Path, mapping: mmap.mmap | None = None, size: int = 0) -> s
 
 
 def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor | None = None,
-                size: int | None = None, at: list[int] | None = None) -> tuple[list[int], int, Any] | None:
+                size: int | None = None, at: list[int] | None = None,
+                early: dict[str, Future[str]] | None = None) -> tuple[list[int], int, Any] | None:
     """For a final publish's writer: the kept file whose stored tensors are exactly ``tensors``, each still the view
     of its pages it was mapped as, moved to ``path`` (its data only: an old blob's entry after it is cut off), with
     each tensor's offset, the data's size and digest (a future of it, with ``hashers``); None if there is none (the
     writer writes the file). ``size``, ``at``: the file must hold that many bytes of data, the tensors at those
-    offsets (a copy of another writer's file)."""
+    offsets (a copy of another writer's file). ``early``: hashes of live files begun earlier, by their paths
+    (:func:`_hash_early`); the file's is used, if there is one, and hashed no more."""
     first = tensors[0][1] if tensors else None
     if first is None:
         return None
@@ -596,6 +625,9 @@ def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor
         log.debug("writing %s rather than adopting %s: %s", path.name, live.path, _reason(exc))
         return None
     _unremember(str(live.path))
+    begun = early.pop(str(live.path), None) if early is not None else None
+    if begun is not None and not begun.cancelled():
+        return offsets, live.size, begun if hashers is not None else begun.result()
     mapping = live.mapping()  # the pages the tensors view: alive as long as they are
     if hashers is not None:
         return offsets, live.size, hashers.submit(_digest_of, path, mapping, live.size)
