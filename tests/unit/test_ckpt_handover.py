@@ -719,9 +719,9 @@ def test_reside_moves_the_state_into_files_a_last_publish_adopts(shm, monkeypatc
 def test_a_last_publish_hashes_its_live_files_before_its_first_collective_and_hashes_each_once(shm,
                                                                                                monkeypatch) -> None:
     """A final publish begins to hash the files its state trains in before it waits for the other ranks (the
-    largest stage comes last: [Note: hash while the others finish]); each adopted file is hashed once, with that
-    hash, and a live file that is not adopted as it is (its tensor moved out of it) is written and its early hash
-    goes unused. The blobs are the trained state, bit for bit."""
+    largest stage comes last: [Note: hash while the others finish]); each adopted file is hashed once (begun early,
+    or at its adoption if its hash had not begun), and a live file that is not adopted as it is (its tensor moved
+    out of it) is written and its early hash goes unused. The blobs are the trained state, bit for bit."""
     import threading
 
     from varuna_core.checkpoint import handover
@@ -740,11 +740,11 @@ def test_a_last_publish_hashes_its_live_files_before_its_first_collective_and_ha
     model.norm.weight.data = model.norm.weight.data.clone()  # out of its file: that file is not adopted as it is
     trained = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    hashed: list[str] = []
+    hashed: list[int] = []  # the mapping of each file hashed
     begun = threading.Event()
     digest_of, agree = handover._digest_of, handover._agree
     monkeypatch.setattr(handover, "_digest_of", lambda path, mapping=None, size=0:
-                        hashed.append(str(path)) or begun.set() or digest_of(path, mapping, size))
+                        hashed.append(id(mapping)) or begun.set() or digest_of(path, mapping, size))
     waited: list[bool] = []
 
     def first_agree(*args, **kwargs):
@@ -756,11 +756,10 @@ def test_a_last_publish_hashes_its_live_files_before_its_first_collective_and_ha
     final = Shelf("final", root=shm / "final")
     publish(state, final.reserve, final=True)
     assert waited == [True]  # a hash had begun before the first collective
-    assert len(hashed) == len(set(hashed))  # none twice
+    assert len(hashed) == len(set(hashed)) and 3 <= len(hashed) <= 4  # each once (norm.weight's maybe not)
     blobs = {_inode_of(final, n) for n in final.names() if n.endswith(".distcp")}
-    for name, (path, inode) in files.items():
+    for name, (_, inode) in files.items():
         assert (inode in blobs) == (name != "norm.weight"), name  # adopted as they are, but the one moved out
-        assert name == "norm.weight" or path in hashed, name  # with the hash begun early (norm.weight's: maybe)
     monkeypatch.setattr(handover, "_digest_of", digest_of)
     for name in final.names():
         final.get(name)  # its bytes match the digest its entry records (raises if not)

@@ -52,8 +52,9 @@ one by one: each as its last optimizer step ends, the largest stage last (in the
 benchmarks/README.md, the stage-0 rank waited 0.36 s for the stage-1 rank, then both hashed 1.2 and 1.8 GB on the
 same two cores). The state of a final publish changes no more, so a rank hashes the files it trains in from its
 first line (:func:`_hash_early`), on one thread fewer than it has cores (the others may still be stepping on the
-rest), and the adoption takes the digest begun there. A file that then turns out not to be adopted as it is (a
-replica writes it, its tensors moved) leaves its hash unused: cancelled if it had not begun.
+rest). The adoption takes a digest begun there, and hashes a file whose hash had not begun as before, on all its
+threads (a lone rank, which waits for nobody, would otherwise hash on one thread fewer). A file that turns out not
+to be adopted as it is (a replica writes it, its tensors moved) leaves its hash unused: cancelled if not begun.
 
 Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its wire
 live. A publish gets ``reserve(nbytes)`` (``Shelf.reserve`` as it is); a take gets ``locate(name)``,
@@ -596,8 +597,8 @@ def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor
     of its pages it was mapped as, moved to ``path`` (its data only: an old blob's entry after it is cut off), with
     each tensor's offset, the data's size and digest (a future of it, with ``hashers``); None if there is none (the
     writer writes the file). ``size``, ``at``: the file must hold that many bytes of data, the tensors at those
-    offsets (a copy of another writer's file). ``early``: hashes of live files begun earlier, by their paths
-    (:func:`_hash_early`); the file's is used, if there is one, and hashed no more."""
+    offsets (a copy of another writer's file). ``early``: hashes of live files submitted earlier, by their paths
+    (:func:`_hash_early`); the file's is used if it has begun, else cancelled and the file hashed here."""
     first = tensors[0][1] if tensors else None
     if first is None:
         return None
@@ -626,7 +627,7 @@ def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor
         return None
     _unremember(str(live.path))
     begun = early.pop(str(live.path), None) if early is not None else None
-    if begun is not None and not begun.cancelled():
+    if begun is not None and not begun.cancel():  # begun (or done): taken; else hashed here, on every thread
         return offsets, live.size, begun if hashers is not None else begun.result()
     mapping = live.mapping()  # the pages the tensors view: alive as long as they are
     if hashers is not None:
