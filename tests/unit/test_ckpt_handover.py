@@ -76,14 +76,27 @@ def test_take_restores_what_publish_put(shelf, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("damaged", [False, True])
-def test_a_take_receives_its_data_files_into_claimed_memory_cut_to_size_and_checks_them(shelf, tmp_path,
-                                                                                        damaged) -> None:
+def test_a_take_receives_its_data_files_into_claimed_memory_cut_to_size_and_checks_them(shelf, tmp_path, damaged,
+                                                                                        monkeypatch) -> None:
     """[Note: receive into touched memory]: each data file that arrives is received into the file ``claim`` moved
     to its name (the same inode), cut to its size (the claimed file was larger); the small files are made new;
-    the bytes are checked against the manifest as any others: a damaged one is refused, the state untouched."""
+    the bytes are checked against the manifest as any others: a damaged one is refused, the state untouched. A
+    claimed file is mapped with its pages populated at once; a new one is not (that would allocate it first)."""
     import itertools
+    import mmap
     import threading
 
+    from varuna_core.checkpoint import handover
+
+    populated: dict[int, bool] = {}  # inode -> mapped with MAP_POPULATE
+    real_mmap = mmap.mmap
+
+    def mapping(fd, size, *args, flags=mmap.MAP_SHARED, **kwargs):
+        if fd >= 0:  # (not an anonymous mapping)
+            populated[os.fstat(fd).st_ino] = bool(flags & getattr(mmap, "MAP_POPULATE", 0))
+        return real_mmap(fd, size, *args, flags=flags, **kwargs)
+
+    monkeypatch.setattr(handover.mmap, "mmap", mapping)
     claimed: dict[Path, tuple[int, int]] = {}  # path -> (inode, size)
     seen: dict[Path, tuple[int, int]] = {}
     numbers, lock = itertools.count(), threading.Lock()  # (the take's two requests claim at once, as Morph's does)
@@ -122,6 +135,10 @@ def test_a_take_receives_its_data_files_into_claimed_memory_cut_to_size_and_chec
     assert sorted(p.name for p in claimed) == sorted(n.rsplit("/", 1)[1] for n in shelf if n.endswith(".distcp"))
     assert seen == claimed
     assert not any((tmp_path / "s").iterdir())
+    if hasattr(mmap, "MAP_POPULATE"):
+        inodes = {inode for inode, _ in claimed.values()}
+        assert inodes and all(populated[i] for i in inodes)
+        assert any(not flag for i, flag in populated.items() if i not in inodes)  # the small files, made new
 
 
 def test_a_blob_no_host_holds_is_refused_by_name(shelf, tmp_path) -> None:

@@ -147,6 +147,7 @@ _SLACK = 8192  # bytes of room per tensor beyond its own: alignment, the blob's 
 _WRITER = re.compile(r"__([0-9]+)_[0-9]+\.distcp")  # the rank that wrote a data file
 _SMALL_FILES = (RUN_FILE, COMPLETE_FILE, MANIFEST_FILE, METADATA_FILE)  # rank 0's, taken by every rank first
 _HASH_READ = 4 << 20  # bytes per read of a file being hashed
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # (Linux)
 _BATCH = 1024  # files per request to one holder (a file per parameter: a large model has thousands)
 TAKE_STREAMS = 2  # requests to one holder at once, each with its data files (see _take_files)
 _MAX_REQUESTS = 8  # requests at once, whatever the number of holders
@@ -922,12 +923,16 @@ def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: lis
             raise HandoverError(f"blob {printable(name)} on {where} holds {size} bytes; the manifest says "
                                 f"{expected[file][0]}", hint=_FALL_BACK)
         path, flags = directory / file, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0)
-        if claim is None or expected is None or not claim(size, path):  # (touched memory for data files only)
+        claimed = claim is not None and expected is not None and claim(size, path)  # (data files only)
+        if not claimed:
             flags |= os.O_CREAT | os.O_EXCL
         fd = os.open(path, flags, 0o600)
         try:
             os.ftruncate(fd, size)
-            mapped[file] = mmap.mmap(fd, size) if size else None
+            # a claimed file's pages exist: map them all at once, not a page fault at a time as the bytes come
+            # ([Note: receive into touched memory]); a new file's would be allocated before a byte arrives
+            populate = _POPULATE if claimed else 0
+            mapped[file] = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate) if size else None
         finally:
             os.close(fd)
         buffer = mapped[file]

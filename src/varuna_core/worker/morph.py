@@ -38,6 +38,10 @@ lives in files of their shelf, its new workers touch memory for the part of thei
 leaving the tmpfs room for those workers' last publish (:meth:`Morph.prepare_take`). No more than half of the
 host's free memory, or of the tmpfs's free space, is touched. The files are in the attempt's shelf, which its
 node agent removes when the attempt ends, so a worker killed while it holds them does not leave them behind.
+The take maps a claimed file with ``MAP_POPULATE``: its pages are in the tmpfs, but not yet in the take's page
+tables, and a fault per page as the bytes arrive cost a quarter of the rate (2 requests of 1.6 GB into such files
+over loopback: 1.74-1.83 GB/s faulted, 2.36-2.46 populated). A new file is mapped as it is: populating it would
+allocate all of it before the first byte arrives (1.34-1.44 GB/s faulted, 1.14-1.18 populated).
 """
 
 from __future__ import annotations
