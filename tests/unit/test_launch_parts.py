@@ -126,6 +126,25 @@ def test_stragglers_need_patience_and_compare_like_with_like() -> None:
     assert blind.observe({0: ("a", 1, 1.0), 1: ("b", 1, 5.0)}) == []  # different stages, no plan: not judged
 
 
+def test_a_straggler_is_judged_against_its_replicas_latest_reports_whenever_they_came() -> None:
+    """Heartbeats arrive on their own clocks: a poll may hear a rank but not its replica. The rank is then judged
+    against the replica's latest report, not through the plan against the other stages (whose error broke the
+    streak of a rank 7x slower than its replica in a launch test); with no replica heard from yet, the streak
+    stands."""
+    stage_of = {0: 0, 1: 1, 2: 0, 3: 1}
+    detector = StragglerDetector(stage_of, expected=[1.0, 4.0], threshold=3.0, patience=5)  # the plan: 4x off
+    assert detector.observe({1: ("b", 1, 0.2), 0: ("a", 1, 0.05)}) == []  # rank 3 not heard from: not judged
+    assert detector._streak.get(1, 0) == 0
+    found = []
+    for step in range(2, 8):
+        reports = {0: ("a", step, 0.05), 1: ("b", step, 0.2)}  # rank 1: 7x its replica
+        if step % 2 == 0:
+            reports[3] = ("d", step, 0.028)
+            reports[2] = ("c", step, 0.05)
+        found += detector.observe(reports)
+    assert [(s.rank, s.host, round(s.ratio, 1)) for s in found] == [(1, "b", 7.1)]
+
+
 def test_replan_keeps_the_global_batch_and_the_microbatch() -> None:
     profile = make_profile([1e-3] * 6, sizes=(1, 2, 4, 8))
     path_less = plan_for(profile, PlanRequest(gpus=8, batch_size=64, gpus_per_node=4), pp=2, dp=4, microbatch_size=8,
