@@ -35,7 +35,8 @@ configuration:
   restart: from the store);
 * **first step**: -> the launcher hears of the first step of the new configuration;
 * **time lost**: last step of the old configuration -> first step of the new, less one step time of the new
-  configuration (the median of its next steps): the training time the morph cost.
+  configuration (the median of its next steps, from its third, that took no in-memory snapshot: at least two;
+  ``step_new_with_snapshots_s`` in the JSON is the median with them): the training time the morph cost.
 
 Bytes: handover: what the new ranks took from a shelf on their own host and from the other host; restart: the
 checkpoint's bytes in the store (the store is this machine's disk: no bytes cross hosts here; on a cluster they
@@ -56,6 +57,7 @@ measured), else 0, whatever the targets say.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import secrets
@@ -201,6 +203,25 @@ def _first_reports(mets: list[dict], attempt: int) -> list[dict]:
     return [first[s] for s in sorted(first)]
 
 
+def _steady_steps(evs: list[dict], mets: list[dict], attempt: int) -> tuple[list[float], int]:
+    """The step times of ``attempt`` from its third step on that carry no in-memory snapshot (a ``snapshot`` event
+    of the attempt heard between the step's report and the one before), and how many did carry one. A snapshot
+    copies the whole state (1.3-15 s for the big GPT here); the new configuration takes its first right after its
+    first step, so a median over the two steps after that one is a snapshot's step half the time: "one step of
+    the new configuration" is its step without one."""
+    reports = _first_reports(mets, attempt)
+    shots = [e["t"] for e in evs if e["event"] == "snapshot" and e.get("attempt") == attempt]
+    clean, carried = [], 0
+    for before, m in itertools.pairwise(reports[1:]):  # from the third step on
+        if not m.get("step_time"):
+            continue
+        if any(before["t"] < t <= m["t"] for t in shots):
+            carried += 1
+        else:
+            clean.append(m["step_time"])
+    return clean, carried
+
+
 def analyse(run: Path, path: str, t_change: float, old: int, store_bytes: int | None) -> dict[str, Any]:
     """The phases of the morph decided after ``t_change`` that ended attempt ``old`` (see the module docstring)."""
     evs, mets = _events(run), _metrics(run)
@@ -217,7 +238,10 @@ def analyse(run: Path, path: str, t_change: float, old: int, store_bytes: int | 
     if "t" not in olds[-1]:
         raise LookupError("metrics.jsonl records carry no wall-clock 't' (launcher too old)")
     last, first_new = olds[-1], news[0]
-    step_new = statistics.median(m["step_time"] for m in news[2:] if m.get("step_time"))
+    steady, carried = _steady_steps(evs, mets, new)
+    if not steady:
+        raise LookupError("no step of the new configuration without a snapshot yet")
+    step_new = statistics.median(steady)
     old_before = [m["step_time"] for m in olds if m.get("step_time") and m["t"] < decision["t"]][-5:]
     t0 = decision["t"]
     row: dict[str, Any] = {
@@ -226,6 +250,8 @@ def analyse(run: Path, path: str, t_change: float, old: int, store_bytes: int | 
         "hosts": [len(before["hosts"]), len(after["hosts"])], "reason": decision["event"],
         "last_old_step": last["step"], "first_new_step": first_new["step"],
         "step_old_s": statistics.median(old_before) if old_before else None, "step_new_s": step_new,
+        "step_new_steps": len(steady), "step_new_snapshot_steps": carried,
+        "step_new_with_snapshots_s": statistics.median(m["step_time"] for m in news[2:] if m.get("step_time")),
         "decision_to_first_step_s": first_new["t"] - t0,
         "time_lost_s": first_new["t"] - last["t"] - step_new,
     }
@@ -405,7 +431,9 @@ def _new_attempt_trained(run: Path, old: int, t_change: float, steps: int) -> in
     if not firsts:
         return None
     new = firsts[0]["attempt"]
-    return new if _steps_of(run, new) >= steps else None
+    if _steps_of(run, new) < steps or len(_steady_steps(_events(run), _metrics(run), new)[0]) < 2:
+        return None
+    return new
 
 
 def run_scenario(sc: Scenario, plan: Path, cluster, work: Path, store_private: Path, keep: Path | None,
