@@ -74,7 +74,7 @@ from .pipeline.reduce import (
 from .pipeline.shard import OptimizerShards, ShardLayout, check_shardable
 from .pipeline.tracing import ChromeTrace
 from .pipeline.validate import check_slicing, reference_run
-from .util.heap import release_free_memory
+from .util.heap import available_memory, release_free_memory
 from .util.sockets import shut_down, socket_inodes
 from .worker.excepthook import install_excepthook
 from .worker.regroup import EXIT_LEFT, Regrouper, global_views, peer_lost
@@ -371,8 +371,21 @@ class Varuna(nn.Module):
                 step=step, locate=locate, fetch=fetch, staging=staging, link=link, holder_of=holder_of, in_place=True,
                 map_files=True, drop=drop, keep=keep, claim=claim),
             arrive=self._unpark, release=self.grad_buffer.release,
-            reside=lambda keep: reside(self._checkpoint_state(), keep), state_files=self._state_files)
+            reside=lambda keep: reside(self._checkpoint_state(), keep), state_files=self._state_files,
+            warm_grads=self._warm_grads)
         self.supervision.ready()
+
+    def _warm_grads(self) -> int:
+        """A warm worker's gradient buffers, allocated and written before its go (``Supervision``'s
+        ``warm_grads``); returns their bytes, 0 if left for the first step: off the CPU (a GPU's memory is the
+        old worker's until the handover), with parameters not yet real, or beyond half the host's available
+        memory (the old worker still holds its own)."""
+        buffer = self.grad_buffer
+        if buffer.allocated or not all(p.device.type == "cpu" for p in buffer.params):
+            return 0
+        if buffer.nbytes > available_memory() // 2:
+            return 0
+        return buffer.touch()
 
     def _state_files(self) -> list[int]:
         """An estimate, before the optimizer made any state, of the sizes of the files this rank's checkpointed

@@ -49,3 +49,28 @@ def test_zero_after_release_leaves_no_gradient() -> None:
     buffer.release()
     buffer.zero()  # nothing allocated: nothing to zero, and no gradient appears
     assert all(p.grad is None for p in model.parameters()) and not buffer.allocated
+
+
+def test_touch_allocates_and_writes_the_buffers_that_the_first_attach_then_uses() -> None:
+    """A warm worker touches its buffers before its go; its first step's ``attach`` uses them, zeroed, and the
+    gradients are those of a buffer allocated at the first backward."""
+    model = _model()
+    fresh = GradBuffer(list(model.parameters()))
+    fresh.attach()
+    _backward(model)
+    expected = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+
+    buffer = GradBuffer(list(model.parameters()))
+    assert buffer.nbytes == 4 * sum(p.numel() for p in model.parameters()) and not buffer.allocated
+    assert buffer.touch() == buffer.nbytes and buffer.allocated
+    storage = buffer.flats[0].untyped_storage().data_ptr()
+    assert all(p.grad is None for p in model.parameters())  # nothing attached yet
+    buffer.attach()
+    assert buffer.flats[0].untyped_storage().data_ptr() == storage  # the touched buffer, not a new one
+    assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+    _backward(model)
+    for p, want in zip(model.parameters(), expected, strict=True):
+        assert torch.equal(p.grad, want)
+        assert p.grad.untyped_storage().data_ptr() == storage

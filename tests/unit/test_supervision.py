@@ -178,10 +178,10 @@ class Publisher(Trainer):
         self.iteration = step
         return step
 
-    def supervision(self, reside=None, state_files=None) -> Supervision:
+    def supervision(self, reside=None, state_files=None, warm_grads=None) -> Supervision:
         return Supervision(0, samples=8, save=self.save, load=self.load, progress=lambda: (self.iteration, None, None),
                            publish=self.publish, take=self.take, release=self.release, reside=reside,
-                           state_files=state_files)
+                           state_files=state_files, warm_grads=warm_grads)
 
 
 @pytest.fixture
@@ -308,6 +308,35 @@ def test_a_warm_worker_takes_its_state_from_where_the_go_says(shelved, source, s
     sup.resume()
     sup.resume()  # once
     assert (t.taken, t.loaded, t.iteration) == (taken, loaded, iteration)
+
+
+def test_a_warm_worker_writes_its_gradient_buffers_before_it_says_it_is_warm(shelved) -> None:
+    """Off the critical path: before the launcher hears that the worker is warm (and so before the go and the
+    take), once; a worker of the first configuration does not."""
+    from varuna_core.launch.protocol import Go, ShelfHolder
+
+    holders = [ShelfHolder(host="h", address="127.0.0.1", port=1)]
+    t = Publisher()
+    order: list[str] = []
+    real_take = t.take
+    t.take = lambda *args, **kwargs: order.append("take") or real_take(*args, **kwargs)
+    shelved.setenv("VARUNA_HANDOVER", "wait")
+    sup = t.supervision(warm_grads=lambda: order.append("grads") or 1 << 20)
+    assert sup.morph is not None
+
+    def go(timeout=None):
+        order.append("go")
+        return Go(attempt=2, source="shelf", step=7, shelf="job-a1", holders=holders)
+
+    sup.morph.wait_for_go = go
+    sup.resume()
+    sup.resume()
+    assert order == ["grads", "go", "take"]
+
+    shelved.delenv("VARUNA_HANDOVER")
+    first: list[str] = []
+    Publisher().supervision(warm_grads=lambda: first.append("grads") or 0).resume()
+    assert first == []
 
 
 def test_a_failed_take_falls_back_to_the_stores_checkpoint_or_stops(shelved) -> None:

@@ -16,7 +16,7 @@ import functools
 import gc
 from collections.abc import Callable
 
-__all__ = ["release_free_memory"]
+__all__ = ["available_memory", "release_free_memory"]
 
 
 @functools.cache
@@ -40,3 +40,16 @@ def release_free_memory(collect: bool = True) -> bool:
         return False
     trim(0)
     return True
+
+
+def available_memory() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes: what the host can give without swapping (0 where it cannot
+    be read, so that a caller that sizes what it touches by it touches nothing)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -63,6 +63,7 @@ from ..env import WorkerEnv
 from ..errors import ConfigError, HandoverError
 from ..launch.protocol import GO_KEY, Go, decode_go
 from ..launch.shelf import Shelf, fetch_into, shelf_key
+from ..util.heap import available_memory as _available_memory  # (tests replace it here)
 from ..util.text import printable
 
 __all__ = ["Morph", "WAIT_FOR_GO", "holder_rank"]
@@ -417,15 +418,3 @@ def _sample(sizes: list[int], fraction: float) -> list[int]:
             out.append(size)
             credit -= 1.0
     return out
-
-
-def _available_memory() -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where it cannot be read: nothing is pre-faulted)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0

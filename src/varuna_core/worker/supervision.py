@@ -122,6 +122,9 @@ class Supervision:
             frees what no checkpoint holds (the gradient buffers, as large as the parameters), so that the
             publish writes into memory the process just gave back rather than memory the host has not touched
             lately ([Note: publish into freed memory] in :mod:`varuna_core.checkpoint.handover`).
+        warm_grads: called once by a warm worker before it says it is warm: the facade allocates and writes its
+            gradient buffers then (on the CPU, within half the host's available memory), off the critical path,
+            rather than in the first step; returns the bytes touched.
         state_files: estimates of the sizes of the files this rank's state will be taken in (a parameter with its
             optimizer state in each), asked by a warm worker on a host that holds no old state, which touches that
             much memory, a file each, before it takes its state over the wire, and receives the files into them
@@ -139,11 +142,13 @@ class Supervision:
                  publish: Callable[..., dict[str, int]] | None = None,
                  take: Callable[..., int] | None = None, arrive: Callable[[], None] | None = None,
                  release: Callable[[], None] | None = None, reside: Callable[[Path], int] | None = None,
-                 state_files: Callable[[], list[int]] | None = None) -> None:
+                 state_files: Callable[[], list[int]] | None = None,
+                 warm_grads: Callable[[], int] | None = None) -> None:
         self.rank, self.stage, self.replica, self.samples = rank, stage, replica, samples
         self._save, self._load, self._publish, self._take, self._arrive = save, load, publish, take, arrive
         self._release = release
         self._state_files = state_files
+        self._warm_grads = warm_grads
         self._reside = reside  # None once done (or never: no handover)
         self._progress = progress
         self.started = _process_start()
@@ -472,6 +477,11 @@ class Supervision:
 
     def _take_over(self, morph: Morph) -> None:
         """A warm worker: tell the launcher, wait for the go, take the state from where it says."""
+        if self._warm_grads is not None:
+            started = time.monotonic()
+            if touched := self._warm_grads():
+                log.info("rank %d wrote its %d bytes of gradient buffers before its go in %.2f s", self.rank, touched,
+                         time.monotonic() - started)
         if self._state_files is not None:
             started = time.monotonic()
             if morph.prepare_take(self._state_files()):
