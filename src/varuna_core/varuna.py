@@ -365,8 +365,8 @@ class Varuna(nn.Module):
             save=lambda directory, **options: self.checkpoint(directory, **options),
             load=lambda directory, step: self.load_checkpoint(directory, iteration=step),
             progress=lambda: (self.iteration, self.executor.compute_time, self.total_steps), told=told,
-            publish=lambda reserve, copies, final=False, leaving=False: self.publish_state(
-                reserve, copies=copies, final=final, leaving=leaving),
+            publish=lambda reserve, copies, final=False, leaving=False, alone=False: self.publish_state(
+                reserve, copies=copies, final=final, leaving=leaving, hashed=not alone),
             take=lambda step, locate, fetch, staging, link, holder_of, drop, keep, claim=None: self.take_state(
                 step=step, locate=locate, fetch=fetch, staging=staging, link=link, holder_of=holder_of, in_place=True,
                 map_files=True, drop=drop, keep=keep, claim=claim),
@@ -598,20 +598,23 @@ class Varuna(nn.Module):
             self._adopt(state)
 
     def publish_state(self, reserve: Callable[[int], Any], *, step: int | None = None,
-                      copies: bool = True, final: bool = False, leaving: bool = False) -> dict[str, int]:
+                      copies: bool = True, final: bool = False, leaving: bool = False,
+                      hashed: bool = True) -> dict[str, int]:
         """Put a checkpoint of every rank's state into its own host's memory for a handover (collective; see
         :mod:`varuna_core.checkpoint.handover`): ``reserve(nbytes)`` gives room on this host's shelf
         (``Shelf.reserve``), where each file is written once and becomes a blob; ``final``: this process trains no
         more (a handover), so the files a take mapped as its state become blobs as they are; ``leaving``: this
-        host is not in the next configuration, so its replicas on staying hosts write what they can. Returns
-        ``{blob name: rank}`` on every rank."""
+        host is not in the next configuration, so its replicas on staying hosts write what they can;
+        ``hashed=False`` (with ``final``): the next configuration runs on this host alone, so those files are not
+        hashed. Returns ``{blob name: rank}`` on every rank."""
         from .checkpoint.handover import publish
 
-        return publish(self._checkpoint_state(), reserve, step=step, copies=copies, final=final, leaving=leaving)
+        return publish(self._checkpoint_state(), reserve, step=step, copies=copies, final=final, leaving=leaving,
+                       hashed=hashed)
 
     def take_state(self, *, step: int, locate: Callable[[str], Any], fetch: Callable[..., None],
                    staging: str | os.PathLike, load_optimizer: bool = True,
-                   link: Callable[..., tuple[int, str] | None] | None = None, in_place: bool = False,
+                   link: Callable[..., tuple[int, str | None] | None] | None = None, in_place: bool = False,
                    holder_of: Callable[[int], Any] | None = None, map_files: bool = False,
                    drop: Callable[[list[str]], object] | None = None,
                    keep: str | os.PathLike | None = None,

@@ -11,13 +11,14 @@ weights (a path for Varuna(weights=...)), evaluate_in_eval_mode (evaluate after 
 error raised, as "eval_mode" or "eval_mode_error"), publish {at, job, roots} (after step ``at``, publish into the
 shelf at ``roots[rank]``: one root per rank, hosts that share no directory; the blob map as "owners"; with
 reside_at, the state moved into files of ``roots[rank]/keep`` before that step, the bytes as "resided"; with
-final, a handover's last publish; ranks in leaving publish as on a host that leaves), take
-{step, job, token, owners, servers, local, staging, expect_error, map_files} (before training, take the published step from
-the shelf servers: ``servers[r]`` serves old rank r's root, ``local[str(rank)]`` the old rank whose root this rank
-reads directly; with expect_error, record the error and the parameters before and after, and stop; without
-owners, a snapshot's: each blob from its writer's server, then from the next one, which keeps its copy; with
-map_files, as a warm worker: in place, the files it owns mapped as its memory, the parameters so mapped as
-"mapped"), snapshot
+final, a handover's last publish; ranks in leaving publish as on a host that leaves, ranks in alone as on the
+next configuration's only host, unhashed), take
+{step, job, token, owners, servers, local, staging, expect_error, map_files, no_links} (before training, take the
+published step from the shelf servers: ``servers[r]`` serves old rank r's root, ``local[str(rank)]`` the old rank
+whose root this rank reads directly (no_links: copied, not linked); with expect_error, record the error and the
+parameters before and after, and stop; without owners, a snapshot's: each blob from its writer's server, then from
+the next one, which keeps its copy; with map_files, as a warm worker: in place, the files it owns mapped as its
+memory, the parameters so mapped as "mapped"), snapshot
 {every, job, token, roots} (in-memory snapshots every ``every`` steps into the shelf at ``roots[rank]``, served
 by a shelf server in this process; each one's report as "snapshots"), regroup {step, lose, ranks, map} (rank
 ``lose`` dies before step ``step``; the survivors regroup in-process as the launcher's decision, put in the store by
@@ -266,7 +267,8 @@ def publish_handover(vm, spec: dict) -> dict[str, int]:
 
     root = Path(spec["roots"][vm.rank])
     return vm.publish_state(Shelf(spec["job"], root=root).reserve, copies=spec.get("copies", True),
-                            final=spec.get("final", False), leaving=vm.rank in spec.get("leaving", ()))
+                            final=spec.get("final", False), leaving=vm.rank in spec.get("leaving", ()),
+                            hashed=vm.rank not in spec.get("alone", ()))
 
 
 def start_snapshots(vm, spec: dict):
@@ -301,19 +303,22 @@ def take_handover(vm, spec: dict) -> int:
     own = spec.get("local", {}).get(str(vm.rank))  # the old rank whose host this rank is on, if any
     local = Shelf(spec["job"], root=spec["roots"][own]) if own is not None else None
 
-    def fetch(holder: str, names: list[str], into, max_bytes: int) -> dict[str, str] | None:
+    def fetch(holder: str, names: list[str], into, max_bytes: int) -> dict[str, str | None] | None:
         vm.taken_blobs = [*getattr(vm, "taken_blobs", []), *names]  # what this rank took, for the test
-        if local is not None and holder == servers[own]:
+        if local is not None and holder == servers[own]:  # as the worker's own (worker.morph): the load checks
+            unhashed = {}
             for name in names:
-                local.get_into(name, lambda entry: into(entry.name, entry.size))
-            return
+                entry = local.get_into(name, lambda entry: into(entry.name, entry.size), verify=False)
+                if entry.digest is None:
+                    unhashed[name] = None
+            return unhashed or None
         host, port = holder.rsplit(":", 1)
         entries = fetch_into(host, int(port), job=spec["job"], token=spec["token"], names=names, max_bytes=max_bytes,
                              into=lambda entry: into(entry.name, entry.size), timeout=10)
         return {name: entry.digest for name, entry in entries.items()}  # each checked as it arrived
 
-    def link(holder: str, name: str, path: Path) -> tuple[int, str] | None:
-        if local is None or holder != servers[own]:
+    def link(holder: str, name: str, path: Path) -> tuple[int, str | None] | None:
+        if local is None or holder != servers[own] or spec.get("no_links"):
             return None
         vm.taken_blobs = [*getattr(vm, "taken_blobs", []), name]
         entry = local.link(name, path)

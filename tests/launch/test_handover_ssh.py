@@ -109,6 +109,9 @@ def test_a_job_on_hosts_that_share_no_file_system_morphs_by_handover(cluster, pl
     names = [line.split()[0] for line in lines]
     asked = [e["leaving"] for e in events if e["event"] == "handover_asked"]
     assert asked[0] == asked[-1] == [names[1]] and [] in asked, asked
+    # and each shrink's, that the next configuration runs on host 1 alone: its files were linked there, unhashed
+    alone = [e["alone"] for e in events if e["event"] == "handover_asked"]
+    assert alone[0] == alone[-1] == names[0] and None in alone, alone
     # the last shrink (dp=2 -> 1 on host 1): host 2 leaves, so its replica on host 1 wrote the whole stage, taken
     # from host 1's own shelf: nothing over the wire, and no copy needed
     last = firsts[shapes[2]["attempt"]]

@@ -289,22 +289,25 @@ def test_sigkill_ends_the_workers_at_once_and_the_agent_stays_until_stopped() ->
 
 
 def test_a_handovers_ask_marks_the_shelf_of_a_host_that_leaves_before_the_workers_hear_it(tmp_path) -> None:
-    """SIGUSR2 with ``leaving``: the agent marks its shelf first, so a worker that looks when the signal comes
-    sees the mark; without it, no mark. A marked shelf goes with the agent's stop."""
+    """SIGUSR2 with ``leaving`` (or ``alone``): the agent marks its shelf first, so a worker that looks when the
+    signal comes sees the mark; without it, no mark. A marked shelf goes with the agent's stop."""
     root, key = tmp_path / "shm", "job-1@attempt-2"
     look = (f"import os, signal, time\nfrom varuna_core.launch.shelf import Shelf\n"
             f"shelf = Shelf({key!r}, root={str(root)!r})\n"
-            "signal.signal(signal.SIGUSR2, lambda *a: os.write(1, f'leaving {shelf.leaving}\\n'.encode()))\n"
-            "os.write(1, b'up\\n')\ntime.sleep(60)")
+            "signal.signal(signal.SIGUSR2, lambda *a: os.write(1, f'leaving {shelf.leaving} alone {shelf.alone}\\n'"
+            ".encode()))\nos.write(1, b'up\\n')\ntime.sleep(60)")
     spec = {**_spec([sys.executable, "-c", look]), "shelf": {"root": str(root), "key": key},
             "env": {"VARUNA_JOB_TOKEN": "t" * 64}}
     proc = _agent(spec)
     try:
         _until(proc, lambda e: e.get("line") == "up")
-        for leaving in (False, True):
-            proc.stdin.write((SignalCommand(signal="SIGUSR2", leaving=leaving).model_dump_json() + "\n").encode())
+        for leaving, alone, said in ((False, False, "leaving False alone False"),
+                                     (False, True, "leaving False alone True"),
+                                     (True, False, "leaving True alone False")):  # (one shelf: marks accumulate)
+            ask = SignalCommand(signal="SIGUSR2", leaving=leaving, alone=alone)
+            proc.stdin.write((ask.model_dump_json() + "\n").encode())
             proc.stdin.flush()
-            assert _until(proc, lambda e: e["event"] == "log")["line"] == f"leaving {leaving}"
+            assert _until(proc, lambda e: e["event"] == "log")["line"] == said
         proc.stdin.write(b'{"cmd": "stop", "grace": 2}\n')
         proc.stdin.flush()
         assert _events(proc)[-1]["event"] == "stopped"

@@ -329,6 +329,46 @@ def test_a_linked_blob_must_be_the_manifests_by_size_and_by_its_writers_hash(tmp
         _untouched(model, state, before)
 
 
+def test_a_file_listed_without_a_digest_is_taken_only_from_its_writers_host(tmp_path) -> None:
+    """[Note: a lone host's files are not hashed]: a handover's manifest may list a file without a digest (its
+    writer's host runs the next configuration alone). A take accepts it linked from that host's shelf, or read
+    from it (the fetch says so: ``{name: None}``); fetched any other way it is refused by name, with the state
+    untouched: unchecked bytes (a fetch that checked nothing), or bytes that arrived with a digest of their own
+    (a wire: no host serves such a blob, so they are not the writer's)."""
+    import json
+
+    real, want = _published(tmp_path)
+    bare = "__0_0.distcp"
+    name = blob_name(STEP, "manifest.json")
+    manifest = json.loads(bytes(real.get(name)))
+    manifest["files"] = [{**f, "digest": None} if f["path"] == bare else f for f in manifest["files"]]
+    real.put(name, json.dumps(manifest).encode())
+
+    def link(holder, blob, path):
+        size, digest = _linked(real, blob, path)
+        return size, None if blob == blob_name(STEP, bare) else digest
+
+    def fetch(said):
+        def fetch(holder, names, into, max_bytes):
+            _from(real, [])(holder, names, into, max_bytes)
+            return {n: said(n) for n in names if n == blob_name(STEP, bare)} if said is not None else None
+        return fetch
+
+    taken = [dict(link=link), dict(fetch=fetch(lambda n: None))]
+    for i, how in enumerate(taken):
+        model, state, _ = _fresh(tmp_path)
+        assert take(state, step=STEP, locate=lambda n: "here", **{"fetch": _from(real, []), **how},
+                    staging=tmp_path / "shm" / f"ok{i}") == STEP
+        assert {n: p for n, p in model.named_parameters() if not torch.equal(p, want[n])} == {}
+    refused = [(None, CheckpointError, f"{bare} has no digest in the manifest"),
+               (lambda n: of_bytes(bytes(real.get(n))), HandoverError, f"is not the manifest's {bare}")]
+    for said, kind, match in refused:
+        model, state, before = _fresh(tmp_path)
+        with pytest.raises(kind, match=re.escape(match)):
+            take(state, step=STEP, locate=lambda n: "there", fetch=fetch(said), staging=tmp_path / "shm" / "bad")
+        _untouched(model, state, before)
+
+
 def test_a_reader_with_limits_reads_and_hashes_only_the_data(tmp_path) -> None:
     """A file of which only the first bytes are the checkpoint's (a blob read in place, its entry after the data):
     large tensors read straight into their targets and small ones through bounce buffers, whose rounded-up reads

@@ -278,6 +278,8 @@ def test_hostile_manifest_values_are_refused(tmp_path) -> None:
         ({"step": 9}, "records step 9"),
         ({"iteration": -1}, "not a valid manifest"),
         ({"run_id": "../x"}, "not a valid manifest"),
+        # a handover's manifest may list a file without a digest (only its writer's host links it); a store's not
+        ({"files": [{**good["files"][0], "digest": None}, *good["files"][1:]]}, "without a digest"),
     ]
     target = _model()
     before = _state(target)

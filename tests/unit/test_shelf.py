@@ -170,6 +170,63 @@ def test_a_host_marked_as_leaving_is_seen_so_by_every_writer_and_only_through_a_
     assert not shelf.leaving
 
 
+def test_a_host_marked_alone_is_seen_so_unless_it_is_marked_as_leaving_too_and_only_through_a_plain_file(
+        tmp_path) -> None:
+    """The next configuration's only host (``mark_alone``): its writers leave their live files unhashed. Hosts that
+    share one tmpfs share the marks: one marked leaving and one alone, and no writer there may skip the hash."""
+    shelf = Shelf(JOB, root=tmp_path)
+    assert not shelf.alone and not shelf.path.exists()
+    shelf.mark_alone()
+    assert shelf.alone and not shelf.leaving and Shelf("another job", root=tmp_path).alone is False
+    shelf.mark_leaving()
+    assert shelf.leaving and not shelf.alone
+    (shelf.path / ".leaving").unlink()
+    mark = shelf.path / ".alone"
+    mark.unlink()
+    mark.symlink_to(tmp_path / "anything")
+    assert not shelf.alone
+    with pytest.raises(OSError):
+        shelf.mark_alone()
+    assert not (tmp_path / "anything").exists()
+    mark.unlink()
+    shelf.mark_alone()
+    shelf.path.chmod(0o777)
+    assert not shelf.alone
+    shelf.path.chmod(0o700)
+    shelf.clear()
+    assert not shelf.alone
+
+
+def test_a_blob_adopted_without_a_hash_is_linked_and_read_unverified_but_never_verified_or_served(tmp_path) -> None:
+    """[Note: a lone host's files are not hashed]: an entry with a null digest is the writer's word that only a
+    link on this host reads it. It round-trips through the blob's file; a read that verifies refuses it, the server
+    refuses to send it (its reader could check nothing), and a peer's entry with a null digest is refused."""
+    shelf = Shelf(JOB, root=tmp_path / "shm")
+    data = os.urandom(BIG)
+    with shelf.reserve(BIG + 4096) as space:
+        (space.directory / "f").write_bytes(data)
+        entry = space.adopt("step_1/f", space.directory / "f", {"rank": 0}, digest=None)
+        (space.directory / "g").write_bytes(b"hashed")
+        space.adopt("step_1/g", space.directory / "g", digest=of_bytes(b"hashed"))
+    assert entry.digest is None and shelf.manifest()["step_1/f"].digest is None
+    linked = tmp_path / "shm" / "linked"
+    assert shelf.link("step_1/f", linked).digest is None and linked.read_bytes()[:BIG] == data
+    with pytest.raises(HandoverError, match="never hashed"):
+        shelf.get("step_1/f")
+    into = bytearray(BIG)
+    assert shelf.get_into("step_1/f", lambda e: memoryview(into), verify=False).digest is None and into == data
+    with ShelfServer(shelf, TOKEN, timeout=2.0) as server:
+        with pytest.raises(HandoverError, match=r"refused the request: .*unhashed"):
+            fetch("127.0.0.1", server.port, job=JOB, token=TOKEN, names=["step_1/g", "step_1/f"], max_bytes=2 * BIG)
+        assert bytes(fetch("127.0.0.1", server.port, job=JOB, token=TOKEN, names=["step_1/g"],
+                           max_bytes=BIG)["step_1/g"][1]) == b"hashed"  # the others are served as ever
+    with pytest.raises(ValueError, match="bad digest"):
+        shelf_mod._entry({"name": "a", "size": 0, "digest": None, "meta": {}})  # as a peer's reply holds it
+    with pytest.raises(HandoverError, match="or None"), shelf.reserve(10) as space:
+        (space.directory / "h").write_bytes(b"x")
+        space.adopt("h", space.directory / "h", digest="unhashed")
+
+
 @pytest.mark.parametrize("name", ["", "a\0b", "line\nbreak", "x" * (MAX_NAME + 1), 7, None])
 def test_bad_names_are_refused(shelf, name) -> None:
     with pytest.raises(HandoverError, match="bad blob name"):
@@ -589,7 +646,7 @@ def test_only_a_regular_file_of_the_room_can_be_adopted(tmp_path) -> None:
         with pytest.raises(HandoverError):
             space.adopt("a", space.directory / "dir", digest=ZERO)
         path, _ = _staged(space, "f", b"data")
-        for bad in ("0" * 63, "G" * 64, None, "0" * 64, "sha256:" + "A" * 64):
+        for bad in ("0" * 63, "G" * 64, "0" * 64, "sha256:" + "A" * 64, b"x" * 64):  # (None: unhashed, tested above)
             with pytest.raises(HandoverError, match="64 lower-case hex digits"):
                 space.adopt("a", path, digest=bad)
         with pytest.raises(HandoverError, match="bad blob name"):

@@ -159,8 +159,9 @@ class Publisher(Trainer):
     def release(self) -> None:
         self.events.append("release")
 
-    def publish(self, reserve, copies, final=False, leaving=False) -> dict[str, int]:
-        self.events.append(("publish (final)" if final else "publish") + (", leaving" if leaving else ""))
+    def publish(self, reserve, copies, final=False, leaving=False, alone=False) -> dict[str, int]:
+        self.events.append(("publish (final)" if final else "publish") + (", leaving" if leaving else "")
+                           + (", alone" if alone else ""))
         if self.fail is not None:
             raise self.fail
         name = f"step_{self.iteration}/__0_0.distcp"
@@ -226,19 +227,23 @@ def test_an_agreed_handover_publishes_on_the_shelf_at_the_next_step_and_exits_75
     assert Shelf(shelf_key("job", 2), root=tmp_path / "shm").names() == ["step_3/__0_0.distcp"]
 
 
-@pytest.mark.parametrize("marked", [False, True])
-def test_a_handovers_publish_says_whether_the_agent_marked_the_host_as_leaving(shelved, tmp_path, marked) -> None:
+@pytest.mark.parametrize("marks, said", [((), ""), (("leaving",), ", leaving"), (("alone",), ", alone"),
+                                         (("alone", "leaving"), ", leaving")])
+def test_a_handovers_publish_says_whether_the_agent_marked_the_host_as_leaving_or_alone(shelved, tmp_path, marks,
+                                                                                        said) -> None:
     from varuna_core.launch.shelf import Shelf, shelf_key
 
     t = Publisher()
     sup = t.supervision()
     t.train(sup, 2)
-    if marked:  # as the agent does before it passes the SIGUSR2 on
-        Shelf(shelf_key("job", 2), root=tmp_path / "shm").mark_leaving()
+    shelf = Shelf(shelf_key("job", 2), root=tmp_path / "shm")
+    for mark in marks:  # as the agent does before it passes the SIGUSR2 on
+        getattr(shelf, f"mark_{mark}")()
     sup.after_step(1.0, requested_anywhere=2.0**-24)
     with pytest.raises(SystemExit):
         sup.before_step()
-    assert t.events == ["release", "publish (final)" + (", leaving" if marked else "")]
+    # both marks: hosts sharing one tmpfs, one leaving and one the next configuration's: every writer hashes
+    assert t.events == ["release", "publish (final)" + said]
 
 
 def test_the_state_moves_onto_the_shelf_once_after_the_first_step_where_a_handover_may_come(shelved, launched,

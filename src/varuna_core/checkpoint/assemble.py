@@ -756,6 +756,7 @@ def _build(plan: _Plan, out: Path, warnings: list[str]) -> tuple[Path, list[tupl
     try:
         copied = []
         for entry in plan.manifest.files:
+            assert entry.digest is not None  # (a store's manifest lists none without: read_manifest refuses it)
             source = _copy(entry.path, entry.bytes, entry.digest, plan, work, warnings)
             copied.append((source, AssembledFile(path=entry.path, bytes=entry.bytes, source=source.label)))
         if plan.manifest.run_id is not None:

@@ -56,6 +56,18 @@ rest). The adoption takes a digest begun there, and hashes a file whose hash had
 threads (a lone rank, which waits for nobody, would otherwise hash on one thread fewer). A file that turns out not
 to be adopted as it is (a replica writes it, its tensors moved) leaves its hash unused: cancelled if not begun.
 
+[Note: a lone host's files are not hashed] When the next configuration runs on one host only (a preemption that
+leaves one host, a shrink to one), the old ranks of that host make their live files blobs, and the new ranks there
+link those blobs in place: no byte crosses a wire or a disk, which is what a hash guards against, and a link's bytes
+are not hashed again anyway (``link`` in :func:`take`). The hash was still the publish's largest part: on the
+2-core VM of benchmarks/README.md, 0.5 s of the preemption's 0.6 s publish for 3 GB, on the critical path. So the
+launcher marks that host's shelf (``Shelf.mark_alone``), and its ranks publish with ``hashed=False``: a file adopted
+as it is gets no digest, in its blob's entry and in the manifest. What keeps such a file from being trusted where
+it should not be: its shelf never serves it to a peer (a take on another host fails over to a replica's copy or the
+store), a read that verifies refuses it, a checkpoint store's manifest may not have one (``read_manifest``), and a
+take's load accepts no digest only for a file it linked or read from that host's own shelf. Files written anew (a
+tensor that is not a live file's) are hashed as they are written, as always.
+
 Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its wire
 live. A publish gets ``reserve(nbytes)`` (``Shelf.reserve`` as it is); a take gets ``locate(name)``,
 the holder of a blob (any value the ``fetch`` callable understands: ``"host:port"``, or a marker for this host's own
@@ -141,7 +153,7 @@ class Space(Protocol):
 Reserve = Callable[[int], AbstractContextManager[Space]]  # reserve(nbytes): room on this host's shelf
 Into = Callable[[str, int], memoryview]
 Fetch = Callable[[Any, list[str], Into, int], object]  # may return {blob: digest} of the blobs it checked
-Link = Callable[[Any, str, Path], "tuple[int, str] | None"]  # link(holder, name, path): (bytes, digest) if linked
+Link = Callable[[Any, str, Path], "tuple[int, str | None] | None"]  # link(holder, name, path): (bytes, digest)
 
 _SLACK = 8192  # bytes of room per tensor beyond its own: alignment, the blob's entry, the index
 _WRITER = re.compile(r"__([0-9]+)_[0-9]+\.distcp")  # the rank that wrote a data file
@@ -181,7 +193,7 @@ def blob_name(step: int, file: str) -> str:
 
 
 def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None,
-            copies: bool = True, final: bool = False, leaving: bool = False) -> dict[str, int]:
+            copies: bool = True, final: bool = False, leaving: bool = False, hashed: bool = True) -> dict[str, int]:
     """Put a checkpoint of every rank's state on each rank's own host's shelf (collective).
 
     Args:
@@ -199,6 +211,11 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
             written there, and this rank keeps no copies of its replicas' files: so what a staying host needs
             is on it already, and a leaving host writes and hashes nothing the next configuration will not take
             (a preemption's publish was twice the work: each host wrote half and copied the other half).
+        hashed: False (with ``final``): the next configuration runs on this rank's host and no other, so the
+            files adopted as they are stay unhashed (their manifest entries and blobs carry no digest): the new
+            ranks link them in place, and the hash guards what crosses a wire or a disk, which they never do (see
+            [Note: a lone host's files are not hashed]). Files written anew are hashed as they are written
+            anyway; the copies of replicas' files are hashed (they are compared with their writers').
 
     Returns:
         On every rank, ``{blob name: rank that put it}``.
@@ -213,7 +230,7 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
     need = sum(t.numel() * t.element_size() for t in tensors.values()) + _SLACK * (len(tensors) + 4)
     with contextlib.ExitStack() as stack:
         early: dict[str, Future[str]] = {}
-        if final and (state.dp == 1 or not leaving):  # (a leaving replica's files are mostly written elsewhere)
+        if final and hashed and (state.dp == 1 or not leaving):  # (a leaving replica's files: mostly elsewhere)
             early = _hash_early(stack)
         space: Space | None = None
         problem: str | tuple[str, str | None, type[VarunaError]] | None = None
@@ -233,11 +250,12 @@ def publish(state: CheckpointState, reserve: Reserve, *, step: int | None = None
             local = Path(space.directory)
             hashers = stack.enter_context(ThreadPoolExecutor(_hash_threads(), "varuna-hash")) if final else None
             writer = RawWriter(local, sync_files=False, group=by_parameter,  # tmpfs: nothing to sync
-                               adopt=functools.partial(_adopt_live, hashers=hashers, early=early) if final else None)
+                               adopt=functools.partial(_adopt_live, hashers=hashers, early=early, hashed=hashed)
+                               if final else None)
             dcp_save(tensors, writer, avoid=leavers)  # a failure anywhere raises everywhere
             if final:
-                log.info("rank %d: step %d published, %.1f MB of it as the files it trained in (not copied)",
-                         state.rank, step, writer.adopted / 1e6)
+                log.info("rank %d: step %d published, %.1f MB of it as the files it trained in (not copied%s)",
+                         state.rank, step, writer.adopted / 1e6, "" if hashed else ", not hashed: linked here alone")
             files = [f.as_dict() for f in writer.files]
             _agree(state, _complete_locally(state, step, local, _gather(state, files)), _KEEP_TRAINING)
             names, failure = _adopt_files(state, space, step, local, files)
@@ -293,7 +311,8 @@ def _mirror(state: CheckpointState, reserve: Reserve, step: int, tensors: dict[s
             continue
         records = {f["path"]: f for f in part["files"]}
         for file, chunks in sorted(part["layout"].items()):
-            if file in records and all(_whole(tensors.get(fqn), offsets, length) for fqn, offsets, _, length in chunks):
+            whole = all(_whole(tensors.get(fqn), offsets, length) for fqn, offsets, _, length in chunks)
+            if file in records and records[file]["digest"] is not None and whole:  # (None: publish's hashed)
                 if mates[j % len(mates)] == state.rank:
                     todo.append((peer, file, chunks, records[file]["bytes"], records[file]["digest"]))
                 j += 1
@@ -474,7 +493,7 @@ def take(state: CheckpointState, *, step: int, locate: Callable[[str], Any], fet
         stored: dict[str, Any] = {}
 
         def take_data() -> None:
-            manifest = read_manifest(directory)
+            manifest = read_manifest(directory, unhashed=True)  # (a file without a digest is linked, or refused)
             expected = {e.path: (e.bytes, e.digest) for e in manifest.files}
             metadata = read_metadata(directory, expected, check_files=False)
             same_world = manifest.pp * manifest.dp == state.world_size
@@ -593,13 +612,15 @@ def _digest_of(path: Path, mapping: mmap.mmap | None = None, size: int = 0) -> s
 
 def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor | None = None,
                 size: int | None = None, at: list[int] | None = None,
-                early: dict[str, Future[str]] | None = None) -> tuple[list[int], int, Any] | None:
+                early: dict[str, Future[str]] | None = None,
+                hashed: bool = True) -> tuple[list[int], int, Any] | None:
     """For a final publish's writer: the kept file whose stored tensors are exactly ``tensors``, each still the view
     of its pages it was mapped as, moved to ``path`` (its data only: an old blob's entry after it is cut off), with
     each tensor's offset, the data's size and digest (a future of it, with ``hashers``); None if there is none (the
     writer writes the file). ``size``, ``at``: the file must hold that many bytes of data, the tensors at those
     offsets (a copy of another writer's file). ``early``: hashes of live files submitted earlier, by their paths
-    (:func:`_hash_early`); the file's is used if it has begun, else cancelled and the file hashed here."""
+    (:func:`_hash_early`); the file's is used if it has begun, else cancelled and the file hashed here.
+    ``hashed=False``: the digest is None, the file not hashed (:func:`publish`'s ``hashed``)."""
     first = tensors[0][1] if tensors else None
     if first is None:
         return None
@@ -627,6 +648,8 @@ def _adopt_live(path: Path, tensors: list[tuple[str, Any]], *, hashers: Executor
         log.debug("writing %s rather than adopting %s: %s", path.name, live.path, _reason(exc))
         return None
     _unremember(str(live.path))
+    if not hashed:
+        return offsets, live.size, None
     begun = early.pop(str(live.path), None) if early is not None else None
     if begun is not None and not begun.cancel():  # begun (or done): taken; else hashed here, on every thread
         return offsets, live.size, begun if hashers is not None else begun.result()
@@ -817,7 +840,7 @@ def _holders(locate: Callable[[str], Any], holder_of: Callable[[int], Any] | Non
 
 
 def _link_files(holders: dict[str, list[Any]], link: Link, step: int, directory: Path,
-                expected: dict[str, tuple[int, str]]) -> dict[str, int]:
+                expected: dict[str, tuple[int, str | None]]) -> dict[str, int]:
     """Link the blobs of ``holders`` that a holder on this host has (the writer's, else a replica's copy) into
     ``directory``; returns ``{file: bytes of its data}`` for those linked (the others are to be fetched). A holder
     on this host that lacks the blob (a replica keeps no copy of what it cannot write itself: a sharded
@@ -852,7 +875,7 @@ def _link_files(holders: dict[str, list[Any]], link: Link, step: int, directory:
 
 
 def _take_files(holders: dict[str, list[Any]], fetch: Fetch, step: int, directory: Path,
-                expected: dict[str, tuple[int, str]] | None,
+                expected: dict[str, tuple[int, str | None]] | None,
                 claim: Callable[[int, Path], bool] | None = None) -> set[str]:
     """Take each file of ``holders`` into ``directory`` from the first of its holders, the data files of a holder
     in :data:`TAKE_STREAMS` requests at once (each of at most :data:`_BATCH` files); a file whose holder fails is
@@ -892,7 +915,7 @@ def _take_files(holders: dict[str, list[Any]], fetch: Fetch, step: int, director
     return verified
 
 
-def _batches(group: list[str], expected: dict[str, tuple[int, str]] | None) -> list[list[str]]:
+def _batches(group: list[str], expected: dict[str, tuple[int, str | None]] | None) -> list[list[str]]:
     """The requests for ``group``, files of one holder: data files (``expected`` known) dealt out, largest first,
     to :data:`TAKE_STREAMS` parts of about equal bytes; each part (or the whole group, for the small files) in
     batches of at most :data:`_BATCH` files (a request's names and its reply's header stay bounded)."""
@@ -907,7 +930,7 @@ def _batches(group: list[str], expected: dict[str, tuple[int, str]] | None) -> l
 
 
 def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: list[str],
-               expected: dict[str, tuple[int, str]] | None,
+               expected: dict[str, tuple[int, str | None]] | None,
                claim: Callable[[int, Path], bool] | None = None) -> set[str]:
     """Take ``files`` from ``holder``; returns those whose bytes the fetch checked against the manifest's digest
     on arrival (the load need not hash them again)."""

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError, ConfigError
 from ..util.fs import read_regular
-from ..util.text import short_repr
+from ..util.text import printable, short_repr
 
 if TYPE_CHECKING:  # pragma: no cover
     from .manifest import Manifest
@@ -189,19 +189,22 @@ def latest(store: str | os.PathLike | Sequence[StepDir], *, of_runs: Collection[
     return None
 
 
-def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """The manifest of a checkpoint directory (bounded read, no links, validated).
+def read_manifest(directory: str | os.PathLike, *, unhashed: bool = False) -> Manifest:
+    """The manifest of a checkpoint directory (bounded read, no links, validated). ``unhashed``: a file may be
+    listed without a digest (a handover's take, whose reader refuses such a file unless it linked it from its
+    writer's host); a checkpoint store's manifest never lists one.
 
     Raises:
         CheckpointError: missing, unreadable, too large, or not a valid manifest.
     """
     path = Path(directory) / MANIFEST_FILE
     data = read_regular(path, MANIFEST_LIMIT, what="checkpoint manifest", follow=False, error=CheckpointError)
-    return parse_manifest(data, str(path))
+    return parse_manifest(data, str(path), unhashed=unhashed)
 
 
-def parse_manifest(data: bytes, where: str) -> Manifest:
-    """The manifest in ``data`` (the bytes of the ``manifest.json`` at ``where``, already bounded), validated.
+def parse_manifest(data: bytes, where: str, *, unhashed: bool = False) -> Manifest:
+    """The manifest in ``data`` (the bytes of the ``manifest.json`` at ``where``, already bounded), validated
+    (``unhashed``: see :func:`read_manifest`).
 
     Raises:
         CheckpointError: not a valid manifest; the message names ``where``.
@@ -211,11 +214,16 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     from .manifest import Manifest
 
     try:
-        return Manifest.model_validate_json(data)
+        manifest = Manifest.model_validate_json(data)
     except (ValidationError, ValueError, RecursionError) as exc:
         lines = str(exc).splitlines()
         raise CheckpointError(f"{where} is not a valid manifest: {' '.join(x.strip() for x in lines[:3])}",
                               hint="the checkpoint is corrupt or not written by varuna; load another one") from None
+    bare = next((f.path for f in manifest.files if f.digest is None), None)
+    if bare is not None and not unhashed:
+        raise CheckpointError(f"{where} is not a valid manifest: it lists {printable(bare)} without a digest",
+                              hint="only a handover's manifest on the hosts' shelves may; load another checkpoint")
+    return manifest
 
 
 def quick_check(entry: StepDir) -> str | None:

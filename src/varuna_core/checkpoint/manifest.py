@@ -24,9 +24,11 @@ CHECKPOINT_INDEX = "dcp_metadata.json"  # the index of a checkpoint's tensors (v
 class FileEntry(ArtifactModel):
     path: str = Field(description="a file of the checkpoint directory: __<rank>_<i>.distcp or dcp_metadata.json")
     bytes: int = Field(ge=0)
-    digest: str = Field(pattern=DIGEST_PATTERN,
-                        description="'blake3:<hex>' (written since BLAKE3) or 'sha256:<hex>' (read from older "
-                                    "manifests, whose entries had a bare 'sha256')")
+    digest: str | None = Field(pattern=DIGEST_PATTERN,
+                               description="'blake3:<hex>' (written since BLAKE3) or 'sha256:<hex>' (read from older "
+                                           "manifests, whose entries had a bare 'sha256'); null only in a handover's "
+                                           "manifest on the hosts' shelves, for a file left unhashed because only "
+                                           "its own host links it (never in a checkpoint store)")
 
     @model_validator(mode="before")
     @classmethod

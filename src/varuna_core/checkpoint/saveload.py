@@ -630,7 +630,8 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
     only run the store holds; a store of several runs needs ``run`` or a step.
 
     ``present``: the data files this rank's ``store`` holds when it is a directory of its own holding only some
-    (see :mod:`varuna_core.checkpoint.handover`): this rank checks each of them whole and reads from no other.
+    (see :mod:`varuna_core.checkpoint.handover`): this rank checks each of them whole and reads from no other;
+    its manifest may list files without a digest, which only ``verified`` may hold.
     ``limits``: files whose data is only their first so many bytes (a shelf's blob, linked in place: its entry
     follows the data); size and digest are checked on those bytes.
     ``in_place``: read the parameters and buffers straight into the live tensors, without a copy of them to check
@@ -652,7 +653,7 @@ def load(state: CheckpointState, store: str | os.PathLike, *, iteration: int | s
     store = Path(store)
     step = _agreed(state, lambda: _choose(state, store, iteration, check_complete, run), decided_by_rank0=True)
     directory = step_dir(store, step)
-    manifest = _agreed(state, lambda: _manifest_of(directory, step))
+    manifest = _agreed(state, lambda: _manifest_of(directory, step, unhashed=present is not None))
     expected = {e.path: (e.bytes, e.digest) for e in manifest.files} if check_complete else None
     reader = _agreed(state, lambda: RawReader(directory, expected, rank=state.rank, world=state.world_size,
                                               listed=[e.path for e in manifest.files], present=present,
@@ -707,8 +708,8 @@ def _choose(state: CheckpointState, store: Path, iteration: int | str, check_com
     return found.step
 
 
-def _manifest_of(directory: Path, step: int) -> Manifest:
-    manifest = read_manifest(directory)
+def _manifest_of(directory: Path, step: int, unhashed: bool = False) -> Manifest:
+    manifest = read_manifest(directory, unhashed=unhashed)
     if manifest.step != step:
         raise CheckpointError(f"{directory}/{MANIFEST_FILE} records step {manifest.step}, but the directory is "
                               f"{directory.name}", hint="the checkpoint was moved or tampered with; load another one")

@@ -96,11 +96,12 @@ class Location:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A file this rank wrote: name, bytes and digest (what the manifest records)."""
+    """A file this rank wrote: name, bytes and digest (what the manifest records; None: a handover's file left
+    unhashed, see [Note: a lone host's files are not hashed] in :mod:`.handover`)."""
 
     path: str
     bytes: int
-    digest: str
+    digest: str | None
 
     def as_dict(self) -> dict:
         return {"path": self.path, "bytes": self.bytes, "digest": self.digest}
@@ -327,7 +328,8 @@ class RawWriter(StorageWriter):
     ``adopt``: ``adopt(path, [(fqn, tensor), ...])`` may put a file that already holds a group's tensors at
     ``path`` instead of the writer writing it (a handover's last publish, whose tensors are a mapped file's pages:
     :mod:`.handover`); it returns each tensor's offset in it, the file's size and its digest (or a future of it,
-    resolved before ``write_data`` returns: files hashed at once), or None (the writer writes it).
+    resolved before ``write_data`` returns: files hashed at once; or None, a file left unhashed), or None (the
+    writer writes it).
     :attr:`adopted` counts the bytes so put.
     """
 
@@ -472,7 +474,7 @@ class RawWriter(StorageWriter):
 # Reading the index
 
 
-def read_metadata(directory: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None, *,
+def read_metadata(directory: str | os.PathLike, expected: dict[str, tuple[int, str | None]] | None = None, *,
                   listed: Collection[str] | None = None, check_files: bool = True,
                   present: Collection[str] | None = None) -> Metadata:
     """The DCP :class:`Metadata` of a checkpoint directory, from ``dcp_metadata.json`` (JSON only), validated
@@ -699,21 +701,23 @@ def _data_file_size(directory: Path, name: str) -> int:
     return info.st_size
 
 
-def _algorithm(expected: str) -> str:
-    """The algorithm to check bytes against the recorded digest ``expected`` with (a malformed record, which no
-    digest equals: the default)."""
+def _algorithm(expected: str | None) -> str:
+    """The algorithm to check bytes against the recorded digest ``expected`` with (a malformed or missing record,
+    which no digest equals: the default)."""
     try:
-        return algorithm_of(expected)
+        return algorithm_of(expected) if isinstance(expected, str) else ALGORITHM
     except ValueError:
         return ALGORITHM
 
 
-def _digest_like(data: bytes, expected: str) -> str:
+def _digest_like(data: bytes, expected: str | None) -> str:
     """The digest of ``data`` by the algorithm of the recorded ``expected``."""
     return of_bytes(data, _algorithm(expected))
 
 
-def _check(path: Path, size: int, digest: str, want: tuple[int, str]) -> None:
+def _check(path: Path, size: int, digest: str, want: tuple[int, str | None]) -> None:
+    if want[1] is None:
+        raise _unhashed(path)
     if size != want[0]:
         raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: size {size} != "
                               f"{want[0]} in the manifest",
@@ -722,6 +726,14 @@ def _check(path: Path, size: int, digest: str, want: tuple[int, str]) -> None:
         raise CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name}: digest mismatch "
                               f"(file changed or corrupt)",
                               hint="run `varuna ckpt verify` on it; load an earlier checkpoint")
+
+
+def _unhashed(path: Path) -> CheckpointError:
+    """The refusal of a file that its manifest lists without a digest (a handover's file left unhashed, see [Note:
+    a lone host's files are not hashed] in :mod:`.handover`), which this reader did not get from its writer's host."""
+    return CheckpointError(f"refusing to load {path.parent}: {path.parent.name}/{path.name} has no digest in the "
+                           f"manifest, so its bytes cannot be checked here",
+                           hint="such a file is only linked on the host that published it")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -743,12 +755,13 @@ class RawReader(StorageReader):
             (no other rank sees them), and a read from any other file is refused. None: the directory holds
             every file, shared by the loading ranks.
         verified: files whose bytes were already checked against the manifest's digest as they arrived (a
-            handover's take over the wire): not hashed again.
+            handover's take over the wire), or linked from their writer's own host: not hashed again. Only such a
+            file may have no digest in ``expected``; any other is refused.
         limits: ``file -> bytes``: files of which only the first bytes are the checkpoint's (a shelf's blob, read
             in place: its entry follows the data); the rest is never read, and size and digest are of those bytes.
     """
 
-    def __init__(self, path: str | os.PathLike, expected: dict[str, tuple[int, str]] | None = None,
+    def __init__(self, path: str | os.PathLike, expected: dict[str, tuple[int, str | None]] | None = None,
                  rank: int = 0, world: int = 1, *, listed: Collection[str] | None = None,
                  present: Collection[str] | None = None, verified: Collection[str] = (),
                  limits: dict[str, int] | None = None) -> None:
@@ -801,6 +814,9 @@ class RawReader(StorageReader):
             if self.present is not None:
                 mine = {f for f in data_files if f in self.present}
             mine -= self.verified
+            unchecked = sorted(f for f in mine if self.expected[f][1] is None)
+            if unchecked:
+                raise _unhashed(self.path / unchecked[0])
         unknown = sorted(set(per_file) - self.allowed) if self.allowed is not None else []
         if unknown:
             raise CheckpointError(f"refusing to load {self.path}: {unknown[0]} is not in the manifest")

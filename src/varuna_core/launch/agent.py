@@ -361,16 +361,20 @@ class Agent:
         stdout.close()
         emit(ExitEvent(rank=rank, code=proc.wait()))
 
-    def signal(self, name: str, leaving: bool = False) -> None:
+    def signal(self, name: str, leaving: bool = False, alone: bool = False) -> None:
         sig = getattr(signal, name, None) if name in ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGKILL") else None
         if not isinstance(sig, signal.Signals):
             _error(f"unknown signal {name!r}")
             return
-        if leaving and sig is signal.SIGUSR2 and self.shelf is not None:
+        if (leaving or alone) and sig is signal.SIGUSR2 and self.shelf is not None:
             try:  # before the signal: the workers read the mark when they publish, at the next step's end
-                self.shelf.mark_leaving()
+                if leaving:
+                    self.shelf.mark_leaving()
+                else:
+                    self.shelf.mark_alone()
             except (OSError, HandoverError) as exc:  # a publish without it is only slower
-                _error(f"cannot mark the shelf of a host that leaves: {getattr(exc, 'message', exc)}")
+                what = "a host that leaves" if leaving else "the next configuration's only host"
+                _error(f"cannot mark the shelf of {what}: {getattr(exc, 'message', exc)}")
         if sig is signal.SIGKILL:  # the workers end now, wherever they are (blocked in a collective too); the
             for proc in self.procs.values():  # agent stays and serves its shelf: their snapshot is on it
                 if proc.poll() is None:
@@ -519,7 +523,7 @@ def main() -> None:
             _error(f"not a command: {line.strip()[:80]!r}")
             continue
         if isinstance(cmd, SignalCommand):
-            agent.signal(cmd.signal, cmd.leaving)
+            agent.signal(cmd.signal, cmd.leaving, cmd.alone)
         elif isinstance(cmd, HandoverCommand):
             agent.handover(cmd.message, cmd.key)
         elif isinstance(cmd, ForkServerCommand):

@@ -638,15 +638,19 @@ class Attempt:
 
     def _ask_to_publish(self, why: str) -> None:
         """SIGUSR2 to every worker: publish on the host's shelf at the next step, then stop. The agents of hosts
-        the new configuration leaves out are told so (their replicas on staying hosts then write the state)."""
+        the new configuration leaves out are told so (their replicas on staying hosts then write the state), and
+        so is the agent of a host the new configuration runs on alone (its workers' files are then only linked on
+        that host: they need no hash)."""
         self.publish_asked = time.monotonic()
         staying = {n.host.name for n in self.successor.nodes} if self.successor is not None else None
         leaving = sorted({a.host.name for a in self.agents} - staying) if staying is not None else []
-        self.files.event("handover_asked", attempt=self.number, reason=why, leaving=leaving)
+        alone = next(iter(staying)) if staying is not None and len(staying) == 1 else None
+        self.files.event("handover_asked", attempt=self.number, reason=why, leaving=leaving, alone=alone)
         self.reporter.event("the new configuration is warm: asking every worker to hand its state over")
         self.status.state = "handing over"
         for agent in self.agents:
-            agent.send(SignalCommand(signal="SIGUSR2", leaving=agent.host.name in leaving))
+            agent.send(SignalCommand(signal="SIGUSR2", leaving=agent.host.name in leaving,
+                                     alone=agent.host.name == alone))
 
     def _published(self) -> int | None:
         """The step every rank has published on its host's shelf, if they all have."""

@@ -282,11 +282,14 @@ class SignalCommand(_Command):
     """Send ``signal`` to every worker's main process (the agent knows SIGUSR1, SIGUSR2, SIGTERM, SIGINT; and
     SIGKILL, to every worker's whole process group: the workers end, the agent and its shelf stay). ``leaving``
     (with SIGUSR2, a handover's ask): this host is not in the next configuration; the agent marks its shelf so
-    first (``Shelf.mark_leaving``), and its workers' publish leaves what it can to replicas on staying hosts."""
+    first (``Shelf.mark_leaving``), and its workers' publish leaves what it can to replicas on staying hosts.
+    ``alone`` (likewise): the next configuration runs on this host and no other (``Shelf.mark_alone``): its
+    workers' last publish leaves unhashed the files the new workers link in place."""
 
     cmd: Literal["signal"] = "signal"
     signal: Annotated[str, Field(max_length=64)]
     leaving: bool = False
+    alone: bool = False
 
 
 class StopCommand(_Command):

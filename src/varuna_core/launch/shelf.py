@@ -24,7 +24,9 @@ and the room it asked for, :meth:`Space.adopt` turns each file written there int
 takes its bytes under a lock on the directory after checking the shelf's byte budget, so that state which does not
 fit in host memory is refused (:class:`~varuna_core.errors.ShelfFullError`) before anything is copied, and the
 caller falls back to the store. Reads check size and hash against the entry; :meth:`Shelf.link` gives a reader on
-the same host the blob's file itself (a hard link), whose first ``size`` bytes are the data.
+the same host the blob's file itself (a hard link), whose first ``size`` bytes are the data. A blob adopted
+without a hash (its entry's digest null: the next configuration runs on this host alone and links it, see
+:meth:`Shelf.mark_alone`) is never served to a peer, and a read that verifies refuses it.
 
 **The wire** (TCP; one request per connection). Every frame is ``b"VSH1" | u32 big-endian L | L bytes of JSON``
 with ``L`` at most :data:`MAX_HEADER`, checked before anything is allocated. The client sends
@@ -107,7 +109,7 @@ class Entry:
 
     name: str
     size: int
-    digest: str
+    digest: str | None  # None: never hashed, for a link on its own host alone (Space.adopt); never served
     meta: dict[str, Any]
 
     def as_json(self) -> dict[str, Any]:
@@ -139,14 +141,15 @@ def _meta_text(meta: object) -> str:
     return text
 
 
-def _entry(obj: object) -> Entry:
-    """An entry read from a file or a peer, every field checked; raises ValueError."""
+def _entry(obj: object, *, unhashed: bool = False) -> Entry:
+    """An entry read from a file or a peer, every field checked; raises ValueError. ``unhashed``: the digest may be
+    null (a blob's file on this host's shelf: see :meth:`Space.adopt`; a peer never sends one)."""
     if not isinstance(obj, dict) or set(obj) != {"name", "size", "digest", "meta"}:
         raise ValueError("not an entry")
     size, digest, meta = obj["size"], obj["digest"], obj["meta"]
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"bad size {short_repr(size)}")
-    if not is_digest(digest):
+    if not is_digest(digest) and not (unhashed and digest is None):
         raise ValueError(f"bad digest {short_repr(digest)}")
     try:
         _meta_text(meta)
@@ -157,6 +160,7 @@ def _entry(obj: object) -> Entry:
 
 
 _LEAVING = ".leaving"  # the mark of a host the next configuration leaves out (Shelf.mark_leaving)
+_ALONE = ".alone"  # the mark of the one host the next configuration runs on (Shelf.mark_alone)
 
 
 def _key(name: str) -> str:
@@ -216,17 +220,37 @@ class Shelf:
         before it asks its workers to publish for a handover to other hosts): under data parallelism their
         publish then leaves the files to their replicas on staying hosts (``checkpoint.handover.publish``'s
         ``leaving``). Raises HandoverError for a directory others can write, OSError if it cannot be written."""
-        fd = os.open(self.make_dir() / _LEAVING, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        self._mark(_LEAVING)
+
+    def mark_alone(self) -> None:
+        """Tell the writers of this shelf that the job's next configuration runs on this host and no other (the
+        agent does, before it asks its workers to publish for such a handover): no other host will take their
+        files, so their last publish need not hash what the new workers link in place (``publish``'s ``hashed``;
+        see :attr:`alone`). Raises as :meth:`mark_leaving`."""
+        self._mark(_ALONE)
+
+    def _mark(self, mark: str) -> None:
+        fd = os.open(self.make_dir() / mark, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         os.close(fd)
+
+    def _marked(self, mark: str) -> bool:
+        try:
+            return self._check_dir() and stat.S_ISREG(os.lstat(self.path / mark).st_mode)
+        except (OSError, HandoverError):
+            return False
 
     @property
     def leaving(self) -> bool:
         """Whether this host was marked as leaving (:meth:`mark_leaving`); False for a shelf others could write,
         or whose mark is anything but a plain file."""
-        try:
-            return self._check_dir() and stat.S_ISREG(os.lstat(self.path / _LEAVING).st_mode)
-        except (OSError, HandoverError):
-            return False
+        return self._marked(_LEAVING)
+
+    @property
+    def alone(self) -> bool:
+        """Whether this host was marked as the only one of the next configuration (:meth:`mark_alone`), and not as
+        leaving as well (hosts that share the shelf's tmpfs share its marks: then neither holds for every writer,
+        and leaving is the safe one); False for a shelf others could write, or a mark that is not a plain file."""
+        return self._marked(_ALONE) and not self._marked(_LEAVING)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -432,7 +456,11 @@ class Shelf:
         what = f"blob {printable(name)} on the shelf of job {printable(self.job)}"
         with stream:
             view = _writable(into(entry), entry.size, what)
-            digest, got = hasher_for(entry.digest) if verify else None, 0
+            if verify and entry.digest is None:
+                raise HandoverError(f"{what} was never hashed (it was published to be linked on this host): its "
+                                    f"bytes cannot be checked", hint="read it with verify=False and check it "
+                                    "otherwise, or link it")
+            digest, got = hasher_for(entry.digest) if verify and entry.digest is not None else None, 0
             while got < entry.size:
                 n = stream.readinto(view[got:got + CHUNK])
                 if not n:
@@ -503,12 +531,15 @@ class Space:
         return self.shelf.identity
 
     def adopt(self, name: str, path: str | os.PathLike[str], meta: dict[str, Any] | None = None, *,
-              digest: str) -> Entry:
+              digest: str | None) -> Entry:
         """Turns the file ``path`` of :attr:`directory` into blob ``name`` (replacing a blob of that name): its
         entry is appended and the file renamed onto the shelf, where it takes the room it was written in.
 
         ``digest`` is the writer's hash of the file's bytes (a checkpoint's files are hashed as they are written);
-        as for :meth:`Shelf.put`, every reader that verifies checks the bytes against it.
+        as for :meth:`Shelf.put`, every reader that verifies checks the bytes against it. None: the bytes were
+        never hashed, for a blob that only a reader on this host links (:attr:`Shelf.alone`): a hash guards what
+        crosses a wire or a disk, and a link crosses neither. Such a blob is never served to a peer, and
+        :meth:`Shelf.get` refuses it.
 
         Raises:
             ShelfFullError: the file is larger than the room left and the rest does not fit in the budget.
@@ -516,8 +547,8 @@ class Space:
         """
         shelf = self.shelf
         check_name(name)
-        if not is_digest(digest):
-            raise HandoverError(f"a blob's digest is '<algorithm>:<64 lower-case hex digits>', got "
+        if digest is not None and not is_digest(digest):
+            raise HandoverError(f"a blob's digest is '<algorithm>:<64 lower-case hex digits>' or None, got "
                                 f"{short_repr(digest)}")
         meta_text = _meta_text({} if meta is None else meta)
         path = Path(path)
@@ -607,7 +638,7 @@ def _read_entry(stream: BinaryIO) -> Entry:
         doc = json.loads(text)
     except RecursionError:
         raise ValueError("its entry is nested too deeply") from None
-    entry = _entry(doc)
+    entry = _entry(doc, unhashed=True)
     if entry.size != data:
         raise ValueError(f"{data} bytes of data where its entry says {entry.size}")
     stream.seek(0)
@@ -848,8 +879,11 @@ class ShelfServer:
                     entry, stream = self._files(name)
                 else:
                     entry, stream = self.shelf.open(name)
-                entries.append(entry)
                 files.append(stream)
+                if entry.digest is None:  # (its reader could check nothing: a link on its own host only)
+                    raise HandoverError(f"blob {printable(name)} was published unhashed, to be linked on its own "
+                                        f"host only")
+                entries.append(entry)
             if sum(e.size for e in entries) > max_bytes:
                 raise ValueError("over_max_bytes")
         except BaseException:
@@ -1013,6 +1047,7 @@ def _receive(sock: socket.socket, peer: str, entry: Entry, buffer: memoryview, t
     one. The bytes hashed are the buffer's, which nothing writes again once they arrived."""
     what = f"blob {printable(entry.name)} from shelf peer {peer}"
     view = _writable(buffer, entry.size, what)
+    assert entry.digest is not None  # (a peer's entry always has one: _entry refuses null from the wire)
     digest, got, hashed = hasher_for(entry.digest), 0, 0
     hasher = _Hasher(digest) if entry.size > _HASH_SPAN else None
     sock.settimeout(timeout)

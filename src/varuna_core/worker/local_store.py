@@ -276,7 +276,7 @@ class LocalStore:
             entries = fetch_into(address, port, job=job, token=self.token, names=list(wire), max_bytes=max_bytes,
                                  into=lambda e: into(wire[e.name], e.size), timeout=_TIMEOUT)
             self.taken["remote"] += sum(e.size for e in entries.values())
-            return {wire[name]: entry.digest for name, entry in entries.items()}
+            return {wire[name]: entry.digest for name, entry in entries.items() if entry.digest is not None}
 
         return locate, fetch
 

@@ -352,14 +352,14 @@ class Morph:
                                                         go.holders[rank].port):
             self._count(kind, size)
 
-    def link(self, go: Go) -> Callable[[Any, str, Path], tuple[int, str] | None]:
+    def link(self, go: Go) -> Callable[[Any, str, Path], tuple[int, str | None] | None]:
         """``link(holder, name, path)`` for :func:`~varuna_core.checkpoint.handover.take`: a blob of this host's own
         shelf put at ``path`` as its file itself (a hard link, no copy), and its data's size and digest as its
         writer recorded them; None for another host's blob, or where no link can be made (then it is fetched)."""
         assert go.shelf is not None
         local = Shelf(go.shelf, root=self.staging)
 
-        def link(holder: tuple[str, str, int], name: str, path: Path) -> tuple[int, str] | None:
+        def link(holder: tuple[str, str, int], name: str, path: Path) -> tuple[int, str | None] | None:
             if holder[0] != self.told.host or not local.has(name):
                 return None
             try:
@@ -391,14 +391,17 @@ class Morph:
         job, token, local = go.shelf, self.told.job_token or "", Shelf(go.shelf, root=self.staging)
 
         def fetch(holder: tuple[str, str, int], names: list[str], into: Callable[..., Any],
-                  max_bytes: int) -> dict[str, str] | None:
+                  max_bytes: int) -> dict[str, str | None] | None:
             host, address, port = holder
             if host == self.told.host and all(local.has(name) for name in names):
+                unhashed: dict[str, str | None] = {}
                 for name in names:  # each file is checked against the manifest's digest as it is loaded
                     entry = local.get_into(name, lambda e: into(e.name, e.size), verify=False)
                     self._count("local", entry.size)
                     self._copied(go, holder, name, entry.size, "replica")  # fetched: the writer's holder failed
-                return None
+                    if entry.digest is None:  # its writer's file on this host, as a link would give it
+                        unhashed[name] = None
+                return unhashed or None
             entries = fetch_into(address, port, job=job, token=token, names=names, max_bytes=max_bytes,
                                  into=lambda e: into(e.name, e.size), timeout=timeout)
             self._count("remote", sum(e.size for e in entries.values()))

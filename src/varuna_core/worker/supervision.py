@@ -107,10 +107,11 @@ class Supervision:
         save: ``save(directory, tempdir=..., background=..., keep=...)`` writes a checkpoint of the current step
             (collective) and returns the ``Future`` of a background write, or anything else.
         load: ``load(directory, step)`` restores that checkpoint (collective) and returns the step loaded.
-        publish: ``publish(reserve, copies, final=False, leaving=False)`` puts a checkpoint of the current step on
-            this host's shelf, in the room ``reserve(nbytes)`` gives, with copies of its replicas' files if
-            ``copies`` (collective; ``Varuna.publish_state``); returns ``{blob: rank}``. ``final``: a handover's,
-            after which this process trains no more; ``leaving``: this host is not in the next configuration.
+        publish: ``publish(reserve, copies, final=False, leaving=False, alone=False)`` puts a checkpoint of the
+            current step on this host's shelf, in the room ``reserve(nbytes)`` gives, with copies of its replicas'
+            files if ``copies`` (collective; ``Varuna.publish_state``); returns ``{blob: rank}``. ``final``: a
+            handover's, after which this process trains no more; ``leaving``: this host is not in the next
+            configuration; ``alone``: the next configuration runs on this host only (its files need no hash).
         take: ``take(step, locate, fetch, staging, link, holder_of, drop, keep, claim)`` restores the state the old
             ranks published (collective; ``Varuna.take_state``); returns the step loaded. ``drop(names)`` takes blobs
             off this host's shelf of the old configuration (those the take made its live memory), ``keep`` is where
@@ -555,15 +556,16 @@ class Supervision:
             self._release()
         shelf, copies = morph.shelf, morph.told.handover_copies != 0
         leaving = shelf.leaving  # (marked by the agent before it asked: the next configuration is elsewhere)
+        alone = shelf.alone  # (likewise: the next configuration is on this host only)
         try:
             try:
-                owners = self._publish(shelf.reserve, copies, True, leaving=leaving)
+                owners = self._publish(shelf.reserve, copies, True, leaving=leaving, alone=alone)
             except ShelfFullError:  # (on every rank alike) the room the snapshots hold is the publish's now
                 if self.snapshots is None:
                     raise
                 log.info("rank %d: the shelf is full; dropping the snapshots for the handover's publish", self.rank)
                 self.snapshots.drop()
-                owners = self._publish(shelf.reserve, copies, True, leaving=leaving)
+                owners = self._publish(shelf.reserve, copies, True, leaving=leaving, alone=alone)
         except (CheckpointError, HandoverError) as exc:  # ShelfFullError is a HandoverError
             log.warning("rank %d: publishing step %d for a handover failed (%s); writing it to the store instead",
                         self.rank, iteration, exc.message)
