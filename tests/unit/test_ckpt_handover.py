@@ -329,12 +329,11 @@ def test_a_linked_blob_must_be_the_manifests_by_size_and_by_its_writers_hash(tmp
         _untouched(model, state, before)
 
 
-def test_a_file_listed_without_a_digest_is_taken_only_from_its_writers_host(tmp_path) -> None:
+def test_a_file_listed_without_a_digest_is_taken_only_as_its_writers_hosts_or_checked_on_arrival(tmp_path) -> None:
     """[Note: a lone host's files are not hashed]: a handover's manifest may list a file without a digest (its
-    writer's host runs the next configuration alone). A take accepts it linked from that host's shelf, or read
-    from it (the fetch says so: ``{name: None}``); fetched any other way it is refused by name, with the state
-    untouched: unchecked bytes (a fetch that checked nothing), or bytes that arrived with a digest of their own
-    (a wire: no host serves such a blob, so they are not the writer's)."""
+    writer's host runs the next configuration alone). A take accepts it linked from that host's shelf, read from
+    it (the fetch says so: ``{name: None}``), or received checked against the digest its holder computed to send
+    it; bytes that nothing checked are refused by name, with the state untouched."""
     import json
 
     real, want = _published(tmp_path)
@@ -354,19 +353,17 @@ def test_a_file_listed_without_a_digest_is_taken_only_from_its_writers_host(tmp_
             return {n: said(n) for n in names if n == blob_name(STEP, bare)} if said is not None else None
         return fetch
 
-    taken = [dict(link=link), dict(fetch=fetch(lambda n: None))]
+    wire = fetch(lambda n: of_bytes(bytes(real.get(n))))  # as a server hashes it to send it, checked on arrival
+    taken = [dict(link=link), dict(fetch=fetch(lambda n: None)), dict(fetch=wire)]
     for i, how in enumerate(taken):
         model, state, _ = _fresh(tmp_path)
         assert take(state, step=STEP, locate=lambda n: "here", **{"fetch": _from(real, []), **how},
                     staging=tmp_path / "shm" / f"ok{i}") == STEP
         assert {n: p for n, p in model.named_parameters() if not torch.equal(p, want[n])} == {}
-    refused = [(None, CheckpointError, f"{bare} has no digest in the manifest"),
-               (lambda n: of_bytes(bytes(real.get(n))), HandoverError, f"is not the manifest's {bare}")]
-    for said, kind, match in refused:
-        model, state, before = _fresh(tmp_path)
-        with pytest.raises(kind, match=re.escape(match)):
-            take(state, step=STEP, locate=lambda n: "there", fetch=fetch(said), staging=tmp_path / "shm" / "bad")
-        _untouched(model, state, before)
+    model, state, before = _fresh(tmp_path)
+    with pytest.raises(CheckpointError, match=re.escape(f"{bare} has no digest in the manifest")):
+        take(state, step=STEP, locate=lambda n: "there", fetch=fetch(None), staging=tmp_path / "shm" / "bad")
+    _untouched(model, state, before)
 
 
 def test_a_reader_with_limits_reads_and_hashes_only_the_data(tmp_path) -> None:

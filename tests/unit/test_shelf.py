@@ -197,10 +197,12 @@ def test_a_host_marked_alone_is_seen_so_unless_it_is_marked_as_leaving_too_and_o
     assert not shelf.alone
 
 
-def test_a_blob_adopted_without_a_hash_is_linked_and_read_unverified_but_never_verified_or_served(tmp_path) -> None:
+def test_a_blob_adopted_without_a_hash_is_linked_or_read_unverified_never_verified_and_hashed_when_served(
+        tmp_path) -> None:
     """[Note: a lone host's files are not hashed]: an entry with a null digest is the writer's word that only a
-    link on this host reads it. It round-trips through the blob's file; a read that verifies refuses it, the server
-    refuses to send it (its reader could check nothing), and a peer's entry with a null digest is refused."""
+    link on this host should read it. It round-trips through the blob's file; a read that verifies refuses it, the
+    server hashes it before it sends it (its reader checks every byte, as ever), and a peer's entry with a null
+    digest is refused."""
     shelf = Shelf(JOB, root=tmp_path / "shm")
     data = os.urandom(BIG)
     with shelf.reserve(BIG + 4096) as space:
@@ -216,10 +218,9 @@ def test_a_blob_adopted_without_a_hash_is_linked_and_read_unverified_but_never_v
     into = bytearray(BIG)
     assert shelf.get_into("step_1/f", lambda e: memoryview(into), verify=False).digest is None and into == data
     with ShelfServer(shelf, TOKEN, timeout=2.0) as server:
-        with pytest.raises(HandoverError, match=r"refused the request: .*unhashed"):
-            fetch("127.0.0.1", server.port, job=JOB, token=TOKEN, names=["step_1/g", "step_1/f"], max_bytes=2 * BIG)
-        assert bytes(fetch("127.0.0.1", server.port, job=JOB, token=TOKEN, names=["step_1/g"],
-                           max_bytes=BIG)["step_1/g"][1]) == b"hashed"  # the others are served as ever
+        got = fetch("127.0.0.1", server.port, job=JOB, token=TOKEN, names=["step_1/g", "step_1/f"], max_bytes=2 * BIG)
+    assert got["step_1/f"][0].digest == of_bytes(data) and bytes(got["step_1/f"][1]) == data
+    assert bytes(got["step_1/g"][1]) == b"hashed" and shelf.manifest()["step_1/f"].digest is None  # (not written)
     with pytest.raises(ValueError, match="bad digest"):
         shelf_mod._entry({"name": "a", "size": 0, "digest": None, "meta": {}})  # as a peer's reply holds it
     with pytest.raises(HandoverError, match="or None"), shelf.reserve(10) as space:

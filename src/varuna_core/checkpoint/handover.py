@@ -63,10 +63,11 @@ are not hashed again anyway (``link`` in :func:`take`). The hash was still the p
 2-core VM of benchmarks/README.md, 0.5 s of the preemption's 0.6 s publish for 3 GB, on the critical path. So the
 launcher marks that host's shelf (``Shelf.mark_alone``), and its ranks publish with ``hashed=False``: a file adopted
 as it is gets no digest, in its blob's entry and in the manifest. What keeps such a file from being trusted where
-it should not be: its shelf never serves it to a peer (a take on another host fails over to a replica's copy or the
-store), a read that verifies refuses it, a checkpoint store's manifest may not have one (``read_manifest``), and a
-take's load accepts no digest only for a file it linked or read from that host's own shelf. Files written anew (a
-tensor that is not a live file's) are hashed as they are written, as always.
+it should not be: a read that verifies refuses it, a checkpoint store's manifest may not have one
+(``read_manifest``), and a take's load accepts no digest only for a file it linked or read from that host's own
+shelf, or received with the digest its holder's server computed before sending it (a take tried again on other
+hosts still gets the state, every byte of the wire checked; only the writer's word is missing, as it is for a
+link). Files written anew (a tensor that is not a live file's) are hashed as they are written, as always.
 
 Why plain callables, not the shelf: this floor (L2) may not import the launcher's (L3), where the shelf and its wire
 live. A publish gets ``reserve(nbytes)`` (``Shelf.reserve`` as it is); a take gets ``locate(name)``,
@@ -982,6 +983,9 @@ def _take_from(holder: Any, fetch: Fetch, step: int, directory: Path, files: lis
     for name, digest in (checked.items() if isinstance(checked, dict) else ()):
         file = names.get(name)
         if file is None or expected is None:
+            continue
+        if expected[file][1] is None and digest is not None:
+            verified.add(file)  # left unhashed by its writer, hashed by its holder for the wire, checked on arrival
             continue
         if digest != expected[file][1]:
             raise HandoverError(f"blob {printable(name)} on {where} is not the manifest's {file}: its digest "

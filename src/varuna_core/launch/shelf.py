@@ -26,7 +26,8 @@ fit in host memory is refused (:class:`~varuna_core.errors.ShelfFullError`) befo
 caller falls back to the store. Reads check size and hash against the entry; :meth:`Shelf.link` gives a reader on
 the same host the blob's file itself (a hard link), whose first ``size`` bytes are the data. A blob adopted
 without a hash (its entry's digest null: the next configuration runs on this host alone and links it, see
-:meth:`Shelf.mark_alone`) is never served to a peer, and a read that verifies refuses it.
+:meth:`Shelf.mark_alone`) is hashed by the server when a peer asks for it after all (a take tried again on other
+hosts), and a read that verifies refuses it.
 
 **The wire** (TCP; one request per connection). Every frame is ``b"VSH1" | u32 big-endian L | L bytes of JSON``
 with ``L`` at most :data:`MAX_HEADER`, checked before anything is allocated. The client sends
@@ -109,7 +110,7 @@ class Entry:
 
     name: str
     size: int
-    digest: str | None  # None: never hashed, for a link on its own host alone (Space.adopt); never served
+    digest: str | None  # None: never hashed, for a link on its own host alone (Space.adopt); hashed when served
     meta: dict[str, Any]
 
     def as_json(self) -> dict[str, Any]:
@@ -538,8 +539,8 @@ class Space:
         ``digest`` is the writer's hash of the file's bytes (a checkpoint's files are hashed as they are written);
         as for :meth:`Shelf.put`, every reader that verifies checks the bytes against it. None: the bytes were
         never hashed, for a blob that only a reader on this host links (:attr:`Shelf.alone`): a hash guards what
-        crosses a wire or a disk, and a link crosses neither. Such a blob is never served to a peer, and
-        :meth:`Shelf.get` refuses it.
+        crosses a wire or a disk, and a link crosses neither. :meth:`Shelf.get` refuses such a blob; a server
+        hashes it before it sends it (a peer's entry always has a digest).
 
         Raises:
             ShelfFullError: the file is larger than the room left and the rest does not fit in the budget.
@@ -593,6 +594,20 @@ def _tail(entry: Entry) -> bytes:
     """What a blob's file holds after its data (its length does not depend on the hash)."""
     text = json.dumps(entry.as_json(), separators=(",", ":")).encode()
     return text + _TRAILER.pack(len(text), _BLOB_MAGIC)
+
+
+def _digest_of(stream: BinaryIO, size: int) -> str:
+    """The digest of the first ``size`` bytes of the open blob file ``stream`` (read from its start, by offset: the
+    stream's position is left as it was)."""
+    digest, view, got = Hasher(), memoryview(bytearray(CHUNK)), 0
+    fd = stream.fileno()
+    while got < size:
+        n = os.preadv(fd, [view[:min(CHUNK, size - got)]], got)
+        if not n:
+            raise HandoverError("a blob's file shrank while it was hashed")
+        digest.update(view[:n])
+        got += n
+    return digest.hexdigest()
 
 
 def _writable(buffer: memoryview, size: int, what: str) -> memoryview:
@@ -880,9 +895,8 @@ class ShelfServer:
                 else:
                     entry, stream = self.shelf.open(name)
                 files.append(stream)
-                if entry.digest is None:  # (its reader could check nothing: a link on its own host only)
-                    raise HandoverError(f"blob {printable(name)} was published unhashed, to be linked on its own "
-                                        f"host only")
+                if entry.digest is None:  # published for its own host (Space.adopt): hashed now, for the wire
+                    entry = dataclasses.replace(entry, digest=_digest_of(stream, entry.size))
                 entries.append(entry)
             if sum(e.size for e in entries) > max_bytes:
                 raise ValueError("over_max_bytes")
