@@ -33,21 +33,17 @@ void one_f_one_b(int p, int m, Actions& out) {
     }
 }
 
-// _split_one_f_one_b (the generators "zb" and "varuna-zb"): per stage s, min(p-1-s, m) warm-up F; then F, [R],
-// B for each further micro-batch, each followed by the oldest pending W once i >= s; then [R], B, W for the
-// rest; then the W still pending. R (with recompute) on every stage but the last.
-void split_one_f_one_b(int p, int m, bool recompute, Actions& out) {
+// _split_one_f_one_b (the generator "zb"): per stage s, min(p-1-s, m) warm-up F; then F, B for each further
+// micro-batch, each followed by the oldest pending W once i >= s; then B, W for the rest; then the W still
+// pending.
+void split_one_f_one_b(int p, int m, Actions& out) {
     for (int s = 0; s < p; ++s) {
         StageActions& acts = out[s];
-        const bool rebuilds = recompute && s < p - 1;
-        acts.reserve((rebuilds ? 4 : 3) * static_cast<size_t>(m));
+        acts.reserve(3 * static_cast<size_t>(m));
         const int warmup = std::min(p - 1 - s, m);
         for (int mb = 0; mb < warmup; ++mb) acts.push_back({kF, mb});
         int weights = 0;  // W actions placed so far (in micro-batch order)
-        auto backward = [&](int mb) {
-            if (rebuilds) acts.push_back({kR, mb});
-            acts.push_back({kB, mb});
-        };
+        auto backward = [&](int mb) { acts.push_back({kB, mb}); };
         for (int i = 0; i < m - warmup; ++i) {
             acts.push_back({kF, warmup + i});
             backward(i);
@@ -129,6 +125,27 @@ void varuna_schedule(int p, int m, Actions& out) {
     }
 }
 
+// _varuna_zero_bubble: varuna's order, each B followed by the oldest pending W once more than s are pending;
+// the W still pending after the last B.
+void varuna_zero_bubble(int p, int m, Actions& out) {
+    Actions plain(p);
+    varuna_schedule(p, m, plain);
+    for (int s = 0; s < p; ++s) {
+        StageActions& acts = out[s];
+        acts.reserve(plain[s].size() + static_cast<size_t>(m));
+        std::vector<int32_t> pending;
+        size_t head = 0;
+        for (const Action& a : plain[s]) {
+            acts.push_back(a);
+            if (a.op == kB) {
+                pending.push_back(a.mb);
+                if (static_cast<int>(pending.size() - head) > s) acts.push_back({kW, pending[head++]});
+            }
+        }
+        for (; head < pending.size(); ++head) acts.push_back({kW, pending[head]});
+    }
+}
+
 }  // namespace
 
 bool is_schedule_name(const std::string& name) {
@@ -151,8 +168,10 @@ void generate(const std::string& name, int num_stages, int num_mb, Actions& out)
         one_f_one_b(num_stages, num_mb, out);
     else if (name == "gpipe")
         gpipe(num_stages, num_mb, out);
+    else if (name == "varuna-zb")
+        varuna_zero_bubble(num_stages, num_mb, out);
     else
-        split_one_f_one_b(num_stages, num_mb, name == "varuna-zb", out);
+        split_one_f_one_b(num_stages, num_mb, out);
 }
 
 std::vector<std::pair<int, int>> inflight(const Actions& actions) {

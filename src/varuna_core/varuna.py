@@ -116,7 +116,7 @@ class Varuna(nn.Module):
         schedule: ``"varuna"`` (recompute, opportunistic forwards), ``"1f1b"``, ``"gpipe"``, or a zero-bubble
             schedule that splits each backward into the input's gradient (``B``) and the weights' (``W``, run where
             the stage would wait): ``"zb"`` (ZB-H1: 1F1B's memory, two thirds of its bubble gone at equal times)
-            or ``"varuna-zb"`` (the same with Varuna's recompute).
+            or ``"varuna-zb"`` (``"varuna"``'s order, its W deferred as ZB-H1's).
         partition: segment ranges per stage (``[(0, 3), (3, 5)]``, counts ``[3, 2]`` or ``"0-2,3-4"``);
             default balances parameter bytes.
         input_batch_dims: per input name, the dim holding the examples (``None``: not batched).

@@ -83,9 +83,18 @@ def test_zb_explicit() -> None:
     assert _short(schedule, 0) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7"
     assert _short(schedule, 1) == "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7"
     assert _short(schedule, 3) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7"
-    recomputing = generate("varuna-zb", 2, 3)  # the same order, with R right before each B but on the last stage
-    assert [_short(recomputing, s) for s in range(2)] == ["F0 F1 R0 B0 W0 F2 R1 B1 W1 R2 B2 W2",
-                                                         "F0 B0 F1 B1 W0 F2 B2 W1 W2"]
+
+
+
+def test_varuna_zb_explicit() -> None:
+    """varuna-zb: varuna's order (its forwards ahead, R right before each B but on the last stage), with stage s's
+    W s places behind their B, the rest after the last B."""
+    for p, m in ((2, 3), (4, 8), (3, 10)):
+        split, plain = generate("varuna-zb", p, m), generate("varuna", p, m)
+        for s in range(p):
+            assert [a for a in split.stage_actions(s) if a.op is not Op.W] == list(plain.stage_actions(s))
+    assert [_short(generate("varuna-zb", 2, 3), s) for s in range(2)] == ["F0 F1 F2 R0 B0 W0 R1 B1 W1 R2 B2 W2",
+                                                                           "F0 B0 F1 B1 W0 F2 B2 W1 W2"]
 
 
 @pytest.mark.parametrize("name", SPLIT)

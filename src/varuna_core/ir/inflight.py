@@ -116,10 +116,10 @@ def inflight_named(name: str, num_stages: int, num_mb: int) -> list[tuple[int, i
 
 
 def _split_pending(stage: int, num_stages: int, num_mb: int) -> int:
-    """Peak of :func:`pending_weights` for the zero-bubble order (``zb``, ``varuna-zb``; the ``R`` of the latter
-    changes nothing between ``B`` and ``W``). Stage ``s`` warms up with ``w = min(S-1-s, M)`` forwards; in its
-    steady ``F``, ``B`` pairs a ``W`` follows from the ``s``-th ``B`` on, so ``min(s+1, M-w)`` wait at most; the last
-    stage has no drain, the others' drain ``B``, ``W`` pairs add one to the ``min(s, M-w)`` left waiting."""
+    """Peak of :func:`pending_weights` for the zero-bubble order ``zb``. Stage ``s`` warms up with ``w = min(S-1-s,
+    M)`` forwards; in its steady ``F``, ``B`` pairs a ``W`` follows from the ``s``-th ``B`` on, so ``min(s+1, M-w)``
+    wait at most; the last stage has no drain, the others' drain ``B``, ``W`` pairs add one to the ``min(s, M-w)``
+    left waiting."""
     warmup = min(num_stages - 1 - stage, num_mb)
     if warmup == 0:
         return min(stage + 1, num_mb)
@@ -135,8 +135,10 @@ def pending_weights_named(name: str, num_stages: int, num_mb: int) -> list[int]:
         ScheduleError: a size below 1.
     """
     if num_stages >= 1 and num_mb >= 1:
-        if name in ("zb", "varuna-zb"):
+        if name == "zb":
             return [_split_pending(s, num_stages, num_mb) for s in range(num_stages)]
+        if name == "varuna-zb":  # up to s behind their B, and the one just run: see _varuna_zero_bubble
+            return [min(s + 1, num_mb) for s in range(num_stages)]
         if name in _CLOSED_FORMS or name == "varuna":  # no W actions
             return [0] * num_stages
     return pending_weights(generate(name, num_stages, num_mb))

@@ -309,41 +309,53 @@ def _zero_bubble(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]
     and up to ``s+1`` micro-batches waiting for their ``W`` (the inputs and output gradients of the split
     modules only), so no stage holds more than 1F1B's first stage does.
     """
-    return _split_one_f_one_b(num_stages, num_mb, recompute=False)
+    return _split_one_f_one_b(num_stages, num_mb)
 
 
 def _varuna_zero_bubble(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]:
-    """The zero-bubble order with Varuna's recompute: every stage but the last runs its forwards without a graph
-    and rebuilds it right before the backward (``F`` … ``R``, ``B``, with ``W`` deferred as in ``zb``). A stage
-    then holds one graph at a time (from ``R`` to ``B``), its stashed inputs and up to ``s+1`` micro-batches
-    waiting for their ``W``; the recompute costs a forward per micro-batch, which the deferred ``W`` partly
-    hide. The runtime's opportunistic forward ([Note: opportunistic forward]) applies to its ``R`` as to
-    ``varuna``'s.
+    """Varuna's order with the backward split: each stage runs :func:`_varuna`'s ``F``, ``R``, ``B`` in its order
+    (every stage but the last recomputes, so its forwards run ahead with no graph kept, as many as ``varuna``'s),
+    and stage ``s`` keeps up to ``s`` micro-batches' ``W`` behind their ``B`` (the oldest runs right after each
+    later ``B``; the rest after the last ``B``), as ZB-H1 does: a ``B`` the previous stage waits for goes out a
+    ``W`` sooner, and the deferred ``W`` fill the drain. A stage holds ``varuna``'s stashed inputs, one graph at a
+    time (``R`` to ``B``) and up to ``min(s+1, M)`` micro-batches waiting for their ``W``. The runtime's
+    opportunistic forward ([Note: opportunistic forward]) applies to its ``R`` as to ``varuna``'s.
+
+    Why not ZB-H1's 1F1B order with ``R`` added (what this name meant before): a 1F1B first stage sends its next
+    activation only after the previous micro-batch's gradient came back, so on a slow link it waits for a round
+    trip per micro-batch; ``varuna``'s stage 0 keeps the link busy (benchmarks/README.md, "Real compute").
     """
-    return _split_one_f_one_b(num_stages, num_mb, recompute=True)
+    out = []
+    for s, stage in enumerate(_varuna(num_stages, num_mb)):
+        acts: list[Action] = []
+        pending: collections.deque[int] = collections.deque()
+        for action in stage:
+            acts.append(action)
+            if action.op is Op.B:
+                pending.append(action.mb)
+                if len(pending) > s:
+                    acts.append(Action(s, Op.W, pending.popleft()))
+        acts += [Action(s, Op.W, mb) for mb in pending]
+        out.append(tuple(acts))
+    return tuple(out)
 
 
-def _split_one_f_one_b(num_stages: int, num_mb: int, *, recompute: bool) -> tuple[tuple[Action, ...], ...]:
-    """Per stage ``s``: ``min(S-1-s, M)`` warm-up ``F``; then ``F``, [``R``], ``B`` for each further micro-batch,
-    each followed by the oldest ``W`` once ``s`` are pending; then [``R``], ``B``, ``W`` for the rest; then the
-    ``W`` still pending. (In unit times: the ``zb`` of the module's golden files.)"""
+def _split_one_f_one_b(num_stages: int, num_mb: int) -> tuple[tuple[Action, ...], ...]:
+    """Per stage ``s``: ``min(S-1-s, M)`` warm-up ``F``; then ``F``, ``B`` for each further micro-batch, each
+    followed by the oldest ``W`` once ``s`` are pending; then ``B``, ``W`` for the rest; then the ``W`` still
+    pending. (In unit times: the ``zb`` of the module's golden files.)"""
     out = []
     for s in range(num_stages):
-        rebuilds = recompute and s < num_stages - 1
         warmup = min(num_stages - 1 - s, num_mb)
         acts = [Action(s, Op.F, mb) for mb in range(warmup)]
         weights = 0  # W actions placed so far (in micro-batch order)
-
-        def backward(mb: int) -> list[Action]:
-            return ([Action(s, Op.R, mb)] if rebuilds else []) + [Action(s, Op.B, mb)]  # noqa: B023 - used at once
-
         for i in range(num_mb - warmup):
-            acts += [Action(s, Op.F, warmup + i), *backward(i)]
+            acts += [Action(s, Op.F, warmup + i), Action(s, Op.B, i)]
             if i >= s:
                 acts.append(Action(s, Op.W, weights))
                 weights += 1
         for mb in range(num_mb - warmup, num_mb):
-            acts += [*backward(mb), Action(s, Op.W, weights)]
+            acts += [Action(s, Op.B, mb), Action(s, Op.W, weights)]
             weights += 1
         acts += [Action(s, Op.W, mb) for mb in range(weights, num_mb)]
         out.append(tuple(acts))
