@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-regret bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-split bench-wire bench-gpu bench-kernels clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-regret bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-split bench-stage bench-wire bench-gpu bench-kernels clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -139,6 +139,11 @@ bench-goodput: setup ## useful steps in a window under a seeded preemption trace
 # the bytes W keeps per micro-batch (see benchmarks/README.md).
 bench-split: setup ## what splitting the backward into B and W costs per segment (BENCH_ARGS="--json", "--n-embd 256")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/split_cost.py $(BENCH_ARGS)
+
+# Each later stage of the example GPT (micro-batch 4, one thread): its forward and the part before its incoming cut
+# (the earlier stages' code on placeholders), with the memo of meta ops on and off (see benchmarks/README.md).
+bench-stage: setup ## what a later stage pays for the code before its cut (BENCH_ARGS="--pp 5", "--json")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/stage_overhead.py $(BENCH_ARGS)
 
 # The example GPT for 600 steps at pp=2 with an exact, a bf16 and an fp16 wire between the stages, in fp32 and bf16
 # compute: the loss curves' largest gaps and final losses, and the cost of fp16's overflow check (see benchmarks/README.md).

@@ -44,6 +44,7 @@ from .cutpoint import CutPoint, find_cutpoints
 from .discovery import Structure, extract_loss
 from .lazy_values import ValueSource
 from .materialize import materialize
+from .meta_ops import MetaResults, has_meta, tensor_devices
 from .module_state import AttributeSnapshot, check_state_crossings, stood_in_writer, written_attributes
 from .rng import preserve_rng, seed_segment, segment_seed
 from .skips import CUT, Skip, join_crossing, split_crossing
@@ -419,7 +420,7 @@ class StageSlice:
             index = ctx.counters.get((name, segment), 0)
             ctx.counters[(name, segment)] = index + 1
             carried = received.get((segment, index)) if received else None
-            if carried is None and not has_params and not _has_meta(args, kwargs):
+            if carried is None and not has_params and not has_meta(args, kwargs):
                 return forward(*args, **kwargs)
             calls = by_segment.get(segment, [])
             call = calls[index] if index < len(calls) else None
@@ -436,7 +437,8 @@ class StageSlice:
                 )
             if name in self._state_writers:  # [Note: module state]: its writes are read here
                 raise stood_in_writer(self.model, name, self.stage, segment)
-            value = call.output.placeholder(ctx.n, self.placeholder_device)
+            with torch._C.DisableTorchFunction():  # no op of its own to watch: skip the mode's cost
+                value = call.output.placeholder(ctx.n, self.placeholder_device)
             return value if carried is None else self._put_back(value, carried)
 
         return stub
@@ -574,7 +576,7 @@ class StageSlice:
                 output = self.model(**inputs)
         except _StageExit as done:
             value = done.value
-            if _has_meta(value, {}):
+            if has_meta(value, {}):
                 raise CutPointError(
                     f"on stage {self.stage}, the value reaching CutPoint {self.outgoing_cut!r} depends on a value "
                     f"computed on an earlier stage that did not cross CutPoint {self.incoming_cut!r}",
@@ -675,6 +677,7 @@ class _PlaceholderWins(TorchFunctionMode):
         super().__init__()
         self._active = False
         self.meta_failure: BaseException | None = None  # the last error of an op with a tensor on meta
+        self.results = MetaResults()  # [Note: meta op memo]
 
     def __enter__(self):
         self._active = True
@@ -693,16 +696,16 @@ class _PlaceholderWins(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        leaves = pytree.tree_leaves((args, kwargs))
-        meta = [isinstance(t, torch.Tensor) and t.is_meta for t in leaves]
-        if any(meta) and not all(m for m, t in zip(meta, leaves, strict=True) if isinstance(t, torch.Tensor)):
+        meta, real = tensor_devices(args, kwargs)
+        if not meta:
+            return func(*args, **kwargs)
+        if real:
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t if t.is_meta else torch.empty_like(t, device="meta"), (args, kwargs))
         try:
-            return func(*args, **kwargs)
+            return self.results.call(func, args, kwargs)
         except Exception as exc:  # a placeholder's .item(), bool() or copy to a real tensor: [Note: meta failures]
-            if any(meta):
-                self.meta_failure = exc
+            self.meta_failure = exc
             raise
 
 
@@ -719,7 +722,7 @@ class _MetaOperands(TorchFunctionMode):
         try:
             return func(*args, **kwargs)
         except Exception as exc:
-            if _has_meta(args, kwargs):
+            if has_meta(args, kwargs):
                 self.meta_failure = exc
             raise
 
@@ -735,5 +738,3 @@ def _raised_by(exc: BaseException | None, cause: BaseException | None) -> bool:
     return False
 
 
-def _has_meta(args: Any, kwargs: Any) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in pytree.tree_leaves((args, kwargs)))
