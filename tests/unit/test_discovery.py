@@ -242,6 +242,25 @@ def test_a_value_is_assembled_from_its_tensors_by_its_spec() -> None:
     assert meta["h"].is_meta and list(meta["h"].shape) == [4, 3] and meta["flag"] is True
 
 
+def test_flatten_remembers_each_structures_json_and_tells_structures_apart() -> None:
+    """The executor flattens every forward's output; the JSON of a structure is remembered, so it must be the one
+    ``treespec_dumps`` gives for that structure, whatever was flattened before."""
+    import torch.utils._pytree as pytree
+
+    from varuna_core.model import payload
+
+    t = torch.zeros(2)
+    values = [t, (t, t), [t, t], {"a": t, "b": t}, {"b": t, "a": t}, (t, None, 3), {"a": (t, [t])}]
+    for _ in range(2):  # the second round from the memo
+        for value in values:
+            leaves, text = payload.flatten(value)
+            want_leaves, spec = pytree.tree_flatten(value)
+            assert text == pytree.treespec_dumps(spec) and leaves == want_leaves
+    texts = {payload.flatten(v)[1] for v in values}
+    assert len(texts) == len(values)  # the key order of a dict is part of its structure
+    assert payload.flatten((t, None, 4))[1] == payload.flatten((t, None, 3))[1]  # a leaf differs, not the structure
+
+
 def test_dry_run_in_training_mode_records_and_restores_the_buffers_it_writes() -> None:
     """Discovery runs in the model's mode: BatchNorm in training mode updates its statistics (running_mean without
     bumping its version counter) and a counter buffer; both are recorded as written, and every buffer, the

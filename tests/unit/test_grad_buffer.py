@@ -74,3 +74,23 @@ def test_touch_allocates_and_writes_the_buffers_that_the_first_attach_then_uses(
     for p, want in zip(model.parameters(), expected, strict=True):
         assert torch.equal(p.grad, want)
         assert p.grad.untyped_storage().data_ptr() == storage
+
+
+def test_the_overlapped_sync_hooks_only_the_parameters_a_sum_waits_for() -> None:
+    """At dp = 1 only a tied weight's sum is overlapped: the other parameters get no hook (a hook is a Python call
+    per parameter per backward); with replicas every parameter is in a bucket and gets one."""
+    from varuna_core.model.stage import TieSet
+    from varuna_core.pipeline.overlap import OverlappedSync
+
+    model = _model()
+    params = list(model.parameters())
+    buffer = GradBuffer(params)
+    tie = TieSet(("0.weight", "9.weight"), "0.weight", (0, 1))
+    tied_only = OverlappedSync(buffer, [(tie, None, params[0])], None, timeout=1.0, describe=str)
+    assert tied_only.active and len(tied_only._hooks) == 1
+    tied_only.close()
+    nothing = OverlappedSync(buffer, [], None, timeout=1.0, describe=str)
+    assert not nothing.active and nothing._hooks == []
+    everything = OverlappedSync(buffer, [], object(), timeout=1.0, describe=str)
+    assert len(everything._hooks) == len(params)
+    everything.close()

@@ -91,8 +91,10 @@ class OverlappedSync:
         for k, (bucket, _) in enumerate(self._buckets):
             for i in bucket.params:
                 self._of.setdefault(i, []).append(k)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in params] \
-            if self._ties or self._buckets else []
+        # only the parameters a tie sum or a bucket waits for: a hook is a Python call per parameter per backward
+        # (at dp = 1 with a tied weight, the others' hooks cost every backward of the step for nothing)
+        watched = sorted({i for _, _, i in self._ties} | set(self._of))
+        self._hooks = [params[i].register_post_accumulate_grad_hook(self._accumulated) for i in watched]
         self.posted_early = 0  # collectives (tie sums and buckets) the last step posted before its pipeline ended
         self._reset()
 

@@ -245,7 +245,6 @@ def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cu
     A receiver posted buffers of the recorded shape, and a size mismatch aborts gloo; so the sender checks
     and the error names the cut instead.
     """
-    expected = spec.describe(n)
     problem = None
     if treespec != spec.treespec or len(leaves) != len(spec.leaves):
         problem = "its structure differs"
@@ -263,6 +262,6 @@ def check_value(leaves: list[Any], treespec: str, spec: ValueSpec, n: int, *, cu
     if problem:
         raise ShapeMismatchError(
             f"stage {stage}: the value crossing CutPoint {cut!r} does not match discovery: {problem}; "
-            f"expected {expected} for a micro-batch of {n}",
+            f"expected {spec.describe(n)} for a micro-batch of {n}",
             hint="shapes at a cut must depend only on the batch size (pad variable-length inputs to a fixed length)",
         )
