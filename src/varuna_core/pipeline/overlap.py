@@ -52,12 +52,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import InternalError
 from ..model.stage import TieSet
-from .grads import Bucket, BucketReduction, GradBuffer
+from .grads import Bucket, BucketReduction, GradBuffer, post_tie_sum, tie_tag
 from .p2p import wait_all
 
 __all__ = ["OverlappedSync"]
@@ -172,7 +171,7 @@ class OverlappedSync:
                 break
             grad = self.grad_buffer.params[i].grad
             assert grad is not None  # attached before the step
-            self._tie_works.append(dist.all_reduce(grad, group=group, async_op=True))
+            self._tie_works.append(post_tie_sum(grad, group, tie_tag(self._ties[len(self._tie_works)][0].canonical)))
         while len(self._reductions) < len(self._buckets):
             k = len(self._reductions)
             bucket, ties = self._buckets[k]

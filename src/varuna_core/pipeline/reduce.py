@@ -20,10 +20,11 @@ from ..model.stage import TieSet
 from . import fused
 from .config import loss_weights
 from .executor import GradsFinal, PipelineExecutor
-from .grads import GradBuffer, all_reduce_tensor
+from .grads import GradBuffer, post_tie_sum, sum_small, tie_tag
 from .groups import Groups
 from .microbatch import batch_size_of, microbatch_sizes, split_inputs
 from .overlap import OverlappedSync
+from .p2p import wait_all
 from .shard import OptimizerShards
 
 __all__ = ["GradSync", "StepResult", "check_clip", "norm_params", "finish_step", "global_sum", "evaluate_loss",
@@ -104,9 +105,10 @@ class GradSync:
             self._overlapped.finish()
         else:  # the sync after the pipeline
             for tie, group in self.groups.ties:
-                all_reduce_tensor(_attached_grads([self.tied[tie.canonical]])[0], group, timeout=self.timeout,
-                                  describe=lambda: f"rank {self.rank} summing gradients of tied weight "
-                                  f"{tie.canonical!r}")  # noqa: B023 - called (on a failure) before the next tie
+                grad = _attached_grads([self.tied[tie.canonical]])[0]
+                wait_all([post_tie_sum(grad, group, tie_tag(tie.canonical))], timeout=self.timeout, peer=None,
+                         describe=lambda: f"rank {self.rank} summing gradients of tied weight "
+                         f"{tie.canonical!r}")  # noqa: B023 - called (on a failure) before the next tie
             if self.shards is None and self.groups.dp is not None:
                 self.grad_buffer.all_reduce(
                     self.groups.dp, timeout=self.timeout,
@@ -136,7 +138,7 @@ def global_sum(value: torch.Tensor, *, world_size: int, timeout: float, rank: in
     if world_size == 1:
         return value
     value = value.clone()
-    all_reduce_tensor(value, None, timeout=timeout, describe=lambda: f"rank {rank} loss all-reduce")
+    sum_small(value, None, timeout=timeout, describe=lambda: f"rank {rank} loss all-reduce")
     return value
 
 
@@ -213,7 +215,7 @@ def evaluate_loss(executor: PipelineExecutor, inputs: Mapping[str, Any], input_b
     if wire is not None:
         pair = torch.cat([pair, wire.to(pair.device)])
     if world_size > 1:
-        all_reduce_tensor(pair, None, timeout=timeout, describe=lambda: f"rank {rank} evaluate()")
+        sum_small(pair, None, timeout=timeout, describe=lambda: f"rank {rank} evaluate()")
     if wire is not None and wire_checked is not None:
         wire_checked(tuple(pair[2:].tolist()))
     return float(pair[0] / pair[1]) if loss_reduction == "mean" else float(pair[0])
