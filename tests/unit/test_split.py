@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from varuna_core.errors import ConfigError, InternalError
@@ -662,6 +663,10 @@ def test_the_module_route_splits_as_the_mode_does(name: str, amp: bool) -> None:
     route = SplitRoute()
     routed = train(seeded(make)(), batches(), split=True, amp=amp, flat=True, loss=loss, route=route)
     assert route.modules_only is modules_only, route
+    # the leaves' gradient edges are found once per route, and hold the leaves' own accumulators (under autocast
+    # a split linear's edges are those of autocast's casts, found once per block)
+    assert bool(route.leaf_edges) or amp or name != "gpt"
+    assert all(t.is_leaf and edge.node is get_gradient_edge(t).node for t, edge in route.leaf_edges.values())
     assert_same(plain["params"], routed["params"], "params")
     assert_same(plain["inputs"], routed["inputs"], "inputs")
     moded = train(seeded(make)(), batches(), split=True, amp=amp, flat=True, loss=loss)

@@ -356,8 +356,11 @@ class _Region:
     """One :func:`splitting` block: its store, the state of each leaf it saw, and the anchor that makes split
     nodes require gradients (they have no edge to their weights) and tells a plain backward from a partial one."""
 
-    def __init__(self, store: WeightGrads) -> None:
+    def __init__(self, store: WeightGrads, leaf_edges: dict[int, tuple[torch.Tensor, GradientEdge]] | None = None
+                 ) -> None:
         self.store = store
+        # the route's cache of leaves' gradient edges, shared by the step's blocks ([Note: split route])
+        self.leaf_edges = leaf_edges
         self.state: dict[int, str] = {}  # id(leaf) -> _DEFERRED or _DIRECT
         self.kept: dict[int, torch.Tensor] = {}  # the leaves of `state`, alive while the ids are used
         self.casts: dict[int, tuple[torch.Tensor, Any]] = {}  # id(leaf) -> (cached-cast stand-in, autocast's node)
@@ -390,11 +393,13 @@ class _Region:
 
     def edge(self, t: torch.Tensor) -> GradientEdge:
         """``get_gradient_edge(t)``, once per tensor of the block (for a leaf it makes a view to find the
-        accumulator: µs that every linear call would pay)."""
+        accumulator: µs that every linear call would pay); a leaf's once per step, where the route keeps them
+        (the edge holds the leaf's accumulator, so autograd accumulates through that same node meanwhile)."""
         key = id(t)
-        known = self.edges.get(key)
+        cache = self.leaf_edges if self.leaf_edges is not None and t.is_leaf else self.edges
+        known = cache.get(key)
         if known is None or known[0] is not t:
-            known = self.edges[key] = (t, get_gradient_edge(t))
+            known = cache[key] = (t, get_gradient_edge(t))
         return known[1]
 
     def deferring(self) -> bool:
@@ -531,7 +536,7 @@ class _LinearSite:
 
     def work_view(self) -> _LinearSite:
         """The site without its region (W must not keep the forward's leaves and casts alive)."""
-        return dataclasses.replace(self, region=None)
+        return _LinearSite(None, self.keys, self.weight, self.weight_t_col_major, self.bias, self.bias_shape)
 
 
 @dataclasses.dataclass(eq=False)
@@ -546,7 +551,7 @@ class _EmbeddingSite:
     scale_grad_by_freq: bool
 
     def work_view(self) -> _EmbeddingSite:
-        return dataclasses.replace(self, region=None)
+        return _EmbeddingSite(None, self.key, self.weight, self.num_weights, self.padding_idx, self.scale_grad_by_freq)
 
 
 @dataclasses.dataclass(eq=False)
@@ -774,6 +779,7 @@ class SplitRoute:
 
     def __init__(self) -> None:
         self.modules_only: bool | None = None  # None: not known yet (the next block runs under the mode)
+        self.leaf_edges: dict[int, tuple[torch.Tensor, GradientEdge]] = {}  # id(leaf) -> (leaf, its edge)
 
     def __repr__(self) -> str:
         state = {None: "unknown", True: "modules", False: "mode"}[self.modules_only]
@@ -842,7 +848,7 @@ def splitting(into: WeightGrads, route: SplitRoute | None = None) -> Iterator[No
     if _ACTIVE or any(isinstance(mode, _SplitMode) for mode in _get_current_function_mode_stack()):
         raise ConfigError("splitting() blocks do not nest",
                           hint="run each micro-batch's forward under one splitting(store) of its own")
-    region = _Region(into)
+    region = _Region(into, route.leaf_edges if route is not None else None)
     region.splitter = _SplitMode(region)
     modules_only = route is not None and route.modules_only is True
     region.mode = None if modules_only else region.splitter
