@@ -529,3 +529,19 @@ def test_no_candidates_bound_exceeds_its_simulated_step(seed) -> None:
             assert bound <= step * (1 + 1e-9), (cand.pp, cand.dp, cand.mbs, cand.schedule, bound, step)
             closest = max(closest, bound / step)
     assert closest > 0.9  # the bound is not vacuous
+
+
+def test_the_steps_last_sum_is_charged_as_the_runtime_makes_it() -> None:
+    """Every step ends with one small sum over all ranks: on NCCL an all-reduce (a ring's 2(W-1) hops), on gloo an
+    all-gather added in rank order (W-1 hops: [Note: hops of small sums]). A CPU profile's plan charges half the
+    ring's hops; the rest of the step is the same."""
+    base = make_profile([0.001, 0.003, 0.003, 0.002])
+    req = PlanRequest(gpus=4, batch_size=16, pp=2, dp=2, schedules=("1f1b",), microbatch_sizes=(2,))
+
+    def step(device: str) -> float:
+        env = base.environment.model_copy(update={"device_type": device})
+        return make_plan(base.model_copy(update={"environment": env}), req).prediction.step_time
+
+    hops = planner._allreduce_parts(base, 64.0, 4, False, None)[0]
+    assert hops > 0
+    assert step("cuda") - step("cpu") == pytest.approx(hops / 2, rel=1e-9, abs=1e-12)

@@ -1090,8 +1090,11 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     # the link's rate is what each is charged at): in flight at once they would each get it whole
     channels = 1 if any(c.layout.sends) else req.max_concurrent_sends
     sim = simulate_generated(c.schedule, c.pp, c.num_mb, c.costs, max_concurrent_sends=channels)
-    # every step ends with one small all-reduce over all ranks (loss, gradient norm, overflow)
-    step = sim.step_time + tables.allreduce(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
+    # every step ends with one small sum over all ranks (loss, gradient norm, overflow): an all-reduce on NCCL, on
+    # gloo (a CPU profile) an all-gather: half the ring's hops ([Note: hops of small sums] in pipeline.grads)
+    hops, transfer = tables.allreduce_parts(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
+    gathered = tables.profile.environment.device_type == "cpu"
+    step = sim.step_time + (hops / 2 if gathered else hops) + transfer
     c.step, c.pipeline, c.busy, c.bubble = step, sim.pipeline_time, list(sim.busy), sim.bubble_fraction
     c.allreduce = max(c.sync)
     return c
