@@ -245,17 +245,28 @@ def main(argv: list[str] | None = None) -> int:
         samples, nbytes = measure(seg, args.repeats, args.warmup)
         rows.append(summarize(s, sum(p.numel() for p in seg.params), samples, nbytes))
     rows.append(total(rows))
-    shape = f"n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} block_size={config.block_size}"
+    shape = gpt_shape(config)
     meta = {"model": f"examples/gpt {shape}", "microbatch_size": args.microbatch_size,
             "precision": args.precision, "threads": torch.get_num_threads(), "repeats": args.repeats,
             "warmup": args.warmup, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
-    if args.json:
-        print(json.dumps({"meta": meta, "segments": rows}, indent=2))
-    else:
-        print(f"examples/gpt ({shape}), micro-batch {args.microbatch_size}, {args.precision}, "
-              f"{torch.get_num_threads()} thread(s), medians of {args.repeats} repeats (torch {torch.__version__})\n")
-        print(table(rows))
+    print_report(args.json, meta, "segments", rows,
+                 f"examples/gpt ({shape}), micro-batch {args.microbatch_size}, {args.precision}, "
+                 f"{torch.get_num_threads()} thread(s), medians of {args.repeats} repeats (torch {torch.__version__})",
+                 table(rows))
     return 0
+
+
+def gpt_shape(config) -> str:
+    return f"n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} block_size={config.block_size}"
+
+
+def print_report(as_json: bool, meta: dict, key: str, rows: list[dict], title: str, text: str) -> None:
+    """One JSON document ``{"meta": ..., key: rows}``, or the title and the Markdown table."""
+    if as_json:
+        print(json.dumps({"meta": meta, key: rows}, indent=2))
+    else:
+        print(f"{title}\n")
+        print(text)
 
 
 if __name__ == "__main__":

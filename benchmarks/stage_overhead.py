@@ -21,7 +21,6 @@ Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -33,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from split_cost import gpt_spec  # noqa: E402 - after the path is set
+from split_cost import gpt_shape, gpt_spec, print_report  # noqa: E402 - after the path is set
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -166,16 +165,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         rows.append(summarize(s, measure(LaterStage(spec, structure, ranges, s, args.microbatch_size),
                                          args.repeats, args.warmup)))
-    shape = f"n_layer={config.n_layer} n_head={config.n_head} n_embd={config.n_embd} block_size={config.block_size}"
+    shape = gpt_shape(config)
     meta = {"model": f"examples/gpt {shape}", "pp": args.pp, "ranges": ranges,
             "microbatch_size": args.microbatch_size, "repeats": args.repeats, "warmup": args.warmup,
             "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
-    if args.json:
-        print(json.dumps({"meta": meta, "stages": rows}, indent=2))
-    else:
-        print(f"examples/gpt ({shape}), pp={args.pp} {ranges}, micro-batch {args.microbatch_size}, one thread, "
-              f"medians of {args.repeats} forwards (torch {torch.__version__})\n")
-        print(table(rows))
+    print_report(args.json, meta, "stages", rows,
+                 f"examples/gpt ({shape}), pp={args.pp} {ranges}, micro-batch {args.microbatch_size}, one thread, "
+                 f"medians of {args.repeats} forwards (torch {torch.__version__})", table(rows))
     return 0
 
 
