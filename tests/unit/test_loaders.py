@@ -337,6 +337,14 @@ PROFILE_MUTATIONS = [
     (lambda d: _measure(d, 1, 0, forward={"median": 2.0, "p10": 1.0, "p90": 1.5, "repeats": 3}),
      "segments[1].measures[0] (micro-batch 1): forward has p10 1, median 2 and p90 1.5, not in increasing order"),
     (lambda d: _comm(d, 0, group_size=3), "comm[0] is a p2p curve with group_size 3"),
+    (lambda d: {**d, "ties": [{"name": "wte", "segments": [2, 0], "grad_bytes": 8}]},
+     "ties[0] ('wte'): segments [2, 0] are not distinct and in order"),
+    (lambda d: {**d, "ties": [{"name": "wte", "segments": [0, 0], "grad_bytes": 8}]}, "are not distinct and in order"),
+    (lambda d: {**d, "ties": [{"name": "wte", "segments": [0, 3], "grad_bytes": 8}]},
+     "ties[0] ('wte'): segment 3 of a profile of 3 segments"),
+    (lambda d: {**d, "ties": [{"name": "wte", "segments": [1], "grad_bytes": 8}]}, "ties.0.segments: List should have"),
+    (lambda d: {**d, "ties": [{"name": "", "segments": [0, 1], "grad_bytes": 8}]}, "ties.0.name: String should have"),
+    (lambda d: {**d, "ties": [{"name": "w", "segments": [0, 1], "grad_bytes": -1}]}, "ties.0.grad_bytes: Input should"),
 ]
 
 

@@ -545,3 +545,33 @@ def test_the_steps_last_sum_is_charged_as_the_runtime_makes_it() -> None:
     hops = planner._allreduce_parts(base, 64.0, 4, False, None)[0]
     assert hops > 0
     assert step("cuda") - step("cpu") == pytest.approx(hops / 2, rel=1e-9, abs=1e-12)
+
+
+def test_a_tied_weight_is_summed_over_the_stages_that_hold_it() -> None:
+    """A weight the profile says segments 0 and 3 use (an embedding and a tied head): a partition that puts them on
+    two stages pays its sum on both, every step: a swap on gloo (one message each way), a ring all-reduce on
+    NCCL. One stage pays nothing, and a profile without ties (an older one) plans as before."""
+    from varuna_core.planning.artifacts import LinearFit, TiedWeight
+
+    base = make_profile([0.001, 0.003, 0.003, 0.002])
+    ring_fit = LinearFit(latency=2e-4, bandwidth=1e9, rel_error=0.0)  # a ring of two: two hops
+    base = base.model_copy(update={"comm": [c.model_copy(update={"fit": ring_fit}) if c.op == "allreduce" else c
+                                            for c in base.comm]})
+    tie = TiedWeight(name="wte.weight", segments=[0, 3], grad_bytes=40_000)
+
+    def plan(device: str, ties: list, pp: int) -> Plan:
+        env = base.environment.model_copy(update={"device_type": device})
+        prof = base.model_copy(update={"environment": env, "ties": ties})
+        req = PlanRequest(gpus=pp, batch_size=16, pp=pp, dp=1, schedules=("1f1b",), microbatch_sizes=(2,))
+        return make_plan(prof, req)
+
+    swap = planner._p2p_time(base, 40_000, False, None)
+    ring = sum(planner._allreduce_parts(base, 40_000, 2, False, None))
+    assert swap < ring
+    for device, cost in (("cpu", swap), ("cuda", ring)):
+        without, tied = plan(device, [], 2), plan(device, [tie], 2)
+        assert [st.tie_sums for st in tied.stages] == pytest.approx([cost, cost])
+        assert [st.tie_sums for st in without.stages] == [0.0, 0.0]
+        # after the last backward (the embedding's gradient is final last): the whole of it shows in the step
+        assert tied.prediction.step_time == pytest.approx(without.prediction.step_time + cost, rel=1e-9)
+        assert plan(device, [tie], 1).prediction.step_time == pytest.approx(plan(device, [], 1).prediction.step_time)

@@ -388,3 +388,18 @@ def test_cli_reports_the_users_error_in_a_profiling_process(tmp_path) -> None:
     assert len(lines) == 2 and lines[0].startswith("error: in profiling process ") and lines[1].startswith("hint:")
     assert "raised RuntimeError at tests/specs/" + _line("late") + " (in forward): cannot take 4 examples" in lines[0]
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_the_profile_names_the_weights_several_segments_use(nproc) -> None:
+    """A tied embedding and head (declared ``shared_weights``) used by the first and the last segment, and a
+    parameter that root code reads in both (``h + self.pos``): the profile says so, with the gradients' bytes,
+    measured in one process or spread over two; a model without ties has none. The planner charges their sums
+    ([Note: hops of small sums])."""
+    from tests.models import UNetLM
+
+    result = profile("tests.specs.sleep:unet", microbatch_sizes=[1], nproc=nproc, repeats=1, warmup=0)
+    model, last = UNetLM(), result.num_segments - 1
+    assert sorted((t.name, t.segments, t.grad_bytes) for t in result.ties) == [
+        ("emb.weight", [0, last], model.emb.weight.numel() * 4), ("pos", [0, last], model.pos.numel() * 4)]
+    assert profile(sleep.spec, microbatch_sizes=[1], repeats=1, warmup=0).ties == []

@@ -56,6 +56,7 @@ from ..util.versioned_io import (
 
 __all__ = [
     "Stat", "SegmentMeasure", "SegmentProfile", "LinearFit", "CommCurve", "Environment", "StopReason", "Profile",
+    "TiedWeight",
     "load_profile", "StagePlan", "Prediction", "Candidate", "Plan", "save_plan", "load_plan", "MAX_PLAN_BYTES",
     "MAX_PROFILE_BYTES", "MAX_PLAN_EVENTS", "MAX_NESTING", "MAX_DEVICES", "MAX_SEGMENTS", "MAX_MICROBATCHES",
     "MAX_MICROBATCH_SIZE",
@@ -193,6 +194,16 @@ class StopReason(CheckedModel):
     reason: str
 
 
+class TiedWeight(CheckedModel):
+    """A weight that several segments use (a tied embedding and head, declared ``shared_weights``): every step
+    its gradient is summed over the stages that hold a copy, which the planner charges when a partition puts
+    those segments on several stages."""
+
+    name: Annotated[str, Field(min_length=1, max_length=500)] = Field(description="its canonical parameter name")
+    segments: list[Index] = Field(min_length=2, max_length=MAX_SEGMENTS, description="the segments that use it")
+    grad_bytes: Bytes = Field(description="bytes of its gradient: what the sum moves")
+
+
 class Profile(CheckedModel):
     """What ``varuna profile`` measured: the input of ``varuna plan``."""
 
@@ -206,6 +217,8 @@ class Profile(CheckedModel):
     stopped: StopReason | None = Field(None, description="set when a memory limit or OOM ended the sweep")
     segments: list[SegmentProfile]
     comm: list[CommCurve] = Field(default_factory=list)
+    ties: list[TiedWeight] = Field(default_factory=list, max_length=100_000,
+                                   description="weights used by several segments (absent in older profiles)")
     environment: Environment
     created: str = Field(description="ISO 8601 time of the measurement")
 
@@ -222,6 +235,7 @@ class Profile(CheckedModel):
         _check_split(self)
         _check_profile_bytes(self)
         _check_comm(self)
+        _check_ties(self)
         return self
 
 
@@ -319,6 +333,16 @@ def _check_comm(p: Profile) -> None:
 
 
 
+def _check_ties(p: Profile) -> None:
+    """A tied weight names distinct segments of the profile, in order."""
+    for i, tie in enumerate(p.ties):
+        if tie.segments != sorted(set(tie.segments)):
+            raise ValueError(f"ties[{i}] ({tie.name!r}): segments {tie.segments} are not distinct and in order")
+        if tie.segments[-1] >= p.num_segments:
+            raise ValueError(f"ties[{i}] ({tie.name!r}): segment {tie.segments[-1]} of a profile of "
+                             f"{p.num_segments} segments")
+
+
 def load_profile(path: str | Path) -> Profile:
     """The profile in the JSON file ``path``.
 
@@ -367,6 +391,8 @@ class StagePlan(CheckedModel):
                               "outgoing cut (carried for a later stage; on a narrow wire, in proportion)")
     send_gradient: Seconds = Field(0.0, description="predicted time to send one gradient to the previous stage (s)")
     allreduce: Seconds = Field(0.0, description="predicted data-parallel gradient all-reduce time (s)")
+    tie_sums: Seconds = Field(0.0, description="predicted sums of the stage's tied weights over the stages that hold "
+                                               "them, after its last backward (s)")
     optimizer: Seconds = Field(0.0, description="predicted optimizer step time (s)")
     busy: Seconds = Field(description="simulated compute time in one step (s)")
     memory_bytes: Bytes = Field(description="predicted peak memory per device, headroom included")

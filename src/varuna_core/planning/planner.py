@@ -42,7 +42,7 @@ import gc
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..errors import ConfigError, FieldError, VarunaError
 from ..ir.inflight import pending_weights_named, receive_windows
@@ -762,6 +762,7 @@ class _Scored:
     pending: list[int] | None = None  # per stage, micro-batches waiting for their W (None: the backward is whole)
     costs: list[StageCosts] = dataclasses.field(default_factory=list)
     sync: list[float] = dataclasses.field(default_factory=list)  # per stage, its gradient collectives' time
+    ties: list[float] = dataclasses.field(default_factory=list)  # per stage, its tied weights' sums
     optimizer: list[float] = dataclasses.field(default_factory=list)
     memory: list[int] = dataclasses.field(default_factory=list)
     step: float = 0.0
@@ -785,6 +786,7 @@ class _Tables:
         self._layouts: dict[tuple[str, int, int, int], LinkLayout] = {}
         self._schedule: dict[tuple[str, int, int], tuple[list[tuple[int, int]], list[bool], list[int] | None]] = {}
         self._syncs: dict[tuple[tuple[float, ...], int, int], tuple[LinkLayout, list[float]]] = {}
+        self._ties: dict[tuple[Any, ...], tuple[LinkLayout, list[float]]] = {}
         self._sends: dict[tuple[float, int], float] = {}
         self._stage_bounds: dict[tuple[object, ...], list[_StageBound]] = {}
         self._fits: dict[tuple[object, ...], bool] = {}  # the free partition fits with the whole optimizer state
@@ -851,6 +853,35 @@ class _Tables:
             found = self._syncs[key] = (layout, shared_link_syncs(
                 [self.allreduce_parts(g, dp, inter) for g, inter in zip(grads, layout.crossing, strict=True)], layout))
         return found[1]
+
+    def tie_sums(self, ranges: Sequence[tuple[int, int]], layout: LinkLayout) -> list[float]:
+        """Per stage, the seconds its tied weights' sums take: each weight the profile says several segments use,
+        once ``ranges`` puts them on several stages, summed over those stages' ranks of one replica. On gloo (a
+        CPU profile) a weight of two stages is swapped, one message each way at once; otherwise a ring
+        all-reduce ([Note: hops of small sums] in ``pipeline.grads``). Between nodes if a boundary between the
+        first and the last of them crosses one. Charged after the stage's last backward, not overlapped with it:
+        the usual tie, an embedding and the head, has the embedding's gradient final only when the first stage's
+        backward ends."""
+        costs = [0.0] * len(ranges)
+        if not self.profile.ties:
+            return costs
+        key = (tuple(ranges), id(layout))
+        found = self._ties.get(key)
+        if found is not None and found[0] is layout:
+            return found[1]
+        stage_of = {seg: s for s, (a, b) in enumerate(ranges) for seg in range(a, b)}
+        gloo = self.profile.environment.device_type == "cpu"
+        for tie in self.profile.ties:
+            stages = sorted({stage_of[seg] for seg in tie.segments})
+            if len(stages) < 2:
+                continue
+            inter = any(layout.sends[k] for k in range(stages[0], stages[-1]))
+            seconds = (self.p2p(tie.grad_bytes, inter) if gloo and len(stages) == 2
+                       else self.allreduce(tie.grad_bytes, len(stages), inter))
+            for s in stages:
+                costs[s] += seconds
+        self._ties[key] = (layout, costs)
+        return costs
 
     def stage_bounds(self, mbs: int, num_mb: int, last: int, shards: int, part: Partition, recompute: list[bool],
                      split: bool) -> list[_StageBound]:
@@ -1001,10 +1032,12 @@ def _bound(tables: _Tables, pp: int, dp: int, mbs: int, num_mb: int, last: int, 
         return _Scored(pp, dp, mbs, num_mb, last, schedule, part, recompute, counts, layout, found[3], shard, pending,
                        sync=found[2])
     syncs, fills, returns = _chains(tables, mbs, part, dp, stages, layout)
+    ties = tables.tie_sums(part.ranges, layout)
     lower = 0.0
     for s, (busy, longest, opt, _, _, _, _, b_min, _) in enumerate(stages):
-        # as sync_costs: a sharded optimizer's collectives run after the pipeline, an all-reduce overlaps the last B
-        allreduce, optimizer = (0.0, syncs[s] + opt) if shard else (syncs[s], opt)
+        # as sync_costs: a sharded optimizer's collectives run after the pipeline, an all-reduce overlaps the last B,
+        # the tied weights' sums follow it
+        allreduce, optimizer = (0.0, syncs[s] + ties[s] + opt) if shard else (syncs[s], ties[s] + opt)
         # it cannot start before the first activation reaches it; its all-reduce starts with its last B or W at the
         # earliest, which starts once everything else it computes is done
         overlapped = busy - longest + allreduce
@@ -1062,6 +1095,7 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     # worked it out)
     if not c.sync:
         c.sync = tables.syncs([pre.grads[b] - pre.grads[a] for a, b in c.partition.ranges], c.dp, c.layout)
+    ties = c.ties = tables.tie_sums(c.partition.ranges, c.layout)
     for s, (a, b) in enumerate(c.partition.ranges):
         f, r, bw, w = _stage_times(pre, a, b, c.recompute[s], split)
         fl, rl, bl, wl = _stage_times(pre_last, a, b, c.recompute[s], split)
@@ -1082,7 +1116,7 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
         c.costs.append(StageCosts(f, r, bw, send_act, send_grad, forward_last=fl, recompute_last=rl,
                                   backward_last=bl, send_activation_last=send_act_l, send_gradient_last=send_grad_l,
                                   weight=w, weight_last=wl,
-                                  **sync_costs(c.sync[s], c.optimizer[-1], sharded=c.shard)))
+                                  **sync_costs(c.sync[s], c.optimizer[-1], sharded=c.shard, ties=ties[s])))
         c.memory.append(int(pre.stage_memory(a, b, s, counts=c.counts, windows=windows, recompute=c.recompute,
                                              num_mb=c.num_mb, headroom=req.headroom,
                                              shards=c.dp if c.shard else 1, pending=c.pending)))
@@ -1441,7 +1475,7 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
                   send_activation=c.send_activation, send_gradient=c.send_gradient,
                   activation_bytes=round(segs[b - 1].on_wire) if b < len(segs) else 0,
                   skip_bytes=round(_on_wire(segs[b - 1].skip_bytes, segs[b - 1])) if b < len(segs) else 0,
-                  allreduce=best.sync[s], optimizer=best.optimizer[s],
+                  allreduce=best.sync[s], tie_sums=best.ties[s], optimizer=best.optimizer[s],
                   busy=best.busy[s], memory_bytes=best.memory[s], held_microbatches=best.counts[s][0],
                   state_bytes=sum(seg.param_bytes + seg.optimizer_bytes for seg in profile.segments[a:b]),
                   grad_bytes=sum(seg.grad_bytes for seg in profile.segments[a:b]))

@@ -102,13 +102,15 @@ class StageCosts:
                 self.optimizer)
 
 
-def sync_costs(collectives: float, optimizer: float, *, sharded: bool) -> dict[str, float]:
+def sync_costs(collectives: float, optimizer: float, *, sharded: bool, ties: float = 0.0) -> dict[str, float]:
     """:class:`StageCosts`' ``allreduce`` and ``optimizer`` for a stage whose gradient collectives take
-    ``collectives`` seconds and whose optimizer step ``optimizer``: the runtime overlaps an all-reduce with the last
-    backward, but runs a sharded optimizer's reduce-scatter and all-gather after the pipeline."""
+    ``collectives`` seconds, its tied weights' sums ``ties`` and its optimizer step ``optimizer``: the runtime
+    overlaps an all-reduce with the last backward, but runs a sharded optimizer's reduce-scatter and all-gather
+    after the pipeline; a tie's sum waits for the gradient that the stage's backward finishes last (an
+    embedding's), so it is charged after the pipeline too."""
     if sharded:
-        return {"allreduce": 0.0, "optimizer": collectives + optimizer}
-    return {"allreduce": collectives, "optimizer": optimizer}
+        return {"allreduce": 0.0, "optimizer": collectives + ties + optimizer}
+    return {"allreduce": collectives, "optimizer": ties + optimizer}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,7 @@ from ..planning.artifacts import (
     SegmentProfile,
     Stat,
     StopReason,
+    TiedWeight,
 )
 from ..util.procs import JobOutcome, run_workers
 from ..util.usercode import user_code
@@ -203,6 +204,11 @@ class _SegmentBench:
         partition = Partition.from_ranges([(i, i + 1) for i in range(n)], n)
         model = spec.make()
         ties = find_tie_sets(model, structure, partition, weight_groups(model, list(spec.shared_weights or [])))
+        # a segment per stage: a tie's stages are the segments that use it (sizes from the slots, meta or not)
+        slots = dict(model.named_parameters(remove_duplicate=False))
+        self.ties = [TiedWeight(name=t.canonical, segments=list(t.stages),
+                                grad_bytes=slots[t.canonical].numel() * slots[t.canonical].element_size())
+                     for t in ties if len(t.stages) > 1 and slots[t.canonical].requires_grad]
         with user_code(f"the model's code (building segment {segment})"):  # a meta model's init runs here
             self.stage = StageSlice(model, structure, partition, segment, ties, device,
                                     placeholders="real" if spec.cutpoints == "auto" else "meta",
@@ -416,8 +422,9 @@ def _static_sizes(bench: _SegmentBench, repeats: int = 5) -> tuple[int, int, int
 def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, microbatch_sizes: list[int],
              precision: str, device: str, repeats: int, warmup: int, memory_limit: int | None,
              progress: Progress | None, group: Any = None, turn: int | None = None,
-             turns: int | None = None) -> tuple[list[SegmentProfile], list[int], StopReason | None]:
-    """Measure this process's segments: ``(segments, the sizes measured, why it stopped before the largest)``.
+             turns: int | None = None) -> tuple[list[SegmentProfile], list[int], StopReason | None, list[TiedWeight]]:
+    """Measure this process's segments: ``(segments, the sizes measured, why it stopped before the largest, the
+    weights several segments use)``.
 
     ``turn`` of ``turns``: processes that share a host's CPU cores measure one after another, each size in
     ``turns`` rounds (a barrier between them), this process in round ``turn``. Measured at once they shared more
@@ -482,14 +489,15 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
                        if k < len(structure.cut_names) else [])
         for k in mine
     ]
-    return segments, done_sizes, stopped
+    ties = next(iter(benches.values())).ties if benches else []
+    return segments, done_sizes, stopped, ties
 
 
 def _measure_alone(spec: ModelSpec, structure: Structure, *, progress: Progress | None, **options: Any) -> Profile:
     """The profile of every segment, measured in this one process (``options``: :func:`_measure`'s)."""
-    segments, sizes, stopped = _measure(spec, structure, rank=0, world=1, progress=progress, **options)
+    segments, sizes, stopped, ties = _measure(spec, structure, rank=0, world=1, progress=progress, **options)
     return _assemble(spec, structure, segments, sizes, stopped, [], nproc=1, precision=options["precision"],
-                     device=_device(options["device"], 0))
+                     device=_device(options["device"], 0), ties=ties)
 
 
 def _device(device: str, rank: int) -> torch.device:
@@ -515,7 +523,8 @@ def _cpu_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _assemble(spec, structure, segments, sizes, stopped, comm, *, nproc, precision, device) -> Profile:
+def _assemble(spec, structure, segments, sizes, stopped, comm, *, nproc, precision, device,
+              ties: list[TiedWeight]) -> Profile:
     devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                if device.type == "cuda" else [platform.processor() or platform.machine()])
     env = Environment(torch_version=torch.__version__, python_version=platform.python_version(),
@@ -523,7 +532,7 @@ def _assemble(spec, structure, segments, sizes, stopped, comm, *, nproc, precisi
                       hosts=[socket.gethostname()], nproc=nproc, precision=precision, cpu_cores=_cpu_cores())
     return Profile(model=spec.name or "model", structure_hash=structure.key, num_segments=structure.num_segments,
                    cut_names=list(structure.cut_names), microbatch_sizes=sizes, stopped=stopped,
-                   segments=sorted(segments, key=lambda s: s.index), comm=comm, environment=env,
+                   segments=sorted(segments, key=lambda s: s.index), comm=comm, ties=ties, environment=env,
                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
@@ -667,18 +676,20 @@ def profile_in_job(spec: ModelSpec, options: dict, progress: Progress | None = N
     if dev.type == "cpu":  # the processes of a host measure one after another (see _measure)
         turn = hosts[:rank].count(hosts[rank])
         turns = max(hosts.count(h) for h in hosts)
-    segments, sizes, stopped = _measure(spec, structure, rank=rank, world=world, progress=progress, turn=turn,
-                                        turns=turns, **options)
+    segments, sizes, stopped, ties = _measure(spec, structure, rank=rank, world=world, progress=progress, turn=turn,
+                                              turns=turns, **options)
     link = "inter" if len(set(hosts)) > 1 else "intra"
     p2p = _p2p_curve(rank, dev, 5, link)
     allreduce = _allreduce_curves(rank, world, dev, 5, link)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, segments)
+    dist.all_gather_object(gathered, (segments, ties))
     result = None
     if rank == 0:
-        all_segments = [s for segs in gathered for s in segs]
+        all_segments = [s for segs, _ in gathered for s in segs]
+        # the weights several segments use: the same on every rank that built a segment
+        found: list[TiedWeight] = next((t for segs, t in gathered if segs), [])
         result = _assemble(spec, structure, all_segments, sizes, stopped, [p2p, *allreduce], nproc=world,
-                           precision=options["precision"], device=dev)
+                           precision=options["precision"], device=dev, ties=found)
         result.environment.hosts = sorted(set(hosts))
     dist.barrier()
     return result
