@@ -219,7 +219,7 @@ def _build(job: dict, stamps: dict):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=job["timeout"]))
     stamps["process_group"] = time.time()
     vm = Varuna(model, None, spec.batch(2), batch_size=batch_size, chunk_size=job["mbs"], plan=job["plan"],
-                shared_weights=spec.shared_weights, timeout=job["timeout"])
+                shared_weights=spec.shared_weights, timeout=job["timeout"], init=spec.init)  # a meta build's
     params = list(vm.parameters())
     opt = spec.optimizer(params) if params else None  # SGD, the optimizer the profile timed
     if opt is not None:
