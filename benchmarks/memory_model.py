@@ -258,8 +258,7 @@ def _build(spec, job: dict):
     from varuna_core import Varuna
 
     vm = Varuna(spec.build(), None, spec.batch(2), batch_size=job["batch"], chunk_size=job["mbs"],
-                plan=job["plan"], shared_weights=spec.shared_weights, timeout=job["timeout"],
-                init=spec.init)  # the example GPT is built on meta: its initialiser runs on each stage
+                plan=job["plan"], shared_weights=spec.shared_weights, timeout=job["timeout"])
     params = list(vm.parameters())
     opt = spec.optimizer(params) if params else None
     if opt is not None:
