@@ -169,8 +169,9 @@ class Segment:
 
 
 def measure(seg: Segment, repeats: int, warmup: int) -> tuple[dict[str, list[float]], list[int]]:
-    from varuna_core.model.split import WeightGrads, splitting
+    from varuna_core.model.split import SplitRoute, WeightGrads, splitting
 
+    route = SplitRoute()  # as the executor splits: after a step's first block, the module route
     samples: dict[str, list[float]] = {k: [] for k in ("forward", "forward_split", "backward", "b", "w")}
     nbytes: list[int] = []
     for i in range(warmup + repeats):
@@ -188,7 +189,7 @@ def measure(seg: Segment, repeats: int, warmup: int) -> tuple[dict[str, list[flo
             store = WeightGrads()
 
             def forward_split(incoming=incoming, store=store):
-                with splitting(store):
+                with splitting(store, route):
                     return seg.forward(incoming)
 
             t_f, out = _timed(forward_split)

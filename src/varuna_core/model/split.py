@@ -48,7 +48,8 @@ because every value is made by the call autograd would make, on the same tensors
   does not matter; a weight used three or more times in one forward in graph branches that the engine
   interleaves may be summed in another order (last-bit differences).
 * Split nodes have no edge to their weight, so in B the weight's ``AccumulateGrad`` does not run at all (no
-  hook sees a ``None`` gradient); W runs it once with the full gradient.
+  hook sees a ``None`` gradient); W runs it once with the full gradient. A hooked linear's bias ([Note: hooked
+  linear]) takes its gradient in B.
 
 *A weight used by other ops too.* Per forward (one ``splitting`` block), the first use of a leaf that requires
 gradients decides: a split op makes it *deferred*, any other op *direct*. A direct weight's later linear or
@@ -82,6 +83,21 @@ another op) would be split on the module route without that op's alias: still th
 another order (last bits), with a hook on that weight seeing two parts. The executor makes a new route each step.
 The route also keeps each leaf's gradient edge for the step's blocks (finding it makes a view: ~10 µs per weight
 and bias of every split call); holding the edge holds the leaf's accumulator, so autograd's own is that same node.
+
+[Note: hooked linear] Under a route (the executor's blocks, whose B is always a plain backward), a split linear
+that has a bias taking gradients, an input in the weight's dtype that torch's linear flattens into one ``addmm``
+(2-D, or contiguous), and no autocast, is not a node of this module: it is torch's own ``linear`` on the weight
+detached, and a pre-hook on the ``addmm``'s node queues the weight's work for W with the gradient that node
+receives. So B runs torch's C++ backward for the input and the bias (the bias's gradient is accumulated in B, as
+it would be unsplit), and the forward pays a pre-hook (~3 µs) instead of a Python autograd function (~20 µs, and
+~10 µs more in B). W computes the weight's gradient exactly as the split node's piece does (the ``addmm``'s
+``mm_mat2_backward`` on the flattened input, ``.t()``), so the bits are the same. Why these conditions: the
+bias's accumulator is what tells a plain backward (it is in the graph) from one that wants only inputs (it is
+not executed), so nothing is queued there, as for the split node; the hook sits on the ``addmm``'s node and not
+on the output's, because an in-place change of an N-D output (a view) replaces the view's node but not the
+``addmm``'s, and because a node's pre-hooks run after the tensor hooks on its output, so W sees the gradient
+those hooks gave the op. A linear without a bias (a witness would cost an extra node) and every other case
+keep the split node.
 
 *Who must run W.* Until :meth:`WeightGrads.run`, the split weights' ``.grad`` lack this micro-batch's part. The
 executor runs every micro-batch's W action (the schedule validator checks that each B has its W after it) before
@@ -204,6 +220,20 @@ class _LinearWork(_Work):
         return out
 
 
+class _HookedLinearWork(_Work):
+    kind = "linear"
+
+    def __init__(self, task: int, hook: _LinearHook, grad: torch.Tensor) -> None:
+        super().__init__(task, hook.keys, (hook.x, grad))  # the linear's input and output gradient, as given
+        self.weight, self.weight_t_col_major = hook.weight, hook.weight_t_col_major
+
+    def gradients(self) -> list[tuple[GradientEdge, torch.Tensor]]:
+        x, grad = self.kept  # grad: the addmm's output gradient (2-D)
+        if x.dim() != 2:  # _flatten_nd_linear's reshape of the input
+            x = x.reshape(-1, x.size(-1))
+        return [(self.weight, _mat2_grad(grad, x, self.weight_t_col_major).t())]  # TBackward: .t()
+
+
 class _EmbeddingWork(_Work):
     kind = "embedding"
 
@@ -297,14 +327,14 @@ class WeightGrads:
                     piece.kept = ()  # computed from: its memory goes as W proceeds
                 added = sum(g.numel() * g.element_size() for _, g in pairs)
                 if edges and (group[0].task != task or size + added > _BATCH_BYTES):
-                    torch.autograd.backward(edges, grads)  # groups touch disjoint leaves: they share engine runs
+                    _accumulate(edges, grads)  # groups touch disjoint leaves: they share engine runs
                     edges, grads, size = [], [], 0
                 edges += [edge for edge, _ in pairs]
                 grads += [grad for _, grad in pairs]
                 size, task = size + added, group[0].task
                 del pairs
             if edges:
-                torch.autograd.backward(edges, grads)
+                _accumulate(edges, grads)
 
     def _add(self, work: _Work) -> None:
         self._work.append(work)
@@ -340,6 +370,16 @@ def _groups(work: list[_Work]) -> list[list[_Work]]:
     return list(groups.values())
 
 
+def _accumulate(edges: list[GradientEdge], grads: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward(edges, grads)`` without its Python checks of each gradient against its edge
+    (~6 µs a gradient; W made each one with its edge's shape and dtype): the engine run it ends in."""
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None or torch._C._are_functorch_transforms_active():
+        torch.autograd.backward(edges, grads)
+        return
+    run(tuple(edges), tuple(grads), False, False, (), True, True)  # keep_graph, create_graph, inputs, ...
+
+
 def _autocast_off(work: Sequence[_Work]) -> contextlib.AbstractContextManager:
     """W's matmuls run in the dtypes B saved, whatever autocast region ``run()`` is called in."""
     devices = {t.device.type for piece in work for t in piece.kept}
@@ -363,6 +403,7 @@ class _Region:
         self.store = store
         # the route's cache of leaves' gradient edges, shared by the step's blocks ([Note: split route])
         self.leaf_edges = leaf_edges
+        self.routed = leaf_edges is not None  # the executor's blocks: B is a plain backward ([Note: hooked linear])
         self.state: dict[int, str] = {}  # id(leaf) -> _DEFERRED or _DIRECT
         self.kept: dict[int, torch.Tensor] = {}  # the leaves of `state`, alive while the ids are used
         self.casts: dict[int, tuple[torch.Tensor, Any]] = {}  # id(leaf) -> (cached-cast stand-in, autocast's node)
@@ -541,6 +582,27 @@ class _LinearSite:
         return _LinearSite(None, self.keys, self.weight, self.weight_t_col_major, self.bias, self.bias_shape)
 
 
+class _LinearHook:
+    """A hooked linear's pre-hook on its ``addmm`` node ([Note: hooked linear]): in a plain backward it queues
+    the weight's gradient work, with the gradient the node receives, for W."""
+
+    __slots__ = ("bias_node", "keys", "region", "weight", "weight_t_col_major", "x")
+
+    def __init__(self, region: _Region, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        self.region = region
+        self.x = x  # the linear's input, as given (W flattens it as the op did)
+        self.keys = (id(weight),)
+        self.weight = region.edge(weight)
+        self.weight_t_col_major = _col_major(weight.t())  # mm_mat2_backward's test on mat2 = weight.t()
+        self.bias_node = region.edge(bias).node
+
+    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        grad = grad_outputs[0]
+        # the bias's accumulator runs in a plain backward (it is in the graph) and in none that wants only inputs
+        if grad is not None and _will_execute(self.bias_node):
+            self.region.store._add(_HookedLinearWork(_graph_task(), self, grad))
+
+
 @dataclasses.dataclass(eq=False)
 class _EmbeddingSite:
     """A split ``F.embedding`` call."""
@@ -680,6 +742,8 @@ class _SplitMode(TorchFunctionMode):
             return _PLAIN  # used by another op first: its gradients arrive in B together, as without splitting
         x_c, weight_c, bias_c = x, weight, bias
         target = _autocast_target(device)
+        if target is None and region.routed and _hookable(region, x, weight, bias):
+            return self._hooked_linear(x, weight, bias)
         if target is not None:  # what autocast hands aten's linear
             if _needs_cast(x, target):
                 if _cache_eligible(x):
@@ -729,6 +793,27 @@ class _SplitMode(TorchFunctionMode):
             out.add_(bias_c)
         return out
 
+    def _hooked_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """torch's own linear with the weight detached, and a pre-hook that hands W the output's gradient
+        ([Note: hooked linear])."""
+        region = self.region
+        region.mark(weight, _DEFERRED)
+        if x.requires_grad and x.is_leaf:
+            region.mark(x, _DIRECT)
+        region.mark(bias, _DIRECT)
+        region.count_split()
+        out = _LINEAR(x, weight.detach(), bias)
+        # the addmm's node: the output's own (2-D input) or, N-D, the one behind the view of its result (which an
+        # in-place change of the view replaces, not the addmm's); its pre-hook runs after the output's hooks
+        node = out.grad_fn
+        if node is not None and x.dim() != 2:
+            node = node.next_functions[0][0]
+        if node is None or node.name() != "AddmmBackward0":
+            raise InternalError(f"torch's linear of a {x.dim()}-D contiguous input with a bias made "
+                                f"{node.name() if node is not None else None}, not an addmm")
+        node.register_prehook(_LinearHook(region, x, weight, bias))
+        return out
+
     # -- F.embedding ---------------------------------------------------------------------------------------
 
     def _embedding(self, args: tuple, kwargs: dict) -> Any:
@@ -756,6 +841,14 @@ class _SplitMode(TorchFunctionMode):
         site = _EmbeddingSite(self.region, id(weight), self.region.edge(weight), rows, int(padding_idx),
                               bool(scale_grad_by_freq))
         return _SplitEmbedding.apply(site, self.region.anchor, weight.detach(), indices)
+
+
+def _hookable(region: _Region, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a split linear may take the hooked form ([Note: hooked linear]): torch's fused path (a bias, and a
+    2-D or contiguous input: one ``addmm``), a bias that is a leaf taking gradients in B (its accumulator tells a
+    plain backward), one dtype."""
+    return (bias is not None and bias.is_leaf and bias.requires_grad and region.state.get(id(bias)) != _DEFERRED
+            and x.dtype == weight.dtype == bias.dtype and (x.dim() == 2 or x.is_contiguous()))
 
 
 def _grad_leaves(args: tuple, kwargs: dict) -> list[torch.Tensor] | None:

@@ -57,7 +57,7 @@ from ..model.lazy_values import ValueSource
 from ..model.payload import TensorSpec, flatten
 from ..model.precision import autocast, wire_dtype
 from ..model.spec import ModelSpec, load_spec
-from ..model.split import WeightGrads, splitting
+from ..model.split import SplitRoute, WeightGrads, splitting
 from ..model.stage import StageSlice, find_tie_sets, weight_groups
 from ..planning.artifacts import (
     CommCurve,
@@ -386,7 +386,7 @@ def _split_backward(bench: _SegmentBench, inputs: dict, n: int) -> tuple[float, 
     device = bench.device
     incoming = bench.incoming(n)
     store = WeightGrads()
-    with splitting(store):
+    with splitting(store, SplitRoute()):  # the executor's way (its linears hooked: [Note: hooked linear])
         out = bench.run(inputs, n, incoming, grad=True)
     roots, grads = bench.output_grads(out)
     t_b, _ = _time(functools.partial(bench.backward, roots, grads), device)
