@@ -8,12 +8,13 @@ one thread. Per repeat, side by side on the same parameters (``.grad`` views of 
 attaches them):
 
     unsplit    forward with graph, then ``torch.autograd.backward``                 -> F, backward
-    split      forward under ``splitting(store)``, the same backward (B), then      -> F, B, W, bytes
+    split      forward under ``splitting(store, route)``, the same backward (B), then -> F, B, W, bytes
                ``store.run()`` (W); bytes: ``store.nbytes`` after B (what W keeps alive for this micro-batch)
 
 Every time is the median over ``--repeats`` (after ``--warmup``), in ms; ``B+W / unsplit`` is the price of the
-split (zero-bubble schedules pay it to move W into idle slots), ``F split / F`` the forward's (the mode that
-intercepts the calls sees every torch call of the forward).
+split (zero-bubble schedules pay it to move W into idle slots), ``F split / F`` the forward's. One route per
+segment for all repeats, as the executor's step: the first forward under the mode that sees every torch call, the
+later ones through the ``nn.Linear`` forwards alone (linears with a bias hooked: [Note: hooked linear]).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/split_cost.py            # Markdown table
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/split_cost.py --json     # one JSON document on stdout
