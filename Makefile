@@ -20,7 +20,7 @@ DEMO_ARGS ?=
 STAMP := $(VENV)/.setup-stamp
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-regret bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-split bench-stage bench-wire bench-gpu bench-kernels clean distclean
+.PHONY: help setup lint test test-gpu demo bench bench-memory bench-shard bench-bubbles bench-sim bench-regret bench-ckpt bench-morph bench-snapshot bench-chaos bench-goodput bench-split bench-stage bench-idle bench-wire bench-gpu bench-kernels clean distclean
 
 help: ## list the targets
 	@echo "usage: make <target> [VENV=.venv] [TORCH=torch==2.13.0] [PYTEST_ARGS=...] [TEST_WORKERS=2] [DEMO_ARGS=...]"
@@ -144,6 +144,11 @@ bench-split: setup ## what splitting the backward into B and W costs per segment
 # (the earlier stages' code on placeholders), with the memo of meta ops on and off (see benchmarks/README.md).
 bench-stage: setup ## what a later stage pays for the code before its cut (BENCH_ARGS="--pp 5", "--json")
 	OMP_NUM_THREADS=1 $(PY) benchmarks/stage_overhead.py $(BENCH_ARGS)
+
+# An action's time right after its process idled (slept, or waited on an event) 0.5-20 ms, against a tight loop, and
+# two busy processes against one: why a pipelined run computes slower than its profile (see benchmarks/README.md).
+bench-idle: setup ## how much slower work runs right after an idle wait, and with other busy processes (BENCH_ARGS="--json")
+	OMP_NUM_THREADS=1 $(PY) benchmarks/idle_penalty.py $(BENCH_ARGS)
 
 # The example GPT for 600 steps at pp=2 with an exact, a bf16 and an fp16 wire between the stages, in fp32 and bf16
 # compute: the loss curves' largest gaps and final losses, and the cost of fp16's overflow check (see benchmarks/README.md).
