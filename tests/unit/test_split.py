@@ -485,15 +485,17 @@ def test_partial_backward_defers_nothing() -> None:
     assert_same([ref], [gx])
 
 
-def test_two_backwards_of_one_forward_accumulate_separately() -> None:
+@pytest.mark.parametrize("routed", [False, True], ids=["split-node", "hooked"])
+def test_two_backwards_of_one_forward_accumulate_separately(routed: bool) -> None:
+    """Under a route the linears are hooked ([Note: hooked linear]): their pre-hooks queue once per backward too."""
     make = seeded(lambda: Chain())
-    x = torch.randn(3, 24)
+    x = torch.randn(3, 5, 24) if routed else torch.randn(3, 24)
     grads = []
     for split in (False, True):
         model = make()
         flat_grads(list(model.parameters()))
         store = WeightGrads()
-        with splitting(store) if split else contextlib.nullcontext():
+        with splitting(store, SplitRoute() if routed else None) if split else contextlib.nullcontext():
             out = model(x)
         out.square().sum().backward(retain_graph=True)
         out.sum().backward()
@@ -771,20 +773,3 @@ def test_a_hooked_linears_input_changed_in_place_before_w_is_refused() -> None:
         h.add_(1)
     with pytest.raises(InternalError, match="modified in place between B and W"):
         store.run()
-
-
-def test_hooked_linears_of_two_backwards_accumulate_separately() -> None:
-    make = seeded(lambda: Chain())
-    x = torch.randn(3, 5, 24)
-    grads = []
-    for route in (None, SplitRoute()):
-        model = make()
-        flat_grads(list(model.parameters()))
-        store = WeightGrads()
-        with splitting(store, route) if route else contextlib.nullcontext():
-            out = model(x)
-        out.square().sum().backward(retain_graph=True)
-        out.sum().backward()
-        store.run()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    assert_same(*grads)
