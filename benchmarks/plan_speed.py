@@ -20,6 +20,7 @@ from pathlib import Path
 from varuna_core.planning.artifacts import (
     CommCurve,
     Environment,
+    IdlePenalty,
     LinearFit,
     Profile,
     SegmentMeasure,
@@ -60,9 +61,11 @@ def gpt_like_profile(segments: int, sizes=(1, 2, 4, 8)) -> Profile:
              for link in ("intra", "inter") for g in (2, 4, 8)]
     env = Environment(torch_version="-", python_version="-", device_type="cuda", devices=["generated"], threads=1,
                       hosts=["generated"], nproc=8, precision="fp16")
+    # an idle penalty as the profiler records one (the 2-core VM's: every simulated action after a wait pays it)
+    idle = IdlePenalty(gaps_s=[0.0005, 0.002, 0.005, 0.02], fractions=[0.06, 0.08, 0.1, 0.29], action_s=0.0017)
     return Profile(model="generated gpt-like", structure_hash="0" * 32, num_segments=segments,
                    cut_names=[f"cut{i}" for i in range(segments - 1)], microbatch_sizes=list(sizes), segments=segs,
-                   comm=comm, environment=env, created="2026-01-01T00:00:00+00:00")
+                   comm=comm, idle_penalty=idle, environment=env, created="2026-01-01T00:00:00+00:00")
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 // Python bindings of varuna_core._native (pybind11). Converts arguments, checks them, and releases the GIL
 // around the C++ work. The algorithms are in schedule.cpp and simulate.cpp.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <stdexcept>
@@ -185,9 +187,26 @@ py::list generate(const std::string& name, int p, int m) {
     return actions_to_python(actions);
 }
 
+// The idle penalty's lists, checked as simulate.IdleCost checks them (empty gaps: no penalty).
+varuna::IdleCost parse_idle(const std::vector<double>& gaps, const std::vector<double>& fractions, double action_s) {
+    if (gaps.size() != fractions.size())
+        throw py::value_error(std::to_string(gaps.size()) + " idle gaps but " + std::to_string(fractions.size()) +
+                              " fractions (one per gap)");
+    for (size_t i = 0; i < gaps.size(); ++i) {
+        if (!(gaps[i] > 0.0) || (i > 0 && !(gaps[i] > gaps[i - 1])) || !std::isfinite(gaps[i]))
+            throw py::value_error("idle gaps must be positive, finite and strictly increasing");
+        if (!(fractions[i] >= 0.0) || !std::isfinite(fractions[i]))
+            throw py::value_error("idle fractions must be finite and not negative");
+    }
+    if (!(action_s > 0.0) || !std::isfinite(action_s)) throw py::value_error("idle action_s must be positive");
+    return varuna::IdleCost{gaps, fractions, action_s};
+}
+
 py::tuple simulate_actions(py::handle actions, int64_t m, py::handle costs, int max_sends, bool opportunistic,
-                           bool timeline) {
+                           bool timeline, const std::vector<double>& idle_gaps,
+                           const std::vector<double>& idle_fractions, double idle_action) {
     if (m < 1) throw py::value_error("m (micro-batches) must be at least 1, got " + std::to_string(m));
+    const varuna::IdleCost idle = parse_idle(idle_gaps, idle_fractions, idle_action);
     ParsedActions parsed;
     parse_actions(actions, m, parsed);
     const std::vector<StageCostRow> rows = parse_costs(costs, parsed.actions.size());
@@ -196,7 +215,7 @@ py::tuple simulate_actions(py::handle actions, int64_t m, py::handle costs, int 
     {
         py::gil_scoped_release release;
         varuna::simulate(parsed.actions, parsed.keys, rows, max_sends, opportunistic, timeline ? &line : nullptr,
-                         result);
+                         result, idle);
     }
     py::object line_obj = py::none();
     if (timeline) {
@@ -211,7 +230,9 @@ py::tuple simulate_actions(py::handle actions, int64_t m, py::handle costs, int 
 }
 
 py::tuple simulate_generated(const std::string& name, int p, int m, py::handle costs, int max_sends,
-                             bool opportunistic) {
+                             bool opportunistic, const std::vector<double>& idle_gaps,
+                             const std::vector<double>& idle_fractions, double idle_action) {
+    const varuna::IdleCost idle = parse_idle(idle_gaps, idle_fractions, idle_action);
     if (!varuna::is_schedule_name(name) || p < 1 || m < 1) {
         Actions unused;
         varuna::generate(name, p, m, unused);  // throws the generator's error
@@ -224,7 +245,7 @@ py::tuple simulate_generated(const std::string& name, int p, int m, py::handle c
         varuna::KeySpace keys;
         keys.num_keys = m;
         keys.last_key = m - 1;
-        varuna::simulate(generated.work, keys, rows, max_sends, opportunistic, nullptr, result);
+        varuna::simulate(generated.work, keys, rows, max_sends, opportunistic, nullptr, result, idle);
     }
     return py::make_tuple(result.step_time, result.pipeline_time, busy_list(result.busy));
 }
@@ -275,15 +296,17 @@ PYBIND11_MODULE(_native, mod) {
             "Per-stage [(op, mb), ...] of the named schedule; equals varuna_core.ir.schedule.generate.\n"
             "ValueError on an unknown name or a size below 1.");
     mod.def("simulate_actions", &simulate_actions, py::arg("actions"), py::arg("m"), py::arg("costs"),
-            py::arg("max_sends"), py::arg("opportunistic"), py::arg("timeline"),
+            py::arg("max_sends"), py::arg("opportunistic"), py::arg("timeline"), py::arg("idle_gaps") = std::vector<double>(),
+            py::arg("idle_fractions") = std::vector<double>(), py::arg("idle_action") = 1.0,
             "Simulate per-stage [(op, mb), ...] (op F=0, R=1, B=2, W=3) with per-stage StageCosts.as_tuple()\n"
-            "costs (14 numbers each).\n"
+            "costs (14 numbers each) and IdleCost.as_args() (([], [], 1.0): no idle penalty).\n"
             "Returns (step_time, pipeline_time, busy, timeline or None); timeline entries are\n"
             "(stage, op, mb, start, end). ValueError on deadlock, an op outside 0..3, or when len(costs) != stages\n"
             "or a row does not hold 14 numbers.");
     mod.def("simulate_generated", &simulate_generated, py::arg("name"), py::arg("p"), py::arg("m"),
-            py::arg("costs"), py::arg("max_sends"), py::arg("opportunistic"),
-            "simulate_actions(generate(name, p, m), m, costs, max_sends, opportunistic, False)[:3] without\n"
+            py::arg("costs"), py::arg("max_sends"), py::arg("opportunistic"), py::arg("idle_gaps") = std::vector<double>(),
+            py::arg("idle_fractions") = std::vector<double>(), py::arg("idle_action") = 1.0,
+            "simulate_actions(generate(name, p, m), m, costs, max_sends, opportunistic, False, idle...)[:3] without\n"
             "building Python lists.");
     mod.def("inflight", &inflight, py::arg("name"), py::arg("p"), py::arg("m"),
             "Per stage (held, graphs) from the static order of generate(name, p, m); equals\n"

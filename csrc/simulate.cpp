@@ -51,7 +51,7 @@ const char kOpLetter[4] = {'F', 'R', 'B', 'W'};
 }  // namespace
 
 void simulate(Actions& actions, const KeySpace& keys, const std::vector<StageCostRow>& costs, int max_sends,
-              bool opportunistic, std::vector<TimelineEntry>* timeline, SimResult& result) {
+              bool opportunistic, std::vector<TimelineEntry>* timeline, SimResult& result, const IdleCost& idle) {
     const int p = static_cast<int>(actions.size());
     const size_t K = static_cast<size_t>(keys.num_keys);
     const int nc = std::max(1, max_sends);
@@ -186,6 +186,7 @@ void simulate(Actions& actions, const KeySpace& keys, const std::vector<StageCos
             duration = last ? c[kWeightLast] : c[kWeight];
         else
             duration = last ? c[kBackwardLast] : c[kBackward];
+        duration += idle.penalty(t - free_at[s], duration);  // the stage idled since its last action (or the start)
         const double finish = t + duration;
         busy[s] += duration;
         free_at[s] = finish;

@@ -10,10 +10,12 @@ from collections.abc import Sequence
 def generate(name: str, p: int, m: int) -> list[list[tuple[int, int]]]: ...
 def simulate_actions(
     actions: Sequence[Sequence[tuple[int, int]]], m: int, costs: Sequence[Sequence[float]], max_sends: int,
-    opportunistic: bool, timeline: bool,
+    opportunistic: bool, timeline: bool, idle_gaps: Sequence[float] = ..., idle_fractions: Sequence[float] = ...,
+    idle_action: float = ...,
 ) -> tuple[float, float, list[float], list[tuple[int, int, int, float, float]] | None]: ...
 def simulate_generated(
     name: str, p: int, m: int, costs: Sequence[Sequence[float]], max_sends: int, opportunistic: bool,
+    idle_gaps: Sequence[float] = ..., idle_fractions: Sequence[float] = ..., idle_action: float = ...,
 ) -> tuple[float, float, list[float]]: ...
 def inflight(name: str, p: int, m: int) -> list[tuple[int, int]]: ...
 

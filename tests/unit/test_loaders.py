@@ -345,7 +345,22 @@ PROFILE_MUTATIONS = [
     (lambda d: {**d, "ties": [{"name": "wte", "segments": [1], "grad_bytes": 8}]}, "ties.0.segments: List should have"),
     (lambda d: {**d, "ties": [{"name": "", "segments": [0, 1], "grad_bytes": 8}]}, "ties.0.name: String should have"),
     (lambda d: {**d, "ties": [{"name": "w", "segments": [0, 1], "grad_bytes": -1}]}, "ties.0.grad_bytes: Input should"),
+    (lambda d: {**d, "idle_penalty": _idle(gaps_s=[0.002, 0.001])}, "gaps_s [0.002, 0.001] is not strictly increasing"),
+    (lambda d: {**d, "idle_penalty": _idle(gaps_s=[0.001, 0.001])}, "is not strictly increasing"),
+    (lambda d: {**d, "idle_penalty": _idle(fractions=[0.1])}, "2 gaps_s but 1 fractions"),
+    (lambda d: {**d, "idle_penalty": _idle(gaps_s=[0.0, 0.001])}, "idle_penalty.gaps_s.0: Input should be greater"),
+    (lambda d: {**d, "idle_penalty": _idle(fractions=[-0.1, 0.1])}, "idle_penalty.fractions.0: Input should be"),
+    (lambda d: {**d, "idle_penalty": _idle(fractions=[0.1, 1e6])}, "idle_penalty.fractions.1: Input should be less"),
+    (lambda d: {**d, "idle_penalty": _idle(action_s=0.0)}, "idle_penalty.action_s: Input should be greater than 0"),
+    (lambda d: {**d, "idle_penalty": _idle(gaps_s=[1e-3] * 20, fractions=[0.1] * 20)}, "at most 16 items"),
+    (lambda d: {**d, "idle_penalty": _idle(gaps_s=["0.001", 0.002])}, "idle_penalty.gaps_s.0: Input should be a valid"),
+    (lambda d: {**d, "idle_penalty": [0.1]}, "idle_penalty: Input should be a valid dictionary"),
 ]
+
+
+def _idle(**fields) -> dict:
+    """A valid ``idle_penalty`` with ``fields`` replaced."""
+    return {"gaps_s": [0.001, 0.005], "fractions": [0.1, 0.2], "action_s": 0.003, **fields}
 
 
 @pytest.mark.parametrize(("mutate", "needle"), PROFILE_MUTATIONS, ids=[str(i) for i in range(len(PROFILE_MUTATIONS))])
@@ -399,6 +414,15 @@ def test_profiles_round_trip(tmp_path) -> None:
     profile = make_profile([0.001, 0.002])
     save_artifact(profile, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == profile
+
+
+def test_a_profile_with_an_idle_penalty_loads_and_one_without_is_older(tmp_path, profile_data) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**profile_data, "idle_penalty": _idle()}))
+    idle = load_profile(path).idle_penalty
+    assert idle is not None and (idle.gaps_s, idle.fractions, idle.action_s) == ([0.001, 0.005], [0.1, 0.2], 0.003)
+    path.write_text(json.dumps({k: v for k, v in profile_data.items() if k != "idle_penalty"}))
+    assert load_profile(path).idle_penalty is None
 
 
 # --- hosts ------------------------------------------------------------------------------------------------

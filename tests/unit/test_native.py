@@ -15,6 +15,7 @@ from varuna_core.env import NO_NATIVE
 from varuna_core.ir.inflight import inflight, inflight_named
 from varuna_core.ir.schedule import SCHEDULE_NAMES, Action, Op, Schedule, generate, validate
 from varuna_core.planning.simulate import (
+    IdleCost,
     StageCosts,
     inflight_counts,
     simulate,
@@ -402,3 +403,77 @@ def test_the_allreduce_starts_with_the_last_backward(backend: str) -> None:
     # a sharded optimizer's collectives run after the pipeline: charged with the optimizer's step
     costs = [StageCosts(1.0, 0.0, 2.0, **sync_costs(1.5, 0.5, sharded=True))]
     assert simulate(one, costs, backend=backend).step_time == 8.0
+
+
+# ---------------------------------------------------------------------------------------------- idle penalty
+
+
+def test_idle_fraction_interpolates_and_saturates() -> None:
+    idle = IdleCost((0.002, 0.005, 0.02), (0.1, 0.2, 0.3), action_s=0.003)
+    assert idle.fraction(0.0) == 0.0 and idle.fraction(-1.0) == 0.0
+    assert idle.fraction(0.001) == pytest.approx(0.05)  # linear from (0, 0) to the first point
+    assert idle.fraction(0.0035) == pytest.approx(0.15)
+    assert idle.fraction(0.02) == pytest.approx(0.3) and idle.fraction(5.0) == pytest.approx(0.3)
+    assert idle.penalty(0.02, 0.001) == pytest.approx(0.3 * 0.001)  # a short action: its own time
+    assert idle.penalty(0.02, 0.010) == pytest.approx(0.3 * 0.003)  # a long one: the measured action's
+    for bad in (((), ()), ((0.0,), (0.1,)), ((0.002, 0.001), (0.1, 0.2)), ((0.001,), (-0.1,)), ((0.001,), ())):
+        with pytest.raises(ValueError):
+            IdleCost(*bad, action_s=0.003)
+    with pytest.raises(ValueError):
+        IdleCost((0.001,), (0.1,), action_s=0.0)
+
+
+def _random_idle(rng: random.Random) -> IdleCost:
+    gaps = sorted(rng.sample([0.5, 1.0, 2.0, 3.0, 5.0, 8.0, 20.0], rng.randint(1, 4)))
+    return IdleCost(tuple(gaps), tuple(rng.uniform(0, 0.6) for _ in gaps), action_s=rng.uniform(0.5, 6.0))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_idle_penalty_parity_random(seed: int) -> None:
+    """Both simulators charge the same penalty: every number equal, timelines included, on every schedule."""
+    rng = random.Random(500 + seed)
+    for _ in range(10):
+        schedule = generate(rng.choice(SCHEDULE_NAMES), rng.randint(1, 6), rng.randint(1, 16))
+        costs = _random_costs(rng, schedule.num_stages, ties=rng.random() < 0.4, last_differs=rng.random() < 0.3)
+        idle = _random_idle(rng)
+        for opportunistic in (False, True):
+            ref = simulate_python(schedule, costs, max_concurrent_sends=2, opportunistic=opportunistic,
+                                  timeline=True, idle=idle)
+            step, pipe, busy, line = native.simulate_actions(
+                _codes(schedule), schedule.num_microbatches, [c.as_tuple() for c in costs], 2, opportunistic, True,
+                *idle.as_args())
+            assert step == pytest.approx(ref.step_time, rel=1e-12, abs=0.0)
+            assert pipe == pytest.approx(ref.pipeline_time, rel=1e-12, abs=0.0)
+            assert busy == pytest.approx(list(ref.busy), rel=1e-12, abs=0.0)
+            assert [(s, OP_NAME[o], mb) for s, o, mb, _, _ in line] == [e[:3] for e in ref.timeline]
+            assert [t for *_, a, b in line for t in (a, b)] == pytest.approx(
+                [t for *_, a, b in ref.timeline for t in (a, b)], rel=1e-12, abs=0.0)
+            generated = simulate_generated(schedule.name, schedule.num_stages, schedule.num_microbatches, costs,
+                                           max_concurrent_sends=2, opportunistic=opportunistic, idle=idle)
+            assert generated.step_time == pytest.approx(ref.step_time, rel=1e-12, abs=0.0)
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_idle_penalty_by_hand(backend: str) -> None:
+    """gpipe over two stages, F = 1, B = 2, messages 1: stage 1 idles 2 before its first forward (pays 0.2 of
+    it) and stage 0 idles 5.2 before its backward (pays 0.2 of min(2, action_s = 1))."""
+    costs = [StageCosts(1.0, 1.0, 2.0, send_activation=1.0, send_gradient=1.0)] * 2
+    idle = IdleCost((1.0, 2.0), (0.1, 0.2), action_s=1.0)
+    line = simulate(generate("gpipe", 2, 1), costs, timeline=True, backend=backend, idle=idle).timeline
+    assert line is not None
+    spans = {(s, op): (a, b) for s, op, _, a, b in line}
+    assert spans[(0, "F")] == pytest.approx((0.0, 1.0))        # no gap before the first action of stage 0
+    assert spans[(1, "F")] == pytest.approx((2.0, 3.2))        # waited 2: +0.2 · min(1, 1)
+    assert spans[(1, "B")] == pytest.approx((3.2, 5.2))        # right after its forward: no penalty
+    assert spans[(0, "B")] == pytest.approx((6.2, 8.4))        # waited 6.2 - 1 = 5.2: +0.2 · min(2, 1)
+    plain = simulate(generate("gpipe", 2, 1), costs, timeline=True, backend=backend).timeline
+    assert plain is not None and max(b for *_, b in plain) == pytest.approx(8.0)
+
+
+def test_native_refuses_bad_idle_lists() -> None:
+    costs = [StageCosts(1, 1, 1).as_tuple()] * 2
+    for gaps, fractions, action in (([0.1], [], 1.0), ([0.0], [0.1], 1.0), ([0.2, 0.1], [0.1, 0.1], 1.0),
+                                    ([0.1], [-0.1], 1.0), ([0.1], [0.1], 0.0), ([float("nan")], [0.1], 1.0),
+                                    ([0.1], [float("inf")], 1.0)):
+        with pytest.raises(ValueError, match="idle"):
+            native.simulate_generated("1f1b", 2, 2, costs, 1, False, gaps, fractions, action)

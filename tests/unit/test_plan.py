@@ -575,3 +575,36 @@ def test_a_tied_weight_is_summed_over_the_stages_that_hold_it() -> None:
         # after the last backward (the embedding's gradient is final last): the whole of it shows in the step
         assert tied.prediction.step_time == pytest.approx(without.prediction.step_time + cost, rel=1e-9)
         assert plan(device, [tie], 1).prediction.step_time == pytest.approx(plan(device, [], 1).prediction.step_time)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "varuna", "zb"])
+def test_the_idle_penalty_is_charged_recorded_and_drawn(schedule) -> None:
+    """A profile's ``idle_penalty`` ([Note: idle penalty]): the plan's predicted step grows by what the stages
+    that wait pay, the plan records the penalty, and ``plan show``'s simulated timeline ends where the prediction's
+    pipeline does; without one (an older profile) nothing changes."""
+    from varuna_core.planning.artifacts import IdlePenalty
+    from varuna_core.planning.timeline import simulated_timeline
+
+    base = make_profile([0.001] * 4, split=0.5)
+    idle = IdlePenalty(gaps_s=[0.001, 0.01], fractions=[0.2, 0.5], action_s=0.002)
+    req = PlanRequest(gpus=2, batch_size=16)
+    slowed = plan_for(base.model_copy(update={"idle_penalty": idle}), req, pp=2, dp=1, microbatch_size=4,
+                      schedule=schedule)
+    plain = plan_for(base, req, pp=2, dp=1, microbatch_size=4, schedule=schedule)
+    assert plain.idle_penalty is None and slowed.idle_penalty == idle
+    assert slowed.prediction is not None and plain.prediction is not None
+    # the second stage waits for its first input at least: it pays there, whatever the schedule
+    assert slowed.prediction.pipeline_time > plain.prediction.pipeline_time
+    assert max(end for *_, end in simulated_timeline(slowed)) == pytest.approx(slowed.prediction.pipeline_time)
+    assert max(end for *_, end in simulated_timeline(plain)) == pytest.approx(plain.prediction.pipeline_time)
+
+
+
+def test_a_plan_keeps_its_idle_penalty_through_the_file(tmp_path) -> None:
+    from varuna_core.planning.artifacts import IdlePenalty
+
+    idle = IdlePenalty(gaps_s=[0.001, 0.01], fractions=[0.2, 0.5], action_s=0.002)
+    plan = make_plan(make_profile([0.001] * 4).model_copy(update={"idle_penalty": idle}),
+                     PlanRequest(gpus=2, batch_size=16))
+    save_artifact(plan, tmp_path / "plan.yaml")
+    assert load_plan(tmp_path / "plan.yaml").idle_penalty == idle

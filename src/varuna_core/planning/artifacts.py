@@ -56,7 +56,7 @@ from ..util.versioned_io import (
 
 __all__ = [
     "Stat", "SegmentMeasure", "SegmentProfile", "LinearFit", "CommCurve", "Environment", "StopReason", "Profile",
-    "TiedWeight",
+    "TiedWeight", "IdlePenalty",
     "load_profile", "StagePlan", "Prediction", "Candidate", "Plan", "save_plan", "load_plan", "MAX_PLAN_BYTES",
     "MAX_PROFILE_BYTES", "MAX_PLAN_EVENTS", "MAX_NESTING", "MAX_DEVICES", "MAX_SEGMENTS", "MAX_MICROBATCHES",
     "MAX_MICROBATCH_SIZE",
@@ -204,6 +204,33 @@ class TiedWeight(CheckedModel):
     grad_bytes: Bytes = Field(description="bytes of its gradient: what the sum moves")
 
 
+MAX_IDLE_GAPS = 16
+
+
+class IdlePenalty(CheckedModel):
+    """How much slower work runs right after its process waited ([Note: idle penalty] in
+    :mod:`varuna_core.planning.simulate`): one action timed in a tight loop and right after idle gaps of
+    ``gaps_s``. The simulator adds ``fraction(gap) · min(duration, action_s)`` to an action that starts after its
+    stage idled for ``gap``, ``fraction`` interpolated linearly from 0 at no gap through the measured points and
+    constant after the last."""
+
+    gaps_s: list[Annotated[float, Strict(), Field(gt=0, le=10.0)]] = Field(
+        min_length=1, max_length=MAX_IDLE_GAPS, description="idle gaps measured, strictly increasing (s)")
+    fractions: list[Annotated[float, Strict(), Field(ge=0, le=10.0)]] = Field(
+        min_length=1, max_length=MAX_IDLE_GAPS,
+        description="per gap, the action's extra time after it as a fraction of its tight-loop time")
+    action_s: Annotated[float, Strict(), Field(gt=0, le=3600.0)] = Field(
+        description="the measured action's tight-loop time (s): the penalty of a longer action saturates there")
+
+    @model_validator(mode="after")
+    def _one_fraction_per_gap(self) -> IdlePenalty:
+        if len(self.gaps_s) != len(self.fractions):
+            raise ValueError(f"{len(self.gaps_s)} gaps_s but {len(self.fractions)} fractions")
+        if any(b <= a for a, b in itertools.pairwise(self.gaps_s)):
+            raise ValueError(f"gaps_s {short_repr(self.gaps_s)} is not strictly increasing")
+        return self
+
+
 class Profile(CheckedModel):
     """What ``varuna profile`` measured: the input of ``varuna plan``."""
 
@@ -219,6 +246,8 @@ class Profile(CheckedModel):
     comm: list[CommCurve] = Field(default_factory=list)
     ties: list[TiedWeight] = Field(default_factory=list, max_length=100_000,
                                    description="weights used by several segments (absent in older profiles)")
+    idle_penalty: IdlePenalty | None = Field(None, description="how much slower an action runs right after its "
+                                             "process waited (absent in older profiles: not charged)")
     environment: Environment
     created: str = Field(description="ISO 8601 time of the measurement")
 
@@ -481,6 +510,9 @@ class Plan(CheckedModel):
                           "and all-reduces crossing nodes were charged at it); None: the profile's inter-node fit")
     link_latency: Annotated[float, Strict(), Field(ge=0)] | None = Field(
         None, description="seconds per message on that link (--link-latency); None: the profile's")
+    idle_penalty: IdlePenalty | None = Field(
+        None, description="the profile's measure of how much slower an action runs right after its process waited, "
+                          "as the prediction charged it (None: not charged)")
     snapshot_bytes_per_node: Bytes = Field(
         0, description="host memory the in-memory snapshots of `varuna launch --snapshot-every` take on the fullest "
                        "node: the state of the stages its ranks run and of the stages of the node before it, whose "

@@ -64,7 +64,7 @@ from .artifacts import (
     StagePlan,
 )
 from .memory import stage_bytes
-from .simulate import StageCosts, inflight_counts, simulate_generated, sync_costs
+from .simulate import StageCosts, idle_cost, inflight_counts, simulate_generated, sync_costs
 
 __all__ = ["PlanRequest", "make_plan", "plan_for", "layout_plan", "partition_under_memory", "PlanInfeasible",
            "snapshot_bytes_per_node", "schedules_for", "splits_backward",
@@ -778,6 +778,7 @@ class _Tables:
 
     def __init__(self, profile: Profile, wire: str | None = None, link: Link | None = None) -> None:
         self.profile, self.wire, self.link = profile, wire, link
+        self.idle = idle_cost(profile.idle_penalty)  # what an action pays after its stage waited ([Note: idle penalty])
         self._segs: dict[float, list[_Seg]] = {}
         self._prefix: dict[float, _Prefix] = {}
         self._free: dict[tuple[int, int, tuple[bool, ...], bool], Partition | None] = {}
@@ -1123,7 +1124,7 @@ def _score(c: _Scored, tables: _Tables, req: PlanRequest) -> _Scored:
     # messages between nodes go through the link one after the other (each pair of ranks has one connection, and
     # the link's rate is what each is charged at): in flight at once they would each get it whole
     channels = 1 if any(c.layout.sends) else req.max_concurrent_sends
-    sim = simulate_generated(c.schedule, c.pp, c.num_mb, c.costs, max_concurrent_sends=channels)
+    sim = simulate_generated(c.schedule, c.pp, c.num_mb, c.costs, max_concurrent_sends=channels, idle=tables.idle)
     # every step ends with one small sum over all ranks (loss, gradient norm, overflow): an all-reduce on NCCL, on
     # gloo (a CPU profile) an all-gather: half the ring's hops ([Note: hops of small sums] in pipeline.grads)
     hops, transfer = tables.allreduce_parts(64.0, c.pp * c.dp, c.pp * c.dp > (req.gpus_per_node or req.gpus))
@@ -1252,6 +1253,14 @@ def _assumptions(profile: Profile, req: PlanRequest) -> set[str]:
                         f"{'' if req.link_latency is not None else ' (the profile latency)'}")
     if req.gpu_memory is None:
         assumptions.add("no --gpu-memory given: memory is not limited")
+    idle = profile.idle_penalty
+    if idle is None:
+        assumptions.add("the profile has no idle penalty: an action after a wait is taken to run as fast as in a "
+                        "tight loop (profile again to measure it)")
+    else:
+        assumptions.add(f"an action that starts after its stage waited runs slower, as measured: "
+                        f"+{idle.fractions[-1]:.0%} of up to {idle.action_s * 1e3:.3g} ms after "
+                        f"{idle.gaps_s[-1] * 1e3:.3g} ms idle (the profile's idle_penalty)")
     if req.wire_dtype is not None and any(m.wire16_bytes is None for seg in profile.segments for m in seg.measures):
         assumptions.add(f"the profile does not say which bytes at the cuts are floats wider than 2 bytes: on the "
                         f"{req.wire_dtype} wire, half of them are charged (profile again to measure them)")
@@ -1494,7 +1503,7 @@ def _to_plan(profile: Profile, req: PlanRequest, best: _Scored, others: list[_Sc
         gpus=req.gpus, gpus_per_node=per_node, batch_size=req.batch_size, pp=best.pp, dp=best.dp,
         microbatch_size=best.mbs, num_microbatches=best.num_mb, schedule=best.schedule,
         shard_optimizer=best.shard, wire_dtype=req.wire_dtype, link_rate=req.link_rate,
-        link_latency=req.link_latency, partition=list(best.partition.ranges),
+        link_latency=req.link_latency, idle_penalty=profile.idle_penalty, partition=list(best.partition.ranges),
         stage_to_rank_map=topology.to_string(), nodes=nodes,
         memory_limit=req.gpu_memory, schedules=list(schedules), headroom=req.headroom,
         prediction=Prediction(step_time=best.step, samples_per_second=req.batch_size / best.step,

@@ -19,6 +19,14 @@ The simulator executes the *same* action lists the runtime executes (:mod:`varun
   runtime posts a bucket once all its gradients are final, so with one bucket per stage the all-reduce starts at
   the end of the last backward.
 
+[Note: idle penalty] With an :class:`IdleCost` (the profile's ``idle_penalty``), an action that starts after its
+stage idled for ``gap`` (waiting for a message) takes ``fraction(gap) · min(duration, action_s)`` longer: on some
+machines work right after a wait runs slower (a 2-core VM: up to ~1 ms for a 3 ms forward after 5-20 ms idle,
+``benchmarks/idle_penalty.py``), which a profile timed in a tight loop does not see. ``fraction`` is linear from 0
+at no gap through the measured points and constant after the last; a stage's first action idled since the step
+began (a later stage's first forward waits for its input). Without one (older profiles, a device that shows
+none) nothing is added.
+
 Events are processed in time order (ties: lower stage first), which makes the opportunistic rule decidable: by
 the time a stage is free at ``t``, everything that started before ``t`` has been simulated. Every entry point
 (:func:`simulate`, :func:`simulate_generated` and the reference :func:`simulate_python`) applies the rule unless
@@ -36,15 +44,15 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..env import NO_NATIVE, flag
 from ..errors import VarunaError
 from ..ir.inflight import has_closed_form, inflight, inflight_named
 from ..ir.schedule import Action, Op, Schedule, generate
 
-__all__ = ["StageCosts", "SimResult", "native_module", "require_native", "simulate", "simulate_generated",
-           "inflight_counts", "simulate_python", "sync_costs", "OPPORTUNISTIC"]
+__all__ = ["StageCosts", "IdleCost", "idle_cost", "SimResult", "native_module", "require_native", "simulate",
+           "simulate_generated", "inflight_counts", "simulate_python", "sync_costs", "OPPORTUNISTIC"]
 
 OPPORTUNISTIC = True  # the simulators' default: apply the runtime's [Note: opportunistic forward], as it does
 
@@ -102,6 +110,53 @@ class StageCosts:
                 self.optimizer)
 
 
+@dataclasses.dataclass(frozen=True)
+class IdleCost:
+    """What an action pays for starting right after its stage idled ([Note: idle penalty]): ``fractions[i]`` of
+    ``min(duration, action_s)`` after a gap of ``gaps[i]`` seconds (``gaps`` strictly increasing, positive)."""
+
+    gaps: tuple[float, ...]
+    fractions: tuple[float, ...]
+    action_s: float
+
+    def __post_init__(self) -> None:
+        if len(self.gaps) != len(self.fractions) or not self.gaps:
+            raise ValueError(f"{len(self.gaps)} gaps and {len(self.fractions)} fractions (one per gap, at least one)")
+        if any(g <= 0 for g in self.gaps) or any(b <= a for a, b in zip(self.gaps, self.gaps[1:], strict=False)):
+            raise ValueError(f"gaps must be positive and strictly increasing, got {self.gaps}")
+        if any(f < 0 for f in self.fractions) or self.action_s <= 0:
+            raise ValueError("fractions must not be negative and action_s must be positive")
+
+    def fraction(self, gap: float) -> float:
+        """``fraction(gap)``: 0 at no gap, linear between the measured points, the last one after them."""
+        if gap <= 0:
+            return 0.0
+        previous_gap, previous = 0.0, 0.0
+        for g, f in zip(self.gaps, self.fractions, strict=True):
+            if gap <= g:
+                return previous + (f - previous) * (gap - previous_gap) / (g - previous_gap)
+            previous_gap, previous = g, f
+        return previous
+
+    def penalty(self, gap: float, duration: float) -> float:
+        return self.fraction(gap) * min(duration, self.action_s)
+
+    def as_args(self) -> tuple[list[float], list[float], float]:
+        """What the native simulator takes."""
+        return list(self.gaps), list(self.fractions), self.action_s
+
+
+_NO_IDLE: tuple[list[float], list[float], float] = ([], [], 1.0)  # the native simulator's "no penalty"
+
+
+def idle_cost(measured: Any) -> IdleCost | None:
+    """The :class:`IdleCost` of a profile's or plan's ``idle_penalty`` (anything with ``gaps_s``, ``fractions``
+    and ``action_s``), or ``None`` where there is none."""
+    if measured is None:
+        return None
+    return IdleCost(tuple(measured.gaps_s), tuple(measured.fractions), measured.action_s)
+
+
 def sync_costs(collectives: float, optimizer: float, *, sharded: bool, ties: float = 0.0) -> dict[str, float]:
     """:class:`StageCosts`' ``allreduce`` and ``optimizer`` for a stage whose gradient collectives take
     ``collectives`` seconds, its tied weights' sums ``ties`` and its optimizer step ``optimizer``: the runtime
@@ -151,11 +206,14 @@ class NativeSimulator(Protocol):
     def generate(self, name: str, p: int, m: int) -> list[list[tuple[int, int]]]: ...
 
     def simulate_actions(self, actions: ActionRows, m: int, costs: Sequence[Sequence[float]], max_sends: int,
-                         opportunistic: bool, timeline: bool) -> tuple[float, float, list[float], TimelineRows | None]:
+                         opportunistic: bool, timeline: bool, idle_gaps: Sequence[float],
+                         idle_fractions: Sequence[float], idle_action: float
+                         ) -> tuple[float, float, list[float], TimelineRows | None]:
         ...
 
     def simulate_generated(self, name: str, p: int, m: int, costs: Sequence[Sequence[float]], max_sends: int,
-                           opportunistic: bool) -> tuple[float, float, list[float]]: ...
+                           opportunistic: bool, idle_gaps: Sequence[float], idle_fractions: Sequence[float],
+                           idle_action: float) -> tuple[float, float, list[float]]: ...
 
     def inflight(self, name: str, p: int, m: int) -> list[tuple[int, int]]: ...
 
@@ -207,35 +265,39 @@ def simulate(
     opportunistic: bool = OPPORTUNISTIC,
     timeline: bool = False,
     backend: str = "auto",
+    idle: IdleCost | None = None,
 ) -> SimResult:
     """Simulate ``schedule`` with per-stage ``costs`` (see the module docstring for the rules).
 
     Args:
         backend: ``"native"`` (C++), ``"python"`` (this module), or ``"auto"`` (:func:`native_module`).
+        idle: what an action pays after its stage idled ([Note: idle penalty]); ``None``: nothing.
     """
     if len(costs) != schedule.num_stages:
         raise ValueError(f"{len(costs)} stage costs for {schedule.num_stages} stages")
     native = _backend(backend)
     if native is None:
         return simulate_python(schedule, costs, max_concurrent_sends=max_concurrent_sends,
-                               opportunistic=opportunistic, timeline=timeline)
+                               opportunistic=opportunistic, timeline=timeline, idle=idle)
     actions = [[(_OP_CODE[a.op], a.mb) for a in stage] for stage in schedule.actions]
     step, pipe, busy, line = native.simulate_actions(
         actions, schedule.num_microbatches, [c.as_tuple() for c in costs], max_concurrent_sends,
-        opportunistic, timeline)
+        opportunistic, timeline, *(idle.as_args() if idle is not None else _NO_IDLE))
     return _result(step, pipe, busy, line)
 
 
 def simulate_generated(name: str, num_stages: int, num_mb: int, costs: Sequence[StageCosts], *,
-                       max_concurrent_sends: int = 4, opportunistic: bool = OPPORTUNISTIC) -> SimResult:
+                       max_concurrent_sends: int = 4, opportunistic: bool = OPPORTUNISTIC,
+                       idle: IdleCost | None = None) -> SimResult:
     """:func:`simulate` of ``generate(name, num_stages, num_mb)`` (no timeline): the planner's inner call, which
     the native module answers without building the schedule in Python."""
     native = native_module()
     if native is None:
         return simulate(generate(name, num_stages, num_mb), costs, max_concurrent_sends=max_concurrent_sends,
-                        opportunistic=opportunistic, backend="python")
+                        opportunistic=opportunistic, backend="python", idle=idle)
     step, pipe, busy = native.simulate_generated(name, num_stages, num_mb, [c.as_tuple() for c in costs],
-                                                 max_concurrent_sends, opportunistic)
+                                                 max_concurrent_sends, opportunistic,
+                                                 *(idle.as_args() if idle is not None else _NO_IDLE))
     return _result(step, pipe, busy, None)
 
 
@@ -268,9 +330,10 @@ def _result(step: float, pipe: float, busy: Sequence[float],
 
 
 def simulate_python(schedule: Schedule, costs: Sequence[StageCosts], *, max_concurrent_sends: int = 4,
-                    opportunistic: bool = OPPORTUNISTIC, timeline: bool = False) -> SimResult:
+                    opportunistic: bool = OPPORTUNISTIC, timeline: bool = False,
+                    idle: IdleCost | None = None) -> SimResult:
     """The reference implementation (see :func:`simulate`)."""
-    return _EventSim(schedule, costs, max_concurrent_sends, opportunistic, timeline).run()
+    return _EventSim(schedule, costs, max_concurrent_sends, opportunistic, timeline, idle).run()
 
 
 class _EventSim:
@@ -278,10 +341,10 @@ class _EventSim:
     flight, and the heap of stages ready to run their next action at a known time."""
 
     def __init__(self, schedule: Schedule, costs: Sequence[StageCosts], max_concurrent_sends: int,
-                 opportunistic: bool, timeline: bool) -> None:
+                 opportunistic: bool, timeline: bool, idle: IdleCost | None = None) -> None:
         p = self.p = schedule.num_stages
         self.m = schedule.num_microbatches
-        self.costs, self.opportunistic, self.timeline = costs, opportunistic, timeline
+        self.costs, self.opportunistic, self.timeline, self.idle = costs, opportunistic, timeline, idle
         self.pending = [list(stage) for stage in schedule.actions]
         self.pos = [0] * p
         self.free = [0.0] * p
@@ -357,6 +420,8 @@ class _EventSim:
     def _execute(self, s: int, a: Action, t: float) -> None:
         """Run ``a`` on stage ``s`` from ``t``, send its result, and schedule the stage's next action."""
         duration = self.costs[s].duration(a.op, a.mb == self.m - 1)
+        if self.idle is not None:  # the stage idled since its last action ended (or since the step began)
+            duration += self.idle.penalty(t - self.free[s], duration)
         finish = t + duration
         self.busy[s] += duration
         self.free[s] = finish

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..ir.schedule import generate
 from ..util.fs import read_regular
 from .artifacts import Plan
-from .simulate import StageCosts, simulate, sync_costs
+from .simulate import StageCosts, idle_cost, simulate, sync_costs
 
 __all__ = ["check_drawable", "simulated_timeline", "load_trace", "draw_plan", "draw_timelines", "compare"]
 
@@ -38,7 +38,8 @@ def simulated_timeline(plan: Plan) -> list[tuple[int, str, int, float, float]]:
     costs = [StageCosts(s.forward, s.recompute, s.backward, s.send_activation, s.send_gradient, weight=s.weight,
                         **sync_costs(s.allreduce, s.optimizer, sharded=plan.shard_optimizer))
              for s in plan.stages]
-    result = simulate(generate(plan.schedule, plan.pp, plan.num_microbatches), costs, timeline=True)
+    result = simulate(generate(plan.schedule, plan.pp, plan.num_microbatches), costs, timeline=True,
+                      idle=idle_cost(plan.idle_penalty))
     return list(result.timeline or ())
 
 

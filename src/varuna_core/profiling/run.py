@@ -25,7 +25,10 @@ crashed with more). Micro-batch sizes run from small to large; the first size th
 (or runs out of device memory) on any segment ends the sweep for all of them, and is recorded.
 
 With two or more processes the network is measured too: point-to-point one-way time and all-reduce time
-against message size, each fitted to ``latency + bytes / bandwidth``.
+against message size, each fitted to ``latency + bytes / bandwidth``. The first process also times its segments'
+forward right after waits of 0.5-20 ms against a tight loop (the profile's ``idle_penalty``: on some machines work
+after a wait runs slower, which a pipeline stage meets and a tight loop does not; [Note: idle penalty] in
+:mod:`varuna_core.planning.simulate`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +66,7 @@ from ..model.stage import StageSlice, find_tie_sets, weight_groups
 from ..planning.artifacts import (
     CommCurve,
     Environment,
+    IdlePenalty,
     LinearFit,
     Profile,
     SegmentMeasure,
@@ -422,9 +427,10 @@ def _static_sizes(bench: _SegmentBench, repeats: int = 5) -> tuple[int, int, int
 def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, microbatch_sizes: list[int],
              precision: str, device: str, repeats: int, warmup: int, memory_limit: int | None,
              progress: Progress | None, group: Any = None, turn: int | None = None,
-             turns: int | None = None) -> tuple[list[SegmentProfile], list[int], StopReason | None, list[TiedWeight]]:
+             turns: int | None = None) -> tuple[list[SegmentProfile], list[int], StopReason | None, list[TiedWeight],
+                                      IdlePenalty | None]:
     """Measure this process's segments: ``(segments, the sizes measured, why it stopped before the largest, the
-    weights several segments use)``.
+    weights several segments use, on rank 0 how much slower its forward runs after a wait)``.
 
     ``turn`` of ``turns``: processes that share a host's CPU cores measure one after another, each size in
     ``turns`` rounds (a barrier between them), this process in round ``turn``. Measured at once they shared more
@@ -490,14 +496,74 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
         for k in mine
     ]
     ties = next(iter(benches.values())).ties if benches else []
-    return segments, done_sizes, stopped, ties
+    idle = None
+    if rank == 0 and done_sizes:
+        first = done_sizes[0]
+        inputs = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
+                  for k, v in _check_batch(spec.inputs, dims, first).items()}
+        # a stage-like action of a few ms: the penalty saturates (a longer action pays what this one pays)
+        chosen: list[int] = []
+        forward_s = 0.0
+        for k in mine:
+            if chosen and forward_s + measures[k][0].forward.median > IDLE_ACTION_S:
+                break
+            chosen.append(k)
+            forward_s += measures[k][0].forward.median
+        with user_code(f"the model's code (segments {chosen[0]}-{chosen[-1]}, micro-batch {first})"):
+            idle = _idle_penalty([benches[k] for k in chosen], inputs, first,
+                                 3 if forward_s > 2 * IDLE_ACTION_S else min(max(repeats, 5), 10))
+    return segments, done_sizes, stopped, ties, idle
+
+
+IDLE_GAPS = (0.0005, 0.002, 0.005, 0.02)  # seconds: the waits of a stage between its actions, short to long
+IDLE_ACTION_S = 0.005  # the idle penalty is timed on this process's first segments, up to this much forward
+
+
+def _wait_for_event(seconds: float) -> None:
+    """Block this thread on an event another thread sets ``seconds`` later, as a receive's wait is woken."""
+    event = threading.Event()
+    timer = threading.Timer(seconds, event.set)
+    timer.start()
+    event.wait()
+    timer.join()
+
+
+def _idle_penalty(benches: list[_SegmentBench], inputs: dict, n: int, repeats: int) -> IdlePenalty | None:
+    """How much slower the forward of ``benches`` (one after another, without autograd: one action, as a stage's
+    ``F``) runs right after a wait of each of :data:`IDLE_GAPS` than in a tight loop ([Note: idle penalty] in
+    :mod:`varuna_core.planning.simulate`). The gaps take turns within each repeat, so a drift of the machine
+    touches all of them alike; medians over ``repeats``. ``None`` when the action takes no measurable time."""
+    device = benches[0].device
+    incoming = [bench.incoming(n) for bench in benches]
+
+    def action() -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            for bench, value in zip(benches, incoming, strict=True):
+                bench.run(inputs, n, value, grad=False)
+        _sync(device)
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        action()
+    samples: dict[float, list[float]] = {gap: [] for gap in (0.0, *IDLE_GAPS)}
+    for _ in range(repeats):
+        for gap, times in samples.items():
+            if gap:
+                _wait_for_event(gap)
+            times.append(action())
+    base = statistics.median(samples[0.0])
+    if not base > 0:
+        return None
+    fractions = [min(10.0, max(0.0, statistics.median(samples[gap]) / base - 1)) for gap in IDLE_GAPS]
+    return IdlePenalty(gaps_s=list(IDLE_GAPS), fractions=fractions, action_s=base)
 
 
 def _measure_alone(spec: ModelSpec, structure: Structure, *, progress: Progress | None, **options: Any) -> Profile:
     """The profile of every segment, measured in this one process (``options``: :func:`_measure`'s)."""
-    segments, sizes, stopped, ties = _measure(spec, structure, rank=0, world=1, progress=progress, **options)
+    segments, sizes, stopped, ties, idle = _measure(spec, structure, rank=0, world=1, progress=progress, **options)
     return _assemble(spec, structure, segments, sizes, stopped, [], nproc=1, precision=options["precision"],
-                     device=_device(options["device"], 0), ties=ties)
+                     device=_device(options["device"], 0), ties=ties, idle=idle)
 
 
 def _device(device: str, rank: int) -> torch.device:
@@ -524,7 +590,7 @@ def _cpu_cores() -> int:
 
 
 def _assemble(spec, structure, segments, sizes, stopped, comm, *, nproc, precision, device,
-              ties: list[TiedWeight]) -> Profile:
+              ties: list[TiedWeight], idle: IdlePenalty | None = None) -> Profile:
     devices = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                if device.type == "cuda" else [platform.processor() or platform.machine()])
     env = Environment(torch_version=torch.__version__, python_version=platform.python_version(),
@@ -532,7 +598,8 @@ def _assemble(spec, structure, segments, sizes, stopped, comm, *, nproc, precisi
                       hosts=[socket.gethostname()], nproc=nproc, precision=precision, cpu_cores=_cpu_cores())
     return Profile(model=spec.name or "model", structure_hash=structure.key, num_segments=structure.num_segments,
                    cut_names=list(structure.cut_names), microbatch_sizes=sizes, stopped=stopped,
-                   segments=sorted(segments, key=lambda s: s.index), comm=comm, ties=ties, environment=env,
+                   segments=sorted(segments, key=lambda s: s.index), comm=comm, ties=ties, idle_penalty=idle,
+                   environment=env,
                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
@@ -676,8 +743,8 @@ def profile_in_job(spec: ModelSpec, options: dict, progress: Progress | None = N
     if dev.type == "cpu":  # the processes of a host measure one after another (see _measure)
         turn = hosts[:rank].count(hosts[rank])
         turns = max(hosts.count(h) for h in hosts)
-    segments, sizes, stopped, ties = _measure(spec, structure, rank=rank, world=world, progress=progress, turn=turn,
-                                              turns=turns, **options)
+    segments, sizes, stopped, ties, idle = _measure(spec, structure, rank=rank, world=world, progress=progress,
+                                                    turn=turn, turns=turns, **options)
     link = "inter" if len(set(hosts)) > 1 else "intra"
     p2p = _p2p_curve(rank, dev, 5, link)
     allreduce = _allreduce_curves(rank, world, dev, 5, link)
@@ -689,7 +756,7 @@ def profile_in_job(spec: ModelSpec, options: dict, progress: Progress | None = N
         # the weights several segments use: the same on every rank that built a segment
         found: list[TiedWeight] = next((t for segs, t in gathered if segs), [])
         result = _assemble(spec, structure, all_segments, sizes, stopped, [p2p, *allreduce], nproc=world,
-                           precision=options["precision"], device=dev, ties=found)
+                           precision=options["precision"], device=dev, ties=found, idle=idle)
         result.environment.hosts = sorted(set(hosts))
     dist.barrier()
     return result
