@@ -408,3 +408,16 @@ def test_the_profile_names_the_weights_several_segments_use(nproc) -> None:
     assert sorted((t.name, t.segments, t.grad_bytes) for t in result.ties) == [
         ("emb.weight", [0, last], model.emb.weight.numel() * 4), ("pos", [0, last], model.pos.numel() * 4)]
     assert profile(sleep.spec, microbatch_sizes=[1], repeats=1, warmup=0).ties == []
+
+
+def test_the_summary_prints_the_idle_penalty(capsys, tmp_path) -> None:
+    from tests.profiles import make_profile
+    from varuna_cli.commands.profile import _summary
+    from varuna_core.planning.artifacts import IdlePenalty
+
+    idle = IdlePenalty(gaps_s=[0.0005, 0.02], fractions=[0.06, 0.29], action_s=0.0017)
+    _summary(make_profile([0.001] * 2).model_copy(update={"idle_penalty": idle}), tmp_path / "p.json")
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "after a wait (the planner charges it): a 1.70 ms forward ran +6% after 0.5 ms, +29% after 20 ms" in out
+    _summary(make_profile([0.001] * 2), tmp_path / "p.json")
+    assert "after a wait" not in capsys.readouterr().out

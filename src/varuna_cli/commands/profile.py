@@ -129,6 +129,11 @@ def _summary(result, output: Path) -> None:
         what = "point-to-point" if curve.op == "p2p" else f"all-reduce over {curve.group_size}"
         out.print(f"{what} ({curve.link}-node): latency {curve.fit.latency * 1e6:.0f} µs, "
                   f"bandwidth {format_bytes(curve.fit.bandwidth)}/s, fit error {curve.fit.rel_error:.0%}", markup=False)
+    idle = result.idle_penalty
+    if idle is not None:
+        after = ", ".join(f"{f:+.0%} after {g * 1e3:g} ms" for g, f in zip(idle.gaps_s, idle.fractions, strict=True))
+        out.print(f"after a wait (the planner charges it): a {idle.action_s * 1e3:.2f} ms forward ran {after}",
+                  markup=False)
     if result.stopped:
         out.print(f"stopped at micro-batch {result.stopped.microbatch_size}: {printable(result.stopped.reason)}",
                   markup=False)
