@@ -593,7 +593,8 @@ class _LinearHook:
         self.x = x  # the linear's input, as given (W flattens it as the op did)
         self.keys = (id(weight),)
         self.weight = region.edge(weight)
-        self.weight_t_col_major = _col_major(weight.t())  # mm_mat2_backward's test on mat2 = weight.t()
+        # mm_mat2_backward's test on mat2 = weight.t() (_col_major), read off the weight's strides without a view
+        self.weight_t_col_major = weight.stride(1) == 1 and weight.stride(0) == weight.size(1)
         self.bias_node = region.edge(bias).node
 
     def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
