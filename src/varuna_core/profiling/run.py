@@ -1,8 +1,9 @@
 """``varuna profile``: measure each segment's compute and memory per micro-batch size, and the network.
 
-Each segment is measured in isolation: the model is built from its :class:`ModelSpec` and sliced so that the
-segment is a stage of its own (:class:`varuna_core.model.stage.StageSlice`), fed a random activation of the
-recorded shape at its incoming cut, and timed for
+Each segment is built apart: the model is built from its :class:`ModelSpec` and sliced so that the segment is a
+stage of its own (:class:`varuna_core.model.stage.StageSlice`), fed a random activation of the recorded shape at
+its incoming cut; a process times its block of segments in sequence, as a stage holding them runs ([Note: segments
+timed in sequence]), each segment's part on its own, for
 
 * ``forward``: a forward without autograd (the ``varuna`` schedule's F), from the segment's incoming cut on: what
   the forward of a segment other than the first runs before its cut (the earlier segments' code, on placeholders)
@@ -337,67 +338,141 @@ def _time_forward(bench: _SegmentBench, fn: Callable[[], Any]) -> tuple[float, f
     return end - cut, cut - start, result
 
 
-def _measure_segment(bench: _SegmentBench, inputs: dict, n: int, *, repeats: int, warmup: int,
-                     memory_limit: int | None, static_bytes: int) -> SegmentMeasure:
-    device = bench.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    forward, recompute, backward, split_backward, weight, prefix = [], [], [], [], [], []
-    weight_bytes = 0
-    out = None
-    # what autograd keeps for the backward, counted once per size by saved-tensor hooks in a forward of its own,
-    # untimed: a Python hook for every saved tensor (and the walk over the parameters that tells theirs apart)
-    # made the timed forward with graph 64% slower than the runtime's (the example GPT's R: 3.0 ms against
-    # 1.83 ms measured in training)
-    counter = [0]
-    bench.run(inputs, n, bench.incoming(n), grad=True, saved=counter)
-    saved = counter[0]
-    if memory_limit is not None and static_bytes + saved > memory_limit:
-        raise _LimitReached(
-            f"segment {bench.segment} needs {static_bytes + saved:,} bytes at micro-batch {n} "
-            f"(limit {memory_limit:,})")
+# [Note: segments timed in sequence] A process times its block of segments the way a stage holding them runs:
+# each repeat runs every segment's forward in order, then (with graphs) every forward again and the backwards in
+# reverse order, then the split forwards, B and W likewise, each segment's part timed on its own. Timed one
+# segment at a time in a tight loop instead, a segment found its weights and activations still in the cache from
+# its previous repeat, which a stage never does (between two forwards of a segment it runs the others' forwards
+# and backwards): the example GPT's forward with graph summed to 3.0-3.1 ms over its five segments at micro-batch
+# 4 where a one-stage run measured 3.7 ms per micro-batch, in sequence to 3.6-3.7 ms (its backward 5.0-5.3 ms,
+# 5.2-5.3 and 5.2-5.6). The block holds the graphs of its segments at once, as a stage holding them does.
+
+
+class _Timings:
+    """One segment's samples in :func:`_measure_block`."""
+
+    def __init__(self) -> None:
+        self.forward: list[float] = []
+        self.recompute: list[float] = []
+        self.prefix: list[float] = []
+        self.backward: list[float] = []
+        self.split_backward: list[float] = []
+        self.weight: list[float] = []
+        self.weight_bytes = 0
+
+
+def _measure_block(benches: list[_SegmentBench], inputs: dict, n: int, *, repeats: int, warmup: int,
+                   memory_limit: int | None, static_bytes: dict[int, int], at: list[int]) -> list[SegmentMeasure]:
+    """Time a process's block of segments at micro-batch ``n`` in sequence ([Note: segments timed in sequence]);
+    one :class:`SegmentMeasure` per bench. ``at[0]`` is kept at the segment under way, for the caller to name
+    when something fails (:class:`_LimitReached`, out of memory)."""
+    device = benches[0].device
+    saved, peaks = {}, {}
+    for bench in benches:
+        # what autograd keeps for the backward, counted once per size by saved-tensor hooks in a forward of its
+        # own, untimed: a Python hook for every saved tensor (and the walk over the parameters that tells theirs
+        # apart) made the timed forward with graph 64% slower than the runtime's (the example GPT's R: 3.0 ms
+        # against 1.83 ms measured in training). The segment's peak memory alone is read in the same pass.
+        at[0] = bench.segment
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        counter = [0]
+        with _user(bench, n):
+            out = bench.run(inputs, n, bench.incoming(n), grad=True, saved=counter)
+        saved[bench.segment] = counter[0]
+        if memory_limit is not None and static_bytes[bench.segment] + counter[0] > memory_limit:
+            raise _LimitReached(f"segment {bench.segment} needs {static_bytes[bench.segment] + counter[0]:,} bytes "
+                                f"at micro-batch {n} (limit {memory_limit:,})")
+        roots, grads = bench.output_grads(out)
+        with _user(bench, n):
+            bench.backward(roots, grads)
+        del out, roots, grads
+        _clear_grads(bench)
+        peaks[bench.segment] = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    timings = {bench.segment: _Timings() for bench in benches}
+    outputs: dict[int, Any] = {}
     for i in range(warmup + repeats):
         timed = i >= warmup
-        incoming = bench.incoming(n)
-        with torch.no_grad():
-            t_f, p_f, out = _time_forward(bench, functools.partial(bench.run, inputs, n, incoming, grad=False))
-        incoming = bench.incoming(n)
-        t_r, p_r, out = _time_forward(bench, functools.partial(bench.run, inputs, n, incoming, grad=True))
-        roots, grads = bench.output_grads(out)
-        t_b, _ = _time(functools.partial(bench.backward, roots, grads), device)
-        for p in bench.params:
-            p.grad = None
-        t_sb, t_w, weight_bytes = _split_backward(bench, inputs, n)
-        if timed:
-            forward.append(t_f)
-            recompute.append(t_r)
-            prefix += [p_f, p_r]
-            backward.append(t_b)
-            split_backward.append(t_sb)
-            weight.append(t_w)
-        for p in bench.params:
-            p.grad = None
-    peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-    return SegmentMeasure(microbatch_size=n, forward=_stat(forward), recompute=_stat(recompute), prefix=_stat(prefix),
-                          backward=_stat(backward), split_backward=_stat(split_backward), weight=_stat(weight),
-                          weight_bytes=weight_bytes, output_bytes=bench.output_bytes(out), saved_bytes=saved,
-                          skip_bytes=bench.skip_bytes(out), wire16_bytes=bench.wire16_bytes(out), peak_bytes=peak)
+        for bench in benches:  # the varuna schedule's F: no graph
+            at[0], got = bench.segment, timings[bench.segment]
+            incoming = bench.incoming(n)
+            with torch.no_grad(), _user(bench, n):
+                t_f, p_f, _ = _time_forward(bench, functools.partial(bench.run, inputs, n, incoming, grad=False))
+            if timed:
+                got.forward.append(t_f)
+                got.prefix.append(p_f)
+        for bench in benches:  # with the graph: 1F1B's F, varuna's R
+            at[0], got = bench.segment, timings[bench.segment]
+            incoming = bench.incoming(n)
+            with _user(bench, n):
+                t_r, p_r, outputs[bench.segment] = _time_forward(
+                    bench, functools.partial(bench.run, inputs, n, incoming, grad=True))
+            if timed:
+                got.recompute.append(t_r)
+                got.prefix.append(p_r)
+        for bench in reversed(benches):
+            at[0] = bench.segment
+            roots, grads = bench.output_grads(outputs[bench.segment])
+            with _user(bench, n):
+                t_b, _ = _time(functools.partial(bench.backward, roots, grads), device)
+            del roots, grads
+            if timed:
+                timings[bench.segment].backward.append(t_b)
+        for bench in benches:
+            _clear_grads(bench)
+        _split_block(benches, inputs, n, timings if timed else None, at)
+    measures = []
+    for bench in benches:
+        got = timings[bench.segment]
+        measures.append(SegmentMeasure(
+            microbatch_size=n, forward=_stat(got.forward), recompute=_stat(got.recompute), prefix=_stat(got.prefix),
+            backward=_stat(got.backward), split_backward=_stat(got.split_backward), weight=_stat(got.weight),
+            weight_bytes=got.weight_bytes, output_bytes=bench.output_bytes(outputs[bench.segment]),
+            saved_bytes=saved[bench.segment], skip_bytes=bench.skip_bytes(outputs[bench.segment]),
+            wire16_bytes=bench.wire16_bytes(outputs[bench.segment]), peak_bytes=peaks[bench.segment]))
+    return measures
 
 
-def _split_backward(bench: _SegmentBench, inputs: dict, n: int) -> tuple[float, float, int]:
-    """``(B time, W time, bytes W keeps)`` of the segment's backward split as the runtime splits it under ``zb`` and
-    ``varuna-zb``: a forward under :func:`~varuna_core.model.split.splitting` (not timed: the schedules' ``F`` or
-    ``R``), then ``B`` (a plain backward of that graph), the store's ``nbytes`` between the two, then ``W``."""
-    device = bench.device
-    incoming = bench.incoming(n)
-    store = WeightGrads()
-    with splitting(store, SplitRoute()):  # the executor's way (its linears hooked: [Note: hooked linear])
-        out = bench.run(inputs, n, incoming, grad=True)
-    roots, grads = bench.output_grads(out)
-    t_b, _ = _time(functools.partial(bench.backward, roots, grads), device)
-    kept = store.nbytes
-    t_w, _ = _time(store.run, device)
-    return t_b, t_w, kept
+def _split_block(benches: list[_SegmentBench], inputs: dict, n: int, timings: dict[int, _Timings] | None,
+                 at: list[int]) -> None:
+    """The backward split as the runtime splits it under ``zb`` and ``varuna-zb``, in sequence over the block:
+    every forward under :func:`~varuna_core.model.split.splitting` (not timed: the schedules' ``F`` or ``R``), then
+    every ``B`` (a plain backward of that graph) in reverse order with the bytes its store keeps to ``W``, then every
+    ``W``; into ``timings`` (None: a warm-up)."""
+    device = benches[0].device
+    stores, outputs = {}, {}
+    for bench in benches:
+        at[0] = bench.segment
+        stores[bench.segment] = store = WeightGrads()
+        incoming = bench.incoming(n)
+        with splitting(store, SplitRoute()), _user(bench, n):  # the executor's way ([Note: hooked linear])
+            outputs[bench.segment] = bench.run(inputs, n, incoming, grad=True)
+    for bench in reversed(benches):
+        at[0] = bench.segment
+        roots, grads = bench.output_grads(outputs.pop(bench.segment))
+        with _user(bench, n):
+            t_b, _ = _time(functools.partial(bench.backward, roots, grads), device)
+        del roots, grads
+        if timings is not None:
+            timings[bench.segment].split_backward.append(t_b)
+            timings[bench.segment].weight_bytes = stores[bench.segment].nbytes
+    for bench in reversed(benches):
+        at[0] = bench.segment
+        with _user(bench, n):
+            t_w, _ = _time(stores[bench.segment].run, device)
+        if timings is not None:
+            timings[bench.segment].weight.append(t_w)
+        _clear_grads(bench)
+
+
+def _user(bench: _SegmentBench, n: int) -> contextlib.AbstractContextManager[None]:
+    """The user's code runs inside: its errors name the segment and size (out of memory passes through)."""
+    return user_code(f"the model's code (segment {bench.segment}, micro-batch {n})", keep=(torch.OutOfMemoryError,))
+
+
+def _clear_grads(bench: _SegmentBench) -> None:
+    for p in bench.params:
+        p.grad = None
 
 
 def _static_sizes(bench: _SegmentBench, repeats: int = 5) -> tuple[int, int, int, int, float]:
@@ -456,23 +531,21 @@ def _measure(spec: ModelSpec, structure: Structure, *, rank: int, world: int, mi
             if turns is not None and round_ != turn:
                 dist.barrier(group=group)
                 continue
-            for k in mine:
-                _, _, gbytes, obytes, _ = statics[k]
-                static = statics[k][1] + gbytes + obytes
-                try:
-                    with user_code(f"the model's code (segment {k}, micro-batch {n})",
-                                   keep=(torch.OutOfMemoryError,)):
-                        measures[k].append(_measure_segment(benches[k], inputs, n, repeats=repeats, warmup=warmup,
-                                                            memory_limit=memory_limit, static_bytes=static))
-                except _LimitReached as exc:
-                    failure = (k, exc.reason)
-                    break
-                except torch.OutOfMemoryError as exc:
-                    failure = (k, f"out of memory: {str(exc).splitlines()[0]}")
-                    break
-                done += 1
-                if progress:
-                    progress(done, total, f"segment {k}, micro-batch {n}")
+            at = [mine[0] if mine else -1]  # the segment under way, named if it fails
+            static = {k: statics[k][1] + statics[k][2] + statics[k][3] for k in mine}
+            try:
+                block = _measure_block([benches[k] for k in mine], inputs, n, repeats=repeats, warmup=warmup,
+                                       memory_limit=memory_limit, static_bytes=static, at=at) if mine else []
+            except _LimitReached as exc:
+                failure = (at[0], exc.reason)
+            except torch.OutOfMemoryError as exc:
+                failure = (at[0], f"out of memory: {str(exc).splitlines()[0]}")
+            else:
+                for k, measure in zip(mine, block, strict=True):
+                    measures[k].append(measure)
+                done += len(mine)
+                if progress and mine:
+                    progress(done, total, f"segments {mine[0]}-{mine[-1]}, micro-batch {n}")
             if turns is not None:
                 dist.barrier(group=group)
         failure = _agree_failure(failure, world, dev, group)
