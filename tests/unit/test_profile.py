@@ -137,6 +137,45 @@ def test_no_timed_forward_runs_under_the_saved_tensor_hooks(monkeypatch) -> None
     assert sum(1 for c in calls if c[2]) == 2 * len(counted) * 3  # F and R, for warm-up and repeats, each timed
 
 
+def test_a_process_times_its_segments_in_sequence_as_a_stage_runs_them(monkeypatch) -> None:
+    """[Note: segments timed in sequence]: each repeat runs every segment's forward in order (without, then with the
+    graph), then the backwards in reverse order (plain, then split), as a stage holding the block runs them; a
+    segment timed over and over on its own found its data still in the cache (the example GPT's forward with graph
+    profiled 15-20% under what a one-stage run measured)."""
+    from varuna_core.profiling import run
+
+    timing, events = [False], []
+    bench_run, bench_grads = run._SegmentBench.run, run._SegmentBench.output_grads
+
+    def flagged(timer):
+        def timed(*args):
+            timing[0] = True
+            try:
+                return timer(*args)
+            finally:
+                timing[0] = False
+        return timed
+
+    def record_run(self, inputs, n, incoming, *, grad, saved=None):
+        if timing[0]:
+            events.append(("F" if grad else "f", self.segment))
+        return bench_run(self, inputs, n, incoming, grad=grad, saved=saved)
+
+    def record_grads(self, out):  # right before each backward (the probe's, the plain and the split one)
+        events.append(("B", self.segment))
+        return bench_grads(self, out)
+
+    monkeypatch.setattr(run, "_time_forward", flagged(run._time_forward))
+    monkeypatch.setattr(run._SegmentBench, "run", record_run)
+    monkeypatch.setattr(run._SegmentBench, "output_grads", record_grads)
+    profile(sleep.spec, microbatch_sizes=[1], repeats=2, warmup=1)
+    segments = range(len(sleep.TIMES))
+    probe = [("B", k) for k in segments]  # each segment's untimed pass counting what autograd keeps
+    repeat = ([("f", k) for k in segments] + [("F", k) for k in segments]
+              + [("B", k) for k in reversed(segments)] * 2)
+    assert events == probe + repeat * 3, events
+
+
 def test_the_processes_of_one_host_measure_one_after_another(tmp_path, monkeypatch) -> None:
     """On CPU, processes that share a host's cores take turns: measured at once, each segment read up to 2.4x its
     time alone on a 2-core VM. The model writes down each layer's forward (start, end, grad mode); every timed
