@@ -104,6 +104,17 @@ def test_the_split_backward_is_measured() -> None:
             assert m.weight_bytes == 2 * 2 * activation  # 2 Linears: input and output gradient each
 
 
+def _flagged(timing: list[bool], timer):
+    """``timer`` with ``timing[0]`` set while it runs (so a wrapped forward knows it is being timed)."""
+    def timed(*args):
+        timing[0] = True
+        try:
+            return timer(*args)
+        finally:
+            timing[0] = False
+    return timed
+
+
 def test_no_timed_forward_runs_under_the_saved_tensor_hooks(monkeypatch) -> None:
     """The hooks that count what autograd keeps call Python for every saved tensor: a forward timed under them
     was the recompute's time plus theirs (the example GPT's R profiled at 3.0 ms, trained at 1.83 ms). They run
@@ -113,21 +124,12 @@ def test_no_timed_forward_runs_under_the_saved_tensor_hooks(monkeypatch) -> None
     timing, calls = [False], []
     bench_run = run._SegmentBench.run
 
-    def flagged(timer):
-        def timed(*args):
-            timing[0] = True
-            try:
-                return timer(*args)
-            finally:
-                timing[0] = False
-        return timed
-
     def record(self, inputs, n, incoming, *, grad, saved=None):
         calls.append((self.segment, n, timing[0], saved is not None))
         return bench_run(self, inputs, n, incoming, grad=grad, saved=saved)
 
-    monkeypatch.setattr(run, "_time", flagged(run._time))
-    monkeypatch.setattr(run, "_time_forward", flagged(run._time_forward))
+    monkeypatch.setattr(run, "_time", _flagged(timing, run._time))
+    monkeypatch.setattr(run, "_time_forward", _flagged(timing, run._time_forward))
     monkeypatch.setattr(run._SegmentBench, "run", record)
     result = profile(sleep.spec, microbatch_sizes=[1, 2], repeats=2, warmup=1)
     assert not [c for c in calls if c[2] and c[3]], calls  # nothing timed under the hooks
@@ -147,15 +149,6 @@ def test_a_process_times_its_segments_in_sequence_as_a_stage_runs_them(monkeypat
     timing, events = [False], []
     bench_run, bench_grads = run._SegmentBench.run, run._SegmentBench.output_grads
 
-    def flagged(timer):
-        def timed(*args):
-            timing[0] = True
-            try:
-                return timer(*args)
-            finally:
-                timing[0] = False
-        return timed
-
     def record_run(self, inputs, n, incoming, *, grad, saved=None):
         if timing[0]:
             events.append(("F" if grad else "f", self.segment))
@@ -165,7 +158,7 @@ def test_a_process_times_its_segments_in_sequence_as_a_stage_runs_them(monkeypat
         events.append(("B", self.segment))
         return bench_grads(self, out)
 
-    monkeypatch.setattr(run, "_time_forward", flagged(run._time_forward))
+    monkeypatch.setattr(run, "_time_forward", _flagged(timing, run._time_forward))
     monkeypatch.setattr(run._SegmentBench, "run", record_run)
     monkeypatch.setattr(run._SegmentBench, "output_grads", record_grads)
     profile(sleep.spec, microbatch_sizes=[1], repeats=2, warmup=1)
